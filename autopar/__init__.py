@@ -1,0 +1,3 @@
+"""autopar: plan and run hybrid-parallel PyTorch training."""
+
+__version__ = "0.1.0"

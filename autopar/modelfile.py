@@ -1,0 +1,147 @@
+"""Load a user's model file (DESIGN §4, a CONTRACT) and build the model on the meta device.
+
+A model file defines ``build_model()`` and ``example_inputs(micro_batch_size)``, optionally
+``loss_fn(output, inputs)``, ``SEQ_LEN``, ``tp_plan`` and ``pipeline_blocks``. ``example_inputs``
+returns the forward arguments: a tensor, a tuple (positional) or a dict (keyword). Building on
+meta allocates no memory, so a 1T-parameter model loads in seconds.
+
+Every failure is a ``ModelFileError`` naming the file and the cause.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from autopar.errors import ModelFileError
+
+TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFile:
+    """A loaded model file: its module and the optional declarations it made."""
+
+    path: Path
+    sha256: str
+    module: ModuleType
+    seq_len: int | None
+    tp_plan: Mapping[str, str] | None
+    pipeline_blocks: str | None
+
+    def __post_init__(self) -> None:
+        if self.seq_len is not None and (isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1):
+            raise ModelFileError(f"{self.path}: SEQ_LEN must be a positive integer, got {self.seq_len!r}")
+        if self.tp_plan is not None:
+            if not isinstance(self.tp_plan, Mapping):
+                raise ModelFileError(f"{self.path}: tp_plan must be a dict of submodule pattern -> style")
+            for pattern, style in self.tp_plan.items():
+                if style not in TP_STYLES:
+                    raise ModelFileError(
+                        f"{self.path}: tp_plan[{pattern!r}] = {style!r}; use one of {', '.join(TP_STYLES)}"
+                    )
+        if self.pipeline_blocks is not None and not isinstance(self.pipeline_blocks, str):
+            raise ModelFileError(f"{self.path}: pipeline_blocks must be the name of a ModuleList attribute")
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    @property
+    def loss_fn(self) -> Callable[[Any, Any], torch.Tensor] | None:
+        return getattr(self.module, "loss_fn", None)
+
+    def build(self, device: str | torch.device = "meta") -> nn.Module:
+        """Call ``build_model()`` under ``device`` (meta by default: no memory is used)."""
+        try:
+            with torch.device(device):
+                model = self.module.build_model()
+        except Exception as exc:  # the user's code: any failure is reported, never a traceback
+            raise ModelFileError(f"{self.path}: build_model() failed on {device}: {_cause(exc)}") from None
+        if not isinstance(model, nn.Module):
+            raise ModelFileError(f"{self.path}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
+        return model
+
+    def example_inputs(self, micro_batch_size: int, device: str | torch.device = "meta") -> Any:
+        """One micro-batch of forward arguments, moved to ``device``."""
+        try:
+            with torch.device(device):
+                inputs = self.module.example_inputs(micro_batch_size)
+        except Exception as exc:
+            raise ModelFileError(f"{self.path}: example_inputs({micro_batch_size}) failed: {_cause(exc)}") from None
+        return _to_device(inputs, torch.device(device))
+
+
+def _cause(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """Call ``model`` the way the contract says: tuple -> *args, dict -> **kwargs, else one arg."""
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Import ``path`` as a fresh module and check it meets the model-file contract."""
+    p = Path(path)
+    if not p.is_file():
+        raise ModelFileError(f"model file {p} does not exist")
+    if p.suffix != ".py":
+        raise ModelFileError(f"model file {p} must be a Python file ending in .py")
+    name = f"autopar_user_model_{uuid.uuid4().hex}"
+    spec = importlib.util.spec_from_file_location(name, p)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"model file {p} cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except SystemExit as exc:
+        raise ModelFileError(f"model file {p} failed to import: it called exit({exc.code})") from None
+    except BaseException as exc:  # noqa: BLE001 - SyntaxError, ImportError, anything the user's file raises
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise ModelFileError(f"model file {p} failed to import: {_cause(exc)}") from None
+    for required in ("build_model", "example_inputs"):
+        if not callable(getattr(module, required, None)):
+            raise ModelFileError(f"model file {p} must define {required}() (see the model-file contract in README)")
+    loss = getattr(module, "loss_fn", None)
+    if loss is not None and not callable(loss):
+        raise ModelFileError(f"model file {p}: loss_fn must be a function (output, inputs) -> loss")
+    return ModelFile(
+        path=p,
+        sha256=file_sha256(p),
+        module=module,
+        seq_len=getattr(module, "SEQ_LEN", None),
+        tp_plan=getattr(module, "tp_plan", None),
+        pipeline_blocks=getattr(module, "pipeline_blocks", None),
+    )

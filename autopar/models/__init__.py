@@ -1,0 +1,1 @@
+"""Reference models (DESIGN §6, a CONTRACT): Megatron GPT and Llama-3."""

@@ -1,0 +1,410 @@
+"""The plan file, version 1 (DESIGN §5, a CONTRACT): frozen dataclasses and strict YAML load/save.
+
+Loading uses ``yaml.safe_load`` only, so no tag can construct Python objects. Every unknown key,
+missing required key, wrong type and impossible value is a ``PlanError`` that names the key.
+``prediction`` is written by ``plan``/``estimate`` and ignored on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from autopar.errors import PlanError
+
+PLAN_VERSION = 1
+CP_KINDS = ("ring", "allgather", "ulysses")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+RECOMPUTE_MODES = ("none", "selective", "full")
+DTYPES = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _check_int(key: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise PlanError(f"{key} must be >= {minimum}, got {value}")
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise PlanError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRef:
+    """Which model file the plan was made for."""
+
+    file: str
+    num_blocks: int
+    sha256: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.file, str) or not self.file:
+            raise PlanError(f"model.file must be a non-empty path string, got {self.file!r}")
+        _check_int("model.num_blocks", self.num_blocks, minimum=1)
+        if self.sha256 is not None and (
+            not isinstance(self.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", self.sha256)
+        ):
+            raise PlanError("model.sha256 must be 64 lowercase hex digits (or be left out)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterRef:
+    """Which cluster profile and how many GPUs."""
+
+    profile: str
+    num_gpus: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.profile, str) or not self.profile:
+            raise PlanError(f"cluster.profile must be a profile name or path, got {self.profile!r}")
+        _check_int("cluster.num_gpus", self.num_gpus)
+        _check_int("cluster.gpus_per_node", self.gpus_per_node)
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.num_gpus // self.gpus_per_node)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    """Batch, sequence and numeric settings of one optimizer step."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    seq_len: int
+    dtype: str = "bf16"
+    optimizer: str = "adam"
+
+    def __post_init__(self) -> None:
+        _check_int("training.global_batch_size", self.global_batch_size)
+        _check_int("training.micro_batch_size", self.micro_batch_size)
+        _check_int("training.seq_len", self.seq_len)
+        _check_choice("training.dtype", self.dtype, DTYPES)
+        _check_choice("training.optimizer", self.optimizer, OPTIMIZERS)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """Parallel degrees and strategies. Ranks are laid out [pp, dp, cp, tp], tp innermost."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    cp_kind: str = "ring"
+    sequence_parallel: bool = False
+    zero: int = 0
+    recompute: str = "none"
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    stages: tuple[tuple[int, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("dp", "tp", "pp", "cp", "pp_virtual_stages"):
+            _check_int(f"parallel.{key}", getattr(self, key))
+        _check_choice("parallel.cp_kind", self.cp_kind, CP_KINDS)
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError(f"parallel.sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        _check_int("parallel.zero", self.zero, minimum=0)
+        if self.zero > 3:
+            raise PlanError(f"parallel.zero must be 0, 1, 2 or 3; got {self.zero}")
+        _check_choice("parallel.recompute", self.recompute, RECOMPUTE_MODES)
+        _check_choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if self.pp_schedule == "interleaved-1f1b":
+            if self.pp < 2 or self.pp_virtual_stages < 2:
+                raise PlanError(
+                    "parallel.pp_schedule interleaved-1f1b needs pp >= 2 and pp_virtual_stages >= 2; "
+                    "use 1f1b or gpipe otherwise"
+                )
+        elif self.pp_virtual_stages != 1:
+            raise PlanError(
+                f"parallel.pp_virtual_stages must be 1 for {self.pp_schedule}; "
+                "only interleaved-1f1b has virtual stages"
+            )
+        if self.stages is not None:
+            object.__setattr__(self, "stages", _normalise_stages(self.stages))
+            if len(self.stages) != self.num_stage_chunks:
+                raise PlanError(
+                    f"parallel.stages has {len(self.stages)} ranges but pp x pp_virtual_stages = "
+                    f"{self.num_stage_chunks}; give one [start, end] range per (virtual) stage"
+                )
+
+    @property
+    def num_stage_chunks(self) -> int:
+        """Number of model chunks: pp ranks times virtual stages per rank."""
+        return self.pp * self.pp_virtual_stages
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+def _normalise_stages(stages: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(stages, (list, tuple)) or not stages:
+        raise PlanError("parallel.stages must be a list of [start, end] block ranges")
+    out: list[tuple[int, int]] = []
+    for i, rng in enumerate(stages):
+        if not isinstance(rng, (list, tuple)) or len(rng) != 2:
+            raise PlanError(f"parallel.stages[{i}] must be a [start, end] pair, got {rng!r}")
+        start, end = rng
+        _check_int(f"parallel.stages[{i}][0]", start, minimum=0)
+        _check_int(f"parallel.stages[{i}][1]", end, minimum=0)
+        if end <= start:
+            raise PlanError(f"parallel.stages[{i}] = [{start}, {end}] is empty; every stage needs >= 1 block")
+        if i == 0 and start != 0:
+            raise PlanError("parallel.stages must start at block 0")
+        if i > 0 and start != out[-1][1]:
+            raise PlanError(
+                f"parallel.stages[{i}] starts at {start} but the previous range ends at {out[-1][1]}; "
+                "ranges must be contiguous"
+            )
+        out.append((start, end))
+    return tuple(out)
+
+
+def even_stage_ranges(num_blocks: int, num_chunks: int) -> tuple[tuple[int, int], ...]:
+    """Split ``num_blocks`` into ``num_chunks`` contiguous ranges whose sizes differ by at most one.
+
+    The extra blocks of an uneven division go to the middle chunks, because the first chunk also
+    carries the embedding and the last the output head and loss.
+    """
+    if num_chunks > num_blocks:
+        raise PlanError(
+            f"cannot split {num_blocks} blocks into {num_chunks} pipeline stages; lower pp or pp_virtual_stages"
+        )
+    base, extra = divmod(num_blocks, num_chunks)
+    sizes = [base] * num_chunks
+    order = sorted(range(num_chunks), key=lambda k: (k in (0, num_chunks - 1), abs(k - (num_chunks - 1) / 2)))
+    for k in order[:extra]:
+        sizes[k] += 1
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append((start, start + size))
+        start += size
+    return tuple(ranges)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A complete, self-consistent parallel plan (plan YAML v1)."""
+
+    model: ModelRef
+    cluster: ClusterRef
+    training: Training
+    parallel: Parallel
+    prediction: Mapping[str, Any] | None = field(default=None, compare=False)
+    version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        if self.version != PLAN_VERSION:
+            raise PlanError(f"version must be {PLAN_VERSION}, got {self.version!r}")
+        par, n = self.parallel, self.cluster.num_gpus
+        if par.world_size != n:
+            raise PlanError(
+                f"dp x tp x pp x cp = {par.dp}x{par.tp}x{par.pp}x{par.cp} = {par.world_size} "
+                f"but cluster.num_gpus = {n}; the degrees must multiply to the number of GPUs"
+            )
+        if par.tp > self.cluster.gpus_per_node:
+            raise PlanError(
+                f"parallel.tp = {par.tp} exceeds cluster.gpus_per_node = {self.cluster.gpus_per_node}; "
+                "tensor parallelism must stay inside one node"
+            )
+        gbs, mbs = self.training.global_batch_size, self.training.micro_batch_size
+        if gbs % (mbs * par.dp):
+            raise PlanError(
+                f"training.global_batch_size = {gbs} is not divisible by micro_batch_size x dp = "
+                f"{mbs}x{par.dp}; pick a global batch that is a multiple of {mbs * par.dp}"
+            )
+        m = self.num_microbatches
+        if par.pp_schedule == "interleaved-1f1b" and m % par.pp:
+            raise PlanError(
+                f"interleaved-1f1b needs the number of micro-batches ({m}) to be a multiple of pp ({par.pp})"
+            )
+        if par.pp > 1 and par.pp_schedule != "gpipe" and m < par.pp:
+            raise PlanError(
+                f"{par.pp_schedule} with pp = {par.pp} needs at least {par.pp} micro-batches per step, "
+                f"got {m}; raise the global batch or lower micro_batch_size"
+            )
+        if self.training.seq_len % par.cp:
+            raise PlanError(f"training.seq_len = {self.training.seq_len} is not divisible by cp = {par.cp}")
+        if par.num_stage_chunks > self.model.num_blocks:
+            raise PlanError(
+                f"pp x pp_virtual_stages = {par.num_stage_chunks} exceeds the model's "
+                f"{self.model.num_blocks} blocks; lower pp or pp_virtual_stages"
+            )
+        if par.stages is not None and par.stages[-1][1] != self.model.num_blocks:
+            raise PlanError(
+                f"parallel.stages must end at block {self.model.num_blocks} (model.num_blocks), "
+                f"got {par.stages[-1][1]}"
+            )
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per pipeline per step (gradient-accumulation steps)."""
+        return self.training.global_batch_size // (self.training.micro_batch_size * self.parallel.dp)
+
+    def stage_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Block ranges of every (virtual) stage chunk, in chunk order."""
+        if self.parallel.stages is not None:
+            return self.parallel.stages
+        return even_stage_ranges(self.model.num_blocks, self.parallel.num_stage_chunks)
+
+    def with_prediction(self, prediction: Mapping[str, Any]) -> "Plan":
+        return dataclasses.replace(self, prediction=dict(prediction))
+
+
+_SECTIONS: dict[str, tuple[type, set[str], set[str]]] = {
+    # section -> (dataclass, required keys, optional keys)
+    "model": (ModelRef, {"file", "num_blocks"}, {"sha256"}),
+    "cluster": (ClusterRef, {"profile", "num_gpus", "gpus_per_node"}, set()),
+    "training": (Training, {"global_batch_size", "micro_batch_size", "seq_len"}, {"dtype", "optimizer"}),
+    "parallel": (
+        Parallel,
+        {"dp", "tp", "pp"},
+        {"cp", "cp_kind", "sequence_parallel", "zero", "recompute", "pp_schedule", "pp_virtual_stages", "stages"},
+    ),
+}
+_TOP_REQUIRED = {"version", "model", "cluster", "training", "parallel"}
+_TOP_OPTIONAL = {"prediction"}
+
+
+def plan_from_dict(data: Any) -> Plan:
+    """Build a Plan from parsed YAML, naming the first offending key on error."""
+    if not isinstance(data, dict):
+        raise PlanError("a plan must be a YAML mapping with keys version, model, cluster, training, parallel")
+    _check_keys("plan", data, _TOP_REQUIRED, _TOP_OPTIONAL)
+    if data["version"] != PLAN_VERSION:
+        raise PlanError(f"version must be {PLAN_VERSION}, got {data['version']!r}")
+    parts: dict[str, Any] = {}
+    for section, (cls, required, optional) in _SECTIONS.items():
+        body = data[section]
+        if not isinstance(body, dict):
+            raise PlanError(f"{section} must be a mapping, got {type(body).__name__}")
+        _check_keys(section, body, required, optional)
+        parts[section] = cls(**body)
+    prediction = data.get("prediction")
+    if prediction is not None and not isinstance(prediction, dict):
+        raise PlanError("prediction must be a mapping (it is written by autopar and ignored on load)")
+    return Plan(version=PLAN_VERSION, prediction=None, **parts)
+
+
+def _check_keys(where: str, body: dict, required: set[str], optional: set[str]) -> None:
+    for key in body:
+        if not isinstance(key, str):
+            raise PlanError(f"{where} has a non-string key {key!r}")
+    unknown = sorted(set(body) - required - optional)
+    if unknown:
+        allowed = ", ".join(sorted(required | optional))
+        name = unknown[0] if where == "plan" else f"{where}.{unknown[0]}"
+        raise PlanError(f"unknown key '{name}'; allowed here: {allowed}")
+    missing = sorted(required - set(body))
+    if missing:
+        name = missing[0] if where == "plan" else f"{where}.{missing[0]}"
+        raise PlanError(f"missing required key '{name}'")
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The YAML-ready mapping of a plan, keys in contract order."""
+    par = dataclasses.asdict(plan.parallel)
+    par["stages"] = [list(r) for r in plan.stage_ranges()] if plan.parallel.stages is not None else None
+    if par["stages"] is None:
+        del par["stages"]
+    model = dataclasses.asdict(plan.model)
+    if model["sha256"] is None:
+        del model["sha256"]
+    out: dict[str, Any] = {
+        "version": plan.version,
+        "model": model,
+        "cluster": dataclasses.asdict(plan.cluster),
+        "training": dataclasses.asdict(plan.training),
+        "parallel": par,
+    }
+    if plan.prediction:
+        out["prediction"] = _plain(plan.prediction)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """Convert numpy/tuple values to plain YAML types so safe_load reads them back."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    return str(value)
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read and validate a plan file. Raises PlanError with a one-line message."""
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"plan file {p} does not exist")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError(f"cannot read plan file {p}: {exc}") from None
+    return parse_plan(text, source=str(p))
+
+
+def parse_plan(text: str, source: str = "<plan>") -> Plan:
+    """Parse plan YAML text (safe_load only: python tags are refused)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise PlanError(f"{source} is not valid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise PlanError(f"{source} is nested too deeply to be a plan") from None
+    try:
+        return plan_from_dict(data)
+    except PlanError as exc:
+        raise PlanError(f"{source}: {exc}") from None
+    except TypeError as exc:  # e.g. unhashable keys from odd YAML
+        raise PlanError(f"{source}: malformed plan ({exc})") from None
+
+
+def dump_plan(plan: Plan) -> str:
+    return yaml.safe_dump(plan_to_dict(plan), sort_keys=False, default_flow_style=None, width=100)
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
+    """Write the plan atomically (temp file + rename): a crash never leaves half a plan."""
+    return write_text_atomic(path, dump_plan(plan))
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return p
