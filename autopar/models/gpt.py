@@ -66,7 +66,8 @@ class CoreAttention(nn.Module):
         scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale
         mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
         scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        # Softmax in the activation dtype, as Megatron's fused softmax: it keeps a 2-byte output.
+        probs = torch.softmax(scores, dim=-1)
         probs = F.dropout(probs, p, self.training)
         return torch.matmul(probs, v)
 

@@ -1,0 +1,256 @@
+"""Trace a model file on the meta device at the shapes ``scaling`` needs.
+
+The model is built on meta in the plan's dtype. To keep a 1,000-layer model as fast as a 2-layer
+one, the repeated-block ModuleList is cut to its first block while tracing (blocks repeat: one is
+measured and stands for all); when the model's forward cannot run that way the full model is traced.
+Regions are switched by module hooks in forward and by tensor-gradient hooks in backward:
+
+    forward:  pre -> block -> post -> loss        backward: loss -> post -> block -> pre
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from autopar.errors import ModelFileError
+from autopar.graph.trace import Trace, run_and_trace
+from autopar.modelfile import ModelFile, call_model
+
+REGIONS = ("pre", "block", "post", "loss")
+
+
+def find_blocks(model: nn.Module, declared: str | None) -> tuple[str, nn.ModuleList] | None:
+    """The ModuleList of repeated blocks: the model file's ``pipeline_blocks`` or the largest list
+    whose children all share one type."""
+    if declared is not None:
+        try:
+            blocks = model.get_submodule(declared)
+        except AttributeError:
+            raise ModelFileError(f"pipeline_blocks = {declared!r} is not a submodule of the model") from None
+        if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+            raise ModelFileError(f"pipeline_blocks = {declared!r} must name a non-empty nn.ModuleList")
+        return declared, blocks
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and len({type(c) for c in mod}) == 1:
+            size = sum(p.numel() for p in mod.parameters())
+            if best is None or size > best[0]:
+                best = (size, name, mod)
+    return None if best is None else (best[1], best[2])
+
+
+def match_tp_style(block_relative_name: str, tp_plan: Mapping[str, str], blocks_attr: str) -> str | None:
+    """The tp_plan style of a submodule of a block. Patterns may be block-relative ("attn.qkv")
+    or model-relative with a wildcard index ("layers.*.attn.qkv", as Hugging Face writes them)."""
+    full = f"{blocks_attr}.0.{block_relative_name}"
+    for pattern, style in tp_plan.items():
+        if fnmatch.fnmatchcase(block_relative_name, pattern) or fnmatch.fnmatchcase(full, pattern.replace(".*.", ".0.")):
+            return style
+    return None
+
+
+def vocab_size_of(model: nn.Module) -> int | None:
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return max(sizes) if sizes else None
+
+
+def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str], tp: int) -> nn.Module:
+    """A meta copy whose first block's Linear layers (and the vocab embedding/head) hold 1/tp of
+    their width, as each tensor-parallel rank does. Only shapes matter on meta."""
+    sharded = copy.deepcopy(model)
+    block = sharded.get_submodule(blocks_attr)[0]
+    for name, mod in list(block.named_modules()):
+        style = match_tp_style(name, tp_plan, blocks_attr) if name else None
+        if style not in ("colwise", "rowwise") or not isinstance(mod, nn.Linear):
+            continue
+        in_f, out_f = (mod.in_features, mod.out_features // tp) if style == "colwise" else (mod.in_features // tp, mod.out_features)
+        new = nn.Linear(in_f, out_f, bias=mod.bias is not None, device="meta", dtype=mod.weight.dtype)
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(block.get_submodule(parent_name) if parent_name else block, leaf, new)
+    vocab = vocab_size_of(sharded)
+    if vocab is not None:
+        for name, mod in list(sharded.named_modules()):
+            if name.startswith(blocks_attr + ".") or name == blocks_attr:
+                continue
+            new: nn.Module | None = None
+            if isinstance(mod, nn.Embedding) and mod.num_embeddings == vocab:
+                new = nn.Embedding(vocab // tp, mod.embedding_dim, device="meta", dtype=mod.weight.dtype)
+            elif isinstance(mod, nn.Linear) and mod.out_features == vocab:
+                new = nn.Linear(mod.in_features, vocab // tp, bias=mod.bias is not None, device="meta", dtype=mod.weight.dtype)
+            if new is not None:
+                parent_name, _, leaf = name.rpartition(".")
+                setattr(sharded.get_submodule(parent_name) if parent_name else sharded, leaf, new)
+    return sharded
+
+
+def slice_sequence(inputs: Any, seq_len: int, new_len: int) -> Any:
+    """Cut every tensor dimension of size ``seq_len`` (the first one per tensor) to ``new_len``."""
+    if isinstance(inputs, torch.Tensor):
+        for d, size in enumerate(inputs.shape):
+            if size == seq_len:
+                return inputs.narrow(d, 0, new_len)
+        return inputs
+    if isinstance(inputs, tuple):
+        return tuple(slice_sequence(v, seq_len, new_len) for v in inputs)
+    if isinstance(inputs, list):
+        return [slice_sequence(v, seq_len, new_len) for v in inputs]
+    if isinstance(inputs, dict):
+        return {k: slice_sequence(v, seq_len, new_len) for k, v in inputs.items()}
+    return inputs
+
+
+@dataclass(kw_only=True)
+class TracedRun:
+    trace: Trace
+    param_regions: dict[int, set[str]]  # id(parameter) -> regions whose modules used it
+    block_input_bytes: float  # bytes of the tensor entering the first block (what full recompute keeps)
+    block_output_bytes: float  # bytes of the tensor leaving it (a pipeline stage boundary)
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    if isinstance(value, dict):
+        for v in value.values():
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+def trace_model(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    block: nn.Module | None,
+    tp_plan: Mapping[str, str] | None,
+    blocks_attr: str | None,
+) -> TracedRun:
+    """One forward+backward of ``model`` on meta, attributed to pre / block / post / loss."""
+    handles = []
+    io: dict[str, float] = {"in": 0.0, "out": 0.0}
+    current = {"region": "pre"}
+    param_regions: dict[int, set[str]] = {}
+
+    def note_params(mod: nn.Module, args: tuple) -> None:
+        for p in mod.parameters(recurse=False):
+            param_regions.setdefault(id(p), set()).add(current["region"])
+
+    for mod in model.modules():
+        handles.append(mod.register_forward_pre_hook(note_params))
+
+    def run(set_region_raw: Callable[[str], None]) -> None:
+        def set_region(name: str) -> None:
+            if not name.startswith("bwd:"):
+                current["region"] = name
+            set_region_raw(name)
+
+        if block is not None:
+            def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+                set_region("block")
+                x = _first_tensor((args, kwargs))
+                if x is not None:
+                    io["in"] = float(x.numel() * x.element_size())
+                    if x.requires_grad:
+                        x.register_hook(lambda g: set_region("bwd:pre"))
+
+            def post_hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+                set_region("post")
+                y = _first_tensor(out)
+                if y is not None:
+                    io["out"] = float(y.numel() * y.element_size())
+                    if y.requires_grad:
+                        y.register_hook(lambda g: set_region("bwd:block"))
+
+            handles.append(block.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
+            handles.append(block.register_forward_hook(post_hook, with_kwargs=True))
+            if tp_plan:
+                handles.extend(_tp_comm_hooks(block, tp_plan, blocks_attr or "", trace))
+        set_region("pre")
+        out = call_model(model, inputs)
+        set_region("loss")
+        loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
+        y = _first_tensor(out)
+        if y is not None and y.requires_grad:
+            y.register_hook(lambda g: set_region("bwd:post"))
+        set_region("bwd:loss")
+        loss.backward()
+
+    trace = Trace()
+    try:
+        run_and_trace(run, model.parameters(), trace)
+    finally:
+        for h in handles:
+            h.remove()
+    return TracedRun(trace=trace, param_regions=param_regions,
+                     block_input_bytes=io["in"], block_output_bytes=io["out"])
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    y = _first_tensor(out)
+    if y is None:
+        raise ModelFileError("the model's output holds no tensor to train on; define loss_fn(output, inputs)")
+    return y.float().mean()
+
+
+def _tp_comm_hooks(block: nn.Module, tp_plan: Mapping[str, str], blocks_attr: str, trace: Trace) -> list:
+    """Record the tensor-parallel collectives a block needs (whatever tp is, their size is the same):
+    forward, one all-reduce of each rowwise Linear's output; backward, one all-reduce of the gradient
+    of each distinct colwise input (q, k, v reading one input need one)."""
+    handles = []
+    colwise_inputs: set[int] = set()
+
+    def on_rowwise(mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        trace.comm.append(("block", "fwd", "tp_allreduce", float(out.numel() * out.element_size())))
+
+    def on_colwise(mod: nn.Module, args: tuple) -> None:
+        x = args[0]
+        if id(x) not in colwise_inputs:
+            colwise_inputs.add(id(x))
+            trace.comm.append(("block", "bwd", "tp_allreduce", float(x.numel() * x.element_size())))
+
+    for name, mod in block.named_modules():
+        style = match_tp_style(name, tp_plan, blocks_attr) if name else None
+        if isinstance(mod, nn.Linear) and style == "rowwise":
+            handles.append(mod.register_forward_hook(on_rowwise))
+        elif isinstance(mod, nn.Linear) and style == "colwise":
+            handles.append(mod.register_forward_pre_hook(on_colwise))
+    return handles
+
+
+def one_block_model(model: nn.Module, blocks_attr: str) -> nn.Module:
+    """A shallow copy of ``model`` whose block list holds only its first block (shared, not copied)."""
+    clone = copy.copy(model)
+    clone._modules = dict(model._modules)  # type: ignore[attr-defined]
+    parent_name, _, leaf = blocks_attr.rpartition(".")
+    blocks = model.get_submodule(blocks_attr)
+    if parent_name:
+        parent = copy.copy(clone.get_submodule(parent_name))
+        parent._modules = dict(parent._modules)  # type: ignore[attr-defined]
+        _set_path(clone, parent_name, parent)
+        parent._modules[leaf] = nn.ModuleList([blocks[0]])
+    else:
+        clone._modules[leaf] = nn.ModuleList([blocks[0]])
+    return clone
+
+
+def _set_path(root: nn.Module, path: str, value: nn.Module) -> None:
+    parts = path.split(".")
+    mod = root
+    for i, p in enumerate(parts[:-1]):
+        child = copy.copy(mod._modules[p])
+        child._modules = dict(child._modules)
+        mod._modules[p] = child
+        mod = child
+    mod._modules[parts[-1]] = value

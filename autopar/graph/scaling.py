@@ -1,0 +1,198 @@
+"""Turn traces measured at a few shapes into quantities evaluable at any shape.
+
+Each region (embedding, one transformer block, head, loss) is traced at four shapes: the base
+(micro-batch 1, sequence S, tensor-parallel degree 1) and one change at a time: micro-batch 2,
+sequence S/2, and the block's Linear layers sharded for tp = 2. For every op, saved tensor and
+collective, matched by position across the four traces, we read off its exponent in each variable:
+
+    value(b, s, t) = value_base * b^e_b * (s / S)^e_s * t^(-e_t)
+
+e_s = 2 marks the attention core (scores, softmax: what selective recompute drops); e_t = 0 marks
+what tensor parallelism replicates (what Megatron sequence parallelism divides instead); GEMM
+dimensions get the same treatment so the efficiency of each GEMM is judged on its real shape.
+This is measurement, not a formula: the exponents come out exact for transformer blocks (every
+quantity is a monomial in b, s and 1/t) and the fit is checked on the traces it came from.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+
+from autopar.graph.trace import OpRecord, SavedRecord, Trace
+
+QUADRATIC_EXPONENT = 1.5  # e_s above this: an attention-core quantity (s^2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exps:
+    """Exponents of one quantity in micro-batch, sequence length and 1/tp."""
+
+    b: float = 1.0
+    s: float = 1.0
+    t: float = 0.0
+
+    @property
+    def quadratic(self) -> bool:
+        return self.s > QUADRATIC_EXPONENT
+
+    @property
+    def replicated(self) -> bool:
+        """Not divided by tensor parallelism, but proportional to tokens (SP can divide it)."""
+        return abs(self.t) < 0.25 and self.b > 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """Where to evaluate: micro-batch, query/key sequence per rank, and head/width division."""
+
+    b: float
+    s_ratio: float  # local query tokens / S
+    kv_ratio: float  # key/value tokens seen by attention / S (== s_ratio without CP)
+    t: float  # division of TP-sharded quantities (tp, or tp*cp inside Ulysses attention)
+    sp: float = 1.0  # extra division of replicated token-proportional quantities (tp under SP)
+
+    def scale(self, e: Exps) -> float:
+        if e.quadratic:
+            seq = self.s_ratio * self.kv_ratio ** (e.s - 1.0)
+        else:
+            seq = self.s_ratio**e.s
+        out = self.b**e.b * seq * self.t ** (-e.t)
+        if e.replicated:
+            out /= self.sp
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitOp:
+    phase: str
+    kind: str
+    flops: float
+    flops_exps: Exps
+    bytes: float
+    bytes_exps: Exps
+    dims: tuple[int, int, int, int] | None
+    dims_exps: tuple[Exps, Exps, Exps, Exps] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitQuantity:
+    """A saved tensor or a collective's message: bytes at the base shape and its exponents."""
+
+    what: str
+    phase: str
+    nbytes: float
+    exps: Exps
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionFit:
+    """Everything measured about one region, evaluable at any Shape."""
+
+    ops: tuple[FitOp, ...]
+    saved: tuple[FitQuantity, ...]
+    comm: tuple[FitQuantity, ...]
+
+
+def _exp(base: float, other: float, factor: float) -> float:
+    """Exponent e with other = base * factor^e (0 when either side is 0)."""
+    if base <= 0 or other <= 0:
+        return 0.0
+    e = math.log(other / base) / math.log(factor)
+    return round(e * 4) / 4  # exponents are small rationals; rounding removes fp noise
+
+
+def _exps(base: float, b2: float | None, s_half: float | None, t2: float | None) -> Exps:
+    return Exps(
+        b=_exp(base, b2, 2.0) if b2 is not None else 1.0,
+        s=_exp(base, s_half, 0.5) if s_half is not None else 0.0,
+        t=-_exp(base, t2, 2.0) if t2 is not None else 0.0,
+    )
+
+
+def _align(a: list[OpRecord], b: list[OpRecord]) -> list[OpRecord | None]:
+    """For each op of ``a``, its counterpart in ``b`` (None where unmatched).
+
+    The op sequence is usually identical across shapes; where autograd orders gradient
+    accumulation differently, a sequence alignment on (phase, name) still pairs the real kernels.
+    """
+    key_a = [(o.phase, o.name) for o in a]
+    key_b = [(o.phase, o.name) for o in b]
+    out: list[OpRecord | None] = [None] * len(a)
+    if key_a == key_b:
+        return list(b)
+    for block in difflib.SequenceMatcher(a=key_a, b=key_b, autojunk=False).get_matching_blocks():
+        for k in range(block.size):
+            out[block.a + k] = b[block.b + k]
+    return out
+
+
+def fit_region(
+    region: str,
+    base: Trace,
+    b2: Trace | None,
+    s_half: Trace | None,
+    t2: Trace | None,
+) -> RegionFit:
+    """Fit one region's exponents from its traces (None: that variable was not varied)."""
+    ops = [o for o in base.ops if o.region == region]
+    variants: dict[str, list[OpRecord | None] | None] = {}
+    for key, trace in (("b", b2), ("s", s_half), ("t", t2)):
+        variants[key] = None if trace is None else _align(ops, [o for o in trace.ops if o.region == region])
+    fitted = []
+    for i, op in enumerate(ops):
+        def other(key: str) -> OpRecord | None:
+            v = variants[key]
+            return None if v is None else v[i]
+
+        def pick(key: str, attr: str) -> float | None:
+            o = other(key)
+            return None if o is None else getattr(o, attr)
+
+        dims_exps = None
+        if op.dims is not None:
+            dims_exps = tuple(
+                _exps(op.dims[d], *(None if other(k) is None or other(k).dims is None else other(k).dims[d]
+                                    for k in "bst"))
+                for d in range(4)
+            )
+        fitted.append(FitOp(
+            phase=op.phase, kind=op.kind,
+            flops=op.flops, flops_exps=_exps(op.flops, pick("b", "flops"), pick("s", "flops"), pick("t", "flops")),
+            bytes=op.bytes, bytes_exps=_exps(op.bytes, pick("b", "bytes"), pick("s", "bytes"), pick("t", "bytes")),
+            dims=op.dims, dims_exps=dims_exps,
+        ))
+    saved = _fit_saved(region, base, b2, s_half, t2)
+    comm = _fit_comm(region, base, b2, s_half, t2)
+    return RegionFit(ops=tuple(fitted), saved=saved, comm=comm)
+
+
+def _fit_saved(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuantity, ...]:
+    rows = [r for r in base.saved if r.region == region]
+    lists: list[list[SavedRecord] | None] = []
+    for trace in others:
+        if trace is None:
+            lists.append(None)
+            continue
+        other = [r for r in trace.saved if r.region == region]
+        lists.append(other if len(other) == len(rows) else None)
+        if len(other) != len(rows):
+            raise ValueError(f"region {region}: saved tensors change in number across shapes")
+    out = []
+    for i, r in enumerate(rows):
+        vals = [None if lst is None else lst[i].nbytes for lst in lists]
+        out.append(FitQuantity(what="saved", phase="fwd", nbytes=r.nbytes, exps=_exps(r.nbytes, *vals)))
+    return tuple(out)
+
+
+def _fit_comm(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuantity, ...]:
+    rows = [c for c in base.comm if c[0] == region]
+    out = []
+    for i, (_, phase, what, nbytes) in enumerate(rows):
+        vals = []
+        for trace in others:
+            other = None if trace is None else [c for c in trace.comm if c[0] == region]
+            vals.append(None if other is None or len(other) != len(rows) else other[i][3])
+        out.append(FitQuantity(what=what, phase=phase, nbytes=nbytes, exps=_exps(nbytes, *vals)))
+    return tuple(out)

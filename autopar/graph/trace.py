@@ -1,0 +1,215 @@
+"""Record what one forward+backward does on the meta device: every aten op and every saved tensor.
+
+The recorder is a ``TorchDispatchMode``: it sees each aten op after autograd, so it sees the real
+decomposition PyTorch runs (``addmm``, ``bmm``, ``native_layer_norm``, their backward kernels). FLOPs
+come from ``torch.utils.flop_counter``'s registry, the same table ``FlopCounterMode`` uses; bytes
+moved are the sizes of the op's tensor inputs and outputs (view ops move nothing). Saved-for-backward
+tensors come from ``saved_tensors_hooks``; parameters (and views of them) are not activations and are
+left out, and a tensor saved by two ops is counted once.
+
+Two ops are measured the way a CUDA device runs them, not the way the CPU fallback does, because
+autoplan plans GPU clusters: ``F.dropout`` becomes ``native_dropout`` (a 1-byte mask is saved, not
+a same-dtype mask) and ``F.scaled_dot_product_attention`` becomes the flash-attention kernel (saves
+q, k, v, out and log-sum-exp; no s^2 scores).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm"}
+ATTENTION_OPS = {
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward",
+    "_flash_attention_backward",
+}
+# Ops that only bookkeep (no kernel on a GPU).
+_FREE_OPS = {"detach", "empty", "empty_like", "empty_strided", "lift_fresh", "_local_scalar_dense", "alias"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpRecord:
+    """One aten op: which phase and region ran it, its FLOPs and the bytes it read and wrote."""
+
+    name: str
+    phase: str  # "fwd" | "bwd"
+    region: str
+    kind: str  # "gemm" | "attn" | "mem"
+    flops: float
+    bytes: float
+    dims: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a GEMM
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedRecord:
+    """One tensor kept for backward (an activation), attributed to the region that saved it."""
+
+    region: str
+    nbytes: float
+
+
+@dataclass(kw_only=True)
+class Trace:
+    """Everything recorded for one forward+backward."""
+
+    ops: list[OpRecord] = field(default_factory=list)
+    saved: list[SavedRecord] = field(default_factory=list)
+    comm: list[tuple[str, str, str, float]] = field(default_factory=list)  # (region, phase, what, bytes)
+
+    def total(self, attr: str, phase: str | None = None, region: str | None = None) -> float:
+        return sum(
+            getattr(op, attr)
+            for op in self.ops
+            if (phase is None or op.phase == phase) and (region is None or op.region == region)
+        )
+
+    def saved_bytes(self, region: str | None = None) -> float:
+        return sum(r.nbytes for r in self.saved if region is None or r.region == region)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _gemm_dims(name: str, args: tuple) -> tuple[int, int, int, int]:
+    if name == "mm":
+        a, b = args[0], args[1]
+        return (1, a.shape[0], b.shape[1], a.shape[1])
+    if name == "addmm":
+        a, b = args[1], args[2]
+        return (1, a.shape[0], b.shape[1], a.shape[1])
+    a, b = (args[0], args[1]) if name == "bmm" else (args[1], args[2])
+    return (a.shape[0], a.shape[1], b.shape[2], a.shape[2])
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, trace: Trace, state: "_State") -> None:
+        super().__init__()
+        self.trace = trace
+        self.state = state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._overloadpacket.__name__
+        if name in _FREE_OPS:
+            return out
+        is_view = bool(func._schema.returns) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
+        )
+        if is_view:
+            return out
+        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        flat_out = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]
+        moved = sum(_nbytes(t) for t in flat_in) + sum(_nbytes(t) for t in flat_out)
+        flops = 0.0
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        kind, dims = "mem", None
+        if name in GEMM_OPS:
+            kind, dims = "gemm", _gemm_dims(name, args)
+        elif name in ATTENTION_OPS:
+            kind = "attn"
+        self.trace.ops.append(
+            OpRecord(name=name, phase=self.state.phase, region=self.state.region, kind=kind,
+                     flops=flops, bytes=float(moved), dims=dims)
+        )
+        return out
+
+
+@dataclass(kw_only=True)
+class _State:
+    phase: str = "fwd"
+    region: str = "pre"
+
+
+class _CudaLikeFunctions(TorchFunctionMode):
+    """Route dropout and SDPA to the kernels a CUDA device runs (see module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            return _dropout(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return _flash_sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    if not training or p == 0.0:
+        return input
+    return torch.native_dropout(input, p, True)[0]
+
+
+def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001
+    if attn_mask is not None:
+        # flash kernels take no explicit mask; measure what the user's call would really do.
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+
+
+def _param_ids(params: Iterator[torch.Tensor]) -> set[int]:
+    return {id(p) for p in params}
+
+
+@contextmanager
+def record(trace: Trace, state: _State, param_ids: set[int]) -> Iterator[None]:
+    """Record ops and saved tensors of everything run inside (forward and backward alike)."""
+    seen: set[tuple[int, int, int]] = set()
+    keep: list[torch.Tensor] = []  # keeps saved tensors alive so ids stay unique while recording
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        root = t._base if t._base is not None else t
+        if id(t) in param_ids or id(root) in param_ids:
+            return t
+        key = (id(root), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            keep.append(t)
+            trace.saved.append(SavedRecord(region=state.region, nbytes=float(_nbytes(t))))
+        return t
+
+    with _CudaLikeFunctions(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Recorder(trace, state):
+        yield
+
+
+def run_and_trace(
+    fn: Callable[[Callable[[str], None]], Any],
+    params: Iterator[torch.Tensor],
+    trace: Trace | None = None,
+) -> Trace:
+    """Run ``fn(set_region)`` (which must do forward and backward) and return its trace.
+
+    ``fn`` calls ``set_region(name)`` to attribute what follows to ``name``, and
+    ``set_region("bwd:<name>")`` to switch to the backward phase. Pass ``trace`` to record into
+    an existing Trace (hooks that add collectives to it need it before the run ends).
+    """
+    trace, state = (trace if trace is not None else Trace()), _State()
+
+    def set_region(name: str) -> None:
+        if name.startswith("bwd:"):
+            state.phase, state.region = "bwd", name[4:]
+        else:
+            state.region = name
+
+    with record(trace, state, _param_ids(params)):
+        fn(set_region)
+    return trace
