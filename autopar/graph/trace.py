@@ -15,6 +15,7 @@ q, k, v, out and log-sum-exp; no s^2 scores).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -102,6 +103,17 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.trace = trace
         self.state = state
+        self.alive: list[torch.Tensor] = []  # keeps outputs alive so tensor ids stay unique
+        self.root: dict[int, int] = {}  # id of a view -> id of the tensor it views
+        self.io: list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = []
+
+    def _rid(self, t: torch.Tensor) -> int:
+        return self._rid_of(id(t))
+
+    def _rid_of(self, i: int) -> int:
+        while i in self.root:
+            i = self.root[i]
+        return i
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -112,10 +124,14 @@ class _Recorder(TorchDispatchMode):
         is_view = bool(func._schema.returns) and all(
             r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
         )
-        if is_view:
-            return out
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         flat_out = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]
+        self.alive.extend(flat_out)
+        if is_view:
+            if flat_in:
+                for o in flat_out:
+                    self.root[id(o)] = self._rid(flat_in[0])
+            return out
         moved = sum(_nbytes(t) for t in flat_in) + sum(_nbytes(t) for t in flat_out)
         flops = 0.0
         packet = func._overloadpacket
@@ -130,7 +146,33 @@ class _Recorder(TorchDispatchMode):
             OpRecord(name=name, phase=self.state.phase, region=self.state.region, kind=kind,
                      flops=flops, bytes=float(moved), dims=dims)
         )
+        self.io.append((tuple((self._rid(t), _nbytes(t)) for t in flat_in),
+                        tuple((id(t), _nbytes(t)) for t in flat_out)))
         return out
+
+    def apply_fusion(self, saved_ids: set[int]) -> None:
+        """Model element-wise kernel fusion (Megatron's fused kernels, torch.compile): when an
+        element-wise op consumes the output of the element-wise op just before it, that
+        intermediate is not read back from memory, and not written at all unless something else
+        needs it (a later op, or autograd saving it for backward)."""
+        uses: dict[int, int] = {}
+        for ins, _ in self.io:
+            for rid, _ in ins:
+                uses[rid] = uses.get(rid, 0) + 1
+        ops = self.trace.ops
+        for k in range(1, len(ops)):
+            cur, prev = ops[k], ops[k - 1]
+            if cur.kind != "mem" or prev.kind != "mem" or cur.phase != prev.phase or cur.region != prev.region:
+                continue
+            prev_out = dict(self.io[k - 1][1])
+            saving = 0.0
+            for rid, nbytes in self.io[k][0]:
+                if rid in prev_out:
+                    saving += nbytes
+                    if uses.get(rid, 0) <= 1 and rid not in saved_ids:
+                        saving += prev_out[rid]
+            if saving:
+                ops[k] = dataclasses.replace(cur, bytes=max(0.0, cur.bytes - saving))
 
 
 @dataclass(kw_only=True)
@@ -174,12 +216,14 @@ def _param_ids(params: Iterator[torch.Tensor]) -> set[int]:
 def record(trace: Trace, state: _State, param_ids: set[int]) -> Iterator[None]:
     """Record ops and saved tensors of everything run inside (forward and backward alike)."""
     seen: set[tuple[int, int, int]] = set()
+    saved_ids: set[int] = set()
     keep: list[torch.Tensor] = []  # keeps saved tensors alive so ids stay unique while recording
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         root = t._base if t._base is not None else t
         if id(t) in param_ids or id(root) in param_ids:
             return t
+        saved_ids.add(id(root))
         key = (id(root), t.storage_offset(), t.numel())
         if key not in seen:
             seen.add(key)
@@ -187,8 +231,10 @@ def record(trace: Trace, state: _State, param_ids: set[int]) -> Iterator[None]:
             trace.saved.append(SavedRecord(region=state.region, nbytes=float(_nbytes(t))))
         return t
 
-    with _CudaLikeFunctions(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Recorder(trace, state):
+    recorder = _Recorder(trace, state)
+    with _CudaLikeFunctions(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
         yield
+    recorder.apply_fusion({recorder._rid_of(i) for i in saved_ids})
 
 
 def run_and_trace(

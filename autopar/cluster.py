@@ -1,0 +1,203 @@
+"""Cluster profiles: GPU, node and network figures, plus efficiency curves, loaded from YAML.
+
+``--cluster NAME`` looks for ``NAME.yaml`` in ./profiles, then in $AUTOPAR_PROFILES, then in the
+profiles shipped beside the package; a path to a .yaml file works too. Every missing or malformed
+field is a ``ClusterError`` naming the field and the file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from autopar.errors import ClusterError
+
+SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One kind of link, as a collective sees it: bus bandwidth per GPU, per-hop latency, and how
+    much of the bandwidth a message of a given size achieves: eff(m) = max_eff * m / (m + half_bytes)."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    max_efficiency: float = 1.0
+    half_efficiency_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_bytes_per_s <= 0 or self.latency_s < 0:
+            raise ClusterError("link bandwidth must be > 0 and latency >= 0")
+        if not 0 < self.max_efficiency <= 1:
+            raise ClusterError("link max_efficiency must be in (0, 1]")
+
+    def efficiency(self, message_bytes: float) -> float:
+        if self.half_efficiency_bytes <= 0:
+            return self.max_efficiency
+        return self.max_efficiency * message_bytes / (message_bytes + self.half_efficiency_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmEfficiency:
+    """Fraction of peak a GEMM of shape (m, n, k) reaches:
+    max * prod_d d / (d + half_dim) over d in (m, n, k), m counting the batch of a batched GEMM.
+    Small or skinny GEMMs cannot fill the GPU's SMs and tensor-core tiles; large ones approach max."""
+
+    max: float
+    half_dim: float
+
+    def __call__(self, m: float, n: float, k: float) -> float:
+        h = self.half_dim
+        return self.max * (m / (m + h)) * (n / (n + h)) * (k / (k + h))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Everything the cost model needs to know about the hardware."""
+
+    name: str
+    gpu_name: str
+    peak_flops: float  # dense bf16/fp16 FLOP/s per GPU
+    memory_bytes: float  # device memory per GPU
+    memory_bandwidth_bytes_per_s: float
+    memory_efficiency: float  # fraction of HBM bandwidth element-wise kernels reach
+    attention_efficiency: float  # fraction of peak a fused (flash) attention kernel reaches
+    kernel_overhead_s: float  # launch + tail cost of each kernel
+    gemm: GemmEfficiency
+    gpus_per_node: int
+    intra_node: Link  # NVLink/NVSwitch, bus bandwidth per GPU
+    inter_node: Link  # per GPU share of the node's NICs (one rail per GPU)
+    framework_reserve_bytes: float  # CUDA context, NCCL buffers, allocator fragmentation
+    optimizer_bytes_per_param: float = 32.0  # HBM traffic of a fused Adam step per parameter
+    source: Path | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for key in ("peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s"):
+            if getattr(self, key) <= 0:
+                raise ClusterError(f"cluster profile {self.name}: {key} must be > 0")
+        if self.gpus_per_node < 1:
+            raise ClusterError(f"cluster profile {self.name}: gpus_per_node must be >= 1")
+        for key in ("memory_efficiency", "attention_efficiency"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ClusterError(f"cluster profile {self.name}: {key} must be in (0, 1]")
+
+
+def _get(data: Mapping[str, Any], key: str, where: str) -> Any:
+    if not isinstance(data, Mapping) or key not in data:
+        raise ClusterError(f"{where}: missing key '{key}'")
+    return data[key]
+
+
+def _num(data: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
+    if default is not None and (not isinstance(data, Mapping) or key not in data):
+        return float(default)
+    value = _get(data, key, where)
+    if isinstance(value, str):
+        # YAML 1.1 reads "312.0e12" (no sign after e) as a string; accept what float() accepts.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ClusterError(f"{where}: '{key}' must be a number, got {value!r}")
+    return float(value)
+
+
+def _link(data: Any, where: str) -> Link:
+    if not isinstance(data, Mapping):
+        raise ClusterError(f"{where} must be a mapping")
+    return Link(
+        bandwidth_bytes_per_s=_num(data, "bandwidth_bytes_per_s", where),
+        latency_s=_num(data, "latency_s", where),
+        max_efficiency=_num(data, "max_efficiency", where, 1.0),
+        half_efficiency_bytes=_num(data, "half_efficiency_bytes", where, 0.0),
+    )
+
+
+def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Cluster:
+    where = f"cluster profile {source or name}"
+    if not isinstance(data, Mapping):
+        raise ClusterError(f"{where} must be a YAML mapping")
+    gpu = _get(data, "gpu", where)
+    net = _get(data, "network", where)
+    eff = _get(data, "efficiency", where)
+    try:
+        return Cluster(
+            name=str(data.get("name", name)),
+            gpu_name=str(_get(gpu, "name", f"{where} gpu")),
+            peak_flops=_num(gpu, "peak_flops", f"{where} gpu"),
+            memory_bytes=_num(gpu, "memory_bytes", f"{where} gpu"),
+            memory_bandwidth_bytes_per_s=_num(gpu, "memory_bandwidth_bytes_per_s", f"{where} gpu"),
+            memory_efficiency=_num(eff, "memory", f"{where} efficiency"),
+            attention_efficiency=_num(eff, "attention", f"{where} efficiency"),
+            kernel_overhead_s=_num(eff, "kernel_overhead_s", f"{where} efficiency"),
+            gemm=GemmEfficiency(max=_num(eff, "gemm_max", f"{where} efficiency"),
+                                half_dim=_num(eff, "gemm_half_dim", f"{where} efficiency")),
+            gpus_per_node=int(_num(net, "gpus_per_node", f"{where} network")),
+            intra_node=_link(_get(net, "intra_node", f"{where} network"), f"{where} network.intra_node"),
+            inter_node=_link(_get(net, "inter_node", f"{where} network"), f"{where} network.inter_node"),
+            framework_reserve_bytes=_num(gpu, "framework_reserve_bytes", f"{where} gpu"),
+            optimizer_bytes_per_param=_num(eff, "optimizer_bytes_per_param", f"{where} efficiency", 32.0),
+            source=source,
+        )
+    except ClusterError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ClusterError(f"{where}: {exc}") from None
+
+
+def resolve_profile_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if not p.is_file():
+            raise ClusterError(f"cluster profile file {p} does not exist")
+        return p
+    dirs = [Path.cwd() / "profiles"]
+    if os.environ.get("AUTOPAR_PROFILES"):
+        dirs.append(Path(os.environ["AUTOPAR_PROFILES"]))
+    dirs.append(SHIPPED_PROFILES)
+    for d in dirs:
+        candidate = d / f"{name_or_path}.yaml"
+        if candidate.is_file():
+            return candidate
+    known = ", ".join(sorted(list_profiles())) or "none"
+    raise ClusterError(f"unknown cluster profile '{name_or_path}'; known: {known} (or give a path to a .yaml)")
+
+
+def list_profiles() -> dict[str, Path]:
+    """Profile name -> path, shipped ones overridden by ./profiles and $AUTOPAR_PROFILES."""
+    found: dict[str, Path] = {}
+    dirs = [SHIPPED_PROFILES]
+    if os.environ.get("AUTOPAR_PROFILES"):
+        dirs.append(Path(os.environ["AUTOPAR_PROFILES"]))
+    dirs.append(Path.cwd() / "profiles")
+    for d in dirs:
+        if d.is_dir():
+            for f in sorted(d.glob("*.yaml")):
+                try:
+                    head = yaml.safe_load(f.read_text(encoding="utf-8"))
+                except yaml.YAMLError:
+                    continue
+                if isinstance(head, Mapping) and "gpu" in head and "network" in head:
+                    found[f.stem] = f
+    return found
+
+
+_CACHE: dict[str, Cluster] = {}
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    """Load a cluster profile by name or path (cached)."""
+    path = resolve_profile_path(name_or_path)
+    key = str(path.resolve())
+    if key not in _CACHE:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ClusterError(f"cluster profile {path} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        _CACHE[key] = cluster_from_dict(data, path.stem, path)
+    return _CACHE[key]

@@ -1,0 +1,94 @@
+"""Alpha-beta cost of collectives on a mesh axis, on the link that axis really uses.
+
+Ranks are laid out [pp, dp, cp, tp], outermost to innermost. A group of ``n`` ranks at ``stride``
+(the product of the inner axes) has ``k = min(n, gpus_per_node // stride)`` members per node. A group
+inside one node runs on NVSwitch; a group spanning nodes runs ring algorithms whose inter-node hops
+each ride one NIC rail, so it gets k rails: bandwidth ``min(intra, k * inter)``.
+
+Times use the bus-bandwidth convention of nccl-tests, with ``M`` the full tensor size in bytes:
+
+    all-reduce        2 (n-1)/n * M / bw + 2 (n-1) * latency
+    all-gather / reduce-scatter / all-to-all
+                        (n-1)/n * M / bw +   (n-1) * latency
+    point-to-point              M / bw +           latency
+
+where bw is the link bandwidth times its efficiency at the per-step message size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster, Link
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupLink:
+    """How a group of ranks communicates: size, members per node and the resulting bandwidth."""
+
+    size: int
+    members_per_node: int
+    intra_node: bool
+    bandwidth_bytes_per_s: float
+    link: Link
+
+    @property
+    def link_name(self) -> str:
+        return "nvlink" if self.intra_node else "network"
+
+
+def group_link(cluster: Cluster, size: int, stride: int) -> GroupLink:
+    """The link used by a group of ``size`` ranks spaced ``stride`` apart in the rank order."""
+    g = cluster.gpus_per_node
+    if size <= 1:
+        return GroupLink(size=1, members_per_node=1, intra_node=True,
+                         bandwidth_bytes_per_s=cluster.intra_node.bandwidth_bytes_per_s, link=cluster.intra_node)
+    if stride * size <= g:
+        return GroupLink(size=size, members_per_node=size, intra_node=True,
+                         bandwidth_bytes_per_s=cluster.intra_node.bandwidth_bytes_per_s, link=cluster.intra_node)
+    k = max(1, min(size, g // max(1, stride)))
+    bw = min(cluster.intra_node.bandwidth_bytes_per_s, k * cluster.inter_node.bandwidth_bytes_per_s)
+    return GroupLink(size=size, members_per_node=k, intra_node=False, bandwidth_bytes_per_s=bw, link=cluster.inter_node)
+
+
+def collective_time_s(kind: str, message_bytes: float, group: GroupLink) -> float:
+    """Time of one collective of ``message_bytes`` (the full, unsharded tensor) over ``group``."""
+    n = group.size
+    if n <= 1 or message_bytes <= 0:
+        return 0.0
+    if kind == "all_reduce":
+        volume, hops = 2.0 * (n - 1) / n * message_bytes, 2 * (n - 1)
+    elif kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        volume, hops = (n - 1) / n * message_bytes, n - 1
+    elif kind == "p2p":
+        volume, hops = message_bytes, 1
+    else:
+        raise ValueError(f"unknown collective {kind!r}; one of {COLLECTIVES}")
+    step_bytes = message_bytes / n if kind != "p2p" else message_bytes
+    bw = group.bandwidth_bytes_per_s * group.link.efficiency(step_bytes)
+    return volume / bw + hops * group.link.latency_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mesh:
+    """The [pp, dp, cp, tp] rank layout and the link of each axis's groups."""
+
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+    def stride(self, axis: str) -> int:
+        return {"tp": 1, "cp": self.tp, "dp": self.tp * self.cp, "dp_cp": self.tp, "pp": self.tp * self.cp * self.dp}[axis]
+
+    def size(self, axis: str) -> int:
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "dp_cp": self.dp * self.cp, "pp": self.pp}[axis]
+
+    def link(self, cluster: Cluster, axis: str) -> GroupLink:
+        """``dp_cp`` is the ZeRO/gradient group: dp and cp together (cp ranks hold the same weights)."""
+        if axis == "pp":
+            # Neighbouring stages: a pair of ranks ``stride`` apart.
+            return group_link(cluster, 2 if self.pp > 1 else 1, self.stride("pp"))
+        return group_link(cluster, self.size(axis), self.stride(axis))

@@ -1,0 +1,95 @@
+"""Per-region compute time and activation bytes at a given shape, from the measured op tables.
+
+Each op's time is physics, judged on its own shape:
+
+    GEMM       flops / (peak * gemm_eff(m, n, k))        (m counts a batched GEMM's batch)
+    attention  flops / (peak * attention_eff)            (fused flash kernel)
+    other      bytes moved / (HBM bandwidth * memory_eff) (element-wise, norms, softmax, dropout)
+
+plus a fixed per-kernel overhead. Attention-core ops (s^2 quantities, or the fused attention kernel)
+are evaluated at ``core_shape``, which differs from ``shape`` under context parallelism: a ring or
+all-gather rank computes its s/cp queries against all s keys; a Ulysses rank computes all s queries
+for heads/(tp*cp) heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopar.cluster import Cluster
+from autopar.graph.scaling import FitOp, RegionFit, Shape
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionTime:
+    """One region, one micro-batch, on one rank."""
+
+    fwd_s: float
+    bwd_s: float
+    core_fwd_s: float  # forward time of the attention core: what selective recompute re-runs
+    fwd_flops: float
+    bwd_flops: float
+    saved_bytes: float  # activations kept for backward without recompute
+    core_saved_bytes: float  # the attention-core part of saved_bytes (selective recompute drops it)
+
+
+def is_core(op: FitOp) -> bool:
+    return op.kind == "attn" or op.flops_exps.quadratic or op.bytes_exps.quadratic
+
+
+def op_time_s(op: FitOp, shape: Shape, cluster: Cluster) -> tuple[float, float]:
+    """(seconds, flops) of one op at ``shape``."""
+    if op.kind == "gemm" and op.dims is not None and op.dims_exps is not None:
+        flops = op.flops * _no_sp(shape).scale(op.flops_exps)
+        batch, m, n, k = (d * _no_sp(shape).scale(e) for d, e in zip(op.dims, op.dims_exps))
+        eff = cluster.gemm(max(1.0, batch * m), max(1.0, n), max(1.0, k))
+        return flops / (cluster.peak_flops * eff) + cluster.kernel_overhead_s, flops
+    if op.kind == "attn":
+        flops = op.flops * shape.scale(op.flops_exps)
+        return flops / (cluster.peak_flops * cluster.attention_efficiency) + cluster.kernel_overhead_s, flops
+    moved = op.bytes * shape.scale(op.bytes_exps)
+    flops = op.flops * shape.scale(op.flops_exps)
+    bw = cluster.memory_bandwidth_bytes_per_s * cluster.memory_efficiency
+    return moved / bw + cluster.kernel_overhead_s, flops
+
+
+def _no_sp(shape: Shape) -> Shape:
+    # GEMMs inside the TP region see the gathered sequence: SP does not shrink them.
+    return shape if shape.sp == 1.0 else replace(shape, sp=1.0)
+
+
+# id(fit) keys stay unique because each entry also holds the fit itself (no id reuse while cached).
+_CACHE: dict[tuple, tuple[RegionFit, RegionTime]] = {}
+
+
+def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shape | None = None) -> RegionTime:
+    """Compute time and saved bytes of ``fit`` at ``shape`` (cached)."""
+    core_shape = core_shape or shape
+    key = (id(fit), cluster.name, cluster.peak_flops, shape, core_shape)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is fit:
+        return hit[1]
+    fwd = bwd = core = fwd_f = bwd_f = 0.0
+    for op in fit.ops:
+        core_op = is_core(op)
+        secs, flops = op_time_s(op, core_shape if core_op else shape, cluster)
+        if op.phase == "fwd":
+            fwd += secs
+            fwd_f += flops
+            if core_op:
+                core += secs
+        else:
+            bwd += secs
+            bwd_f += flops
+    saved = core_saved = 0.0
+    for q in fit.saved:
+        if q.exps.quadratic:
+            b = q.nbytes * core_shape.scale(q.exps)
+            core_saved += b
+        else:
+            b = q.nbytes * shape.scale(q.exps)
+        saved += b
+    out = RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, fwd_flops=fwd_f, bwd_flops=bwd_f,
+                     saved_bytes=saved, core_saved_bytes=core_saved)
+    _CACHE[key] = (fit, out)
+    return out

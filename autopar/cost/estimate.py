@@ -1,0 +1,83 @@
+"""Estimate a plan: check it against the model, build the stage terms, cost its split.
+
+``estimate_json`` is the CONTRACT object of ``autopar estimate --json`` (DESIGN §5): at least
+step_time_s, tokens_per_s, mfu, peak_memory_bytes and memory_bytes {params, grads, optimizer,
+activations, other} of the peak rank; more keys may be added, none removed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.cluster import Cluster
+from autopar.cost.stage import Config, build_terms
+from autopar.cost.step import Estimate, evaluate
+from autopar.errors import PlanError
+from autopar.graph.model_graph import ModelGraph
+from autopar.plan import Plan
+
+
+def config_from_plan(plan: Plan) -> Config:
+    par, tr = plan.parallel, plan.training
+    return Config(
+        dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, cp_kind=par.cp_kind, sequence_parallel=par.sequence_parallel,
+        zero=par.zero, recompute=par.recompute, schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
+        micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_len=tr.seq_len,
+        dtype_bytes=tr.dtype_bytes, optimizer=tr.optimizer,
+    )
+
+
+def check_plan_against_model(plan: Plan, graph: ModelGraph) -> None:
+    """Raise PlanError when the plan cannot apply to this model (one line, what to change)."""
+    par = plan.parallel
+    if plan.model.num_blocks != graph.num_blocks:
+        raise PlanError(
+            f"the plan is for a model with {plan.model.num_blocks} blocks but {graph.name} has "
+            f"{graph.num_blocks}; re-plan for this model"
+        )
+    reason = graph.tp_allowed(par.tp)
+    if reason:
+        raise PlanError(f"parallel.tp = {par.tp} is not possible: {reason}")
+    if par.cp > 1:
+        if graph.cp_reason:
+            raise PlanError(f"parallel.cp = {par.cp} is not possible: {graph.cp_reason}")
+        if par.cp_kind == "ulysses":
+            reason = graph.ulysses_allowed(par.tp, par.cp)
+            if reason:
+                raise PlanError(f"parallel.cp_kind ulysses is not possible: {reason}")
+        if par.cp_kind == "ring" and plan.training.seq_len % (2 * par.cp):
+            raise PlanError(
+                f"ring attention balances causal work with 2 x cp chunks: seq_len {plan.training.seq_len} "
+                f"must be divisible by {2 * par.cp}"
+            )
+
+
+def estimate_plan(plan: Plan, graph: ModelGraph, cluster: Cluster) -> Estimate:
+    """The cost model's prediction for ``plan`` (graph measured at the plan's seq_len)."""
+    check_plan_against_model(plan, graph)
+    cfg = config_from_plan(plan)
+    terms = build_terms(graph, cluster, cfg)
+    chunk_blocks = [end - start for start, end in plan.stage_ranges()]
+    tokens = plan.training.global_batch_size * plan.training.seq_len
+    flops = graph.model_flops_per_sample() * plan.training.global_batch_size
+    return evaluate(terms, chunk_blocks, flops, tokens, cluster.peak_flops)
+
+
+def estimate_json(est: Estimate) -> dict[str, Any]:
+    """The ``estimate --json`` object (CONTRACT keys first)."""
+    return {
+        "step_time_s": est.step_time_s,
+        "tokens_per_s": est.tokens_per_s,
+        "mfu": est.mfu,
+        "peak_memory_bytes": est.peak_memory_bytes,
+        "memory_bytes": {k: est.memory_bytes[k] for k in ("params", "grads", "optimizer", "activations", "other")},
+        "capacity_bytes": est.capacity_bytes,
+        "fits": est.fits,
+        "bubble_fraction": est.bubble_fraction,
+        "time_breakdown_s": dict(est.time_breakdown_s),
+        "stages": [
+            {"rank": r.rank, "num_blocks": r.num_blocks, "microbatch_time_s": r.time_s,
+             "peak_memory_bytes": r.peak_bytes, "memory_bytes": dict(r.memory_bytes)}
+            for r in est.ranks
+        ],
+    }

@@ -1,0 +1,254 @@
+"""The linear stage model: per-block and per-stage terms of one parallel configuration.
+
+For a configuration (everything in a plan except the split of blocks into stages), every quantity
+the step time and the memory depend on is either a constant or proportional to the number of blocks
+a pipeline chunk holds. ``StageTerms`` holds those coefficients; the estimator evaluates them for a
+given split and the ILP optimises the split over them, so both see exactly the same cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster
+from autopar.cost.comm import Mesh, collective_time_s
+from autopar.cost.compute import region_time
+from autopar.cost.memory import inflight_microbatches, state_bytes_per_param
+from autopar.graph.model_graph import ModelGraph
+from autopar.graph.scaling import Shape
+
+DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket: the last one cannot overlap backward
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """A plan without its stage split: the outer search variables."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    cp_kind: str
+    sequence_parallel: bool
+    zero: int
+    recompute: str
+    schedule: str
+    virtual_stages: int
+    micro_batch: int
+    global_batch: int
+    seq_len: int
+    dtype_bytes: int
+    optimizer: str
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass(frozen=True, kw_only=True)
+class Part:
+    """Costs of one piece of a stage for one micro-batch on one rank (seconds, bytes)."""
+
+    fwd_s: float
+    bwd_s: float  # backward incl. recompute and exposed per-micro-batch collectives
+    recompute_s: float
+    tp_comm_s: float
+    cp_comm_s: float
+    zero_comm_s: float  # exposed ZeRO-2/3 collectives per micro-batch
+    act_bytes: float  # activations kept per in-flight micro-batch
+    params: float  # parameters on this rank
+    fwd_flops: float
+    bwd_flops: float
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTerms:
+    """Everything needed to cost any split for one Config."""
+
+    config: Config
+    block: Part
+    pre: Part  # on the first chunk (embedding)
+    post: Part  # on the last chunk (final norm, head, loss)
+    p2p_s: float  # one activation transfer between neighbouring stages
+    state_bytes_per_param: float
+    state_split: dict[str, float]  # params / grads / optimizer bytes per parameter
+    grad_sync_s_per_param: float  # end-of-step DP/ZeRO collectives per parameter on the rank
+    grad_sync_floor_s: float  # the part that can never overlap (last bucket)
+    param_gather_s_per_param: float  # ZeRO-1/2 all-gather of updated parameters
+    optimizer_s_per_param: float
+    transient_bytes: float  # ZeRO-3 gathered block, recompute working set
+    tied_params: float  # tied embedding copy the last stage also holds (pp > 1)
+    reserve_bytes: float
+    capacity_bytes: float
+
+    def inflight(self, rank: int) -> float:
+        c = self.config
+        return inflight_microbatches(c.schedule, c.pp, rank, c.num_microbatches, c.virtual_stages)
+
+
+def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
+    """Coefficients of the step-time and memory model for ``cfg`` (see module docstring)."""
+    mesh = Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+    S = graph.seq_len
+    s_ratio = (cfg.seq_len / cfg.cp) / S if graph.is_sequence_model else 1.0
+    kv_ratio = cfg.seq_len / S if graph.is_sequence_model else 1.0
+    sp = float(cfg.tp) if cfg.sequence_parallel and cfg.tp > 1 else 1.0
+    shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=kv_ratio, t=cfg.tp, sp=sp)
+    if cfg.cp > 1 and cfg.cp_kind == "ulysses":
+        core_shape = Shape(b=cfg.micro_batch, s_ratio=kv_ratio, kv_ratio=kv_ratio, t=cfg.tp * cfg.cp, sp=1.0)
+    else:
+        core_shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=kv_ratio, t=cfg.tp, sp=1.0)
+    state = state_bytes_per_param(zero=cfg.zero, shard_degree=cfg.dp * cfg.cp, dtype_bytes=cfg.dtype_bytes,
+                                  optimizer=cfg.optimizer)
+    tokens_bytes = graph.block_input_bytes * cfg.micro_batch * s_ratio  # one rank's block input, full width
+    tp_link, cp_link, dpcp_link = mesh.link(cluster, "tp"), mesh.link(cluster, "cp"), mesh.link(cluster, "dp_cp")
+
+    block = _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes)
+    pre = _edge_part(graph, cluster, cfg, "pre", shape, tp_link, dpcp_link, tokens_bytes)
+    post = _edge_part(graph, cluster, cfg, "post", shape, tp_link, dpcp_link, tokens_bytes, with_loss=True)
+    p2p = collective_time_s("p2p", tokens_bytes / sp, mesh.link(cluster, "pp")) if cfg.pp > 1 else 0.0
+
+    d = cfg.dtype_bytes
+    n_shard = cfg.dp * cfg.cp
+    bucket_ar = _grad_sync_time(cfg, dpcp_link, DDP_BUCKET_BYTES / d)
+    per_param_sync = _grad_sync_time(cfg, dpcp_link, 1e9) / 1e9
+    gather = collective_time_s("all_gather", 1e9 * d, dpcp_link) / 1e9 if cfg.zero in (1, 2) else 0.0
+    opt_params_per_rank = 1.0 / n_shard if cfg.zero >= 1 else 1.0
+    optimizer_s = cluster.optimizer_bytes_per_param * opt_params_per_rank / cluster.memory_bandwidth_bytes_per_s
+    block_params = graph.params["block"].per_rank(cfg.tp)
+    transient = 0.0
+    if cfg.zero == 3:
+        transient += 3 * block_params * d  # gathered params of this and the prefetched block + unsharded grads
+    if cfg.recompute == "full":
+        transient += region_time(graph.regions["block"], cluster, shape, core_shape).saved_bytes
+    elif cfg.recompute == "selective":
+        transient += region_time(graph.regions["block"], cluster, shape, core_shape).core_saved_bytes
+    tied = graph.tied_params / (cfg.tp if graph.params["pre"].tp_sharded else 1) if cfg.pp > 1 else 0.0
+    return StageTerms(
+        config=cfg, block=block, pre=pre, post=post, p2p_s=p2p,
+        state_bytes_per_param=state.total,
+        state_split={"params": state.params, "grads": state.grads, "optimizer": state.optimizer},
+        grad_sync_s_per_param=per_param_sync if cfg.zero in (0, 1) else 0.0,
+        grad_sync_floor_s=bucket_ar if cfg.zero in (0, 1) and n_shard > 1 else 0.0,
+        param_gather_s_per_param=gather,
+        optimizer_s_per_param=optimizer_s,
+        transient_bytes=transient,
+        tied_params=tied,
+        reserve_bytes=cluster.framework_reserve_bytes,
+        capacity_bytes=cluster.memory_bytes,
+    )
+
+
+def _grad_sync_time(cfg: Config, link, num_params: float) -> float:  # noqa: ANN001
+    """End-of-step gradient collective for ``num_params`` parameters (ZeRO-0 all-reduce, ZeRO-1
+    reduce-scatter); ZeRO-2/3 reduce gradients inside each backward instead."""
+    nbytes = num_params * cfg.dtype_bytes
+    if cfg.zero == 0:
+        return collective_time_s("all_reduce", nbytes, link)
+    if cfg.zero == 1:
+        return collective_time_s("reduce_scatter", nbytes, link)
+    return 0.0
+
+
+def _tp_time(cluster: Cluster, cfg: Config, fit_comm, phase: str, shape: Shape, link) -> float:  # noqa: ANN001
+    if cfg.tp == 1:
+        return 0.0
+    total = 0.0
+    for q in fit_comm:
+        if q.phase != phase:
+            continue
+        nbytes = q.nbytes * Shape(b=shape.b, s_ratio=shape.s_ratio, kv_ratio=shape.kv_ratio, t=shape.t).scale(q.exps)
+        if cfg.sequence_parallel:
+            total += collective_time_s("all_gather", nbytes, link) + collective_time_s("reduce_scatter", nbytes, link)
+        else:
+            total += collective_time_s("all_reduce", nbytes, link)
+    return total
+
+
+def _cp_time(graph: ModelGraph, cfg: Config, link, tokens_bytes: float, core_fwd_s: float) -> tuple[float, float]:  # noqa: ANN001
+    """(forward, backward) exposed context-parallel communication of one block."""
+    if cfg.cp == 1:
+        return 0.0, 0.0
+    heads, kv = graph.num_heads, graph.num_kv_heads or graph.num_heads
+    kv_frac = (kv / heads) if heads else 1.0
+    kv_bytes = 2 * tokens_bytes * kv_frac / cfg.tp  # this rank's K and V
+    n = cfg.cp
+    if cfg.cp_kind == "ring":
+        step = collective_time_s("p2p", kv_bytes, link)
+        fwd = max(0.0, (n - 1) * step - core_fwd_s * (n - 1) / n)
+        bwd = max(0.0, 2 * (n - 1) * step - 2 * core_fwd_s * (n - 1) / n)  # K,V and dK,dV travel
+        return fwd, bwd
+    if cfg.cp_kind == "allgather":
+        full = kv_bytes * n
+        return collective_time_s("all_gather", full, link), collective_time_s("reduce_scatter", full, link)
+    q_bytes = tokens_bytes / cfg.tp  # ulysses: q and o at full width, k and v at kv width, all local
+    a2a = 2 * collective_time_s("all_to_all", q_bytes * n, link) + collective_time_s("all_to_all", kv_bytes * n, link)
+    return a2a, a2a
+
+
+def _zero_exposed(cfg: Config, params: float, fwd_s: float, bwd_s: float, link) -> float:  # noqa: ANN001
+    """ZeRO-2/3 collectives per micro-batch that compute cannot hide (prefetch overlaps the rest)."""
+    nbytes = params * cfg.dtype_bytes  # the gathered (unsharded) parameters of this piece
+    if cfg.zero == 3:
+        ag = collective_time_s("all_gather", nbytes, link)
+        rs = collective_time_s("reduce_scatter", nbytes, link)
+        return max(0.0, ag - fwd_s) + max(0.0, ag + rs - bwd_s)
+    if cfg.zero == 2:
+        rs = collective_time_s("reduce_scatter", nbytes, link)
+        return max(0.0, rs - bwd_s)
+    return 0.0
+
+
+def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes) -> Part:  # noqa: ANN001
+    fit = graph.regions["block"]
+    rt = region_time(fit, cluster, shape, core_shape)
+    tp_f = _tp_time(cluster, cfg, fit.comm, "fwd", shape, tp_link)
+    tp_b = _tp_time(cluster, cfg, fit.comm, "bwd", shape, tp_link)
+    cp_f, cp_b = _cp_time(graph, cfg, cp_link, tokens_bytes, rt.core_fwd_s)
+    fwd = rt.fwd_s + tp_f + cp_f
+    if cfg.recompute == "full":
+        recompute, act = fwd, tokens_bytes / (cfg.tp if cfg.sequence_parallel else 1)
+    elif cfg.recompute == "selective":
+        recompute, act = rt.core_fwd_s, rt.saved_bytes - rt.core_saved_bytes
+    else:
+        recompute, act = 0.0, rt.saved_bytes
+    params = graph.params["block"].per_rank(cfg.tp)
+    bwd = rt.bwd_s + tp_b + cp_b + recompute
+    zero = _zero_exposed(cfg, params, fwd, bwd, dpcp_link)
+    return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b,
+                zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops)
+
+
+def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_bytes, with_loss=False) -> Part:  # noqa: ANN001
+    """The embedding (pre) or the head plus loss (post). A vocab-parallel embedding all-reduces its
+    output in forward; a vocab-parallel head all-reduces its input gradient in backward."""
+    # The fitted tp exponents already say which ops a vocab-parallel layer shards (0 for the rest).
+    t_shape = shape
+    vocab_tp = any(op.flops_exps.t > 0.5 or op.bytes_exps.t > 0.5 for op in graph.regions[region].ops)
+    parts = [region_time(graph.regions[region], cluster, t_shape)]
+    if with_loss:
+        parts.append(region_time(graph.regions["loss"], cluster, t_shape))
+    fwd = sum(p.fwd_s for p in parts)
+    bwd = sum(p.bwd_s for p in parts)
+    tp = 0.0
+    if vocab_tp and cfg.tp > 1:
+        tp = collective_time_s("all_reduce", tokens_bytes, tp_link)
+    if region == "pre":
+        fwd += tp
+    else:
+        bwd += tp
+    params = graph.params[region].per_rank(cfg.tp)
+    if region == "post":
+        params += graph.params["loss"].count
+    zero = _zero_exposed(cfg, params, fwd, bwd, dpcp_link)
+    return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=0.0, tp_comm_s=tp, cp_comm_s=0.0, zero_comm_s=zero,
+                act_bytes=sum(p.saved_bytes for p in parts), params=params,
+                fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts))

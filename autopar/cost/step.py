@@ -1,0 +1,152 @@
+"""One training step of a whole plan: pipeline schedule, bubble, tails, memory per rank.
+
+With t_r the forward+backward time of one micro-batch on pipeline rank r (all its chunks), M
+micro-batches and v chunks per rank (v = 1 for GPipe and 1F1B):
+
+    step = (M - 1) * max_r t_r + sum_r t_r / v + max_r tail_r
+    tail_r = max(floor, grad_sync(params_r) - backward_r) + params_r * (gather + optimizer)
+
+The first term is the steady state, the second the fill/drain bubble (it shrinks with v), the
+tail the end-of-step gradient collective that backward could not hide, the ZeRO-1/2 parameter
+all-gather and the optimizer update. Memory per rank = model states + in-flight activations +
+transient buffers + the framework reserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from autopar.cost.stage import StageTerms
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankCost:
+    """One pipeline rank (every dp/cp/tp rank of it costs the same)."""
+
+    rank: int
+    num_blocks: int
+    time_s: float  # one micro-batch, forward + backward, all chunks
+    backward_s: float
+    tail_s: float
+    params: float
+    memory_bytes: dict[str, float]
+
+    @property
+    def peak_bytes(self) -> float:
+        return sum(self.memory_bytes.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """The cost model's prediction for one plan (the contract of ``estimate --json`` is built on it)."""
+
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    peak_memory_bytes: float
+    capacity_bytes: float
+    memory_bytes: dict[str, float]  # breakdown of the peak rank
+    time_breakdown_s: dict[str, float]
+    ranks: tuple[RankCost, ...] = field(default=())
+    bubble_fraction: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.capacity_bytes
+
+    @property
+    def headroom_bytes(self) -> float:
+        return self.capacity_bytes - self.peak_memory_bytes
+
+
+def chunk_rank(chunk: int, pp: int) -> int:
+    """Interleaved schedules place chunk c on rank c mod pp."""
+    return chunk % pp
+
+
+def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_step: float,
+             tokens_per_step: float, peak_flops: float) -> Estimate:
+    """Cost ``terms`` with ``chunk_blocks[c]`` blocks in chunk c (len = pp * v)."""
+    cfg = terms.config
+    pp, v, m = cfg.pp, cfg.virtual_stages, cfg.num_microbatches
+    last = len(chunk_blocks) - 1
+    b, pre, post = terms.block, terms.pre, terms.post
+    time = [0.0] * pp
+    bwd = [0.0] * pp
+    params = [0.0] * pp
+    blocks = [0] * pp
+    act = [0.0] * pp
+    for c, n in enumerate(chunk_blocks):
+        r = chunk_rank(c, pp)
+        blocks[r] += n
+        time[r] += n * b.time_s
+        bwd[r] += n * b.bwd_s
+        params[r] += n * b.params
+        act[r] += n * b.act_bytes
+        if pp > 1:
+            time[r] += terms.p2p_s * ((c < last) + (c > 0))
+        if c == 0:
+            time[r] += pre.time_s
+            bwd[r] += pre.bwd_s
+            params[r] += pre.params
+        if c == last:
+            time[r] += post.time_s
+            bwd[r] += post.bwd_s
+            params[r] += post.params + terms.tied_params
+    ranks = []
+    for r in range(pp):
+        sync = params[r] * terms.grad_sync_s_per_param
+        tail = max(terms.grad_sync_floor_s if sync > 0 else 0.0, sync - bwd[r])
+        tail += params[r] * (terms.param_gather_s_per_param + terms.optimizer_s_per_param)
+        inflight = terms.inflight(r)
+        activations = inflight * act[r]
+        if r == 0:
+            activations += inflight * pre.act_bytes
+        if r == chunk_rank(last, pp):
+            activations += terms.inflight(r) * post.act_bytes
+        split = terms.state_split
+        memory = {
+            "params": params[r] * split["params"],
+            "grads": params[r] * split["grads"],
+            "optimizer": params[r] * split["optimizer"],
+            "activations": activations,
+            "other": terms.transient_bytes + terms.reserve_bytes,
+        }
+        ranks.append(RankCost(rank=r, num_blocks=blocks[r], time_s=time[r], backward_s=bwd[r], tail_s=tail,
+                              params=params[r], memory_bytes=memory))
+    slowest = max(time)
+    steady = (m - 1) * slowest
+    fill_drain = sum(time) / v
+    tail = max(rk.tail_s for rk in ranks)
+    step = steady + fill_drain + tail
+    peak_rank = max(ranks, key=lambda rk: rk.peak_bytes)
+    n_blocks_total = sum(chunk_blocks)
+    per_mb = {
+        "compute": n_blocks_total * (b.time_s - b.recompute_s - b.tp_comm_s - b.cp_comm_s - b.zero_comm_s)
+        + pre.time_s + post.time_s - pre.tp_comm_s - post.tp_comm_s - pre.zero_comm_s - post.zero_comm_s,
+        "recompute": n_blocks_total * b.recompute_s,
+        "tp_comm": n_blocks_total * b.tp_comm_s + pre.tp_comm_s + post.tp_comm_s,
+        "cp_comm": n_blocks_total * b.cp_comm_s,
+        "zero_comm": n_blocks_total * b.zero_comm_s + pre.zero_comm_s + post.zero_comm_s,
+        "pp_comm": terms.p2p_s * 2 * last if pp > 1 else 0.0,
+    }
+    # Each part's share of the step: M micro-batches of work spread over pp ranks; the rest of the
+    # pipeline time is bubble (fill/drain and imbalance between stages). The parts sum to the step.
+    busy = sum(time)
+    breakdown = {k: val * m / pp for k, val in per_mb.items()}
+    breakdown["bubble"] = steady + fill_drain - m * busy / pp
+    optimizer = max(rk.params * terms.optimizer_s_per_param for rk in ranks)
+    breakdown["optimizer"] = optimizer
+    breakdown["dp_tail"] = tail - optimizer
+    return Estimate(
+        step_time_s=step,
+        tokens_per_s=tokens_per_step / step,
+        mfu=model_flops_per_step / (step * cfg.num_gpus * peak_flops),
+        peak_memory_bytes=peak_rank.peak_bytes,
+        capacity_bytes=terms.capacity_bytes,
+        memory_bytes=dict(peak_rank.memory_bytes),
+        time_breakdown_s=breakdown,
+        ranks=tuple(ranks),
+        bubble_fraction=max(0.0, breakdown["bubble"]) / step if step else 0.0,
+    )

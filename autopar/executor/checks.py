@@ -1,0 +1,78 @@
+"""Pre-flight checks: everything that can be wrong with (plan, model, world) is found here, before
+``init_process_group`` and before any collective, so a bad run is a one-line error, never a hang.
+"""
+
+from __future__ import annotations
+
+from autopar.errors import AutoparError
+from autopar.executor.introspect import ModelSpec, example_shape_check, inspect_model
+from autopar.modelfile import ModelFile
+from autopar.plan import Plan
+
+
+def check_world_size(plan: Plan, world_size: int) -> None:
+    par = plan.parallel
+    if world_size != par.world_size:
+        raise AutoparError(
+            f"the plan needs {par.world_size} processes (dp {par.dp} x tp {par.tp} x pp {par.pp} x cp {par.cp}) "
+            f"but {world_size} were started; run with --nproc-per-node {par.world_size}"
+        )
+
+
+def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple[ModelSpec, list[str]]:
+    """Validate the plan against the model file; returns the ModelSpec and warnings to print.
+
+    Errors (AutoparError): wrong world size, block count mismatch, TP/CP/recompute the model cannot
+    do, tp not dividing the heads. Warnings: sha256 mismatch (DESIGN §5: another file version warns).
+    """
+    warnings: list[str] = []
+    if world_size is not None:
+        check_world_size(plan, world_size)
+    model = mf.build("meta")
+    spec = inspect_model(mf, model)
+    par, where = plan.parallel, str(mf.path)
+    if spec.num_blocks != plan.model.num_blocks:
+        raise AutoparError(
+            f"the plan was made for a model with {plan.model.num_blocks} blocks but {where} has "
+            f"{spec.num_blocks} in {spec.blocks_path!r}; re-plan for this model"
+        )
+    if plan.model.sha256 is not None and plan.model.sha256 != mf.sha256:
+        warnings.append(
+            f"warning: {where} differs from the file the plan was made for (sha256 mismatch); "
+            "the plan may not be optimal"
+        )
+    if mf.seq_len is not None and mf.seq_len != plan.training.seq_len:
+        raise AutoparError(
+            f"the plan's training.seq_len = {plan.training.seq_len} but {where} has SEQ_LEN = {mf.seq_len}"
+        )
+    if par.tp > 1:
+        if spec.tp_plan is None:
+            raise AutoparError(f"{where} declares no tp_plan and none can be inferred; plan with tp = 1")
+        for name, heads in (("attention heads", spec.num_heads), ("key/value heads", spec.num_kv_heads)):
+            if heads is not None and heads % par.tp:
+                raise AutoparError(f"tp = {par.tp} does not divide the model's {heads} {name}; pick a tp that divides {heads}")
+        block = model.get_submodule(spec.blocks_path)[0]
+        for name, style in spec.tp_plan.items():
+            lin = block.get_submodule(name)
+            width = lin.out_features if style == "colwise" else lin.in_features
+            if width % par.tp:
+                raise AutoparError(f"tp = {par.tp} does not divide the width {width} of {name}; pick another tp")
+    if par.cp > 1:
+        if spec.core_name is None or not spec.accepts_positions:
+            raise AutoparError(
+                f"context parallelism needs an attention core submodule ('core') and forward(..., positions=); "
+                f"{where} lacks them; plan with cp = 1"
+            )
+        example_shape_check(mf.example_inputs(1), where, need_sequence=True)
+        if par.cp_kind == "ulysses" and spec.num_heads is not None and (spec.num_heads // par.tp) % par.cp:
+            raise AutoparError(
+                f"Ulysses cp = {par.cp} must divide the heads per tensor-parallel rank ({spec.num_heads // par.tp}); "
+                "use cp_kind ring or allgather"
+            )
+        if par.pp > 1:
+            raise AutoparError("cp > 1 together with pp > 1 is not supported by this executor yet; use one of them")
+    if par.recompute == "selective" and spec.core_name is None:
+        raise AutoparError(f"selective recompute needs an attention core submodule; {where} has none (use full)")
+    if plan.training.dtype == "fp16" and par.pp > 1:
+        raise AutoparError("fp16 needs loss scaling, which this executor does not do under pp; use bf16 or fp32")
+    return spec, warnings

@@ -1,0 +1,180 @@
+"""Context parallelism: the sequence is split over the cp ranks and attention is made exact again.
+
+torch's own ``context_parallel()`` is CUDA-only (DESIGN §8), so the three kinds are written here with
+autograd over torch.distributed collectives:
+
+* ``ring``: K/V blocks travel around the ring by P2P (``_RingShift``, an autograd.Function whose
+  backward sends the gradients the other way); each step's block attention is merged with an online
+  log-sum-exp. Every rank runs every send/receive step, also where the causal mask empties a block,
+  so forward and backward stay matched on all ranks (no deadlock).
+* ``allgather``: K/V all-gathered with ``all_gather_tensor_autograd`` (backward: reduce-scatter).
+* ``ulysses``: all-to-all (``all_to_all_single_autograd``) turns sequence shards into head shards,
+  full-sequence causal attention runs on heads/cp heads, and a second all-to-all turns back.
+
+Causal load balance: the sequence is cut into 2·cp chunks and rank i holds chunks i and 2cp-1-i
+(``shard_indices``), so every rank has the same amount of causal work. The model receives its
+tokens' true positions (``forward(tokens, positions=...)``), and masks are built from positions,
+so any token order is exact. GQA: K/V heads are repeated to the query heads first.
+
+Loss: next-token targets are built on the full sequence *before* sharding (``shard_batch``), each
+rank sums the cross-entropy of its tokens and divides by the global target count; the dp x cp
+gradient average divides by cp, so the local loss is multiplied by cp (``cp_next_token_loss``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE = -100
+_MASKED = -1.0e30  # finite: a fully masked block gets weight exp(-1e30 - lse) = 0, and no NaN grads
+
+
+def shard_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Token indices held by cp ``rank``: chunks ``rank`` and ``2cp-1-rank`` of 2cp equal chunks."""
+    if seq_len % (2 * cp):
+        # Cannot balance: fall back to contiguous shards (still exact, only less balanced).
+        n = seq_len // cp
+        return torch.arange(rank * n, (rank + 1) * n)
+    c = seq_len // (2 * cp)
+    a, b = rank, 2 * cp - 1 - rank
+    return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+
+
+def shard_batch(tokens: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(local tokens, local positions, local next-token targets) of a (b, s) token batch."""
+    idx = shard_indices(tokens.shape[1], cp, rank).to(tokens.device)
+    targets = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], IGNORE)], dim=1)
+    return tokens[:, idx], idx, targets[:, idx]
+
+
+def cp_next_token_loss(logits: torch.Tensor, local_targets: torch.Tensor, num_targets: int, cp: int) -> torch.Tensor:
+    """cp x (sum of this rank's token losses) / (global number of targets); see module docstring."""
+    vocab = logits.shape[-1]
+    total = F.cross_entropy(
+        logits.reshape(-1, vocab).float(), local_targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
+    return total * (cp / num_targets)
+
+
+def is_next_token_loss(loss_fn, tokens: torch.Tensor, vocab: int) -> bool:
+    """Numerically check that the model file's loss_fn is mean next-token cross-entropy."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(*tokens.shape, vocab, generator=g).to(tokens.device)
+    want = cp_next_token_loss(logits, shard_batch(tokens, 1, 0)[2], tokens.shape[0] * (tokens.shape[1] - 1), 1)
+    got = loss_fn(logits, tokens)
+    return bool(torch.isclose(got.float(), want, rtol=1e-5, atol=1e-6))
+
+
+def _peer(group: dist.ProcessGroup, group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank)
+
+
+def _send_recv(t: torch.Tensor, to: int, frm: int, group: dist.ProcessGroup) -> torch.Tensor:
+    out = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(group, to), group), dist.P2POp(dist.irecv, out, _peer(group, frm), group)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return out
+
+
+class _RingShift(torch.autograd.Function):
+    """Forward: send to rank+1, receive from rank-1. Backward: the gradient goes the other way."""
+
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, group: dist.ProcessGroup, cp: int, rank: int) -> torch.Tensor:
+        ctx.group, ctx.cp, ctx.rank = group, cp, rank
+        return _send_recv(kv, (rank + 1) % cp, (rank - 1) % cp, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _send_recv(grad, (ctx.rank - 1) % ctx.cp, (ctx.rank + 1) % ctx.cp, ctx.group), None, None, None
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_q: torch.Tensor, pos_k: torch.Tensor, scale: float):
+    """Attention of q against one K/V block with a causal mask from positions: (out, lse), fp32."""
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    s = s.masked_fill(pos_k[None, :] > pos_q[:, None], _MASKED)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v.float()), lse
+
+
+def _merge(out, lse, o_b, lse_b):
+    if out is None:
+        return o_b, lse_b
+    new = torch.logaddexp(lse, lse_b)
+    return out * torch.exp(lse - new)[..., None] + o_b * torch.exp(lse_b - new)[..., None], new
+
+
+class ContextParallelAttention(nn.Module):
+    """Drop-in replacement of a block's attention core for one cp rank (inputs are local shards)."""
+
+    def __init__(self, kind: str, group: dist.ProcessGroup, cp: int, rank: int, seq_len: int) -> None:
+        super().__init__()
+        self.kind, self.group, self.cp, self.rank = kind, group, cp, rank
+        self.positions = [shard_indices(seq_len, cp, r) for r in range(cp)]  # plain list: not a buffer
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: repeat K/V heads like SDPA enable_gqa
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        pos = [p.to(q.device) for p in self.positions]
+        if self.kind == "ring":
+            out = self._ring(q, k, v, pos, scale)
+        elif self.kind == "allgather":
+            out = self._allgather(q, k, v, pos, scale)
+        else:
+            return self._ulysses(q, k, v, pos)
+        return out.to(q.dtype)
+
+    def _ring(self, q, k, v, pos, scale):
+        out = lse = None
+        kv = torch.stack([k, v])
+        for step in range(self.cp):
+            src = (self.rank - step) % self.cp
+            o_b, l_b = _block(q, kv[0], kv[1], pos[self.rank], pos[src], scale)
+            out, lse = _merge(out, lse, o_b, l_b)
+            if step < self.cp - 1:
+                kv = _RingShift.apply(kv, self.group, self.cp, self.rank)
+        return out
+
+    def _allgather(self, q, k, v, pos, scale):
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        kv = torch.stack([k, v]).contiguous()  # (2, b, h, s_local, d): one collective for K and V
+        kv_all = all_gather_tensor_autograd(kv, gather_dim=3, group=self.group)
+        out, _ = _block(q, kv_all[0], kv_all[1], pos[self.rank], torch.cat(pos), scale)
+        return out
+
+    def _ulysses(self, q, k, v, pos):
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        b, h, s_l, d = q.shape
+        cp = self.cp
+
+        def to_heads(x: torch.Tensor) -> torch.Tensor:  # (b, h, s_l, d) -> (b, h/cp, s, d) in rank order
+            y = all_to_all_single_autograd(x.permute(1, 0, 2, 3).contiguous(), None, None, self.group)
+            return y.view(cp, h // cp, b, s_l, d).permute(2, 1, 0, 3, 4).reshape(b, h // cp, cp * s_l, d)
+
+        order = torch.argsort(torch.cat(pos))  # rank-order -> natural sequence order
+        qs, ks, vs = (to_heads(x)[:, :, order] for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        o = o[:, :, torch.argsort(order)].reshape(b, h // cp, cp, s_l, d).permute(2, 1, 0, 3, 4).reshape(h, b, s_l, d)
+        back = all_to_all_single_autograd(o.contiguous(), None, None, self.group)
+        return back.view(h, b, s_l, d).permute(1, 0, 2, 3)
+
+
+def apply_cp(part: nn.Module, blocks_path: str, core_name: str, *, kind: str, group: dist.ProcessGroup, cp: int, rank: int, seq_len: int) -> None:
+    """Replace the attention core of every block of ``part`` by a ContextParallelAttention."""
+    blocks = part.get_submodule(blocks_path)
+    for key, block in blocks.named_children():
+        if not key.isdigit():
+            continue
+        parent_name, _, leaf = core_name.rpartition(".")
+        parent = block.get_submodule(parent_name) if parent_name else block
+        setattr(parent, leaf, ContextParallelAttention(kind, group, cp, rank, seq_len))

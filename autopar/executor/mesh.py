@@ -1,0 +1,110 @@
+"""The device mesh of a plan: ranks laid out ``[pp, dp, cp, tp]``, tp innermost (DESIGN §3).
+
+``build_mesh`` must be called by every rank (DeviceMesh creates the sub-groups collectively). All
+groups the executor uses come from this one mesh, so DTensor TP, FSDP2 sharding and the pipeline's
+P2P all agree on which rank is which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.plan import Plan
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Coords:
+    """This rank's coordinate on each mesh axis (pure function of the global rank)."""
+
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+
+def rank_coords(rank: int, plan: Plan) -> Coords:
+    """Coordinates of global ``rank`` in the row-major ``[pp, dp, cp, tp]`` layout."""
+    par = plan.parallel
+    tp = rank % par.tp
+    cp = (rank // par.tp) % par.cp
+    dp = (rank // (par.tp * par.cp)) % par.dp
+    pp = rank // (par.tp * par.cp * par.dp)
+    return Coords(pp=pp, dp=dp, cp=cp, tp=tp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelMesh:
+    """The world mesh plus the sub-meshes and groups each parallelism uses.
+
+    ``dp_cp`` is the mesh that gradients are averaged / ZeRO-sharded over: data parallelism and
+    context parallelism both split the tokens of one step, so both take part (DESIGN §5: "zero ...
+    sharded over dp (x cp)").
+    """
+
+    world: DeviceMesh
+    coords: Coords
+    device: torch.device
+    plan: Plan
+
+    @property
+    def pp(self) -> DeviceMesh:
+        return self.world["pp"]
+
+    @property
+    def dp(self) -> DeviceMesh:
+        return self.world["dp"]
+
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.world["cp"]
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.world["tp"]
+
+    @property
+    def dp_cp(self) -> DeviceMesh:
+        """1-D mesh over dp x cp (flattened once, cached by DeviceMesh under the name ``dp_cp``)."""
+        if self.plan.parallel.cp == 1:
+            return self.dp
+        if self.plan.parallel.dp == 1:
+            return self.cp
+        return self.world["dp", "cp"]._flatten("dp_cp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.pp.get_group()
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self.cp.get_group()
+
+
+def device_for_rank() -> torch.device:
+    """CUDA device of the local rank when CUDA is present, else CPU (gloo)."""
+    if torch.cuda.is_available():
+        import os
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def build_mesh(plan: Plan, device: torch.device) -> ParallelMesh:
+    """Create the ``[pp, dp, cp, tp]`` mesh. The process group must already be initialised."""
+    par = plan.parallel
+    world = init_device_mesh(
+        device.type, (par.pp, par.dp, par.cp, par.tp), mesh_dim_names=MESH_DIMS
+    )
+    return ParallelMesh(world=world, coords=rank_coords(dist.get_rank(), plan), device=device, plan=plan)

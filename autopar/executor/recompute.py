@@ -1,0 +1,51 @@
+"""Activation recompute with ``torch.utils.checkpoint`` (non-reentrant).
+
+* ``full``: each block's forward runs under checkpoint; only its input is kept and the whole block
+  is re-run in backward.
+* ``selective`` (Korthikanti et al.): only the attention core (the s^2 softmax part, GPT's
+  ``attn.core`` / Llama's ``attention.core``) is recomputed.
+
+The checkpoint is installed by overriding the module instance's ``forward`` rather than wrapping the
+module, so parameter names do not change (plans, state dicts and FSDP2 see the same names). Applied
+before FSDP2/DDP: FSDP2's pre-backward hook then unshards the block's parameters before the
+recompute runs, as in torchtitan's order (AC inside, FSDP outside).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from autopar.executor.introspect import ModelSpec
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    inner = module.forward  # bound method of the class (or an earlier override)
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward  # instance attribute shadows the class method
+
+
+def apply_recompute(part: nn.Module, spec: ModelSpec, mode: str) -> int:
+    """Install recompute on every block of ``part``; returns how many modules were wrapped."""
+    if mode == "none":
+        return 0
+    blocks = part.get_submodule(spec.blocks_path)
+    count = 0
+    for key, block in blocks.named_children():
+        if not key.isdigit():
+            continue
+        if mode == "full":
+            _checkpoint_forward(block)
+        elif mode == "selective":
+            assert spec.core_name is not None, "preflight guarantees an attention core"
+            _checkpoint_forward(block.get_submodule(spec.core_name))
+        else:
+            raise ValueError(f"unknown recompute mode {mode!r}")
+        count += 1
+    return count
