@@ -73,6 +73,10 @@ class Cluster:
     inter_node: Link  # per GPU share of the node's NICs (one rail per GPU)
     framework_reserve_bytes: float  # CUDA context, NCCL buffers, allocator fragmentation
     optimizer_bytes_per_param: float = 32.0  # HBM traffic of a fused Adam step per parameter
+    # How the training software behaves (the same GPUs run Megatron-LM and torchtitan differently):
+    overlap_grad_reduce: bool = True  # DP gradient collectives overlap the last backward (DDP/FSDP do)
+    async_tp_backward: bool = False  # TP backward all-reduce overlaps the weight-gradient GEMM (Megatron)
+    pipeline_scatter_gather: bool = False  # a PP send goes 1/tp per rail, re-gathered on NVLink (Megatron)
     source: Path | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -142,12 +146,28 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
             inter_node=_link(_get(net, "inter_node", f"{where} network"), f"{where} network.inter_node"),
             framework_reserve_bytes=_num(gpu, "framework_reserve_bytes", f"{where} gpu"),
             optimizer_bytes_per_param=_num(eff, "optimizer_bytes_per_param", f"{where} efficiency", 32.0),
+            **_software(data.get("software", {}), f"{where} software"),
             source=source,
         )
     except ClusterError:
         raise
     except (TypeError, ValueError) as exc:
         raise ClusterError(f"{where}: {exc}") from None
+
+
+_SOFTWARE_KEYS = ("overlap_grad_reduce", "async_tp_backward", "pipeline_scatter_gather")
+
+
+def _software(data: Any, where: str) -> dict[str, bool]:
+    if not isinstance(data, Mapping):
+        raise ClusterError(f"{where} must be a mapping")
+    unknown = sorted(set(data) - set(_SOFTWARE_KEYS))
+    if unknown:
+        raise ClusterError(f"{where}: unknown key '{unknown[0]}'; allowed: {', '.join(_SOFTWARE_KEYS)}")
+    for key, value in data.items():
+        if not isinstance(value, bool):
+            raise ClusterError(f"{where}: '{key}' must be true or false")
+    return dict(data)
 
 
 def resolve_profile_path(name_or_path: str) -> Path:

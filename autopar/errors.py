@@ -31,4 +31,6 @@ class ClusterError(AutoparError):
 
 
 class InfeasibleError(AutoparError):
-    """No plan fits the device memory (or no legal plan exists)."""
+    """No plan fits the device memory (or no legal plan exists). Exit code 3."""
+
+    exit_code = 3

@@ -27,6 +27,7 @@ class RegionTime:
     fwd_s: float
     bwd_s: float
     core_fwd_s: float  # forward time of the attention core: what selective recompute re-runs
+    bwd_gemm_s: float  # backward GEMM time: the window in which backward collectives can hide
     fwd_flops: float
     bwd_flops: float
     saved_bytes: float  # activations kept for backward without recompute
@@ -65,11 +66,11 @@ _CACHE: dict[tuple, tuple[RegionFit, RegionTime]] = {}
 def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shape | None = None) -> RegionTime:
     """Compute time and saved bytes of ``fit`` at ``shape`` (cached)."""
     core_shape = core_shape or shape
-    key = (id(fit), cluster.name, cluster.peak_flops, shape, core_shape)
+    key = (id(fit), cluster, shape, core_shape)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is fit:
         return hit[1]
-    fwd = bwd = core = fwd_f = bwd_f = 0.0
+    fwd = bwd = core = fwd_f = bwd_f = bwd_gemm = 0.0
     for op in fit.ops:
         core_op = is_core(op)
         secs, flops = op_time_s(op, core_shape if core_op else shape, cluster)
@@ -81,6 +82,8 @@ def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shap
         else:
             bwd += secs
             bwd_f += flops
+            if op.kind == "gemm":
+                bwd_gemm += secs
     saved = core_saved = 0.0
     for q in fit.saved:
         if q.exps.quadratic:
@@ -89,7 +92,7 @@ def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shap
         else:
             b = q.nbytes * shape.scale(q.exps)
         saved += b
-    out = RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, fwd_flops=fwd_f, bwd_flops=bwd_f,
+    out = RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=bwd_gemm, fwd_flops=fwd_f, bwd_flops=bwd_f,
                      saved_bytes=saved, core_saved_bytes=core_saved)
     _CACHE[key] = (fit, out)
     return out

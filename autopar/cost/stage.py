@@ -82,6 +82,7 @@ class StageTerms:
     state_split: dict[str, float]  # params / grads / optimizer bytes per parameter
     grad_sync_s_per_param: float  # end-of-step DP/ZeRO collectives per parameter on the rank
     grad_sync_floor_s: float  # the part that can never overlap (last bucket)
+    grad_sync_overlaps: bool  # False: the whole gradient collective runs after backward
     param_gather_s_per_param: float  # ZeRO-1/2 all-gather of updated parameters
     optimizer_s_per_param: float
     transient_bytes: float  # ZeRO-3 gathered block, recompute working set
@@ -114,7 +115,14 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     block = _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes)
     pre = _edge_part(graph, cluster, cfg, "pre", shape, tp_link, dpcp_link, tokens_bytes)
     post = _edge_part(graph, cluster, cfg, "post", shape, tp_link, dpcp_link, tokens_bytes, with_loss=True)
-    p2p = collective_time_s("p2p", tokens_bytes / sp, mesh.link(cluster, "pp")) if cfg.pp > 1 else 0.0
+    p2p = 0.0
+    if cfg.pp > 1:
+        if cluster.pipeline_scatter_gather and sp == 1.0 and cfg.tp > 1:
+            # Each tp rank sends 1/tp of the activation on its own rail, then the receivers all-gather it.
+            p2p = collective_time_s("p2p", tokens_bytes / cfg.tp, mesh.link(cluster, "pp")) + \
+                collective_time_s("all_gather", tokens_bytes, tp_link)
+        else:
+            p2p = collective_time_s("p2p", tokens_bytes / sp, mesh.link(cluster, "pp"))
 
     d = cfg.dtype_bytes
     n_shard = cfg.dp * cfg.cp
@@ -137,6 +145,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         state_bytes_per_param=state.total,
         state_split={"params": state.params, "grads": state.grads, "optimizer": state.optimizer},
         grad_sync_s_per_param=per_param_sync if cfg.zero in (0, 1) else 0.0,
+        grad_sync_overlaps=cluster.overlap_grad_reduce,
         grad_sync_floor_s=bucket_ar if cfg.zero in (0, 1) and n_shard > 1 else 0.0,
         param_gather_s_per_param=gather,
         optimizer_s_per_param=optimizer_s,
@@ -159,18 +168,31 @@ def _grad_sync_time(cfg: Config, link, num_params: float) -> float:  # noqa: ANN
 
 
 def _tp_time(cluster: Cluster, cfg: Config, fit_comm, phase: str, shape: Shape, link) -> float:  # noqa: ANN001
+    """Tensor-parallel collectives of one block in ``phase``: an all-reduce per recorded message,
+    or with sequence parallelism an all-gather plus a reduce-scatter of the same size."""
     if cfg.tp == 1:
         return 0.0
     total = 0.0
+    plain = Shape(b=shape.b, s_ratio=shape.s_ratio, kv_ratio=shape.kv_ratio, t=shape.t)
     for q in fit_comm:
         if q.phase != phase:
             continue
-        nbytes = q.nbytes * Shape(b=shape.b, s_ratio=shape.s_ratio, kv_ratio=shape.kv_ratio, t=shape.t).scale(q.exps)
+        nbytes = q.nbytes * plain.scale(q.exps)
         if cfg.sequence_parallel:
             total += collective_time_s("all_gather", nbytes, link) + collective_time_s("reduce_scatter", nbytes, link)
         else:
             total += collective_time_s("all_reduce", nbytes, link)
     return total
+
+
+def _tp_backward_exposed(cfg: Config, tp_bwd_s: float, wgrad_window_s: float) -> float:
+    """Backward TP communication left after overlap (Megatron's async tensor-parallel backward):
+    the all-reduce of a column-parallel layer's input gradient runs while its weight gradient is
+    computed. With sequence parallelism the all-gather that re-forms the input overlaps the same
+    way, but the reduce-scatter of the input gradient (half the traffic) stays exposed."""
+    if cfg.sequence_parallel:
+        return tp_bwd_s / 2 + max(0.0, tp_bwd_s / 2 - wgrad_window_s)
+    return max(0.0, tp_bwd_s - wgrad_window_s)
 
 
 def _cp_time(graph: ModelGraph, cfg: Config, link, tokens_bytes: float, core_fwd_s: float) -> tuple[float, float]:  # noqa: ANN001
@@ -211,7 +233,10 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
     fit = graph.regions["block"]
     rt = region_time(fit, cluster, shape, core_shape)
     tp_f = _tp_time(cluster, cfg, fit.comm, "fwd", shape, tp_link)
+    # Weight-gradient GEMMs are half of the backward GEMMs: the window the backward collectives hide in.
     tp_b = _tp_time(cluster, cfg, fit.comm, "bwd", shape, tp_link)
+    if cluster.async_tp_backward:
+        tp_b = _tp_backward_exposed(cfg, tp_b, rt.bwd_gemm_s / 2)
     cp_f, cp_b = _cp_time(graph, cfg, cp_link, tokens_bytes, rt.core_fwd_s)
     fwd = rt.fwd_s + tp_f + cp_f
     if cfg.recompute == "full":

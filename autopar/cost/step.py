@@ -97,7 +97,10 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
     ranks = []
     for r in range(pp):
         sync = params[r] * terms.grad_sync_s_per_param
-        tail = max(terms.grad_sync_floor_s if sync > 0 else 0.0, sync - bwd[r])
+        if terms.grad_sync_overlaps:
+            tail = max(terms.grad_sync_floor_s if sync > 0 else 0.0, sync - bwd[r])
+        else:
+            tail = sync
         tail += params[r] * (terms.param_gather_s_per_param + terms.optimizer_s_per_param)
         inflight = terms.inflight(r)
         activations = inflight * act[r]

@@ -7,7 +7,7 @@ autograd over torch.distributed collectives:
   backward sends the gradients the other way); each step's block attention is merged with an online
   log-sum-exp. Every rank runs every send/receive step, also where the causal mask empties a block,
   so forward and backward stay matched on all ranks (no deadlock).
-* ``allgather``: K/V all-gathered with ``all_gather_tensor_autograd`` (backward: reduce-scatter).
+* ``allgather``: K/V all-gathered with ``all_gather_single_autograd`` (backward: reduce-scatter).
 * ``ulysses``: all-to-all (``all_to_all_single_autograd``) turns sequence shards into head shards,
   full-sequence causal attention runs on heads/cp heads, and a second all-to-all turns back.
 
@@ -144,10 +144,10 @@ class ContextParallelAttention(nn.Module):
         return out
 
     def _allgather(self, q, k, v, pos, scale):
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        from torch.distributed._functional_collectives import all_gather_single_autograd
 
         kv = torch.stack([k, v]).contiguous()  # (2, b, h, s_local, d): one collective for K and V
-        kv_all = all_gather_tensor_autograd(kv, gather_dim=3, group=self.group)
+        kv_all = all_gather_single_autograd(kv, gather_dim=3, group=self.group)
         out, _ = _block(q, kv_all[0], kv_all[1], pos[self.rank], torch.cat(pos), scale)
         return out
 

@@ -127,9 +127,9 @@ def apply_tp(
     tp_mesh: DeviceMesh,
     *,
     sequence_parallel: bool,
-    block_indices: list[int],
 ) -> None:
-    """Parallelise the blocks of ``part`` in place; ``block_indices`` are their global indices."""
+    """Parallelise the blocks of ``part`` in place. Block keys are their global indices (pipeline
+    chunks keep the original keys), which is how the first and last block are recognised for SP."""
     assert spec.tp_plan, "preflight guarantees a tp_plan when tp > 1"
     blocks = part.get_submodule(spec.blocks_path)
     for key, block in blocks.named_children():

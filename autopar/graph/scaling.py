@@ -104,10 +104,12 @@ def _exp(base: float, other: float, factor: float) -> float:
 
 
 def _exps(base: float, b2: float | None, s_half: float | None, t2: float | None) -> Exps:
+    # Clamped to what a layer can physically do: at most linear in the batch and in 1/tp, at most
+    # quadratic in the sequence. (A value outside means two different kernels were paired.)
     return Exps(
-        b=_exp(base, b2, 2.0) if b2 is not None else 1.0,
-        s=_exp(base, s_half, 0.5) if s_half is not None else 0.0,
-        t=-_exp(base, t2, 2.0) if t2 is not None else 0.0,
+        b=min(1.0, max(0.0, _exp(base, b2, 2.0))) if b2 is not None else 1.0,
+        s=min(2.0, max(0.0, _exp(base, s_half, 0.5))) if s_half is not None else 0.0,
+        t=min(1.0, max(0.0, -_exp(base, t2, 2.0))) if t2 is not None else 0.0,
     )
 
 

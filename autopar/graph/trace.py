@@ -119,14 +119,13 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func._overloadpacket.__name__
-        if name in _FREE_OPS:
-            return out
-        is_view = bool(func._schema.returns) and all(
-            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
-        )
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         flat_out = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]
         self.alive.extend(flat_out)
+        self.alive.extend(flat_in)
+        is_view = name in _FREE_OPS or (bool(func._schema.returns) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
+        ))
         if is_view:
             if flat_in:
                 for o in flat_out:

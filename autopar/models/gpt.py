@@ -177,3 +177,27 @@ GPT_TP_PLAN = {
     "mlp.fc1": "colwise",
     "mlp.fc2": "rowwise",
 }
+
+
+def model_file(config: GPTConfig) -> str:
+    """The source of a model file (DESIGN §4) for this config, e.g. to write next to a plan."""
+    return f'''"""Megatron GPT: {config!r}"""
+from autopar.models.gpt import GPT, GPT_TP_PLAN, GPTConfig, example_tokens, next_token_loss
+
+CONFIG = {config!r}
+SEQ_LEN = CONFIG.seq_len
+tp_plan = GPT_TP_PLAN
+pipeline_blocks = "layers"
+
+
+def build_model():
+    return GPT(CONFIG)
+
+
+def example_inputs(micro_batch_size: int):
+    return example_tokens(CONFIG.seq_len, CONFIG.vocab_size, micro_batch_size)
+
+
+def loss_fn(output, inputs):
+    return next_token_loss(output, inputs)
+'''

@@ -175,3 +175,28 @@ LLAMA_TP_PLAN = {
     "feed_forward.w3": "colwise",
     "feed_forward.w2": "rowwise",
 }
+
+
+def model_file(config: LlamaConfig) -> str:
+    """The source of a model file (DESIGN §4) for this config."""
+    return f'''"""Llama-3: {config!r}"""
+from autopar.models.gpt import example_tokens, next_token_loss
+from autopar.models.llama import LLAMA_TP_PLAN, Llama, LlamaConfig
+
+CONFIG = {config!r}
+SEQ_LEN = CONFIG.seq_len
+tp_plan = LLAMA_TP_PLAN
+pipeline_blocks = "layers"
+
+
+def build_model():
+    return Llama(CONFIG)
+
+
+def example_inputs(micro_batch_size: int):
+    return example_tokens(CONFIG.seq_len, CONFIG.vocab_size, micro_batch_size)
+
+
+def loss_fn(output, inputs):
+    return next_token_loss(output, inputs)
+'''

@@ -1,0 +1,128 @@
+"""autopar's command line: the only module that reads argv and prints.
+
+Exit codes: 0 success; 2 bad input (a one-line ``autopar: error: ...`` on stderr, nothing written);
+3 no plan fits the device memory; 1 an internal error (a bug: please report it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from typing import Sequence
+
+from autopar import __version__
+from autopar.errors import AutoparError
+
+EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_INFEASIBLE = 0, 1, 2, 3
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (what is wrong and where to look), exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _warn(message: str) -> None:
+    print(f"autopar: warning: {message}", file=sys.stderr)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from autopar.cluster import load_cluster
+    from autopar.cost.estimate import estimate_json, estimate_plan
+    from autopar.graph import build_graph
+    from autopar.modelfile import load_model_file
+    from autopar.plan import load_plan
+    from autopar.report import estimate_report
+
+    plan = load_plan(args.plan)
+    cluster = load_cluster(args.cluster or plan.cluster.profile)
+    if args.cluster is None and plan.cluster.gpus_per_node != cluster.gpus_per_node:
+        _warn(f"plan has {plan.cluster.gpus_per_node} GPUs per node, profile {cluster.name} has {cluster.gpus_per_node}")
+    mf = load_model_file(args.model or plan.model.file)
+    if plan.model.sha256 and plan.model.sha256 != mf.sha256:
+        _warn(f"{mf.path} changed since the plan was made (sha256 differs); the estimate is for the file as it is now")
+    graph = build_graph(mf, seq_len=plan.training.seq_len, dtype=plan.training.dtype)
+    est = estimate_plan(plan, graph, cluster)
+    if args.json:
+        print(json.dumps(estimate_json(est), indent=2))
+    else:
+        print(estimate_report(plan, est, graph.name, graph.num_params, cluster.name))
+    return EXIT_OK
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    from autopar.cluster import list_profiles, load_cluster
+    from autopar.report import table
+
+    rows = []
+    for name, path in sorted(list_profiles().items()):
+        c = load_cluster(str(path))
+        rows.append((name, c.gpu_name, f"{c.peak_flops / 1e12:,.0f}", f"{c.memory_bytes / 2**30:,.0f}",
+                     f"{c.memory_bandwidth_bytes_per_s / 1e12:.2f}", c.gpus_per_node,
+                     f"{c.intra_node.bandwidth_bytes_per_s / 1e9:,.0f}", f"{c.inter_node.bandwidth_bytes_per_s / 1e9:,.0f}",
+                     str(path)))
+    print(table(["profile", "gpu", "TFLOP/s", "GiB", "HBM TB/s", "gpus/node", "NVLink GB/s", "NIC GB/s/gpu", "file"],
+                rows, align="llrrrrrrl"))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="autopar", description="Plan and run hybrid-parallel PyTorch training.")
+    parser.add_argument("--version", action="version", version=f"autopar {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("estimate", help="predict step time, MFU and memory of a plan",
+                       description="Predict the step time, tokens/s, MFU and per-GPU memory of PLAN for MODEL.")
+    p.add_argument("model", metavar="MODEL.py", nargs="?", help="model file (default: the plan's model.file)")
+    p.add_argument("plan", metavar="PLAN.yaml", help="plan file (YAML v1)")
+    p.add_argument("--cluster", metavar="NAME|PATH", help="cluster profile (default: the plan's cluster.profile)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the estimate --json contract)")
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("profiles", help="list the cluster profiles with their key figures",
+                       description="List shipped and local cluster profiles (./profiles, $AUTOPAR_PROFILES).")
+    p.set_defaults(func=cmd_profiles)
+
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub: argparse._SubParsersAction) -> None:
+    """Commands that live in their own packages (search, executor), registered when present."""
+    if importlib.util.find_spec("autopar.search.cli_plan") is not None:
+        from autopar.search.cli_plan import add_plan_arguments, plan_main
+
+        p = sub.add_parser("plan", help="search the fastest plan that fits memory",
+                           description="Search (ILP, OR-Tools CP-SAT) for the fastest plan of MODEL on N GPUs.")
+        add_plan_arguments(p)
+        p.set_defaults(func=plan_main)
+    if importlib.util.find_spec("autopar.executor.cli_run") is not None:
+        from autopar.executor.cli_run import add_run_arguments, run_main
+
+        p = sub.add_parser("run", help="train with a plan (torch.distributed)",
+                           description="Apply PLAN to the model and train for a few steps; report measured vs predicted.")
+        add_run_arguments(p)
+        p.set_defaults(func=run_main)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except AutoparError as exc:
+        print(f"autopar: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,215 @@
+"""The ONE place that fixes the order in which a plan is applied to a model.
+
+Order (each step sees the result of the previous one):
+
+1. build the user's model on the **meta** device (no memory);
+2. **pipeline split** (outside everything): this rank's chunk(s) of the plan's stage ranges;
+3. inside each chunk: **TP (+SP)** with DTensor -> **CP** (attention core replaced) ->
+   **recompute** (checkpointed forwards);
+4. **materialise**: ``to_empty`` on the device, then every parameter is filled from a full model
+   built on CPU from the seed (``torch.manual_seed(seed); build_model()``), sliced to this rank's
+   TP shard. The weights are therefore exactly the single-process model's for the same seed, for
+   any plan. (This needs the full model once in host memory per rank -- fine for CPU-sized and
+   mid-sized models; a per-shard initialiser is future work.) Done before step 5 because DDP and
+   ZeRO-1 broadcast / FSDP2 shards whatever real tensors they are given;
+5. **ZeRO / FSDP2 / DDP** over the dp x cp mesh;
+6. pipeline stages + schedule over the wrapped chunks; optimizer over all local parameters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from autopar.executor import pipeline_parallel as pipe
+from autopar.executor.context_parallel import apply_cp
+from autopar.executor.data_parallel import DataParallelResult, apply_data_parallel, build_optimizer
+from autopar.executor.introspect import ModelSpec
+from autopar.executor.mesh import ParallelMesh
+from autopar.executor.recompute import apply_recompute
+from autopar.executor.tensor_parallel import apply_tp, fused_row_permutations
+from autopar.modelfile import ModelFile
+from autopar.plan import Plan
+
+_WRAPPER_PREFIXES = ("module.", "model.")
+
+
+def original_name(name: str) -> str:
+    """Full-model parameter name of a (possibly DDP- or stage-wrapped) local parameter name."""
+    for prefix in _WRAPPER_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+@dataclass(kw_only=True)
+class Executable:
+    """Everything the training loop needs; built by ``build_executable`` on every rank."""
+
+    plan: Plan
+    spec: ModelSpec
+    mesh: ParallelMesh
+    parts: list[nn.Module]  # wrapped (DDP / FSDP / plain) local chunks; one when pp == 1
+    dp: list[DataParallelResult]
+    optimizer: torch.optim.Optimizer
+    permutations: dict[str, torch.Tensor]
+    schedule: Any = None  # torch.distributed.pipelining schedule when pp > 1
+    stages: list[Any] = field(default_factory=list)
+    chunk_ids: list[int] = field(default_factory=list)
+    tied: list[tuple[list[str], dist.ProcessGroup | None]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """Local parameters by original full-model name (deduplicated)."""
+        out: dict[str, nn.Parameter] = {}
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                out.setdefault(original_name(name), p)
+        return out
+
+
+def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(shard)
+        else:
+            param.copy_(full)
+
+
+def materialise(part: nn.Module, reference: nn.Module, device: torch.device, perms: dict[str, torch.Tensor]) -> None:
+    """Allocate ``part`` on ``device`` and copy the seed-initialised ``reference`` values in.
+
+    ``to_empty`` gives every module its own new Parameter (meta and real tensors cannot share a
+    storage swap), which would silently untie shared weights (GPT's embedding = output head), so
+    the ties are recorded first and restored after.
+    """
+    aliases: dict[int, list[str]] = {}
+    for name, p in part.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    part.to_empty(device=device)
+    for names in aliases.values():
+        keep = part.get_parameter(names[0])
+        for other in names[1:]:
+            owner, _, leaf = other.rpartition(".")
+            setattr(part.get_submodule(owner) if owner else part, leaf, keep)
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    ref.update(dict(reference.named_buffers(remove_duplicate=False)))
+    for name, t in list(part.named_parameters()) + list(part.named_buffers()):
+        key = original_name(name)
+        full = ref[key].detach()
+        if key in perms:
+            full = full[perms[key]]
+        _copy_into(t, full.to(device))
+
+
+def reference_model(mf: ModelFile, seed: int) -> nn.Module:
+    """The single-process model for ``seed``: what every plan's weights must equal."""
+    torch.manual_seed(seed)
+    return mf.build("cpu")
+
+
+def build_executable(
+    plan: Plan, mf: ModelFile, spec: ModelSpec, mesh: ParallelMesh, *, seed: int, lr: float,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> Executable:
+    """Apply ``plan`` to the model of ``mf`` on this rank (collective: every rank must call it)."""
+    par, device, notes = plan.parallel, mesh.device, []
+    zero = par.zero
+    if zero == 1 and par.tp > 1:
+        notes.append("zero 1 with tp > 1: ZeroRedundancyOptimizer cannot take DTensor parameters; using ZeRO-2 (FSDP2)")
+        zero = 2
+    model = mf.build("meta")  # 1. meta
+    perms = fused_row_permutations(model, spec, par.tp)
+
+    # 2. pipeline split (outside)
+    chunk_ids: list[int] = [0]
+    parts: list[nn.Module] = [model]
+    all_chunk_names: list[set[str]] = []
+    if par.pp > 1:
+        meta_inputs = mf.example_inputs(plan.training.micro_batch_size, "meta")
+        probe = pipe.probe_structure(model, spec, meta_inputs)
+        ranges = plan.stage_ranges()
+        n = len(ranges)
+        chunks = [
+            pipe.build_chunk(model, spec, probe, rng, is_first=c == 0, is_last=c == n - 1, meta_inputs=meta_inputs)
+            for c, rng in enumerate(ranges)
+        ]
+        all_chunk_names = [{original_name(k) for k, _ in ch.named_parameters(remove_duplicate=False)} for ch in chunks]
+        chunk_ids = pipe.local_chunk_ids(plan, mesh.coords.pp)
+        parts = [chunks[c] for c in chunk_ids]
+        del chunks
+
+    # 3. inside each chunk: TP(+SP) -> CP -> recompute
+    prefix = "model." if par.pp > 1 else ""
+    for part in parts:
+        if par.tp > 1:
+            sub_spec = spec if not prefix else _prefixed(spec, prefix)
+            apply_tp(part, sub_spec, mesh.tp, sequence_parallel=par.sequence_parallel)
+        if par.cp > 1:
+            assert spec.core_name is not None
+            apply_cp(part, prefix + spec.blocks_path, spec.core_name, kind=par.cp_kind, group=mesh.cp_group,
+                     cp=par.cp, rank=mesh.coords.cp, seq_len=plan.training.seq_len)
+        apply_recompute(part, _prefixed(spec, prefix), par.recompute)
+
+    # 4. materialise from the seed-built full model
+    reference = reference_model(mf, seed)
+    for part in parts:
+        materialise(part, reference, device, perms)
+    del reference
+
+    # 5. ZeRO / FSDP2 / DDP over dp x cp
+    dp_mesh = mesh.dp_cp
+    wrapped: list[DataParallelResult] = []
+    for part in parts:
+        blocks = [m for k, m in part.get_submodule(prefix + spec.blocks_path).named_children() if k.isdigit()]
+        wrapped.append(apply_data_parallel(part, blocks, dp_mesh, zero=zero, dtype=plan.training.dtype, device=device))
+
+    # 6. pipeline schedule, optimizer, tied-weight groups
+    exe = Executable(
+        plan=plan, spec=spec, mesh=mesh, parts=[w.module for w in wrapped], dp=wrapped,
+        optimizer=None,  # type: ignore[arg-type]  # set below, needs the wrapped parameters
+        permutations=perms, chunk_ids=chunk_ids, notes=notes,
+    )
+    params = list(exe.named_parameters().values())
+    exe.optimizer = build_optimizer(params, plan.training.optimizer, lr, any(w.sharded_optimizer for w in wrapped), dp_mesh)
+    if par.pp > 1:
+        assert loss_fn is not None, "the pipeline's last stage computes the loss"
+        exe.schedule, exe.stages = pipe.build_schedule(plan, exe.parts, chunk_ids, mesh.pp_group, device, loss_fn)
+        exe.tied = pipe.tied_groups(model, plan, all_chunk_names)
+    return exe
+
+
+def _prefixed(spec: ModelSpec, prefix: str) -> ModelSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, blocks_path=prefix + spec.blocks_path) if prefix else spec
+
+
+def full_parameters(exe: Executable) -> dict[str, torch.Tensor]:
+    """This rank's parameters as full (unsharded, un-permuted) CPU tensors, by original name.
+
+    Collective over each parameter's mesh (all ranks of a pipeline stage must call it).
+    """
+    out: dict[str, torch.Tensor] = {}
+    local = {original_name(n): p for part in exe.parts for n, p in part.named_parameters(remove_duplicate=False)}
+    for name, p in local.items():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        t = t.detach().float().cpu()
+        if name in exe.permutations:
+            t = t[torch.argsort(exe.permutations[name])]
+        out[name] = t
+    return out
+
+
+def check_no_meta(exe: Executable) -> None:
+    for name, p in exe.named_parameters().items():
+        if p.is_meta:
+            raise RuntimeError(f"parameter {name} was not materialised")
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")

@@ -1,0 +1,243 @@
+"""The training loop: deterministic data, micro-batches / gradient accumulation, metrics.
+
+Data: the model file's ``dataset(global_batch_size, step, seed)`` when it defines one (it returns one
+global batch in ``example_inputs`` form); otherwise synthetic: the shapes and dtypes of
+``example_inputs(global_batch_size)`` with values redrawn per step from a generator seeded by
+(seed, step) -- integers uniform in [0, max(example)] (token ids stay inside the vocabulary),
+floats standard normal. Every rank builds the same global batch and takes its dp slice (rows
+[d·G/dp, (d+1)·G/dp)), then micro-batches of ``micro_batch_size``; the single-process reference
+(``run_reference``) walks the same rows, so losses and parameters must match.
+
+Loss semantics (= the reference): the mean over all micro-batches of ``loss_fn`` per micro-batch.
+
+Peak memory per rank: ``torch.cuda.max_memory_allocated`` on GPU. On CPU there are no allocator
+statistics, so it is the growth of the process's peak RSS (``getrusage ru_maxrss``) over its value
+when the run started -- includes allocator slack and the full-model copy used for initialisation.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.errors import AutoparError
+from autopar.executor.apply import Executable, reference_model
+from autopar.executor.context_parallel import cp_next_token_loss, is_next_token_loss, shard_batch
+from autopar.executor.data_parallel import DTYPES, build_optimizer
+from autopar.executor.pipeline_parallel import sync_tied_grads
+from autopar.modelfile import ModelFile, call_model
+from autopar.plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """Measured outcome of a run (identical on every rank)."""
+
+    losses: tuple[float, ...]
+    step_times_s: tuple[float, ...]  # per step, max over ranks
+    step_time_s: float  # mean over steps after the first (warm-up) when there are >= 2
+    tokens_per_s: float
+    peak_memory_bytes: tuple[int, ...]  # per rank
+    memory_measure: str
+    notes: tuple[str, ...] = ()
+
+
+def _redraw(x: Any, g: torch.Generator) -> Any:
+    if isinstance(x, torch.Tensor):
+        if x.dtype.is_floating_point:
+            return torch.randn(x.shape, generator=g, dtype=x.dtype)
+        if x.dtype == torch.bool:
+            return torch.randint(0, 2, x.shape, generator=g).bool()
+        high = int(x.max().item()) + 1 if x.numel() else 1
+        return torch.randint(0, max(high, 1), x.shape, generator=g, dtype=x.dtype)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_redraw(v, g) for v in x)
+    if isinstance(x, dict):
+        return {k: _redraw(v, g) for k, v in x.items()}
+    return x
+
+
+def global_batch(mf: ModelFile, size: int, step: int, seed: int) -> Any:
+    """The step's global batch on CPU (see module docstring)."""
+    dataset = getattr(mf.module, "dataset", None)
+    if callable(dataset):
+        return dataset(size, step, seed)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return _redraw(mf.example_inputs(size, "cpu"), g)
+
+
+def rows(x: Any, start: int, end: int) -> Any:
+    """Rows [start, end) of every tensor in a batch (dim 0 is the sample dimension)."""
+    if isinstance(x, torch.Tensor):
+        return x[start:end]
+    if isinstance(x, (tuple, list)):
+        return type(x)(rows(v, start, end) for v in x)
+    if isinstance(x, dict):
+        return {k: rows(v, start, end) for k, v in x.items()}
+    return x
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    return x
+
+
+def _autocast(plan: Plan, device: torch.device, fsdp: bool):
+    """bf16/fp16 autocast for the non-FSDP paths (FSDP2 casts via its MixedPrecisionPolicy)."""
+    if plan.training.dtype == "fp32" or fsdp:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[plan.training.dtype])
+
+
+def peak_memory_bytes(device: torch.device, baseline: int) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline)
+
+
+def rss_baseline() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _Trainer:
+    def __init__(self, exe: Executable, mf: ModelFile) -> None:
+        self.exe, self.mf, self.plan = exe, mf, exe.plan
+        if mf.loss_fn is None:
+            raise AutoparError(f"{mf.path} defines no loss_fn(output, inputs); the executor needs one to train")
+        self.loss_fn: Callable = mf.loss_fn
+        self.checked_cp_loss = False
+
+    def step(self, batch: Any) -> torch.Tensor:
+        """One optimizer step on this rank's dp slice; returns this rank's loss contribution."""
+        exe, plan = self.exe, self.plan
+        par, mbs, m = plan.parallel, plan.training.micro_batch_size, plan.num_microbatches
+        fsdp = any(w.kind == "fsdp" for w in exe.dp)
+        with _autocast(plan, exe.mesh.device, fsdp):
+            if exe.schedule is not None:
+                contrib = self._pipeline_step(batch)
+            else:
+                contrib = self._flat_step(batch, mbs, m)
+        if exe.tied:
+            sync_tied_grads(exe.named_parameters(), exe.tied)
+        exe.optimizer.step()
+        exe.optimizer.zero_grad(set_to_none=True)
+        return contrib
+
+    def _flat_step(self, batch: Any, mbs: int, m: int) -> torch.Tensor:
+        exe, par = self.exe, self.plan.parallel
+        model, kind = exe.parts[0], exe.dp[0].kind
+        contrib = torch.zeros((), device=exe.mesh.device)
+        for i in range(m):
+            mb = rows(batch, i * mbs, (i + 1) * mbs)
+            sync = model.no_sync() if kind == "ddp" and i < m - 1 else nullcontext()
+            with sync:
+                if par.cp > 1:
+                    loss = self._cp_loss(model, mb)
+                else:
+                    loss = self.loss_fn(call_model(model, mb), mb)
+                (loss / m).backward()
+            contrib += loss.detach().float() / m
+        return contrib
+
+    def _cp_loss(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        par = self.plan.parallel
+        local, positions, targets = shard_batch(tokens, par.cp, self.exe.mesh.coords.cp)
+        logits = model(local, positions=positions)
+        if not self.checked_cp_loss:
+            if not is_next_token_loss(self.loss_fn, tokens, logits.shape[-1]):
+                raise AutoparError("context parallelism needs loss_fn to be mean next-token cross-entropy")
+            self.checked_cp_loss = True
+        return cp_next_token_loss(logits, targets, tokens.shape[0] * (tokens.shape[1] - 1), par.cp)
+
+    def _pipeline_step(self, batch: Any) -> torch.Tensor:
+        exe = self.exe
+        is_first = 0 in exe.chunk_ids
+        is_last = self.plan.parallel.num_stage_chunks - 1 in exe.chunk_ids
+        losses: list[torch.Tensor] = []
+        if is_first:
+            exe.schedule.step(batch)
+        elif is_last:
+            exe.schedule.step(target=batch, losses=losses)
+        else:
+            exe.schedule.step()
+        if is_last and losses:
+            return torch.stack([l.detach().float() for l in losses]).mean()
+        return torch.zeros((), device=exe.mesh.device)
+
+
+def train(exe: Executable, mf: ModelFile, *, steps: int, seed: int, log: Callable[[str], None] | None = None) -> RunResult:
+    """Run ``steps`` optimizer steps (collective). Every rank returns the same RunResult."""
+    plan, device = exe.plan, exe.mesh.device
+    par, g = plan.parallel, plan.training.global_batch_size
+    baseline = rss_baseline()
+    trainer = _Trainer(exe, mf)
+    per_dp = g // par.dp
+    d = exe.mesh.coords.dp
+    losses, times = [], []
+    for step in range(steps):
+        batch = to_device(rows(global_batch(mf, g, step, seed), d * per_dp, (d + 1) * per_dp), device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        contrib = trainer.step(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - t0
+        stats = torch.tensor([float(contrib), elapsed], dtype=torch.float64, device=device)
+        total = stats[:1].clone()
+        dist.all_reduce(total)
+        dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
+        loss = float(total) / (par.dp * par.cp * par.tp)
+        losses.append(loss)
+        times.append(float(stats[1]))
+        if log is not None:
+            log(f"step {step + 1}/{steps}  loss {loss:.6f}  time {times[-1] * 1e3:.1f} ms  "
+                f"tokens/s {g * plan.training.seq_len / times[-1]:.0f}")
+    peak = torch.tensor([peak_memory_bytes(device, baseline if device.type != "cuda" else 0)], dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, peak)
+    steady = times[1:] if len(times) >= 2 else times
+    mean = sum(steady) / len(steady)
+    return RunResult(
+        losses=tuple(losses),
+        step_times_s=tuple(times),
+        step_time_s=mean,
+        tokens_per_s=g * plan.training.seq_len / mean,
+        peak_memory_bytes=tuple(int(t.item()) for t in gathered),
+        memory_measure="torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS growth (getrusage ru_maxrss)",
+        notes=tuple(exe.notes),
+    )
+
+
+def run_reference(mf: ModelFile, plan: Plan, *, steps: int, seed: int, lr: float) -> tuple[list[float], nn.Module]:
+    """Single-process run of the same model, seed, data and optimizer: the equivalence oracle."""
+    model = reference_model(mf, seed)
+    opt = build_optimizer(list(model.parameters()), plan.training.optimizer, lr, False, None)
+    g, mbs = plan.training.global_batch_size, plan.training.micro_batch_size
+    n = g // mbs
+    losses = []
+    for step in range(steps):
+        batch = global_batch(mf, g, step, seed)
+        total = 0.0
+        for i in range(n):
+            mb = rows(batch, i * mbs, (i + 1) * mbs)
+            with _autocast(plan, torch.device("cpu"), False):
+                loss = mf.loss_fn(call_model(model, mb), mb)
+            (loss / n).backward()
+            total += float(loss.detach()) / n
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses, model

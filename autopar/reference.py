@@ -1,0 +1,110 @@
+"""Published reference runs as plans: Megatron SC21 Table 1, Korthikanti 2022 Table 4, ZeRO SC20.
+
+Used by the calibration benchmark and the tests. The data files are read from ``../shared/calibration``
+when present (the project's shared copy) and otherwise from the copy shipped in ``calibration/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from autopar.graph import ModelGraph, build_graph
+from autopar.models.gpt import GPTConfig, model_file
+
+REPO = Path(__file__).resolve().parent.parent
+_CAL_DIRS = (REPO.parent / "shared" / "calibration", REPO / "calibration")
+
+
+def calibration_file(name: str) -> Path:
+    for d in _CAL_DIRS:
+        if (d / name).is_file():
+            return d / name
+    raise FileNotFoundError(f"calibration file {name} not found in {', '.join(map(str, _CAL_DIRS))}")
+
+
+def load_calibration(name: str) -> dict:
+    return yaml.safe_load(calibration_file(name).read_text(encoding="utf-8"))
+
+
+def gpt_model_path(cfg: GPTConfig) -> Path:
+    """A model file for ``cfg`` in a per-user temp directory (content-addressed, written once)."""
+    src = model_file(cfg)
+    digest = hashlib.sha256(src.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / "autopar-models" / f"gpt_{digest}.py"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(src, encoding="utf-8")
+        tmp.replace(path)
+    return path
+
+
+def gpt_graph(cfg: GPTConfig, dtype: str = "bf16") -> ModelGraph:
+    return build_graph(str(gpt_model_path(cfg)), dtype=dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronRow:
+    """One row of Megatron SC21 Table 1 (full recompute, no SP, ZeRO-0, fp16)."""
+
+    params_billion: float
+    num_heads: int
+    hidden_size: int
+    num_layers: int
+    tp: int
+    pp: int
+    num_gpus: int
+    global_batch: int
+    tflops_per_gpu: float
+    dp: int
+    micro_batch: int
+    layers_per_virtual_stage: int | None
+    iteration_time_s: float
+
+    @property
+    def virtual_stages(self) -> int:
+        if not self.layers_per_virtual_stage:
+            return 1
+        return (self.num_layers // self.pp) // self.layers_per_virtual_stage
+
+    @property
+    def config(self) -> GPTConfig:
+        return GPTConfig(num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
+                         seq_len=2048, vocab_size=51200)
+
+
+def megatron_rows() -> list[MegatronRow]:
+    data = load_calibration("megatron_sc21_table1.yaml")
+    cols = data["columns"]
+    rename = {"heads": "num_heads", "hidden": "hidden_size", "layers": "num_layers", "gpus": "num_gpus"}
+    return [MegatronRow(**{rename.get(c, c): v for c, v in zip(cols, row)}) for row in data["rows"]]
+
+
+def megatron_plan(row: MegatronRow):  # noqa: ANN201 - returns autopar.plan.Plan
+    """The published configuration of ``row`` as a plan v1."""
+    from autopar.plan import ClusterRef, ModelRef, Parallel, Plan, Training
+
+    v = row.virtual_stages
+    return Plan(
+        model=ModelRef(file=str(gpt_model_path(row.config)), num_blocks=row.num_layers),
+        cluster=ClusterRef(profile="a100-80g", num_gpus=row.num_gpus, gpus_per_node=8),
+        training=Training(global_batch_size=row.global_batch, micro_batch_size=row.micro_batch, seq_len=2048,
+                          dtype="fp16", optimizer="adam"),
+        parallel=Parallel(dp=row.dp, tp=row.tp, pp=row.pp, recompute="full",
+                          pp_schedule="interleaved-1f1b" if v > 1 else "1f1b", pp_virtual_stages=v),
+    )
+
+
+KORTHIKANTI_22B = GPTConfig(num_layers=48, hidden_size=6144, num_heads=64, seq_len=2048, vocab_size=51200)
+TABLE4_MODES = {  # experiment -> (sequence_parallel, recompute)
+    "baseline_no_recompute": (False, "none"),
+    "sequence_parallel": (True, "none"),
+    "full_recompute": (False, "full"),
+    "selective_recompute": (False, "selective"),
+    "selective_and_sequence": (True, "selective"),
+}
