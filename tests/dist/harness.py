@@ -1,0 +1,133 @@
+"""Spawn helpers for the distributed equivalence tests (gloo on CPU).
+
+One spawn per world size runs many plan cases in sequence (process start costs seconds, DESIGN §8).
+Rank 0 of each case saves ``{case}.pt`` = {"losses": [...], "params": {name: full tensor}} into a
+result directory; the test process compares them with ``run_reference`` of the same seed and data.
+A case that raises aborts the whole spawn (its peers would otherwise wait in a collective); the
+cases already finished keep their results and the rest report the error.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autopar.plan import plan_from_dict
+
+HERE = Path(__file__).resolve().parent
+MODELS = {
+    "gpt": HERE / "models" / "tiny_gpt.py",
+    "llama": HERE / "models" / "tiny_llama.py",
+    "mlp": HERE.parents[1] / "examples" / "mlp.py",
+}
+BLOCKS = {"gpt": 4, "llama": 4, "mlp": 12}
+SEQ = {"gpt": 32, "llama": 32, "mlp": 1}
+STEPS, SEED, LR = 3, 1234, 1e-3
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """A named plan for one model: ``parallel`` keys as in the plan YAML."""
+
+    name: str
+    model: str
+    parallel: dict[str, Any] = field(default_factory=dict)
+    global_batch_size: int = 4
+    micro_batch_size: int = 1
+
+    def plan_dict(self) -> dict[str, Any]:
+        par = {"dp": 1, "tp": 1, "pp": 1, **self.parallel}
+        n = par["dp"] * par["tp"] * par["pp"] * par.get("cp", 1)
+        return {
+            "version": 1,
+            "model": {"file": str(MODELS[self.model]), "num_blocks": BLOCKS[self.model]},
+            "cluster": {"profile": "a100-80g", "num_gpus": n, "gpus_per_node": 8},
+            "training": {
+                "global_batch_size": self.global_batch_size,
+                "micro_batch_size": self.micro_batch_size,
+                "seq_len": SEQ[self.model],
+                "dtype": "fp32",
+                "optimizer": "adamw",
+            },
+            "parallel": par,
+        }
+
+    def plan(self):
+        return plan_from_dict(self.plan_dict())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_case(case: Case, out_dir: Path) -> None:
+    from autopar.executor.apply import build_executable, full_parameters
+    from autopar.executor.checks import preflight
+    from autopar.executor.mesh import build_mesh
+    from autopar.executor.train import train
+    from autopar.modelfile import load_model_file
+
+    plan = case.plan()
+    mf = load_model_file(plan.model.file)
+    spec, _ = preflight(plan, mf, dist.get_world_size())
+    mesh = build_mesh(plan, torch.device("cpu"))
+    exe = build_executable(plan, mf, spec, mesh, seed=SEED, lr=LR, loss_fn=mf.loss_fn)
+    result = train(exe, mf, steps=STEPS, seed=SEED)
+    params = full_parameters(exe)
+    c = mesh.coords
+    mine = params if (c.dp, c.cp, c.tp) == (0, 0, 0) else None
+    everything: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, mine)
+    if dist.get_rank() == 0:
+        merged: dict[str, torch.Tensor] = {}
+        for d in everything:
+            if d:
+                merged.update(d)
+        torch.save({"losses": list(result.losses), "params": merged, "notes": list(result.notes)}, out_dir / f"{case.name}.pt")
+    dist.barrier()
+
+
+def _worker(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for case in cases:
+            try:
+                _run_case(case, Path(out_dir))
+            except BaseException:
+                (Path(out_dir) / f"{case.name}.err").write_text(traceback.format_exc())
+                raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_cases(world: int, cases: list[Case]) -> dict[str, Any]:
+    """Run ``cases`` on ``world`` gloo ranks; returns {case name: result dict or error string}."""
+    out_dir = tempfile.mkdtemp(prefix=f"autopar-dist{world}-")
+    error = None
+    try:
+        mp.spawn(_worker, args=(world, _free_port(), cases, out_dir), nprocs=world, join=True)
+    except Exception as exc:  # noqa: BLE001 - reported per case below
+        error = f"spawn failed: {exc}"
+    results: dict[str, Any] = {}
+    for case in cases:
+        ok, err = Path(out_dir) / f"{case.name}.pt", Path(out_dir) / f"{case.name}.err"
+        if ok.exists():
+            results[case.name] = torch.load(ok, weights_only=False)
+        elif err.exists():
+            results[case.name] = err.read_text()
+        else:
+            results[case.name] = error or "case did not run"
+    return results

@@ -1,0 +1,84 @@
+"""Issue 4 acceptance: every plan gives the single-process losses (fp32, rel 1e-4) and parameters.
+
+Three spawns in all (2, 4 and 8 ranks), each running its cases in sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from conftest import reference_for
+from harness import Case, spawn_cases
+
+pytestmark = pytest.mark.dist
+
+
+def _model_cases(model: str) -> list[Case]:
+    c = functools.partial(Case, model=model)
+    return [
+        c(name=f"{model}-dp2", parallel={"dp": 2}),
+        c(name=f"{model}-zero1", parallel={"dp": 2, "zero": 1}),
+        c(name=f"{model}-zero2", parallel={"dp": 2, "zero": 2}),
+        c(name=f"{model}-zero3", parallel={"dp": 2, "zero": 3}),
+        c(name=f"{model}-tp2-sp", parallel={"tp": 2, "sequence_parallel": True}),
+        c(name=f"{model}-tp2", parallel={"tp": 2}),
+        c(name=f"{model}-cp2-ring", parallel={"cp": 2, "cp_kind": "ring"}),
+        c(name=f"{model}-cp2-allgather", parallel={"cp": 2, "cp_kind": "allgather"}),
+        c(name=f"{model}-cp2-ulysses", parallel={"cp": 2, "cp_kind": "ulysses"}),
+        c(name=f"{model}-pp2-gpipe", parallel={"pp": 2, "pp_schedule": "gpipe"}),
+        c(name=f"{model}-pp2-1f1b", parallel={"pp": 2, "pp_schedule": "1f1b"}),
+        c(name=f"{model}-pp2-interleaved", parallel={"pp": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 2}),
+        c(name=f"{model}-pp2-uneven", parallel={"pp": 2, "pp_schedule": "1f1b", "stages": [[0, 1], [1, 4]]}),
+        c(name=f"{model}-dp2-selective", parallel={"dp": 2, "recompute": "selective"}),
+        c(name=f"{model}-tp2-full", parallel={"tp": 2, "recompute": "full"}),
+    ]
+
+
+CASES_2 = _model_cases("gpt") + _model_cases("llama") + [
+    Case(name="mlp-dp2", model="mlp", parallel={"dp": 2}),
+    Case(name="mlp-zero3", model="mlp", parallel={"dp": 2, "zero": 3}),
+    Case(name="mlp-pp2", model="mlp", parallel={"pp": 2, "pp_schedule": "1f1b"}),
+]
+CASES_4 = [
+    Case(name=f"{m}-dp2xtp2", model=m, parallel={"dp": 2, "tp": 2, "sequence_parallel": True}) for m in ("gpt", "llama")
+] + [Case(name="gpt-dp2xtp2-zero3", model="gpt", parallel={"dp": 2, "tp": 2, "zero": 3})]
+CASES_8 = [
+    Case(name=f"{m}-pp2xdp2xtp2", model=m, parallel={"pp": 2, "dp": 2, "tp": 2, "pp_schedule": "1f1b"})
+    for m in ("gpt", "llama")
+]
+WORLD = {2: CASES_2, 4: CASES_4, 8: CASES_8}
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int) -> dict:
+    return spawn_cases(world, WORLD[world])
+
+
+def _check(world: int, case: Case) -> None:
+    got = _results(world)[case.name]
+    assert isinstance(got, dict), f"{case.name} failed:\n{got}"
+    ref_losses, ref_params = reference_for(case)
+    assert len(got["losses"]) == len(ref_losses)
+    for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
+        assert a == pytest.approx(b, rel=1e-4), f"step {step}: loss {a} vs reference {b}"
+    assert set(got["params"]) == set(ref_params), "parameter names differ from the single-process model"
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(got["params"][name], ref, rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=lambda c: c.name)
+def test_two_ranks(case: Case) -> None:
+    _check(2, case)
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=lambda c: c.name)
+def test_four_ranks(case: Case) -> None:
+    _check(4, case)
+
+
+@pytest.mark.parametrize("case", CASES_8, ids=lambda c: c.name)
+def test_eight_ranks(case: Case) -> None:
+    _check(8, case)
