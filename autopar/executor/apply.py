@@ -192,15 +192,18 @@ def _prefixed(spec: ModelSpec, prefix: str) -> ModelSpec:
     return dataclasses.replace(spec, blocks_path=prefix + spec.blocks_path) if prefix else spec
 
 
-def full_parameters(exe: Executable) -> dict[str, torch.Tensor]:
-    """This rank's parameters as full (unsharded, un-permuted) CPU tensors, by original name.
-
-    Collective over each parameter's mesh (all ranks of a pipeline stage must call it).
+def full_parameters(exe: Executable, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's parameters (or their gradients) as full, unsharded, un-permuted CPU tensors,
+    by original name, tied aliases included. Collective over each parameter's mesh (all ranks of a
+    pipeline stage must call it). Missing gradients come back as zeros.
     """
     out: dict[str, torch.Tensor] = {}
     local = {original_name(n): p for part in exe.parts for n, p in part.named_parameters(remove_duplicate=False)}
     for name, p in local.items():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
+        t = p
+        if grads:
+            t = p.grad if p.grad is not None else torch.zeros_like(p)
+        t = t.full_tensor() if isinstance(t, DTensor) else t
         t = t.detach().float().cpu()
         if name in exe.permutations:
             t = t[torch.argsort(exe.permutations[name])]

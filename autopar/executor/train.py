@@ -119,8 +119,12 @@ class _Trainer:
         self.loss_fn: Callable = mf.loss_fn
         self.checked_cp_loss = False
 
-    def step(self, batch: Any) -> torch.Tensor:
-        """One optimizer step on this rank's dp slice; returns this rank's loss contribution."""
+    def step(self, batch: Any, on_grads: Callable[[], None] | None = None) -> torch.Tensor:
+        """One optimizer step on this rank's dp slice; returns this rank's loss contribution.
+
+        ``on_grads`` runs after the gradients are final (reduced, tied copies synced) and before
+        the optimizer step -- the tests use it to compare gradients with the reference.
+        """
         exe, plan = self.exe, self.plan
         par, mbs, m = plan.parallel, plan.training.micro_batch_size, plan.num_microbatches
         fsdp = any(w.kind == "fsdp" for w in exe.dp)
@@ -131,6 +135,8 @@ class _Trainer:
                 contrib = self._flat_step(batch, mbs, m)
         if exe.tied:
             sync_tied_grads(exe.named_parameters(), exe.tied)
+        if on_grads is not None:
+            on_grads()
         exe.optimizer.step()
         exe.optimizer.zero_grad(set_to_none=True)
         return contrib
@@ -177,8 +183,14 @@ class _Trainer:
         return torch.zeros((), device=exe.mesh.device)
 
 
-def train(exe: Executable, mf: ModelFile, *, steps: int, seed: int, log: Callable[[str], None] | None = None) -> RunResult:
-    """Run ``steps`` optimizer steps (collective). Every rank returns the same RunResult."""
+def train(
+    exe: Executable, mf: ModelFile, *, steps: int, seed: int, log: Callable[[str], None] | None = None,
+    on_grads: Callable[[int], None] | None = None,
+) -> RunResult:
+    """Run ``steps`` optimizer steps (collective). Every rank returns the same RunResult.
+
+    ``on_grads(step)``: optional hook between backward and the optimizer step (see _Trainer.step).
+    """
     plan, device = exe.plan, exe.mesh.device
     par, g = plan.parallel, plan.training.global_batch_size
     baseline = rss_baseline()
@@ -191,7 +203,7 @@ def train(exe: Executable, mf: ModelFile, *, steps: int, seed: int, log: Callabl
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        contrib = trainer.step(batch)
+        contrib = trainer.step(batch, None if on_grads is None else lambda: on_grads(step))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
@@ -221,7 +233,9 @@ def train(exe: Executable, mf: ModelFile, *, steps: int, seed: int, log: Callabl
     )
 
 
-def run_reference(mf: ModelFile, plan: Plan, *, steps: int, seed: int, lr: float) -> tuple[list[float], nn.Module]:
+def run_reference(
+    mf: ModelFile, plan: Plan, *, steps: int, seed: int, lr: float, on_grads: Callable[[int, nn.Module], None] | None = None
+) -> tuple[list[float], nn.Module]:
     """Single-process run of the same model, seed, data and optimizer: the equivalence oracle."""
     model = reference_model(mf, seed)
     opt = build_optimizer(list(model.parameters()), plan.training.optimizer, lr, False, None)
@@ -237,6 +251,8 @@ def run_reference(mf: ModelFile, plan: Plan, *, steps: int, seed: int, lr: float
                 loss = mf.loss_fn(call_model(model, mb), mb)
             (loss / n).backward()
             total += float(loss.detach()) / n
+        if on_grads is not None:
+            on_grads(step, model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)

@@ -22,9 +22,15 @@ def _reference(model: str, global_batch_size: int, micro_batch_size: int):
     plan = case.plan()
     mf = load_model_file(plan.model.file)
     torch.set_num_threads(2)
-    losses, model_ = run_reference(mf, plan, steps=STEPS, seed=SEED, lr=LR)
+    grads: dict = {}
+
+    def grab(step, model):
+        if step == 0:
+            grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)})
+
+    losses, model_ = run_reference(mf, plan, steps=STEPS, seed=SEED, lr=LR, on_grads=grab)
     params = {n: p.detach().clone() for n, p in model_.named_parameters(remove_duplicate=False)}
-    return losses, params
+    return losses, params, grads
 
 
 def reference_for(case: Case):

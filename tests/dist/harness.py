@@ -83,18 +83,29 @@ def _run_case(case: Case, out_dir: Path) -> None:
     spec, _ = preflight(plan, mf, dist.get_world_size())
     mesh = build_mesh(plan, torch.device("cpu"))
     exe = build_executable(plan, mf, spec, mesh, seed=SEED, lr=LR, loss_fn=mf.loss_fn)
-    result = train(exe, mf, steps=STEPS, seed=SEED)
+    first_grads: dict[str, torch.Tensor] = {}
+
+    def grab(step: int) -> None:
+        if step == 0:
+            first_grads.update(full_parameters(exe, grads=True))
+
+    result = train(exe, mf, steps=STEPS, seed=SEED, on_grads=grab)
     params = full_parameters(exe)
     c = mesh.coords
-    mine = params if (c.dp, c.cp, c.tp) == (0, 0, 0) else None
+    mine = (params, first_grads) if (c.dp, c.cp, c.tp) == (0, 0, 0) else None
     everything: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everything, mine)
     if dist.get_rank() == 0:
         merged: dict[str, torch.Tensor] = {}
+        grads: dict[str, torch.Tensor] = {}
         for d in everything:
             if d:
-                merged.update(d)
-        torch.save({"losses": list(result.losses), "params": merged, "notes": list(result.notes)}, out_dir / f"{case.name}.pt")
+                merged.update(d[0])
+                grads.update(d[1])
+        torch.save(
+            {"losses": list(result.losses), "params": merged, "grads": grads, "notes": list(result.notes)},
+            out_dir / f"{case.name}.pt",
+        )
     dist.barrier()
 
 

@@ -1,0 +1,216 @@
+r"""The inner problem: split L repeated blocks over pipeline chunks, as a CP-SAT integer program.
+
+For one configuration (``StageTerms``: pp ranks, v chunks per rank, C = pp * v chunks, chunk c on
+rank r(c) = c mod pp, M micro-batches), with per-block coefficients tau (forward+backward time of
+one micro-batch), beta (its backward part), pi (parameters on a rank), alpha (activation bytes per
+in-flight micro-batch), sigma (model-state bytes per parameter) and I_r the in-flight micro-batches
+of rank r:
+
+    variables   N_r in {v..L}  (blocks on pipeline rank r),   T >= 0,   Z >= 0
+
+    minimise    (M - 1) T + (1/v) sum_r t_r + Z
+
+    where       t_r   = tau  N_r + f_r          (f_r: embedding on rank 0, head + loss on the last
+                                                 chunk's rank, point-to-point sends of its chunks)
+                b_r   = beta N_r + g_r          (backward of one micro-batch: the overlap window)
+                P_r   = pi   N_r + p_r          (parameters held by rank r)
+
+    subject to  sum_r N_r = L                                       (blocks)
+                T >= t_r                              for all r     (slowest stage)
+                Z >= floor + (gather + opt) P_r       for all r     (tail: last bucket, update)
+                Z >= (sync + gather + opt) P_r - b_r  for all r     (tail: unhidden gradient sync)
+                sigma P_r + I_r (alpha N_r + a_r) + other <= capacity   for all r   (memory)
+
+A rank's N_r blocks are dealt to its v chunks as evenly as possible (sizes differ by at most one),
+because the fill/drain term sum_r t_r / v assumes a rank's chunks take equal time; the split is
+uneven across ranks, where it pays off (embedding and head, 1F1B in-flight memory). Every cost term
+depends on the chunks only through N_r, so the ILP needs one variable per rank, not per chunk,
+and its size does not grow with the number of blocks or virtual stages.
+
+This is exactly ``cost.step.evaluate`` for a split: the step time is linear in the n_c except for
+two maxima, which the epigraph variables T and Z represent exactly because they are minimised.
+Without overlap of the gradient sync the second tail family becomes Z >= (sync + gather + opt) P_r.
+
+Integers: seconds are scaled to nanoseconds and bytes kept as bytes (coefficients rounded up,
+capacity rounded down, so a split the ILP accepts always fits). The objective is therefore exact to
+L ns; the reported step time is the float ``evaluate`` of the split the solver returns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from autopar.cost.stage import StageTerms
+from autopar.cost.step import chunk_rank
+
+NS = 1e9  # time resolution: 1 ns
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitSolution:
+    """CP-SAT's answer for one configuration."""
+
+    chunk_blocks: tuple[int, ...] | None  # None: no split fits memory
+    status: str  # OPTIMAL | FEASIBLE | INFEASIBLE | UNKNOWN
+    objective_s: float
+    bound_s: float
+
+
+class SplitILP:
+    """Builds and solves the program in the module docstring; one method per constraint family."""
+
+    def __init__(self, terms: StageTerms, num_blocks: int) -> None:
+        self.terms = terms
+        self.cfg = terms.config
+        self.L = num_blocks
+        self.C = self.cfg.pp * self.cfg.virtual_stages
+        self.model = cp_model.CpModel()
+        self.ranks = range(self.cfg.pp)
+        self.last_rank = chunk_rank(self.C - 1, self.cfg.pp)
+        v = self.cfg.virtual_stages
+        self.N = [self.model.NewIntVar(v, num_blocks, f"N_{r}") for r in self.ranks]
+        horizon = int(NS * 1e6)
+        self.T = self.model.NewIntVar(0, horizon, "T")
+        self.Z = self.model.NewIntVar(0, horizon, "Z")
+
+    # -- coefficients ------------------------------------------------------------------------
+    def _fixed_time_ns(self, r: int) -> int:
+        t, last = self.terms, self.C - 1
+        f = 0.0
+        for c in range(self.C):
+            if chunk_rank(c, self.cfg.pp) == r and self.cfg.pp > 1:
+                f += t.p2p_s * ((c < last) + (c > 0))
+        if r == 0:
+            f += t.pre.time_s
+        if r == self.last_rank:
+            f += t.post.time_s
+        return round(f * NS)
+
+    def _fixed_params(self, r: int) -> float:
+        t = self.terms
+        return (t.pre.params if r == 0 else 0.0) + (t.post.params + t.tied_params if r == self.last_rank else 0.0)
+
+    def _fixed_bwd_s(self, r: int) -> float:
+        t = self.terms
+        return (t.pre.bwd_s if r == 0 else 0.0) + (t.post.bwd_s if r == self.last_rank else 0.0)
+
+    # -- constraint families -----------------------------------------------------------------
+    def _add_block_count_constraints(self) -> None:
+        self.model.Add(sum(self.N) == self.L)
+
+    def _add_slowest_stage_constraints(self) -> None:
+        tau = round(self.terms.block.time_s * NS)
+        for r in self.ranks:
+            self.model.Add(self.T >= tau * self.N[r] + self._fixed_time_ns(r))
+
+    def _add_tail_constraints(self) -> None:
+        t = self.terms
+        per_param_ns = (t.param_gather_s_per_param + t.optimizer_s_per_param) * NS
+        sync_ns = t.grad_sync_s_per_param * NS
+        for r in self.ranks:
+            fixed_p = self._fixed_params(r)
+            # Z >= floor + (gather + opt) P_r
+            self.model.Add(self.Z >= round(t.grad_sync_floor_s * NS + per_param_ns * fixed_p)
+                           + round(per_param_ns * t.block.params) * self.N[r])
+            if t.grad_sync_overlaps:
+                # Z >= (sync + gather + opt) P_r - b_r
+                coeff = round((sync_ns + per_param_ns) * t.block.params - t.block.bwd_s * NS)
+                const = round((sync_ns + per_param_ns) * fixed_p - self._fixed_bwd_s(r) * NS)
+            else:
+                coeff = round((sync_ns + per_param_ns) * t.block.params)
+                const = round((sync_ns + per_param_ns) * fixed_p)
+            self.model.Add(self.Z >= const + coeff * self.N[r])
+
+    def _add_memory_constraints(self) -> None:
+        t = self.terms
+        sigma = t.state_bytes_per_param
+        for r in self.ranks:
+            inflight = t.inflight(r)
+            per_block = math.ceil(sigma * t.block.params + inflight * t.block.act_bytes)
+            fixed = sigma * self._fixed_params(r) + t.transient_bytes + t.reserve_bytes
+            if r == 0:
+                fixed += inflight * t.pre.act_bytes
+            if r == self.last_rank:
+                fixed += inflight * t.post.act_bytes
+            self.model.Add(per_block * self.N[r] <= math.floor(t.capacity_bytes - fixed))
+
+    def _set_objective(self) -> None:
+        m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
+        tau = round(self.terms.block.time_s * NS)
+        fixed_sum = sum(self._fixed_time_ns(r) for r in self.ranks)
+        # sum_r t_r = tau * L + sum_r f_r is a constant; kept so the objective is the step time.
+        self.constant_ns = (tau * self.L + fixed_sum) / v
+        self.model.Minimize((m - 1) * self.T + self.Z)
+
+    def solve(self, time_limit_s: float = 10.0) -> SplitSolution:
+        self._add_block_count_constraints()
+        self._add_slowest_stage_constraints()
+        self._add_tail_constraints()
+        self._add_memory_constraints()
+        self._set_objective()
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = time_limit_s
+        solver.parameters.num_workers = 1  # tiny models: one worker is fastest and deterministic
+        status = solver.Solve(self.model)
+        name = solver.StatusName(status)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return SplitSolution(chunk_blocks=None, status=name, objective_s=math.inf, bound_s=math.inf)
+        blocks = deal_chunks([int(solver.Value(x)) for x in self.N], self.cfg.virtual_stages)
+        return SplitSolution(
+            chunk_blocks=blocks, status=name,
+            objective_s=(solver.ObjectiveValue() + self.constant_ns) / NS,
+            bound_s=(solver.BestObjectiveBound() + self.constant_ns) / NS,
+        )
+
+
+def solve_split(terms: StageTerms, num_blocks: int, time_limit_s: float = 10.0) -> SplitSolution:
+    """Optimal contiguous split of ``num_blocks`` blocks over the pipeline chunks of ``terms``."""
+    return SplitILP(terms, num_blocks).solve(time_limit_s)
+
+
+def rank_block_capacity(terms: StageTerms) -> list[int]:
+    """The most blocks each pipeline rank can hold within memory (the memory family alone).
+
+    A split exists iff every rank can hold its v chunks of one block and the capacities add up to
+    L; the search checks this before building an ILP."""
+    t = terms
+    pp, C = t.config.pp, t.config.pp * t.config.virtual_stages
+    last_rank = chunk_rank(C - 1, pp)
+    sigma = t.state_bytes_per_param
+    caps = []
+    for r in range(pp):
+        inflight = t.inflight(r)
+        per_block = math.ceil(sigma * t.block.params + inflight * t.block.act_bytes)
+        fixed_p = (t.pre.params if r == 0 else 0.0) + (t.post.params + t.tied_params if r == last_rank else 0.0)
+        fixed = sigma * fixed_p + t.transient_bytes + t.reserve_bytes
+        if r == 0:
+            fixed += inflight * t.pre.act_bytes
+        if r == last_rank:
+            fixed += inflight * t.post.act_bytes
+        room = math.floor(t.capacity_bytes - fixed)
+        caps.append(room // per_block if per_block > 0 else (10**9 if room >= 0 else -1))
+    return caps
+
+
+def deal_chunks(rank_blocks: list[int], virtual_stages: int) -> tuple[int, ...]:
+    """Chunk sizes in chunk order (chunk c on rank c mod pp) from per-rank block counts: each rank's
+    blocks dealt over its chunks as evenly as possible, the larger chunks first."""
+    pp = len(rank_blocks)
+    sizes = [0] * (pp * virtual_stages)
+    for r, n in enumerate(rank_blocks):
+        base, extra = divmod(n, virtual_stages)
+        for k in range(virtual_stages):
+            sizes[r + k * pp] = base + (1 if k < extra else 0)
+    return tuple(sizes)
+
+
+def valid_split(chunk_blocks: list[int] | tuple[int, ...], pp: int) -> bool:
+    """The rule ``deal_chunks`` follows: every chunk has a block, a rank's chunks differ by at most one."""
+    for r in range(pp):
+        sizes = chunk_blocks[r::pp]
+        if sizes and max(sizes) - min(sizes) > 1:
+            return False
+    return all(n >= 1 for n in chunk_blocks)

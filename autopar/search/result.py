@@ -1,0 +1,82 @@
+"""Turn search candidates into plan files and the ranked table ``autopar plan`` prints."""
+
+from __future__ import annotations
+
+from autopar.cluster import Cluster
+from autopar.cost.estimate import estimate_json
+from autopar.graph.model_graph import ModelGraph
+from autopar.modelfile import ModelFile
+from autopar.plan import ClusterRef, ModelRef, Parallel, Plan, Training
+from autopar.report import gib, seconds, table
+from autopar.search.search import Candidate, SearchResult
+from autopar.search.space import SearchSpace
+
+_DTYPE_NAMES = {2: "bf16", 4: "fp32"}
+
+
+def candidate_plan(cand: Candidate, mf: ModelFile, cluster_name: str, gpus_per_node: int,
+                   dtype: str | None = None) -> Plan:
+    """A plan v1 for ``cand``, its stage split explicit, its prediction attached."""
+    c = cand.config
+    ranges, start = [], 0
+    for n in cand.chunk_blocks:
+        ranges.append((start, start + n))
+        start += n
+    plan = Plan(
+        model=ModelRef(file=str(mf.path), num_blocks=sum(cand.chunk_blocks), sha256=mf.sha256),
+        cluster=ClusterRef(profile=cluster_name, num_gpus=c.num_gpus, gpus_per_node=gpus_per_node),
+        training=Training(global_batch_size=c.global_batch, micro_batch_size=c.micro_batch, seq_len=c.seq_len,
+                          dtype=dtype or _DTYPE_NAMES.get(c.dtype_bytes, "bf16"), optimizer=c.optimizer),
+        parallel=Parallel(dp=c.dp, tp=c.tp, pp=c.pp, cp=c.cp, cp_kind=c.cp_kind,
+                          sequence_parallel=c.sequence_parallel, zero=c.zero, recompute=c.recompute,
+                          pp_schedule=c.schedule, pp_virtual_stages=c.virtual_stages,
+                          stages=tuple(ranges) if c.pp > 1 else None),
+    )
+    prediction = estimate_json(cand.estimate)
+    prediction.pop("stages", None)
+    prediction["search"] = {"ilp_status": cand.ilp_status, "ilp_objective_s": cand.ilp_objective_s,
+                            "ilp_bound_s": cand.ilp_bound_s}
+    return plan.with_prediction(prediction)
+
+
+def _schedule(c) -> str:  # noqa: ANN001
+    if c.pp == 1:
+        return "-"
+    return "interleaved v=%d" % c.virtual_stages if c.schedule == "interleaved-1f1b" else c.schedule
+
+
+def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cluster: Cluster,
+                  space: SearchSpace) -> str:
+    rows = []
+    for i, cand in enumerate(result.top, 1):
+        c, e = cand.config, cand.estimate
+        split = "even" if len(set(cand.chunk_blocks)) <= 1 else "/".join(map(str, cand.chunk_blocks))
+        rows.append((i, c.dp, c.tp, c.pp, c.cp, c.cp_kind if c.cp > 1 else "-",
+                     "on" if c.sequence_parallel else "off" if c.tp > 1 else "-", c.zero, c.micro_batch,
+                     _schedule(c), split if c.pp > 1 else "-", c.recompute, f"{e.step_time_s:,.3f}",
+                     f"{e.tokens_per_s:,.0f}", f"{e.mfu * 100:.1f}", gib(e.peak_memory_bytes), gib(e.headroom_bytes)))
+    lines = [
+        f"model    {graph.name}: {graph.num_params / 1e9:,.2f} B parameters, {graph.num_blocks} blocks, "
+        f"seq {space.seq_len}, global batch {space.global_batch}",
+        f"cluster  {cluster.name}: {space.num_gpus} GPUs, {cluster.gpus_per_node} per node, "
+        f"{gib(cluster.memory_bytes)} GiB each",
+        "",
+        table(["#", "dp", "tp", "pp", "cp", "cp kind", "sp", "zero", "mb", "schedule", "blocks/stage", "recompute",
+               "step s", "tokens/s", "MFU %", "peak GiB", "headroom"],
+              rows, align="rrrrrllrrlllrrrrr"),
+        "",
+    ]
+    best = result.top[0]
+    status = "optimal" if result.optimal else "best found (an ILP hit its time limit)"
+    lines.append(
+        f"searched {result.num_configs:,} configurations in {result.elapsed_s:.2f} s: {result.num_evaluated:,} costed, "
+        f"{result.num_ilp_solved:,} stage-split ILPs; result {status} under the cost model"
+    )
+    lines.append(
+        f"best plan: ILP status {best.ilp_status}, objective {seconds(best.ilp_objective_s)}, "
+        f"bound {seconds(best.ilp_bound_s)}"
+    )
+    if result.rejected:
+        lines.append("rejected: " + "; ".join(f"{n:,} {why}" for why, n in
+                                               sorted(result.rejected.items(), key=lambda kv: -kv[1])))
+    return "\n".join(lines)

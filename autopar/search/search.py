@@ -1,0 +1,222 @@
+"""Branch and bound over the outer space, CP-SAT for the stage split; optimal under the cost model.
+
+1. Group legal configurations by what fixes a block's cost: (tp, cp, cp kind, sp, micro-batch,
+   recompute). For each group and pipeline degree a lower bound on the step time is the per-GPU
+   work M/pp * (L tau + embedding + head) with no bubble and no tail, tau the block time without
+   ZeRO-2/3 exposure (which only adds). A lower bound on memory is the model states alone.
+2. Visit (group, pp) pairs in increasing bound; inside, every schedule, v and ZeRO stage gets its
+   exact terms, a tighter bound (the balanced pipeline), and only then the ILP (pp > 1) or a direct
+   evaluation (pp = 1).
+3. Stop a branch when its bound cannot beat the K-th best plan found. Because every bound is a true
+   lower bound of ``cost.step.evaluate``, the top K returned are the top K of the whole space.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from autopar.cluster import Cluster
+from autopar.cost.stage import Config, StageTerms, build_terms
+from autopar.cost.step import Estimate, evaluate
+from autopar.graph.model_graph import ModelGraph
+from autopar.plan import even_stage_ranges
+from autopar.search.ilp import rank_block_capacity, solve_split
+from autopar.search.space import SearchSpace, enumerate_configs
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One complete plan the search costed."""
+
+    config: Config
+    chunk_blocks: tuple[int, ...]
+    estimate: Estimate
+    ilp_status: str  # "OPTIMAL" from CP-SAT, or "DIRECT" where there is nothing to split (pp = 1)
+    ilp_objective_s: float
+    ilp_bound_s: float
+
+    @property
+    def step_time_s(self) -> float:
+        return self.estimate.step_time_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    top: tuple[Candidate, ...]
+    num_configs: int
+    num_evaluated: int
+    num_ilp_solved: int
+    rejected: dict[str, int]
+    elapsed_s: float
+    optimal: bool  # every ILP proved optimal and no branch was cut by a time limit
+    min_memory_bytes: float  # smallest peak memory of any costed plan (for "nothing fits" advice)
+    min_memory_config: Config | None = None
+    capacity_bytes: float = 0.0
+
+
+@dataclass
+class _TopK:
+    k: int
+    items: list[Candidate] = field(default_factory=list)
+
+    def threshold(self) -> float:
+        return self.items[-1].step_time_s if len(self.items) >= self.k else math.inf
+
+    def offer(self, cand: Candidate) -> None:
+        self.items.append(cand)
+        self.items.sort(key=lambda c: c.step_time_s)
+        del self.items[self.k:]
+
+
+def _block_key(cfg: Config) -> tuple:
+    return (cfg.tp, cfg.cp, cfg.cp_kind, cfg.sequence_parallel, cfg.micro_batch, cfg.recompute)
+
+
+def search(
+    graph: ModelGraph,
+    cluster: Cluster,
+    space: SearchSpace,
+    *,
+    top_k: int = 5,
+    progress: Callable[[int, int, float], None] | None = None,
+    ilp_time_limit_s: float = 10.0,
+) -> SearchResult:
+    """The top ``top_k`` plans (fastest first) that fit memory; see the module docstring."""
+    start = time.perf_counter()
+    rejected: Counter = Counter()
+    groups: dict[tuple, dict[int, list[Config]]] = defaultdict(lambda: defaultdict(list))
+    num_configs = 0
+    for cfg in enumerate_configs(graph, space, rejected):
+        groups[_block_key(cfg)][cfg.pp].append(cfg)
+        num_configs += 1
+    tokens = space.global_batch * space.seq_len
+    model_flops = graph.model_flops_per_sample() * space.global_batch
+    flop_lb_s = model_flops / (space.num_gpus * cluster.peak_flops)  # even 100 % MFU needs this
+
+    # Level 1: bound each (block group, pp) pair.
+    bounded: list[tuple[float, float, tuple, int]] = []
+    for key, by_pp in groups.items():
+        sample = next(iter(by_pp.values()))[0]
+        base_terms = build_terms(graph, cluster, replace(sample, zero=0, pp=1, dp=sample.dp * sample.pp,
+                                                         schedule="1f1b", virtual_stages=1))
+        work_per_mb = graph.num_blocks * base_terms.block.time_s + base_terms.pre.time_s + base_terms.post.time_s
+        for pp, cfgs in by_pp.items():
+            # step >= (M-1) * sum_r t_r / pp + sum_r t_r / v  (the slowest rank is at least average)
+            m, v_max = cfgs[0].num_microbatches, max(c.virtual_stages for c in cfgs)
+            lb = max(flop_lb_s, work_per_mb * ((m - 1) / pp + 1 / v_max))
+            mem_lb = _state_memory_lb(graph, base_terms, cfgs, pp)
+            bounded.append((lb, mem_lb, key, pp))
+    bounded.sort(key=lambda x: x[0])
+
+    top = _TopK(top_k)
+    evaluated = solved = 0
+    optimal = True
+    min_mem, min_mem_cfg = math.inf, None
+    visited = 0
+    for lb, mem_lb, key, pp in bounded:
+        visited += 1
+        cfgs = groups[key][pp]
+        if progress and visited % 200 == 0:
+            progress(visited, len(bounded), time.perf_counter() - start)
+        if mem_lb > cluster.memory_bytes:
+            rejected["memory: cannot fit even with an ideal split"] += len(cfgs)
+            continue
+        if lb >= top.threshold():
+            rejected["bound: cannot beat the best plans"] += len(cfgs)
+            continue
+        for cfg in cfgs:
+            terms = build_terms(graph, cluster, cfg)
+            if _balanced_lb(terms, graph.num_blocks) >= top.threshold():
+                rejected["bound: cannot beat the best plans"] += 1
+                continue
+            cand = _solve(terms, graph, cluster, model_flops, tokens, ilp_time_limit_s)
+            evaluated += 1
+            solved += cand is not None and cfg.pp > 1
+            if cand is None:
+                rejected["memory: no stage split fits"] += 1
+                continue
+            if cand.ilp_status not in ("OPTIMAL", "DIRECT"):
+                optimal = False
+            top.offer(cand)
+    if progress:
+        progress(len(bounded), len(bounded), time.perf_counter() - start)
+    if not top.items:
+        min_mem, min_mem_cfg = smallest_memory(graph, cluster, space)
+    return SearchResult(
+        top=tuple(top.items), num_configs=num_configs, num_evaluated=evaluated, num_ilp_solved=solved,
+        rejected=dict(rejected), elapsed_s=time.perf_counter() - start, optimal=optimal,
+        min_memory_bytes=min_mem, min_memory_config=min_mem_cfg, capacity_bytes=cluster.memory_bytes,
+    )
+
+
+def _state_memory_lb(graph: ModelGraph, base: StageTerms, cfgs: list[Config], pp: int) -> float:
+    """A lower bound on the peak memory of any config in ``cfgs``: the average rank's model states
+    (under the most sharded ZeRO stage among them) and one micro-batch of activations, plus the
+    framework reserve."""
+    from autopar.cost.memory import state_bytes_per_param
+
+    params = graph.num_blocks * base.block.params + base.pre.params + base.post.params
+    best = min(
+        state_bytes_per_param(zero=zero, shard_degree=shard, dtype_bytes=cfgs[0].dtype_bytes,
+                              optimizer=cfgs[0].optimizer).total
+        for zero, shard in {(c.zero, c.dp * c.cp) for c in cfgs}
+    )
+    # The fullest rank holds at least the average; every rank keeps >= 1 micro-batch in flight.
+    acts = graph.num_blocks * base.block.act_bytes + base.pre.act_bytes + base.post.act_bytes
+    return (params * best + acts) / pp + base.reserve_bytes
+
+
+def _balanced_lb(terms: StageTerms, num_blocks: int) -> float:
+    """Step time if every rank carried exactly the average load (no imbalance, no tail)."""
+    cfg = terms.config
+    total = num_blocks * terms.block.time_s + terms.pre.time_s + terms.post.time_s
+    if cfg.pp > 1:
+        total += terms.p2p_s * 2 * (cfg.pp * cfg.virtual_stages - 1)
+    m, v = cfg.num_microbatches, cfg.virtual_stages
+    return (m - 1) * total / cfg.pp + total / v
+
+
+def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: float, tokens: float,
+           time_limit_s: float) -> Candidate | None:
+    """The best candidate for this config, or None if no split fits memory."""
+    cfg = terms.config
+    if cfg.pp == 1:
+        est = evaluate(terms, [graph.num_blocks], model_flops, tokens, cluster.peak_flops)
+        if not est.fits:
+            return None
+        return Candidate(config=cfg, chunk_blocks=(graph.num_blocks,), estimate=est, ilp_status="DIRECT",
+                         ilp_objective_s=est.step_time_s, ilp_bound_s=est.step_time_s)
+    caps = rank_block_capacity(terms)
+    if min(caps) < cfg.virtual_stages or sum(caps) < graph.num_blocks:
+        return None
+    sol = solve_split(terms, graph.num_blocks, time_limit_s)
+    if sol.chunk_blocks is None:
+        return None
+    est = evaluate(terms, list(sol.chunk_blocks), model_flops, tokens, cluster.peak_flops)
+    return Candidate(config=cfg, chunk_blocks=sol.chunk_blocks, estimate=est, ilp_status=sol.status,
+                     ilp_objective_s=sol.objective_s, ilp_bound_s=sol.bound_s)
+
+
+def smallest_memory(graph: ModelGraph, cluster: Cluster, space: SearchSpace) -> tuple[float, Config | None]:
+    """The least peak memory of any legal configuration at its most frugal settings (most sharded
+    ZeRO, full recompute where allowed, smallest micro-batch, 1F1B, even split): what the
+    "nothing fits" advice quotes."""
+    zero = max(space.zero_stages)
+    rc = "full" if "full" in space.recompute_modes else space.recompute_modes[-1]
+    mb = min(space.micro_batches)
+    best: tuple[float, Config | None] = (math.inf, None)
+    for cfg in enumerate_configs(graph, space, Counter()):
+        if cfg.recompute != rc or cfg.micro_batch != mb or cfg.virtual_stages != 1 or cfg.schedule == "gpipe":
+            continue
+        if cfg.zero != (zero if cfg.dp * cfg.cp > 1 else 0):
+            continue
+        terms = build_terms(graph, cluster, cfg)
+        even = [e - s for s, e in even_stage_ranges(graph.num_blocks, cfg.pp)]
+        peak = evaluate(terms, even, 0.0, 1.0, cluster.peak_flops).peak_memory_bytes
+        if peak < best[0]:
+            best = (peak, cfg)
+    return best

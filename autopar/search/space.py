@@ -1,0 +1,127 @@
+"""The outer search space: every legal parallel configuration (all but the stage split).
+
+A configuration is legal when dp * tp * pp * cp = N, tp stays inside a node and divides the heads
+(and kv heads), cp divides the sequence (ring: into 2 cp chunks for causal load balance; Ulysses: tp*cp
+divides the heads), pp * v <= blocks, the global batch divides into dp * micro-batch, and the
+schedule's micro-batch rules hold (interleaved: M a multiple of pp; 1F1B/interleaved: M >= pp).
+Each illegal combination is counted under the reason it was rejected.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator
+
+from autopar.cost.stage import Config
+from autopar.graph.model_graph import ModelGraph
+from autopar.plan import CP_KINDS, RECOMPUTE_MODES
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """What the user allows the search to vary."""
+
+    num_gpus: int
+    gpus_per_node: int
+    global_batch: int
+    seq_len: int
+    micro_batches: tuple[int, ...]
+    dtype_bytes: int = 2
+    optimizer: str = "adam"
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute_modes: tuple[str, ...] = RECOMPUTE_MODES
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+    cp_kinds: tuple[str, ...] = CP_KINDS
+    max_virtual_stages: int = 16
+
+    def __post_init__(self) -> None:
+        for key in ("num_gpus", "gpus_per_node", "global_batch", "seq_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1")
+        if not self.micro_batches or min(self.micro_batches) < 1:
+            raise ValueError("micro_batches must be positive")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_configs(graph: ModelGraph, space: SearchSpace, rejected: Counter) -> Iterator[Config]:
+    """Yield every legal Config; count the rest in ``rejected`` by reason."""
+    n, L = space.num_gpus, graph.num_blocks
+    for tp in divisors(n):
+        if tp > space.gpus_per_node:
+            rejected["tp > GPUs per node"] += 1
+            continue
+        reason = graph.tp_allowed(tp)
+        if reason:
+            rejected["tp does not divide heads" if "heads" in reason else f"tp not applicable: {reason}"] += 1
+            continue
+        for cp in divisors(n // tp):
+            kinds = _cp_kinds(graph, space, tp, cp, rejected)
+            if not kinds:
+                continue
+            for pp in divisors(n // (tp * cp)):
+                if pp > L:
+                    rejected["pp > blocks"] += 1
+                    continue
+                dp = n // (tp * cp * pp)
+                for mb in space.micro_batches:
+                    if space.global_batch % (dp * mb):
+                        rejected["global batch not divisible by dp x micro-batch"] += 1
+                        continue
+                    m = space.global_batch // (dp * mb)
+                    for schedule, v in _schedules(space, pp, L, m, rejected):
+                        for kind in kinds:
+                            for sp in ((False, True) if tp > 1 else (False,)):
+                                for zero in (space.zero_stages if dp * cp > 1 else (0,)):
+                                    for rc in space.recompute_modes:
+                                        yield Config(
+                                            dp=dp, tp=tp, pp=pp, cp=cp, cp_kind=kind, sequence_parallel=sp,
+                                            zero=zero, recompute=rc, schedule=schedule, virtual_stages=v,
+                                            micro_batch=mb, global_batch=space.global_batch,
+                                            seq_len=space.seq_len, dtype_bytes=space.dtype_bytes,
+                                            optimizer=space.optimizer,
+                                        )
+
+
+def _cp_kinds(graph: ModelGraph, space: SearchSpace, tp: int, cp: int, rejected: Counter) -> tuple[str, ...]:
+    if cp == 1:
+        return ("ring",)
+    if graph.cp_reason:
+        rejected["cp: not a sequence model"] += 1
+        return ()
+    kinds = []
+    for kind in space.cp_kinds:
+        if kind == "ring" and space.seq_len % (2 * cp):
+            rejected["cp ring: seq not divisible by 2 x cp"] += 1
+        elif kind != "ring" and space.seq_len % cp:
+            rejected["cp: seq not divisible by cp"] += 1
+        elif kind == "ulysses" and graph.ulysses_allowed(tp, cp):
+            rejected["cp ulysses: tp x cp does not divide heads"] += 1
+        else:
+            kinds.append(kind)
+    return tuple(kinds)
+
+
+def _schedules(space: SearchSpace, pp: int, num_blocks: int, m: int, rejected: Counter) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield "1f1b", 1  # no pipeline: the schedule has no meaning
+        return
+    for schedule in space.schedules:
+        if schedule == "gpipe":
+            yield "gpipe", 1
+        elif schedule == "1f1b":
+            if m < pp:
+                rejected["1f1b: fewer micro-batches than stages"] += 1
+            else:
+                yield "1f1b", 1
+        else:
+            if m % pp:
+                rejected["interleaved: micro-batches not a multiple of pp"] += 1
+                continue
+            for v in range(2, space.max_virtual_stages + 1):
+                if pp * v > num_blocks:
+                    break
+                yield "interleaved-1f1b", v

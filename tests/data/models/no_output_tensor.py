@@ -1,0 +1,23 @@
+"""Bad model file: the forward returns no tensor and there is no loss_fn to make one."""
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return None
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(micro_batch_size):
+    return torch.zeros(micro_batch_size, 8)

@@ -1,0 +1,4 @@
+"""Bad model file: a syntax error."""
+
+def build_model(:
+    return None
