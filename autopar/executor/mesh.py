@@ -101,10 +101,19 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
 def build_mesh(plan: Plan, device: torch.device) -> ParallelMesh:
-    """Create the ``[pp, dp, cp, tp]`` mesh. The process group must already be initialised."""
+    """Create the ``[pp, dp, cp, tp]`` mesh. The process group must already be initialised.
+
+    Meshes are cached per (shape, device type, default group): every DeviceMesh creates one process
+    group per axis, and a process that runs many plans (the tests) should not pile up hundreds.
+    """
     par = plan.parallel
-    world = init_device_mesh(
-        device.type, (par.pp, par.dp, par.cp, par.tp), mesh_dim_names=MESH_DIMS
-    )
+    shape = (par.pp, par.dp, par.cp, par.tp)
+    key = (shape, device.type, id(dist.distributed_c10d._get_default_group()))
+    world = _MESHES.get(key)
+    if world is None:
+        world = _MESHES[key] = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     return ParallelMesh(world=world, coords=rank_coords(dist.get_rank(), plan), device=device, plan=plan)

@@ -128,10 +128,18 @@ def spawn_cases(world: int, cases: list[Case]) -> dict[str, Any]:
     """Run ``cases`` on ``world`` gloo ranks; returns {case name: result dict or error string}."""
     out_dir = tempfile.mkdtemp(prefix=f"autopar-dist{world}-")
     error = None
-    try:
-        mp.spawn(_worker, args=(world, _free_port(), cases, out_dir), nprocs=world, join=True)
-    except Exception as exc:  # noqa: BLE001 - reported per case below
-        error = f"spawn failed: {exc}"
+    todo = list(cases)
+    for _attempt in range(2):
+        # A second attempt runs only the cases without a result, and only when the first spawn
+        # died without a Python error (a native abort in gloo, seen rarely on this machine).
+        try:
+            mp.spawn(_worker, args=(world, _free_port(), todo, out_dir), nprocs=world, join=True)
+            break
+        except Exception as exc:  # noqa: BLE001 - reported per case below
+            error = f"spawn failed: {exc}"
+            if any((Path(out_dir) / f"{c.name}.err").exists() for c in todo):
+                break
+            todo = [c for c in todo if not (Path(out_dir) / f"{c.name}.pt").exists()]
     results: dict[str, Any] = {}
     for case in cases:
         ok, err = Path(out_dir) / f"{case.name}.pt", Path(out_dir) / f"{case.name}.err"
