@@ -18,7 +18,6 @@ Order (each step sees the result of the previous one):
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -209,10 +208,3 @@ def full_parameters(exe: Executable, *, grads: bool = False) -> dict[str, torch.
             t = t[torch.argsort(exe.permutations[name])]
         out[name] = t
     return out
-
-
-def check_no_meta(exe: Executable) -> None:
-    for name, p in exe.named_parameters().items():
-        if p.is_meta:
-            raise RuntimeError(f"parameter {name} was not materialised")
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
