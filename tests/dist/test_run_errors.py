@@ -1,0 +1,133 @@
+"""Issue 4: user errors are one-line AutoparErrors found before any collective (no hang), and the
+``autopar run`` entry point works end to end through its torchrun re-launch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autopar.errors import AutoparError
+from autopar.executor.checks import preflight
+from autopar.executor.cli_run import add_run_arguments, run_main
+from autopar.modelfile import load_model_file
+from autopar.plan import plan_from_dict, save_plan
+from harness import MODELS, Case
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_run_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def _save(case: Case, tmp_path: Path, **model_overrides) -> Path:
+    d = case.plan_dict()
+    d["model"].update(model_overrides)
+    path = tmp_path / f"{case.name}.yaml"
+    save_plan(plan_from_dict(d), path)
+    return path
+
+
+def _one_line(exc: pytest.ExceptionInfo) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_wrong_world_size_is_refused_before_launch(tmp_path: Path) -> None:
+    plan = _save(Case(name="dp4", model="gpt", parallel={"dp": 4}), tmp_path)
+    t0 = time.perf_counter()
+    with pytest.raises(AutoparError) as exc:
+        run_main(_args(str(plan), "--nproc-per-node", "2"))
+    assert "needs 4 processes" in _one_line(exc) and "--nproc-per-node 4" in str(exc.value)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_wrong_world_size_under_torchrun_fails_before_init(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    plan = _save(Case(name="dp2", model="gpt", parallel={"dp": 2}), tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(AutoparError, match=r"needs 2 processes .* but 3 were started"):
+        run_main(_args(str(plan)))
+    assert not dist.is_initialized()
+
+
+def test_plan_for_another_model_block_count(tmp_path: Path) -> None:
+    plan = _save(Case(name="gpt", model="gpt", parallel={"dp": 2}), tmp_path)
+    with pytest.raises(AutoparError) as exc:
+        run_main(_args(str(plan), str(MODELS["mlp"]), "--nproc-per-node", "2"))
+    assert "4 blocks" in _one_line(exc) and "12" in str(exc.value)
+
+
+def test_sha256_mismatch_warns_but_runs_preflight() -> None:
+    d = Case(name="sha", model="gpt", parallel={"dp": 2}).plan_dict()
+    d["model"]["sha256"] = "0" * 64
+    spec, warnings = preflight(plan_from_dict(d), load_model_file(MODELS["gpt"]), 2)
+    assert spec.num_blocks == 4
+    assert len(warnings) == 1 and "sha256" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("model", "parallel", "needle"),
+    [
+        ("gpt", {"tp": 3}, "does not divide the model's 4 attention heads"),
+        ("llama", {"tp": 4}, "does not divide the model's 2 key/value heads"),
+        ("gpt", {"tp": 2, "cp": 4, "cp_kind": "ulysses"}, "Ulysses"),
+        ("mlp", {"tp": 2}, "no tp_plan"),
+        ("mlp", {"cp": 2}, "attention core"),
+        ("mlp", {"dp": 2, "recompute": "selective"}, "selective recompute"),
+    ],
+)
+def test_impossible_parallelism_is_one_line_error(model: str, parallel: dict, needle: str) -> None:
+    d = Case(name="bad", model=model, parallel=parallel, global_batch_size=8).plan_dict()
+    if model == "mlp":
+        d["training"]["seq_len"] = 8  # the mlp has no sequence; let the plan itself pass
+    plan = plan_from_dict(d)
+    with pytest.raises(AutoparError) as exc:
+        preflight(plan, load_model_file(MODELS[model]), plan.parallel.world_size)
+    assert needle in _one_line(exc)
+
+
+def test_torchrun_with_wrong_world_size_exits_without_hang(tmp_path: Path) -> None:
+    plan = _save(Case(name="dp4", model="gpt", parallel={"dp": 4}), tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "autopar.executor.cli_run", str(plan)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "autopar: error: the plan needs 4 processes" in proc.stderr
+
+
+def test_run_cli_relaunches_and_matches_reference(tmp_path: Path) -> None:
+    """`autopar run PLAN --nproc-per-node 2` trains, reports, and equals the single-process run."""
+    import torch
+
+    from autopar.executor.train import run_reference
+
+    case = Case(name="cli-zero3", model="gpt", parallel={"dp": 2, "zero": 3})
+    d = case.plan_dict()
+    d["prediction"] = {"step_time_s": 1.0, "peak_memory_bytes": 1e8}
+    path = tmp_path / "plan.yaml"
+    path.write_text(json.dumps(d))  # JSON is YAML
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "autopar.executor.cli_run", str(path), "--nproc-per-node", "2",
+           "--steps", "2", "--seed", "7", "--report", str(report)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "measured vs predicted" in proc.stdout
+    got = json.loads(report.read_text())
+    assert got["world_size"] == 2 and got["predicted"]["step_time_s"] == 1.0
+    assert set(got["error_pct"]) == {"step_time_s", "peak_memory_bytes"}
+    assert got["measured"]["peak_memory_bytes"] > 0 and got["measured"]["tokens_per_s"] > 0
+    torch.set_num_threads(2)
+    ref, _ = run_reference(load_model_file(MODELS["gpt"]), case.plan(), steps=2, seed=7, lr=1e-3)
+    assert got["losses"] == pytest.approx(ref, rel=1e-4)
