@@ -65,7 +65,9 @@ def apply_data_parallel(
         reshard = zero == 3
         for block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-        fully_shard(part, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        # Root: FSDP2's default (None) keeps the root's parameters gathered from forward to backward,
+        # which comes right after -- re-gathering them would only add an all-gather.
+        fully_shard(part, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=mp)
         return DataParallelResult(module=part, kind="fsdp", sharded_optimizer=False)
     if mesh.size() == 1:
         return DataParallelResult(module=part, kind="none", sharded_optimizer=False)
