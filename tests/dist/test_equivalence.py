@@ -44,7 +44,13 @@ CASES_2 = _model_cases("gpt") + _model_cases("llama") + [
 ]
 CASES_4 = [
     Case(name=f"{m}-dp2xtp2", model=m, parallel={"dp": 2, "tp": 2, "sequence_parallel": True}) for m in ("gpt", "llama")
-] + [Case(name="gpt-dp2xtp2-zero3", model="gpt", parallel={"dp": 2, "tp": 2, "zero": 3})]
+] + [
+    Case(name="gpt-dp2xtp2-zero3", model="gpt", parallel={"dp": 2, "tp": 2, "zero": 3}),
+    # tied embedding/head across stages with FSDP2-sharded gradients
+    Case(name="gpt-pp2xdp2-zero3", model="gpt", parallel={"pp": 2, "dp": 2, "zero": 3, "pp_schedule": "gpipe"}),
+    Case(name="llama-cp2xtp2-ring", model="llama", parallel={"cp": 2, "tp": 2, "sequence_parallel": True}),
+    Case(name="gpt-dp2xcp2-zero1", model="gpt", parallel={"dp": 2, "cp": 2, "cp_kind": "allgather", "zero": 1}),
+]
 CASES_8 = [
     Case(name=f"{m}-pp2xdp2xtp2", model=m, parallel={"pp": 2, "dp": 2, "tp": 2, "pp_schedule": "1f1b"})
     for m in ("gpt", "llama")

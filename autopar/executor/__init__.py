@@ -1,0 +1,19 @@
+"""The executor: ``autopar run`` applies a plan to the user's real model with torch.distributed.
+
+One concern per module; ``apply.py`` is the only place that fixes the order:
+
+=====================  ==========================================================================
+mesh.py                DeviceMesh ``[pp, dp, cp, tp]`` (tp innermost) and this rank's coordinates
+introspect.py/checks   what the model offers (blocks, tp_plan, attention core, heads); pre-flight
+                       checks that turn every impossible plan into a one-line AutoparError
+pipeline_parallel.py   cut into stage chunks (uneven ranges, virtual stages), PipelineStage and
+                       GPipe / 1F1B / interleaved-1F1B schedules, tied-weight gradient sync
+tensor_parallel.py     DTensor Colwise/Rowwise (+ Megatron SP), fused-QKV interleaving
+context_parallel.py    ring / all-gather-KV / Ulysses attention, load-balanced causal sharding
+recompute.py           full and selective activation checkpointing
+data_parallel.py       DDP, ZeRO-1 (ZeroRedundancyOptimizer), ZeRO-2/3 (FSDP2)
+apply.py               meta build -> PP split -> TP -> CP -> recompute -> materialise -> ZeRO/DP
+train.py               data, micro-batches, optimizer steps, metrics, single-process reference
+cli_run.py             ``autopar run`` arguments, torchrun re-launch, report
+=====================  ==========================================================================
+"""
