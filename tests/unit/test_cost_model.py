@@ -1,0 +1,380 @@
+"""Cost-model units (DESIGN §3): collectives on the right link, in-flight micro-batches per schedule, the step
+model (bubble, interleaving, tails), ZeRO, SP, recompute, CP and MFU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar.cluster import load_cluster
+from autopar.cost.comm import Mesh, collective_time_s, group_link
+from autopar.cost.estimate import estimate_json, estimate_plan
+from autopar.cost.memory import inflight_microbatches
+from autopar.cost.stage import Part, StageTerms, build_terms
+from autopar.cost.step import evaluate
+from autopar.errors import PlanError
+
+# ---------------------------------------------------------------- communication
+
+
+def test_group_inside_a_node_uses_nvlink(a100) -> None:
+    for size in (2, 4, 8):
+        g = group_link(a100, size, 1)
+        assert g.intra_node and g.link_name == "nvlink" and g.members_per_node == size
+        assert g.bandwidth_bytes_per_s == a100.intra_node.bandwidth_bytes_per_s
+    g = Mesh(pp=1, dp=4, cp=1, tp=2).link(a100, "dp")  # 4 ranks at stride 2: still one node
+    assert g.intra_node
+
+
+def test_dp_group_with_tp8_spans_nodes_with_one_member_per_node(a100) -> None:
+    mesh = Mesh(pp=1, dp=8, cp=1, tp=8)
+    g = mesh.link(a100, "dp")
+    assert not g.intra_node and g.link_name == "network"
+    assert g.members_per_node == 1 and g.size == 8
+    assert g.bandwidth_bytes_per_s == a100.inter_node.bandwidth_bytes_per_s
+    assert mesh.link(a100, "tp").intra_node
+
+
+def test_cross_node_group_shares_the_node_nics(a100) -> None:
+    """k members per node ride k NIC rails (capped by NVLink)."""
+    g = Mesh(pp=1, dp=16, cp=1, tp=2).link(a100, "dp")  # stride 2: 4 members per node
+    assert not g.intra_node and g.members_per_node == 4
+    assert g.bandwidth_bytes_per_s == pytest.approx(4 * a100.inter_node.bandwidth_bytes_per_s)
+    g = group_link(a100, 64, 1)  # 8 members per node
+    assert g.bandwidth_bytes_per_s == min(a100.intra_node.bandwidth_bytes_per_s, 8 * a100.inter_node.bandwidth_bytes_per_s)
+
+
+def test_mesh_layout_pp_dp_cp_tp(a100) -> None:
+    mesh = Mesh(pp=4, dp=2, cp=2, tp=2)
+    assert [mesh.stride(a) for a in ("tp", "cp", "dp", "pp")] == [1, 2, 4, 8]
+    assert mesh.size("dp_cp") == 4 and mesh.stride("dp_cp") == 2
+    pp = mesh.link(a100, "pp")
+    assert pp.size == 2 and not pp.intra_node  # neighbouring stages are 8 ranks apart: the next node
+    assert Mesh(pp=2, dp=1, cp=1, tp=4).link(a100, "pp").intra_node  # 4 apart: same node
+    pp8 = Mesh(pp=4, dp=1, cp=1, tp=8).link(a100, "pp")
+    assert not pp8.intra_node and pp8.members_per_node == 1
+
+
+@pytest.mark.parametrize("size,stride", [(8, 1), (8, 8), (64, 1), (4, 2)])
+@pytest.mark.parametrize("nbytes", [1e4, 1e6, 1e9])
+def test_all_reduce_is_twice_reduce_scatter(a100, size: int, stride: int, nbytes: float) -> None:
+    g = group_link(a100, size, stride)
+    ar = collective_time_s("all_reduce", nbytes, g)
+    rs = collective_time_s("reduce_scatter", nbytes, g)
+    ag = collective_time_s("all_gather", nbytes, g)
+    assert ar == pytest.approx(2 * rs) and ag == pytest.approx(rs)
+    n = size
+    bw = g.bandwidth_bytes_per_s * g.link.efficiency(nbytes / n)
+    assert ar == pytest.approx(2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * g.link.latency_s)
+
+
+def test_collective_edge_cases(a100) -> None:
+    g = group_link(a100, 8, 1)
+    assert collective_time_s("all_reduce", 1e6, group_link(a100, 1, 1)) == 0.0
+    assert collective_time_s("all_reduce", 0.0, g) == 0.0
+    p2p = group_link(a100, 2, 8)
+    assert collective_time_s("p2p", 1e8, p2p) == pytest.approx(
+        1e8 / (p2p.bandwidth_bytes_per_s * p2p.link.efficiency(1e8)) + p2p.link.latency_s)
+    # Bigger messages reach a higher fraction of the link.
+    assert 1e9 / collective_time_s("all_reduce", 1e9, g) > 1e5 / collective_time_s("all_reduce", 1e5, g)
+    with pytest.raises(ValueError):
+        collective_time_s("broadcast", 1e6, g)
+
+
+def test_network_collective_is_slower_than_nvlink(a100) -> None:
+    inside = collective_time_s("all_reduce", 1e9, group_link(a100, 8, 1))
+    across = collective_time_s("all_reduce", 1e9, group_link(a100, 8, 8))
+    assert across > 5 * inside
+
+
+# ---------------------------------------------------------------- in-flight micro-batches
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_1f1b_stage_r_holds_p_minus_r(p: int) -> None:
+    assert [inflight_microbatches("1f1b", p, r, 64) for r in range(p)] == [p - r for r in range(p)]
+    # Fewer micro-batches than stages: nobody holds more than M.
+    assert [inflight_microbatches("1f1b", p, r, 1) for r in range(p)] == [1] * p
+
+
+def test_gpipe_holds_every_microbatch() -> None:
+    assert [inflight_microbatches("gpipe", 4, r, 32) for r in range(4)] == [32] * 4
+    assert inflight_microbatches("gpipe", 1, 0, 32) == 1  # no pipeline: micro-batches run one after another
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (8, 3), (16, 4), (64, 2)])
+def test_interleaved_first_rank_matches_korthikanti(p: int, v: int) -> None:
+    """Korthikanti §4.2.3: the first stage of an interleaved schedule holds p·v·(1 + (p−1)/(p·v)) chunks
+    (of L/(p·v) layers), i.e. L layers' worth times (1 + (p−1)/(p·v))."""
+    chunks = inflight_microbatches("interleaved-1f1b", p, 0, 1000, v) * v
+    assert chunks == pytest.approx(p * v * (1 + (p - 1) / (p * v)))
+    held = [inflight_microbatches("interleaved-1f1b", p, r, 1000, v) for r in range(p)]
+    assert held == sorted(held, reverse=True) and held[0] > inflight_microbatches("1f1b", p, 0, 1000)
+    assert inflight_microbatches("interleaved-1f1b", p, 0, 1, v) <= 1  # capped by M·v chunks
+
+
+def test_unknown_schedule() -> None:
+    with pytest.raises(PlanError):
+        inflight_microbatches("zero-bubble", 4, 0, 8)
+
+
+# ---------------------------------------------------------------- the step model on synthetic stages
+
+
+def _part(time_s: float = 0.0, act: float = 0.0, params: float = 0.0) -> Part:
+    return Part(fwd_s=time_s / 3, bwd_s=2 * time_s / 3, recompute_s=0.0, tp_comm_s=0.0, cp_comm_s=0.0,
+                zero_comm_s=0.0, act_bytes=act, params=params, fwd_flops=0.0, bwd_flops=0.0)
+
+
+def _terms(make_config, *, pp: int, m: int, schedule: str = "1f1b", v: int = 1, block_s: float = 0.01) -> StageTerms:
+    cfg = make_config(pp=pp, schedule=schedule, virtual_stages=v, micro_batch=1, global_batch=m)
+    return StageTerms(config=cfg, block=_part(block_s, act=1.0, params=1.0), pre=_part(), post=_part(), p2p_s=0.0,
+                      state_bytes_per_param=16.0, state_split={"params": 2.0, "grads": 2.0, "optimizer": 12.0},
+                      grad_sync_s_per_param=0.0, grad_sync_floor_s=0.0, grad_sync_overlaps=True,
+                      param_gather_s_per_param=0.0, optimizer_s_per_param=0.0, transient_bytes=0.0, tied_params=0.0,
+                      reserve_bytes=0.0, capacity_bytes=1e12)
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 4), (4, 32), (8, 64)])
+def test_1f1b_bubble_uniform_stages(make_config, p: int, m: int) -> None:
+    blocks_per_stage, t = 3, 0.01
+    est = evaluate(_terms(make_config, pp=p, m=m, block_s=t), [blocks_per_stage] * p, 1.0, 1.0, 1.0)
+    assert est.step_time_s == pytest.approx((m + p - 1) * blocks_per_stage * t)
+    assert est.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 8, 2), (4, 16, 4), (8, 64, 3)])
+def test_interleaving_shrinks_the_bubble_by_v(make_config, p: int, m: int, v: int) -> None:
+    plain = evaluate(_terms(make_config, pp=p, m=m), [2 * v] * p, 1.0, 1.0, 1.0)
+    inter = evaluate(_terms(make_config, pp=p, m=m, schedule="interleaved-1f1b", v=v), [2] * (p * v), 1.0, 1.0, 1.0)
+    assert inter.bubble_fraction < plain.bubble_fraction
+    assert inter.bubble_fraction == pytest.approx(((p - 1) / v) / (m + (p - 1) / v))
+    assert inter.ranks[0].num_blocks == plain.ranks[0].num_blocks == 2 * v
+
+
+def test_slowest_stage_sets_the_steady_state(make_config) -> None:
+    p, m, t = 4, 16, 0.01
+    est = evaluate(_terms(make_config, pp=p, m=m, block_s=t), [2, 2, 5, 2], 1.0, 1.0, 1.0)
+    assert est.step_time_s == pytest.approx((m - 1) * 5 * t + 11 * t)
+    assert [r.num_blocks for r in est.ranks] == [2, 2, 5, 2]
+
+
+# ---------------------------------------------------------------- the full estimate on a real model
+
+
+def _est(graph, cluster, make_plan, **kw):
+    return estimate_plan(make_plan(graph.num_blocks, **kw), graph, cluster)
+
+
+def test_no_pipeline_step_is_microbatches_times_microbatch_time_plus_tail(small_gpt, a100, make_plan) -> None:
+    for dp, gbs in ((1, 8), (8, 64)):
+        est = _est(small_gpt, a100, make_plan, dp=dp, global_batch_size=gbs)
+        m = gbs // dp
+        rank = est.ranks[0]
+        assert est.step_time_s == pytest.approx(m * rank.time_s + rank.tail_s)
+        assert est.bubble_fraction == pytest.approx(0.0, abs=1e-12)
+        assert (rank.tail_s > est.time_breakdown_s["optimizer"]) == (dp > 1)  # DP gradient all-reduce tail
+
+
+def test_time_breakdown_sums_to_the_step(small_gpt, a100, make_plan) -> None:
+    for kw in (dict(pp=4, tp=2, dp=2, sequence_parallel=True), dict(dp=8, tp=8, zero=3, recompute="full"),
+               dict(pp=2, cp=2, recompute="selective", pp_schedule="interleaved-1f1b", pp_virtual_stages=2)):
+        est = _est(small_gpt, a100, make_plan, **kw)
+        assert sum(est.time_breakdown_s.values()) == pytest.approx(est.step_time_s, rel=1e-9), kw
+
+
+def test_1f1b_bubble_on_a_real_model(small_gpt, a100, make_plan) -> None:
+    p, gbs = 4, 16
+    est = _est(small_gpt, a100, make_plan, pp=p, global_batch_size=gbs)
+    m = gbs
+    assert est.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=0.25)
+    inter = _est(small_gpt, a100, make_plan, pp=p, global_batch_size=gbs, pp_schedule="interleaved-1f1b",
+                 pp_virtual_stages=2)
+    assert inter.bubble_fraction < 0.75 * est.bubble_fraction
+    assert inter.step_time_s < est.step_time_s
+
+
+def test_pipeline_activation_memory_per_schedule(small_gpt, a100, make_plan) -> None:
+    """1F1B's first stage holds p micro-batches (L layers' worth), GPipe all M."""
+    p, m = 4, 32
+    one = _est(small_gpt, a100, make_plan, pp=p, global_batch_size=m)
+    gpipe = _est(small_gpt, a100, make_plan, pp=p, global_batch_size=m, pp_schedule="gpipe")
+    inter = _est(small_gpt, a100, make_plan, pp=p, global_batch_size=m, pp_schedule="interleaved-1f1b",
+                 pp_virtual_stages=2)
+    blocks = [r.memory_bytes["activations"] for r in one.ranks]
+    assert blocks == sorted(blocks, reverse=True)
+    mid = [one.ranks[r].memory_bytes["activations"] / (p - r) for r in (1, 2)]
+    assert mid[0] == pytest.approx(mid[1])  # same blocks per stage: activations ∝ in-flight micro-batches
+    assert gpipe.ranks[1].memory_bytes["activations"] == pytest.approx(m / (p - 1) * one.ranks[1].memory_bytes["activations"])
+    assert inter.ranks[1].memory_bytes["activations"] / one.ranks[1].memory_bytes["activations"] == pytest.approx(
+        (2 * (p - 2) + p + 1) / 2 / (p - 1))
+
+
+def test_zero3_cuts_state_memory_and_adds_zero_comm(small_gpt, a100, make_plan) -> None:
+    base = _est(small_gpt, a100, make_plan, dp=8, tp=8, zero=0)
+    z3 = _est(small_gpt, a100, make_plan, dp=8, tp=8, zero=3)
+    states = lambda e: e.memory_bytes["params"] + e.memory_bytes["grads"] + e.memory_bytes["optimizer"]  # noqa: E731
+    assert states(z3) == pytest.approx(states(base) / 8)
+    assert base.time_breakdown_s["zero_comm"] == 0.0 and z3.time_breakdown_s["zero_comm"] > 0.0
+    assert z3.memory_bytes["other"] > base.memory_bytes["other"]  # the gathered layer is a transient buffer
+    z1 = _est(small_gpt, a100, make_plan, dp=8, tp=8, zero=1)
+    z2 = _est(small_gpt, a100, make_plan, dp=8, tp=8, zero=2)
+    assert states(base) > states(z1) > states(z2) > states(z3)
+    assert z1.memory_bytes["optimizer"] == z2.memory_bytes["optimizer"] and z2.memory_bytes["grads"] < z1.memory_bytes["grads"]
+
+
+def test_sequence_parallel_cuts_activation_memory(a100, make_config) -> None:
+    from autopar.reference import KORTHIKANTI_22B, gpt_graph
+
+    g = gpt_graph(KORTHIKANTI_22B, "fp16")
+    off = build_terms(g, a100, make_config(tp=8, micro_batch=4)).block
+    on = build_terms(g, a100, make_config(tp=8, micro_batch=4, sequence_parallel=True)).block
+    assert on.act_bytes < off.act_bytes
+    s, b, h, a, t = 2048, 4, 6144, 64, 8
+    assert on.act_bytes / off.act_bytes == pytest.approx((34 / t + 5 * a * s / (h * t)) / (10 + 24 / t + 5 * a * s / (h * t)),
+                                                         rel=0.02)
+    assert on.tp_comm_s > 0 and off.tp_comm_s > 0
+
+
+def test_recompute_modes_trade_memory_for_time(a100, make_config) -> None:
+    from autopar.reference import KORTHIKANTI_22B, gpt_graph
+
+    g = gpt_graph(KORTHIKANTI_22B, "fp16")
+    parts = {rc: build_terms(g, a100, make_config(tp=8, micro_batch=4, recompute=rc)).block
+             for rc in ("none", "selective", "full")}
+    none, sel, full = parts["none"], parts["selective"], parts["full"]
+    assert full.act_bytes < sel.act_bytes < none.act_bytes
+    assert none.recompute_s == 0.0 < sel.recompute_s < full.recompute_s
+    # Full recompute re-runs the layer's forward in backward.
+    assert full.recompute_s == pytest.approx(full.fwd_s)
+    assert full.bwd_s - none.bwd_s == pytest.approx(none.fwd_s, rel=1e-9)
+    # Selective re-runs only the attention core.
+    assert sel.bwd_s - none.bwd_s == pytest.approx(sel.recompute_s)
+    assert sel.recompute_s < 0.3 * none.fwd_s
+    assert none.fwd_s == sel.fwd_s == full.fwd_s
+
+
+def test_recompute_on_whole_plans(small_gpt, a100, make_plan) -> None:
+    ests = {rc: _est(small_gpt, a100, make_plan, pp=2, tp=2, recompute=rc) for rc in ("none", "selective", "full")}
+    act = {rc: e.memory_bytes["activations"] for rc, e in ests.items()}
+    assert act["full"] < act["selective"] < act["none"]
+    assert ests["none"].step_time_s < ests["selective"].step_time_s < ests["full"].step_time_s
+    assert ests["none"].time_breakdown_s["recompute"] == 0.0 < ests["full"].time_breakdown_s["recompute"]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_ring_divides_activation_memory(a100, make_config, recompute: str, cp: int) -> None:
+    from autopar.models.gpt import GPTConfig
+    from autopar.reference import gpt_graph
+
+    g = gpt_graph(GPTConfig(num_layers=2, hidden_size=2048, num_heads=16, seq_len=4096, vocab_size=51200), "bf16")
+    one = build_terms(g, a100, make_config(tp=2, recompute=recompute, seq_len=4096)).block
+    ring = build_terms(g, a100, make_config(tp=2, cp=cp, recompute=recompute, seq_len=4096)).block
+    assert ring.act_bytes == pytest.approx(one.act_bytes / cp, rel=1e-9)
+    assert ring.fwd_s < one.fwd_s
+
+
+def test_cp_kinds_communicate(a100, make_config) -> None:
+    from autopar.models.gpt import GPTConfig
+    from autopar.reference import gpt_graph
+
+    g = gpt_graph(GPTConfig(num_layers=2, hidden_size=2048, num_heads=16, seq_len=4096, vocab_size=51200), "bf16")
+    for kind in ("ring", "allgather", "ulysses"):
+        none = build_terms(g, a100, make_config(tp=2, seq_len=4096)).block
+        part = build_terms(g, a100, make_config(tp=2, cp=4, cp_kind=kind, seq_len=4096)).block
+        assert none.cp_comm_s == 0.0 and part.cp_comm_s >= 0.0
+        if kind != "ring":  # all-gather and all-to-all are not overlapped with attention
+            assert part.cp_comm_s > 0.0
+
+
+def test_plan_checks_against_the_model(small_gpt, a100, make_plan) -> None:
+    with pytest.raises(PlanError, match="blocks"):
+        estimate_plan(make_plan(small_gpt.num_blocks + 1), small_gpt, a100)
+    with pytest.raises(PlanError, match="ulysses"):  # 16 heads over tp x cp = 32
+        _est(small_gpt, a100, make_plan, tp=8, cp=4, cp_kind="ulysses")
+    with pytest.raises(PlanError, match="seq_len"):  # ring needs 2 x cp chunks
+        _est(small_gpt, a100, make_plan, cp=4, seq_len=1020)
+
+
+def test_mfu_counts_model_flops_without_recompute(small_gpt, a100, make_plan) -> None:
+    none = _est(small_gpt, a100, make_plan, tp=2, recompute="none")
+    full = _est(small_gpt, a100, make_plan, tp=2, recompute="full")
+    assert none.mfu * none.step_time_s == pytest.approx(full.mfu * full.step_time_s, rel=1e-12)
+    assert full.mfu < none.mfu
+    gpus, gbs = 2, 64
+    flops = small_gpt.model_flops_per_sample() * gbs
+    assert none.mfu == pytest.approx(flops / (none.step_time_s * gpus * a100.peak_flops))
+    assert none.tokens_per_s == pytest.approx(gbs * 1024 / none.step_time_s)
+    assert 0.1 < none.mfu < 0.8
+
+
+def test_faster_hardware_is_faster(small_gpt, a100, make_plan) -> None:
+    h100 = load_cluster("h100-80g")
+    plan = make_plan(small_gpt.num_blocks, pp=2, micro_batch_size=4)  # compute-bound: no TP collectives
+    assert estimate_plan(plan, small_gpt, h100).step_time_s < 0.8 * estimate_plan(plan, small_gpt, a100).step_time_s
+    g = load_cluster("h200-141g")
+    assert estimate_plan(plan, small_gpt, g).step_time_s <= estimate_plan(plan, small_gpt, h100).step_time_s
+    assert estimate_plan(plan, small_gpt, g).capacity_bytes > estimate_plan(plan, small_gpt, h100).capacity_bytes
+
+
+def test_memory_breakdown_and_json_contract(small_gpt, a100, make_plan) -> None:
+    est = _est(small_gpt, a100, make_plan, pp=4, dp=2, tp=2, zero=1, recompute="selective")
+    for rank in est.ranks:
+        assert set(rank.memory_bytes) == {"params", "grads", "optimizer", "activations", "other"}
+        assert rank.memory_bytes["other"] >= a100.framework_reserve_bytes
+        assert rank.peak_bytes == pytest.approx(sum(rank.memory_bytes.values()))
+    assert est.peak_memory_bytes == max(r.peak_bytes for r in est.ranks)
+    assert est.capacity_bytes == a100.memory_bytes and est.fits
+    data = estimate_json(est)
+    for key in ("step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes"):
+        assert isinstance(data[key], float) and data[key] > 0
+    assert set(data["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "other"}
+    assert sum(data["memory_bytes"].values()) == pytest.approx(data["peak_memory_bytes"])
+
+
+def test_estimate_is_deterministic_and_frozen(small_gpt, a100, make_plan) -> None:
+    plan = make_plan(small_gpt.num_blocks, tp=4, pp=2)
+    a, b = estimate_plan(plan, small_gpt, a100), estimate_plan(plan, small_gpt, a100)
+    assert a.step_time_s == b.step_time_s and a.memory_bytes == b.memory_bytes
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.step_time_s = 0.0  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- cluster profiles
+
+
+def test_shipped_profiles_load_with_their_datasheet_figures() -> None:
+    from autopar.cluster import list_profiles
+
+    assert {"a100-80g", "h100-80g", "h200-141g"} <= set(list_profiles())
+    a100, h100, h200 = (load_cluster(n) for n in ("a100-80g", "h100-80g", "h200-141g"))
+    assert a100.peak_flops == 312e12 and a100.gpus_per_node == 8 and a100.memory_bytes == 80 * 2**30
+    assert a100.inter_node.bandwidth_bytes_per_s == 25e9  # one 200 Gb/s HDR rail per GPU
+    assert h100.peak_flops > 3 * a100.peak_flops and h200.memory_bytes > h100.memory_bytes
+    for c in (a100, h100, h200):
+        assert c.intra_node.bandwidth_bytes_per_s > c.inter_node.bandwidth_bytes_per_s
+        assert 0 < c.gemm(8192, 8192, 8192) <= c.gemm.max <= 1
+        assert c.gemm(128, 128, 128) < c.gemm(8192, 8192, 8192)  # small GEMMs cannot fill the GPU
+
+
+def test_cluster_profile_errors_name_the_field(tmp_path) -> None:  # noqa: ANN001
+    import yaml
+
+    from autopar.errors import ClusterError
+
+    with pytest.raises(ClusterError, match="a100-80g"):
+        load_cluster("tpu-v5")  # the message lists the known profiles
+    data = yaml.safe_load(open(load_cluster("a100-80g").source))
+    del data["gpu"]["peak_flops"]
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ClusterError, match="peak_flops") as info:
+        load_cluster(str(path))
+    assert "broken.yaml" in str(info.value) and "\n" not in str(info.value)
+    data = yaml.safe_load(open(load_cluster("a100-80g").source))
+    data["software"]["overlap_grad_reduce"] = "sometimes"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ClusterError, match="overlap_grad_reduce"):
+        load_cluster(str(path))
