@@ -289,7 +289,8 @@ def plan_from_dict(data: Any) -> Plan:
     if not isinstance(data, dict):
         raise PlanError("a plan must be a YAML mapping with keys version, model, cluster, training, parallel")
     _check_keys("plan", data, _TOP_REQUIRED, _TOP_OPTIONAL)
-    if data["version"] != PLAN_VERSION:
+    version = data["version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version != PLAN_VERSION:
         raise PlanError(f"version must be {PLAN_VERSION}, got {data['version']!r}")
     parts: dict[str, Any] = {}
     for section, (cls, required, optional) in _SECTIONS.items():

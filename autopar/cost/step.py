@@ -3,11 +3,12 @@
 With t_r the forward+backward time of one micro-batch on pipeline rank r (all its chunks), M
 micro-batches and v chunks per rank (v = 1 for GPipe and 1F1B):
 
-    step = (M - 1) * max_r t_r + sum_r t_r / v + max_r tail_r
+    step = (M - 1/v) * max_r t_r + sum_r t_r / v + max_r tail_r
     tail_r = max(floor, grad_sync(params_r) - backward_r) + params_r * (gather + optimizer)
 
-The first term is the steady state, the second the fill/drain bubble (it shrinks with v), the
-tail the end-of-step gradient collective that backward could not hide, the ZeRO-1/2 parameter
+For equal stages this is M t + (p - 1) t / v: the work of M micro-batches plus Megatron's
+interleaved bubble (p - 1)/v; for v = 1 it is 1F1B's (M - 1) max t + sum t. The tail is the
+end-of-step gradient collective that backward could not hide, the ZeRO-1/2 parameter
 all-gather and the optimizer update. Memory per rank = model states + in-flight activations +
 transient buffers + the framework reserve.
 """
@@ -119,7 +120,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         ranks.append(RankCost(rank=r, num_blocks=blocks[r], time_s=time[r], backward_s=bwd[r], tail_s=tail,
                               params=params[r], memory_bytes=memory))
     slowest = max(time)
-    steady = (m - 1) * slowest
+    steady = (m - 1 / v) * slowest
     fill_drain = sum(time) / v
     tail = max(rk.tail_s for rk in ranks)
     step = steady + fill_drain + tail

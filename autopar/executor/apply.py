@@ -133,6 +133,8 @@ def build_executable(
     all_chunk_names: list[set[str]] = []
     if par.pp > 1:
         meta_inputs = mf.example_inputs(plan.training.micro_batch_size, "meta")
+        if par.cp > 1:  # stages see this cp rank's share of the sequence
+            meta_inputs = meta_inputs[:, : plan.training.seq_len // par.cp]
         probe = pipe.probe_structure(model, spec, meta_inputs)
         ranges = plan.stage_ranges()
         n = len(ranges)
@@ -140,6 +142,11 @@ def build_executable(
             pipe.build_chunk(model, spec, probe, rng, is_first=c == 0, is_last=c == n - 1, meta_inputs=meta_inputs)
             for c, rng in enumerate(ranges)
         ]
+        if par.cp > 1:
+            from autopar.executor.context_parallel import shard_indices
+
+            for ch in chunks:
+                ch.call_kwargs = {"positions": shard_indices(plan.training.seq_len, par.cp, mesh.coords.cp).to(device)}
         all_chunk_names = [{original_name(k) for k, _ in ch.named_parameters(remove_duplicate=False)} for ch in chunks]
         chunk_ids = pipe.local_chunk_ids(plan, mesh.coords.pp)
         parts = [chunks[c] for c in chunk_ids]
@@ -180,6 +187,11 @@ def build_executable(
     exe.optimizer = build_optimizer(params, plan.training.optimizer, lr, any(w.sharded_optimizer for w in wrapped), dp_mesh)
     if par.pp > 1:
         assert loss_fn is not None, "the pipeline's last stage computes the loss"
+        if par.cp > 1:  # targets arrive pre-shifted and sharded (train.py); see context_parallel.py
+            from autopar.executor.context_parallel import cp_next_token_loss
+
+            n_targets = plan.training.micro_batch_size * (plan.training.seq_len - 1)
+            loss_fn = lambda out, tgt: cp_next_token_loss(out, tgt, n_targets, par.cp)  # noqa: E731
         exe.schedule, exe.stages = pipe.build_schedule(plan, exe.parts, chunk_ids, mesh.pp_group, device, loss_fn)
         exe.tied = pipe.tied_groups(model, plan, all_chunk_names)
     return exe

@@ -69,8 +69,6 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
                 f"Ulysses cp = {par.cp} must divide the heads per tensor-parallel rank ({spec.num_heads // par.tp}); "
                 "use cp_kind ring or allgather"
             )
-        if par.pp > 1:
-            raise AutoparError("cp > 1 together with pp > 1 is not supported by this executor yet; use one of them")
     if par.recompute == "selective" and spec.core_name is None:
         raise AutoparError(f"selective recompute needs an attention core submodule; {where} has none (use full)")
     if plan.training.dtype == "fp16" and par.pp > 1:

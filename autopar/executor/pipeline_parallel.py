@@ -145,6 +145,7 @@ class StageModule(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self._meta_inputs = meta_inputs  # a plain attribute: not a buffer, never materialised
         self._inject: _Inject | None = None
+        self.call_kwargs: dict[str, Any] = {}  # e.g. positions= of this cp rank's tokens
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         if not self.is_first:
@@ -155,6 +156,8 @@ class StageModule(nn.Module):
         else:
             inputs = self._meta_inputs  # the prologue runs on meta stubs; _Inject supplies args[0]
         try:
+            if self.call_kwargs:
+                return self.model(inputs, **self.call_kwargs)
             return call_model(self.model, inputs)
         except _StageExit as stop:
             return stop.value

@@ -168,14 +168,21 @@ class _Trainer:
         return cp_next_token_loss(logits, targets, tokens.shape[0] * (tokens.shape[1] - 1), par.cp)
 
     def _pipeline_step(self, batch: Any) -> torch.Tensor:
-        exe = self.exe
+        exe, par = self.exe, self.plan.parallel
+        target = batch
+        if par.cp > 1:  # shard tokens and next-token targets; StageModule passes the positions
+            if not self.checked_cp_loss:
+                if not is_next_token_loss(self.loss_fn, batch, int(batch.max()) + 1):
+                    raise AutoparError("context parallelism needs loss_fn to be mean next-token cross-entropy")
+                self.checked_cp_loss = True
+            batch, _, target = shard_batch(batch, par.cp, exe.mesh.coords.cp)
         is_first = 0 in exe.chunk_ids
         is_last = self.plan.parallel.num_stage_chunks - 1 in exe.chunk_ids
         losses: list[torch.Tensor] = []
         if is_first:
             exe.schedule.step(batch)
         elif is_last:
-            exe.schedule.step(target=batch, losses=losses)
+            exe.schedule.step(target=target, losses=losses)
         else:
             exe.schedule.step()
         if is_last and losses:

@@ -122,7 +122,10 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     torch_dtype = _TORCH_DTYPES[dtype]
     model = mf.build("meta").to(torch_dtype)
     model.train()
-    found = find_blocks(model, mf.pipeline_blocks)
+    try:
+        found = find_blocks(model, mf.pipeline_blocks)
+    except ModelFileError as exc:
+        raise ModelFileError(f"{mf.path}: {exc}") from None
     if found is None:
         raise ModelFileError(
             f"{mf.path}: found no nn.ModuleList of repeated blocks; set pipeline_blocks = '<attribute name>'"
@@ -139,7 +142,8 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     if base_seq is not None and mf.seq_len is not None and base_seq != mf.seq_len:
         if base_seq > mf.seq_len:
             raise ModelFileError(
-                f"{mf.path}: --seq-len {base_seq} exceeds the model file's SEQ_LEN {mf.seq_len}"
+                f"{mf.path}: sequence length {base_seq} (--seq-len or the plan's training.seq_len) exceeds the "
+                f"model file's SEQ_LEN {mf.seq_len}"
             )
         inputs1 = slice_sequence(inputs1, mf.seq_len, base_seq)
     is_seq = base_seq is not None and base_seq >= 2 and base_seq % 2 == 0
@@ -154,8 +158,8 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         blk = m.get_submodule(blocks_attr)[0]
         try:
             return trace_model(m, inp, mf.loss_fn, blk, tp_plan, blocks_attr)
-        except ModelFileError:
-            raise
+        except ModelFileError as exc:
+            raise ModelFileError(str(exc) if str(exc).startswith(str(mf.path)) else f"{mf.path}: {exc}") from None
         except Exception as exc:  # the user's forward or loss on meta
             raise ModelFileError(f"{mf.path}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
 

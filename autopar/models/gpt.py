@@ -64,8 +64,10 @@ class CoreAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         s_q, s_k = q.shape[-2], k.shape[-2]
         scores = torch.matmul(q, k.transpose(-2, -1)) * self.scale
-        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
-        scores = scores.masked_fill(~mask, float("-inf"))
+        # An additive causal bias: unlike masked_fill it keeps nothing for backward, as Megatron's
+        # fused scale-mask-softmax kernel keeps no mask.
+        bias = torch.full((s_q, s_k), float("-inf"), dtype=scores.dtype, device=q.device).triu(diagonal=s_k - s_q + 1)
+        scores = scores + bias
         # Softmax in the activation dtype, as Megatron's fused softmax: it keeps a 2-byte output.
         probs = torch.softmax(scores, dim=-1)
         probs = F.dropout(probs, p, self.training)

@@ -8,7 +8,7 @@ of rank r:
 
     variables   N_r in {v..L}  (blocks on pipeline rank r),   T >= 0,   Z >= 0
 
-    minimise    (M - 1) T + (1/v) sum_r t_r + Z
+    minimise    (M - 1/v) T + (1/v) sum_r t_r + Z      (solved as v times this, in integers)
 
     where       t_r   = tau  N_r + f_r          (f_r: embedding on rank 0, head + loss on the last
                                                  chunk's rank, point-to-point sends of its chunks)
@@ -31,9 +31,11 @@ This is exactly ``cost.step.evaluate`` for a split: the step time is linear in t
 two maxima, which the epigraph variables T and Z represent exactly because they are minimised.
 Without overlap of the gradient sync the second tail family becomes Z >= (sync + gather + opt) P_r.
 
-Integers: seconds are scaled to nanoseconds and bytes kept as bytes (coefficients rounded up,
-capacity rounded down, so a split the ILP accepts always fits). The objective is therefore exact to
-L ns; the reported step time is the float ``evaluate`` of the split the solver returns.
+Integers: times are scaled so that one micro-batch of the whole model (every block, embedding and
+head) is 1e9 units, a resolution of one part in 1e9 whatever the model size, with coefficients far
+from int64 overflow; bytes stay bytes (coefficients rounded up, capacity rounded down, so a split
+the ILP accepts always fits). The reported step time is the float ``evaluate`` of the split the
+solver returns. T and Z get the tightest upper bounds known (all blocks on one rank).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from ortools.sat.python import cp_model
 from autopar.cost.stage import StageTerms
 from autopar.cost.step import chunk_rank
 
-NS = 1e9  # time resolution: 1 ns
+TIME_UNITS = 1e9  # one micro-batch's total work is 1e9 integer time units (resolution 1e-9 of it)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,9 +74,14 @@ class SplitILP:
         self.last_rank = chunk_rank(self.C - 1, self.cfg.pp)
         v = self.cfg.virtual_stages
         self.N = [self.model.NewIntVar(v, num_blocks, f"N_{r}") for r in self.ranks]
-        horizon = int(NS * 1e6)
-        self.T = self.model.NewIntVar(0, horizon, "T")
-        self.Z = self.model.NewIntVar(0, horizon, "Z")
+        t = terms
+        everything = num_blocks * t.block.time_s + t.pre.time_s + t.post.time_s + 2 * self.C * t.p2p_s
+        params = num_blocks * t.block.params + t.pre.params + t.post.params + t.tied_params
+        tail = t.grad_sync_floor_s + params * (t.grad_sync_s_per_param + t.param_gather_s_per_param
+                                               + t.optimizer_s_per_param)
+        self.ns = TIME_UNITS / max(everything, 1e-12)  # integer time units per second
+        self.T = self.model.NewIntVar(0, math.ceil(everything * self.ns) + 1, "T")
+        self.Z = self.model.NewIntVar(0, math.ceil(tail * self.ns) + 1, "Z")
 
     # -- coefficients ------------------------------------------------------------------------
     def _fixed_time_ns(self, r: int) -> int:
@@ -87,7 +94,7 @@ class SplitILP:
             f += t.pre.time_s
         if r == self.last_rank:
             f += t.post.time_s
-        return round(f * NS)
+        return round(f * self.ns)
 
     def _fixed_params(self, r: int) -> float:
         t = self.terms
@@ -102,23 +109,23 @@ class SplitILP:
         self.model.Add(sum(self.N) == self.L)
 
     def _add_slowest_stage_constraints(self) -> None:
-        tau = round(self.terms.block.time_s * NS)
+        tau = round(self.terms.block.time_s * self.ns)
         for r in self.ranks:
             self.model.Add(self.T >= tau * self.N[r] + self._fixed_time_ns(r))
 
     def _add_tail_constraints(self) -> None:
         t = self.terms
-        per_param_ns = (t.param_gather_s_per_param + t.optimizer_s_per_param) * NS
-        sync_ns = t.grad_sync_s_per_param * NS
+        per_param_ns = (t.param_gather_s_per_param + t.optimizer_s_per_param) * self.ns
+        sync_ns = t.grad_sync_s_per_param * self.ns
         for r in self.ranks:
             fixed_p = self._fixed_params(r)
             # Z >= floor + (gather + opt) P_r
-            self.model.Add(self.Z >= round(t.grad_sync_floor_s * NS + per_param_ns * fixed_p)
+            self.model.Add(self.Z >= round(t.grad_sync_floor_s * self.ns + per_param_ns * fixed_p)
                            + round(per_param_ns * t.block.params) * self.N[r])
             if t.grad_sync_overlaps:
                 # Z >= (sync + gather + opt) P_r - b_r
-                coeff = round((sync_ns + per_param_ns) * t.block.params - t.block.bwd_s * NS)
-                const = round((sync_ns + per_param_ns) * fixed_p - self._fixed_bwd_s(r) * NS)
+                coeff = round((sync_ns + per_param_ns) * t.block.params - t.block.bwd_s * self.ns)
+                const = round((sync_ns + per_param_ns) * fixed_p - self._fixed_bwd_s(r) * self.ns)
             else:
                 coeff = round((sync_ns + per_param_ns) * t.block.params)
                 const = round((sync_ns + per_param_ns) * fixed_p)
@@ -139,11 +146,12 @@ class SplitILP:
 
     def _set_objective(self) -> None:
         m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
-        tau = round(self.terms.block.time_s * NS)
+        tau = round(self.terms.block.time_s * self.ns)
         fixed_sum = sum(self._fixed_time_ns(r) for r in self.ranks)
         # sum_r t_r = tau * L + sum_r f_r is a constant; kept so the objective is the step time.
-        self.constant_ns = (tau * self.L + fixed_sum) / v
-        self.model.Minimize((m - 1) * self.T + self.Z)
+        # Multiplied by v so (M - 1/v) stays an integer coefficient.
+        self.constant_ns = tau * self.L + fixed_sum
+        self.model.Minimize((m * v - 1) * self.T + v * self.Z)
 
     def solve(self, time_limit_s: float = 10.0) -> SplitSolution:
         self._add_block_count_constraints()
@@ -153,7 +161,9 @@ class SplitILP:
         self._set_objective()
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = time_limit_s
-        solver.parameters.num_workers = 1  # tiny models: one worker is fastest and deterministic
+        # Two workers: the single default worker can stall on the wide T and Z domains, while the
+        # portfolio's LP-based worker proves these small programs optimal in milliseconds.
+        solver.parameters.num_workers = 2
         status = solver.Solve(self.model)
         name = solver.StatusName(status)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -161,8 +171,8 @@ class SplitILP:
         blocks = deal_chunks([int(solver.Value(x)) for x in self.N], self.cfg.virtual_stages)
         return SplitSolution(
             chunk_blocks=blocks, status=name,
-            objective_s=(solver.ObjectiveValue() + self.constant_ns) / NS,
-            bound_s=(solver.BestObjectiveBound() + self.constant_ns) / NS,
+            objective_s=(solver.ObjectiveValue() + self.constant_ns) / (self.ns * self.cfg.virtual_stages),
+            bound_s=(solver.BestObjectiveBound() + self.constant_ns) / (self.ns * self.cfg.virtual_stages),
         )
 
 

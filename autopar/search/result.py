@@ -39,6 +39,17 @@ def candidate_plan(cand: Candidate, mf: ModelFile, cluster_name: str, gpus_per_n
     return plan.with_prediction(prediction)
 
 
+def _split_text(chunk_blocks: tuple[int, ...], pp: int) -> str:
+    """Blocks per pipeline rank: "even", or the counts (the middle elided past 8 ranks)."""
+    per_rank = [sum(chunk_blocks[r::pp]) for r in range(pp)]
+    if len(set(per_rank)) <= 1:
+        return "even"
+    text = [str(n) for n in per_rank]
+    if len(text) > 8:
+        text = text[:4] + ["..."] + text[-2:]
+    return "/".join(text)
+
+
 def _schedule(c) -> str:  # noqa: ANN001
     if c.pp == 1:
         return "-"
@@ -50,7 +61,7 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
     rows = []
     for i, cand in enumerate(result.top, 1):
         c, e = cand.config, cand.estimate
-        split = "even" if len(set(cand.chunk_blocks)) <= 1 else "/".join(map(str, cand.chunk_blocks))
+        split = _split_text(cand.chunk_blocks, c.pp)
         rows.append((i, c.dp, c.tp, c.pp, c.cp, c.cp_kind if c.cp > 1 else "-",
                      "on" if c.sequence_parallel else "off" if c.tp > 1 else "-", c.zero, c.micro_batch,
                      _schedule(c), split if c.pp > 1 else "-", c.recompute, f"{e.step_time_s:,.3f}",
@@ -61,7 +72,7 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
         f"cluster  {cluster.name}: {space.num_gpus} GPUs, {cluster.gpus_per_node} per node, "
         f"{gib(cluster.memory_bytes)} GiB each",
         "",
-        table(["#", "dp", "tp", "pp", "cp", "cp kind", "sp", "zero", "mb", "schedule", "blocks/stage", "recompute",
+        table(["#", "dp", "tp", "pp", "cp", "cp kind", "sp", "zero", "mb", "schedule", "blocks/rank", "recompute",
                "step s", "tokens/s", "MFU %", "peak GiB", "headroom"],
               rows, align="rrrrrllrrlllrrrrr"),
         "",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -25,7 +25,7 @@ from autopar.cost.step import Estimate, evaluate
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import even_stage_ranges
 from autopar.search.ilp import rank_block_capacity, solve_split
-from autopar.search.space import SearchSpace, enumerate_configs
+from autopar.search.space import Branch, SearchSpace, enumerate_branches, enumerate_configs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,10 +72,6 @@ class _TopK:
         del self.items[self.k:]
 
 
-def _block_key(cfg: Config) -> tuple:
-    return (cfg.tp, cfg.cp, cfg.cp_kind, cfg.sequence_parallel, cfg.micro_batch, cfg.recompute)
-
-
 def search(
     graph: ModelGraph,
     cluster: Cluster,
@@ -88,28 +84,25 @@ def search(
     """The top ``top_k`` plans (fastest first) that fit memory; see the module docstring."""
     start = time.perf_counter()
     rejected: Counter = Counter()
-    groups: dict[tuple, dict[int, list[Config]]] = defaultdict(lambda: defaultdict(list))
-    num_configs = 0
-    for cfg in enumerate_configs(graph, space, rejected):
-        groups[_block_key(cfg)][cfg.pp].append(cfg)
-        num_configs += 1
     tokens = space.global_batch * space.seq_len
     model_flops = graph.model_flops_per_sample() * space.global_batch
     flop_lb_s = model_flops / (space.num_gpus * cluster.peak_flops)  # even 100 % MFU needs this
 
-    # Level 1: bound each (block group, pp) pair.
-    bounded: list[tuple[float, float, tuple, int]] = []
-    for key, by_pp in groups.items():
-        sample = next(iter(by_pp.values()))[0]
-        base_terms = build_terms(graph, cluster, replace(sample, zero=0, pp=1, dp=sample.dp * sample.pp,
-                                                         schedule="1f1b", virtual_stages=1))
-        work_per_mb = graph.num_blocks * base_terms.block.time_s + base_terms.pre.time_s + base_terms.post.time_s
-        for pp, cfgs in by_pp.items():
-            # step >= (M-1) * sum_r t_r / pp + sum_r t_r / v  (the slowest rank is at least average)
-            m, v_max = cfgs[0].num_microbatches, max(c.virtual_stages for c in cfgs)
-            lb = max(flop_lb_s, work_per_mb * ((m - 1) / pp + 1 / v_max))
-            mem_lb = _state_memory_lb(graph, base_terms, cfgs, pp)
-            bounded.append((lb, mem_lb, key, pp))
+    # Level 1: bound each branch (block cost x pipeline degree) from one terms build per block cost.
+    base_work: dict[tuple, tuple[float, StageTerms]] = {}
+    bounded: list[tuple[float, float, Branch]] = []
+    num_configs = 0
+    for branch in enumerate_branches(graph, space, rejected):
+        num_configs += branch.num_configs
+        key = branch.block_key
+        if key not in base_work:
+            # Block cost without ZeRO-2/3 exposure (which only adds) and without a pipeline.
+            base = build_terms(graph, cluster, branch.config(dp=branch.dp * branch.pp, pp=1))
+            base_work[key] = (graph.num_blocks * base.block.time_s + base.pre.time_s + base.post.time_s, base)
+        work_per_mb, base = base_work[key]
+        # step >= M * max_r t_r >= M * sum_r t_r / pp: every rank runs all M micro-batches.
+        lb = max(flop_lb_s, branch.num_microbatches * work_per_mb / branch.pp)
+        bounded.append((lb, _memory_lb(graph, base, branch), branch))
     bounded.sort(key=lambda x: x[0])
 
     top = _TopK(top_k)
@@ -117,18 +110,17 @@ def search(
     optimal = True
     min_mem, min_mem_cfg = math.inf, None
     visited = 0
-    for lb, mem_lb, key, pp in bounded:
+    for lb, mem_lb, branch in bounded:
         visited += 1
-        cfgs = groups[key][pp]
-        if progress and visited % 200 == 0:
+        if progress and visited % 500 == 0:
             progress(visited, len(bounded), time.perf_counter() - start)
         if mem_lb > cluster.memory_bytes:
-            rejected["memory: cannot fit even with an ideal split"] += len(cfgs)
+            rejected["memory: cannot fit even with an ideal split"] += branch.num_configs
             continue
         if lb >= top.threshold():
-            rejected["bound: cannot beat the best plans"] += len(cfgs)
+            rejected["bound: cannot beat the best plans"] += branch.num_configs
             continue
-        for cfg in cfgs:
+        for cfg in branch.configs():
             terms = build_terms(graph, cluster, cfg)
             if _balanced_lb(terms, graph.num_blocks) >= top.threshold():
                 rejected["bound: cannot beat the best plans"] += 1
@@ -153,21 +145,17 @@ def search(
     )
 
 
-def _state_memory_lb(graph: ModelGraph, base: StageTerms, cfgs: list[Config], pp: int) -> float:
-    """A lower bound on the peak memory of any config in ``cfgs``: the average rank's model states
-    (under the most sharded ZeRO stage among them) and one micro-batch of activations, plus the
-    framework reserve."""
+def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch) -> float:
+    """A lower bound on the peak memory of any config of ``branch``: the average rank's model
+    states (under its most sharded ZeRO stage) and one micro-batch of activations (every rank
+    keeps at least one in flight), plus the framework reserve."""
     from autopar.cost.memory import state_bytes_per_param
 
     params = graph.num_blocks * base.block.params + base.pre.params + base.post.params
-    best = min(
-        state_bytes_per_param(zero=zero, shard_degree=shard, dtype_bytes=cfgs[0].dtype_bytes,
-                              optimizer=cfgs[0].optimizer).total
-        for zero, shard in {(c.zero, c.dp * c.cp) for c in cfgs}
-    )
-    # The fullest rank holds at least the average; every rank keeps >= 1 micro-batch in flight.
+    best = state_bytes_per_param(zero=max(branch.zero_stages), shard_degree=branch.dp * branch.cp,
+                                 dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer).total
     acts = graph.num_blocks * base.block.act_bytes + base.pre.act_bytes + base.post.act_bytes
-    return (params * best + acts) / pp + base.reserve_bytes
+    return (params * best + acts) / branch.pp + base.reserve_bytes
 
 
 def _balanced_lb(terms: StageTerms, num_blocks: int) -> float:
@@ -177,7 +165,7 @@ def _balanced_lb(terms: StageTerms, num_blocks: int) -> float:
     if cfg.pp > 1:
         total += terms.p2p_s * 2 * (cfg.pp * cfg.virtual_stages - 1)
     m, v = cfg.num_microbatches, cfg.virtual_stages
-    return (m - 1) * total / cfg.pp + total / v
+    return (m - 1 / v) * total / cfg.pp + total / v
 
 
 def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: float, tokens: float,

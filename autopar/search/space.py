@@ -47,8 +47,53 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_configs(graph: ModelGraph, space: SearchSpace, rejected: Counter) -> Iterator[Config]:
-    """Yield every legal Config; count the rest in ``rejected`` by reason."""
+@dataclass(frozen=True, kw_only=True)
+class Branch:
+    """All legal configs sharing a block cost (tp, cp, kind, sp, micro-batch, recompute) and a
+    pipeline degree; they differ in schedule, virtual stages and ZeRO stage."""
+
+    tp: int
+    cp: int
+    cp_kind: str
+    sequence_parallel: bool
+    micro_batch: int
+    recompute: str
+    pp: int
+    dp: int
+    schedules: tuple[tuple[str, int], ...]
+    zero_stages: tuple[int, ...]
+    space: SearchSpace
+
+    @property
+    def block_key(self) -> tuple:
+        return (self.tp, self.cp, self.cp_kind, self.sequence_parallel, self.micro_batch, self.recompute)
+
+    @property
+    def num_configs(self) -> int:
+        return len(self.schedules) * len(self.zero_stages)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.space.global_batch // (self.dp * self.micro_batch)
+
+    def config(self, schedule: str = "1f1b", virtual_stages: int = 1, zero: int = 0, **changes: int) -> Config:
+        fields = dict(
+            dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind,
+            sequence_parallel=self.sequence_parallel, zero=zero, recompute=self.recompute, schedule=schedule,
+            virtual_stages=virtual_stages, micro_batch=self.micro_batch, global_batch=self.space.global_batch,
+            seq_len=self.space.seq_len, dtype_bytes=self.space.dtype_bytes, optimizer=self.space.optimizer,
+        )
+        fields.update(changes)
+        return Config(**fields)
+
+    def configs(self) -> Iterator[Config]:
+        for schedule, v in self.schedules:
+            for zero in self.zero_stages:
+                yield self.config(schedule, v, zero)
+
+
+def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter) -> Iterator[Branch]:
+    """Every legal branch; illegal combinations are counted in ``rejected`` by reason."""
     n, L = space.num_gpus, graph.num_blocks
     for tp in divisors(n):
         if tp > space.gpus_per_node:
@@ -67,23 +112,27 @@ def enumerate_configs(graph: ModelGraph, space: SearchSpace, rejected: Counter) 
                     rejected["pp > blocks"] += 1
                     continue
                 dp = n // (tp * cp * pp)
+                zeros = space.zero_stages if dp * cp > 1 else (0,)
                 for mb in space.micro_batches:
                     if space.global_batch % (dp * mb):
                         rejected["global batch not divisible by dp x micro-batch"] += 1
                         continue
                     m = space.global_batch // (dp * mb)
-                    for schedule, v in _schedules(space, pp, L, m, rejected):
-                        for kind in kinds:
-                            for sp in ((False, True) if tp > 1 else (False,)):
-                                for zero in (space.zero_stages if dp * cp > 1 else (0,)):
-                                    for rc in space.recompute_modes:
-                                        yield Config(
-                                            dp=dp, tp=tp, pp=pp, cp=cp, cp_kind=kind, sequence_parallel=sp,
-                                            zero=zero, recompute=rc, schedule=schedule, virtual_stages=v,
-                                            micro_batch=mb, global_batch=space.global_batch,
-                                            seq_len=space.seq_len, dtype_bytes=space.dtype_bytes,
-                                            optimizer=space.optimizer,
-                                        )
+                    schedules = tuple(_schedules(space, pp, L, m, rejected))
+                    if not schedules:
+                        continue
+                    for kind in kinds:
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            for rc in space.recompute_modes:
+                                yield Branch(tp=tp, cp=cp, cp_kind=kind, sequence_parallel=sp, micro_batch=mb,
+                                             recompute=rc, pp=pp, dp=dp, schedules=schedules, zero_stages=zeros,
+                                             space=space)
+
+
+def enumerate_configs(graph: ModelGraph, space: SearchSpace, rejected: Counter) -> Iterator[Config]:
+    """Yield every legal Config (the brute-force oracle walks exactly this space)."""
+    for branch in enumerate_branches(graph, space, rejected):
+        yield from branch.configs()
 
 
 def _cp_kinds(graph: ModelGraph, space: SearchSpace, tp: int, cp: int, rejected: Counter) -> tuple[str, ...]:

@@ -59,18 +59,10 @@ def table2_graphs():
             for s, _, h, a, _ in TABLE2_SHAPES}
 
 
-MASK_BUG = pytest.mark.xfail(strict=True, reason=(
-    "MODEL BUG (autopar/models/gpt.py CoreAttention.forward): scores.masked_fill(~mask, -inf) keeps the s x s "
-    "boolean mask for backward in every layer (s^2 bytes, divided by neither tp nor the batch); Megatron's fused "
-    "causal softmax keeps no mask. At s=8192, b=1, t=8 with SP that is +2.3 % over Table 2. Fix: add a "
-    "precomputed float causal bias (scores + bias saves nothing for backward) instead of masked_fill"))
-
-
 def _table2_params():
     for s, b, h, a, t in TABLE2_SHAPES:
         for mode in TABLE2_MODES:
-            marks = [MASK_BUG] if (s, mode) == (8192, "tensor_and_sequence_parallel") else []
-            yield pytest.param(mode, s, b, h, a, t, marks=marks, id=f"s{s}-b{b}-h{h}-a{a}-t{t}-{mode}")
+            yield pytest.param(mode, s, b, h, a, t, id=f"s{s}-b{b}-h{h}-a{a}-t{t}-{mode}")
 
 
 @pytest.mark.parametrize("mode,s,b,h,a,t", list(_table2_params()))

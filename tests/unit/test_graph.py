@@ -224,23 +224,22 @@ def test_tensor_parallel_collectives_per_block() -> None:
 
 def test_saved_bytes_scale_with_batch_sequence_and_tp() -> None:
     """Saved bytes grow linearly in the micro-batch, the attention core quadratically in the sequence, and
-    tp divides the sharded part. The s x s boolean causal mask is shared by the batch and by the heads."""
+    tp divides the sharded part. The causal bias is additive, so nothing s x s outside the heads is kept."""
     s = 256
     g = gpt_graph(GPTConfig(num_layers=2, hidden_size=256, num_heads=8, seq_len=s, vocab_size=500), "bf16")
     fit = g.regions["block"]
     split = g.graph.nodes["block.0"]["saved_split"]
     base = sum(q.nbytes for q in fit.saved)
-    core, mask = split["attention_core"], s * s
+    core = split["attention_core"]
 
     def at(**kw: float) -> float:
         shape = Shape(**{"b": 1, "s_ratio": 1.0, "kv_ratio": 1.0, "t": 1, **kw})
         return sum(q.nbytes * shape.scale(q.exps) for q in fit.saved)
 
     assert at() == base
-    assert at(b=3) == pytest.approx(3 * (base - mask) + mask)
+    assert at(b=3) == pytest.approx(3 * base)
     assert at(s_ratio=0.5, kv_ratio=0.5) == pytest.approx((base - core) / 2 + core / 4)
-    assert at(t=4) == pytest.approx(split["sp_sharded"] + split["other"] + (split["tp_sharded"] + core - mask) / 4
-                                    + mask)
+    assert at(t=4) == pytest.approx(split["sp_sharded"] + split["other"] + (split["tp_sharded"] + core) / 4)
 
 
 # ---------------------------------------------------------------- scale

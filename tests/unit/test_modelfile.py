@@ -54,12 +54,6 @@ def test_bad_model_file_is_one_line_error_naming_the_file(name: str, cause: str)
     assert cause in msg, f"error does not give the cause {cause!r}: {msg}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "CONTRACT BUG: errors raised while tracing do not name the model file (DESIGN §4 / issue 2: 'one-line error "
-    "naming the file and the cause'). autopar/graph/build.py find_blocks() (bad pipeline_blocks) and "
-    "_default_loss() (output holds no tensor) raise ModelFileError without the path, and model_graph._build "
-    "re-raises ModelFileError unchanged. Fix: in model_graph._build wrap find_blocks()/run() so a ModelFileError "
-    "whose message does not start with str(mf.path) is re-raised as ModelFileError(f'{mf.path}: {exc}')"))
 @pytest.mark.parametrize("name,cause", [("bad_pipeline_blocks.py", "decoder.layers"),
                                         ("no_output_tensor.py", "loss_fn")])
 def test_trace_errors_name_the_file(name: str, cause: str) -> None:

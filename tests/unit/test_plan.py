@@ -256,9 +256,6 @@ def test_dataclasses_validate_on_creation() -> None:
              parallel=Parallel(dp=2, tp=2, pp=1))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "CONTRACT BUG (autopar/plan.py plan_from_dict): `version: true` and `version: 1.0` are accepted because "
-    "True == 1 == 1.0 in Python; the version check must reject non-int values like every other integer key"))
 @pytest.mark.parametrize("value", [True, 1.0])
 def test_version_must_be_the_integer_1(value: object) -> None:
     with pytest.raises(PlanError, match="version"):
