@@ -50,6 +50,8 @@ CASES_4 = [
     Case(name="gpt-pp2xdp2-zero3", model="gpt", parallel={"pp": 2, "dp": 2, "zero": 3, "pp_schedule": "gpipe"}),
     Case(name="llama-cp2xtp2-ring", model="llama", parallel={"cp": 2, "tp": 2, "sequence_parallel": True}),
     Case(name="gpt-dp2xcp2-zero1", model="gpt", parallel={"dp": 2, "cp": 2, "cp_kind": "allgather", "zero": 1}),
+    Case(name="gpt-pp2xcp2-ring", model="gpt", parallel={"pp": 2, "cp": 2, "pp_schedule": "1f1b"}),
+    Case(name="llama-pp2xcp2-ulysses", model="llama", parallel={"pp": 2, "cp": 2, "cp_kind": "ulysses"}),
 ]
 CASES_8 = [
     Case(name=f"{m}-pp2xdp2xtp2", model=m, parallel={"pp": 2, "dp": 2, "tp": 2, "pp_schedule": "1f1b"})
