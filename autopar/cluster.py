@@ -73,6 +73,9 @@ class Cluster:
     inter_node: Link  # per GPU share of the node's NICs (one rail per GPU)
     framework_reserve_bytes: float  # CUDA context, NCCL buffers, allocator fragmentation
     optimizer_bytes_per_param: float = 32.0  # HBM traffic of a fused Adam step per parameter
+    # A collective hidden behind compute is not free: its kernels take SMs and HBM bandwidth from the
+    # compute it overlaps. This fraction of the hidden time is added to the step.
+    overlap_cost_fraction: float = 0.1
     # How the training software behaves (the same GPUs run Megatron-LM and torchtitan differently):
     overlap_grad_reduce: bool = True  # DP gradient collectives overlap the last backward (DDP/FSDP do)
     async_tp_backward: bool = False  # TP backward all-reduce overlaps the weight-gradient GEMM (Megatron)
@@ -88,6 +91,8 @@ class Cluster:
         for key in ("memory_efficiency", "attention_efficiency"):
             if not 0 < getattr(self, key) <= 1:
                 raise ClusterError(f"cluster profile {self.name}: {key} must be in (0, 1]")
+        if not 0 <= self.overlap_cost_fraction <= 1:
+            raise ClusterError(f"cluster profile {self.name}: overlap_cost_fraction must be in [0, 1]")
 
 
 def _get(data: Mapping[str, Any], key: str, where: str) -> Any:
@@ -146,6 +151,7 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
             inter_node=_link(_get(net, "inter_node", f"{where} network"), f"{where} network.inter_node"),
             framework_reserve_bytes=_num(gpu, "framework_reserve_bytes", f"{where} gpu"),
             optimizer_bytes_per_param=_num(eff, "optimizer_bytes_per_param", f"{where} efficiency", 32.0),
+            overlap_cost_fraction=_num(eff, "overlap_cost_fraction", f"{where} efficiency", 0.1),
             **_software(data.get("software", {}), f"{where} software"),
             source=source,
         )

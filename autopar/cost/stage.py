@@ -83,6 +83,7 @@ class StageTerms:
     grad_sync_s_per_param: float  # end-of-step DP/ZeRO collectives per parameter on the rank
     grad_sync_floor_s: float  # the part that can never overlap (last bucket)
     grad_sync_overlaps: bool  # False: the whole gradient collective runs after backward
+    overlap_cost_fraction: float  # share of an overlapped collective's time that still costs
     param_gather_s_per_param: float  # ZeRO-1/2 all-gather of updated parameters
     optimizer_s_per_param: float
     transient_bytes: float  # ZeRO-3 gathered block, recompute working set
@@ -146,6 +147,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         state_split={"params": state.params, "grads": state.grads, "optimizer": state.optimizer},
         grad_sync_s_per_param=per_param_sync if cfg.zero in (0, 1) else 0.0,
         grad_sync_overlaps=cluster.overlap_grad_reduce,
+        overlap_cost_fraction=cluster.overlap_cost_fraction,
         grad_sync_floor_s=bucket_ar if cfg.zero in (0, 1) and n_shard > 1 else 0.0,
         param_gather_s_per_param=gather,
         optimizer_s_per_param=optimizer_s,
@@ -216,16 +218,24 @@ def _cp_time(graph: ModelGraph, cfg: Config, link, tokens_bytes: float, core_fwd
     return a2a, a2a
 
 
-def _zero_exposed(cfg: Config, params: float, fwd_s: float, bwd_s: float, link) -> float:  # noqa: ANN001
-    """ZeRO-2/3 collectives per micro-batch that compute cannot hide (prefetch overlaps the rest)."""
+def _overlapped(comm_s: float, window_s: float, cost_fraction: float) -> float:
+    """Time a collective adds when run behind ``window_s`` of compute: what sticks out, plus the
+    share of the hidden part that contention for SMs and memory bandwidth costs."""
+    return max(0.0, comm_s - window_s) + cost_fraction * min(comm_s, window_s)
+
+
+def _zero_exposed(cfg: Config, params: float, fwd_s: float, bwd_s: float, link, cost_fraction: float) -> float:  # noqa: ANN001
+    """ZeRO-2/3 collectives per micro-batch: prefetched behind forward/backward compute. ZeRO-3
+    gathers parameters in forward and again in backward and reduce-scatters gradients; ZeRO-2
+    reduce-scatters gradients in every micro-batch's backward."""
     nbytes = params * cfg.dtype_bytes  # the gathered (unsharded) parameters of this piece
     if cfg.zero == 3:
         ag = collective_time_s("all_gather", nbytes, link)
         rs = collective_time_s("reduce_scatter", nbytes, link)
-        return max(0.0, ag - fwd_s) + max(0.0, ag + rs - bwd_s)
+        return _overlapped(ag, fwd_s, cost_fraction) + _overlapped(ag + rs, bwd_s, cost_fraction)
     if cfg.zero == 2:
         rs = collective_time_s("reduce_scatter", nbytes, link)
-        return max(0.0, rs - bwd_s)
+        return _overlapped(rs, bwd_s, cost_fraction)
     return 0.0
 
 
@@ -247,7 +257,7 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
         recompute, act = 0.0, rt.saved_bytes
     params = graph.params["block"].per_rank(cfg.tp)
     bwd = rt.bwd_s + tp_b + cp_b + recompute
-    zero = _zero_exposed(cfg, params, fwd, bwd, dpcp_link)
+    zero = _zero_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b,
                 zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops)
 
@@ -273,7 +283,7 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
     params = graph.params[region].per_rank(cfg.tp)
     if region == "post":
         params += graph.params["loss"].count
-    zero = _zero_exposed(cfg, params, fwd, bwd, dpcp_link)
+    zero = _zero_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=0.0, tp_comm_s=tp, cp_comm_s=0.0, zero_comm_s=zero,
                 act_bytes=sum(p.saved_bytes for p in parts), params=params,
                 fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts))

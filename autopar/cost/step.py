@@ -4,7 +4,8 @@ With t_r the forward+backward time of one micro-batch on pipeline rank r (all it
 micro-batches and v chunks per rank (v = 1 for GPipe and 1F1B):
 
     step = (M - 1/v) * max_r t_r + sum_r t_r / v + max_r tail_r
-    tail_r = max(floor, grad_sync(params_r) - backward_r) + params_r * (gather + optimizer)
+    tail_r = max(floor, grad_sync(params_r) - backward_r) + c * grad_sync(params_r)
+             + params_r * (gather + optimizer)
 
 For equal stages this is M t + (p - 1) t / v: the work of M micro-batches plus Megatron's
 interleaved bubble (p - 1)/v; for v = 1 it is 1F1B's (M - 1) max t + sum t. The tail is the
@@ -99,7 +100,10 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
     for r in range(pp):
         sync = params[r] * terms.grad_sync_s_per_param
         if terms.grad_sync_overlaps:
+            # Hidden behind the last backward, but contention costs a share of all of it (an upper
+            # estimate of the hidden part that keeps the tail convex, so the ILP stays exact).
             tail = max(terms.grad_sync_floor_s if sync > 0 else 0.0, sync - bwd[r])
+            tail += terms.overlap_cost_fraction * sync
         else:
             tail = sync
         tail += params[r] * (terms.param_gather_s_per_param + terms.optimizer_s_per_param)

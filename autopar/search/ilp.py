@@ -17,8 +17,8 @@ of rank r:
 
     subject to  sum_r N_r = L                                       (blocks)
                 T >= t_r                              for all r     (slowest stage)
-                Z >= floor + (gather + opt) P_r       for all r     (tail: last bucket, update)
-                Z >= (sync + gather + opt) P_r - b_r  for all r     (tail: unhidden gradient sync)
+                Z >= floor + (c sync + gather + opt) P_r        for all r  (tail: last bucket, update)
+                Z >= ((1 + c) sync + gather + opt) P_r - b_r  for all r  (tail: unhidden gradient sync)
                 sigma P_r + I_r (alpha N_r + a_r) + other <= capacity   for all r   (memory)
 
 A rank's N_r blocks are dealt to its v chunks as evenly as possible (sizes differ by at most one),
@@ -29,7 +29,8 @@ and its size does not grow with the number of blocks or virtual stages.
 
 This is exactly ``cost.step.evaluate`` for a split: the step time is linear in the n_c except for
 two maxima, which the epigraph variables T and Z represent exactly because they are minimised.
-Without overlap of the gradient sync the second tail family becomes Z >= (sync + gather + opt) P_r.
+(c: the share of a hidden collective that contention still costs). Without overlap of the gradient
+sync, c is not charged and the second family becomes Z >= (sync + gather + opt) P_r.
 
 Integers: times are scaled so that one micro-batch of the whole model (every block, embedding and
 head) is 1e9 units, a resolution of one part in 1e9 whatever the model size, with coefficients far
@@ -115,8 +116,10 @@ class SplitILP:
 
     def _add_tail_constraints(self) -> None:
         t = self.terms
-        per_param_ns = (t.param_gather_s_per_param + t.optimizer_s_per_param) * self.ns
         sync_ns = t.grad_sync_s_per_param * self.ns
+        per_param_ns = (t.param_gather_s_per_param + t.optimizer_s_per_param) * self.ns
+        if t.grad_sync_overlaps:
+            per_param_ns += t.overlap_cost_fraction * sync_ns  # a hidden sync still costs its share c
         for r in self.ranks:
             fixed_p = self._fixed_params(r)
             # Z >= floor + (gather + opt) P_r
