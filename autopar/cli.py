@@ -70,6 +70,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The full parser: built-in commands plus every command module present."""
     parser = _Parser(prog="autopar", description="Plan and run hybrid-parallel PyTorch training.")
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -91,22 +92,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that live in their own packages: (name, module, help, description). Each module defines
+# add_arguments(parser) and main(args) -> exit code; a module not present is not offered.
+_COMMANDS = (
+    ("plan", "autopar.search.cli_plan", "search the fastest plan that fits memory",
+     "Search (ILP, OR-Tools CP-SAT) for the fastest plan of MODEL on N GPUs and write it as plan YAML v1."),
+    ("run", "autopar.executor.cli_run", "train with a plan (torch.distributed)",
+     "Apply PLAN to the model and train for a few steps; report measured vs predicted."),
+    ("profile", "autopar.profiler.cli_profile", "measure per-layer compute/memory or collectives",
+     "Measure per-layer times and memory on the local device, or collectives under torchrun (--comm)."),
+    ("validate", "autopar.profiler.cli_validate", "run a plan briefly and compare with its prediction",
+     "Run PLAN for a few steps and print predicted vs measured step time and peak memory per rank."),
+    ("explain", "autopar.explain.cli", "show a plan's mesh, stages, memory and communication",
+     "Explain PLAN: rank groups per mesh axis, layers per stage, memory and communication per step."),
+    ("launch", "autopar.launch.cli", "print the torchrun lines or an sbatch script for a plan",
+     "Print the per-node torchrun command lines (or a Slurm sbatch script) that run PLAN."),
+)
+
+
 def _add_optional_commands(sub: argparse._SubParsersAction) -> None:
-    """Commands that live in their own packages (search, executor), registered when present."""
-    if importlib.util.find_spec("autopar.search.cli_plan") is not None:
-        from autopar.search.cli_plan import add_plan_arguments, plan_main
-
-        p = sub.add_parser("plan", help="search the fastest plan that fits memory",
-                           description="Search (ILP, OR-Tools CP-SAT) for the fastest plan of MODEL on N GPUs.")
-        add_plan_arguments(p)
-        p.set_defaults(func=plan_main)
-    if importlib.util.find_spec("autopar.executor.cli_run") is not None:
-        from autopar.executor.cli_run import add_run_arguments, run_main
-
-        p = sub.add_parser("run", help="train with a plan (torch.distributed)",
-                           description="Apply PLAN to the model and train for a few steps; report measured vs predicted.")
-        add_run_arguments(p)
-        p.set_defaults(func=run_main)
+    for name, module_name, help_text, description in _COMMANDS:
+        try:
+            if importlib.util.find_spec(module_name) is None:
+                continue
+        except ModuleNotFoundError:  # its package is not there either
+            continue
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=description)
+        module.add_arguments(p)
+        p.set_defaults(func=module.main)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

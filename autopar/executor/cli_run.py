@@ -207,7 +207,7 @@ def format_comparison(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def standalone_main(argv: list[str] | None = None) -> int:
     """Standalone entry used by the torchrun re-launch (and usable without autopar.cli)."""
     parser = argparse.ArgumentParser(prog="autopar run")
     add_run_arguments(parser)
@@ -219,5 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
 
 
+# The interface autopar.cli expects of a command module.
+add_arguments = add_run_arguments
+main = run_main
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(standalone_main())

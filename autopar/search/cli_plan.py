@@ -30,7 +30,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.py", help="model file (see the model-file contract in README)")
     p.add_argument("--gpus", type=_positive, required=True, metavar="N", help="number of GPUs to plan for")
     p.add_argument("--gpus-per-node", type=_positive, metavar="G", help="GPUs per node (default: the profile's)")
@@ -55,7 +55,7 @@ def default_global_batch(num_gpus: int, seq_len: int) -> int:
     return max(num_gpus, round(target / num_gpus) * num_gpus)
 
 
-def plan_main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> int:
     from autopar.cluster import load_cluster
     from autopar.graph import build_graph
     from autopar.modelfile import load_model_file
