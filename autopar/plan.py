@@ -409,3 +409,23 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
             os.unlink(tmp)
         raise
     return p
+
+
+# ``autopar.plan`` names two things: this module (``from autopar.plan import Plan, load_plan``
+# everywhere) and the notebook API ``autopar.plan(model, gpus=...) -> Plan`` (autopar/api.py).
+# Importing a submodule always sets the package attribute to the module, so a function of that
+# name defined in autopar/__init__ would be silently replaced by this module whenever anything
+# imports it. Renaming the module would break every import and the plan-file contract's home.
+# Instead the module object itself is callable: its class becomes a ModuleType subclass (allowed
+# since Python 3.5) whose ``__call__`` delegates to ``autopar.api.plan``. Attribute access,
+# ``import autopar.plan``, pickling of Plan objects and ``from autopar.plan import ...`` are unchanged.
+class _CallableModule(__import__("types").ModuleType):
+    """The ``autopar.plan`` module, callable as ``autopar.api.plan`` (see the comment above)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Plan:
+        from autopar.api import plan as search_plan
+
+        return search_plan(*args, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,200 @@
+"""``autopar explain``: everything about one plan in readable tables.
+
+``explain_plan`` gathers the facts (mesh groups, stage layout, the cost model's estimate, the
+communication volume); ``format_explanation`` turns them into text. Both are pure: no I/O, no argv.
+Every number comes from the cost model (``cost.estimate`` / ``cost.stage``), so ``explain`` and
+``estimate`` can never disagree: the memory columns of each stage sum to that stage's peak and the
+largest is the estimate's ``peak_memory_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster
+from autopar.cost.estimate import config_from_plan, estimate_plan
+from autopar.cost.stage import StageTerms, build_terms
+from autopar.cost.step import Estimate, chunk_rank
+from autopar.explain.mesh import AxisSummary, format_group, mesh_summary
+from autopar.explain.trace import chunk_times
+from autopar.explain.volume import StageVolume, communication_volume
+from autopar.graph.model_graph import ModelGraph
+from autopar.plan import Plan
+from autopar.report import gib, plan_summary, seconds, table
+
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "other")
+_AXIS_TITLE = {"tp": "tensor (tp)", "cp": "context (cp)", "dp": "data (dp)", "dp_cp": "grad/ZeRO (dp x cp)",
+               "pp": "pipeline (pp)"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Explanation:
+    """The facts ``autopar explain`` prints."""
+
+    plan: Plan
+    model_name: str
+    num_params: float
+    cluster: Cluster
+    estimate: Estimate
+    terms: StageTerms
+    mesh: tuple[AxisSummary, ...]
+    volume: tuple[StageVolume, ...]
+
+    def axis(self, name: str) -> AxisSummary:
+        return next(a for a in self.mesh if a.axis == name)
+
+
+def explain_plan(plan: Plan, graph: ModelGraph, cluster: Cluster) -> Explanation:
+    """Gather the explanation of ``plan`` for ``graph`` on ``cluster`` (raises PlanError if the
+    plan does not fit the model, like ``estimate``)."""
+    est = estimate_plan(plan, graph, cluster)
+    terms = build_terms(graph, cluster, config_from_plan(plan))
+    return Explanation(plan=plan, model_name=graph.name, num_params=graph.num_params, cluster=cluster,
+                       estimate=est, terms=terms, mesh=mesh_summary(plan, cluster),
+                       volume=communication_volume(plan, graph, cluster, terms))
+
+
+def format_explanation(ex: Explanation, *, max_groups: int = 4) -> str:
+    """The text of ``autopar explain``; at most ``max_groups`` groups listed per axis (then a count)."""
+    plan, est = ex.plan, ex.estimate
+    out = [
+        f"model    {ex.model_name}: {ex.num_params / 1e9:,.2f} B parameters, {plan.model.num_blocks} blocks, "
+        f"seq {plan.training.seq_len}, global batch {plan.training.global_batch_size}, {plan.training.dtype}",
+        f"cluster  {ex.cluster.name}: {plan.cluster.num_gpus} GPUs on {plan.cluster.num_nodes} node(s), "
+        f"{plan.cluster.gpus_per_node} per node (node = rank // {plan.cluster.gpus_per_node})",
+        f"plan     {plan_summary(plan)}",
+        "",
+        f"step time {seconds(est.step_time_s)}   tokens/s {est.tokens_per_s:,.0f}   MFU {est.mfu * 100:.1f} %   "
+        f"bubble {est.bubble_fraction * 100:.1f} %",
+        "",
+        "== mesh: ranks laid out [pp, dp, cp, tp], tp innermost ==",
+        _mesh_table(ex),
+        "",
+        *_group_lines(ex, max_groups),
+        "",
+        "== pipeline stages ==",
+        _stage_table(ex),
+        "",
+        "== memory per GPU (GiB), by pipeline stage ==",
+        _memory_table(ex),
+        f"peak {gib(est.peak_memory_bytes)} GiB of {gib(est.capacity_bytes)} GiB: "
+        + ("fits" if est.fits else "DOES NOT FIT"),
+        "",
+    ]
+    out += _comm_section(ex)
+    out += ["", "== time per step ==", _time_table(est)]
+    return "\n".join(out)
+
+
+def _mesh_table(ex: Explanation) -> str:
+    rows = []
+    for a in ex.mesh:
+        if a.axis == "dp_cp" and ex.plan.parallel.cp == 1:
+            continue  # the same groups as dp
+        rows.append((_AXIS_TITLE[a.axis], a.size, f"{a.num_groups:,}", a.stride, a.nodes_per_group,
+                     a.link if a.size > 1 else "-",
+                     f"{a.bandwidth_bytes_per_s / 1e9:,.0f}" if a.size > 1 else "-"))
+    return table(["axis", "size", "groups", "stride", "nodes/group", "link", "GB/s per GPU"], rows, align="lrrrrlr")
+
+
+def _group_lines(ex: Explanation, max_groups: int) -> list[str]:
+    gpn = ex.plan.cluster.gpus_per_node
+    lines = []
+    for a in ex.mesh:
+        if a.size == 1 or (a.axis == "dp_cp" and ex.plan.parallel.cp == 1):
+            continue
+        shown = a.groups[:max_groups]
+        label = a.axis + " groups"
+        per_line = 2 if a.size <= 4 else 1
+        for k in range(0, len(shown), per_line):
+            lines.append(f"{label if k == 0 else '':15s}" + "  ".join(format_group(g, gpn) for g in shown[k:k + per_line]))
+        if a.num_groups > len(shown):
+            lines.append(" " * 15 + f"... {a.num_groups - len(shown):,} more ({a.num_groups:,} groups of {a.size})")
+    return lines or ["(one GPU: no groups)"]
+
+
+def elided(n: int, keep: tuple[int, ...] = (), limit: int = 8) -> list[int]:
+    """Indices 0..n-1 to print: all when n <= limit, else the first 3, the last 2 and ``keep``,
+    with -1 wherever some were left out."""
+    if n <= limit:
+        return list(range(n))
+    wanted = sorted({0, 1, 2, n - 2, n - 1, *keep})
+    out: list[int] = []
+    for i in wanted:
+        if out and i != out[-1] + 1:
+            out.append(-1)
+        out.append(i)
+    return out
+
+
+def _stage_table(ex: Explanation) -> str:
+    plan, terms = ex.plan, ex.terms
+    par = plan.parallel
+    ranges = plan.stage_ranges()
+    times = chunk_times(terms, [e - s for s, e in ranges])
+    stride = par.dp * par.cp * par.tp
+    gpn = plan.cluster.gpus_per_node
+    rows: list[tuple] = []
+    for r in elided(par.pp):
+        if r < 0:
+            rows.append(("...",) + ("",) * 9)
+            continue
+        first, last_rank = r * stride, (r + 1) * stride - 1
+        nodes = f"{first // gpn}" if first // gpn == last_rank // gpn else f"{first // gpn}-{last_rank // gpn}"
+        for c in range(len(ranges)):
+            if chunk_rank(c, par.pp) != r:
+                continue
+            start, end = ranges[c]
+            extra = [x for x, on in (("embedding", c == 0), ("head+loss", c == len(ranges) - 1)) if on]
+            f, b, rc = times[c]
+            rows.append((r, c, f"{start}-{end - 1}", end - start, ", ".join(extra) or "-", seconds(f), seconds(b),
+                         seconds(rc) if rc else "-", f"{first}-{last_rank}", nodes))
+    return table(["stage", "chunk", "blocks", "n", "also", "fwd/mb", "bwd/mb", "of it recompute", "ranks", "nodes"],
+                 rows, align="rrlrlrrrll")
+
+
+def _memory_table(ex: Explanation) -> str:
+    rows: list[tuple] = []
+    peak = max(ex.estimate.ranks, key=lambda rk: rk.peak_bytes).rank
+    for r in elided(len(ex.estimate.ranks), keep=(peak,)):
+        if r < 0:
+            rows.append(("...",) + ("",) * (len(MEMORY_KEYS) + 2))
+            continue
+        rk = ex.estimate.ranks[r]
+        m = rk.memory_bytes
+        rows.append((rk.rank, rk.num_blocks, *(gib(m[k]) for k in MEMORY_KEYS), gib(rk.peak_bytes)))
+    return table(["stage", "blocks", *MEMORY_KEYS, "total"], rows)
+
+
+def _human_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _comm_section(ex: Explanation) -> list[str]:
+    busiest = max(ex.volume, key=lambda v: v.sent_bytes_per_step)
+    lines = [f"== communication per step, one GPU of stage {busiest.rank} (the busiest) =="]
+    if not busiest.items:
+        return lines + ["(none: a single GPU)"]
+    rows = [(i.what, i.collective.replace("_", "-"), i.axis, i.link, i.group_size, f"{i.calls_per_step:,.0f}",
+             _human_bytes(i.message_bytes), _human_bytes(i.sent_bytes_per_step), seconds(i.time_s_per_step))
+            for i in busiest.items]
+    lines.append(table(["what", "collective", "axis", "link", "group", "calls", "message", "sent/step",
+                        "time alone"], rows, align="lllllrrrr"))
+    lines += ["", "sent per GPU per step, by stage and axis:"]
+    axes = [a for a in ("tp", "cp", "dp_cp", "pp") if any(a in v.by_axis() for v in ex.volume)]
+    links = {a.axis: a.link for a in ex.mesh}
+    shown = [None if r < 0 else ex.volume[r] for r in elided(len(ex.volume), keep=(busiest.rank,))]
+    rows = [("...", *("" for _ in axes), "") if v is None else
+            (v.rank, *(_human_bytes(v.by_axis().get(a, 0.0)) for a in axes), _human_bytes(v.sent_bytes_per_step))
+            for v in shown]
+    lines.append(table(["stage", *(f"{a} ({links[a]})" for a in axes), "total"], rows))
+    return lines
+
+
+def _time_table(est: Estimate) -> str:
+    rows = [(k.replace("_", " "), seconds(v), f"{v / est.step_time_s * 100:.1f} %")
+            for k, v in est.time_breakdown_s.items() if abs(v) > 0]
+    return table(["part", "seconds", "share"], rows)

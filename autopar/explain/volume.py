@@ -1,0 +1,209 @@
+"""Communication volume of one training step, per collective and mesh axis, for each pipeline rank.
+
+Everything is derived from the cost model's own inputs (``cost.stage.build_terms`` and the graph's
+fitted collective messages), so the volume table describes exactly the traffic the estimate costs.
+Notation: M micro-batches per step, b micro-batch, d bytes of the training dtype, n_r blocks on
+pipeline rank r, X = one block input of one micro-batch on one rank (``graph.block_input_bytes * b
+* s/cp``: b·s/cp·h·d for a transformer), KV = this rank's K and V (2·X·kv_heads/heads / tp), P_r =
+parameters held by a rank of stage r (tp-sharded), n = the group size of the axis.
+
+Calls per step on one rank of pipeline rank r, and the message (full, unsharded tensor) of each:
+
+    TP   (tp > 1)  per block message q recorded while tracing (Megatron: 2 forward, 2 backward, each X):
+                   no SP: all-reduce q            fwd n_r·M calls, bwd n_r·M calls
+                   SP:    all-gather q + reduce-scatter q instead of each all-reduce
+                   full recompute repeats the forward collectives (n_r·M more)
+                   vocab-parallel embedding: all-reduce X in forward (first stage), head: all-reduce X
+                   in backward (last stage), M calls each
+    CP   (cp > 1)  ring: P2P of KV, (n-1) per block forward and 2(n-1) backward (K,V then dK,dV)
+                   allgather: all-gather n·KV forward, reduce-scatter n·KV backward, per block
+                   ulysses: all-to-all of n·X/tp twice (Q, O) and of n·KV once (K and V), forward
+                   and again backward, per block; full recompute repeats the forward ones
+    DP   (dp·cp > 1, over the dp_cp group, message P_r·d)
+                   ZeRO-0 all-reduce of gradients, once per step (in buckets, overlapped)
+                   ZeRO-1 reduce-scatter of gradients + all-gather of updated parameters, once each
+                   ZeRO-2 reduce-scatter of gradients every micro-batch (M) + all-gather once
+                   ZeRO-3 all-gather forward (M) and backward (M) + reduce-scatter (M)
+    PP   (pp > 1)  P2P of X/tp under SP (else X) per micro-batch per boundary: a rank sends the
+                   activation out of each of its chunks but the last, and the gradient out of each
+                   but the first (with pipeline scatter-gather: X/tp per rail + a tp all-gather of X)
+
+Bytes a rank sends per call (nccl-tests bus convention, as ``cost.comm``):
+all-reduce 2(n-1)/n·m, all-gather / reduce-scatter / all-to-all (n-1)/n·m, P2P m.
+``time_s_per_call`` is ``cost.comm.collective_time_s`` on the axis's link: the time the collective
+would take alone; the step model hides parts of it behind compute (see ``cost.stage``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster
+from autopar.cost.comm import Mesh, collective_time_s
+from autopar.cost.estimate import config_from_plan
+from autopar.cost.stage import StageTerms, build_terms
+from autopar.cost.step import chunk_rank, evaluate
+from autopar.graph.model_graph import ModelGraph
+from autopar.graph.scaling import Shape
+from autopar.plan import Plan
+
+
+def wire_factor(collective: str, group_size: int) -> float:
+    """Bytes one rank sends per byte of message (see the module docstring)."""
+    n = group_size
+    if n <= 1:
+        return 0.0
+    if collective == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if collective == "p2p":
+        return 1.0
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommItem:
+    """One kind of collective on one rank of a pipeline stage, over one step."""
+
+    what: str  # what it carries, e.g. "TP forward (block)"
+    collective: str  # all_reduce | all_gather | reduce_scatter | all_to_all | p2p
+    axis: str  # tp | cp | dp_cp | pp
+    link: str  # nvlink | network
+    group_size: int
+    calls_per_step: float
+    message_bytes: float  # one call's full tensor
+    time_s_per_call: float
+
+    @property
+    def sent_bytes_per_step(self) -> float:
+        """Bytes this rank puts on the link per step."""
+        return self.calls_per_step * self.message_bytes * wire_factor(self.collective, self.group_size)
+
+    @property
+    def time_s_per_step(self) -> float:
+        """Time of all calls if nothing overlapped them."""
+        return self.calls_per_step * self.time_s_per_call
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageVolume:
+    """Every collective one GPU of pipeline rank ``rank`` takes part in, per step."""
+
+    rank: int
+    items: tuple[CommItem, ...]
+
+    @property
+    def sent_bytes_per_step(self) -> float:
+        return sum(i.sent_bytes_per_step for i in self.items)
+
+    def by_axis(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for i in self.items:
+            out[i.axis] = out.get(i.axis, 0.0) + i.sent_bytes_per_step
+        return out
+
+
+def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
+                         terms: StageTerms | None = None) -> tuple[StageVolume, ...]:
+    """Per pipeline rank, the collectives of one step (formulas in the module docstring)."""
+    cfg = config_from_plan(plan)
+    terms = terms or build_terms(graph, cluster, cfg)
+    mesh = Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+    links = {axis: mesh.link(cluster, axis) for axis in ("tp", "cp", "dp_cp", "pp")}
+    s_ratio = (cfg.seq_len / cfg.cp) / graph.seq_len if graph.is_sequence_model else 1.0
+    kv_ratio = cfg.seq_len / graph.seq_len if graph.is_sequence_model else 1.0
+    shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=kv_ratio, t=cfg.tp)  # TP messages: no SP division
+    x = graph.block_input_bytes * cfg.micro_batch * s_ratio
+    chunks = [end - start for start, end in plan.stage_ranges()]
+    last = len(chunks) - 1
+    m = cfg.num_microbatches
+    ranks = evaluate(terms, chunks, 0.0, 1.0, cluster.peak_flops).ranks  # parameters per pipeline rank
+    out = []
+    for r in range(cfg.pp):
+        local = [c for c in range(len(chunks)) if chunk_rank(c, cfg.pp) == r]
+        blocks = sum(chunks[c] for c in local)
+        params = ranks[r].params
+        items: list[CommItem] = []
+
+        def add(what: str, kind: str, axis: str, calls: float, nbytes: float) -> None:
+            link = links[axis]
+            if calls > 0 and nbytes > 0 and link.size > 1:
+                items.append(CommItem(what=what, collective=kind, axis=axis, link=link.link_name,
+                                      group_size=link.size, calls_per_step=calls, message_bytes=nbytes,
+                                      time_s_per_call=collective_time_s(kind, nbytes, link)))
+
+        _tp_items(add, graph, cfg, shape, blocks * m, x, terms, 0 in local, last in local, m)
+        _cp_items(add, graph, cfg, blocks * m, x)
+        _dp_items(add, cfg, params * cfg.dtype_bytes, m)
+        if cfg.pp > 1:
+            sends = m * (sum(c < last for c in local) + sum(c > 0 for c in local))
+            if cluster.pipeline_scatter_gather and not cfg.sequence_parallel and cfg.tp > 1:
+                add("PP activations/gradients (1/tp per rail)", "p2p", "pp", sends, x / cfg.tp)
+                add("PP re-gather after receive", "all_gather", "tp", sends, x)
+            else:
+                sp = cfg.tp if cfg.sequence_parallel and cfg.tp > 1 else 1
+                add("PP activations/gradients", "p2p", "pp", sends, x / sp)
+        out.append(StageVolume(rank=r, items=tuple(items)))
+    return tuple(out)
+
+
+def _tp_items(add, graph: ModelGraph, cfg, shape: Shape, block_calls: float, x: float,  # noqa: ANN001
+              terms: StageTerms, first: bool, last: bool, m: int) -> None:
+    if cfg.tp == 1:
+        return
+    for phase, label in (("fwd", "forward"), ("bwd", "backward")):
+        msgs = [q.nbytes * shape.scale(q.exps) for q in graph.regions["block"].comm if q.phase == phase]
+        if not msgs:
+            continue
+        avg, per_block = sum(msgs) / len(msgs), len(msgs)
+        reps = [(f"TP {label} (blocks)", block_calls * per_block)]
+        if phase == "fwd" and cfg.recompute == "full":
+            reps.append(("TP forward again (full recompute)", block_calls * per_block))
+        for what, calls in reps:
+            if cfg.sequence_parallel:
+                add(what, "all_gather", "tp", calls, avg)
+                add(what, "reduce_scatter", "tp", calls, avg)
+            else:
+                add(what, "all_reduce", "tp", calls, avg)
+    # Vocab-parallel embedding / head: the cost model charges them exactly when tp_comm_s > 0.
+    if first and terms.pre.tp_comm_s > 0:
+        add("TP vocab-parallel embedding (forward)", "all_reduce", "tp", m, x)
+    if last and terms.post.tp_comm_s > 0:
+        add("TP vocab-parallel head (backward)", "all_reduce", "tp", m, x)
+
+
+def _cp_items(add, graph: ModelGraph, cfg, block_calls: float, x: float) -> None:  # noqa: ANN001
+    if cfg.cp == 1:
+        return
+    n = cfg.cp
+    heads, kv_heads = graph.num_heads, graph.num_kv_heads or graph.num_heads
+    kv = 2 * x * ((kv_heads / heads) if heads else 1.0) / cfg.tp
+    fwd_reps = 2 if cfg.recompute == "full" else 1
+    if cfg.cp_kind == "ring":
+        add("CP ring K,V (forward)", "p2p", "cp", block_calls * (n - 1) * fwd_reps, kv)
+        add("CP ring K,V and dK,dV (backward)", "p2p", "cp", block_calls * 2 * (n - 1), kv)
+    elif cfg.cp_kind == "allgather":
+        add("CP all-gather K,V (forward)", "all_gather", "cp", block_calls * fwd_reps, kv * n)
+        add("CP reduce-scatter dK,dV (backward)", "reduce_scatter", "cp", block_calls, kv * n)
+    else:
+        q = x / cfg.tp
+        add("CP Ulysses Q,O all-to-all (forward)", "all_to_all", "cp", block_calls * 2 * fwd_reps, q * n)
+        add("CP Ulysses K,V all-to-all (forward)", "all_to_all", "cp", block_calls * fwd_reps, kv * n)
+        add("CP Ulysses Q,O all-to-all (backward)", "all_to_all", "cp", block_calls * 2, q * n)
+        add("CP Ulysses K,V all-to-all (backward)", "all_to_all", "cp", block_calls, kv * n)
+
+
+def _dp_items(add, cfg, state_bytes: float, m: int) -> None:  # noqa: ANN001
+    if cfg.zero == 0:
+        add("DP gradient all-reduce (bucketed)", "all_reduce", "dp_cp", 1, state_bytes)
+    elif cfg.zero == 1:
+        add("ZeRO-1 gradient reduce-scatter", "reduce_scatter", "dp_cp", 1, state_bytes)
+        add("ZeRO-1 parameter all-gather", "all_gather", "dp_cp", 1, state_bytes)
+    elif cfg.zero == 2:
+        add("ZeRO-2 gradient reduce-scatter (every micro-batch)", "reduce_scatter", "dp_cp", m, state_bytes)
+        add("ZeRO-2 parameter all-gather", "all_gather", "dp_cp", 1, state_bytes)
+    else:
+        add("ZeRO-3 parameter all-gather (forward)", "all_gather", "dp_cp", m, state_bytes)
+        add("ZeRO-3 parameter all-gather (backward)", "all_gather", "dp_cp", m, state_bytes)
+        add("ZeRO-3 gradient reduce-scatter", "reduce_scatter", "dp_cp", m, state_bytes)
