@@ -63,6 +63,9 @@ class Executable:
     chunk_ids: list[int] = field(default_factory=list)
     tied: list[tuple[list[str], dist.ProcessGroup | None]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # full-model parameter name -> canonical name of its tie group (first alias in the full model's
+    # named_parameters order); the checkpoint keys of tied weights (checkpoint.py)
+    canonical_names: dict[str, str] = field(default_factory=dict)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """Local parameters by original full-model name (deduplicated)."""
@@ -108,6 +111,15 @@ def materialise(part: nn.Module, reference: nn.Module, device: torch.device, per
         _copy_into(t, full.to(device))
 
 
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter name of the full ``model`` -> the first name of its tie group."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
 def reference_model(mf: ModelFile, seed: int) -> nn.Module:
     """The single-process model for ``seed``: what every plan's weights must equal."""
     torch.manual_seed(seed)
@@ -126,6 +138,7 @@ def build_executable(
         zero = 2
     model = mf.build("meta")  # 1. meta
     perms = fused_row_permutations(model, spec, par.tp)
+    canonical = canonical_names(model)
 
     # 2. pipeline split (outside)
     chunk_ids: list[int] = [0]
@@ -181,7 +194,7 @@ def build_executable(
     exe = Executable(
         plan=plan, spec=spec, mesh=mesh, parts=[w.module for w in wrapped], dp=wrapped,
         optimizer=None,  # type: ignore[arg-type]  # set below, needs the wrapped parameters
-        permutations=perms, chunk_ids=chunk_ids, notes=notes,
+        permutations=perms, chunk_ids=chunk_ids, notes=notes, canonical_names=canonical,
     )
     params = list(exe.named_parameters().values())
     exe.optimizer = build_optimizer(params, plan.training.optimizer, lr, any(w.sharded_optimizer for w in wrapped), dp_mesh)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import resource
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,6 +47,24 @@ class RunResult:
     peak_memory_bytes: tuple[int, ...]  # per rank
     memory_measure: str
     notes: tuple[str, ...] = ()
+    start_step: int = 0  # index of the first step run here (> 0 after a resume); losses[i] is step start_step + i
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepHooks:
+    """Optional callbacks of the training loop (all run on every rank).
+
+    ``before_step(step)``: before step index ``step`` (fault injection in tests);
+    ``after_step(steps_done, loss)``: after the step's loss is known (checkpoint saves; collective);
+    ``guard(phase)``: a context manager around each phase ("step 4", "checkpoint after step 4")
+    that turns a collective timeout or a dead peer into a one-line error (faults.py);
+    ``profile_step()``: called after each step (the torch.profiler schedule, tracing.py).
+    """
+
+    before_step: Callable[[int], None] | None = None
+    after_step: Callable[[int, float], None] | None = None
+    guard: Callable[[str], AbstractContextManager] | None = None
+    profile_step: Callable[[], None] | None = None
 
 
 def _redraw(x: Any, g: torch.Generator) -> Any:
@@ -192,51 +210,64 @@ class _Trainer:
 
 def train(
     exe: Executable, mf: ModelFile, *, steps: int, seed: int, log: Callable[[str], None] | None = None,
-    on_grads: Callable[[int], None] | None = None,
+    on_grads: Callable[[int], None] | None = None, start_step: int = 0, hooks: StepHooks | None = None,
 ) -> RunResult:
-    """Run ``steps`` optimizer steps (collective). Every rank returns the same RunResult.
+    """Run optimizer steps ``start_step .. steps - 1`` (collective). Every rank returns the same
+    RunResult. Step ``s`` always trains on global batch ``s`` of ``seed`` (the data position), so a
+    run resumed at ``start_step`` sees exactly the batches the uninterrupted run would have.
 
     ``on_grads(step)``: optional hook between backward and the optimizer step (see _Trainer.step).
     """
     plan, device = exe.plan, exe.mesh.device
     par, g = plan.parallel, plan.training.global_batch_size
+    hooks = hooks or StepHooks()
+    guard = hooks.guard or (lambda phase: nullcontext())
     baseline = rss_baseline()
     trainer = _Trainer(exe, mf)
     per_dp = g // par.dp
     d = exe.mesh.coords.dp
     losses, times = [], []
-    for step in range(steps):
+    for step in range(start_step, steps):
+        if hooks.before_step is not None:
+            hooks.before_step(step)
         batch = to_device(rows(global_batch(mf, g, step, seed), d * per_dp, (d + 1) * per_dp), device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        contrib = trainer.step(batch, None if on_grads is None else lambda: on_grads(step))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - t0
-        stats = torch.tensor([float(contrib), elapsed], dtype=torch.float64, device=device)
-        total = stats[:1].clone()
-        dist.all_reduce(total)
-        dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
+        with guard(f"step {step + 1}"):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            contrib = trainer.step(batch, None if on_grads is None else lambda: on_grads(step))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - t0
+            stats = torch.tensor([float(contrib), elapsed], dtype=torch.float64, device=device)
+            total = stats[:1].clone()
+            dist.all_reduce(total)
+            dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
         loss = float(total) / (par.dp * par.cp * par.tp)
         losses.append(loss)
         times.append(float(stats[1]))
         if log is not None:
             log(f"step {step + 1}/{steps}  loss {loss:.6f}  time {times[-1] * 1e3:.1f} ms  "
                 f"tokens/s {g * plan.training.seq_len / times[-1]:.0f}")
+        if hooks.profile_step is not None:
+            hooks.profile_step()
+        if hooks.after_step is not None:
+            with guard(f"checkpoint after step {step + 1}"):
+                hooks.after_step(step + 1, loss)
     peak = torch.tensor([peak_memory_bytes(device, baseline if device.type != "cuda" else 0)], dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, peak)
     steady = times[1:] if len(times) >= 2 else times
-    mean = sum(steady) / len(steady)
+    mean = sum(steady) / len(steady) if steady else 0.0
     return RunResult(
         losses=tuple(losses),
         step_times_s=tuple(times),
         step_time_s=mean,
-        tokens_per_s=g * plan.training.seq_len / mean,
+        tokens_per_s=g * plan.training.seq_len / mean if mean > 0 else 0.0,
         peak_memory_bytes=tuple(int(t.item()) for t in gathered),
         memory_measure="torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS growth (getrusage ru_maxrss)",
         notes=tuple(exe.notes),
+        start_step=start_step,
     )
 
 

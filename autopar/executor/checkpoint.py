@@ -1,0 +1,361 @@
+"""Sharded, plan-independent, atomic checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+Layout of ``DIR`` (a filesystem every rank sees -- one node, or a shared filesystem)::
+
+    DIR/step-6/           a complete checkpoint: DCP shards (``__<rank>_0.distcp``), ``.metadata``,
+                          and ``meta.json`` (step, seed, lr, plan, loss history) written last
+    DIR/step-9.tmp/       a save in progress (or one that crashed): never read
+    DIR/latest            one line, ``step-6``: replaced atomically (temp + rename)
+
+Save protocol (collective): rank 0 clears a stale ``step-N.tmp``; every rank writes its shards with
+``dcp.save`` into ``step-N.tmp`` (DCP's coordinator writes ``.metadata`` only after every rank
+reported); barrier; rank 0 writes ``meta.json``, fsyncs, renames ``step-N.tmp`` -> ``step-N`` and
+only then replaces ``latest``; barrier. A crash at any point leaves ``latest`` naming a complete
+checkpoint (or absent), so resume never sees half a save.
+
+Plan independence (what makes *reshard* work): every entry is keyed by the parameter's
+fully-qualified name in the user's full model -- wrapper prefixes (DDP ``module.``, the pipeline
+``StageModule``'s ``model.``) removed and tied aliases (GPT's ``output.weight`` on the last pipeline
+stage = ``tok_embeddings.weight``) mapped to one canonical name. Values are the live parameters and
+AdamW moments: DTensors (TP, FSDP2, FSDP2 x TP) keep their shards and DCP records their global
+offsets, plain tensors (DDP, replicated) are deduplicated by DCP; on load DCP reads whatever slice
+each rank's new layout needs. Two exceptions are handled here: fused QKV weights under tp > 1 are
+stored row-permuted (tensor_parallel.py), so they and their moments are gathered, un-permuted and
+saved whole (load: read whole, permute, keep the local shard); ZeRO-1 (ZeroRedundancyOptimizer)
+keeps each parameter's state on one rank only, which DCP handles as a key present on one rank.
+
+The ``torch.distributed.checkpoint.state_dict`` helpers (get/set_state_dict) are not used: they take
+one module and one optimizer over it, while a pipeline rank holds several chunks under one optimizer,
+and they know neither ZeroRedundancyOptimizer nor the permuted QKV rows. This module builds the same
+flat FQN-keyed state dict (``model/<fqn>``, ``optim/<fqn>/<state>``) itself and lets DCP reshard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from autopar.errors import AutoparError
+from autopar.executor.apply import Executable, original_name
+
+FORMAT = 1
+LATEST = "latest"
+META = "meta.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint directory that cannot be resumed from (missing, incomplete, another model)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointMeta:
+    """What ``meta.json`` records next to the shards (written by rank 0, last)."""
+
+    step: int  # optimizer steps completed = index of the next step (the data position)
+    seed: int
+    lr: float
+    world_size: int
+    parallel: dict[str, Any]
+    global_batch_size: int
+    num_blocks: int
+    losses: tuple[float, ...]  # loss of every step so far, across resumes
+    format: int = FORMAT
+
+    def to_json(self) -> str:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["losses"] = list(self.losses)
+        return json.dumps(d, indent=1) + "\n"
+
+    @staticmethod
+    def from_file(path: Path) -> "CheckpointMeta":
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+            if d.get("format") != FORMAT:
+                raise CheckpointError(f"{path}: checkpoint format {d.get('format')!r}, this autopar reads {FORMAT}")
+            d["losses"] = tuple(float(x) for x in d["losses"])
+            return CheckpointMeta(**d)
+        except CheckpointError:
+            raise
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise CheckpointError(f"{path} is not a readable autopar checkpoint record ({type(exc).__name__})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Directory protocol (pure filesystem; rank 0 only where it writes)
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint is complete once DCP's ``.metadata`` and our ``meta.json`` both exist."""
+    return path.is_dir() and (path / ".metadata").is_file() and (path / META).is_file()
+
+
+def find_latest(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint: ``latest`` when it names a complete one, else the highest
+    complete ``step-N`` (a crash between rename and pointer update); None when there is none."""
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    try:
+        name = (d / LATEST).read_text(encoding="utf-8").strip()
+    except OSError:
+        name = ""
+    if _STEP_DIR.match(name) and is_complete(d / name):
+        return d / name
+    steps = sorted(
+        (int(m.group(1)), p) for p in d.iterdir() if (m := _STEP_DIR.match(p.name)) and is_complete(p)
+    )
+    return steps[-1][1] if steps else None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def publish(tmp: Path, final: Path, meta: CheckpointMeta, keep: int) -> None:
+    """Rank 0, after every rank's shards are written: meta.json, rename, ``latest``, retention."""
+    _write_file_atomic(tmp / META, meta.to_json())
+    if final.exists():  # left by a crash after rename but before ``latest`` moved on; not referenced
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    _write_file_atomic(final.parent / LATEST, final.name + "\n")
+    if keep > 0:
+        done = sorted((int(m.group(1)), p) for p in final.parent.iterdir() if (m := _STEP_DIR.match(p.name)))
+        for _, old in done[:-keep]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+        for p in final.parent.glob("step-*.tmp"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The FQN-keyed state dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Gathered:
+    """A permuted (fused-QKV) tensor saved whole: ``target`` is the live (sharded) tensor."""
+
+    key: str
+    target: torch.Tensor
+    perm: torch.Tensor
+
+
+def _optimizer_state(exe: Executable, p: torch.Tensor) -> dict[str, Any] | None:
+    opt = exe.optimizer
+    inner = getattr(opt, "optim", None)  # ZeroRedundancyOptimizer: this rank's shard only
+    state = inner.state if inner is not None and hasattr(opt, "_partition_parameters") else opt.state
+    return state.get(p)
+
+
+def _local_params(exe: Executable) -> list[tuple[str, str, torch.Tensor]]:
+    """(canonical name, original name, parameter) of every distinct local parameter."""
+    seen: set[int] = set()
+    out = []
+    for part in exe.parts:
+        for name, p in part.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            orig = original_name(name)
+            out.append((exe.canonical_names.get(orig, orig), orig, p))
+    return out
+
+
+def _full_unpermuted(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    return full.detach()[torch.argsort(perm.to(full.device))].clone()
+
+
+def build_state(exe: Executable, *, rng: bool, for_load: bool) -> tuple[dict[str, Any], list[_Gathered]]:
+    """The flat DCP state dict of this rank (collective when fused-QKV tensors are gathered).
+
+    Keys: ``model/<fqn>``, ``buffer/<fqn>``, ``optim/<fqn>/<name>``, ``rng/rank<r>/cpu``.
+    ``for_load``: permuted entries are empty full-size placeholders, returned as fix-ups.
+    """
+    state: dict[str, Any] = {}
+    fixups: list[_Gathered] = []
+
+    def put(key: str, value: torch.Tensor, perm: torch.Tensor | None) -> None:
+        if perm is None:
+            state[key] = value
+            return
+        if for_load:
+            holder = torch.empty(tuple(value.shape), dtype=value.dtype, device=exe.mesh.device)
+            state[key] = holder
+            fixups.append(_Gathered(key=key, target=value, perm=perm))
+        else:
+            state[key] = _full_unpermuted(value, perm)
+
+    for canon, orig, p in _local_params(exe):
+        perm = exe.permutations.get(orig)
+        put(f"model/{canon}", p, perm)
+        st = _optimizer_state(exe, p)
+        for sname, value in sorted((st or {}).items()):
+            if isinstance(value, torch.Tensor):
+                same = tuple(value.shape) == tuple(p.shape)
+                put(f"optim/{canon}/{sname}", value, perm if same else None)
+    for part in exe.parts:
+        for name, buf in part.named_buffers():
+            owner, _, leaf = name.rpartition(".")
+            module = part.get_submodule(owner) if owner else part
+            if leaf not in module._non_persistent_buffers_set:
+                orig = original_name(name)
+                state.setdefault(f"buffer/{exe.canonical_names.get(orig, orig)}", buf)
+    if rng:
+        r = dist.get_rank()
+        state[f"rng/rank{r}/cpu"] = torch.empty_like(torch.get_rng_state()) if for_load else torch.get_rng_state()
+        if exe.mesh.device.type == "cuda":
+            cur = torch.cuda.get_rng_state(exe.mesh.device)
+            state[f"rng/rank{r}/cuda"] = torch.empty_like(cur) if for_load else cur
+    return state, fixups
+
+
+def _apply_fixup(fix: _Gathered, loaded: torch.Tensor) -> None:
+    full = loaded[fix.perm.to(loaded.device)]
+    with torch.no_grad():
+        if isinstance(fix.target, DTensor):
+            mesh = fix.target.device_mesh
+            rep = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            fix.target.to_local().copy_(rep.redistribute(mesh, fix.target.placements).to_local())
+        else:
+            fix.target.copy_(full)
+
+
+def init_optimizer_state(exe: Executable) -> None:
+    """Create the optimizer's state tensors (zero gradients, lr 0) so DCP has targets to load into.
+    Collective: ZeRO-1 broadcasts its updated shards. AdamW with lr 0 leaves the weights unchanged."""
+    opt = exe.optimizer
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    inner = getattr(opt, "optim", None)
+    if inner is not None:
+        for g in inner.param_groups:
+            g["lr"] = 0.0
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    if inner is not None:
+        for g in inner.param_groups:
+            g["lr"] = lrs[0]
+    opt.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Save / load (collective)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpointer:
+    """Saves every ``every`` steps into ``directory`` (and at the last step); ``keep`` newest kept."""
+
+    directory: Path
+    every: int
+    keep: int
+    seed: int
+    lr: float
+
+    def due(self, steps_done: int, total: int) -> bool:
+        return steps_done == total or (self.every > 0 and steps_done % self.every == 0)
+
+    def save(self, exe: Executable, steps_done: int, losses: list[float],
+             before_publish: Callable[[], None] | None = None) -> Path:
+        """Write ``step-<steps_done>`` atomically (see module docstring). Collective."""
+        import torch.distributed.checkpoint as dcp
+
+        final = self.directory / f"step-{steps_done}"
+        tmp = self.directory / f"step-{steps_done}.tmp"
+        if dist.get_rank() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        dist.barrier()
+        state, _ = build_state(exe, rng=True, for_load=False)
+        dcp.save(state, checkpoint_id=str(tmp))
+        dist.barrier()  # every rank's shards are on disk
+        if before_publish is not None:
+            before_publish()
+        if dist.get_rank() == 0:
+            plan = exe.plan
+            meta = CheckpointMeta(
+                step=steps_done, seed=self.seed, lr=self.lr, world_size=dist.get_world_size(),
+                parallel=_parallel_dict(plan), global_batch_size=plan.training.global_batch_size,
+                num_blocks=plan.model.num_blocks, losses=tuple(losses),
+            )
+            publish(tmp, final, meta, self.keep)
+        dist.barrier()
+        return final
+
+
+def _parallel_dict(plan) -> dict[str, Any]:
+    import dataclasses
+
+    d = dataclasses.asdict(plan.parallel)
+    d["stages"] = [list(r) for r in plan.stage_ranges()] if plan.parallel.stages is not None else None
+    return d
+
+
+def load(exe: Executable, path: Path) -> tuple[CheckpointMeta, list[str]]:
+    """Restore model, optimizer, buffers (and RNG when the plan is unchanged) from ``path``.
+    Collective. Returns the checkpoint's record and notes for the log."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = CheckpointMeta.from_file(path / META)
+    notes: list[str] = []
+    same_layout = meta.world_size == dist.get_world_size() and meta.parallel == _parallel_dict(exe.plan)
+    if not same_layout:
+        notes.append(f"resharded {path.name} from {_describe(meta.parallel)} to {_describe(_parallel_dict(exe.plan))}"
+                     " (per-rank RNG state not restored)")
+    init_optimizer_state(exe)
+    state, fixups = build_state(exe, rng=same_layout, for_load=True)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException with per-rank details
+        first = str(exc).strip().splitlines()
+        raise CheckpointError(f"cannot load {path}: {first[0] if first else type(exc).__name__}"[:600]) from None
+    for fix in fixups:
+        _apply_fixup(fix, state[fix.key])
+    r = dist.get_rank()
+    if same_layout:
+        torch.set_rng_state(state[f"rng/rank{r}/cpu"])
+        if f"rng/rank{r}/cuda" in state:
+            torch.cuda.set_rng_state(state[f"rng/rank{r}/cuda"], exe.mesh.device)
+    return meta, notes
+
+
+def _describe(par: dict[str, Any]) -> str:
+    axes = [f"{k}{par.get(k, 1)}" for k in ("pp", "dp", "cp", "tp") if par.get(k, 1) > 1] or ["1 rank"]
+    return "x".join(axes) + f" zero{par.get('zero', 0)}"
