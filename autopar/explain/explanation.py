@@ -75,8 +75,7 @@ def format_explanation(ex: Explanation, *, max_groups: int = 4) -> str:
         "== pipeline stages ==",
         _stage_table(ex),
         "",
-        "== memory per GPU (GiB), by pipeline stage ==",
-        _memory_table(ex),
+        *_memory_section(ex),
         f"peak {gib(est.peak_memory_bytes)} GiB of {gib(est.capacity_bytes)} GiB: "
         + ("fits" if est.fits else "DOES NOT FIT"),
         "",
@@ -153,7 +152,9 @@ def _stage_table(ex: Explanation) -> str:
                  rows, align="rrlrlrrrll")
 
 
-def _memory_table(ex: Explanation) -> str:
+def _memory_section(ex: Explanation) -> list[str]:
+    """The per-stage breakdown in GiB, or in MiB when the peak is under 10 GiB (small models)."""
+    unit, size = ("GiB", 2**30) if ex.estimate.peak_memory_bytes >= 10 * 2**30 else ("MiB", 2**20)
     rows: list[tuple] = []
     peak = max(ex.estimate.ranks, key=lambda rk: rk.peak_bytes).rank
     for r in elided(len(ex.estimate.ranks), keep=(peak,)):
@@ -161,9 +162,10 @@ def _memory_table(ex: Explanation) -> str:
             rows.append(("...",) + ("",) * (len(MEMORY_KEYS) + 2))
             continue
         rk = ex.estimate.ranks[r]
-        m = rk.memory_bytes
-        rows.append((rk.rank, rk.num_blocks, *(gib(m[k]) for k in MEMORY_KEYS), gib(rk.peak_bytes)))
-    return table(["stage", "blocks", *MEMORY_KEYS, "total"], rows)
+        rows.append((rk.rank, rk.num_blocks, *(f"{rk.memory_bytes[k] / size:,.1f}" for k in MEMORY_KEYS),
+                     f"{rk.peak_bytes / size:,.1f}"))
+    return [f"== memory per GPU ({unit}), by pipeline stage ==",
+            table(["stage", "blocks", *MEMORY_KEYS, "total"], rows)]
 
 
 def _human_bytes(n: float) -> str:

@@ -67,10 +67,12 @@ def test_memory_per_stage_sums_to_the_estimate(small_gpt, a100, make_plan) -> No
     assert max(rk.peak_bytes for rk in ex.estimate.ranks) == pytest.approx(est.peak_memory_bytes, rel=1e-12)
     text = format_explanation(ex)
     peak_row = max(ex.estimate.ranks, key=lambda rk: rk.peak_bytes)
-    row = next(line for line in text.split("== memory")[1].splitlines() if line.startswith(f"{peak_row.rank} "))
-    cells = [float(x) for x in row.split()[2:]]
-    assert sum(cells[:5]) == pytest.approx(cells[5], abs=0.3)  # GiB, rounded to 0.1 each
-    assert cells[5] == pytest.approx(est.peak_memory_bytes / 2**30, abs=0.06)
+    section = text.split("== memory per GPU (")[1]
+    unit = {"GiB": 2**30, "MiB": 2**20}[section[:3]]
+    row = next(line for line in section.splitlines() if line.startswith(f"{peak_row.rank} "))
+    cells = [float(x.replace(",", "")) for x in row.split()[2:]]
+    assert sum(cells[:5]) == pytest.approx(cells[5], abs=0.3)  # each rounded to 0.1
+    assert cells[5] == pytest.approx(est.peak_memory_bytes / unit, abs=0.06)
 
 
 def test_text_has_every_section(small_gpt, a100, make_plan) -> None:
