@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from autopar.errors import ClusterError
+from autopar.profiler.tables import MeasuredProfile, measured_from_dict
 
 SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -28,12 +29,22 @@ class Link:
     latency_s: float
     max_efficiency: float = 1.0
     half_efficiency_bytes: float = 0.0
+    # Measured per-collective fits (kind, latency_s, bus bandwidth in bytes/s) from `autopar profile
+    # --comm`; a collective listed here is costed with its own fit instead of the figures above.
+    fits: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.bandwidth_bytes_per_s <= 0 or self.latency_s < 0:
             raise ClusterError("link bandwidth must be > 0 and latency >= 0")
         if not 0 < self.max_efficiency <= 1:
             raise ClusterError("link max_efficiency must be in (0, 1]")
+
+    def fit(self, kind: str) -> tuple[float, float] | None:
+        """(latency_s, bandwidth_bytes_per_s) measured for ``kind``, or None."""
+        for name, latency, bandwidth in self.fits:
+            if name == kind:
+                return latency, bandwidth
+        return None
 
     def efficiency(self, message_bytes: float) -> float:
         if self.half_efficiency_bytes <= 0:
@@ -81,6 +92,9 @@ class Cluster:
     async_tp_backward: bool = False  # TP backward all-reduce overlaps the weight-gradient GEMM (Megatron)
     pipeline_scatter_gather: bool = False  # a PP send goes 1/tp per rail, re-gathered on NVLink (Megatron)
     source: Path | None = field(default=None, compare=False)
+    # Measured tables (autopar profile): layer times/memory, kernel curves, collective fits. The
+    # cost model consults them where they apply and falls back to the figures above otherwise.
+    measured: MeasuredProfile | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for key in ("peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s"):
@@ -135,7 +149,7 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
     net = _get(data, "network", where)
     eff = _get(data, "efficiency", where)
     try:
-        return Cluster(
+        cluster = Cluster(
             name=str(data.get("name", name)),
             gpu_name=str(_get(gpu, "name", f"{where} gpu")),
             peak_flops=_num(gpu, "peak_flops", f"{where} gpu"),
@@ -155,10 +169,45 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
             **_software(data.get("software", {}), f"{where} software"),
             source=source,
         )
+        if "measured" in data:
+            cluster = with_measured(cluster, measured_from_dict(data["measured"], where))
     except ClusterError:
         raise
     except (TypeError, ValueError) as exc:
         raise ClusterError(f"{where}: {exc}") from None
+    return cluster
+
+
+def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
+    """``cluster`` with a measured profile layered over it: fitted kernel figures replace the
+    datasheet ones, the measured per-rank memory baseline replaces the framework reserve, measured
+    collective fits attach to the link they were measured on, and the layer tables are kept for the
+    cost model (autopar.cost.compute.graph_region_time)."""
+    import dataclasses
+
+    f = measured.fitted
+    changes: dict[str, Any] = {"measured": measured}
+    for key in ("peak_flops", "memory_bandwidth_bytes_per_s", "memory_efficiency", "kernel_overhead_s"):
+        if key in f:
+            changes[key] = f[key]
+    if "attention_efficiency" in f:
+        changes["attention_efficiency"] = f["attention_efficiency"]
+    if "gemm_max" in f or "gemm_half_dim" in f:
+        changes["gemm"] = GemmEfficiency(max=f.get("gemm_max", cluster.gemm.max),
+                                         half_dim=f.get("gemm_half_dim", cluster.gemm.half_dim))
+    if measured.memory_baseline_bytes is not None:
+        changes["framework_reserve_bytes"] = measured.memory_baseline_bytes
+    if measured.comm:
+        link: Link = getattr(cluster, measured.comm_link)
+        fits = tuple((k, c.latency_s, c.bandwidth_bytes_per_s) for k, c in sorted(measured.comm.items()))
+        base = measured.comm.get("all_reduce") or next(iter(measured.comm.values()))
+        changes[measured.comm_link] = dataclasses.replace(
+            link, fits=fits, bandwidth_bytes_per_s=base.bandwidth_bytes_per_s, latency_s=base.latency_s,
+            max_efficiency=1.0, half_efficiency_bytes=0.0)
+    try:
+        return dataclasses.replace(cluster, **changes)
+    except (TypeError, ValueError) as exc:
+        raise ClusterError(f"measured profile over {cluster.name}: {exc}") from None
 
 
 _SOFTWARE_KEYS = ("overlap_grad_reduce", "async_tp_backward", "pipeline_scatter_gather")
@@ -216,14 +265,37 @@ def list_profiles() -> dict[str, Path]:
 _CACHE: dict[str, Cluster] = {}
 
 
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ClusterError(f"cluster profile {path} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    except OSError as exc:
+        raise ClusterError(f"cannot read profile {path}: {exc.strerror}") from None
+
+
+def load_cluster_and_profile(cluster: str | None, profile: str | None, default: str) -> Cluster:
+    """The cluster for ``--cluster`` and ``--profile`` together.
+
+    ``profile`` is a measured profile (a YAML with a ``measured:`` section): when it is a full
+    profile (``gpu`` and ``network`` too) and no ``--cluster`` is given, it is the cluster; otherwise
+    its measured section is layered over ``--cluster`` (or ``default``) with ``with_measured``.
+    """
+    if profile is None:
+        return load_cluster(cluster or default)
+    path = resolve_profile_path(profile)
+    data = _read_yaml(path)
+    if not isinstance(data, Mapping) or "measured" not in data:
+        raise ClusterError(f"--profile {path} has no 'measured:' section; make one with 'autopar profile'")
+    if cluster is None and "gpu" in data and "network" in data:
+        return load_cluster(str(path))
+    return with_measured(load_cluster(cluster or default), measured_from_dict(data["measured"], f"profile {path}"))
+
+
 def load_cluster(name_or_path: str) -> Cluster:
     """Load a cluster profile by name or path (cached)."""
     path = resolve_profile_path(name_or_path)
     key = str(path.resolve())
     if key not in _CACHE:
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise ClusterError(f"cluster profile {path} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
-        _CACHE[key] = cluster_from_dict(data, path.stem, path)
+        _CACHE[key] = cluster_from_dict(_read_yaml(path), path.stem, path)
     return _CACHE[key]

@@ -12,7 +12,10 @@ Times use the bus-bandwidth convention of nccl-tests, with ``M`` the full tensor
                         (n-1)/n * M / bw +   (n-1) * latency
     point-to-point              M / bw +           latency
 
-where bw is the link bandwidth times its efficiency at the per-step message size.
+where bw is the link bandwidth times its efficiency at the per-step message size. A link measured
+by ``autopar profile --comm`` carries a fit (latency, bus bandwidth) per collective, found by
+least squares on the same formula; that collective then uses its own fit (bandwidth scaled like the
+link's for groups that span nodes) and no efficiency curve.
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ def collective_time_s(kind: str, message_bytes: float, group: GroupLink) -> floa
         volume, hops = message_bytes, 1
     else:
         raise ValueError(f"unknown collective {kind!r}; one of {COLLECTIVES}")
+    fit = group.link.fit(kind)
+    if fit is not None:
+        latency, bandwidth = fit
+        bw = bandwidth * group.bandwidth_bytes_per_s / group.link.bandwidth_bytes_per_s
+        return volume / bw + hops * latency
     step_bytes = message_bytes / n if kind != "p2p" else message_bytes
     bw = group.bandwidth_bytes_per_s * group.link.efficiency(step_bytes)
     return volume / bw + hops * group.link.latency_s

@@ -10,14 +10,27 @@ plus a fixed per-kernel overhead. Attention-core ops (s^2 quantities, or the fus
 are evaluated at ``core_shape``, which differs from ``shape`` under context parallelism: a ring or
 all-gather rank computes its s/cp queries against all s keys; a Ulysses rank computes all s queries
 for heads/(tp*cp) heads.
+
+Measured tables (``graph_region_time``): when the cluster carries a layer table measured for this
+model file (same sha256) and dtype, a region's forward/backward time and saved bytes are the
+measured ones at the nearest measured shape (interpolated, autopar.profiler.tables), times the
+roofline ratio of the asked shape to that measured shape. The ratio is exactly 1 at a measured
+(b, s, tp) without CP or SP, so measured points are reproduced exactly; it carries what one
+device cannot measure (a CP rank's queries against all keys, SP-divided norms, shapes outside the
+measured grid). A table for another model file or dtype is ignored (``measured_table_warning``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
 from autopar.graph.scaling import FitOp, RegionFit, Shape
+from autopar.profiler.tables import LayerTable
+
+if TYPE_CHECKING:
+    from autopar.graph.model_graph import ModelGraph
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,3 +109,59 @@ def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shap
                      saved_bytes=saved, core_saved_bytes=core_saved)
     _CACHE[key] = (fit, out)
     return out
+
+
+def usable_layer_table(graph: "ModelGraph", cluster: Cluster) -> LayerTable | None:
+    """The cluster's measured layer table if it was measured for this model file and dtype."""
+    m = cluster.measured
+    if m is None or m.layers is None:
+        return None
+    t = m.layers
+    if t.model_sha256 != graph.sha256 or t.dtype != graph.dtype:
+        return None
+    return t
+
+
+def measured_table_warning(graph: "ModelGraph", cluster: Cluster) -> str | None:
+    """Why a measured layer table present in ``cluster`` is not used for ``graph`` (None: it is, or none)."""
+    m = cluster.measured
+    if m is None or m.layers is None:
+        return None
+    t = m.layers
+    if t.model_sha256 != graph.sha256:
+        return (f"the profile's layer table was measured for {t.model_name or 'another model'} (sha256 "
+                f"{t.model_sha256[:12]}), not {graph.name} ({graph.sha256[:12]}); layer times use the roofline")
+    if t.dtype != graph.dtype:
+        return f"the profile's layer table was measured in {t.dtype}, the plan trains in {graph.dtype}; layer times use the roofline"
+    return None
+
+
+def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape: Shape,
+                      core_shape: Shape | None = None) -> RegionTime:
+    """``region_time`` of ``graph.regions[region]``, from measured tables when they apply (see the
+    module docstring)."""
+    fit = graph.regions[region]
+    rt = region_time(fit, cluster, shape, core_shape)
+    table = usable_layer_table(graph, cluster)
+    if table is None:
+        return rt
+    S = graph.seq_len
+    s_tokens = shape.s_ratio * S
+    hit = table.lookup(region, shape.b, s_tokens, int(round(shape.t)))
+    if hit is None:
+        return rt
+    ratio_s = hit.s / S
+    ref = region_time(fit, cluster, Shape(b=hit.b, s_ratio=ratio_s, kv_ratio=ratio_s, t=float(hit.tp), sp=1.0))
+    v = hit.values
+
+    def scaled(measured: float, ours: float, at_ref: float) -> float:
+        return measured * ours / at_ref if at_ref > 0 else measured
+
+    fwd = scaled(v["fwd_s"], rt.fwd_s, ref.fwd_s)
+    bwd = scaled(v["bwd_s"], rt.bwd_s, ref.bwd_s)
+    saved = scaled(v["saved_bytes"], rt.saved_bytes, ref.saved_bytes) if v["saved_bytes"] > 0 else rt.saved_bytes
+    f_ratio = fwd / rt.fwd_s if rt.fwd_s > 0 else 1.0
+    b_ratio = bwd / rt.bwd_s if rt.bwd_s > 0 else 1.0
+    s_ratio = saved / rt.saved_bytes if rt.saved_bytes > 0 else 1.0
+    return replace(rt, fwd_s=fwd, bwd_s=bwd, core_fwd_s=rt.core_fwd_s * f_ratio, bwd_gemm_s=rt.bwd_gemm_s * b_ratio,
+                   saved_bytes=saved, core_saved_bytes=rt.core_saved_bytes * s_ratio)

@@ -4,15 +4,21 @@ For a configuration (everything in a plan except the split of blocks into stages
 the step time and the memory depend on is either a constant or proportional to the number of blocks
 a pipeline chunk holds. ``StageTerms`` holds those coefficients; the estimator evaluates them for a
 given split and the ILP optimises the split over them, so both see exactly the same cost model.
+
+Region times come from ``graph_region_time``: measured layer tables when the cluster profile has
+them for this model, the roofline otherwise. A layer table measured with ``edges_replicated`` (the
+embedding and output head run whole on every tp rank, as autopar's executor runs them) makes the
+edges cost what was measured at tp = 1, with their full parameter count and no vocab-parallel
+all-reduce.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.cluster import Cluster
 from autopar.cost.comm import Mesh, collective_time_s
-from autopar.cost.compute import region_time
+from autopar.cost.compute import graph_region_time, usable_layer_table
 from autopar.cost.memory import inflight_microbatches, state_bytes_per_param
 from autopar.graph.model_graph import ModelGraph
 from autopar.graph.scaling import Shape
@@ -83,7 +89,7 @@ class StageTerms:
     grad_sync_s_per_param: float  # end-of-step DP/ZeRO collectives per parameter on the rank
     grad_sync_floor_s: float  # the part that can never overlap (last bucket)
     grad_sync_overlaps: bool  # False: the whole gradient collective runs after backward
-    overlap_cost_fraction: float  # share of an overlapped collective's time that still costs
+    overlap_cost_fraction: float = 0.1  # share of an overlapped collective's time that still costs
     param_gather_s_per_param: float  # ZeRO-1/2 all-gather of updated parameters
     optimizer_s_per_param: float
     transient_bytes: float  # ZeRO-3 gathered block, recompute working set
@@ -114,8 +120,11 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     tp_link, cp_link, dpcp_link = mesh.link(cluster, "tp"), mesh.link(cluster, "cp"), mesh.link(cluster, "dp_cp")
 
     block = _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes)
-    pre = _edge_part(graph, cluster, cfg, "pre", shape, tp_link, dpcp_link, tokens_bytes)
-    post = _edge_part(graph, cluster, cfg, "post", shape, tp_link, dpcp_link, tokens_bytes, with_loss=True)
+    table = usable_layer_table(graph, cluster)
+    replicated = table is not None and table.edges_replicated
+    pre = _edge_part(graph, cluster, cfg, "pre", shape, tp_link, dpcp_link, tokens_bytes, replicated=replicated)
+    post = _edge_part(graph, cluster, cfg, "post", shape, tp_link, dpcp_link, tokens_bytes, with_loss=True,
+                      replicated=replicated)
     p2p = 0.0
     if cfg.pp > 1:
         if cluster.pipeline_scatter_gather and sp == 1.0 and cfg.tp > 1:
@@ -137,10 +146,11 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     if cfg.zero == 3:
         transient += 3 * block_params * d  # gathered params of this and the prefetched block + unsharded grads
     if cfg.recompute == "full":
-        transient += region_time(graph.regions["block"], cluster, shape, core_shape).saved_bytes
+        transient += graph_region_time(graph, "block", cluster, shape, core_shape).saved_bytes
     elif cfg.recompute == "selective":
-        transient += region_time(graph.regions["block"], cluster, shape, core_shape).core_saved_bytes
-    tied = graph.tied_params / (cfg.tp if graph.params["pre"].tp_sharded else 1) if cfg.pp > 1 else 0.0
+        transient += graph_region_time(graph, "block", cluster, shape, core_shape).core_saved_bytes
+    edge_tp = cfg.tp if graph.params["pre"].tp_sharded and not replicated else 1
+    tied = graph.tied_params / edge_tp if cfg.pp > 1 else 0.0
     return StageTerms(
         config=cfg, block=block, pre=pre, post=post, p2p_s=p2p,
         state_bytes_per_param=state.total,
@@ -241,7 +251,7 @@ def _zero_exposed(cfg: Config, params: float, fwd_s: float, bwd_s: float, link, 
 
 def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes) -> Part:  # noqa: ANN001
     fit = graph.regions["block"]
-    rt = region_time(fit, cluster, shape, core_shape)
+    rt = graph_region_time(graph, "block", cluster, shape, core_shape)
     tp_f = _tp_time(cluster, cfg, fit.comm, "fwd", shape, tp_link)
     # Weight-gradient GEMMs are half of the backward GEMMs: the window the backward collectives hide in.
     tp_b = _tp_time(cluster, cfg, fit.comm, "bwd", shape, tp_link)
@@ -262,15 +272,17 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
                 zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops)
 
 
-def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_bytes, with_loss=False) -> Part:  # noqa: ANN001
+def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_bytes, with_loss=False,  # noqa: ANN001
+               replicated=False) -> Part:
     """The embedding (pre) or the head plus loss (post). A vocab-parallel embedding all-reduces its
-    output in forward; a vocab-parallel head all-reduces its input gradient in backward."""
+    output in forward; a vocab-parallel head all-reduces its input gradient in backward. Replicated
+    edges (see the module docstring) run whole on every tp rank and need neither."""
     # The fitted tp exponents already say which ops a vocab-parallel layer shards (0 for the rest).
-    t_shape = shape
-    vocab_tp = any(op.flops_exps.t > 0.5 or op.bytes_exps.t > 0.5 for op in graph.regions[region].ops)
-    parts = [region_time(graph.regions[region], cluster, t_shape)]
+    t_shape = replace(shape, t=1.0, sp=1.0) if replicated else shape
+    vocab_tp = not replicated and any(op.flops_exps.t > 0.5 or op.bytes_exps.t > 0.5 for op in graph.regions[region].ops)
+    parts = [graph_region_time(graph, region, cluster, t_shape)]
     if with_loss:
-        parts.append(region_time(graph.regions["loss"], cluster, t_shape))
+        parts.append(graph_region_time(graph, "loss", cluster, t_shape))
     fwd = sum(p.fwd_s for p in parts)
     bwd = sum(p.bwd_s for p in parts)
     tp = 0.0
@@ -280,7 +292,7 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
         fwd += tp
     else:
         bwd += tp
-    params = graph.params[region].per_rank(cfg.tp)
+    params = graph.params[region].per_rank(1 if replicated else cfg.tp)
     if region == "post":
         params += graph.params["loss"].count
     zero = _zero_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)

@@ -1,0 +1,158 @@
+"""Collective bandwidth profile on the launched ranks (run under torchrun; collective calls).
+
+For each of all-reduce, all-gather, reduce-scatter, all-to-all and P2P, and each message size M
+(the full tensor, as autopar.cost.comm counts it), the time of one call is the median over
+``repeats`` calls of the slowest rank's time. Groups: the whole world and, when it has more than two
+ranks, ranks {0, 1} too, so that latency (per hop) and bandwidth separate. Each collective is
+fitted by non-negative least squares to the cost model's own formula
+
+    t = hops(n) * latency_s + volume(n, M) / bandwidth_bytes_per_s
+
+(all-reduce: hops 2(n-1), volume 2(n-1)/n M; all-gather / reduce-scatter / all-to-all: n-1 and
+(n-1)/n M; P2P: 1 and M), so the fitted figures plug straight into ``Link.fits``. P2P is a
+ping-pong between ranks 0 and 1 (half the round trip).
+
+All ranks of one torchrun are taken as one link: ``intra_node`` on one node (``--standalone``),
+``inter_node`` when LOCAL_WORLD_SIZE < WORLD_SIZE (the measured groups then span nodes).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from autopar.profiler.tables import COLLECTIVES, CollectiveFit
+
+DEFAULT_SIZES = tuple(2**p for p in range(10, 25, 2))  # 1 KiB .. 16 MiB
+
+
+def hops_and_volume(kind: str, n: int, message_bytes: float) -> tuple[float, float]:
+    """The cost model's (hops, bytes on the wire per rank) of one collective (autopar.cost.comm)."""
+    if kind == "all_reduce":
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n * message_bytes
+    if kind == "p2p":
+        return 1.0, message_bytes
+    return float(n - 1), (n - 1) / n * message_bytes
+
+
+def fit_collective(kind: str, points: list[tuple[int, float, float]]) -> CollectiveFit:
+    """Non-negative least squares of ``t = hops * a + volume / bw`` over (ranks, bytes, seconds)."""
+    rows = [(*hops_and_volume(kind, n, m), t) for n, m, t in points]
+    sxx = sum(h * h for h, _, _ in rows)
+    syy = sum(v * v for _, v, _ in rows)
+    sxy = sum(h * v for h, v, _ in rows)
+    sxt = sum(h * t for h, _, t in rows)
+    syt = sum(v * t for _, v, t in rows)
+    det = sxx * syy - sxy * sxy
+    a = b = -1.0
+    if det > 0:
+        a = (sxt * syy - syt * sxy) / det
+        b = (syt * sxx - sxt * sxy) / det
+    if a < 0 or b <= 0:  # one of the two terms is not supported by the data: fit the other alone
+        if b <= 0:
+            b = max(syt / syy, 1e-30) if syy else 1e-30
+            a = max(0.0, (sxt - b * sxy) / sxx) if sxx else 0.0
+        else:
+            a = 0.0
+            b = max(syt / syy, 1e-30)
+    return CollectiveFit(kind=kind, latency_s=a, bandwidth_bytes_per_s=1.0 / b, points=tuple(points))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], repeats: int, group: Any, device: torch.device) -> float:
+    """Median over ``repeats`` of the slowest member's time of ``fn``."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        samples.append(float(elapsed))
+    return statistics.median(samples)
+
+
+def _collective(kind: str, n: int, message_bytes: int, group: Any, device: torch.device) -> Callable[[], Any]:
+    numel = max(n, (message_bytes // 4) // n * n)
+    full = torch.ones(numel, device=device)
+    shard = torch.ones(numel // n, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if kind == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(full, shard, group=group)
+    if kind == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(shard, full, group=group)
+    if kind == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full, group=group)
+    raise ValueError(kind)
+
+
+def _p2p_time(message_bytes: int, repeats: int, device: torch.device) -> float:
+    """Half a ping-pong between ranks 0 and 1 (others wait). Collective over the world."""
+    rank = dist.get_rank()
+    buf = torch.ones(max(1, message_bytes // 4), device=device)
+    samples = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        if i:
+            samples.append(elapsed / 2)
+    value = torch.tensor([statistics.median(samples) if rank == 0 else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def profile_comm(device: torch.device, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5,
+                 log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure and fit every collective (collective call: every rank must make it). Returns the
+    ``comm`` section and ``memory_baseline_bytes`` (max over ranks of peak RSS now)."""
+    world = dist.get_world_size()
+    groups = [(world, None)]
+    if world > 2:
+        groups.append((2, dist.new_group([0, 1])))
+    fits: dict[str, CollectiveFit] = {}
+    for kind in COLLECTIVES:
+        points: list[tuple[int, float, float]] = []
+        for m in sizes:
+            if kind == "p2p":
+                points.append((2, float(m), _p2p_time(m, repeats, device)))
+                continue
+            for n, group in groups:
+                if group is not None and dist.get_rank() >= n:
+                    # Not a member: still take part in the world barrier rhythm of _timed's members.
+                    continue
+                points.append((n, float(m), _timed(_collective(kind, n, m, group, device), repeats, group, device)))
+        fits[kind] = fit_collective(kind, points)
+        dist.barrier()
+        if log:
+            f = fits[kind]
+            log(f"{kind}: latency {f.latency_s * 1e6:.1f} us, bandwidth {f.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+    link = "inter_node" if int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world else "intra_node"
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64, device=device)
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    return {"fits": fits, "ranks": world, "link": link, "memory_baseline_bytes": float(rss)}

@@ -1,0 +1,104 @@
+"""GEMM throughput and memory-bandwidth curves of the local device, and the roofline fit to them.
+
+* GEMM: square and skinny (m, n, k) shapes; FLOP/s = 2 m n k / median seconds. Fitted to the
+  cluster profile's curve ``peak * prod_d d / (d + half_dim)`` (least squares on log FLOP/s, peak in
+  closed form, half_dim by a grid search); written as ``peak_flops`` with ``gemm_max = 1``.
+* Memory bandwidth: ``y.copy_(x)`` over sizes; bytes/s = 2 * size / seconds. The profile's
+  bandwidth is the median over sizes >= 1 MiB (past the caches), efficiency 1.
+* Kernel overhead: the median time of an add of two 1-element tensors (launch + dispatch).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _time(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def gemm_shapes(device: torch.device) -> list[tuple[int, int, int]]:
+    sizes = [64, 128, 256, 512, 1024] + ([2048, 4096, 8192] if device.type == "cuda" else [])
+    shapes = [(n, n, n) for n in sizes]
+    big = sizes[-1]
+    shapes += [(big, big, 64), (big, 64, big), (64, big, big), (big, big, 256)]
+    return shapes
+
+
+def gemm_curve(device: torch.device, dtype: str, warmup: int = 2, repeats: int = 5) -> list[dict[str, float]]:
+    rows = []
+    dt = DTYPES[dtype]
+    for m, n, k in gemm_shapes(device):
+        a = torch.randn(m, k, device=device, dtype=dt)
+        b = torch.randn(k, n, device=device, dtype=dt)
+        secs = _time(lambda: a @ b, device, warmup, repeats)
+        rows.append({"m": m, "n": n, "k": k, "seconds": secs, "flops_per_s": 2.0 * m * n * k / secs})
+    return rows
+
+
+def bandwidth_curve(device: torch.device, warmup: int = 2, repeats: int = 5) -> list[dict[str, float]]:
+    rows = []
+    top = 28 if device.type == "cuda" else 26
+    for p in range(16, top + 1, 2):
+        n = 2**p // 4
+        x = torch.randn(n, device=device)
+        y = torch.empty_like(x)
+        secs = _time(lambda: y.copy_(x), device, warmup, repeats)
+        rows.append({"bytes": 4.0 * n, "seconds": secs, "bytes_per_s": 2 * 4.0 * n / secs})
+    return rows
+
+
+def kernel_overhead_s(device: torch.device, repeats: int = 200) -> float:
+    x = torch.ones(1, device=device)
+    return _time(lambda: x + x, device, 20, repeats)
+
+
+def fit_gemm(rows: list[dict[str, float]]) -> tuple[float, float]:
+    """(peak_flops, half_dim) of ``peak * prod d/(d+h)`` best matching the measured FLOP/s."""
+    best: tuple[float, float, float] | None = None
+    for h in [0.0] + [2.0**e for e in range(0, 13)]:
+        logs = [math.log(r["flops_per_s"]) - sum(math.log(d / (d + h)) for d in (r["m"], r["n"], r["k"]))
+                for r in rows]
+        log_peak = statistics.fmean(logs)
+        err = sum((x - log_peak) ** 2 for x in logs)
+        if best is None or err < best[0]:
+            best = (err, math.exp(log_peak), h)
+    assert best is not None
+    return best[1], max(best[2], 1e-3)
+
+
+def fit_bandwidth(rows: list[dict[str, float]]) -> float:
+    big = [r["bytes_per_s"] for r in rows if r["bytes"] >= 2**20] or [r["bytes_per_s"] for r in rows]
+    return statistics.median(big)
+
+
+def profile_kernels(device: torch.device, dtype: str) -> dict[str, Any]:
+    """{gemm, memory_bandwidth, fitted} sections of the measured profile."""
+    gemm = gemm_curve(device, dtype)
+    bw = bandwidth_curve(device)
+    peak, half = fit_gemm(gemm)
+    return {
+        "gemm": gemm,
+        "memory_bandwidth": bw,
+        "fitted": {"peak_flops": peak, "gemm_max": 1.0, "gemm_half_dim": half,
+                   "memory_bandwidth_bytes_per_s": fit_bandwidth(bw), "memory_efficiency": 1.0,
+                   "kernel_overhead_s": kernel_overhead_s(device)},
+    }

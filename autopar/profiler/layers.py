@@ -1,0 +1,228 @@
+"""Time and measure each region (pre, one block, post, loss) of a model file on the local device.
+
+The model is built on meta, cut to its first block (``one_block_model``: blocks repeat, one
+stands for all), materialised on the device with freshly initialised weights and run forward +
+backward. Region boundaries are the same as the meta trace's (autopar.graph.build.trace_model):
+module hooks on the block in forward, gradient hooks on the block's input/output and on the
+model output in backward; each boundary reads a clock (after ``torch.cuda.synchronize`` on GPU).
+After ``warmup`` runs, the median over ``repeats`` runs is recorded per region and phase.
+
+Shapes: micro-batch ``b``, tokens per sample ``s`` (the model's SEQ_LEN and the CP-sharded
+lengths SEQ_LEN / cp) and tensor-parallel degree ``tp``: the block's Linear layers sharded with
+``shard_for_tp`` as one tp rank holds them. The embedding and output head are measured whole
+(``edges_replicated``), as autopar's executor keeps them on every tp rank; they are therefore only
+measured at tp = 1.
+
+Memory: ``LiveBytes`` (allocator-level, see autopar.profiler.memory) -- ``saved_bytes`` is what
+a region's forward leaves allocated for backward (for the block: its activations per micro-batch);
+``peak_bytes`` the peak of live bytes over the whole one-block forward+backward.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from autopar.graph.build import find_blocks, one_block_model, shard_for_tp, slice_sequence
+from autopar.modelfile import ModelFile, call_model
+from autopar.profiler.memory import LiveBytes
+from autopar.profiler.tables import LayerPoint, LayerTable
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfileConfig:
+    """What to measure. ``seq_lens`` default: the model's SEQ_LEN divided by each of ``cp``."""
+
+    micro_batches: tuple[int, ...] = (1, 2, 4)
+    tps: tuple[int, ...] = (1, 2)
+    cps: tuple[int, ...] = (1, 2)
+    dtype: str = "fp32"
+    warmup: int = 2
+    repeats: int = 5
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    if isinstance(value, dict):
+        for v in value.values():
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+def materialise(model: nn.Module, device: torch.device) -> nn.Module:
+    """A meta model on ``device`` with fresh weights (each module's own ``reset_parameters``)."""
+    model = model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for mod in model.modules():
+            reset = getattr(mod, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            for name, buf in mod.named_buffers(recurse=False):
+                if buf.is_floating_point():
+                    buf.zero_()
+    return model
+
+
+def _with_sharded_block(small: nn.Module, blocks_attr: str, tp_plan: dict[str, str], tp: int) -> nn.Module:
+    """``small`` (one block) with that block's Linear layers sharded for ``tp``; edges untouched."""
+    if tp == 1:
+        return small
+    sharded_block = shard_for_tp(small, blocks_attr, tp_plan, tp).get_submodule(blocks_attr)[0]
+    clone = one_block_model(small, blocks_attr)
+    clone.get_submodule(blocks_attr)[0] = sharded_block
+    return clone
+
+
+def _clamp_tokens(inputs: Any, high: int | None) -> Any:
+    if high is None:
+        return inputs
+    if isinstance(inputs, torch.Tensor):
+        return inputs.remainder(high) if not inputs.is_floating_point() and inputs.dtype != torch.bool else inputs
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_clamp_tokens(v, high) for v in inputs)
+    if isinstance(inputs, dict):
+        return {k: _clamp_tokens(v, high) for k, v in inputs.items()}
+    return inputs
+
+
+class _Clock:
+    """Timestamps of region boundaries in one forward+backward."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        _sync(self.device)
+        self.marks[name] = time.perf_counter()
+
+
+def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable | None, device: torch.device,
+             autocast: Any, live: LiveBytes | None) -> tuple[dict[str, float], dict[str, float]]:
+    """One forward+backward; (seconds per region/phase, saved bytes per region)."""
+    clock = _Clock(device)
+    saved: dict[str, float] = {}
+    at: dict[str, float] = {}
+
+    def note(name: str) -> None:
+        clock.mark(name)
+        if live is not None:
+            at[name] = live.live_bytes
+
+    def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        note("block_in")
+        x = _first_tensor((args, kwargs))
+        if x is not None and x.requires_grad:
+            x.register_hook(lambda g: note("bwd_block_end"))
+
+    def post_hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        note("block_out")
+        y = _first_tensor(out)
+        if y is not None and y.requires_grad:
+            y.register_hook(lambda g: note("bwd_post_end"))
+
+    handles = [block.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True),
+               block.register_forward_hook(post_hook, with_kwargs=True)]
+    try:
+        note("start")
+        with autocast:
+            out = call_model(model, inputs)
+            note("loss_start")
+            y = _first_tensor(out)
+            loss = loss_fn(out, inputs) if loss_fn is not None else y.float().mean()
+        if y is not None and y.requires_grad:
+            y.register_hook(lambda g: note("bwd_loss_end"))
+        note("loss_end")
+        loss.backward()
+        note("end")
+    finally:
+        for h in handles:
+            h.remove()
+    m = clock.marks
+    times = {
+        "pre.fwd": m["block_in"] - m["start"], "block.fwd": m["block_out"] - m["block_in"],
+        "post.fwd": m["loss_start"] - m["block_out"], "loss.fwd": m["loss_end"] - m["loss_start"],
+        "loss.bwd": m["bwd_loss_end"] - m["loss_end"], "post.bwd": m["bwd_post_end"] - m["bwd_loss_end"],
+        "block.bwd": m["bwd_block_end"] - m["bwd_post_end"], "pre.bwd": m["end"] - m["bwd_block_end"],
+    }
+    if live is not None:
+        saved = {"pre": at["block_in"] - at["start"], "block": at["block_out"] - at["block_in"],
+                 "post": at["loss_start"] - at["block_out"], "loss": at["loss_end"] - at["loss_start"]}
+    model.zero_grad(set_to_none=True)
+    return times, saved
+
+
+def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
+                   log: Callable[[str], None] | None = None) -> LayerTable:
+    """Measure every region of ``mf`` at every (b, s, tp) of ``cfg`` (see the module docstring)."""
+    meta = mf.build("meta")
+    found = find_blocks(meta, mf.pipeline_blocks)
+    if found is None:
+        raise ValueError(f"{mf.path}: no nn.ModuleList of repeated blocks to profile")
+    blocks_attr, _ = found
+    small = one_block_model(meta, blocks_attr)
+    seq = mf.seq_len or 0
+    seqs = sorted({seq // cp for cp in cfg.cps if seq and seq % cp == 0 and seq // cp >= 1}, reverse=True) or [seq]
+    vocab = None
+    autocast = nullcontext() if cfg.dtype == "fp32" else torch.autocast(device.type, dtype=DTYPES[cfg.dtype])
+    regions: dict[str, list[LayerPoint]] = {r: [] for r in ("pre", "block", "post", "loss")}
+    for tp in cfg.tps:
+        if tp > 1 and not mf.tp_plan:
+            continue
+        model = materialise(_with_sharded_block(small, blocks_attr, dict(mf.tp_plan or {}), tp), device)
+        model.train()
+        block = model.get_submodule(blocks_attr)[0]
+        for s in seqs:
+            for b in cfg.micro_batches:
+                inputs = mf.example_inputs(b, device)
+                if seq and s != seq:
+                    inputs = slice_sequence(inputs, seq, s)
+                inputs = _clamp_tokens(inputs, vocab)
+                samples: dict[str, list[float]] = {}
+                for i in range(cfg.warmup + cfg.repeats):
+                    times, _ = _one_run(model, block, inputs, mf.loss_fn, device, autocast, None)
+                    if i >= cfg.warmup:
+                        for k, v in times.items():
+                            samples.setdefault(k, []).append(v)
+                live = LiveBytes()
+                with live:
+                    _, saved = _one_run(model, block, inputs, mf.loss_fn, device, autocast, live)
+                med = {k: statistics.median(v) for k, v in samples.items()}
+                for region in regions:
+                    if region != "block" and tp > 1:
+                        continue  # edges run whole on every tp rank: the tp = 1 point stands
+                    regions[region].append(LayerPoint(
+                        b=b, s=s if seq else 1, tp=tp, fwd_s=med[f"{region}.fwd"], bwd_s=med[f"{region}.bwd"],
+                        saved_bytes=float(max(0.0, saved[region])), peak_bytes=float(live.peak_bytes)))
+                if log:
+                    log(f"b={b} s={s} tp={tp}: block fwd {med['block.fwd'] * 1e3:.2f} ms bwd "
+                        f"{med['block.bwd'] * 1e3:.2f} ms, saved {saved['block'] / 2**20:.1f} MiB")
+        del model
+    return LayerTable(model_name=mf.name, model_sha256=mf.sha256, dtype=cfg.dtype, seq_len=seq or 1,
+                      edges_replicated=True, regions={r: tuple(p) for r, p in regions.items() if p})
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))

@@ -1,0 +1,260 @@
+"""Measured profile data: what ``autopar profile`` writes and the cost model reads.
+
+Pure Python (no torch): the planner imports this. The YAML lives under the optional ``measured:``
+key of a cluster profile (docs/profiles.md); every part of it is optional:
+
+    measured:
+      device: {name, type, threads, torch, date, host}
+      model: {name, sha256, dtype, seq_len, edges_replicated}
+      layers: {pre|block|post|loss: [{b, s, tp, fwd_s, bwd_s, saved_bytes, peak_bytes}, ...]}
+      gemm: [{m, n, k, flops_per_s}, ...]
+      memory_bandwidth: [{bytes, bytes_per_s}, ...]
+      fitted: {peak_flops, gemm_max, gemm_half_dim, memory_bandwidth_bytes_per_s, kernel_overhead_s}
+      memory_baseline_bytes: <process memory before any model state, per rank>
+      comm: {ranks, link, collectives: {all_reduce: {latency_s, bandwidth_bytes_per_s, points: [...]}}}
+
+Interpolation (``LayerTable.lookup``): points of the same tp (exact match; else the nearest tp);
+inside the measured (b, s) grid, bilinear in (log b, log s) on log values -- exact at measured
+points, monotone between monotone points; outside it, the value at the nearest grid point (the
+caller rescales that by the roofline ratio of the asked shape to the clamped one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from autopar.errors import ClusterError
+
+REGIONS = ("pre", "block", "post", "loss")
+LAYER_KEYS = ("fwd_s", "bwd_s", "saved_bytes", "peak_bytes")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerPoint:
+    """One region measured at micro-batch ``b``, ``s`` tokens per sample (local to a CP rank) and
+    tensor-parallel degree ``tp``: median forward/backward seconds, bytes kept for backward, and
+    the peak of live bytes during its forward+backward (activations, gradients, temporaries)."""
+
+    b: int
+    s: int
+    tp: int
+    fwd_s: float
+    bwd_s: float
+    saved_bytes: float = 0.0
+    peak_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.b < 1 or self.s < 1 or self.tp < 1:
+            raise ClusterError(f"measured layer point b={self.b} s={self.s} tp={self.tp}: all must be >= 1")
+        if self.fwd_s < 0 or self.bwd_s < 0:
+            raise ClusterError(f"measured layer point b={self.b} s={self.s} tp={self.tp}: times must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lookup:
+    """An interpolated point and where it was taken (b, s, tp may differ from what was asked)."""
+
+    b: float
+    s: float
+    tp: int
+    values: Mapping[str, float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerTable:
+    """Per-region measurements of one model file (identified by sha256) in one dtype."""
+
+    model_name: str
+    model_sha256: str
+    dtype: str
+    seq_len: int
+    edges_replicated: bool  # pre/post measured with the full vocabulary on every tp rank
+    regions: Mapping[str, tuple[LayerPoint, ...]] = field(default_factory=dict)
+
+    def lookup(self, region: str, b: float, s: float, tp: int) -> Lookup | None:
+        """The region's measurements at (b, s, tp); see the module docstring. None: no points."""
+        points = self.regions.get(region, ())
+        if not points:
+            return None
+        tps = sorted({p.tp for p in points})
+        use_tp = tp if tp in tps else min(tps, key=lambda t: (abs(math.log(t / tp)), t))
+        pts = [p for p in points if p.tp == use_tp]
+        bs = sorted({p.b for p in pts})
+        ss = sorted({p.s for p in pts})
+        cb = min(max(b, bs[0]), bs[-1])
+        cs = min(max(s, ss[0]), ss[-1])
+        grid = {(p.b, p.s): p for p in pts}
+        b0, b1 = _bracket(bs, cb)
+        s0, s1 = _bracket(ss, cs)
+        corners = [grid.get(k) for k in ((b0, s0), (b1, s0), (b0, s1), (b1, s1))]
+        if any(c is None for c in corners):  # incomplete grid: the nearest point in log distance
+            near = min(pts, key=lambda p: (math.log(p.b / cb)) ** 2 + (math.log(p.s / cs)) ** 2)
+            return Lookup(b=near.b, s=near.s, tp=use_tp, values={k: getattr(near, k) for k in LAYER_KEYS})
+        wb = _weight(b0, b1, cb)
+        ws = _weight(s0, s1, cs)
+        values = {}
+        for k in LAYER_KEYS:
+            v00, v10, v01, v11 = (getattr(c, k) for c in corners)
+            lo = _mix(v00, v10, wb)
+            hi = _mix(v01, v11, wb)
+            values[k] = _mix(lo, hi, ws)
+        return Lookup(b=cb, s=cs, tp=use_tp, values=values)
+
+
+def _bracket(values: list[int], x: float) -> tuple[int, int]:
+    for lo, hi in zip(values, values[1:]):
+        if lo <= x <= hi:
+            return lo, hi
+    return values[0], values[0]
+
+
+def _weight(lo: float, hi: float, x: float) -> float:
+    return 0.0 if hi == lo else math.log(x / lo) / math.log(hi / lo)
+
+
+def _mix(a: float, b: float, w: float) -> float:
+    """Interpolate ``a`` -> ``b`` at weight ``w``: geometric when both are > 0, else linear."""
+    if w == 0.0:
+        return a
+    if w == 1.0:
+        return b
+    if a > 0 and b > 0:
+        return math.exp((1 - w) * math.log(a) + w * math.log(b))
+    return (1 - w) * a + w * b
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveFit:
+    """One collective on one link: t = hops(n) * latency_s + volume(n, M) / bandwidth (nccl-tests
+    bus-bandwidth convention, see autopar.cost.comm), fitted over message sizes and group sizes."""
+
+    kind: str
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    points: tuple[tuple[int, float, float], ...] = ()  # (ranks, message bytes, seconds)
+
+    def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVES:
+            raise ClusterError(f"measured comm: unknown collective {self.kind!r}; one of {', '.join(COLLECTIVES)}")
+        if self.bandwidth_bytes_per_s <= 0 or self.latency_s < 0:
+            raise ClusterError(f"measured comm {self.kind}: bandwidth must be > 0 and latency >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredProfile:
+    """Everything ``autopar profile`` measured; each part optional."""
+
+    device: Mapping[str, Any] = field(default_factory=dict)
+    layers: LayerTable | None = None
+    gemm: tuple[Mapping[str, float], ...] = ()
+    memory_bandwidth: tuple[Mapping[str, float], ...] = ()
+    fitted: Mapping[str, float] = field(default_factory=dict)
+    memory_baseline_bytes: float | None = None
+    comm_link: str = "intra_node"
+    comm_ranks: int = 0
+    comm: Mapping[str, CollectiveFit] = field(default_factory=dict)
+
+
+FITTED_KEYS = ("peak_flops", "gemm_max", "gemm_half_dim", "memory_bandwidth_bytes_per_s", "memory_efficiency",
+               "kernel_overhead_s", "attention_efficiency")
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ClusterError(f"{where} must be a number, got {value!r}")
+    return float(value)
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ClusterError(f"{where} must be a mapping")
+    return value
+
+
+def measured_from_dict(data: Any, where: str) -> MeasuredProfile:
+    """Parse the ``measured:`` section (``where`` names the file in errors)."""
+    where = f"{where} measured"
+    data = _mapping(data, where)
+    unknown = sorted(set(data) - {"device", "model", "layers", "gemm", "memory_bandwidth", "fitted",
+                                  "memory_baseline_bytes", "comm"})
+    if unknown:
+        raise ClusterError(f"{where}: unknown key '{unknown[0]}'")
+    layers = None
+    if "layers" in data:
+        model = _mapping(data.get("model"), f"{where}.model (needed by layers)")
+        regions: dict[str, tuple[LayerPoint, ...]] = {}
+        for region, rows in _mapping(data["layers"], f"{where}.layers").items():
+            if region not in REGIONS:
+                raise ClusterError(f"{where}.layers: unknown region '{region}'; one of {', '.join(REGIONS)}")
+            if not isinstance(rows, list):
+                raise ClusterError(f"{where}.layers.{region} must be a list of points")
+            pts = []
+            for i, row in enumerate(rows):
+                row = _mapping(row, f"{where}.layers.{region}[{i}]")
+                try:
+                    pts.append(LayerPoint(
+                        b=int(row["b"]), s=int(row["s"]), tp=int(row["tp"]),
+                        fwd_s=_number(row["fwd_s"], f"{where}.layers.{region}[{i}].fwd_s"),
+                        bwd_s=_number(row["bwd_s"], f"{where}.layers.{region}[{i}].bwd_s"),
+                        saved_bytes=_number(row.get("saved_bytes", 0.0), f"{where}.layers.{region}[{i}].saved_bytes"),
+                        peak_bytes=_number(row.get("peak_bytes", 0.0), f"{where}.layers.{region}[{i}].peak_bytes"),
+                    ))
+                except KeyError as exc:
+                    raise ClusterError(f"{where}.layers.{region}[{i}]: missing key {exc}") from None
+            regions[region] = tuple(pts)
+        layers = LayerTable(
+            model_name=str(model.get("name", "")), model_sha256=str(model.get("sha256", "")),
+            dtype=str(model.get("dtype", "bf16")), seq_len=int(model.get("seq_len", 1)),
+            edges_replicated=bool(model.get("edges_replicated", False)), regions=regions,
+        )
+    fitted = {}
+    for k, v in _mapping(data.get("fitted", {}), f"{where}.fitted").items():
+        if k not in FITTED_KEYS:
+            raise ClusterError(f"{where}.fitted: unknown key '{k}'; allowed: {', '.join(FITTED_KEYS)}")
+        fitted[k] = _number(v, f"{where}.fitted.{k}")
+    comm: dict[str, CollectiveFit] = {}
+    comm_data = _mapping(data.get("comm", {}), f"{where}.comm")
+    for kind, fit in _mapping(comm_data.get("collectives", {}), f"{where}.comm.collectives").items():
+        fit = _mapping(fit, f"{where}.comm.collectives.{kind}")
+        points = tuple((int(p[0]), float(p[1]), float(p[2])) for p in fit.get("points", []))
+        comm[kind] = CollectiveFit(kind=kind, latency_s=_number(fit.get("latency_s"), f"{where}.comm.{kind}.latency_s"),
+                                   bandwidth_bytes_per_s=_number(fit.get("bandwidth_bytes_per_s"),
+                                                                 f"{where}.comm.{kind}.bandwidth_bytes_per_s"),
+                                   points=points)
+    link = str(comm_data.get("link", "intra_node"))
+    if link not in ("intra_node", "inter_node"):
+        raise ClusterError(f"{where}.comm.link must be intra_node or inter_node, got {link!r}")
+    baseline = data.get("memory_baseline_bytes")
+    return MeasuredProfile(
+        device=dict(_mapping(data.get("device", {}), f"{where}.device")),
+        layers=layers,
+        gemm=tuple(dict(r) for r in data.get("gemm", []) or []),
+        memory_bandwidth=tuple(dict(r) for r in data.get("memory_bandwidth", []) or []),
+        fitted=fitted,
+        memory_baseline_bytes=None if baseline is None else _number(baseline, f"{where}.memory_baseline_bytes"),
+        comm_link=link, comm_ranks=int(comm_data.get("ranks", 0)), comm=comm,
+    )
+
+
+def layer_table_to_dict(table: LayerTable) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model section, layers section) of the YAML."""
+    model = {"name": table.model_name, "sha256": table.model_sha256, "dtype": table.dtype,
+             "seq_len": table.seq_len, "edges_replicated": table.edges_replicated}
+    layers = {region: [{"b": p.b, "s": p.s, "tp": p.tp, "fwd_s": p.fwd_s, "bwd_s": p.bwd_s,
+                        "saved_bytes": p.saved_bytes, "peak_bytes": p.peak_bytes} for p in pts]
+              for region, pts in table.regions.items()}
+    return model, layers
+
+
+def comm_to_dict(fits: Mapping[str, CollectiveFit], ranks: int, link: str) -> dict[str, Any]:
+    return {"ranks": ranks, "link": link, "collectives": {
+        k: {"latency_s": f.latency_s, "bandwidth_bytes_per_s": f.bandwidth_bytes_per_s,
+            "points": [list(p) for p in f.points]} for k, f in fits.items()}}
