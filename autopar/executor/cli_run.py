@@ -39,7 +39,23 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start N processes with torchrun (when not already under torchrun)")
     parser.add_argument("--report", metavar="PATH", help="write the JSON run report here (rank 0)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                        help="collective timeout in seconds (default 600)")
+                        help="collective timeout in seconds (default 600): a hang becomes an error naming the rank "
+                             "and the collective")
+    g = parser.add_argument_group("checkpoints and faults (docs/reliability.md)")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="write sharded DCP checkpoints here (atomic; 'latest' pointer)")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="save every K steps (default 0: only after the last step)")
+    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
+                   help="keep the N newest checkpoints (default 2; 0 keeps all)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint in --checkpoint-dir (any plan: reshards); "
+                        "--steps is the total step count. After a torchrun restart this happens automatically")
+    g.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="with --nproc-per-node: let torchrun restart the job R times after a rank fails")
+    g = parser.add_argument_group("tracing")
+    g.add_argument("--trace", metavar="OUT.json", help="write rank 0's measured torch.profiler trace (Chrome format)")
+    g.add_argument("--trace-steps", type=int, default=2, metavar="K", help="steps to trace after one warm-up (default 2)")
+    g.add_argument("--trace-all-ranks", action="store_true", help="every rank r writes OUT.rank{r}.json")
 
 
 def _under_torchrun() -> bool:
@@ -56,13 +72,77 @@ def _model_path(args: argparse.Namespace, plan_path: Path, plan_file: str) -> st
 
 
 def _relaunch(args: argparse.Namespace, model: str) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
-           "-m", "autopar.executor.cli_run", args.plan, model, "--steps", str(args.steps), "--lr", repr(args.lr),
-           "--seed", str(args.seed), "--timeout", repr(args.timeout)]
-    if args.report:
-        cmd += ["--report", args.report]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}"]
+    if args.max_restarts:
+        cmd.append(f"--max-restarts={args.max_restarts}")
+    cmd += ["-m", "autopar.executor.cli_run", args.plan, model, "--steps", str(args.steps), "--lr", repr(args.lr),
+            "--seed", str(args.seed), "--timeout", repr(args.timeout)]
+    for flag, value in (("--report", args.report), ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    cmd += ["--checkpoint-every", str(args.checkpoint_every), "--keep-checkpoints", str(args.keep_checkpoints),
+            "--trace-steps", str(args.trace_steps)]
+    cmd += [f for f, on in (("--resume", args.resume), ("--trace-all-ranks", args.trace_all_ranks)) if on]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     return subprocess.call(cmd, env=env)
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Every argument of ``autopar run`` checked before any work (one-line AutoparError)."""
+    import math
+
+    if args.steps < 1:
+        raise AutoparError(f"--steps must be >= 1, got {args.steps}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise AutoparError(f"--lr must be a positive number, got {args.lr}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise AutoparError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise AutoparError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    for flag, value, low in (("--checkpoint-every", args.checkpoint_every, 0), ("--keep-checkpoints", args.keep_checkpoints, 0),
+                             ("--max-restarts", args.max_restarts, 0), ("--trace-steps", args.trace_steps, 1)):
+        if value < low:
+            raise AutoparError(f"{flag} must be >= {low}, got {value}")
+    if args.checkpoint_dir is None:
+        for flag, on in (("--resume", args.resume), ("--checkpoint-every", args.checkpoint_every > 0)):
+            if on:
+                raise AutoparError(f"{flag} needs --checkpoint-dir DIR")
+    else:
+        d = Path(args.checkpoint_dir)
+        if d.exists() and not d.is_dir():
+            raise AutoparError(f"--checkpoint-dir {d} exists and is not a directory")
+    for flag, value in (("--report", args.report), ("--trace", args.trace)):
+        if value is None:
+            continue
+        p = Path(value)
+        if p.is_dir():
+            raise AutoparError(f"{flag} {p} is a directory; give a file path")
+        if not p.parent.is_dir() and p.parent != Path(""):
+            raise AutoparError(f"{flag} {p}: directory {p.parent} does not exist")
+
+
+def _check_resume(args: argparse.Namespace, plan) -> list[str]:
+    """--resume needs a complete checkpoint of a compatible model (found before launch)."""
+    from autopar.executor.checkpoint import META, CheckpointError, CheckpointMeta, find_latest
+
+    if args.checkpoint_dir is None:
+        return []
+    latest = find_latest(args.checkpoint_dir)
+    if latest is None:
+        if args.resume:
+            raise CheckpointError(f"--resume: no complete checkpoint in {args.checkpoint_dir}")
+        return []
+    meta = CheckpointMeta.from_file(latest / META)
+    if meta.num_blocks != plan.model.num_blocks:
+        raise CheckpointError(
+            f"{latest} holds a model with {meta.num_blocks} blocks but the plan's has {plan.model.num_blocks}; "
+            "use another --checkpoint-dir"
+        )
+    warnings = []
+    if meta.global_batch_size != plan.training.global_batch_size:
+        warnings.append(f"warning: {latest} was trained with global batch {meta.global_batch_size}, the plan uses "
+                        f"{plan.training.global_batch_size}; the data stream changes from step {meta.step + 1}")
+    return warnings
 
 
 def run_main(args: argparse.Namespace) -> int:
@@ -71,11 +151,11 @@ def run_main(args: argparse.Namespace) -> int:
     from autopar.modelfile import load_model_file
     from autopar.plan import load_plan
 
-    if args.steps < 1:
-        raise AutoparError(f"--steps must be >= 1, got {args.steps}")
+    validate_args(args)
     plan = load_plan(args.plan)
     model = _model_path(args, Path(args.plan), plan.model.file)
     mf = load_model_file(model)
+    resume_warnings = _check_resume(args, plan)
     if _under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
     elif args.nproc_per_node is not None:
@@ -90,53 +170,9 @@ def run_main(args: argparse.Namespace) -> int:
         world = 1
     check_world_size(plan, world)
     spec, warnings = preflight(plan, mf, world)
-    return _run_distributed(args, plan, mf, spec, warnings, world)
+    from autopar.executor.rank_main import run_rank
 
-
-def _run_distributed(args: argparse.Namespace, plan, mf, spec, warnings: list[str], world: int) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from autopar.executor.apply import build_executable
-    from autopar.executor.mesh import backend_for, build_mesh, device_for_rank
-    from autopar.executor.train import train
-
-    device = device_for_rank()
-    if world == 1 and not _under_torchrun():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
-    import warnings as _warnings
-
-    # FSDP2 warns on every wrapped block that returns a view; the executor never mutates outputs.
-    _warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=args.timeout))
-    try:
-        rank0 = dist.get_rank() == 0
-        log = (lambda s: print(f"autopar run: {s}", flush=True)) if rank0 else None
-        if rank0:
-            for w in warnings:
-                print(f"autopar: {w}", file=sys.stderr)
-        mesh = build_mesh(plan, device)
-        exe = build_executable(plan, mf, spec, mesh, seed=args.seed, lr=args.lr, loss_fn=mf.loss_fn)
-        if log:
-            for note in exe.notes:
-                log(f"note: {note}")
-        result = train(exe, mf, steps=args.steps, seed=args.seed, log=log)
-        if rank0:
-            report = build_report(plan, str(mf.path), result, world, args, warnings)
-            print(format_comparison(report), flush=True)
-            if args.report:
-                from autopar.plan import write_text_atomic
-
-                write_text_atomic(args.report, json.dumps(report, indent=2) + "\n")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return run_rank(args, plan, mf, spec, warnings + resume_warnings, world, build_report, format_comparison)
 
 
 def _free_port() -> int:

@@ -1,0 +1,205 @@
+"""Fault handling: hangs become errors that name the rank and the collective; test fault injection.
+
+* **Timeouts.** Every process group (the world and each DeviceMesh / pipeline sub-group) gets the
+  ``--timeout`` of ``autopar run`` (``set_group_timeouts``; DeviceMesh sub-groups would otherwise
+  keep torch's 30-minute default). gloo raises in the waiting rank when a collective exceeds it;
+  NCCL's watchdog aborts the communicator.
+* **Flight recorder.** ``enable_flight_recorder`` turns on torch's per-process collective trace
+  (``TORCH_FR_BUFFER_SIZE``; works for gloo and NCCL). When a phase of training fails with a
+  distributed error, ``guard`` reads the trace and raises ``CollectiveFailure``: one line with the
+  rank, the phase (``step 4``), the last collective (``gloo:all_reduce`` on ``mesh_dp`` ranks [0, 2],
+  sequence number) and what to do. Under ``torchrun --max-restarts R`` the failure makes the job
+  restart and resume from the last checkpoint.
+* **Watchdog.** A daemon thread fails the rank when one phase runs longer than ``2 x timeout + 60 s``
+  (a hang in code that holds no collective, or a collective that never times out): it prints the
+  same kind of line and ``os._exit(EXIT_FAULT)``.
+* **Test hooks** (used by tests/dist/test_fault.py; inert unless set, and only on the first attempt
+  ``TORCHELASTIC_RESTART_COUNT == 0``): ``AUTOPAR_TEST_KILL_AT_STEP=k`` + ``AUTOPAR_TEST_KILL_RANK=r``
+  makes rank r SIGKILL itself before step index k; ``AUTOPAR_TEST_HANG_AT_STEP`` /
+  ``AUTOPAR_TEST_HANG_RANK`` makes it sleep forever instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator
+
+from autopar.errors import AutoparError
+
+EXIT_FAULT = 4
+
+
+class CollectiveFailure(AutoparError):
+    """A collective timed out or lost a peer (a rank died or hung). Exit code 4."""
+
+    exit_code = EXIT_FAULT
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveRecord:
+    """The flight recorder's last collective of this rank (the one a failure happened in, since a
+    rank issues its collectives in order and a failed one is the newest entry)."""
+
+    name: str  # e.g. "gloo:all_gather"
+    group: str  # group description, e.g. "mesh_dp" or "default_pg"
+    ranks: str  # e.g. "[0, 2]"
+    seq: int  # the group's collective sequence number
+    sizes: str  # input sizes, e.g. "[[5184]]"
+
+    def describe(self) -> str:
+        return f"{self.name} #{self.seq} on group {self.group} ranks {self.ranks}, input sizes {self.sizes}"
+
+
+def enable_flight_recorder(entries: int = 2000) -> None:
+    """Turn on torch's collective flight recorder. Call before ``init_process_group``."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(entries))
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(entries))
+
+
+def set_group_timeouts(seconds: float) -> None:
+    """Apply ``seconds`` to every process group created so far (world, mesh axes, tied groups)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    td = timedelta(seconds=seconds)
+    for group in list(c10d._world.pg_map):
+        try:
+            c10d._set_pg_timeout(td, group)
+        except Exception:  # noqa: BLE001 - a backend without per-group timeouts keeps its own
+            pass
+    if dist.is_initialized():
+        try:
+            c10d._set_pg_timeout(td, None)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _group_table() -> dict[str, tuple[str, str]]:
+    """Process-group name -> (description, ranks) for every group of this process."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    out: dict[str, tuple[str, str]] = {}
+    for pg, name in list(c10d._world.pg_names.items()):
+        try:
+            ranks = str(dist.get_process_group_ranks(pg))
+        except Exception:  # noqa: BLE001
+            ranks = "?"
+        out[str(name)] = (str(getattr(pg, "group_desc", "") or name), ranks)
+    return out
+
+
+def last_collective() -> CollectiveRecord | None:
+    """The newest collective in torch's flight recorder (None when the recorder is off)."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        trace = json.loads(_dump_fr_trace_json(True, False))
+    except Exception:  # noqa: BLE001 - no recorder (disabled or unsupported): no detail
+        return None
+    entries = trace.get("entries") or []
+    if not entries:
+        return None
+    e = max(entries, key=lambda x: x.get("record_id", 0))
+    pg = list(e.get("process_group") or ["?", "?"]) + ["?"]
+    try:
+        desc, ranks = _group_table().get(str(pg[0]), (str(pg[1]), "?"))
+    except Exception:  # noqa: BLE001 - the table is a courtesy
+        desc, ranks = str(pg[1]), "?"
+    return CollectiveRecord(
+        name=str(e.get("profiling_name", "?")), group=desc, ranks=ranks,
+        seq=int(e.get("collective_seq_id", 0) or e.get("p2p_seq_id", 0) or 0),
+        sizes=str(e.get("input_sizes", "?")).replace(" ", ""),
+    )
+
+
+def _is_distributed_error(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("Timed out", "timed out", "Connection closed", "Connection reset", "gloo", "NCCL", "Broken pipe")
+    )
+
+
+def failure_message(rank: int, phase: str, timeout_s: float, exc: BaseException | None) -> str:
+    """One line: which rank, in which phase, which collective, and what to do."""
+    rec = last_collective()
+    what = f"collective {rec.describe()}" if rec else "a collective (no flight-recorder trace available)"
+    timed_out = exc is None or "imed out" in str(exc)
+    how = f"did not complete within --timeout {timeout_s:g} s" if timed_out else "lost a peer"
+    detail = f" [{str(exc).splitlines()[0][:160]}]" if exc is not None else ""
+    return (
+        f"rank {rank} in {phase}: {what} {how}{detail}; another rank died or hung (see its log); "
+        "resume with --resume, or run under torchrun --max-restarts to restart automatically"
+    )
+
+
+class Watchdog:
+    """Fails this rank when one phase runs longer than ``limit_s`` (see module docstring)."""
+
+    def __init__(self, rank: int, limit_s: float, timeout_s: float) -> None:
+        self.rank, self.limit_s, self.timeout_s = rank, limit_s, timeout_s
+        self._phase: str | None = None
+        self._since = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="autopar-watchdog", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(5.0, self.limit_s / 4)):
+            with self._lock:
+                phase, since = self._phase, self._since
+            if phase is not None and time.monotonic() - since > self.limit_s:
+                msg = failure_message(self.rank, phase, self.limit_s, None)
+                print(f"autopar: error: watchdog: {msg}", file=sys.stderr, flush=True)
+                os._exit(EXIT_FAULT)
+
+    @contextmanager
+    def guard(self, phase: str) -> Iterator[None]:
+        """Watch ``phase``; turn a distributed error inside it into a one-line CollectiveFailure."""
+        with self._lock:
+            self._phase, self._since = phase, time.monotonic()
+        try:
+            yield
+        except AutoparError:
+            raise
+        except Exception as exc:
+            if _is_distributed_error(exc):
+                raise CollectiveFailure(failure_message(self.rank, phase, self.timeout_s, exc)) from None
+            raise
+        finally:
+            with self._lock:
+                self._phase = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def first_attempt() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
+
+
+def inject_fault(step: int, rank: int) -> None:
+    """Test hook (module docstring): kill or hang ``rank`` before step index ``step``."""
+    if not first_attempt():
+        return
+    for kind in ("KILL", "HANG"):
+        at, who = os.environ.get(f"AUTOPAR_TEST_{kind}_AT_STEP"), os.environ.get(f"AUTOPAR_TEST_{kind}_RANK", "0")
+        if at is not None and int(at) == step and int(who) == rank:
+            print(f"autopar: test hook: rank {rank} {kind.lower()}s itself before step {step + 1}", file=sys.stderr, flush=True)
+            if kind == "KILL":
+                os.kill(os.getpid(), signal.SIGKILL)
+            while True:
+                time.sleep(3600)
