@@ -34,8 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.py", help="model file (see the model-file contract in README)")
     p.add_argument("--gpus", type=_positive, required=True, metavar="N", help="number of GPUs to plan for")
     p.add_argument("--gpus-per-node", type=_positive, metavar="G", help="GPUs per node (default: the profile's)")
-    p.add_argument("--cluster", default="a100-80g", metavar="NAME|PATH",
-                   help="cluster profile (default a100-80g; see 'autopar profiles')")
+    p.add_argument("--cluster", metavar="NAME|PATH",
+                   help="cluster profile (default a100-80g, or --profile when it is a full profile; see 'autopar profiles')")
+    p.add_argument("--profile", metavar="PATH",
+                   help="measured profile (autopar profile): layered over --cluster, or the cluster itself when full")
     p.add_argument("--global-batch", type=_positive, metavar="B",
                    help="sequences per optimizer step (default: the multiple of N nearest 4M tokens)")
     p.add_argument("--micro-batch", type=_int_list, default=(1, 2, 4, 8), metavar="1,2,4,8",
@@ -56,7 +58,8 @@ def default_global_batch(num_gpus: int, seq_len: int) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from autopar.cluster import load_cluster
+    from autopar.cluster import load_cluster_and_profile
+    from autopar.cost.compute import measured_table_warning
     from autopar.graph import build_graph
     from autopar.modelfile import load_model_file
     from autopar.report import gib
@@ -65,11 +68,14 @@ def main(args: argparse.Namespace) -> int:
     from autopar.search.space import SearchSpace
     from autopar.plan import save_plan
 
-    cluster = load_cluster(args.cluster)
+    cluster = load_cluster_and_profile(args.cluster, args.profile, "a100-80g")
     gpn = args.gpus_per_node or cluster.gpus_per_node
     mf = load_model_file(args.model)
     seq = args.seq_len or mf.seq_len or 1
     graph = build_graph(mf, seq_len=args.seq_len, dtype=args.dtype)
+    note = measured_table_warning(graph, cluster)
+    if note:
+        print(f"autopar: warning: {note}", file=sys.stderr)
     gbs = args.global_batch or default_global_batch(args.gpus, seq)
     space = SearchSpace(num_gpus=args.gpus, gpus_per_node=min(gpn, args.gpus), global_batch=gbs, seq_len=seq,
                         micro_batches=tuple(sorted(set(args.micro_batch))), dtype_bytes=DTYPE_BYTES[args.dtype],
@@ -93,7 +99,10 @@ def main(args: argparse.Namespace) -> int:
             f"or a shorter sequence (--seq-len)"
         )
     output = Path(args.output) if args.output else Path("plans") / f"{mf.name}-{args.gpus}gpu.yaml"
-    plans = [candidate_plan(c, mf, cluster.name if not Path(args.cluster).suffix else args.cluster, gpn)
+    profile_ref = args.cluster or "a100-80g"
+    if args.profile and not args.cluster:
+        profile_ref = args.profile
+    plans = [candidate_plan(c, mf, cluster.name if not Path(profile_ref).suffix else profile_ref, gpn)
              for c in result.top]
     print(result_report(result, plans, graph, cluster, space))
     try:

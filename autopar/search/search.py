@@ -120,20 +120,34 @@ def search(
         if lb >= top.threshold():
             rejected["bound: cannot beat the best plans"] += branch.num_configs
             continue
-        for cfg in branch.configs():
-            terms = build_terms(graph, cluster, cfg)
-            if _balanced_lb(terms, graph.num_blocks) >= top.threshold():
-                rejected["bound: cannot beat the best plans"] += 1
+        for zero in branch.zero_stages:
+            # Within a branch the terms depend on the ZeRO stage but not on the schedule or v (the
+            # step formula reads those from the config): build them once per stage. 1F1B (GPipe when
+            # 1F1B is not legal) keeps the fewest micro-batches in flight, so if it cannot fit,
+            # no schedule of this stage can.
+            frugal = branch.schedules[0] if ("1f1b", 1) not in branch.schedules else ("1f1b", 1)
+            terms0 = build_terms(graph, cluster, branch.config(*frugal, zero))
+            if branch.pp > 1 and not _fits_somehow(terms0, graph.num_blocks):
+                rejected["memory: no stage split fits"] += len(branch.schedules)
                 continue
-            cand = _solve(terms, graph, cluster, model_flops, tokens, ilp_time_limit_s)
-            evaluated += 1
-            solved += cand is not None and cfg.pp > 1
-            if cand is None:
-                rejected["memory: no stage split fits"] += 1
-                continue
-            if cand.ilp_status not in ("OPTIMAL", "DIRECT"):
-                optimal = False
-            top.offer(cand)
+            for schedule, v in branch.schedules:
+                cfg = branch.config(schedule, v, zero)
+                terms = replace(terms0, config=cfg)
+                if _balanced_lb(terms, graph.num_blocks) >= top.threshold():
+                    rejected["bound: cannot beat the best plans"] += 1
+                    continue
+                cand = _solve(terms, graph, cluster, model_flops, tokens, ilp_time_limit_s, top.threshold())
+                if cand is _PRUNED:
+                    rejected["bound: cannot beat the best plans"] += 1
+                    continue
+                evaluated += 1
+                solved += cand is not None and cfg.pp > 1
+                if cand is None:
+                    rejected["memory: no stage split fits"] += 1
+                    continue
+                if cand.ilp_status not in ("OPTIMAL", "DIRECT"):
+                    optimal = False
+                top.offer(cand)
     if progress:
         progress(len(bounded), len(bounded), time.perf_counter() - start)
     if not top.items:
@@ -168,9 +182,51 @@ def _balanced_lb(terms: StageTerms, num_blocks: int) -> float:
     return (m - 1 / v) * total / cfg.pp + total / v
 
 
+_PRUNED = "pruned"  # _solve's answer when a memory-aware bound shows the config cannot make the top K
+
+
+def _fits_somehow(terms: StageTerms, num_blocks: int) -> bool:
+    """Whether some split fits memory: each rank can hold its v chunks and all ranks hold L."""
+    caps = rank_block_capacity(terms)
+    return min(caps) >= terms.config.virtual_stages and sum(caps) >= num_blocks
+
+
+def _capped_lb(terms: StageTerms, caps: list[int], num_blocks: int) -> float:
+    """Step-time bound that respects memory: the least max_r t_r when rank r may hold at most
+    caps[r] blocks (continuous relaxation, found by bisection) in the step formula, plus the
+    average rank's share of the tail (parameter update, hidden-sync contention)."""
+    cfg = terms.config
+    tau, v, m = terms.block.time_s, cfg.virtual_stages, cfg.num_microbatches
+    last = cfg.pp * v - 1
+    fixed = [0.0] * cfg.pp
+    for c in range(last + 1):
+        fixed[c % cfg.pp] += terms.p2p_s * ((c < last) + (c > 0))
+    fixed[0] += terms.pre.time_s
+    fixed[last % cfg.pp] += terms.post.time_s
+    if tau <= 0:
+        return 0.0
+
+    def room(t_max: float) -> float:
+        return sum(min(cap, max(0.0, (t_max - f) / tau)) for cap, f in zip(caps, fixed))
+
+    lo, hi = max(fixed), max(fixed) + tau * num_blocks
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if room(mid) < num_blocks else (lo, mid)
+    total = tau * num_blocks + sum(fixed)
+    # Tail: the slowest rank's update is at least the average rank's (max >= mean).
+    params = num_blocks * terms.block.params + terms.pre.params + terms.post.params + terms.tied_params
+    per_param = terms.param_gather_s_per_param + terms.optimizer_s_per_param
+    if terms.grad_sync_overlaps:
+        per_param += terms.overlap_cost_fraction * terms.grad_sync_s_per_param
+    else:
+        per_param += terms.grad_sync_s_per_param
+    return (m - 1 / v) * lo + total / v + per_param * params / cfg.pp
+
+
 def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: float, tokens: float,
-           time_limit_s: float) -> Candidate | None:
-    """The best candidate for this config, or None if no split fits memory."""
+           time_limit_s: float, threshold_s: float = math.inf) -> "Candidate | None | str":
+    """The best candidate for this config, None if no split fits memory, or _PRUNED."""
     cfg = terms.config
     if cfg.pp == 1:
         est = evaluate(terms, [graph.num_blocks], model_flops, tokens, cluster.peak_flops)
@@ -178,9 +234,11 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
             return None
         return Candidate(config=cfg, chunk_blocks=(graph.num_blocks,), estimate=est, ilp_status="DIRECT",
                          ilp_objective_s=est.step_time_s, ilp_bound_s=est.step_time_s)
-    caps = rank_block_capacity(terms)
-    if min(caps) < cfg.virtual_stages or sum(caps) < graph.num_blocks:
+    if not _fits_somehow(terms, graph.num_blocks):
         return None
+    caps = rank_block_capacity(terms)
+    if threshold_s < math.inf and _capped_lb(terms, caps, graph.num_blocks) >= threshold_s:
+        return _PRUNED
     sol = solve_split(terms, graph.num_blocks, time_limit_s)
     if sol.chunk_blocks is None:
         return None
