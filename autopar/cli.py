@@ -30,7 +30,8 @@ def _warn(message: str) -> None:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from autopar.cluster import load_cluster
+    from autopar.cluster import load_cluster_and_profile
+    from autopar.cost.compute import measured_table_warning
     from autopar.cost.estimate import estimate_json, estimate_plan
     from autopar.graph import build_graph
     from autopar.modelfile import load_model_file
@@ -38,13 +39,16 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from autopar.report import estimate_report
 
     plan = load_plan(args.plan)
-    cluster = load_cluster(args.cluster or plan.cluster.profile)
-    if args.cluster is None and plan.cluster.gpus_per_node != cluster.gpus_per_node:
+    cluster = load_cluster_and_profile(args.cluster, args.profile, plan.cluster.profile)
+    if args.cluster is None and args.profile is None and plan.cluster.gpus_per_node != cluster.gpus_per_node:
         _warn(f"plan has {plan.cluster.gpus_per_node} GPUs per node, profile {cluster.name} has {cluster.gpus_per_node}")
     mf = load_model_file(args.model or plan.model.file)
     if plan.model.sha256 and plan.model.sha256 != mf.sha256:
         _warn(f"{mf.path} changed since the plan was made (sha256 differs); the estimate is for the file as it is now")
     graph = build_graph(mf, seq_len=plan.training.seq_len, dtype=plan.training.dtype)
+    note = measured_table_warning(graph, cluster)
+    if note:
+        _warn(note)
     est = estimate_plan(plan, graph, cluster)
     if args.json:
         print(json.dumps(estimate_json(est), indent=2))
@@ -81,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL.py", nargs="?", help="model file (default: the plan's model.file)")
     p.add_argument("plan", metavar="PLAN.yaml", help="plan file (YAML v1)")
     p.add_argument("--cluster", metavar="NAME|PATH", help="cluster profile (default: the plan's cluster.profile)")
+    p.add_argument("--profile", metavar="PATH",
+                   help="measured profile (autopar profile) layered over the cluster profile, or a full one")
     p.add_argument("--json", action="store_true", help="print one JSON object (the estimate --json contract)")
     p.set_defaults(func=cmd_estimate)
 

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=7, metavar="R", help="timed runs per shape (median; default 7)")
     p.add_argument("--warmup", type=int, default=3, metavar="W", help="untimed runs first (default 3)")
     p.add_argument("--no-kernels", action="store_true", help="skip the GEMM and memory-bandwidth sweeps")
+    p.add_argument("--load-ranks", type=int, default=1, metavar="N",
+                   help="measure as one of N ranks sharing this machine: N-1 busy helper processes run alongside "
+                        "(CPU runs with more ranks than cores; default 1)")
     p.add_argument("--comm", action="store_true", help="profile collectives on the torchrun ranks instead of layers")
     p.add_argument("--nproc-per-node", type=int, metavar="N", help="with --comm: launch N ranks with torchrun")
     p.add_argument("--gpus-per-node", type=int, metavar="G", help="network.gpus_per_node of a new profile (default: ranks)")
@@ -101,6 +104,12 @@ def _derived_spec(data: dict[str, Any], name: str, info: dict[str, Any], measure
         link = {"bandwidth_bytes_per_s": ar["bandwidth_bytes_per_s"], "latency_s": ar["latency_s"]}
         data["network"] = {"gpus_per_node": gpus_per_node or measured.get("comm", {}).get("ranks", 1) or 1,
                            "intra_node": dict(link), "inter_node": dict(link)}
+    elif data["gpu"].get("name") == info.get("name"):  # a profile of this device: keep it in step with the fits
+        for key, src in (("peak_flops", "peak_flops"), ("memory_bandwidth_bytes_per_s", "memory_bandwidth_bytes_per_s")):
+            if src in f:
+                data["gpu"][key] = f[src]
+        if "memory_baseline_bytes" in measured:
+            data["gpu"]["framework_reserve_bytes"] = measured["memory_baseline_bytes"]
     if "efficiency" not in data:
         data["efficiency"] = {"gemm_max": f.get("gemm_max", 1.0), "gemm_half_dim": f.get("gemm_half_dim", 16.0),
                               "attention": 0.5, "memory": f.get("memory_efficiency", 1.0),
@@ -174,15 +183,18 @@ def _layers_main(args: argparse.Namespace) -> int:
     log = lambda s: print(f"autopar profile: {s}", file=sys.stderr, flush=True)  # noqa: E731
     cfg = LayerProfileConfig(micro_batches=args.micro_batch, tps=args.tp, cps=args.cp, dtype=dtype,
                              warmup=args.warmup, repeats=args.repeats)
+    helpers = start_load(args.load_ranks - 1, device.type)
     try:
         table = profile_layers(mf, device, cfg, log=log)
+        kernels = None if args.no_kernels else profile_kernels(device, dtype)
     except ValueError as exc:
         raise AutoparError(str(exc)) from None
+    finally:
+        stop_load(helpers)
+    info["load_ranks"] = args.load_ranks
     measured["device"] = info
     measured["model"], measured["layers"] = layer_table_to_dict(table)
-    if not args.no_kernels:
-        log("GEMM and memory-bandwidth sweeps")
-        kernels = profile_kernels(device, dtype)
+    if kernels is not None:
         measured.update({k: kernels[k] for k in ("gemm", "memory_bandwidth")})
         measured["fitted"] = {**measured.get("fitted", {}), **kernels["fitted"]}
     data["measured"] = measured
@@ -191,6 +203,28 @@ def _layers_main(args: argparse.Namespace) -> int:
     print(f"profile written to {out} ({sum(len(v) for v in measured['layers'].values())} layer points, "
           f"device {info['name']}, {info['threads']} thread(s))")
     return 0
+
+
+_BUSY = ("import torch\ntorch.set_num_threads(1)\nx = torch.randn(4, 128, 256)\nw = torch.randn(256, 1024)\n"
+         "while True:\n    torch.nn.functional.gelu(x @ w).sum()\n")
+
+
+def start_load(n: int, device_type: str) -> list[subprocess.Popen]:
+    """``n`` single-threaded busy processes (CPU only): the other ranks a run would have."""
+    if n <= 0 or device_type != "cpu":
+        return []
+    return [subprocess.Popen([sys.executable, "-c", _BUSY], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for _ in range(n)]
+
+
+def stop_load(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def relaunch_comm(args: argparse.Namespace) -> int:

@@ -69,17 +69,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], Any], repeats: int, group: Any, device: torch.device) -> float:
-    """Median over ``repeats`` of the slowest member's time of ``fn``."""
+def _timed(fn: Callable[[], Any], repeats: int, group: Any, device: torch.device, inner: int) -> float:
+    """Median over ``repeats`` of the slowest member's time of ``inner`` back-to-back calls of
+    ``fn``, divided by ``inner`` (amortises the skew the barrier leaves between ranks)."""
     fn()
     samples = []
     for _ in range(repeats):
         dist.barrier(group=group)
         _sync(device)
         t0 = time.perf_counter()
-        fn()
+        for _ in range(inner):
+            fn()
         _sync(device)
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        elapsed = torch.tensor([(time.perf_counter() - t0) / inner], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
         samples.append(float(elapsed))
     return statistics.median(samples)
@@ -108,20 +110,22 @@ def _p2p_time(message_bytes: int, repeats: int, device: torch.device) -> float:
     rank = dist.get_rank()
     buf = torch.ones(max(1, message_bytes // 4), device=device)
     samples = []
+    inner = max(1, min(20, 2**21 // message_bytes))
     for i in range(repeats + 1):
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        elif rank == 1:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
+        for _ in range(inner):
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
         _sync(device)
         elapsed = time.perf_counter() - t0
         if i:
-            samples.append(elapsed / 2)
+            samples.append(elapsed / (2 * inner))
     value = torch.tensor([statistics.median(samples) if rank == 0 else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value)
@@ -146,7 +150,8 @@ def profile_comm(device: torch.device, sizes: tuple[int, ...] = DEFAULT_SIZES, r
                 if group is not None and dist.get_rank() >= n:
                     # Not a member: still take part in the world barrier rhythm of _timed's members.
                     continue
-                points.append((n, float(m), _timed(_collective(kind, n, m, group, device), repeats, group, device)))
+                inner = max(1, min(20, 2**21 // m))
+                points.append((n, float(m), _timed(_collective(kind, n, m, group, device), repeats, group, device, inner)))
         fits[kind] = fit_collective(kind, points)
         dist.barrier()
         if log:

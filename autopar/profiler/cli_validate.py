@@ -1,0 +1,202 @@
+"""``autopar validate PLAN.yaml [MODEL.py]``: run a plan briefly, compare with its prediction.
+
+Launch is like ``autopar run``: under torchrun every rank runs; ``--nproc-per-node N`` outside
+torchrun re-launches this module with ``torchrun --standalone``; a 1-rank plan runs in-process.
+The plan is applied with the executor's public functions (checks.preflight, mesh.build_mesh,
+apply.build_executable, train.train) for ``--steps`` steps.
+
+Prediction: re-estimated with ``--profile`` / ``--cluster`` when given, else the plan's
+``prediction`` mapping (step time and the peak-rank memory; per-rank memory needs a re-estimate).
+
+Measured, per rank:
+* step time: median over the steps after the first (warm-up) of the slowest rank's step time;
+* peak memory: the process's peak RSS (``ru_maxrss``) on CPU -- the same quantity the cost model
+  predicts when the profile's framework reserve is the measured per-rank baseline (``autopar
+  profile --comm`` records it as ``memory_baseline_bytes``); ``torch.cuda.max_memory_allocated``
+  plus the reserve on GPU. The executor's own measure (RSS growth during training) is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import AutoparError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", metavar="PLAN.yaml", help="plan file (YAML v1)")
+    p.add_argument("model", metavar="MODEL.py", nargs="?", help="model file (default: the plan's model.file)")
+    p.add_argument("--steps", type=int, default=6, help="training steps; the first is warm-up (default 6)")
+    p.add_argument("--nproc-per-node", type=int, metavar="N", help="start N ranks with torchrun")
+    p.add_argument("--cluster", metavar="NAME|PATH", help="re-estimate with this cluster profile")
+    p.add_argument("--profile", metavar="PATH", help="re-estimate with this measured profile")
+    p.add_argument("--report", metavar="PATH", help="write the JSON comparison here (rank 0)")
+    p.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
+
+
+def _under_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def predict(plan_path: str, model: str, cluster: str | None, profile: str | None) -> dict[str, Any]:
+    """{step_time_s, peak_memory_bytes, per_stage_memory_bytes (None without re-estimate)}."""
+    from autopar.executor.cli_run import read_prediction
+    from autopar.plan import load_plan
+
+    plan = load_plan(plan_path)
+    if cluster is None and profile is None:
+        pred = read_prediction(plan_path)
+        if "step_time_s" not in pred:
+            raise AutoparError(f"{plan_path} has no prediction; give --cluster or --profile to estimate it")
+        return {"step_time_s": float(pred["step_time_s"]), "peak_memory_bytes": float(pred.get("peak_memory_bytes", 0)),
+                "stage_memory_bytes": None, "source": "plan prediction"}
+    from autopar.cluster import load_cluster_and_profile
+    from autopar.cost.estimate import estimate_plan
+    from autopar.graph import build_graph
+    from autopar.modelfile import load_model_file
+
+    c = load_cluster_and_profile(cluster, profile, plan.cluster.profile)
+    graph = build_graph(load_model_file(model), seq_len=plan.training.seq_len, dtype=plan.training.dtype)
+    est = estimate_plan(plan, graph, c)
+    return {"step_time_s": est.step_time_s, "peak_memory_bytes": est.peak_memory_bytes,
+            "stage_memory_bytes": [r.peak_bytes for r in est.ranks], "source": f"estimate ({profile or cluster})"}
+
+
+def _relaunch(args: argparse.Namespace, model: str) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
+           "-m", "autopar", "validate", args.plan, model, "--steps", str(args.steps), "--seed", str(args.seed)]
+    for flag in ("cluster", "profile", "report"):
+        if getattr(args, flag):
+            cmd += [f"--{flag}", str(getattr(args, flag))]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.call(cmd, env=env)
+
+
+def main(args: argparse.Namespace) -> int:
+    from autopar.executor.checks import check_world_size, preflight
+    from autopar.modelfile import load_model_file
+    from autopar.plan import load_plan
+
+    if args.steps < 2:
+        raise AutoparError(f"--steps must be >= 2 (the first step is warm-up), got {args.steps}")
+    plan = load_plan(args.plan)
+    model = args.model or plan.model.file
+    mf = load_model_file(model)
+    if not _under_torchrun() and (args.nproc_per_node or 1) > 1:
+        check_world_size(plan, args.nproc_per_node)
+        preflight(plan, mf, args.nproc_per_node)
+        predict(args.plan, model, args.cluster, args.profile)  # fail early, before starting ranks
+        return _relaunch(args, model)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world_size(plan, world)
+    spec, _ = preflight(plan, mf, world)
+    prediction = predict(args.plan, model, args.cluster, args.profile)
+    return _run(args, plan, mf, spec, world, prediction)
+
+
+def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[str, Any]) -> int:  # noqa: ANN001
+    import torch
+    import torch.distributed as dist
+
+    from autopar.executor.apply import build_executable
+    from autopar.executor.mesh import backend_for, build_mesh, device_for_rank
+    from autopar.executor.train import train
+
+    if not _under_torchrun():
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"})
+    device = device_for_rank()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=600))
+    try:
+        rank = dist.get_rank()
+        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        mesh = build_mesh(plan, device)
+        exe = build_executable(plan, mf, spec, mesh, seed=args.seed, lr=1e-3, loss_fn=mf.loss_fn)
+        result = train(exe, mf, steps=args.steps, seed=args.seed)
+        if device.type == "cuda":
+            peak = float(torch.cuda.max_memory_allocated(device))
+        else:
+            peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        mine = torch.tensor([peak, float(baseline)], dtype=torch.float64, device=device)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        if rank == 0:
+            report = build_report(plan, result, [g.tolist() for g in gathered], prediction, device.type, args)
+            print(format_report(report), flush=True)
+            if args.report:
+                from autopar.plan import write_text_atomic
+
+                write_text_atomic(args.report, json.dumps(report, indent=2) + "\n")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _err(measured: float, predicted: float | None) -> float | None:
+    return None if not predicted else 100.0 * (measured - predicted) / predicted
+
+
+def build_report(plan, result, per_rank: list[list[float]], prediction: dict[str, Any], device_type: str,  # noqa: ANN001
+                 args: argparse.Namespace) -> dict[str, Any]:
+    par = plan.parallel
+    steady = list(result.step_times_s[1:])
+    step = statistics.median(steady)
+    stage_mem = prediction.get("stage_memory_bytes")
+    ranks = []
+    for r, (peak, baseline) in enumerate(per_rank):
+        pp_rank = r // (par.tp * par.cp * par.dp)
+        pred_mem = stage_mem[pp_rank] if stage_mem else None
+        ranks.append({"rank": r, "pp_rank": pp_rank, "measured_peak_bytes": peak, "baseline_bytes": baseline,
+                      "executor_growth_bytes": result.peak_memory_bytes[r], "predicted_peak_bytes": pred_mem,
+                      "memory_error_pct": _err(peak, pred_mem)})
+    peak = max(r["measured_peak_bytes"] for r in ranks)
+    return {
+        "plan": str(args.plan), "world_size": len(per_rank), "steps": args.steps,
+        "parallel": {k: getattr(par, k) for k in ("dp", "tp", "pp", "cp", "zero", "recompute", "pp_schedule")},
+        "micro_batch_size": plan.training.micro_batch_size,
+        "prediction_source": prediction["source"],
+        "step_time_s": {"measured": step, "predicted": prediction["step_time_s"],
+                        "error_pct": _err(step, prediction["step_time_s"]), "all_steps_s": list(result.step_times_s)},
+        "peak_memory_bytes": {"measured": peak, "predicted": prediction["peak_memory_bytes"],
+                              "error_pct": _err(peak, prediction["peak_memory_bytes"])},
+        "memory_measure": "peak RSS (ru_maxrss), absolute" if device_type == "cpu" else "torch.cuda.max_memory_allocated",
+        "ranks": ranks,
+        "notes": list(result.notes),
+    }
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:+.1f}%"
+
+    st, mem = rep["step_time_s"], rep["peak_memory_bytes"]
+    mib = 2**20
+    lines = [f"validate {rep['plan']} ({rep['world_size']} ranks, {rep['steps']} steps; prediction: {rep['prediction_source']})",
+             f"  step time    measured {st['measured']:.4f} s   predicted {st['predicted']:.4f} s   error {pct(st['error_pct'])}"
+             "   (median of steps after the first)",
+             f"  peak memory  measured {mem['measured'] / mib:,.1f} MiB   predicted {mem['predicted'] / mib:,.1f} MiB   "
+             f"error {pct(mem['error_pct'])}   ({rep['memory_measure']}, max over ranks)",
+             "  rank  pp  measured MiB  predicted MiB   error  baseline MiB  executor growth MiB"]
+    for r in rep["ranks"]:
+        pred = "-" if r["predicted_peak_bytes"] is None else f"{r['predicted_peak_bytes'] / mib:,.1f}"
+        lines.append(f"  {r['rank']:4d}  {r['pp_rank']:2d}  {r['measured_peak_bytes'] / mib:12,.1f}  {pred:>13s}  "
+                     f"{pct(r['memory_error_pct']):>6s}  {r['baseline_bytes'] / mib:12,.1f}  {r['executor_growth_bytes'] / mib:19,.1f}")
+    for n in rep["notes"]:
+        lines.append(f"  note: {n}")
+    return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""A 2-rank gloo collective profile: every collective measured over message sizes and fitted."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from autopar.profiler.comm import profile_comm
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = profile_comm(torch.device("cpu"), sizes=(2**12, 2**16, 2**20), repeats=3)
+        if rank == 0:
+            torch.save({k: (f.latency_s, f.bandwidth_bytes_per_s, f.points) for k, f in result["fits"].items()}
+                       | {"_meta": (result["ranks"], result["link"], result["memory_baseline_bytes"])}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_gloo_comm_profile_fits_every_collective() -> None:
+    from autopar.profiler.tables import COLLECTIVES
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "comm.pt")
+        mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+        result = torch.load(out, weights_only=False)
+    ranks, link, baseline = result.pop("_meta")
+    assert ranks == 2 and link == "intra_node"
+    assert 50 * 2**20 < baseline < 4 * 2**30  # a python + torch process, not zero, not absurd
+    assert set(result) == set(COLLECTIVES)
+    for kind, (latency, bandwidth, points) in result.items():
+        assert [p[1] for p in points] == [2**12, 2**16, 2**20], kind
+        assert all(p[0] == 2 and p[2] > 0 for p in points), kind
+        assert latency >= 0 and 1e6 < bandwidth < 1e12, kind
+        # the fit describes the measurements: the 1 MiB message within a factor 3
+        from autopar.profiler.comm import hops_and_volume
+
+        hops, vol = hops_and_volume(kind, 2, 2**20)
+        assert points[-1][2] / 3 < hops * latency + vol / bandwidth < points[-1][2] * 3, kind

@@ -1,0 +1,222 @@
+"""The profiler: output schema, interpolation, measured tables in the cost model, CPU memory measure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from autopar.cluster import cluster_from_dict, load_cluster, load_cluster_and_profile, with_measured
+from autopar.cost.comm import GroupLink, collective_time_s
+from autopar.errors import ClusterError
+from autopar.profiler.comm import fit_collective, hops_and_volume
+from autopar.profiler.kernels import fit_gemm
+from autopar.profiler.memory import LiveBytes
+from autopar.profiler.tables import LayerPoint, LayerTable, MeasuredProfile, layer_table_to_dict, measured_from_dict
+
+TINY_GPT = "tests/dist/models/tiny_gpt.py"
+
+
+def _table(points: dict[str, list[LayerPoint]], sha: str = "x", dtype: str = "fp32") -> LayerTable:
+    return LayerTable(model_name="m", model_sha256=sha, dtype=dtype, seq_len=128, edges_replicated=True,
+                      regions={k: tuple(v) for k, v in points.items()})
+
+
+def _grid() -> list[LayerPoint]:
+    pts = []
+    for b in (1, 2, 4):
+        for s in (64, 128):
+            for tp in (1, 2):
+                t = 1e-3 * b * (s / 64) ** 1.2 / tp**0.8
+                pts.append(LayerPoint(b=b, s=s, tp=tp, fwd_s=t, bwd_s=2 * t, saved_bytes=1e6 * b * s / tp, peak_bytes=5e6))
+    return pts
+
+
+# ---------------------------------------------------------------- interpolation
+
+
+def test_lookup_is_exact_at_measured_points() -> None:
+    table = _table({"block": _grid()})
+    for p in _grid():
+        hit = table.lookup("block", p.b, p.s, p.tp)
+        assert (hit.b, hit.s, hit.tp) == (p.b, p.s, p.tp)
+        assert hit.values["fwd_s"] == pytest.approx(p.fwd_s, rel=1e-12)
+        assert hit.values["bwd_s"] == pytest.approx(p.bwd_s, rel=1e-12)
+        assert hit.values["saved_bytes"] == pytest.approx(p.saved_bytes, rel=1e-12)
+
+
+def test_lookup_is_monotone_and_log_linear_between_points() -> None:
+    table = _table({"block": _grid()})
+    values = [table.lookup("block", b, 96, 1).values["fwd_s"] for b in (1, 1.2, 1.5, 2, 2.5, 3, 4)]
+    assert values == sorted(values) and len(set(values)) == len(values)
+    # log-log: at the geometric midpoint the value is the geometric mean of the neighbours.
+    mid = table.lookup("block", math.sqrt(2), 128, 1).values["fwd_s"]
+    lo, hi = table.lookup("block", 1, 128, 1).values["fwd_s"], table.lookup("block", 2, 128, 1).values["fwd_s"]
+    assert mid == pytest.approx(math.sqrt(lo * hi))
+
+
+def test_lookup_clamps_outside_the_grid_and_matches_tp_exactly() -> None:
+    table = _table({"block": _grid()})
+    hit = table.lookup("block", 16, 256, 2)
+    assert (hit.b, hit.s, hit.tp) == (4, 128, 2)  # the caller rescales by the roofline ratio
+    assert table.lookup("block", 1, 64, 8).tp == 2  # tp not measured: nearest measured tp
+    assert table.lookup("post", 1, 64, 1) is None
+
+
+# ---------------------------------------------------------------- format
+
+
+def test_measured_section_round_trips_and_rejects_unknown_keys() -> None:
+    table = _table({"block": _grid(), "pre": [LayerPoint(b=1, s=64, tp=1, fwd_s=1e-4, bwd_s=1e-4)]})
+    model, layers = layer_table_to_dict(table)
+    data = yaml.safe_load(yaml.safe_dump({"model": model, "layers": layers, "fitted": {"peak_flops": 1e11}}))
+    back = measured_from_dict(data, "t")
+    assert back.layers == table
+    assert back.fitted == {"peak_flops": 1e11}
+    with pytest.raises(ClusterError, match="unknown key 'bogus'"):
+        measured_from_dict({"bogus": 1}, "t")
+    with pytest.raises(ClusterError, match="unknown region"):
+        measured_from_dict({"model": model, "layers": {"nope": []}}, "t")
+
+
+def test_shipped_profiles_still_load_and_a_measured_layer_overrides(a100) -> None:
+    data = yaml.safe_load(open(a100.source, encoding="utf-8"))
+    plain = cluster_from_dict(data, "a100-80g")
+    assert plain.measured is None and plain == a100
+    data["measured"] = {"fitted": {"peak_flops": 1e12}, "memory_baseline_bytes": 5e8,
+                        "comm": {"ranks": 2, "collectives": {"all_reduce": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9}}}}
+    c = cluster_from_dict(data, "a100-80g")
+    assert c.peak_flops == 1e12 and c.framework_reserve_bytes == 5e8
+    assert c.intra_node.fit("all_reduce") == (1e-4, 1e9)
+    assert c.gemm == a100.gemm and c.inter_node == a100.inter_node
+
+
+def test_layer_profile_schema_and_written_profile_loads(tmp_path) -> None:
+    from autopar.modelfile import load_model_file
+    from autopar.profiler.cli_profile import main
+
+    torch.set_num_threads(1)
+    out = tmp_path / "cpu-test.yaml"
+    args = argparse.Namespace(model=TINY_GPT, output=str(out), device="cpu", micro_batch=(1, 2), tp=(1, 2), cp=(1, 2),
+                              dtype=None, threads=1, repeats=1, warmup=0, no_kernels=True, comm=False,
+                              nproc_per_node=None, gpus_per_node=2, load_ranks=1)
+    assert main(args) == 0
+    data = yaml.safe_load(out.read_text())
+    m = data["measured"]
+    assert m["model"]["sha256"] == load_model_file(TINY_GPT).sha256 and m["model"]["dtype"] == "fp32"
+    assert set(m["layers"]) == {"pre", "block", "post", "loss"}
+    assert {(p["b"], p["s"], p["tp"]) for p in m["layers"]["block"]} == {
+        (b, s, tp) for b in (1, 2) for s in (32, 16) for tp in (1, 2)}
+    assert {p["tp"] for p in m["layers"]["pre"]} == {1}  # edges run whole on every tp rank
+    for p in m["layers"]["block"]:
+        assert p["fwd_s"] > 0 and p["bwd_s"] > 0 and p["saved_bytes"] > 0 and p["peak_bytes"] >= p["saved_bytes"]
+    for key in ("name", "type", "threads", "torch", "date"):
+        assert key in m["device"]
+    cluster = load_cluster(str(out))  # a new profile is a full cluster profile
+    assert cluster.measured.layers.regions["block"] and cluster.gpus_per_node == 2
+    big = {(p["b"], p["tp"]): p["saved_bytes"] for p in m["layers"]["block"] if p["s"] == 32}
+    assert big[(2, 1)] == pytest.approx(2 * big[(1, 1)], rel=0.05)  # activations scale with the batch
+
+
+# ---------------------------------------------------------------- cost model with measured tables
+
+
+def _estimate(tmp_path, profile: dict | None, capsys, model: str = "examples/gpt_small.py") -> dict:
+    from autopar.cli import main
+
+    plan = {"version": 1, "model": {"file": model, "num_blocks": 8},
+            "cluster": {"profile": "a100-80g", "num_gpus": 1, "gpus_per_node": 8},
+            "training": {"global_batch_size": 4, "micro_batch_size": 2, "seq_len": 128, "dtype": "fp32", "optimizer": "adam"},
+            "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "cp_kind": "ring", "sequence_parallel": False, "zero": 0,
+                         "recompute": "none", "pp_schedule": "1f1b", "pp_virtual_stages": 1}}
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    argv = ["estimate", model, str(tmp_path / "plan.yaml"), "--json"]
+    if profile is not None:
+        (tmp_path / "prof.yaml").write_text(yaml.safe_dump({"measured": profile}))
+        argv += ["--profile", str(tmp_path / "prof.yaml")]
+    capsys.readouterr()
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _measured(sha: str, block_s: float, saved: float = 1e6) -> dict:
+    pts = [{"b": b, "s": 128, "tp": 1, "fwd_s": block_s * b, "bwd_s": 2 * block_s * b, "saved_bytes": saved * b}
+           for b in (1, 4)]
+    edge = [{"b": b, "s": 128, "tp": 1, "fwd_s": 1e-3, "bwd_s": 1e-3} for b in (1, 4)]
+    return {"model": {"name": "gpt_small", "sha256": sha, "dtype": "fp32", "seq_len": 128, "edges_replicated": True},
+            "layers": {"block": pts, "pre": edge, "post": edge, "loss": edge}}
+
+
+def test_estimate_with_profile_uses_measured_times(tmp_path, capsys) -> None:
+    from autopar.modelfile import load_model_file
+
+    sha = load_model_file("examples/gpt_small.py").sha256
+    roof = _estimate(tmp_path, None, capsys)
+    slow = _estimate(tmp_path, _measured(sha, 0.1), capsys)
+    slower = _estimate(tmp_path, _measured(sha, 0.2), capsys)
+    # micro-batch 2 (interpolated between 1 and 4): block fwd+bwd = 3 * 0.1 * 2 s, 8 blocks, 2 micro-batches
+    assert slow["time_breakdown_s"]["compute"] == pytest.approx(2 * (8 * 0.6 + 3 * 2e-3), rel=1e-6)
+    assert slower["step_time_s"] - slow["step_time_s"] == pytest.approx(2 * 8 * 0.6, rel=1e-6)
+    assert slow["step_time_s"] > 100 * roof["step_time_s"]
+    fat = _estimate(tmp_path, _measured(sha, 0.1, saved=2e6), capsys)
+    # measured saved bytes per block (x micro-batch 2, 8 blocks, one micro-batch in flight)
+    assert fat["memory_bytes"]["activations"] - slow["memory_bytes"]["activations"] == pytest.approx(8 * 2e6, rel=1e-6)
+
+
+def test_a_table_for_another_model_is_ignored_with_a_warning(tmp_path, capsys) -> None:
+    roof = _estimate(tmp_path, None, capsys)
+    other = _estimate(tmp_path, _measured("0" * 64, 0.1), capsys)
+    assert other["step_time_s"] == pytest.approx(roof["step_time_s"])
+
+
+def test_profile_over_cluster_and_full_profile_as_cluster(tmp_path) -> None:
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump({"measured": {"fitted": {"peak_flops": 7e12}}}))
+    c = load_cluster_and_profile("h100-80g", str(tmp_path / "m.yaml"), "a100-80g")
+    assert c.peak_flops == 7e12 and c.name == "h100-80g"
+    with pytest.raises(ClusterError, match="no 'measured:' section"):
+        load_cluster_and_profile(None, "profiles/a100-80g.yaml", "a100-80g")
+
+
+def test_measured_collective_fit_prices_collectives(a100) -> None:
+    link = with_measured(a100, MeasuredProfile(comm={"all_gather": fit_collective(
+        "all_gather", [(2, 1e6, 1e-3 + 0.5e6 / 1e9), (2, 4e6, 1e-3 + 2e6 / 1e9)])})).intra_node
+    g = GroupLink(size=4, members_per_node=4, intra_node=True, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s, link=link)
+    assert collective_time_s("all_gather", 8e6, g) == pytest.approx(3 * 1e-3 + 0.75 * 8e6 / 1e9, rel=1e-6)
+
+
+# ---------------------------------------------------------------- fits and memory
+
+
+def test_collective_fit_recovers_latency_and_bandwidth() -> None:
+    pts = []
+    for n in (2, 4):
+        for m in (1e3, 1e5, 1e7):
+            hops, vol = hops_and_volume("all_reduce", n, m)
+            pts.append((n, m, hops * 2e-5 + vol / 3e9))
+    fit = fit_collective("all_reduce", pts)
+    assert fit.latency_s == pytest.approx(2e-5, rel=1e-6)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(3e9, rel=1e-6)
+
+
+def test_gemm_fit_recovers_peak_and_half_dim() -> None:
+    rows = [{"m": d, "n": d, "k": d, "flops_per_s": 1e11 * (d / (d + 64)) ** 3} for d in (64, 128, 512, 2048)]
+    peak, half = fit_gemm(rows)
+    assert half == 64 and peak == pytest.approx(1e11, rel=1e-9)
+
+
+def test_live_bytes_counts_activations_and_frees() -> None:
+    lin = torch.nn.Linear(64, 256)
+    x = torch.randn(8, 64, requires_grad=True)
+    live = LiveBytes()
+    with live:
+        y = torch.nn.functional.gelu(lin(x))
+        kept = live.live_bytes
+        y.sum().backward()
+        del y
+    assert kept == 2 * 8 * 256 * 4  # linear output (saved by gelu) + gelu output; views of x/weight not counted
+    assert live.live_bytes == (64 * 256 + 256 + 8 * 64) * 4  # only the gradients remain
+    assert live.peak_bytes >= kept
