@@ -12,7 +12,6 @@ from autopar.explain.explanation import MEMORY_KEYS, elided, explain_plan, forma
 from autopar.explain.mesh import axis_groups, format_group, mesh_summary
 from autopar.explain.volume import communication_volume, wire_factor
 
-MIB = 2**20
 
 
 def _groups(plan, axis):
