@@ -187,7 +187,8 @@ def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
 
     f = measured.fitted
     changes: dict[str, Any] = {"measured": measured}
-    for key in ("peak_flops", "memory_bandwidth_bytes_per_s", "memory_efficiency", "kernel_overhead_s"):
+    for key in ("peak_flops", "memory_bandwidth_bytes_per_s", "memory_efficiency", "kernel_overhead_s",
+                "optimizer_bytes_per_param"):
         if key in f:
             changes[key] = f[key]
     if "attention_efficiency" in f:

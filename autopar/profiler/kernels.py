@@ -6,6 +6,9 @@
 * Memory bandwidth: ``y.copy_(x)`` over sizes; bytes/s = 2 * size / seconds. The profile's
   bandwidth is the median over sizes >= 1 MiB (past the caches), efficiency 1.
 * Kernel overhead: the median time of an add of two 1-element tensors (launch + dispatch).
+* Optimizer: one ``torch.optim.AdamW`` step (what the executor runs) over 16 tensors of 256 Ki
+  parameters; written as the ``optimizer_bytes_per_param`` that gives that time at the fitted
+  bandwidth (the cost model's optimizer term is bytes per parameter / bandwidth).
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ def kernel_overhead_s(device: torch.device, repeats: int = 200) -> float:
     return _time(lambda: x + x, device, 20, repeats)
 
 
+def optimizer_s_per_param(device: torch.device, repeats: int = 5) -> float:
+    params = [torch.nn.Parameter(torch.randn(2**18, device=device)) for _ in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    return _time(opt.step, device, 2, repeats) / (16 * 2**18)
+
+
 def fit_gemm(rows: list[dict[str, float]]) -> tuple[float, float]:
     """(peak_flops, half_dim) of ``peak * prod d/(d+h)`` best matching the measured FLOP/s."""
     best: tuple[float, float, float] | None = None
@@ -95,10 +106,12 @@ def profile_kernels(device: torch.device, dtype: str) -> dict[str, Any]:
     gemm = gemm_curve(device, dtype)
     bw = bandwidth_curve(device)
     peak, half = fit_gemm(gemm)
+    bandwidth = fit_bandwidth(bw)
     return {
         "gemm": gemm,
         "memory_bandwidth": bw,
         "fitted": {"peak_flops": peak, "gemm_max": 1.0, "gemm_half_dim": half,
-                   "memory_bandwidth_bytes_per_s": fit_bandwidth(bw), "memory_efficiency": 1.0,
-                   "kernel_overhead_s": kernel_overhead_s(device)},
+                   "memory_bandwidth_bytes_per_s": bandwidth, "memory_efficiency": 1.0,
+                   "kernel_overhead_s": kernel_overhead_s(device),
+                   "optimizer_bytes_per_param": optimizer_s_per_param(device) * bandwidth},
     }

@@ -159,7 +159,7 @@ class MeasuredProfile:
 
 
 FITTED_KEYS = ("peak_flops", "gemm_max", "gemm_half_dim", "memory_bandwidth_bytes_per_s", "memory_efficiency",
-               "kernel_overhead_s", "attention_efficiency")
+               "kernel_overhead_s", "attention_efficiency", "optimizer_bytes_per_param")
 
 
 def _number(value: Any, where: str) -> float:
