@@ -8,7 +8,9 @@
    exact terms, a tighter bound (the balanced pipeline), and only then the ILP (pp > 1) or a direct
    evaluation (pp = 1).
 3. Stop a branch when its bound cannot beat the K-th best plan found. Because every bound is a true
-   lower bound of ``cost.step.evaluate``, the top K returned are the top K of the whole space.
+   lower bound of ``cost.step.evaluate``, the top K returned are the top K of the whole space,
+   except for two dominated kinds never costed: GPipe where 1F1B is legal (same time, more memory)
+   and selective recompute of a block without s^2 activations (same memory as none, more time).
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def search(
         bounded.append((lb, _memory_lb(graph, base, branch), branch))
     bounded.sort(key=lambda x: x[0])
 
+    selective_saves = any(q.exps.quadratic for q in graph.regions["block"].saved)
     top = _TopK(top_k)
     evaluated = solved = 0
     optimal = True
@@ -120,6 +123,11 @@ def search(
         if lb >= top.threshold():
             rejected["bound: cannot beat the best plans"] += branch.num_configs
             continue
+        if branch.recompute == "selective" and not selective_saves:
+            # With a fused attention kernel there are no s^2 activations: selective recompute would
+            # re-run the attention forward and keep exactly what no recompute keeps.
+            rejected["dominated: selective recompute saves nothing (fused attention)"] += branch.num_configs
+            continue
         for zero in branch.zero_stages:
             # Within a branch the terms depend on the ZeRO stage but not on the schedule or v (the
             # step formula reads those from the config): build them once per stage. 1F1B (GPipe when
@@ -131,6 +139,11 @@ def search(
                 rejected["memory: no stage split fits"] += len(branch.schedules)
                 continue
             for schedule, v in branch.schedules:
+                if schedule == "gpipe" and ("1f1b", 1) in branch.schedules:
+                    # Same step time as 1F1B in the cost model, with M micro-batches in flight
+                    # instead of at most pp: never better, so never costed.
+                    rejected["dominated: gpipe (1f1b is as fast with less memory)"] += 1
+                    continue
                 cfg = branch.config(schedule, v, zero)
                 terms = replace(terms0, config=cfg)
                 if _balanced_lb(terms, graph.num_blocks) >= top.threshold():
