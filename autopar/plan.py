@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 import tempfile
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -419,7 +421,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
 # Instead the module object itself is callable: its class becomes a ModuleType subclass (allowed
 # since Python 3.5) whose ``__call__`` delegates to ``autopar.api.plan``. Attribute access,
 # ``import autopar.plan``, pickling of Plan objects and ``from autopar.plan import ...`` are unchanged.
-class _CallableModule(__import__("types").ModuleType):
+class _CallableModule(types.ModuleType):
     """The ``autopar.plan`` module, callable as ``autopar.api.plan`` (see the comment above)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Plan:
@@ -428,4 +430,4 @@ class _CallableModule(__import__("types").ModuleType):
         return search_plan(*args, **kwargs)
 
 
-__import__("sys").modules[__name__].__class__ = _CallableModule
+sys.modules[__name__].__class__ = _CallableModule
