@@ -1,0 +1,158 @@
+"""Issue 6: a table of bad inputs across ``plan``, ``estimate``, ``run`` and ``profile``.
+
+Every row: the expected exit code (2 = bad input; 3 = no plan fits the memory, the CLI's documented
+code for an infeasible search), exactly one line on stderr naming the problem, no traceback, nothing
+on stdout, and no output file at the ``-o`` / ``--report`` / ``--trace`` path. ``run`` rows never
+start torchrun: they are all caught before launch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+MODELS = REPO / "tests" / "data" / "models"
+GPT12 = MODELS / "gpt12.py"  # 4 blocks, 12 heads, seq 64
+TINY = REPO / "tests" / "dist" / "models" / "tiny_gpt.py"  # 4 blocks, 4 heads, seq 32
+GOOD = {
+    "version": 1,
+    "model": {"file": str(GPT12), "num_blocks": 4},
+    "cluster": {"profile": "a100-80g", "num_gpus": 8, "gpus_per_node": 8},
+    "training": {"global_batch_size": 16, "micro_batch_size": 1, "seq_len": 64},
+    "parallel": {"dp": 2, "tp": 4, "pp": 1},
+}
+RUN_GOOD = {
+    "version": 1,
+    "model": {"file": str(TINY), "num_blocks": 4},
+    "cluster": {"profile": "a100-80g", "num_gpus": 2, "gpus_per_node": 8},
+    "training": {"global_batch_size": 4, "micro_batch_size": 1, "seq_len": 32, "dtype": "fp32"},
+    "parallel": {"dp": 2, "tp": 1, "pp": 1},
+}
+
+
+def _plan(t: Path, base: dict = GOOD, name: str = "plan.yaml", drop: tuple[str, str] | None = None, **sections) -> Path:
+    data = json.loads(json.dumps(base))
+    for section, changes in sections.items():
+        data[section].update(changes)
+    if drop:
+        del data[drop[0]][drop[1]]
+    path = t / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _write(t: Path, name: str, text: str) -> Path:
+    (t / name).write_text(text)
+    return t / name
+
+
+def _run_plan(t: Path, **sections) -> Path:
+    return _plan(t, RUN_GOOD, "run.yaml", **sections)
+
+
+OUT = "out.yaml"  # relative to tmp_path: must not exist after a failure
+# (id, argv builder, expected exit code, substrings of the error line)
+Row = tuple[str, Callable[[Path], list], int, list[str]]
+CASES: list[Row] = [
+    # --- plan
+    ("plan-missing-model", lambda t: ["plan", t / "nope.py", "--gpus", "8", "-o", t / OUT], 2, ["nope.py"]),
+    ("plan-zero-gpus", lambda t: ["plan", GPT12, "--gpus", "0", "-o", t / OUT], 2, ["--gpus"]),
+    ("plan-negative-micro-batch", lambda t: ["plan", GPT12, "--gpus", "8", "--micro-batch", "-1", "-o", t / OUT], 2,
+     ["--micro-batch"]),
+    ("plan-model-syntax-error", lambda t: ["plan", MODELS / "syntax_error.py", "--gpus", "8", "-o", t / OUT], 2,
+     ["syntax_error.py"]),
+    ("plan-model-no-build", lambda t: ["plan", MODELS / "no_build_model.py", "--gpus", "8", "-o", t / OUT], 2,
+     ["build_model"]),
+    ("plan-unknown-cluster", lambda t: ["plan", GPT12, "--gpus", "8", "--cluster", "tpu-v5", "-o", t / OUT], 2,
+     ["tpu-v5"]),
+    ("plan-infeasible-memory", lambda t: ["plan", REPO / "examples" / "gpt.py", "--gpus", "1", "--quiet", "-o", t / OUT],
+     3, ["no plan fits"]),
+    # --- estimate
+    ("estimate-malformed-yaml", lambda t: ["estimate", GPT12, _write(t, "bad.yaml", "version: 1\nmodel: [\n")], 2,
+     ["not valid YAML"]),
+    ("estimate-unknown-key", lambda t: ["estimate", GPT12, _plan(t, training={"epochs": 3})], 2, ["training.epochs"]),
+    ("estimate-missing-key", lambda t: ["estimate", GPT12, _plan(t, drop=("training", "seq_len"))], 2,
+     ["training.seq_len"]),
+    ("estimate-wrong-type", lambda t: ["estimate", GPT12, _plan(t, training={"micro_batch_size": "one"})], 2,
+     ["training.micro_batch_size"]),
+    ("estimate-negative-size", lambda t: ["estimate", GPT12, _plan(t, training={"global_batch_size": -16})], 2,
+     ["training.global_batch_size"]),
+    ("estimate-zero-size", lambda t: ["estimate", GPT12, _plan(t, parallel={"dp": 0})], 2, ["parallel.dp"]),
+    ("estimate-degrees-vs-gpus", lambda t: ["estimate", GPT12, _plan(t, parallel={"dp": 4})], 2, ["cluster.num_gpus"]),
+    ("estimate-heads-not-divisible", lambda t: ["estimate", GPT12, _plan(t, parallel={"dp": 1, "tp": 8})], 2,
+     ["12 heads"]),
+    ("estimate-python-tag", lambda t: ["estimate", GPT12, _write(t, "tag.yaml", "!!python/object/apply:os.system ['echo pwned']\n")],
+     2, ["python/object"]),
+    ("estimate-missing-plan", lambda t: ["estimate", GPT12, t / "none.yaml"], 2, ["none.yaml"]),
+    ("estimate-model-raises", lambda t: ["estimate", MODELS / "raises_at_import.py", _plan(t)], 2, ["raises_at_import.py"]),
+    # --- run (all refused before torchrun starts)
+    ("run-wrong-world-size", lambda t: ["run", _run_plan(t), "--nproc-per-node", "4", "--report", t / OUT], 2,
+     ["needs 2 processes"]),
+    ("run-zero-steps", lambda t: ["run", _run_plan(t), "--steps", "0", "--report", t / OUT], 2, ["--steps"]),
+    ("run-negative-timeout", lambda t: ["run", _run_plan(t), "--timeout", "-5", "--report", t / OUT], 2, ["--timeout"]),
+    ("run-resume-without-dir", lambda t: ["run", _run_plan(t), "--resume", "--report", t / OUT], 2, ["--checkpoint-dir"]),
+    ("run-resume-nothing-saved", lambda t: ["run", _run_plan(t), "--resume", "--checkpoint-dir", t / "ck", "--report", t / OUT],
+     2, ["no complete checkpoint"]),
+    ("run-checkpoint-dir-is-file", lambda t: ["run", _run_plan(t), "--checkpoint-dir", _write(t, "f.txt", "x"),
+                                              "--report", t / OUT], 2, ["not a directory"]),
+    ("run-negative-checkpoint-every", lambda t: ["run", _run_plan(t), "--checkpoint-dir", t / "ck", "--checkpoint-every", "-1",
+                                                 "--report", t / OUT], 2, ["--checkpoint-every"]),
+    ("run-report-dir-missing", lambda t: ["run", _run_plan(t), "--report", t / "no" / "such" / OUT], 2, ["does not exist"]),
+    ("run-trace-is-directory", lambda t: ["run", _run_plan(t), "--trace", t, "--report", t / OUT], 2, ["is a directory"]),
+    ("run-heads-not-divisible", lambda t: ["run", _run_plan(t, cluster={"num_gpus": 6}, parallel={"dp": 2, "tp": 3}),
+                                           "--nproc-per-node", "6", "--report", t / OUT], 2, ["4 attention heads"]),
+    ("run-model-block-mismatch", lambda t: ["run", _run_plan(t, model={"num_blocks": 6}), "--nproc-per-node", "2",
+                                            "--report", t / OUT], 2,
+     ["6 blocks"]),
+    ("run-model-import-error", lambda t: ["run", _run_plan(t), MODELS / "import_error.py", "--report", t / OUT], 2,
+     ["import_error.py"]),
+    ("run-unknown-key", lambda t: ["run", _run_plan(t, parallel={"pipeline": 2}), "--report", t / OUT], 2,
+     ["parallel.pipeline"]),
+    # --- profile
+    ("profile-missing-model", lambda t: ["profile", t / "nope.py", "--device", "cpu", "-o", t / OUT], 2, ["nope.py"]),
+    ("profile-model-syntax-error", lambda t: ["profile", MODELS / "syntax_error.py", "--device", "cpu", "-o", t / OUT], 2,
+     ["syntax_error.py"]),
+    ("profile-zero-micro-batch", lambda t: ["profile", GPT12, "--device", "cpu", "--micro-batch", "0", "-o", t / OUT], 2,
+     ["--micro-batch"]),
+    ("profile-no-model", lambda t: ["profile", "--device", "cpu", "-o", t / OUT], 2, ["MODEL"]),
+]
+
+
+def _available(run_cli) -> set[str]:
+    out = run_cli("--help").stdout
+    return {c for c in ("plan", "estimate", "run", "profile") if f"    {c} " in out or f"\n    {c}\n" in out}
+
+
+@pytest.fixture(scope="module")
+def commands(run_cli) -> set[str]:
+    return _available(run_cli)
+
+
+def test_table_is_large_and_covers_every_command() -> None:
+    assert len(CASES) >= 20
+    assert {c[0].split("-")[0] for c in CASES} == {"plan", "estimate", "run", "profile"}
+
+
+@pytest.mark.parametrize(("name", "argv", "code", "needles"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input(run_cli, commands, tmp_path: Path, name: str, argv, code: int, needles: list[str]) -> None:
+    command = name.split("-")[0]
+    if command not in commands:
+        pytest.skip(f"'autopar {command}' does not exist yet in this checkout")
+    res = run_cli(*argv(tmp_path), timeout=300)
+    err = res.stderr
+    assert "Traceback" not in err + res.stdout, err[-3000:]
+    assert res.returncode == code, (res.returncode, err[-2000:])
+    lines = [l for l in err.strip("\n").splitlines() if l.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got {err!r}"
+    assert lines[0].startswith("autopar") and "error:" in lines[0], lines[0]
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+    assert not (tmp_path / OUT).exists(), "a failed command left an output file"
+    assert not list(tmp_path.glob(f".{OUT}*")), "a failed command left a temporary file"
+    if command != "plan":
+        assert res.stdout == ""
