@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from autopar.errors import ModelFileError
 
@@ -86,15 +87,7 @@ def _cause(exc: BaseException) -> str:
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(_to_device(v, device) for v in value)
-    if isinstance(value, list):
-        return [_to_device(v, device) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
+    return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:

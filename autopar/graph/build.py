@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.errors import ModelFileError
 from autopar.graph.trace import Trace, run_and_trace
@@ -91,18 +92,13 @@ def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str],
 
 def slice_sequence(inputs: Any, seq_len: int, new_len: int) -> Any:
     """Cut every tensor dimension of size ``seq_len`` (the first one per tensor) to ``new_len``."""
-    if isinstance(inputs, torch.Tensor):
-        for d, size in enumerate(inputs.shape):
-            if size == seq_len:
-                return inputs.narrow(d, 0, new_len)
-        return inputs
-    if isinstance(inputs, tuple):
-        return tuple(slice_sequence(v, seq_len, new_len) for v in inputs)
-    if isinstance(inputs, list):
-        return [slice_sequence(v, seq_len, new_len) for v in inputs]
-    if isinstance(inputs, dict):
-        return {k: slice_sequence(v, seq_len, new_len) for k, v in inputs.items()}
-    return inputs
+
+    def cut(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and seq_len in v.shape:
+            return v.narrow(list(v.shape).index(seq_len), 0, new_len)
+        return v
+
+    return tree_map(cut, inputs)
 
 
 @dataclass(kw_only=True)
@@ -114,19 +110,7 @@ class TracedRun:
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    if isinstance(value, dict):
-        for v in value.values():
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    return None
+    return next((v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)), None)
 
 
 def trace_model(

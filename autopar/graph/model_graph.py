@@ -20,6 +20,7 @@ from typing import Any
 import networkx as nx
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from autopar.errors import ModelFileError
 from autopar.graph.build import (
@@ -199,15 +200,7 @@ def _inputs(mf: ModelFile, micro_batch: int, dtype: torch.dtype) -> Any:
 
 
 def _cast_float(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        return tuple(_cast_float(v, dtype) for v in value)
-    if isinstance(value, list):
-        return [_cast_float(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _cast_float(v, dtype) for k, v in value.items()}
-    return value
+    return tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, value)
 
 
 def _inferred_tp_plan(model: nn.Module) -> dict[str, str] | None:
