@@ -204,3 +204,69 @@ def test_checkpoint_directory_protocol() -> None:
     assert listing["A"] == ["latest", "step-3"]
     assert listing["B"] == ["latest", "step-2", "step-3"]
     assert listing["C"] == ["latest", "step-3"]
+
+
+# --- the directory protocol, without processes: a crash at any point of a save leaves a usable state
+
+
+def _complete(d: Path, step: int) -> Path:
+    from autopar.executor.checkpoint import CheckpointMeta
+
+    p = d / f"step-{step}"
+    p.mkdir(parents=True)
+    (p / ".metadata").write_bytes(b"x")
+    meta = CheckpointMeta(step=step, seed=0, lr=1e-3, world_size=1, parallel={}, global_batch_size=4, num_blocks=4,
+                          losses=(1.0,) * step)
+    (p / "meta.json").write_text(meta.to_json())
+    return p
+
+
+def test_find_latest_ignores_partial_saves(tmp_path: Path) -> None:
+    from autopar.executor.checkpoint import find_latest
+
+    assert find_latest(tmp_path / "missing") is None
+    assert find_latest(tmp_path) is None
+    _complete(tmp_path, 2)
+    (tmp_path / "latest").write_text("step-2\n")
+    (tmp_path / "step-3.tmp").mkdir()  # crash during the shard writes of step 3
+    (tmp_path / "step-3.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    assert find_latest(tmp_path).name == "step-2"
+    (tmp_path / "step-4").mkdir()  # renamed but meta.json missing: cannot happen via publish(), still refused
+    (tmp_path / "step-4" / ".metadata").write_bytes(b"x")
+    assert find_latest(tmp_path).name == "step-2"
+    _complete(tmp_path, 5)  # crash after the rename, before ``latest`` moved: latest still wins
+    assert find_latest(tmp_path).name == "step-2"
+    (tmp_path / "latest").write_text("garbage")  # a broken pointer: the newest complete step
+    assert find_latest(tmp_path).name == "step-5"
+    (tmp_path / "latest").unlink()
+    assert find_latest(tmp_path).name == "step-5"
+
+
+def test_publish_is_rename_then_pointer_and_keeps_n(tmp_path: Path) -> None:
+    from autopar.executor.checkpoint import CheckpointMeta, find_latest, publish
+
+    for step in (1, 2, 3):
+        tmp = tmp_path / f"step-{step}.tmp"
+        tmp.mkdir()
+        (tmp / ".metadata").write_bytes(b"x")
+        meta = CheckpointMeta(step=step, seed=0, lr=1e-3, world_size=1, parallel={}, global_batch_size=4,
+                              num_blocks=4, losses=(0.5,) * step)
+        publish(tmp, tmp_path / f"step-{step}", meta, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-3"]
+    assert find_latest(tmp_path).name == "step-3"
+    assert CheckpointMeta.from_file(tmp_path / "step-3" / "meta.json").losses == (0.5, 0.5, 0.5)
+
+
+def test_resume_decision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from autopar.executor.checkpoint import CheckpointError
+    from autopar.executor.rank_main import resume_decision
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert resume_decision(None, False).path is None
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        resume_decision(str(tmp_path), True)
+    _complete(tmp_path, 3)
+    assert resume_decision(str(tmp_path), False).path is None  # a first attempt starts fresh
+    assert resume_decision(str(tmp_path), True).path.name == "step-3"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a torchrun restart resumes by itself
+    assert resume_decision(str(tmp_path), False).path.name == "step-3"

@@ -52,8 +52,9 @@ def _reference() -> list[float]:
 
 
 def test_killed_rank_restarts_and_resumes_from_last_checkpoint(tmp_path: Path) -> None:
-    report, ck = tmp_path / "report.json", tmp_path / "ck"
+    report, ck, trace = tmp_path / "report.json", tmp_path / "ck", tmp_path / "trace.json"
     proc, _ = _torchrun(tmp_path, "--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--report", str(report),
+                        "--trace", str(trace), "--trace-steps", "1",
                         restarts=1, env={"AUTOPAR_TEST_KILL_AT_STEP": "2", "AUTOPAR_TEST_KILL_RANK": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "rank 1 kills itself before step 3" in proc.stderr  # the fault really happened
@@ -66,6 +67,10 @@ def test_killed_rank_restarts_and_resumes_from_last_checkpoint(tmp_path: Path) -
     assert got["loss_history"] == pytest.approx(ref, rel=1e-4)
     assert (ck / "latest").read_text().strip() == f"step-{STEPS}"
     assert not list(ck.glob("*.tmp"))
+    # the measured trace of the second attempt: Chrome trace format with one profiled step
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("ProfilerStep") for e in events)
+    assert any("gloo" in e.get("name", "") or "all_gather" in e.get("name", "") for e in events)
 
 
 def test_hang_becomes_error_naming_rank_and_collective(tmp_path: Path) -> None:
