@@ -14,6 +14,12 @@ recompute.py           full and selective activation checkpointing
 data_parallel.py       DDP, ZeRO-1 (ZeroRedundancyOptimizer), ZeRO-2/3 (FSDP2)
 apply.py               meta build -> PP split -> TP -> CP -> recompute -> materialise -> ZeRO/DP
 train.py               data, micro-batches, optimizer steps, metrics, single-process reference
-cli_run.py             ``autopar run`` arguments, torchrun re-launch, report
+checkpoint.py          sharded DCP checkpoints keyed by full-model names (resume under any plan),
+                       atomic step-N.tmp -> step-N rename and ``latest`` pointer
+faults.py              per-group timeouts, flight-recorder failure messages (rank + collective),
+                       watchdog, test fault injection
+tracing.py             ``--trace``: measured torch.profiler trace (Chrome format)
+rank_main.py           what each rank does: init, build, resume, train with hooks, report
+cli_run.py             ``autopar run`` arguments and their validation, torchrun re-launch, report
 =====================  ==========================================================================
 """

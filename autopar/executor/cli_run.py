@@ -7,7 +7,11 @@ Launch modes:
   ``python -m torch.distributed.run --standalone --nproc-per-node N -m autopar.executor.cli_run``;
 * a 1-GPU plan with neither: runs in this process (a world of one).
 
-Everything that can be wrong (world size, a plan for another model, tp not dividing the heads, ...)
+Checkpoints (``--checkpoint-dir``, ``--checkpoint-every``, ``--resume``), restarts
+(``--max-restarts``), hang timeouts and ``--trace``: see checkpoint.py, faults.py, tracing.py and
+docs/reliability.md. ``--steps`` is the total step count, also when resuming.
+
+Everything that can be wrong (arguments, world size, a plan for another model, tp not dividing the heads, ...)
 is checked before ``init_process_group`` -- a one-line ``AutoparError``, never a hang. Rank 0 logs
 each step, prints measured vs predicted (the plan's ``prediction`` mapping: ``step_time_s``,
 ``tokens_per_s``, ``peak_memory_bytes`` when present) and writes the JSON report (``--report``).
