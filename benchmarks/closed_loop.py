@@ -87,6 +87,8 @@ def validate(plan: Path, n: int, profile_path: Path, steps: int) -> dict:
 def describe(rep: dict) -> str:
     p = rep["parallel"]
     parts = [f"dp{p['dp']}", f"tp{p['tp']}", f"pp{p['pp']}", f"cp{p['cp']}", f"z{p['zero']}", f"mb{rep['micro_batch_size']}"]
+    if p["cp"] > 1:
+        parts.append(p.get("cp_kind", "?"))
     if p["pp"] > 1:
         parts.append(p["pp_schedule"])
     if p["recompute"] != "none":

@@ -168,7 +168,7 @@ def build_report(plan, result, per_rank: list[list[float]], prediction: dict[str
     peak = max(r["measured_peak_bytes"] for r in ranks)
     return {
         "plan": str(args.plan), "world_size": len(per_rank), "steps": args.steps,
-        "parallel": {k: getattr(par, k) for k in ("dp", "tp", "pp", "cp", "zero", "recompute", "pp_schedule")},
+        "parallel": {k: getattr(par, k) for k in ("dp", "tp", "pp", "cp", "cp_kind", "zero", "recompute", "pp_schedule")},
         "micro_batch_size": plan.training.micro_batch_size,
         "prediction_source": prediction["source"],
         "step_time_s": {"measured": step, "predicted": prediction["step_time_s"],
