@@ -118,15 +118,19 @@ def _get(data: Mapping[str, Any], key: str, where: str) -> Any:
 def _num(data: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
     if default is not None and (not isinstance(data, Mapping) or key not in data):
         return float(default)
-    value = _get(data, key, where)
+    return parse_number(_get(data, key, where), f"{where}: '{key}'")
+
+
+def parse_number(value: Any, where: str) -> float:
+    """A profile number. YAML 1.1 reads "312.0e12" (no sign after e) as a string, so strings that
+    float() accepts are numbers too; anything else (bools included) is a ClusterError."""
     if isinstance(value, str):
-        # YAML 1.1 reads "312.0e12" (no sign after e) as a string; accept what float() accepts.
         try:
             value = float(value)
         except ValueError:
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ClusterError(f"{where}: '{key}' must be a number, got {value!r}")
+        raise ClusterError(f"{where} must be a number, got {value!r}")
     return float(value)
 
 

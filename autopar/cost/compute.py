@@ -114,12 +114,9 @@ def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shap
 def usable_layer_table(graph: "ModelGraph", cluster: Cluster) -> LayerTable | None:
     """The cluster's measured layer table if it was measured for this model file and dtype."""
     m = cluster.measured
-    if m is None or m.layers is None:
+    if m is None or m.layers is None or measured_table_warning(graph, cluster) is not None:
         return None
-    t = m.layers
-    if t.model_sha256 != graph.sha256 or t.dtype != graph.dtype:
-        return None
-    return t
+    return m.layers
 
 
 def measured_table_warning(graph: "ModelGraph", cluster: Cluster) -> str | None:

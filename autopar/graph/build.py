@@ -109,7 +109,8 @@ class TracedRun:
     block_output_bytes: float  # bytes of the tensor leaving it (a pipeline stage boundary)
 
 
-def _first_tensor(value: Any) -> torch.Tensor | None:
+def first_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor in a (nested) tuple/list/dict of forward arguments or outputs."""
     return next((v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)), None)
 
 
@@ -143,7 +144,7 @@ def trace_model(
         if block is not None:
             def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
                 set_region("block")
-                x = _first_tensor((args, kwargs))
+                x = first_tensor((args, kwargs))
                 if x is not None:
                     io["in"] = float(x.numel() * x.element_size())
                     if x.requires_grad:
@@ -151,7 +152,7 @@ def trace_model(
 
             def post_hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
                 set_region("post")
-                y = _first_tensor(out)
+                y = first_tensor(out)
                 if y is not None:
                     io["out"] = float(y.numel() * y.element_size())
                     if y.requires_grad:
@@ -165,7 +166,7 @@ def trace_model(
         out = call_model(model, inputs)
         set_region("loss")
         loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
-        y = _first_tensor(out)
+        y = first_tensor(out)
         if y is not None and y.requires_grad:
             y.register_hook(lambda g: set_region("bwd:post"))
         set_region("bwd:loss")
@@ -182,7 +183,7 @@ def trace_model(
 
 
 def _default_loss(out: Any) -> torch.Tensor:
-    y = _first_tensor(out)
+    y = first_tensor(out)
     if y is None:
         raise ModelFileError("the model's output holds no tensor to train on; define loss_fn(output, inputs)")
     return y.float().mean()

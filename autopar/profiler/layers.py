@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from autopar.graph.build import find_blocks, one_block_model, shard_for_tp, slice_sequence
+from autopar.graph.build import find_blocks, first_tensor as _first_tensor, one_block_model, shard_for_tp, slice_sequence
 from autopar.modelfile import ModelFile, call_model
 from autopar.profiler.memory import LiveBytes
 from autopar.profiler.tables import LayerPoint, LayerTable
@@ -52,22 +52,6 @@ class LayerProfileConfig:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    if isinstance(value, dict):
-        for v in value.values():
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    return None
 
 
 def materialise(model: nn.Module, device: torch.device) -> nn.Module:

@@ -163,14 +163,9 @@ FITTED_KEYS = ("peak_flops", "gemm_max", "gemm_half_dim", "memory_bandwidth_byte
 
 
 def _number(value: Any, where: str) -> float:
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ClusterError(f"{where} must be a number, got {value!r}")
-    return float(value)
+    from autopar.cluster import parse_number  # cluster imports this module: import at call time
+
+    return parse_number(value, where)
 
 
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:
