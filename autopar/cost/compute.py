@@ -134,9 +134,11 @@ def measured_table_warning(graph: "ModelGraph", cluster: Cluster) -> str | None:
 
 
 def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape: Shape,
-                      core_shape: Shape | None = None) -> RegionTime:
+                      core_shape: Shape | None = None, cp: int = 1, cp_kind: str = "") -> RegionTime:
     """``region_time`` of ``graph.regions[region]``, from measured tables when they apply (see the
-    module docstring)."""
+    module docstring). ``cp``/``cp_kind``: the block of a context-parallel rank; a table with
+    points measured for that kind (the executor's cp attention on a loopback) is used as measured,
+    else the plain s/cp points times the roofline ratio."""
     fit = graph.regions[region]
     rt = region_time(fit, cluster, shape, core_shape)
     table = usable_layer_table(graph, cluster)
@@ -144,11 +146,15 @@ def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape:
         return rt
     S = graph.seq_len
     s_tokens = shape.s_ratio * S
-    hit = table.lookup(region, shape.b, s_tokens, int(round(shape.t)))
+    hit = table.lookup(region, shape.b, s_tokens, int(round(shape.t)), cp, cp_kind)
     if hit is None:
         return rt
     ratio_s = hit.s / S
-    ref = region_time(fit, cluster, Shape(b=hit.b, s_ratio=ratio_s, kv_ratio=ratio_s, t=float(hit.tp), sp=1.0))
+    ref_shape = Shape(b=hit.b, s_ratio=ratio_s, kv_ratio=ratio_s * hit.cp, t=float(hit.tp), sp=1.0)
+    ref_core = None
+    if hit.cp > 1 and hit.cp_kind == "ulysses":  # all s queries, heads / (tp cp)
+        ref_core = Shape(b=hit.b, s_ratio=ratio_s * hit.cp, kv_ratio=ratio_s * hit.cp, t=float(hit.tp * hit.cp), sp=1.0)
+    ref = region_time(fit, cluster, ref_shape, ref_core)
     v = hit.values
 
     def scaled(measured: float, ours: float, at_ref: float) -> float:

@@ -35,6 +35,14 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _kind_list(text: str) -> tuple[str, ...]:
+    kinds = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [k for k in kinds if k not in ("ring", "allgather", "ulysses")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown cp kind {bad[0]!r}; one of ring, allgather, ulysses")
+    return kinds
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.py", nargs="?", help="model file whose layers to time (not with --comm)")
     p.add_argument("-o", "--output", metavar="PATH", required=True, help="profile YAML to write or update")
@@ -43,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=_int_list, default=(1, 2), metavar="1,2", help="tensor-parallel degrees to shard the block for")
     p.add_argument("--cp", type=_int_list, default=(1, 2), metavar="1,2",
                    help="context-parallel degrees: the block is also timed at SEQ_LEN / cp tokens")
+    p.add_argument("--cp-kind", type=_kind_list, default=("ring", "allgather", "ulysses"), metavar="ring,allgather,ulysses",
+                   help="cp > 1: also time the block with the executor's cp attention of these kinds (default all)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="training dtype (default fp32 on cpu, bf16 on cuda)")
     p.add_argument("--threads", type=int, metavar="N", help="CPU threads (torch.set_num_threads); default 1 on cpu")
     p.add_argument("--repeats", type=int, default=7, metavar="R", help="timed runs per shape (median; default 7)")
@@ -182,6 +192,7 @@ def _layers_main(args: argparse.Namespace) -> int:
         print(f"autopar profile: replacing the layer table of {old.get('name')} in {out}", file=sys.stderr)
     log = lambda s: print(f"autopar profile: {s}", file=sys.stderr, flush=True)  # noqa: E731
     cfg = LayerProfileConfig(micro_batches=args.micro_batch, tps=args.tp, cps=args.cp, dtype=dtype,
+                             cp_kinds=getattr(args, "cp_kind", LayerProfileConfig.cp_kinds),
                              warmup=args.warmup, repeats=args.repeats)
     helpers = start_load(args.load_ranks - 1, device.type)
     try:

@@ -13,6 +13,15 @@ lengths SEQ_LEN / cp) and tensor-parallel degree ``tp``: the block's Linear laye
 (``edges_replicated``), as autopar's executor keeps them on every tp rank; they are therefore only
 measured at tp = 1.
 
+Context parallelism: for each cp > 1 and each kind of ``cp_kinds``, the block is measured again at
+SEQ_LEN / cp tokens with its attention core replaced by the executor's own
+``ContextParallelAttention`` (cp rank 0) whose collectives return local data (``_loopback``): the
+table then holds what a cp rank computes -- for ring attention cp block steps of s/cp queries
+against s/cp keys with masks and log-sum-exp merges, for all-gather s/cp queries against s keys,
+for Ulysses full-sequence attention on heads/cp -- not ordinary attention over s/cp tokens. The
+transfers themselves are the cost model's (measured collective fits). Points carry ``cp`` and
+``cp_kind``; only the block has them (the edges of a cp rank are the plain s/cp ones).
+
 Memory: ``LiveBytes`` (allocator-level, see autopar.profiler.memory) -- ``saved_bytes`` is what
 a region's forward leaves allocated for backward (for the block: its activations per micro-batch);
 ``peak_bytes`` the peak of live bytes over the whole one-block forward+backward.
@@ -22,13 +31,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
+from autopar.executor.introspect import _find_core  # the executor's own rule for the attention core
 from autopar.graph.build import find_blocks, first_tensor as _first_tensor, one_block_model, shard_for_tp, slice_sequence
 from autopar.modelfile import ModelFile, call_model
 from autopar.profiler.memory import LiveBytes
@@ -44,6 +54,7 @@ class LayerProfileConfig:
     micro_batches: tuple[int, ...] = (1, 2, 4)
     tps: tuple[int, ...] = (1, 2)
     cps: tuple[int, ...] = (1, 2)
+    cp_kinds: tuple[str, ...] = ("ring", "allgather", "ulysses")  # cp > 1: the block as a cp rank runs it
     dtype: str = "fp32"
     warmup: int = 2
     repeats: int = 5
@@ -172,6 +183,7 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
     vocab = None
     autocast = nullcontext() if cfg.dtype == "fp32" else torch.autocast(device.type, dtype=DTYPES[cfg.dtype])
     regions: dict[str, list[LayerPoint]] = {r: [] for r in ("pre", "block", "post", "loss")}
+    cp_runs = [(cp, kind) for cp in cfg.cps if cp > 1 and seq and seq % cp == 0 for kind in cfg.cp_kinds]
     for tp in cfg.tps:
         if tp > 1 and not mf.tp_plan:
             continue
@@ -180,32 +192,104 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
         block = model.get_submodule(blocks_attr)[0]
         for s in seqs:
             for b in cfg.micro_batches:
-                inputs = mf.example_inputs(b, device)
-                if seq and s != seq:
-                    inputs = slice_sequence(inputs, seq, s)
-                inputs = _clamp_tokens(inputs, vocab)
-                samples: dict[str, list[float]] = {}
-                for i in range(cfg.warmup + cfg.repeats):
-                    times, _ = _one_run(model, block, inputs, mf.loss_fn, device, autocast, None)
-                    if i >= cfg.warmup:
-                        for k, v in times.items():
-                            samples.setdefault(k, []).append(v)
-                live = LiveBytes()
-                with live:
-                    _, saved = _one_run(model, block, inputs, mf.loss_fn, device, autocast, live)
-                med = {k: statistics.median(v) for k, v in samples.items()}
+                med, saved, peak = _measure(mf, model, block, _inputs(mf, b, device, seq, s, vocab), device, autocast, cfg)
                 for region in regions:
                     if region != "block" and tp > 1:
                         continue  # edges run whole on every tp rank: the tp = 1 point stands
                     regions[region].append(LayerPoint(
                         b=b, s=s if seq else 1, tp=tp, fwd_s=med[f"{region}.fwd"], bwd_s=med[f"{region}.bwd"],
-                        saved_bytes=float(max(0.0, saved[region])), peak_bytes=float(live.peak_bytes)))
+                        saved_bytes=float(max(0.0, saved[region])), peak_bytes=peak))
                 if log:
                     log(f"b={b} s={s} tp={tp}: block fwd {med['block.fwd'] * 1e3:.2f} ms bwd "
                         f"{med['block.bwd'] * 1e3:.2f} ms, saved {saved['block'] / 2**20:.1f} MiB")
+        core_name = _find_core(block)
+        for cp, kind in cp_runs if core_name else []:
+            s = seq // cp
+            with _cp_core(block, core_name, kind, cp, seq):
+                for b in cfg.micro_batches:
+                    try:
+                        med, saved, peak = _measure(mf, model, block, _inputs(mf, b, device, seq, s, vocab), device,
+                                                    autocast, cfg)
+                    except RuntimeError as exc:  # e.g. ulysses with heads not divisible by cp
+                        if log:
+                            log(f"b={b} s={s} tp={tp} cp={cp} {kind}: not measured ({str(exc).splitlines()[0]})")
+                        break
+                    regions["block"].append(LayerPoint(
+                        b=b, s=s, tp=tp, cp=cp, cp_kind=kind, fwd_s=med["block.fwd"], bwd_s=med["block.bwd"],
+                        saved_bytes=float(max(0.0, saved["block"])), peak_bytes=peak))
+                    if log:
+                        log(f"b={b} s={s} tp={tp} cp={cp} {kind}: block fwd {med['block.fwd'] * 1e3:.2f} ms bwd "
+                            f"{med['block.bwd'] * 1e3:.2f} ms, saved {saved['block'] / 2**20:.1f} MiB")
         del model
     return LayerTable(model_name=mf.name, model_sha256=mf.sha256, dtype=cfg.dtype, seq_len=seq or 1,
                       edges_replicated=True, regions={r: tuple(p) for r, p in regions.items() if p})
+
+
+def _inputs(mf: ModelFile, b: int, device: torch.device, seq: int, s: int, vocab: int | None) -> Any:
+    inputs = mf.example_inputs(b, device)
+    if seq and s != seq:
+        inputs = slice_sequence(inputs, seq, s)
+    return _clamp_tokens(inputs, vocab)
+
+
+def _measure(mf: ModelFile, model: nn.Module, block: nn.Module, inputs: Any, device: torch.device, autocast: Any,
+             cfg: LayerProfileConfig) -> tuple[dict[str, float], dict[str, float], float]:
+    """(median seconds per region/phase, saved bytes per region, peak live bytes) of one shape."""
+    samples: dict[str, list[float]] = {}
+    for i in range(cfg.warmup + cfg.repeats):
+        times, _ = _one_run(model, block, inputs, mf.loss_fn, device, autocast, None)
+        if i >= cfg.warmup:
+            for k, v in times.items():
+                samples.setdefault(k, []).append(v)
+    live = LiveBytes()
+    with live:
+        _, saved = _one_run(model, block, inputs, mf.loss_fn, device, autocast, live)
+    return {k: statistics.median(v) for k, v in samples.items()}, saved, float(live.peak_bytes)
+
+
+@contextmanager
+def _cp_core(block: nn.Module, core_name: str, kind: str, cp: int, seq_len: int) -> Iterator[None]:
+    """``block`` with its attention core replaced by the executor's ``ContextParallelAttention`` of
+    cp rank 0, its collectives on a loopback (``_loopback``): every op the executor's cp rank
+    runs on the block -- ring steps, masks, log-sum-exp merges, the all-gathered K/V, Ulysses's
+    head-sharded attention and re-layouts -- without the transfers (the cost model adds those)."""
+    from autopar.executor.context_parallel import ContextParallelAttention
+
+    parent_name, _, leaf = core_name.rpartition(".")
+    parent = block.get_submodule(parent_name) if parent_name else block
+    original = getattr(parent, leaf)
+    setattr(parent, leaf, ContextParallelAttention(kind, None, cp, 0, seq_len))  # type: ignore[arg-type]
+    try:
+        with _loopback(cp):
+            yield
+    finally:
+        setattr(parent, leaf, original)
+
+
+@contextmanager
+def _loopback(cp: int) -> Iterator[None]:
+    """The executor's cp collectives on one process: a ring shift returns this rank's own block,
+    an all-gather ``cp`` copies of it, an all-to-all its input -- same shapes, same local work."""
+    import torch.distributed._functional_collectives as fc
+
+    import autopar.executor.context_parallel as cpm
+
+    def send_recv(t: torch.Tensor, to: int, frm: int, group: Any) -> torch.Tensor:
+        return t.clone()
+
+    def all_gather(x: torch.Tensor, gather_dim: int = 0, group: Any = None) -> torch.Tensor:
+        return torch.cat([x] * cp, dim=gather_dim)
+
+    def all_to_all(x: torch.Tensor, output_split_sizes: Any = None, input_split_sizes: Any = None,
+                   group: Any = None) -> torch.Tensor:
+        return x.clone()
+
+    saved = cpm._send_recv, fc.all_gather_single_autograd, fc.all_to_all_single_autograd
+    cpm._send_recv, fc.all_gather_single_autograd, fc.all_to_all_single_autograd = send_recv, all_gather, all_to_all
+    try:
+        yield
+    finally:
+        cpm._send_recv, fc.all_gather_single_autograd, fc.all_to_all_single_autograd = saved
 
 
 def median(values: Iterable[float]) -> float:

@@ -6,14 +6,17 @@ key of a cluster profile (docs/profiles.md); every part of it is optional:
     measured:
       device: {name, type, threads, torch, date, host}
       model: {name, sha256, dtype, seq_len, edges_replicated}
-      layers: {pre|block|post|loss: [{b, s, tp, fwd_s, bwd_s, saved_bytes, peak_bytes}, ...]}
+      layers: {pre|block|post|loss: [{b, s, tp, [cp, cp_kind,] fwd_s, bwd_s, saved_bytes, peak_bytes}, ...]}
       gemm: [{m, n, k, flops_per_s}, ...]
       memory_bandwidth: [{bytes, bytes_per_s}, ...]
       fitted: {peak_flops, gemm_max, gemm_half_dim, memory_bandwidth_bytes_per_s, kernel_overhead_s}
       memory_baseline_bytes: <process memory before any model state, per rank>
       comm: {ranks, link, collectives: {all_reduce: {latency_s, bandwidth_bytes_per_s, points: [...]}}}
 
-Interpolation (``LayerTable.lookup``): points of the same tp (exact match; else the nearest tp);
+Interpolation (``LayerTable.lookup``): points of the same context-parallel kind (``cp`` > 1 with a
+``cp_kind``: the block as a cp rank of the executor runs it, e.g. ring attention over s/cp queries
+and all s keys; when the table has none for the asked cp and kind, the plain points, cp = 1) and of
+the same tp (exact match; else the nearest tp);
 inside the measured (b, s) grid, bilinear in (log b, log s) on log values -- exact at measured
 points, monotone between monotone points; outside it, the value at the nearest grid point (the
 caller rescales that by the roofline ratio of the asked shape to the clamped one).
@@ -36,7 +39,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"
 class LayerPoint:
     """One region measured at micro-batch ``b``, ``s`` tokens per sample (local to a CP rank) and
     tensor-parallel degree ``tp``: median forward/backward seconds, bytes kept for backward, and
-    the peak of live bytes during its forward+backward (activations, gradients, temporaries)."""
+    the peak of live bytes during its forward+backward (activations, gradients, temporaries).
+    ``cp`` > 1: measured with the attention core of a ``cp_kind`` context-parallel rank (ring,
+    allgather, ulysses) on a loopback group -- its compute, without the transfers."""
 
     b: int
     s: int
@@ -45,10 +50,14 @@ class LayerPoint:
     bwd_s: float
     saved_bytes: float = 0.0
     peak_bytes: float = 0.0
+    cp: int = 1
+    cp_kind: str = ""
 
     def __post_init__(self) -> None:
-        if self.b < 1 or self.s < 1 or self.tp < 1:
-            raise ClusterError(f"measured layer point b={self.b} s={self.s} tp={self.tp}: all must be >= 1")
+        if self.b < 1 or self.s < 1 or self.tp < 1 or self.cp < 1:
+            raise ClusterError(f"measured layer point b={self.b} s={self.s} tp={self.tp} cp={self.cp}: all must be >= 1")
+        if (self.cp > 1) != bool(self.cp_kind):
+            raise ClusterError(f"measured layer point b={self.b} s={self.s} cp={self.cp}: cp_kind is given exactly when cp > 1")
         if self.fwd_s < 0 or self.bwd_s < 0:
             raise ClusterError(f"measured layer point b={self.b} s={self.s} tp={self.tp}: times must be >= 0")
 
@@ -61,6 +70,8 @@ class Lookup:
     s: float
     tp: int
     values: Mapping[str, float]
+    cp: int = 1  # the cp of the points used: 1 when the table has none for the asked cp and kind
+    cp_kind: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,9 +85,14 @@ class LayerTable:
     edges_replicated: bool  # pre/post measured with the full vocabulary on every tp rank
     regions: Mapping[str, tuple[LayerPoint, ...]] = field(default_factory=dict)
 
-    def lookup(self, region: str, b: float, s: float, tp: int) -> Lookup | None:
-        """The region's measurements at (b, s, tp); see the module docstring. None: no points."""
-        points = self.regions.get(region, ())
+    def lookup(self, region: str, b: float, s: float, tp: int, cp: int = 1, cp_kind: str = "") -> Lookup | None:
+        """The region's measurements at (b, s, tp) for a ``cp_kind`` rank of ``cp``; see the module
+        docstring. None: no points."""
+        every = self.regions.get(region, ())
+        points = [p for p in every if p.cp == cp and p.cp_kind == cp_kind] if cp > 1 else []
+        if not points:
+            cp, cp_kind = 1, ""
+            points = [p for p in every if p.cp == 1]
         if not points:
             return None
         tps = sorted({p.tp for p in points})
@@ -92,7 +108,8 @@ class LayerTable:
         corners = [grid.get(k) for k in ((b0, s0), (b1, s0), (b0, s1), (b1, s1))]
         if any(c is None for c in corners):  # incomplete grid: the nearest point in log distance
             near = min(pts, key=lambda p: (math.log(p.b / cb)) ** 2 + (math.log(p.s / cs)) ** 2)
-            return Lookup(b=near.b, s=near.s, tp=use_tp, values={k: getattr(near, k) for k in LAYER_KEYS})
+            return Lookup(b=near.b, s=near.s, tp=use_tp, values={k: getattr(near, k) for k in LAYER_KEYS}, cp=cp,
+                          cp_kind=cp_kind)
         wb = _weight(b0, b1, cb)
         ws = _weight(s0, s1, cs)
         values = {}
@@ -101,7 +118,7 @@ class LayerTable:
             lo = _mix(v00, v10, wb)
             hi = _mix(v01, v11, wb)
             values[k] = _mix(lo, hi, ws)
-        return Lookup(b=cb, s=cs, tp=use_tp, values=values)
+        return Lookup(b=cb, s=cs, tp=use_tp, values=values, cp=cp, cp_kind=cp_kind)
 
 
 def _bracket(values: list[int], x: float) -> tuple[int, int]:
@@ -201,6 +218,7 @@ def measured_from_dict(data: Any, where: str) -> MeasuredProfile:
                         bwd_s=_number(row["bwd_s"], f"{where}.layers.{region}[{i}].bwd_s"),
                         saved_bytes=_number(row.get("saved_bytes", 0.0), f"{where}.layers.{region}[{i}].saved_bytes"),
                         peak_bytes=_number(row.get("peak_bytes", 0.0), f"{where}.layers.{region}[{i}].peak_bytes"),
+                        cp=int(row.get("cp", 1)), cp_kind=str(row.get("cp_kind", "")),
                     ))
                 except KeyError as exc:
                     raise ClusterError(f"{where}.layers.{region}[{i}]: missing key {exc}") from None
@@ -243,8 +261,9 @@ def layer_table_to_dict(table: LayerTable) -> tuple[dict[str, Any], dict[str, An
     """(model section, layers section) of the YAML."""
     model = {"name": table.model_name, "sha256": table.model_sha256, "dtype": table.dtype,
              "seq_len": table.seq_len, "edges_replicated": table.edges_replicated}
-    layers = {region: [{"b": p.b, "s": p.s, "tp": p.tp, "fwd_s": p.fwd_s, "bwd_s": p.bwd_s,
-                        "saved_bytes": p.saved_bytes, "peak_bytes": p.peak_bytes} for p in pts]
+    layers = {region: [{"b": p.b, "s": p.s, "tp": p.tp, **({"cp": p.cp, "cp_kind": p.cp_kind} if p.cp > 1 else {}),
+                        "fwd_s": p.fwd_s, "bwd_s": p.bwd_s, "saved_bytes": p.saved_bytes, "peak_bytes": p.peak_bytes}
+                       for p in pts]
               for region, pts in table.regions.items()}
     return model, layers
 

@@ -67,11 +67,25 @@ def test_lookup_clamps_outside_the_grid_and_matches_tp_exactly() -> None:
     assert table.lookup("post", 1, 64, 1) is None
 
 
+def test_lookup_takes_cp_points_of_the_asked_kind_else_the_plain_ones() -> None:
+    ring = [LayerPoint(b=b, s=64, tp=1, cp=2, cp_kind="ring", fwd_s=5e-3 * b, bwd_s=9e-3 * b) for b in (1, 2, 4)]
+    table = _table({"block": _grid() + ring})
+    hit = table.lookup("block", 2, 64, 1, 2, "ring")
+    assert (hit.cp, hit.cp_kind, hit.values["fwd_s"]) == (2, "ring", pytest.approx(1e-2))
+    plain = table.lookup("block", 2, 64, 1)  # no cp: the cp points are never used
+    assert plain.cp == 1 and plain.values["fwd_s"] == pytest.approx(2e-3)
+    fallback = table.lookup("block", 2, 64, 1, 2, "ulysses")  # kind not measured: plain s/cp points
+    assert (fallback.cp, fallback.cp_kind) == (1, "") and fallback.values["fwd_s"] == pytest.approx(2e-3)
+    with pytest.raises(ClusterError, match="cp_kind"):
+        LayerPoint(b=1, s=64, tp=1, cp=2, fwd_s=1.0, bwd_s=1.0)
+
+
 # ---------------------------------------------------------------- format
 
 
 def test_measured_section_round_trips_and_rejects_unknown_keys() -> None:
-    table = _table({"block": _grid(), "pre": [LayerPoint(b=1, s=64, tp=1, fwd_s=1e-4, bwd_s=1e-4)]})
+    table = _table({"block": _grid() + [LayerPoint(b=1, s=64, tp=1, cp=2, cp_kind="ring", fwd_s=1e-3, bwd_s=2e-3)],
+                    "pre": [LayerPoint(b=1, s=64, tp=1, fwd_s=1e-4, bwd_s=1e-4)]})
     model, layers = layer_table_to_dict(table)
     data = yaml.safe_load(yaml.safe_dump({"model": model, "layers": layers, "fitted": {"peak_flops": 1e11}}))
     back = measured_from_dict(data, "t")
@@ -109,8 +123,11 @@ def test_layer_profile_schema_and_written_profile_loads(tmp_path) -> None:
     m = data["measured"]
     assert m["model"]["sha256"] == load_model_file(TINY_GPT).sha256 and m["model"]["dtype"] == "fp32"
     assert set(m["layers"]) == {"pre", "block", "post", "loss"}
-    assert {(p["b"], p["s"], p["tp"]) for p in m["layers"]["block"]} == {
-        (b, s, tp) for b in (1, 2) for s in (32, 16) for tp in (1, 2)}
+    plain = [p for p in m["layers"]["block"] if "cp" not in p]
+    assert {(p["b"], p["s"], p["tp"]) for p in plain} == {(b, s, tp) for b in (1, 2) for s in (32, 16) for tp in (1, 2)}
+    # cp 2: the block again at s/cp with the executor's cp attention of each kind (loopback collectives)
+    cp_points = {(p["b"], p["s"], p["tp"], p["cp"], p["cp_kind"]) for p in m["layers"]["block"] if "cp" in p}
+    assert cp_points == {(b, 16, tp, 2, k) for b in (1, 2) for tp in (1, 2) for k in ("ring", "allgather", "ulysses")}
     assert {p["tp"] for p in m["layers"]["pre"]} == {1}  # edges run whole on every tp rank
     for p in m["layers"]["block"]:
         assert p["fwd_s"] > 0 and p["bwd_s"] > 0 and p["saved_bytes"] > 0 and p["peak_bytes"] >= p["saved_bytes"]
@@ -125,13 +142,13 @@ def test_layer_profile_schema_and_written_profile_loads(tmp_path) -> None:
 # ---------------------------------------------------------------- cost model with measured tables
 
 
-def _estimate(tmp_path, profile: dict | None, capsys, model: str = "examples/gpt_small.py") -> dict:
+def _estimate(tmp_path, profile: dict | None, capsys, model: str = "examples/gpt_small.py", cp: int = 1) -> dict:
     from autopar.cli import main
 
     plan = {"version": 1, "model": {"file": model, "num_blocks": 8},
-            "cluster": {"profile": "a100-80g", "num_gpus": 1, "gpus_per_node": 8},
+            "cluster": {"profile": "a100-80g", "num_gpus": cp, "gpus_per_node": 8},
             "training": {"global_batch_size": 4, "micro_batch_size": 2, "seq_len": 128, "dtype": "fp32", "optimizer": "adam"},
-            "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "cp_kind": "ring", "sequence_parallel": False, "zero": 0,
+            "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": cp, "cp_kind": "ring", "sequence_parallel": False, "zero": 0,
                          "recompute": "none", "pp_schedule": "1f1b", "pp_virtual_stages": 1}}
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
     argv = ["estimate", model, str(tmp_path / "plan.yaml"), "--json"]
@@ -165,6 +182,30 @@ def test_estimate_with_profile_uses_measured_times(tmp_path, capsys) -> None:
     fat = _estimate(tmp_path, _measured(sha, 0.1, saved=2e6), capsys)
     # measured saved bytes per block (x micro-batch 2, 8 blocks, one micro-batch in flight)
     assert fat["memory_bytes"]["activations"] - slow["memory_bytes"]["activations"] == pytest.approx(8 * 2e6, rel=1e-6)
+
+
+def test_a_cp_rank_block_is_the_measured_cp_point(tmp_path, capsys) -> None:
+    from autopar.modelfile import load_model_file
+
+    sha = load_model_file("examples/gpt_small.py").sha256
+
+    def with_ring(k: float) -> dict:
+        prof = _measured(sha, 0.1)
+        prof["layers"]["block"] += [{"b": b, "s": 64, "tp": 1, "fwd_s": 0.1 * b, "bwd_s": 0.2 * b, "saved_bytes": 1e6 * b}
+                                    for b in (1, 4)]  # plain s/cp points: what a table without cp points falls back to
+        prof["layers"]["block"] += [{"b": b, "s": 64, "tp": 1, "cp": 2, "cp_kind": "ring", "fwd_s": 0.3 * b * k,
+                                     "bwd_s": 0.5 * b * k, "saved_bytes": 3e6 * b * k} for b in (1, 4)]
+        return _estimate(tmp_path, prof, capsys, cp=2)
+
+    one, two = with_ring(1.0), with_ring(2.0)
+    # micro-batch 2, 2 micro-batches, 8 blocks: the ring points are used as measured (no roofline ratio)
+    assert two["time_breakdown_s"]["compute"] - one["time_breakdown_s"]["compute"] == pytest.approx(2 * 8 * 2 * 0.8, rel=1e-9)
+    assert two["memory_bytes"]["activations"] - one["memory_bytes"]["activations"] == pytest.approx(8 * 2 * 3e6, rel=1e-9)
+    prof = _measured(sha, 0.1)
+    prof["layers"]["block"] += [{"b": b, "s": 64, "tp": 1, "fwd_s": 0.1 * b, "bwd_s": 0.2 * b, "saved_bytes": 1e6 * b}
+                                for b in (1, 4)]
+    plain = _estimate(tmp_path, prof, capsys, cp=2)
+    assert plain["time_breakdown_s"]["compute"] < one["time_breakdown_s"]["compute"]
 
 
 def test_a_table_for_another_model_is_ignored_with_a_warning(tmp_path, capsys) -> None:
