@@ -146,9 +146,9 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     if cfg.zero == 3:
         transient += 3 * block_params * d  # gathered params of this and the prefetched block + unsharded grads
     if cfg.recompute == "full":
-        transient += graph_region_time(graph, "block", cluster, shape, core_shape).saved_bytes
+        transient += graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind).saved_bytes
     elif cfg.recompute == "selective":
-        transient += graph_region_time(graph, "block", cluster, shape, core_shape).core_saved_bytes
+        transient += graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind).core_saved_bytes
     edge_tp = cfg.tp if graph.params["pre"].tp_sharded and not replicated else 1
     tied = graph.tied_params / edge_tp if cfg.pp > 1 else 0.0
     return StageTerms(
@@ -207,7 +207,7 @@ def _tp_backward_exposed(cfg: Config, tp_bwd_s: float, wgrad_window_s: float) ->
     return max(0.0, tp_bwd_s - wgrad_window_s)
 
 
-def _cp_time(graph: ModelGraph, cfg: Config, link, tokens_bytes: float, core_fwd_s: float) -> tuple[float, float]:  # noqa: ANN001
+def _cp_time(graph: ModelGraph, cfg: Config, link, tokens_bytes: float) -> tuple[float, float]:  # noqa: ANN001
     """(forward, backward) exposed context-parallel communication of one block."""
     if cfg.cp == 1:
         return 0.0, 0.0
@@ -216,10 +216,12 @@ def _cp_time(graph: ModelGraph, cfg: Config, link, tokens_bytes: float, core_fwd
     kv_bytes = 2 * tokens_bytes * kv_frac / cfg.tp  # this rank's K and V
     n = cfg.cp
     if cfg.cp_kind == "ring":
+        # autopar's ring (executor/context_parallel.py) shifts K/V with a blocking send/receive
+        # between two block steps: the next step needs the block being received, and the send waits
+        # for the step before it, so nothing overlaps. Forward: cp - 1 shifts of K,V; backward: the
+        # cp - 1 shifts of dK,dV going back (the received K,V were saved, not re-sent).
         step = collective_time_s("p2p", kv_bytes, link)
-        fwd = max(0.0, (n - 1) * step - core_fwd_s * (n - 1) / n)
-        bwd = max(0.0, 2 * (n - 1) * step - 2 * core_fwd_s * (n - 1) / n)  # K,V and dK,dV travel
-        return fwd, bwd
+        return (n - 1) * step, (n - 1) * step
     if cfg.cp_kind == "allgather":
         full = kv_bytes * n
         return collective_time_s("all_gather", full, link), collective_time_s("reduce_scatter", full, link)
@@ -251,18 +253,19 @@ def _zero_exposed(cfg: Config, params: float, fwd_s: float, bwd_s: float, link, 
 
 def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes) -> Part:  # noqa: ANN001
     fit = graph.regions["block"]
-    rt = graph_region_time(graph, "block", cluster, shape, core_shape)
+    rt = graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind)
     tp_f = _tp_time(cluster, cfg, fit.comm, "fwd", shape, tp_link)
     # Weight-gradient GEMMs are half of the backward GEMMs: the window the backward collectives hide in.
     tp_b = _tp_time(cluster, cfg, fit.comm, "bwd", shape, tp_link)
     if cluster.async_tp_backward:
         tp_b = _tp_backward_exposed(cfg, tp_b, rt.bwd_gemm_s / 2)
-    cp_f, cp_b = _cp_time(graph, cfg, cp_link, tokens_bytes, rt.core_fwd_s)
+    cp_f, cp_b = _cp_time(graph, cfg, cp_link, tokens_bytes)
     fwd = rt.fwd_s + tp_f + cp_f
     if cfg.recompute == "full":
         recompute, act = fwd, tokens_bytes / (cfg.tp if cfg.sequence_parallel else 1)
     elif cfg.recompute == "selective":
-        recompute, act = rt.core_fwd_s, rt.saved_bytes - rt.core_saved_bytes
+        # The checkpointed core is the whole cp attention: its recompute re-runs the cp transfers too.
+        recompute, act = rt.core_fwd_s + cp_f, rt.saved_bytes - rt.core_saved_bytes
     else:
         recompute, act = 0.0, rt.saved_bytes
     params = graph.params["block"].per_rank(cfg.tp)
