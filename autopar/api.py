@@ -17,13 +17,12 @@ search, the executor) happen inside the functions, so ``import autopar`` stays c
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autopar.errors import AutoparError, InfeasibleError
-from autopar.plan import DTYPE_BYTES, Plan, load_plan
+from autopar.errors import AutoparError
+from autopar.plan import Plan, load_plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster import Cluster
@@ -102,43 +101,20 @@ def plan(model: ModelLike, gpus: int, cluster: str = "a100-80g", *, gpus_per_nod
     ``prediction``; raises ``InfeasibleError`` when nothing fits.
     """
     from autopar.cluster import load_cluster
-    from autopar.graph import build_graph
-    from autopar.report import gib
-    from autopar.search.cli_plan import default_global_batch
-    from autopar.search.result import candidate_plan
-    from autopar.search.search import search
-    from autopar.search.space import SearchSpace
+    from autopar.search.driver import search_plans
 
     unknown = sorted(set(knobs) - set(_SPACE_KNOBS))
     if unknown:
         raise AutoparError(f"unknown search knob {unknown[0]!r}; allowed: {', '.join(_SPACE_KNOBS)}")
-    if dtype not in DTYPE_BYTES:
-        raise AutoparError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     knobs = {k: (tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in knobs.items()}
     if isinstance(micro_batch, int):
         micro_batch = (micro_batch,)
     prof = load_cluster(cluster)
-    gpn = gpus_per_node or prof.gpus_per_node
-    if gpus_per_node and gpus_per_node != prof.gpus_per_node:
-        prof = dataclasses.replace(prof, gpus_per_node=gpus_per_node)
-    mf = load_model(model)
-    seq = seq_len or mf.seq_len or 1
-    graph = build_graph(mf, seq_len=seq_len, dtype=dtype)
-    try:
-        space = SearchSpace(num_gpus=gpus, gpus_per_node=min(gpn, gpus),
-                            global_batch=global_batch or default_global_batch(gpus, seq), seq_len=seq,
-                            micro_batches=tuple(sorted(set(micro_batch))), dtype_bytes=DTYPE_BYTES[dtype],
-                            optimizer=optimizer, **knobs)
-    except (TypeError, ValueError) as exc:
-        raise AutoparError(f"invalid search settings: {exc}") from None
-    result = search(graph, prof, space, top_k=1)
-    if not result.top:
-        raise InfeasibleError(
-            f"no plan fits {gib(prof.memory_bytes)} GiB per GPU on {gpus} GPUs: the smallest plan needs "
-            f"{gib(result.min_memory_bytes)} GiB; use more GPUs, a larger-memory cluster or a shorter sequence"
-        )
-    name = prof.name if not Path(cluster).suffix else cluster
-    return candidate_plan(result.top[0], mf, name, gpn, dtype=dtype)
+    found = search_plans(load_model(model), gpus=gpus, cluster=prof,
+                         cluster_ref=prof.name if not Path(cluster).suffix else cluster,
+                         gpus_per_node=gpus_per_node, global_batch=global_batch, micro_batches=micro_batch,
+                         seq_len=seq_len, dtype=dtype, optimizer=optimizer, top_k=1, knobs=knobs)
+    return found.plans[0]
 
 
 def estimate(model: ModelLike | None, plan: PlanLike, cluster: "str | Cluster | None" = None) -> "Estimate":

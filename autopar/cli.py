@@ -1,7 +1,7 @@
 """autopar's command line: the only module that reads argv and prints.
 
-Exit codes: 0 success; 2 bad input (a one-line ``autopar: error: ...`` on stderr, nothing written);
-3 no plan fits the device memory; 4 a rank died or a collective hung during ``autopar run``
+Exit codes: 0 success; 2 bad input, including a request no plan can meet ("no plan fits ...": a
+one-line ``autopar: error: ...`` on stderr, nothing written); 4 a rank died or a collective hung during ``autopar run``
 (autopar.executor.faults); 1 an internal error (a bug: please report it).
 """
 
@@ -16,7 +16,7 @@ from typing import Sequence
 from autopar import __version__
 from autopar.errors import AutoparError
 
-EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_RANK_FAILED = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_RANK_FAILED = 0, 1, 2, 4
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,7 +77,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: built-in commands plus every command module present."""
     parser = _Parser(prog="autopar", description="Plan and run hybrid-parallel PyTorch training.",
-                     epilog="exit codes: 0 ok, 2 bad input, 3 no plan fits memory, 4 a rank died or hung, "
+                     epilog="exit codes: 0 ok, 2 bad input or no plan fits memory, 4 a rank died or hung, "
                             "1 internal error")
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

@@ -31,6 +31,6 @@ class ClusterError(AutoparError):
 
 
 class InfeasibleError(AutoparError):
-    """No plan fits the device memory (or no legal plan exists). Exit code 3."""
-
-    exit_code = 3
+    """No plan fits the device memory (or no legal plan exists). Like every input the user can
+    change (more GPUs, a larger-memory GPU, a shorter sequence), it exits with code 2; the message
+    starts "no plan fits" so scripts can tell it apart."""

@@ -21,7 +21,7 @@ from autopar.cluster import load_cluster  # noqa: E402
 from autopar.graph import build_graph  # noqa: E402
 from autopar.models.llama import LlamaConfig, model_file  # noqa: E402
 from autopar.report import gib, table  # noqa: E402
-from autopar.search.cli_plan import default_global_batch  # noqa: E402
+from autopar.search.driver import default_global_batch  # noqa: E402
 from autopar.search.search import search  # noqa: E402
 from autopar.search.space import SearchSpace  # noqa: E402
 
