@@ -25,6 +25,9 @@ class ModelSpec:
     ``core_name``: block-relative name of the attention core, a parameter-free submodule computing
     causal softmax attention from (q, k, v) of shape (b, heads, s, d) (None: no CP, no selective
     recompute). ``accepts_positions``: ``forward`` takes ``positions=`` (needed by CP).
+    ``vocab_embedding`` / ``vocab_head``: dotted names (from the root, outside the blocks) of the
+    token embedding (an nn.Embedding) and the output head (an nn.Linear whose out_features is the
+    embedding's vocabulary), which tensor parallelism shards by vocabulary; None when not found.
     """
 
     blocks_path: str
@@ -34,6 +37,8 @@ class ModelSpec:
     num_heads: int | None
     num_kv_heads: int | None
     accepts_positions: bool
+    vocab_embedding: str | None = None
+    vocab_head: str | None = None
 
 
 def get_submodule(root: nn.Module, path: str) -> nn.Module:
@@ -97,6 +102,36 @@ def _heads(model: nn.Module) -> tuple[int | None, int | None]:
     return heads, kv
 
 
+def _vocab_edges(model: nn.Module, blocks_path: str) -> tuple[str | None, str | None]:
+    """The token embedding and the output head: Hugging Face's ``get_input_embeddings`` /
+    ``get_output_embeddings`` when the model has them, else the nn.Embedding outside the blocks whose
+    vocabulary an nn.Linear outside the blocks projects to (that Linear is the head; the largest such
+    embedding wins), else the largest nn.Embedding alone (GPT's position embedding is smaller)."""
+    inside = blocks_path + "."
+    outside = [(n, m) for n, m in model.named_modules() if n and n != blocks_path and not n.startswith(inside)]
+    names = {id(m): n for n, m in outside}
+    emb = head = None
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if callable(get_in):
+        try:
+            e, h = get_in(), get_out() if callable(get_out) else None
+        except (NotImplementedError, AttributeError):
+            e = h = None
+        emb = names.get(id(e)) if isinstance(e, nn.Embedding) else None
+        head = names.get(id(h)) if isinstance(h, nn.Linear) else None
+        if emb is not None and head is not None and h.out_features != e.num_embeddings:
+            head = None
+        if emb is not None:
+            return emb, head
+    embeddings = sorted(((m.num_embeddings, n) for n, m in outside if isinstance(m, nn.Embedding)), reverse=True)
+    linears = [(n, m) for n, m in outside if isinstance(m, nn.Linear)]
+    for vocab, e_name in embeddings:
+        heads = [n for n, m in linears if m.out_features == vocab]
+        if heads:
+            return e_name, heads[-1]
+    return (embeddings[0][1] if embeddings else None), None
+
+
 def inspect_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     """Read the ModelSpec of ``model`` (built on meta from ``mf``)."""
     where = str(mf.path)
@@ -116,6 +151,7 @@ def inspect_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
             if not isinstance(sub, nn.Linear):
                 raise ModelFileError(f"{where}: tp_plan[{name!r}] must name an nn.Linear, got {type(sub).__name__}")
     heads, kv = _heads(model)
+    vocab = _vocab_edges(model, blocks_path)
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -128,6 +164,8 @@ def inspect_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         num_heads=heads,
         num_kv_heads=kv,
         accepts_positions="positions" in params,
+        vocab_embedding=vocab[0],
+        vocab_head=vocab[1],
     )
 
 
