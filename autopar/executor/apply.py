@@ -32,7 +32,7 @@ from autopar.executor.data_parallel import DataParallelResult, apply_data_parall
 from autopar.executor.introspect import ModelSpec
 from autopar.executor.mesh import ParallelMesh
 from autopar.executor.recompute import apply_recompute
-from autopar.executor.tensor_parallel import apply_tp, fused_row_permutations
+from autopar.executor.tensor_parallel import apply_tp, fused_row_permutations, keep_grad_placements
 from autopar.modelfile import ModelFile
 from autopar.plan import Plan
 
@@ -170,7 +170,9 @@ def build_executable(
     for part in parts:
         if par.tp > 1:
             sub_spec = spec if not prefix else _prefixed(spec, prefix)
-            apply_tp(part, sub_spec, mesh.tp, sequence_parallel=par.sequence_parallel)
+            for note in apply_tp(part, sub_spec, mesh.tp, sequence_parallel=par.sequence_parallel):
+                if note not in notes:
+                    notes.append(note)
         if par.cp > 1:
             assert spec.core_name is not None
             apply_cp(part, prefix + spec.blocks_path, spec.core_name, kind=par.cp_kind, group=mesh.cp_group,
@@ -197,6 +199,8 @@ def build_executable(
         permutations=perms, chunk_ids=chunk_ids, notes=notes, canonical_names=canonical,
     )
     params = list(exe.named_parameters().values())
+    if par.tp > 1:  # embedding gradients come back Replicate; keep them vocab-sharded (tensor_parallel.py)
+        keep_grad_placements([p for w in wrapped if w.kind in ("none", "ddp") for p in w.module.parameters()])
     exe.optimizer = build_optimizer(params, plan.training.optimizer, lr, any(w.sharded_optimizer for w in wrapped), dp_mesh)
     if par.pp > 1:
         assert loss_fn is not None, "the pipeline's last stage computes the loss"
@@ -213,7 +217,13 @@ def build_executable(
 def _prefixed(spec: ModelSpec, prefix: str) -> ModelSpec:
     import dataclasses
 
-    return dataclasses.replace(spec, blocks_path=prefix + spec.blocks_path) if prefix else spec
+    if not prefix:
+        return spec
+    return dataclasses.replace(
+        spec, blocks_path=prefix + spec.blocks_path,
+        vocab_embedding=None if spec.vocab_embedding is None else prefix + spec.vocab_embedding,
+        vocab_head=None if spec.vocab_head is None else prefix + spec.vocab_head,
+    )
 
 
 def full_parameters(exe: Executable, *, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -23,6 +23,8 @@ epilogue are modules returning tensors, and ``example_inputs`` returns one tenso
 Tied parameters across stages (GPT's embedding = output head): the first and last stage both hold
 the weight; their gradients are summed across those pp ranks after backward (Megatron's
 embedding-group all-reduce), so the two copies receive identical Adam updates and stay equal.
+Under tp > 1 both copies are sharded by vocabulary (Shard(0), tensor_parallel.py), so a tp rank's
+embedding shard and head shard cover the same rows and their local gradients are summed.
 """
 
 from __future__ import annotations

@@ -1,9 +1,33 @@
 """Tensor parallelism (Megatron) with DTensor ``parallelize_module``, plus Megatron sequence parallelism.
 
 Contract: ``apply_tp(part, spec, tp_mesh, sp, first_block, last_block)`` parallelises every block of
-``part`` (blocks found at ``spec.blocks_path``) in place, from the block-relative ``spec.tp_plan``.
-The embedding and output head stay replicated inside the tp group (their gradients are then equal on
-every tp rank, so no extra reduction is needed).
+``part`` (blocks found at ``spec.blocks_path``) in place, from the block-relative ``spec.tp_plan``,
+and shards the token embedding and the output head by vocabulary (Megatron's vocab-parallel
+embedding and head, as torchtitan does it):
+
+* embedding (``spec.vocab_embedding``) -> ``RowwiseParallel(input_layouts=Replicate(),
+  output_layouts=Replicate())``: weight Shard(0), each rank looks up the ids in its vocabulary range
+  (zeros elsewhere) and the output is all-reduced. With SP the first block's pre-hook then keeps the
+  rank's sequence shard (the model's own code may add position embeddings in between, so the
+  embedding cannot reduce-scatter straight into the sequence shard);
+* head (``spec.vocab_head``) -> ``ColwiseParallel(input_layouts=Replicate(),
+  output_layouts=Replicate())``: weight Shard(0), each rank computes its vocabulary slice of the
+  logits, which are all-gathered, so the model file's ``loss_fn`` runs unchanged on full logits
+  (no loss_parallel); the input gradient is all-reduced in backward. With SP the last block's
+  post-hook has already gathered the sequence;
+* a tied embedding/head weight (GPT) is Shard(0) for both, so the one DTensor parameter serves
+  both: the head keeps the embedding's sharded parameter (``_SharedColwise`` does not distribute an
+  already-distributed parameter again). On pipeline stages the first stage holds it as the
+  embedding and the last as the head, the same shard per tp rank, so summing the local gradients
+  over those pp ranks (pipeline_parallel.sync_tied_grads) stays correct.
+* a vocabulary not divisible by tp keeps the edges replicated (a note says so).
+* DTensor has no vocab-sharded strategy for the embedding's backward: with a replicated output
+  gradient it computes the weight's gradient Replicate (full vocabulary on every rank). Left so, the
+  gradient of a Shard(0) parameter is full-size (memory) and its local tensor is not the shard
+  (pipeline_parallel.sync_tied_grads would all-reduce mismatched tensors). ``keep_grad_placements``
+  hooks re-shard such a gradient as soon as it is accumulated (Replicate -> Shard(0) is a local
+  slice, no communication). FSDP2 / replicate parts need no hook: they reduce into the parameter's
+  own layout.
 
 * colwise -> ``ColwiseParallel`` (weight Shard(0)); rowwise -> ``RowwiseParallel`` (weight Shard(1),
   output all-reduced, or reduce-scattered over the sequence with SP).
@@ -25,7 +49,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -34,6 +58,75 @@ from torch.distributed.tensor.parallel import (
 )
 
 from autopar.executor.introspect import ModelSpec
+
+
+class _SharedColwise(ColwiseParallel):
+    """ColwiseParallel that leaves a parameter already distributed as Shard(0) on the same mesh as
+    it is (the tied embedding weight): the same Parameter object, so the tie survives and no second
+    copy or second sharding is made."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):  # noqa: ANN001 - torch's signature
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                if param.device_mesh != device_mesh or tuple(param.placements) != (Shard(0),):
+                    raise ValueError(f"tied head parameter {pname} is distributed as {param.placements}, not Shard(0)")
+                continue
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad))
+
+
+def _find(part: nn.Module, name: str | None, kind: type) -> nn.Module | None:
+    """The submodule ``name`` of ``part`` if it is still a ``kind`` here (a pipeline chunk replaces
+    the edges it does not run by stubs)."""
+    if name is None:
+        return None
+    try:
+        mod = part.get_submodule(name)
+    except AttributeError:
+        return None
+    return mod if isinstance(mod, kind) else None
+
+
+def shard_vocab_edges(part: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> list[str]:
+    """Shard this part's token embedding and output head by vocabulary (see module docstring).
+    Returns notes for the run log."""
+    emb = _find(part, spec.vocab_embedding, nn.Embedding)
+    head = _find(part, spec.vocab_head, nn.Linear)
+    if emb is None and head is None:
+        return []
+    tp = tp_mesh.size()
+    vocab = emb.num_embeddings if emb is not None else head.out_features
+    if vocab % tp:
+        return [f"vocabulary {vocab} is not divisible by tp = {tp}: embedding and output head kept replicated"]
+    tied = emb is not None and head is not None and head.weight is emb.weight
+    if emb is not None:
+        parallelize_module(emb, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if head is not None:
+        if tied:
+            head.weight = emb.weight  # the embedding's DTensor parameter; _SharedColwise keeps it
+        parallelize_module(head, tp_mesh, _SharedColwise(input_layouts=Replicate(), output_layouts=Replicate()))
+        if tied:
+            assert head.weight is emb.weight
+    return []
+
+
+def _align_grad(p: torch.Tensor) -> None:
+    g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+        p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def keep_grad_placements(params: list[torch.Tensor]) -> int:
+    """Make every DTensor parameter's accumulated gradient take the parameter's placements (see the
+    module docstring); returns how many hooks were installed. Call on the final parameters
+    (materialise replaces the meta ones)."""
+    n = 0
+    for p in params:
+        if isinstance(p, DTensor) and p.requires_grad:
+            p.register_post_accumulate_grad_hook(_align_grad)
+            n += 1
+    return n
 
 
 def _parent(name: str) -> str:
@@ -127,10 +220,12 @@ def apply_tp(
     tp_mesh: DeviceMesh,
     *,
     sequence_parallel: bool,
-) -> None:
-    """Parallelise the blocks of ``part`` in place. Block keys are their global indices (pipeline
-    chunks keep the original keys), which is how the first and last block are recognised for SP."""
+) -> list[str]:
+    """Parallelise the blocks of ``part`` in place and shard its vocabulary edges; returns notes.
+    Block keys are their global indices (pipeline chunks keep the original keys), which is how the
+    first and last block are recognised for SP."""
     assert spec.tp_plan, "preflight guarantees a tp_plan when tp > 1"
+    notes = shard_vocab_edges(part, spec, tp_mesh)
     blocks = part.get_submodule(spec.blocks_path)
     for key, block in blocks.named_children():
         if not key.isdigit():
@@ -155,3 +250,4 @@ def apply_tp(
                 block.register_forward_pre_hook(_split_sequence_pre_hook(tp_mesh), with_kwargs=True)
             if idx == spec.num_blocks - 1:
                 block.register_forward_hook(_gather_sequence_post_hook(tp_mesh))
+    return notes
