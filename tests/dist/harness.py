@@ -89,24 +89,47 @@ def _run_case(case: Case, out_dir: Path) -> None:
         if step == 0:
             first_grads.update(full_parameters(exe, grads=True))
 
+    vocab_sharded = tp_vocab_sharded(exe)
     result = train(exe, mf, steps=STEPS, seed=SEED, on_grads=grab)
     params = full_parameters(exe)
     c = mesh.coords
-    mine = (params, first_grads) if (c.dp, c.cp, c.tp) == (0, 0, 0) else None
+    mine = (params, first_grads, vocab_sharded) if (c.dp, c.cp, c.tp) == (0, 0, 0) else None
     everything: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everything, mine)
     if dist.get_rank() == 0:
         merged: dict[str, torch.Tensor] = {}
         grads: dict[str, torch.Tensor] = {}
+        sharded: set[str] = set()
         for d in everything:
             if d:
                 merged.update(d[0])
                 grads.update(d[1])
+                sharded.update(d[2])
         torch.save(
-            {"losses": list(result.losses), "params": merged, "grads": grads, "notes": list(result.notes)},
+            {"losses": list(result.losses), "params": merged, "grads": grads, "notes": list(result.notes),
+             "vocab_sharded": sorted(sharded)},
             out_dir / f"{case.name}.pt",
         )
     dist.barrier()
+
+
+def tp_vocab_sharded(exe) -> list[str]:
+    """Names (full-model, tied aliases included) of this rank's parameters of the token embedding
+    and output head that are sharded by vocabulary (dim 0) over the tp mesh dimension."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from autopar.executor.apply import original_name
+
+    spec, out = exe.spec, []
+    edges = {f"{m}.weight" for m in (spec.vocab_embedding, spec.vocab_head) if m}
+    for part in exe.parts:
+        for name, p in part.named_parameters(remove_duplicate=False):
+            if original_name(name) not in edges or not isinstance(p, DTensor):
+                continue
+            dims = p.device_mesh.mesh_dim_names or ()
+            if "tp" in dims and p.placements[dims.index("tp")] == Shard(0):
+                out.append(original_name(name))
+    return out
 
 
 def _worker(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:

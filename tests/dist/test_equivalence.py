@@ -73,6 +73,9 @@ def _check(world: int, case: Case) -> None:
     for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
         assert a == pytest.approx(b, rel=1e-4), f"step {step}: loss {a} vs reference {b}"
     assert set(got["params"]) == set(ref_params), "parameter names differ from the single-process model"
+    if case.parallel.get("tp", 1) > 1:
+        # Megatron's vocab-parallel embedding and head, as the cost model assumes (tensor_parallel.py)
+        assert got["vocab_sharded"] == ["output.weight", "tok_embeddings.weight"], got["vocab_sharded"]
     # Gradients of step 1 are the sharp check: Adam is invariant to a constant gradient scale, so a
     # wrong 1/dp, 1/cp or 1/micro-batch factor would not show in the parameters.
     for name, ref in ref_grads.items():
