@@ -193,6 +193,7 @@ def _layers_main(args: argparse.Namespace) -> int:
     log = lambda s: print(f"autopar profile: {s}", file=sys.stderr, flush=True)  # noqa: E731
     cfg = LayerProfileConfig(micro_batches=args.micro_batch, tps=args.tp, cps=args.cp, dtype=dtype,
                              cp_kinds=getattr(args, "cp_kind", LayerProfileConfig.cp_kinds),
+                             ranks_per_machine=args.load_ranks,
                              warmup=args.warmup, repeats=args.repeats)
     helpers = start_load(args.load_ranks - 1, device.type)
     try:
