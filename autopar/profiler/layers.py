@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from autopar.executor.introspect import _find_core  # the executor's own rule for the attention core
 from autopar.graph.build import find_blocks, first_tensor as _first_tensor, one_block_model, shard_for_tp, slice_sequence
@@ -97,15 +98,11 @@ def _with_sharded_block(small: nn.Module, blocks_attr: str, tp_plan: dict[str, s
 
 
 def _clamp_tokens(inputs: Any, high: int | None) -> Any:
+    """Integer inputs (token ids) wrapped into [0, high): a smaller vocabulary must not be overrun."""
     if high is None:
         return inputs
-    if isinstance(inputs, torch.Tensor):
-        return inputs.remainder(high) if not inputs.is_floating_point() and inputs.dtype != torch.bool else inputs
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_clamp_tokens(v, high) for v in inputs)
-    if isinstance(inputs, dict):
-        return {k: _clamp_tokens(v, high) for k, v in inputs.items()}
-    return inputs
+    return tree_map(lambda v: v.remainder(high) if isinstance(v, torch.Tensor) and not v.is_floating_point()
+                    and v.dtype != torch.bool else v, inputs)
 
 
 _CPU_SHARE = [1.0]  # ranks / cores on CPU when > 1 (then CPU time x share), else wall time; set by profile_layers
