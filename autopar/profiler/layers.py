@@ -9,9 +9,9 @@ After ``warmup`` runs, the median over ``repeats`` runs is recorded per region a
 
 Shapes: micro-batch ``b``, tokens per sample ``s`` (the model's SEQ_LEN and the CP-sharded
 lengths SEQ_LEN / cp) and tensor-parallel degree ``tp``: the block's Linear layers sharded with
-``shard_for_tp`` as one tp rank holds them. The embedding and output head are measured whole
-(``edges_replicated``), as autopar's executor keeps them on every tp rank; they are therefore only
-measured at tp = 1.
+``shard_for_tp`` as one tp rank holds them. The embedding and output head are measured whole, at
+tp = 1 only (``edges_replicated``). The executor now shards them by vocabulary over tp, so for
+tp > 1 this table prices them as replicated; measuring them sharded at each tp is still to do.
 
 Context parallelism: for each cp > 1 and each kind of ``cp_kinds``, the block is measured again at
 SEQ_LEN / cp tokens with its attention core replaced by the executor's own
