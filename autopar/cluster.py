@@ -8,6 +8,7 @@ field is a ``ClusterError`` naming the field and the file.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -17,7 +18,10 @@ import yaml
 from autopar.errors import ClusterError
 from autopar.profiler.tables import MeasuredProfile, measured_from_dict
 
-SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+# The shipped profiles: the repository's profiles/ (editable install, source checkout), or the copy
+# a regular install puts under <prefix>/share/autopar/profiles (pyproject data-files).
+_REPO_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+SHIPPED_PROFILES = _REPO_PROFILES if _REPO_PROFILES.is_dir() else Path(sys.prefix) / "share" / "autopar" / "profiles"
 
 
 @dataclass(frozen=True, kw_only=True)
