@@ -22,17 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autopar.cliargs import int_list
 from autopar.errors import AutoparError
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _kind_list(text: str) -> tuple[str, ...]:
@@ -47,9 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.py", nargs="?", help="model file whose layers to time (not with --comm)")
     p.add_argument("-o", "--output", metavar="PATH", required=True, help="profile YAML to write or update")
     p.add_argument("--device", choices=("cpu", "cuda"), help="device to measure (default: cuda if available)")
-    p.add_argument("--micro-batch", type=_int_list, default=(1, 2, 4), metavar="1,2,4", help="micro-batch sizes")
-    p.add_argument("--tp", type=_int_list, default=(1, 2), metavar="1,2", help="tensor-parallel degrees to shard the block for")
-    p.add_argument("--cp", type=_int_list, default=(1, 2), metavar="1,2",
+    p.add_argument("--micro-batch", type=int_list, default=(1, 2, 4), metavar="1,2,4", help="micro-batch sizes")
+    p.add_argument("--tp", type=int_list, default=(1, 2), metavar="1,2", help="tensor-parallel degrees to shard the block for")
+    p.add_argument("--cp", type=int_list, default=(1, 2), metavar="1,2",
                    help="context-parallel degrees: the block is also timed at SEQ_LEN / cp tokens")
     p.add_argument("--cp-kind", type=_kind_list, default=("ring", "allgather", "ulysses"), metavar="ring,allgather,ulysses",
                    help="cp > 1: also time the block with the executor's cp attention of these kinds (default all)")

@@ -6,46 +6,27 @@ import argparse
 import sys
 from pathlib import Path
 
+from autopar.cliargs import int_list, positive_int
 from autopar.errors import AutoparError
 from autopar.plan import DTYPES, OPTIMIZERS
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.py", help="model file (see the model-file contract in README)")
-    p.add_argument("--gpus", type=_positive, required=True, metavar="N", help="number of GPUs to plan for")
-    p.add_argument("--gpus-per-node", type=_positive, metavar="G", help="GPUs per node (default: the profile's)")
+    p.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="number of GPUs to plan for")
+    p.add_argument("--gpus-per-node", type=positive_int, metavar="G", help="GPUs per node (default: the profile's)")
     p.add_argument("--cluster", metavar="NAME|PATH",
                    help="cluster profile (default a100-80g, or --profile when it is a full profile; see 'autopar profiles')")
     p.add_argument("--profile", metavar="PATH",
                    help="measured profile (autopar profile): layered over --cluster, or the cluster itself when full")
-    p.add_argument("--global-batch", type=_positive, metavar="B",
+    p.add_argument("--global-batch", type=positive_int, metavar="B",
                    help="sequences per optimizer step (default: the multiple of N nearest 4M tokens)")
-    p.add_argument("--micro-batch", type=_int_list, default=(1, 2, 4, 8), metavar="1,2,4,8",
+    p.add_argument("--micro-batch", type=int_list, default=(1, 2, 4, 8), metavar="1,2,4,8",
                    help="micro-batch sizes to consider (default 1,2,4,8)")
-    p.add_argument("--seq-len", type=_positive, metavar="S", help="tokens per sample (default: the model file's SEQ_LEN)")
+    p.add_argument("--seq-len", type=positive_int, metavar="S", help="tokens per sample (default: the model file's SEQ_LEN)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="optimizer (default adam)")
-    p.add_argument("--top", type=_positive, default=5, metavar="K", help="how many plans to rank (default 5)")
+    p.add_argument("--top", type=positive_int, default=5, metavar="K", help="how many plans to rank (default 5)")
     p.add_argument("-o", "--output", metavar="PLAN.yaml",
                    help="where to write the best plan (default plans/<model>-<N>gpu.yaml)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
