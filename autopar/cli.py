@@ -16,7 +16,7 @@ from typing import Sequence
 from autopar import __version__
 from autopar.errors import AutoparError
 
-EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_RANK_FAILED = 0, 1, 2, 4
+EXIT_OK, EXIT_USAGE = 0, 2  # 1 is Python's own for an uncaught error; 4 is the executor's (faults.py)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -106,7 +106,6 @@ class TracedRun:
     trace: Trace
     param_regions: dict[int, set[str]]  # id(parameter) -> regions whose modules used it
     block_input_bytes: float  # bytes of the tensor entering the first block (what full recompute keeps)
-    block_output_bytes: float  # bytes of the tensor leaving it (a pipeline stage boundary)
 
 
 def first_tensor(value: Any) -> torch.Tensor | None:
@@ -124,7 +123,7 @@ def trace_model(
 ) -> TracedRun:
     """One forward+backward of ``model`` on meta, attributed to pre / block / post / loss."""
     handles = []
-    io: dict[str, float] = {"in": 0.0, "out": 0.0}
+    io: dict[str, float] = {"in": 0.0}
     current = {"region": "pre"}
     param_regions: dict[int, set[str]] = {}
 
@@ -153,10 +152,8 @@ def trace_model(
             def post_hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
                 set_region("post")
                 y = first_tensor(out)
-                if y is not None:
-                    io["out"] = float(y.numel() * y.element_size())
-                    if y.requires_grad:
-                        y.register_hook(lambda g: set_region("bwd:block"))
+                if y is not None and y.requires_grad:
+                    y.register_hook(lambda g: set_region("bwd:block"))
 
             handles.append(block.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
             handles.append(block.register_forward_hook(post_hook, with_kwargs=True))
@@ -179,7 +176,7 @@ def trace_model(
         for h in handles:
             h.remove()
     return TracedRun(trace=trace, param_regions=param_regions,
-                     block_input_bytes=io["in"], block_output_bytes=io["out"])
+                     block_input_bytes=io["in"])
 
 
 def _default_loss(out: Any) -> torch.Tensor:

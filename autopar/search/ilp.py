@@ -140,17 +140,10 @@ class SplitILP:
             self.model.Add(self.Z >= const + coeff * self.N[r])
 
     def _add_memory_constraints(self) -> None:
-        t = self.terms
-        sigma = t.state_bytes_per_param
-        for r in self.ranks:
-            inflight = t.inflight(r)
-            per_block = math.ceil(sigma * t.block.params + inflight * t.block.act_bytes)
-            fixed = sigma * self._fixed_params(r) + t.transient_bytes + t.reserve_bytes
-            if r == 0:
-                fixed += inflight * t.pre.act_bytes
-            if r == self.last_rank:
-                fixed += inflight * t.post.act_bytes
-            self.model.Add(per_block * self.N[r] <= math.floor(t.capacity_bytes - fixed))
+        """sigma P_r + I_r (alpha N_r + a_r) + other <= capacity, solved for the integer N_r once
+        (``rank_block_capacity``), so the ILP and the search's pre-check read one rule."""
+        for r, cap in enumerate(rank_block_capacity(self.terms)):
+            self.model.Add(self.N[r] <= cap)
 
     def _set_objective(self) -> None:
         m, v = self.cfg.num_microbatches, self.cfg.virtual_stages

@@ -135,7 +135,7 @@ def search(
             # no schedule of this stage can.
             frugal = branch.schedules[0] if ("1f1b", 1) not in branch.schedules else ("1f1b", 1)
             terms0 = build_terms(graph, cluster, branch.config(*frugal, zero))
-            if branch.pp > 1 and not _fits_somehow(terms0, graph.num_blocks):
+            if branch.pp > 1 and not _fits_somehow(rank_block_capacity(terms0), frugal[1], graph.num_blocks):
                 rejected["memory: no stage split fits"] += len(branch.schedules)
                 continue
             for schedule, v in branch.schedules:
@@ -198,10 +198,10 @@ def _balanced_lb(terms: StageTerms, num_blocks: int) -> float:
 _PRUNED = "pruned"  # _solve's answer when a memory-aware bound shows the config cannot make the top K
 
 
-def _fits_somehow(terms: StageTerms, num_blocks: int) -> bool:
-    """Whether some split fits memory: each rank can hold its v chunks and all ranks hold L."""
-    caps = rank_block_capacity(terms)
-    return min(caps) >= terms.config.virtual_stages and sum(caps) >= num_blocks
+def _fits_somehow(caps: list[int], virtual_stages: int, num_blocks: int) -> bool:
+    """Whether some split fits memory, given each rank's block capacity (``rank_block_capacity``):
+    each rank can hold its v chunks and all ranks together hold L."""
+    return min(caps) >= virtual_stages and sum(caps) >= num_blocks
 
 
 def _capped_lb(terms: StageTerms, caps: list[int], num_blocks: int) -> float:
@@ -247,9 +247,9 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
             return None
         return Candidate(config=cfg, chunk_blocks=(graph.num_blocks,), estimate=est, ilp_status="DIRECT",
                          ilp_objective_s=est.step_time_s, ilp_bound_s=est.step_time_s)
-    if not _fits_somehow(terms, graph.num_blocks):
-        return None
     caps = rank_block_capacity(terms)
+    if not _fits_somehow(caps, cfg.virtual_stages, graph.num_blocks):
+        return None
     if threshold_s < math.inf and _capped_lb(terms, caps, graph.num_blocks) >= threshold_s:
         return _PRUNED
     sol = solve_split(terms, graph.num_blocks, time_limit_s)
