@@ -166,5 +166,9 @@ def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape:
     f_ratio = fwd / rt.fwd_s if rt.fwd_s > 0 else 1.0
     b_ratio = bwd / rt.bwd_s if rt.bwd_s > 0 else 1.0
     s_ratio = saved / rt.saved_bytes if rt.saved_bytes > 0 else 1.0
-    return replace(rt, fwd_s=fwd, bwd_s=bwd, core_fwd_s=rt.core_fwd_s * f_ratio, bwd_gemm_s=rt.bwd_gemm_s * b_ratio,
+    # The core's own measured forward when the table has it (what selective recompute re-runs);
+    # else the roofline's share of the measured block forward.
+    core = (scaled(v["core_fwd_s"], rt.core_fwd_s, ref.core_fwd_s) if "core_fwd_s" in v and rt.core_fwd_s > 0
+            else rt.core_fwd_s * f_ratio)
+    return replace(rt, fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=rt.bwd_gemm_s * b_ratio,
                    saved_bytes=saved, core_saved_bytes=rt.core_saved_bytes * s_ratio)

@@ -5,7 +5,9 @@ stands for all), materialised on the device with freshly initialised weights and
 backward. Region boundaries are the same as the meta trace's (autopar.graph.build.trace_model):
 module hooks on the block in forward, gradient hooks on the block's input/output and on the
 model output in backward; each boundary reads a clock (after ``torch.cuda.synchronize`` on GPU).
-After ``warmup`` runs, the median over ``repeats`` runs is recorded per region and phase.
+After ``warmup`` runs, the median over ``repeats`` runs is recorded per region and phase, and
+for the block the forward of its attention core alone (``core_fwd_s``, hooks on the module the
+executor's selective recompute checkpoints): the recompute cost, measured rather than apportioned.
 
 Shapes: micro-batch ``b``, tokens per sample ``s`` (the model's SEQ_LEN and the CP-sharded
 lengths SEQ_LEN / cp) and tensor-parallel degree ``tp``: the block's Linear layers sharded with
@@ -126,7 +128,8 @@ class _Clock:
 
 def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable | None, device: torch.device,
              autocast: Any, live: LiveBytes | None) -> tuple[dict[str, float], dict[str, float]]:
-    """One forward+backward; (seconds per region/phase, saved bytes per region)."""
+    """One forward+backward; (seconds per region/phase, saved bytes per region). With an attention
+    core in ``block`` (the executor's rule), also ``block.core_fwd``: the core's forward alone."""
     clock = _Clock(device)
     saved: dict[str, float] = {}
     at: dict[str, float] = {}
@@ -150,6 +153,11 @@ def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable 
 
     handles = [block.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True),
                block.register_forward_hook(post_hook, with_kwargs=True)]
+    core_name = _find_core(block)
+    if core_name is not None:  # looked up per run: under cp the core is the executor's cp attention
+        core = block.get_submodule(core_name)
+        handles += [core.register_forward_pre_hook(lambda mod, args: note("core_in"), prepend=True),
+                    core.register_forward_hook(lambda mod, args, out: note("core_out"))]
     try:
         note("start")
         with autocast:
@@ -172,6 +180,8 @@ def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable 
         "loss.bwd": m["bwd_loss_end"] - m["loss_end"], "post.bwd": m["bwd_post_end"] - m["bwd_loss_end"],
         "block.bwd": m["bwd_block_end"] - m["bwd_post_end"], "pre.bwd": m["end"] - m["bwd_block_end"],
     }
+    if "core_out" in m:
+        times["block.core_fwd"] = m["core_out"] - m["core_in"]
     if live is not None:
         saved = {"pre": at["block_in"] - at["start"], "block": at["block_out"] - at["block_in"],
                  "post": at["loss_start"] - at["block_out"], "loss": at["loss_end"] - at["loss_start"]}
@@ -211,7 +221,8 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
                         continue  # edges run whole on every tp rank: the tp = 1 point stands
                     regions[region].append(LayerPoint(
                         b=b, s=s if seq else 1, tp=tp, fwd_s=med[f"{region}.fwd"], bwd_s=med[f"{region}.bwd"],
-                        saved_bytes=float(max(0.0, saved[region])), peak_bytes=peak))
+                        saved_bytes=float(max(0.0, saved[region])), peak_bytes=peak,
+                        core_fwd_s=med.get("block.core_fwd") if region == "block" else None))
                 if log:
                     log(f"b={b} s={s} tp={tp}: block fwd {med['block.fwd'] * 1e3:.2f} ms bwd "
                         f"{med['block.bwd'] * 1e3:.2f} ms, saved {saved['block'] / 2**20:.1f} MiB")
@@ -229,7 +240,8 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
                         break
                     regions["block"].append(LayerPoint(
                         b=b, s=s, tp=tp, cp=cp, cp_kind=kind, fwd_s=med["block.fwd"], bwd_s=med["block.bwd"],
-                        saved_bytes=float(max(0.0, saved["block"])), peak_bytes=peak))
+                        saved_bytes=float(max(0.0, saved["block"])), peak_bytes=peak,
+                        core_fwd_s=med.get("block.core_fwd")))
                     if log:
                         log(f"b={b} s={s} tp={tp} cp={cp} {kind}: block fwd {med['block.fwd'] * 1e3:.2f} ms bwd "
                             f"{med['block.bwd'] * 1e3:.2f} ms, saved {saved['block'] / 2**20:.1f} MiB")

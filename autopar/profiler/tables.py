@@ -6,7 +6,8 @@ key of a cluster profile (docs/profiles.md); every part of it is optional:
     measured:
       device: {name, type, threads, torch, date, host}
       model: {name, sha256, dtype, seq_len, edges_replicated}
-      layers: {pre|block|post|loss: [{b, s, tp, [cp, cp_kind,] fwd_s, bwd_s, saved_bytes, peak_bytes}, ...]}
+      layers: {pre|block|post|loss: [{b, s, tp, [cp, cp_kind,] fwd_s, bwd_s, saved_bytes, peak_bytes,
+                                      [core_fwd_s]}, ...]}
       gemm: [{m, n, k, flops_per_s}, ...]
       memory_bandwidth: [{bytes, bytes_per_s}, ...]
       fitted: {peak_flops, gemm_max, gemm_half_dim, memory_bandwidth_bytes_per_s, kernel_overhead_s}
@@ -32,6 +33,7 @@ from autopar.errors import ClusterError
 
 REGIONS = ("pre", "block", "post", "loss")
 LAYER_KEYS = ("fwd_s", "bwd_s", "saved_bytes", "peak_bytes")
+OPTIONAL_LAYER_KEYS = ("core_fwd_s",)  # interpolated only where every point used has it
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
@@ -40,6 +42,8 @@ class LayerPoint:
     """One region measured at micro-batch ``b``, ``s`` tokens per sample (local to a CP rank) and
     tensor-parallel degree ``tp``: median forward/backward seconds, bytes kept for backward, and
     the peak of live bytes during its forward+backward (activations, gradients, temporaries).
+    ``core_fwd_s`` (block only; None in tables made before it was measured): the forward seconds of
+    the attention core alone -- what selective recompute re-runs in backward.
     ``cp`` > 1: measured with the attention core of a ``cp_kind`` context-parallel rank (ring,
     allgather, ulysses) on a loopback group -- its compute, without the transfers."""
 
@@ -52,8 +56,11 @@ class LayerPoint:
     peak_bytes: float = 0.0
     cp: int = 1
     cp_kind: str = ""
+    core_fwd_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.core_fwd_s is not None and self.core_fwd_s < 0:
+            raise ClusterError(f"measured layer point b={self.b} s={self.s} tp={self.tp}: core_fwd_s must be >= 0")
         if self.b < 1 or self.s < 1 or self.tp < 1 or self.cp < 1:
             raise ClusterError(f"measured layer point b={self.b} s={self.s} tp={self.tp} cp={self.cp}: all must be >= 1")
         if (self.cp > 1) != bool(self.cp_kind):
@@ -108,12 +115,15 @@ class LayerTable:
         corners = [grid.get(k) for k in ((b0, s0), (b1, s0), (b0, s1), (b1, s1))]
         if any(c is None for c in corners):  # incomplete grid: the nearest point in log distance
             near = min(pts, key=lambda p: (math.log(p.b / cb)) ** 2 + (math.log(p.s / cs)) ** 2)
-            return Lookup(b=near.b, s=near.s, tp=use_tp, values={k: getattr(near, k) for k in LAYER_KEYS}, cp=cp,
-                          cp_kind=cp_kind)
+            values = {k: getattr(near, k) for k in LAYER_KEYS}
+            values.update({k: getattr(near, k) for k in OPTIONAL_LAYER_KEYS if getattr(near, k) is not None})
+            return Lookup(b=near.b, s=near.s, tp=use_tp, values=values, cp=cp, cp_kind=cp_kind)
         wb = _weight(b0, b1, cb)
         ws = _weight(s0, s1, cs)
         values = {}
-        for k in LAYER_KEYS:
+        for k in LAYER_KEYS + OPTIONAL_LAYER_KEYS:
+            if any(getattr(c, k) is None for c in corners):
+                continue
             v00, v10, v01, v11 = (getattr(c, k) for c in corners)
             lo = _mix(v00, v10, wb)
             hi = _mix(v01, v11, wb)
@@ -219,6 +229,8 @@ def measured_from_dict(data: Any, where: str) -> MeasuredProfile:
                         saved_bytes=_number(row.get("saved_bytes", 0.0), f"{where}.layers.{region}[{i}].saved_bytes"),
                         peak_bytes=_number(row.get("peak_bytes", 0.0), f"{where}.layers.{region}[{i}].peak_bytes"),
                         cp=int(row.get("cp", 1)), cp_kind=str(row.get("cp_kind", "")),
+                        core_fwd_s=None if row.get("core_fwd_s") is None else
+                        _number(row["core_fwd_s"], f"{where}.layers.{region}[{i}].core_fwd_s"),
                     ))
                 except KeyError as exc:
                     raise ClusterError(f"{where}.layers.{region}[{i}]: missing key {exc}") from None
@@ -262,7 +274,8 @@ def layer_table_to_dict(table: LayerTable) -> tuple[dict[str, Any], dict[str, An
     model = {"name": table.model_name, "sha256": table.model_sha256, "dtype": table.dtype,
              "seq_len": table.seq_len, "edges_replicated": table.edges_replicated}
     layers = {region: [{"b": p.b, "s": p.s, "tp": p.tp, **({"cp": p.cp, "cp_kind": p.cp_kind} if p.cp > 1 else {}),
-                        "fwd_s": p.fwd_s, "bwd_s": p.bwd_s, "saved_bytes": p.saved_bytes, "peak_bytes": p.peak_bytes}
+                        "fwd_s": p.fwd_s, "bwd_s": p.bwd_s, "saved_bytes": p.saved_bytes, "peak_bytes": p.peak_bytes,
+                        **({"core_fwd_s": p.core_fwd_s} if p.core_fwd_s is not None else {})}
                        for p in pts]
               for region, pts in table.regions.items()}
     return model, layers

@@ -149,7 +149,11 @@ def _worker(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -
 
 def spawn_cases(world: int, cases: list[Case]) -> dict[str, Any]:
     """Run ``cases`` on ``world`` gloo ranks; returns {case name: result dict or error string}."""
-    out_dir = tempfile.mkdtemp(prefix=f"autopar-dist{world}-")
+    with tempfile.TemporaryDirectory(prefix=f"autopar-dist{world}-") as out_dir:
+        return _spawn_cases_in(world, cases, out_dir)
+
+
+def _spawn_cases_in(world: int, cases: list[Case], out_dir: str) -> dict[str, Any]:
     error = None
     todo = list(cases)
     for _attempt in range(2):

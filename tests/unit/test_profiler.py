@@ -84,7 +84,8 @@ def test_lookup_takes_cp_points_of_the_asked_kind_else_the_plain_ones() -> None:
 
 
 def test_measured_section_round_trips_and_rejects_unknown_keys() -> None:
-    table = _table({"block": _grid() + [LayerPoint(b=1, s=64, tp=1, cp=2, cp_kind="ring", fwd_s=1e-3, bwd_s=2e-3)],
+    table = _table({"block": _grid() + [LayerPoint(b=1, s=64, tp=1, cp=2, cp_kind="ring", fwd_s=1e-3, bwd_s=2e-3,
+                                                   core_fwd_s=4e-4)],
                     "pre": [LayerPoint(b=1, s=64, tp=1, fwd_s=1e-4, bwd_s=1e-4)]})
     model, layers = layer_table_to_dict(table)
     data = yaml.safe_load(yaml.safe_dump({"model": model, "layers": layers, "fitted": {"peak_flops": 1e11}}))
@@ -131,6 +132,8 @@ def test_layer_profile_schema_and_written_profile_loads(tmp_path) -> None:
     assert {p["tp"] for p in m["layers"]["pre"]} == {1}  # edges run whole on every tp rank
     for p in m["layers"]["block"]:
         assert p["fwd_s"] > 0 and p["bwd_s"] > 0 and p["saved_bytes"] > 0 and p["peak_bytes"] >= p["saved_bytes"]
+        assert 0 < p["core_fwd_s"] < p["fwd_s"]  # the attention core (cp attention under cp) timed on its own
+    assert all("core_fwd_s" not in p for r in ("pre", "post", "loss") for p in m["layers"][r])
     for key in ("name", "type", "threads", "torch", "date"):
         assert key in m["device"]
     cluster = load_cluster(str(out))  # a new profile is a full cluster profile
@@ -142,14 +145,15 @@ def test_layer_profile_schema_and_written_profile_loads(tmp_path) -> None:
 # ---------------------------------------------------------------- cost model with measured tables
 
 
-def _estimate(tmp_path, profile: dict | None, capsys, model: str = "examples/gpt_small.py", cp: int = 1) -> dict:
+def _estimate(tmp_path, profile: dict | None, capsys, model: str = "examples/gpt_small.py", cp: int = 1,
+              recompute: str = "none") -> dict:
     from autopar.cli import main
 
     plan = {"version": 1, "model": {"file": model, "num_blocks": 8},
             "cluster": {"profile": "a100-80g", "num_gpus": cp, "gpus_per_node": 8},
             "training": {"global_batch_size": 4, "micro_batch_size": 2, "seq_len": 128, "dtype": "fp32", "optimizer": "adam"},
             "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": cp, "cp_kind": "ring", "sequence_parallel": False, "zero": 0,
-                         "recompute": "none", "pp_schedule": "1f1b", "pp_virtual_stages": 1}}
+                         "recompute": recompute, "pp_schedule": "1f1b", "pp_virtual_stages": 1}}
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
     argv = ["estimate", model, str(tmp_path / "plan.yaml"), "--json"]
     if profile is not None:
@@ -206,6 +210,26 @@ def test_a_cp_rank_block_is_the_measured_cp_point(tmp_path, capsys) -> None:
                                 for b in (1, 4)]
     plain = _estimate(tmp_path, prof, capsys, cp=2)
     assert plain["time_breakdown_s"]["compute"] < one["time_breakdown_s"]["compute"]
+
+
+def test_selective_recompute_costs_the_measured_core_forward(tmp_path, capsys) -> None:
+    from autopar.modelfile import load_model_file
+
+    sha = load_model_file("examples/gpt_small.py").sha256
+
+    def selective(core_s: float | None) -> dict:
+        prof = _measured(sha, 0.1)
+        if core_s is not None:
+            for p in prof["layers"]["block"]:
+                p["core_fwd_s"] = core_s * p["b"]
+        return _estimate(tmp_path, prof, capsys, recompute="selective")
+
+    old, small, big = selective(None), selective(0.01), selective(0.05)
+    # micro-batch 2, 2 micro-batches, 8 blocks: the recompute is the measured core forward, as measured
+    assert small["time_breakdown_s"]["recompute"] == pytest.approx(2 * 8 * 0.01 * 2, rel=1e-6)
+    assert big["time_breakdown_s"]["recompute"] == pytest.approx(2 * 8 * 0.05 * 2, rel=1e-6)
+    # a table without core times (made before they were measured) apportions the block by the roofline
+    assert 0 < old["time_breakdown_s"]["recompute"] < 2 * 8 * 0.1 * 2
 
 
 def test_a_table_for_another_model_is_ignored_with_a_warning(tmp_path, capsys) -> None:
