@@ -50,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, metavar="W", help="untimed runs first (default 3)")
     p.add_argument("--no-kernels", action="store_true", help="skip the GEMM and memory-bandwidth sweeps")
     p.add_argument("--load-ranks", type=int, default=1, metavar="N",
-                   help="measure as one of N ranks sharing this machine: N-1 busy helper processes run alongside "
-                        "(CPU runs with more ranks than cores; default 1)")
+                   help="measure as one of N ranks sharing this machine: N-1 helper processes train the same "
+                        "block alongside (CPU runs with more ranks than cores; default 1)")
     p.add_argument("--comm", action="store_true", help="profile collectives on the torchrun ranks instead of layers")
     p.add_argument("--nproc-per-node", type=int, metavar="N", help="with --comm: launch N ranks with torchrun")
     p.add_argument("--gpus-per-node", type=int, metavar="G", help="network.gpus_per_node of a new profile (default: ranks)")
@@ -115,8 +115,27 @@ def _derived_spec(data: dict[str, Any], name: str, info: dict[str, Any], measure
         data["efficiency"] = {"gemm_max": f.get("gemm_max", 1.0), "gemm_half_dim": f.get("gemm_half_dim", 16.0),
                               "attention": 0.5, "memory": f.get("memory_efficiency", 1.0),
                               "kernel_overhead_s": f.get("kernel_overhead_s", 5e-6)}
-    if "software" not in data and info.get("type") == "cpu":
-        data["software"] = {"overlap_grad_reduce": True}
+    if info.get("type") == "cpu" and data["gpu"].get("name") == info.get("name"):
+        _cpu_overlap(data, info, measured)
+
+
+def _cpu_overlap(data: dict[str, Any], info: dict[str, Any], measured: dict[str, Any]) -> None:
+    """Whether communication can hide behind compute on this CPU machine. A collective runs on
+    gloo's own threads; it is free only while a core is idle. With as many single-threaded ranks as
+    cores or more (the comm profile's ranks, or ``--load-ranks``), no core is idle: the gradient
+    all-reduce and the ZeRO collectives cost their whole time (``overlap_grad_reduce: false``,
+    ``overlap_cost_fraction: 1``). Measured: the ranks' gloo threads used ~20 ms of CPU per step
+    for a 26 MB all-reduce at 4 ranks on 2 cores, all of it added to the step."""
+    comm = measured.get("comm") or {}
+    ranks = max(int(comm.get("ranks", 0)) if comm.get("link", "intra_node") == "intra_node" else 0,
+                int(info.get("load_ranks", 1)))
+    busy = ranks >= (os.cpu_count() or 1)
+    data.setdefault("software", {})["overlap_grad_reduce"] = not busy
+    eff = data.setdefault("efficiency", {})
+    if busy:
+        eff["overlap_cost_fraction"] = 1.0
+    else:
+        eff.pop("overlap_cost_fraction", None)
 
 
 def _device_memory_bytes(info: dict[str, Any]) -> float:
@@ -161,6 +180,7 @@ def _layers_main(args: argparse.Namespace) -> int:
     from autopar.modelfile import load_model_file
     from autopar.profiler.kernels import profile_kernels
     from autopar.profiler.layers import LayerProfileConfig, profile_layers
+    from autopar.profiler.load import start_load, stop_load
     from autopar.profiler.tables import layer_table_to_dict
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -186,7 +206,7 @@ def _layers_main(args: argparse.Namespace) -> int:
                              cp_kinds=getattr(args, "cp_kind", LayerProfileConfig.cp_kinds),
                              ranks_per_machine=args.load_ranks,
                              warmup=args.warmup, repeats=args.repeats)
-    helpers = start_load(args.load_ranks - 1, device.type)
+    helpers = start_load(args.load_ranks - 1, device.type, args.model, max(args.micro_batch))
     try:
         table = profile_layers(mf, device, cfg, log=log)
         kernels = None if args.no_kernels else profile_kernels(device, dtype)
@@ -206,28 +226,6 @@ def _layers_main(args: argparse.Namespace) -> int:
     print(f"profile written to {out} ({sum(len(v) for v in measured['layers'].values())} layer points, "
           f"device {info['name']}, {info['threads']} thread(s))")
     return 0
-
-
-_BUSY = ("import torch\ntorch.set_num_threads(1)\nx = torch.randn(4, 128, 256)\nw = torch.randn(256, 1024)\n"
-         "while True:\n    torch.nn.functional.gelu(x @ w).sum()\n")
-
-
-def start_load(n: int, device_type: str) -> list[subprocess.Popen]:
-    """``n`` single-threaded busy processes (CPU only): the other ranks a run would have."""
-    if n <= 0 or device_type != "cpu":
-        return []
-    return [subprocess.Popen([sys.executable, "-c", _BUSY], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for _ in range(n)]
-
-
-def stop_load(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def relaunch_comm(args: argparse.Namespace) -> int:
