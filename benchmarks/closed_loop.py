@@ -1,6 +1,6 @@
 """Closed loop on this machine: profile -> plan -> run -> compare (issue 5 acceptance).
 
-    python benchmarks/closed_loop.py [--ranks 2,4] [--top 3] [--reuse-profiles] [--steps 6]
+    python benchmarks/closed_loop.py [--ranks 2,4] [--top 3] [--rounds 3] [--reuse-profiles] [--steps 6]
 
 For each rank count N:
 1. profile: ``autopar profile --comm --nproc-per-node N`` (collectives on N gloo ranks, and the
@@ -8,7 +8,11 @@ For each rank count N:
    --load-ranks N`` (per-region layer tables measured while N-1 other single-threaded processes
    compete for the cores, as the N ranks of a run do) into profiles/cpu-local-N.yaml;
 2. plan: the search over that profile (fp32, global batch 16, micro-batch 1,2,4,8), top 3;
-3. run: ``autopar validate`` of each plan on N ranks (gloo, 1 thread per rank);
+3. run: ``autopar validate`` of each plan on N ranks (gloo, 1 thread per rank), ``--rounds``
+   times, the plans interleaved (1, 2, 3, 1, 2, 3, ...) so that a slow spell of the shared machine
+   falls on every plan alike; the measured step time and peak memory of a plan are the medians over
+   its rounds (each round's own figure is the median of its steps after the first), and the spread
+   over rounds is printed;
 4. print predicted vs measured step time and peak memory, and whether the measured best plan is
    the predicted best (or within 5 % of it).
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,6 +106,7 @@ def main() -> int:
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3, help="validations of each plan, interleaved (median taken)")
     ap.add_argument("--micro-batch", default="1,2,4,8")
     ap.add_argument("--reuse-profiles", action="store_true", help="use existing profiles/cpu-local-N.yaml")
     args = ap.parse_args()
@@ -116,19 +122,39 @@ def main() -> int:
                 print(f"\nprofiling {n} ranks -> {path.relative_to(ROOT)} ...", flush=True)
                 profile(n, path, args.micro_batch)
             plans = plan_top(n, path, args.top, Path(tmp), mbs)
-            print(f"\n{n} ranks: top {len(plans)} plans by prediction (load average {os.getloadavg()[0]:.1f})")
-            print(f"  {'#':>2} {'plan':34s} {'pred s':>8s} {'meas s':>8s} {'err':>7s}   {'pred MiB':>9s} {'meas MiB':>9s} {'err':>7s}")
+            print(f"\n{n} ranks: top {len(plans)} plans by prediction, {args.rounds} round(s) each, interleaved "
+                  f"(load average {os.getloadavg()[0]:.1f})", flush=True)
+            runs: dict[int, list[dict]] = {i: [] for i in range(len(plans))}
+            failed: dict[int, str] = {}
+            for _ in range(args.rounds):
+                for i, plan in enumerate(plans):
+                    if i in failed:
+                        continue
+                    rep = validate(plan, n, path, args.steps)
+                    if "error" in rep:
+                        failed[i] = rep["error"][0]
+                    else:
+                        runs[i].append(rep)
+            print(f"  {'#':>2} {'plan':34s} {'pred s':>8s} {'meas s':>8s} {'spread':>13s} {'err':>7s}   "
+                  f"{'pred MiB':>9s} {'meas MiB':>9s} {'err':>7s}")
             rows = []
             for i, plan in enumerate(plans):
-                rep = validate(plan, n, path, args.steps)
-                if "error" in rep:
-                    print(f"  {i + 1:>2} {plan.name}: run failed: {rep['error'][0]}")
+                if i in failed or not runs[i]:
+                    print(f"  {i + 1:>2} {plan.name}: run failed: {failed.get(i, 'no result')}")
                     ok = False
                     continue
-                st, mem = rep["step_time_s"], rep["peak_memory_bytes"]
-                rows.append((i, st["measured"], st["error_pct"], mem["error_pct"]))
-                print(f"  {i + 1:>2} {describe(rep):34s} {st['predicted']:8.3f} {st['measured']:8.3f} {st['error_pct']:+6.1f}%"
-                      f"   {mem['predicted'] / 2**20:9.1f} {mem['measured'] / 2**20:9.1f} {mem['error_pct']:+6.1f}%", flush=True)
+                reps = runs[i]
+                pred_s = reps[0]["step_time_s"]["predicted"]
+                pred_b = reps[0]["peak_memory_bytes"]["predicted"]
+                steps_s = [r["step_time_s"]["measured"] for r in reps]
+                meas_s = statistics.median(steps_s)
+                meas_b = statistics.median(r["peak_memory_bytes"]["measured"] for r in reps)
+                err_s = 100.0 * (meas_s - pred_s) / pred_s  # as autopar validate: (measured - predicted) / predicted
+                err_b = 100.0 * (meas_b - pred_b) / pred_b
+                rows.append((i, meas_s, err_s, err_b))
+                spread = f"{min(steps_s):.3f}-{max(steps_s):.3f}"
+                print(f"  {i + 1:>2} {describe(reps[0]):34s} {pred_s:8.3f} {meas_s:8.3f} {spread:>13s} {err_s:+6.1f}%"
+                      f"   {pred_b / 2**20:9.1f} {meas_b / 2**20:9.1f} {err_b:+6.1f}%", flush=True)
             if not rows:
                 continue
             best_meas = min(rows, key=lambda r: r[1])
