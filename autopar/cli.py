@@ -39,6 +39,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from autopar.plan import load_plan
     from autopar.report import estimate_report
 
+    if args.model and args.model.endswith((".yaml", ".yml")) and args.plan.endswith(".py"):
+        # PLAN.yaml MODEL.py, the order of run / validate / explain: take it as meant
+        args.model, args.plan = args.plan, args.model
     plan = load_plan(args.plan)
     cluster = load_cluster_and_profile(args.cluster, args.profile, plan.cluster.profile)
     if args.cluster is None and args.profile is None and plan.cluster.gpus_per_node != cluster.gpus_per_node:
@@ -84,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = sub.add_parser("estimate", help="predict step time, MFU and memory of a plan",
-                       description="Predict the step time, tokens/s, MFU and per-GPU memory of PLAN for MODEL.")
+                       description="Predict the step time, tokens/s, MFU and per-GPU memory of PLAN for MODEL. "
+                                   "PLAN.yaml MODEL.py (the order of run, validate and explain) is accepted too.")
     p.add_argument("model", metavar="MODEL.py", nargs="?", help="model file (default: the plan's model.file)")
     p.add_argument("plan", metavar="PLAN.yaml", help="plan file (YAML v1)")
     p.add_argument("--cluster", metavar="NAME|PATH", help="cluster profile (default: the plan's cluster.profile)")

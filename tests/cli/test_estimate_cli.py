@@ -63,6 +63,12 @@ def test_model_defaults_to_the_plans_model_file(run_cli, json_run) -> None:
     assert json.loads(res.stdout)["step_time_s"] == json.loads(json_run.stdout)["step_time_s"]
 
 
+def test_plan_then_model_order_is_accepted(run_cli, json_run) -> None:
+    res = run_cli("estimate", EXAMPLE[1], EXAMPLE[0], "--json")  # the order of run / validate / explain
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["step_time_s"] == json.loads(json_run.stdout)["step_time_s"]
+
+
 def test_cluster_option_changes_the_hardware(run_cli, json_run, repo: Path) -> None:
     res = run_cli("estimate", *EXAMPLE, "--cluster", "h100-80g", "--json")
     assert res.returncode == 0, res.stderr
