@@ -10,11 +10,21 @@ embedding and head, as torchtitan does it):
   (zeros elsewhere) and the output is all-reduced. With SP the first block's pre-hook then keeps the
   rank's sequence shard (the model's own code may add position embeddings in between, so the
   embedding cannot reduce-scatter straight into the sequence shard);
-* head (``spec.vocab_head``) -> ``ColwiseParallel(input_layouts=Replicate(),
-  output_layouts=Replicate())``: weight Shard(0), each rank computes its vocabulary slice of the
-  logits, which are all-gathered, so the model file's ``loss_fn`` runs unchanged on full logits
-  (no loss_parallel); the input gradient is all-reduced in backward. With SP the last block's
-  post-hook has already gathered the sequence;
+* head (``spec.vocab_head``) -> ``ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+  use_local_output=False)``: weight Shard(0), each rank computes its vocabulary slice of the logits
+  and the model returns them as a DTensor sharded on the vocabulary (torchtitan's loss-parallel
+  head). The loss runs vocab-parallel under DTensor's ``loss_parallel()`` (``VocabParallelLoss``,
+  entered by the training loop around forward and backward): the model file's ``loss_fn`` gets the
+  sharded DTensor, and ``F.cross_entropy`` on it all-reduces per token only the max, the sum of
+  exponentials and the target logit -- three all-reduces of b·s values instead of all-gathering
+  b·s·V logits, and no full-vocabulary logits in memory (Megatron's vocab-parallel cross-entropy).
+  The input gradient of the head is all-reduced in backward. With SP the last block's post-hook
+  has already gathered the sequence. Any other op the loss_fn applies to the DTensor keeps
+  full-logits semantics (DTensor redistributes as the op needs), so a loss_fn that runs on it gives
+  the same loss; one that cannot run on a DTensor at all (it mixes the logits with a plain tensor,
+  or uses an op without a sharding rule) makes ``VocabParallelLoss`` fall back, at its first call,
+  to all-gathered full logits and a full-vocabulary loss on every rank, with a run note (the cost
+  model prices the vocab-parallel loss; the fallback's gather is not in the estimate);
 * a tied embedding/head weight (GPT) is Shard(0) for both, so the one DTensor parameter serves
   both: the head keeps the embedding's sharded parameter (``_SharedColwise`` does not distribute an
   already-distributed parameter again). On pipeline stages the first stage holds it as the
@@ -44,7 +54,8 @@ embedding and head, as torchtitan does it):
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -54,8 +65,10 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
+from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.executor.introspect import ModelSpec
 
@@ -105,10 +118,62 @@ def shard_vocab_edges(part: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> 
     if head is not None:
         if tied:
             head.weight = emb.weight  # the embedding's DTensor parameter; _SharedColwise keeps it
-        parallelize_module(head, tp_mesh, _SharedColwise(input_layouts=Replicate(), output_layouts=Replicate()))
+        # Logits stay sharded on the vocabulary: the loss runs under loss_parallel (VocabParallelLoss).
+        parallelize_module(head, tp_mesh, _SharedColwise(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                         use_local_output=False))
         if tied:
             assert head.weight is emb.weight
     return []
+
+
+def _holds_dtensor(value: Any) -> bool:
+    return any(isinstance(v, DTensor) for v in tree_flatten(value)[0])
+
+
+def _full(value: Any) -> Any:
+    """Every DTensor in ``value`` as its full (all-gathered, differentiable) local tensor."""
+    return tree_map(lambda v: v.full_tensor() if isinstance(v, DTensor) else v, value)
+
+
+class VocabParallelLoss:
+    """The model file's ``loss_fn`` on vocabulary-sharded logits (see the module docstring).
+
+    Call it inside ``loss_context(True)``, which must also cover the backward. Returns a plain
+    tensor: the loss DTensor (replicated over tp by loss_parallel) as its full value. An output
+    without DTensors (edges kept replicated) goes to ``loss_fn`` unchanged. The first call that
+    gets a DTensor decides: if ``loss_fn`` raises on it, this and every later call all-gather the
+    logits first (the pre-loss_parallel behaviour) and ``note`` says so.
+    """
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self.vocab_parallel: bool | None = None  # None: not decided yet
+        self.note: str | None = None
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        if not _holds_dtensor(output):
+            return self.loss_fn(output, target)
+        if self.vocab_parallel is None:
+            try:
+                loss = _full(self.loss_fn(output, target))
+            except Exception as exc:  # noqa: BLE001 - any failure on a DTensor means: gather instead
+                self.vocab_parallel = False
+                self.note = (f"loss_fn does not run on vocab-sharded logits ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}); logits are all-gathered "
+                             "and the full-vocabulary loss runs on every tp rank (the estimate assumes "
+                             "a vocab-parallel loss)")
+            else:
+                self.vocab_parallel = True
+                return loss
+        if self.vocab_parallel:
+            return _full(self.loss_fn(output, target))
+        return self.loss_fn(_full(output), target)
+
+
+def loss_context(tp: int) -> AbstractContextManager:
+    """``loss_parallel()`` when tensor parallelism is on (forward and backward of the loss must
+    run inside it: its cross-entropy and log-softmax rules replace DTensor's defaults)."""
+    return loss_parallel() if tp > 1 else nullcontext()
 
 
 def _align_grad(p: torch.Tensor) -> None:

@@ -9,6 +9,11 @@ floats standard normal. Every rank builds the same global batch and takes its dp
 (``run_reference``) walks the same rows, so losses and parameters must match.
 
 Loss semantics (= the reference): the mean over all micro-batches of ``loss_fn`` per micro-batch.
+With tp > 1 the output head returns logits sharded on the vocabulary and the loss runs
+vocab-parallel: ``loss_fn`` through ``tensor_parallel.VocabParallelLoss``, and each step's forward
+and backward inside ``loss_parallel()`` (``loss_context``); see executor/tensor_parallel.py for why
+and for the fallback to all-gathered logits when a loss_fn cannot run on a DTensor. The CP loss
+(``cp_next_token_loss``) is a plain ``F.cross_entropy`` and runs on the sharded logits as it is.
 
 Peak memory per rank: ``torch.cuda.max_memory_allocated`` on GPU. On CPU there are no allocator
 statistics, so it is the growth of the process's peak RSS (``getrusage ru_maxrss``) over its value
@@ -26,12 +31,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
 from autopar.executor.apply import Executable, reference_model
 from autopar.executor.context_parallel import cp_next_token_loss, is_next_token_loss, shard_batch
 from autopar.executor.data_parallel import DTYPES, build_optimizer
 from autopar.executor.pipeline_parallel import sync_tied_grads
+from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
 from autopar.modelfile import ModelFile, call_model
 from autopar.plan import Plan
 
@@ -134,7 +141,9 @@ class _Trainer:
         self.exe, self.mf, self.plan = exe, mf, exe.plan
         if mf.loss_fn is None:
             raise AutoparError(f"{mf.path} defines no loss_fn(output, inputs); the executor needs one to train")
-        self.loss_fn: Callable = mf.loss_fn
+        # tp > 1: the head's logits arrive vocab-sharded; a pass-through for plain outputs.
+        self.vocab_loss = VocabParallelLoss(mf.loss_fn)
+        self.loss_fn: Callable = self.vocab_loss if exe.plan.parallel.tp > 1 else mf.loss_fn
         self.checked_cp_loss = False
 
     def step(self, batch: Any, on_grads: Callable[[], None] | None = None) -> torch.Tensor:
@@ -146,7 +155,7 @@ class _Trainer:
         exe, plan = self.exe, self.plan
         par, mbs, m = plan.parallel, plan.training.micro_batch_size, plan.num_microbatches
         fsdp = any(w.kind == "fsdp" for w in exe.dp)
-        with _autocast(plan, exe.mesh.device, fsdp):
+        with _autocast(plan, exe.mesh.device, fsdp), loss_context(par.tp):
             if exe.schedule is not None:
                 contrib = self._pipeline_step(batch)
             else:
@@ -180,17 +189,19 @@ class _Trainer:
         local, positions, targets = shard_batch(tokens, par.cp, self.exe.mesh.coords.cp)
         logits = model(local, positions=positions)
         if not self.checked_cp_loss:
-            if not is_next_token_loss(self.loss_fn, tokens, logits.shape[-1]):
+            if not is_next_token_loss(self.mf.loss_fn, tokens, logits.shape[-1]):
                 raise AutoparError("context parallelism needs loss_fn to be mean next-token cross-entropy")
             self.checked_cp_loss = True
-        return cp_next_token_loss(logits, targets, tokens.shape[0] * (tokens.shape[1] - 1), par.cp)
+        loss = cp_next_token_loss(logits, targets, tokens.shape[0] * (tokens.shape[1] - 1), par.cp)
+        # tp > 1: vocab-parallel cross-entropy (loss_parallel), replicated over tp -> a plain scalar.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def _pipeline_step(self, batch: Any) -> torch.Tensor:
         exe, par = self.exe, self.plan.parallel
         target = batch
         if par.cp > 1:  # shard tokens and next-token targets; StageModule passes the positions
             if not self.checked_cp_loss:
-                if not is_next_token_loss(self.loss_fn, batch, int(batch.max()) + 1):
+                if not is_next_token_loss(self.mf.loss_fn, batch, int(batch.max()) + 1):
                     raise AutoparError("context parallelism needs loss_fn to be mean next-token cross-entropy")
                 self.checked_cp_loss = True
             batch, _, target = shard_batch(batch, par.cp, exe.mesh.coords.cp)
@@ -204,7 +215,9 @@ class _Trainer:
         else:
             exe.schedule.step()
         if is_last and losses:
-            return torch.stack([l.detach().float() for l in losses]).mean()
+            # tp > 1: the schedule's loss_fn ran on vocab-sharded logits; its losses are replicated DTensors.
+            return torch.stack([(l.full_tensor() if isinstance(l, DTensor) else l).detach().float()
+                                for l in losses]).mean()
         return torch.zeros((), device=exe.mesh.device)
 
 
@@ -266,7 +279,7 @@ def train(
         tokens_per_s=g * plan.training.seq_len / mean if mean > 0 else 0.0,
         peak_memory_bytes=tuple(int(t.item()) for t in gathered),
         memory_measure="torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS growth (getrusage ru_maxrss)",
-        notes=tuple(exe.notes),
+        notes=tuple(exe.notes) + ((trainer.vocab_loss.note,) if trainer.vocab_loss.note else ()),
         start_step=start_step,
     )
 

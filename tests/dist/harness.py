@@ -27,10 +27,11 @@ HERE = Path(__file__).resolve().parent
 MODELS = {
     "gpt": HERE / "models" / "tiny_gpt.py",
     "llama": HERE / "models" / "tiny_llama.py",
+    "gpt-gather-loss": HERE / "models" / "tiny_gpt_gather_loss.py",  # a loss_fn that cannot take DTensor logits
     "mlp": HERE.parents[1] / "examples" / "mlp.py",
 }
-BLOCKS = {"gpt": 4, "llama": 4, "mlp": 12}
-SEQ = {"gpt": 32, "llama": 32, "mlp": 1}
+BLOCKS = {"gpt": 4, "llama": 4, "mlp": 12, "gpt-gather-loss": 4}
+SEQ = {"gpt": 32, "llama": 32, "mlp": 1, "gpt-gather-loss": 32}
 STEPS, SEED, LR = 3, 1234, 1e-3
 
 

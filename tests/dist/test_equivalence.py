@@ -41,6 +41,8 @@ CASES_2 = _model_cases("gpt") + _model_cases("llama") + [
     Case(name="mlp-dp2", model="mlp", parallel={"dp": 2}),
     Case(name="mlp-zero3", model="mlp", parallel={"dp": 2, "zero": 3}),
     Case(name="mlp-pp2", model="mlp", parallel={"pp": 2, "pp_schedule": "1f1b"}),
+    # a loss_fn that cannot run on vocab-sharded logits: the executor all-gathers them instead
+    Case(name="gpt-gather-loss-tp2", model="gpt-gather-loss", parallel={"tp": 2}),
 ]
 CASES_4 = [
     Case(name=f"{m}-dp2xtp2", model=m, parallel={"dp": 2, "tp": 2, "sequence_parallel": True}) for m in ("gpt", "llama")
@@ -76,6 +78,9 @@ def _check(world: int, case: Case) -> None:
     if case.parallel.get("tp", 1) > 1:
         # Megatron's vocab-parallel embedding and head, as the cost model assumes (tensor_parallel.py)
         assert got["vocab_sharded"] == ["output.weight", "tok_embeddings.weight"], got["vocab_sharded"]
+        # The loss runs vocab-parallel (loss_parallel) unless loss_fn cannot take DTensor logits.
+        gathered = any("all-gathered" in n for n in got["notes"])
+        assert gathered == (case.model == "gpt-gather-loss"), got["notes"]
     # Gradients of step 1 are the sharp check: Adam is invariant to a constant gradient scale, so a
     # wrong 1/dp, 1/cp or 1/micro-batch factor would not show in the parameters.
     for name, ref in ref_grads.items():
