@@ -62,8 +62,11 @@ def vocab_size_of(model: nn.Module) -> int | None:
 
 
 def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str], tp: int) -> nn.Module:
-    """A meta copy whose first block's Linear layers (and the vocab embedding/head) hold 1/tp of
-    their width, as each tensor-parallel rank does. Only shapes matter on meta."""
+    """A meta copy whose first block's Linear layers and vocabulary edges hold 1/tp of their width,
+    as each tensor-parallel rank of the executor holds them: the token embedding vocab/tp rows, the
+    output head vocab/tp output columns (executor/tensor_parallel.py), a tied embedding/head weight
+    still one parameter. A vocabulary that tp does not divide stays whole, as the executor keeps
+    such edges replicated. Only shapes matter on meta."""
     sharded = copy.deepcopy(model)
     block = sharded.get_submodule(blocks_attr)[0]
     for name, mod in list(block.named_modules()):
@@ -75,7 +78,8 @@ def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str],
         parent_name, _, leaf = name.rpartition(".")
         setattr(block.get_submodule(parent_name) if parent_name else block, leaf, new)
     vocab = vocab_size_of(sharded)
-    if vocab is not None:
+    if vocab is not None and vocab % tp == 0:
+        new_by_old: dict[int, nn.Parameter] = {}  # id(old weight) -> its sharded replacement (ties)
         for name, mod in list(sharded.named_modules()):
             if name.startswith(blocks_attr + ".") or name == blocks_attr:
                 continue
@@ -84,9 +88,14 @@ def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str],
                 new = nn.Embedding(vocab // tp, mod.embedding_dim, device="meta", dtype=mod.weight.dtype)
             elif isinstance(mod, nn.Linear) and mod.out_features == vocab:
                 new = nn.Linear(mod.in_features, vocab // tp, bias=mod.bias is not None, device="meta", dtype=mod.weight.dtype)
-            if new is not None:
-                parent_name, _, leaf = name.rpartition(".")
-                setattr(sharded.get_submodule(parent_name) if parent_name else sharded, leaf, new)
+            if new is None:
+                continue
+            tied = new_by_old.get(id(mod.weight))
+            if tied is not None and tied.shape == new.weight.shape:
+                new.weight = tied  # a tied embedding/head stays one parameter, as on a tp rank
+            new_by_old[id(mod.weight)] = new.weight
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(sharded.get_submodule(parent_name) if parent_name else sharded, leaf, new)
     return sharded
 
 

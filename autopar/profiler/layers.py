@@ -10,10 +10,17 @@ for the block the forward of its attention core alone (``core_fwd_s``, hooks on 
 executor's selective recompute checkpoints): the recompute cost, measured rather than apportioned.
 
 Shapes: micro-batch ``b``, tokens per sample ``s`` (the model's SEQ_LEN and the CP-sharded
-lengths SEQ_LEN / cp) and tensor-parallel degree ``tp``: the block's Linear layers sharded with
-``shard_for_tp`` as one tp rank holds them. The embedding and output head are measured whole, at
-tp = 1 only (``edges_replicated``). The executor now shards them by vocabulary over tp, so for
-tp > 1 this table prices them as replicated; measuring them sharded at each tp is still to do.
+lengths SEQ_LEN / cp) and tensor-parallel degree ``tp``: the model as one tp rank of the executor
+holds it (``shard_for_tp``) -- the block's Linear layers sharded by the tp_plan, the token
+embedding vocab/tp rows and the output head vocab/tp output columns (executor/tensor_parallel.py;
+a vocabulary tp does not divide stays whole, as the executor keeps it replicated). Token ids are
+wrapped into the rank's vocab/tp rows. So at tp > 1 ``pre`` is the rank's embedding lookup,
+``post`` the final norm plus its slice of the logits, and ``loss`` the model file's loss_fn on that
+slice: the work a rank does under ``loss_parallel()``, whose per-token all-reduces (max, sum of
+exponentials, target logit) and the head's input-gradient all-reduce are the cost model's, from
+measured collectives (``profile --comm``). Every region gets a point per tp (``edges_replicated:
+false``). Tables written before this measured the edges whole at tp = 1 only
+(``edges_replicated: true``); the cost model still prices those edges as replicated.
 
 Context parallelism: for each cp > 1 and each kind of ``cp_kinds``, the block is measured again at
 SEQ_LEN / cp tokens with its attention core replaced by the executor's own
@@ -47,7 +54,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autopar.executor.introspect import _find_core  # the executor's own rule for the attention core
-from autopar.graph.build import find_blocks, first_tensor as _first_tensor, one_block_model, shard_for_tp, slice_sequence
+from autopar.graph.build import (
+    find_blocks, first_tensor as _first_tensor, one_block_model, shard_for_tp, slice_sequence, vocab_size_of,
+)
 from autopar.modelfile import ModelFile, call_model
 from autopar.profiler.memory import LiveBytes
 from autopar.profiler.tables import LayerPoint, LayerTable
@@ -89,14 +98,14 @@ def materialise(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def _with_sharded_block(small: nn.Module, blocks_attr: str, tp_plan: dict[str, str], tp: int) -> nn.Module:
-    """``small`` (one block) with that block's Linear layers sharded for ``tp``; edges untouched."""
+def _rank_model(small: nn.Module, blocks_attr: str, tp_plan: dict[str, str], tp: int) -> tuple[nn.Module, int | None]:
+    """(``small`` as one tp rank holds it, the vocabulary rows of its embedding that token ids must
+    stay below; None: the ids need no wrapping -- tp = 1, or no vocabulary)."""
     if tp == 1:
-        return small
-    sharded_block = shard_for_tp(small, blocks_attr, tp_plan, tp).get_submodule(blocks_attr)[0]
-    clone = one_block_model(small, blocks_attr)
-    clone.get_submodule(blocks_attr)[0] = sharded_block
-    return clone
+        return small, None
+    vocab = vocab_size_of(small)
+    rows = vocab // tp if vocab is not None and vocab % tp == 0 else vocab  # the executor's rule
+    return shard_for_tp(small, blocks_attr, tp_plan, tp), rows
 
 
 def _clamp_tokens(inputs: Any, high: int | None) -> Any:
@@ -191,7 +200,8 @@ def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable 
 
 def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
                    log: Callable[[str], None] | None = None) -> LayerTable:
-    """Measure every region of ``mf`` at every (b, s, tp) of ``cfg`` (see the module docstring)."""
+    """Measure every region of ``mf`` at every (b, s, tp) of ``cfg`` as one tp rank runs it (see the
+    module docstring)."""
     import os
 
     _CPU_SHARE[0] = max(1.0, cfg.ranks_per_machine / (os.cpu_count() or 1)) if device.type == "cpu" else 1.0
@@ -203,22 +213,20 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
     small = one_block_model(meta, blocks_attr)
     seq = mf.seq_len or 0
     seqs = sorted({seq // cp for cp in cfg.cps if seq and seq % cp == 0 and seq // cp >= 1}, reverse=True) or [seq]
-    vocab = None
     autocast = nullcontext() if cfg.dtype == "fp32" else torch.autocast(device.type, dtype=DTYPES[cfg.dtype])
     regions: dict[str, list[LayerPoint]] = {r: [] for r in ("pre", "block", "post", "loss")}
     cp_runs = [(cp, kind) for cp in cfg.cps if cp > 1 and seq and seq % cp == 0 for kind in cfg.cp_kinds]
     for tp in cfg.tps:
         if tp > 1 and not mf.tp_plan:
             continue
-        model = materialise(_with_sharded_block(small, blocks_attr, dict(mf.tp_plan or {}), tp), device)
+        rank_model, vocab = _rank_model(small, blocks_attr, dict(mf.tp_plan or {}), tp)
+        model = materialise(rank_model, device)
         model.train()
         block = model.get_submodule(blocks_attr)[0]
         for s in seqs:
             for b in cfg.micro_batches:
                 med, saved, peak = _measure(mf, model, block, _inputs(mf, b, device, seq, s, vocab), device, autocast, cfg)
-                for region in regions:
-                    if region != "block" and tp > 1:
-                        continue  # edges run whole on every tp rank: the tp = 1 point stands
+                for region in regions:  # at tp > 1 the edges too are this tp rank's vocabulary shard
                     regions[region].append(LayerPoint(
                         b=b, s=s if seq else 1, tp=tp, fwd_s=med[f"{region}.fwd"], bwd_s=med[f"{region}.bwd"],
                         saved_bytes=float(max(0.0, saved[region])), peak_bytes=peak,
@@ -247,7 +255,7 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
                             f"{med['block.bwd'] * 1e3:.2f} ms, saved {saved['block'] / 2**20:.1f} MiB")
         del model
     return LayerTable(model_name=mf.name, model_sha256=mf.sha256, dtype=cfg.dtype, seq_len=seq or 1,
-                      edges_replicated=True, regions={r: tuple(p) for r, p in regions.items() if p})
+                      edges_replicated=False, regions={r: tuple(p) for r, p in regions.items() if p})
 
 
 def _inputs(mf: ModelFile, b: int, device: torch.device, seq: int, s: int, vocab: int | None) -> Any:

@@ -14,6 +14,13 @@ key of a cluster profile (docs/profiles.md); every part of it is optional:
       memory_baseline_bytes: <process memory before any model state, per rank>
       comm: {ranks, link, collectives: {all_reduce: {latency_s, bandwidth_bytes_per_s, points: [...]}}}
 
+``model.edges_replicated``: false (what ``autopar profile`` writes) -- every region has points at
+each measured tp, the edges as one tp rank of the executor runs them (vocab/tp embedding rows,
+vocab/tp head columns and the loss on that logit slice, as under ``loss_parallel``); true (tables
+written before the edges were measured sharded) -- pre/post/loss were measured whole at tp = 1
+only, and the cost model prices them as replicated on every tp rank, as it always did for them.
+A file without the key reads as false.
+
 Interpolation (``LayerTable.lookup``): points of the same context-parallel kind (``cp`` > 1 with a
 ``cp_kind``: the block as a cp rank of the executor runs it, e.g. ring attention over s/cp queries
 and all s keys; when the table has none for the asked cp and kind, the plain points, cp = 1) and of
@@ -89,7 +96,9 @@ class LayerTable:
     model_sha256: str
     dtype: str
     seq_len: int
-    edges_replicated: bool  # pre/post measured with the full vocabulary on every tp rank
+    # True: an old table, pre/post/loss measured with the full vocabulary at tp = 1 only and priced
+    # as replicated; False: their points at tp > 1 are one tp rank's vocabulary shard (module docstring).
+    edges_replicated: bool
     regions: Mapping[str, tuple[LayerPoint, ...]] = field(default_factory=dict)
 
     def lookup(self, region: str, b: float, s: float, tp: int, cp: int = 1, cp_kind: str = "") -> Lookup | None:

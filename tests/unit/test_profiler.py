@@ -129,7 +129,16 @@ def test_layer_profile_schema_and_written_profile_loads(tmp_path) -> None:
     # cp 2: the block again at s/cp with the executor's cp attention of each kind (loopback collectives)
     cp_points = {(p["b"], p["s"], p["tp"], p["cp"], p["cp_kind"]) for p in m["layers"]["block"] if "cp" in p}
     assert cp_points == {(b, 16, tp, 2, k) for b in (1, 2) for tp in (1, 2) for k in ("ring", "allgather", "ulysses")}
-    assert {p["tp"] for p in m["layers"]["pre"]} == {1}  # edges run whole on every tp rank
+    # The edges at tp 2 are a tp rank's vocabulary shard (vocab/tp embedding rows, head columns and
+    # the loss on that logit slice): points at every tp, and the head's logits saved at half width.
+    assert m["model"]["edges_replicated"] is False
+    for region in ("pre", "post", "loss"):
+        assert {(p["b"], p["s"], p["tp"]) for p in m["layers"][region]} == \
+            {(b, s, tp) for b in (1, 2) for s in (32, 16) for tp in (1, 2)}, region
+        assert all(p["fwd_s"] > 0 and p["bwd_s"] > 0 and "cp" not in p for p in m["layers"][region])
+    post = {(p["b"], p["s"], p["tp"]): p["saved_bytes"] for p in m["layers"]["post"]}
+    logits_bytes = 2 * 32 * 128 * 4  # b 2, s 32, tiny_gpt's vocabulary 128, fp32
+    assert post[(2, 32, 1)] - post[(2, 32, 2)] == pytest.approx(logits_bytes / 2, rel=0.05)
     for p in m["layers"]["block"]:
         assert p["fwd_s"] > 0 and p["bwd_s"] > 0 and p["saved_bytes"] > 0 and p["peak_bytes"] >= p["saved_bytes"]
         assert 0 < p["core_fwd_s"] < p["fwd_s"]  # the attention core (cp attention under cp) timed on its own
@@ -146,13 +155,13 @@ def test_layer_profile_schema_and_written_profile_loads(tmp_path) -> None:
 
 
 def _estimate(tmp_path, profile: dict | None, capsys, model: str = "examples/gpt_small.py", cp: int = 1,
-              recompute: str = "none") -> dict:
+              recompute: str = "none", tp: int = 1) -> dict:
     from autopar.cli import main
 
     plan = {"version": 1, "model": {"file": model, "num_blocks": 8},
-            "cluster": {"profile": "a100-80g", "num_gpus": cp, "gpus_per_node": 8},
+            "cluster": {"profile": "a100-80g", "num_gpus": cp * tp, "gpus_per_node": 8},
             "training": {"global_batch_size": 4, "micro_batch_size": 2, "seq_len": 128, "dtype": "fp32", "optimizer": "adam"},
-            "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": cp, "cp_kind": "ring", "sequence_parallel": False, "zero": 0,
+            "parallel": {"dp": 1, "tp": tp, "pp": 1, "cp": cp, "cp_kind": "ring", "sequence_parallel": False, "zero": 0,
                          "recompute": recompute, "pp_schedule": "1f1b", "pp_virtual_stages": 1}}
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
     argv = ["estimate", model, str(tmp_path / "plan.yaml"), "--json"]
@@ -230,6 +239,68 @@ def test_selective_recompute_costs_the_measured_core_forward(tmp_path, capsys) -
     assert big["time_breakdown_s"]["recompute"] == pytest.approx(2 * 8 * 0.05 * 2, rel=1e-6)
     # a table without core times (made before they were measured) apportions the block by the roofline
     assert 0 < old["time_breakdown_s"]["recompute"] < 2 * 8 * 0.1 * 2
+
+
+def _with_tp2(prof: dict, *, edge_tp1_s: float, edge_tp2_s: float, replicated: bool) -> dict:
+    """``prof`` with block points at tp 2 too, and edge points of the given seconds at tp 1 and 2."""
+    prof["model"]["edges_replicated"] = replicated
+    prof["layers"]["block"] += [dict(p, tp=2) for p in prof["layers"]["block"]]
+    for region in ("pre", "post", "loss"):
+        prof["layers"][region] = [{"b": b, "s": 128, "tp": tp, "fwd_s": t, "bwd_s": t}
+                                  for b in (1, 4) for tp, t in ((1, edge_tp1_s), (2, edge_tp2_s))]
+    return prof
+
+
+def test_a_measured_sharded_edge_point_at_tp2_is_what_the_estimate_uses(tmp_path, capsys) -> None:
+    from autopar.modelfile import load_model_file
+
+    sha = load_model_file("examples/gpt_small.py").sha256
+
+    def est(tp1: float, tp2: float) -> dict:
+        return _estimate(tmp_path, _with_tp2(_measured(sha, 0.1), edge_tp1_s=tp1, edge_tp2_s=tp2, replicated=False),
+                         capsys, tp=2)
+
+    base, slow2, slow1 = est(1e-3, 1e-3), est(1e-3, 5e-3), est(5e-3, 1e-3)
+    # tp 2: the tp-2 edge points as measured -- 3 regions x (fwd + bwd) x 4 ms more, 2 micro-batches
+    assert slow2["time_breakdown_s"]["compute"] - base["time_breakdown_s"]["compute"] == \
+        pytest.approx(2 * 3 * 2 * 4e-3, rel=1e-9)
+    assert slow1["time_breakdown_s"]["compute"] == pytest.approx(base["time_breakdown_s"]["compute"], rel=1e-12)
+
+
+def test_an_old_replicated_edge_table_prices_its_tp1_edges_at_tp2(tmp_path, capsys) -> None:
+    from autopar.modelfile import load_model_file
+
+    sha = load_model_file("examples/gpt_small.py").sha256
+
+    def est(tp1: float, tp2: float, replicated: bool = True) -> dict:
+        return _estimate(tmp_path, _with_tp2(_measured(sha, 0.1), edge_tp1_s=tp1, edge_tp2_s=tp2,
+                                             replicated=replicated), capsys, tp=2)
+
+    base, slow1, slow2 = est(1e-3, 1e-3), est(5e-3, 1e-3), est(1e-3, 5e-3)
+    # edges_replicated: true -- the tp-1 points, whole on every tp rank, whatever the table holds at tp 2
+    assert slow1["time_breakdown_s"]["compute"] - base["time_breakdown_s"]["compute"] == \
+        pytest.approx(2 * 3 * 2 * 4e-3, rel=1e-9)
+    assert slow2["time_breakdown_s"]["compute"] == pytest.approx(base["time_breakdown_s"]["compute"], rel=1e-12)
+    # ... with the full edge parameters on every rank and no vocab-parallel collectives
+    sharded = est(1e-3, 1e-3, replicated=False)
+    assert base["memory_bytes"]["params"] > sharded["memory_bytes"]["params"]
+    assert base["time_breakdown_s"]["tp_comm"] < sharded["time_breakdown_s"]["tp_comm"]
+
+
+def test_the_profiler_measures_a_tp_rank_model() -> None:
+    from autopar.graph.build import one_block_model
+    from autopar.modelfile import load_model_file
+    from autopar.profiler.layers import _rank_model
+
+    mf = load_model_file(TINY_GPT)  # vocabulary 128, hidden 64, embedding tied to the head
+    small = one_block_model(mf.build("meta"), "layers")
+    rank, rows = _rank_model(small, "layers", dict(mf.tp_plan), 2)
+    assert rows == 64 and rank.tok_embeddings.num_embeddings == 64 and rank.output.out_features == 64
+    assert rank.output.weight is rank.tok_embeddings.weight  # still one tied parameter, as on a tp rank
+    assert rank.layers[0].mlp.fc1.out_features == 128  # the block sharded too (256 / 2)
+    odd, odd_rows = _rank_model(small, "layers", dict(mf.tp_plan), 3)  # 128 % 3: the executor keeps it whole
+    assert odd_rows == 128 and odd.tok_embeddings.num_embeddings == 128 and odd.output.out_features == 128
+    assert _rank_model(small, "layers", dict(mf.tp_plan), 1) == (small, None)
 
 
 def test_a_table_for_another_model_is_ignored_with_a_warning(tmp_path, capsys) -> None:
