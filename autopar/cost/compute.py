@@ -17,7 +17,12 @@ measured ones at the nearest measured shape (interpolated, autopar.profiler.tabl
 roofline ratio of the asked shape to that measured shape. The ratio is exactly 1 at a measured
 (b, s, tp) without CP or SP, so measured points are reproduced exactly; it carries what one
 device cannot measure (a CP rank's queries against all keys, SP-divided norms, shapes outside the
-measured grid). A table for another model file or dtype is ignored (``measured_table_warning``).
+measured grid). The edges (pre, post, loss) are looked up the same way: a table with
+``edges_replicated: false`` holds one tp rank's vocabulary shard of them at each measured tp, so
+at tp > 1 the measured sharded point is used as measured; a tp it lacks is the nearest measured
+tp times the roofline ratio. For a table with ``edges_replicated: true`` (edges timed whole at
+tp = 1 only) the caller asks at tp = 1 (autopar.cost.stage). A table for another model file or
+dtype is ignored (``measured_table_warning``).
 """
 
 from __future__ import annotations

@@ -6,10 +6,15 @@ a pipeline chunk holds. ``StageTerms`` holds those coefficients; the estimator e
 given split and the ILP optimises the split over them, so both see exactly the same cost model.
 
 Region times come from ``graph_region_time``: measured layer tables when the cluster profile has
-them for this model, the roofline otherwise. A layer table measured with ``edges_replicated`` (the
-embedding and output head run whole on every tp rank, as autopar's executor runs them) makes the
-edges cost what was measured at tp = 1, with their full parameter count and no vocab-parallel
-all-reduce.
+them for this model, the roofline otherwise. The edges are costed as the executor runs them at
+tp > 1 (executor/tensor_parallel.py): a vocab-parallel embedding (output all-reduced in forward)
+and a vocab-parallel head whose logits stay sharded, the loss running under ``loss_parallel()``
+(three per-token all-reduces in forward: max, sum of exponentials, target logit; the head's input
+gradient all-reduced in backward). A measured table has the edges of one tp rank at each measured
+tp (``edges_replicated: false``, looked up like the block). A table measured before that, with
+``edges_replicated: true`` (embedding and head timed whole at tp = 1), keeps being priced the way
+it was: edges at their tp = 1 time, with their full parameter count and no vocab-parallel
+collectives.
 """
 
 from __future__ import annotations
@@ -122,6 +127,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     block = _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes)
     table = usable_layer_table(graph, cluster)
     replicated = table is not None and table.edges_replicated
+    # An old table (edges measured whole at tp = 1) keeps its replicated pricing; see module docstring.
     pre = _edge_part(graph, cluster, cfg, "pre", shape, tp_link, dpcp_link, tokens_bytes, replicated=replicated)
     post = _edge_part(graph, cluster, cfg, "post", shape, tp_link, dpcp_link, tokens_bytes, with_loss=True,
                       replicated=replicated)
@@ -275,11 +281,17 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
                 zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops)
 
 
+LOSS_PARALLEL_ALL_REDUCES = 3  # per token, forward: logit max, sum of exponentials, target logit
+LOSS_STAT_BYTES = 4  # each an fp32 value per token (the loss's computation dtype)
+
+
 def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_bytes, with_loss=False,  # noqa: ANN001
                replicated=False) -> Part:
-    """The embedding (pre) or the head plus loss (post). A vocab-parallel embedding all-reduces its
-    output in forward; a vocab-parallel head all-reduces its input gradient in backward. Replicated
-    edges (see the module docstring) run whole on every tp rank and need neither."""
+    """The embedding (pre) or the head plus loss (post), as the executor runs them (see the module
+    docstring). A vocab-parallel embedding all-reduces its output in forward; a vocab-parallel head
+    all-reduces its input gradient in backward, and its loss (``loss_parallel``) all-reduces three
+    per-token statistics in forward. Replicated edges (an old table, or a vocabulary tp does not
+    divide) run whole on every tp rank and need none of these."""
     # The fitted tp exponents already say which ops a vocab-parallel layer shards (0 for the rest).
     t_shape = replace(shape, t=1.0, sp=1.0) if replicated else shape
     vocab_tp = not replicated and any(op.flops_exps.t > 0.5 or op.bytes_exps.t > 0.5 for op in graph.regions[region].ops)
@@ -295,6 +307,11 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
         fwd += tp
     else:
         bwd += tp
+    if with_loss and vocab_tp and cfg.tp > 1:
+        tokens = shape.b * shape.s_ratio * graph.seq_len  # this rank's tokens per micro-batch
+        stats = LOSS_PARALLEL_ALL_REDUCES * collective_time_s("all_reduce", tokens * LOSS_STAT_BYTES, tp_link)
+        fwd += stats
+        tp += stats
     params = graph.params[region].per_rank(1 if replicated else cfg.tp)
     if region == "post":
         params += graph.params["loss"].count
