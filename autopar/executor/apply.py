@@ -63,6 +63,7 @@ class Executable:
     chunk_ids: list[int] = field(default_factory=list)
     tied: list[tuple[list[str], dist.ProcessGroup | None]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    stage_loss: Any = None  # pp > 1 and tp > 1: the last stage's VocabParallelLoss (its fallback note)
     # full-model parameter name -> canonical name of its tie group (first alias in the full model's
     # named_parameters order); the checkpoint keys of tied weights (checkpoint.py)
     canonical_names: dict[str, str] = field(default_factory=dict)
@@ -209,6 +210,11 @@ def build_executable(
 
             n_targets = plan.training.micro_batch_size * (plan.training.seq_len - 1)
             loss_fn = lambda out, tgt: cp_next_token_loss(out, tgt, n_targets, par.cp)  # noqa: E731
+        if par.tp > 1:  # vocab-sharded logits on the last stage: the same fallback as train.py's loss
+            from autopar.executor.tensor_parallel import VocabParallelLoss
+
+            exe.stage_loss = VocabParallelLoss(loss_fn)
+            loss_fn = exe.stage_loss
         exe.schedule, exe.stages = pipe.build_schedule(plan, exe.parts, chunk_ids, mesh.pp_group, device, loss_fn)
         exe.tied = pipe.tied_groups(model, plan, all_chunk_names)
     return exe

@@ -270,6 +270,12 @@ def train(
     peak = torch.tensor([peak_memory_bytes(device, baseline if device.type != "cuda" else 0)], dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, peak)
+    # A loss fallback note is raised on the ranks that compute the loss (the last pipeline stage):
+    # gathered, so that every rank reports it.
+    mine = [v.note for v in (trainer.vocab_loss, exe.stage_loss) if v is not None and v.note]
+    every: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    loss_notes = tuple(dict.fromkeys(n for ns in every for n in (ns or [])))
     steady = times[1:] if len(times) >= 2 else times
     mean = sum(steady) / len(steady) if steady else 0.0
     return RunResult(
@@ -279,7 +285,7 @@ def train(
         tokens_per_s=g * plan.training.seq_len / mean if mean > 0 else 0.0,
         peak_memory_bytes=tuple(int(t.item()) for t in gathered),
         memory_measure="torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS growth (getrusage ru_maxrss)",
-        notes=tuple(exe.notes) + ((trainer.vocab_loss.note,) if trainer.vocab_loss.note else ()),
+        notes=tuple(exe.notes) + loss_notes,
         start_step=start_step,
     )
 

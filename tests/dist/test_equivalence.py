@@ -54,6 +54,8 @@ CASES_4 = [
     Case(name="gpt-dp2xcp2-zero1", model="gpt", parallel={"dp": 2, "cp": 2, "cp_kind": "allgather", "zero": 1}),
     Case(name="gpt-pp2xcp2-ring", model="gpt", parallel={"pp": 2, "cp": 2, "pp_schedule": "1f1b"}),
     Case(name="llama-pp2xcp2-ulysses", model="llama", parallel={"pp": 2, "cp": 2, "cp_kind": "ulysses"}),
+    # the last stage's loss on vocab-sharded logits falls back to the gather as the flat step does
+    Case(name="gpt-gather-loss-pp2xtp2", model="gpt-gather-loss", parallel={"pp": 2, "tp": 2, "pp_schedule": "1f1b"}),
 ]
 CASES_8 = [
     Case(name=f"{m}-pp2xdp2xtp2", model=m, parallel={"pp": 2, "dp": 2, "tp": 2, "pp_schedule": "1f1b"})
