@@ -18,10 +18,12 @@ from autopar.plan import Plan
 
 
 def config_from_plan(plan: Plan) -> Config:
+    """The plan as the cost model prices it: as the executor runs it. ZeRO-1 with tp > 1 runs as
+    ZeRO-2 (ZeroRedundancyOptimizer cannot take DTensor parameters; executor/apply.py)."""
     par, tr = plan.parallel, plan.training
     return Config(
         dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, cp_kind=par.cp_kind, sequence_parallel=par.sequence_parallel,
-        zero=par.zero, recompute=par.recompute, schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
+        zero=2 if par.zero == 1 and par.tp > 1 else par.zero, recompute=par.recompute, schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
         micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_len=tr.seq_len,
         dtype_bytes=tr.dtype_bytes, optimizer=tr.optimizer,
     )

@@ -183,3 +183,14 @@ def _write(source: str, name: str):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(source, encoding="utf-8")
     return path
+
+
+def test_zero1_is_not_searched_with_tp() -> None:
+    from collections import Counter
+
+    graph = gpt_graph(GPTConfig(num_layers=8, hidden_size=1024, num_heads=16, seq_len=1024, vocab_size=50304))
+    space = SearchSpace(num_gpus=16, gpus_per_node=8, global_batch=64, seq_len=1024, micro_batches=(1, 2),
+                        dtype_bytes=2, optimizer="adam")
+    configs = list(enumerate_configs(graph, space, Counter()))
+    assert not [c for c in configs if c.tp > 1 and c.zero == 1]  # runs as ZeRO-2: the same plan twice
+    assert [c for c in configs if c.tp > 1 and c.zero == 2] and [c for c in configs if c.tp == 1 and c.zero == 1]
