@@ -121,6 +121,11 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         core_shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=kv_ratio, t=cfg.tp, sp=1.0)
     state = state_bytes_per_param(zero=cfg.zero, shard_degree=cfg.dp * cfg.cp, dtype_bytes=cfg.dtype_bytes,
                                   optimizer=cfg.optimizer)
+    if cfg.zero in (0, 1) and cfg.tp == 1 and cfg.dp * cfg.cp > 1:
+        # The executor's DDP (parameters without DTensors) keeps its communication buckets beside
+        # the gradients: a second gradient-sized buffer (gradient_as_bucket_view is off, see
+        # executor/data_parallel.py). Counted with the gradients.
+        state = replace(state, grads=2 * state.grads)
     tokens_bytes = graph.block_input_bytes * cfg.micro_batch * s_ratio  # one rank's block input, full width
     tp_link, cp_link, dpcp_link = mesh.link(cluster, "tp"), mesh.link(cluster, "cp"), mesh.link(cluster, "dp_cp")
 
@@ -231,8 +236,11 @@ def _cp_time(graph: ModelGraph, cfg: Config, link, tokens_bytes: float) -> tuple
     if cfg.cp_kind == "allgather":
         full = kv_bytes * n
         return collective_time_s("all_gather", full, link), collective_time_s("reduce_scatter", full, link)
-    q_bytes = tokens_bytes / cfg.tp  # ulysses: q and o at full width, k and v at kv width, all local
-    a2a = 2 * collective_time_s("all_to_all", q_bytes * n, link) + collective_time_s("all_to_all", kv_bytes * n, link)
+    # Ulysses (executor/context_parallel.py): one all-to-all each for q, k, v and the output, each
+    # of this rank's local tensor (the message of the measured fit: the tensor a rank passes in);
+    # backward runs the four again, reversed.
+    q_bytes = tokens_bytes / cfg.tp
+    a2a = 2 * collective_time_s("all_to_all", q_bytes, link) + 2 * collective_time_s("all_to_all", kv_bytes / 2, link)
     return a2a, a2a
 
 

@@ -188,10 +188,11 @@ def _cp_items(add, graph: ModelGraph, cfg, block_calls: float, x: float) -> None
         add("CP reduce-scatter dK,dV (backward)", "reduce_scatter", "cp", block_calls, kv * n)
     else:
         q = x / cfg.tp
-        add("CP Ulysses Q,O all-to-all (forward)", "all_to_all", "cp", block_calls * 2 * fwd_reps, q * n)
-        add("CP Ulysses K,V all-to-all (forward)", "all_to_all", "cp", block_calls * fwd_reps, kv * n)
-        add("CP Ulysses Q,O all-to-all (backward)", "all_to_all", "cp", block_calls * 2, q * n)
-        add("CP Ulysses K,V all-to-all (backward)", "all_to_all", "cp", block_calls, kv * n)
+        # one all-to-all per tensor, of this rank's local tensor (as the cost model, stage._cp_time)
+        add("CP Ulysses Q,O all-to-all (forward)", "all_to_all", "cp", block_calls * 2 * fwd_reps, q)
+        add("CP Ulysses K,V all-to-all (forward)", "all_to_all", "cp", block_calls * 2 * fwd_reps, kv / 2)
+        add("CP Ulysses Q,O all-to-all (backward)", "all_to_all", "cp", block_calls * 2, q)
+        add("CP Ulysses K,V all-to-all (backward)", "all_to_all", "cp", block_calls * 2, kv / 2)
 
 
 def _dp_items(add, cfg, state_bytes: float, m: int) -> None:  # noqa: ANN001

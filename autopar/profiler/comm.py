@@ -3,14 +3,17 @@
 For each of all-reduce, all-gather, reduce-scatter, all-to-all and P2P, and each message size M
 (the full tensor, as autopar.cost.comm counts it), the time of one call is the median over
 ``repeats`` calls of the slowest rank's time. Groups: the whole world and, when it has more than two
-ranks, ranks {0, 1} too, so that latency (per hop) and bandwidth separate. Each collective is
+ranks, pairs too, so that latency (per hop) and bandwidth separate. The pairs (0, 1), (2, 3), ...
+all run at once, as the parallel groups of a run do (the cp rings and dp groups of a dp2 x cp2
+plan communicate at the same time): measured with ranks {0, 1} alone, the others idle, a pair had
+the whole machine to itself and a dp2 x cp2 Ulysses plan ran 27 % slower than predicted. Each collective is
 fitted by non-negative least squares to the cost model's own formula
 
     t = hops(n) * latency_s + volume(n, M) / bandwidth_bytes_per_s
 
 (all-reduce: hops 2(n-1), volume 2(n-1)/n M; all-gather / reduce-scatter / all-to-all: n-1 and
 (n-1)/n M; P2P: 1 and M), so the fitted figures plug straight into ``Link.fits``. P2P is the
-executor's neighbour exchange between ranks 0 and 1 (``_send_recv``: each sends M and receives M
+executor's neighbour exchange between the two ranks of each pair (``_send_recv``: each sends M and receives M
 at once, back to back, as a ring-attention shift or a pipeline's steady state does).
 
 All ranks of one torchrun are taken as one link: ``intra_node`` on one node (``--standalone``),
@@ -101,67 +104,89 @@ def _collective(kind: str, n: int, message_bytes: int, group: Any, device: torch
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return lambda: scatter(shard, full, group=group)
     if kind == "all_to_all":
-        out = torch.empty_like(full)
-        return lambda: dist.all_to_all_single(out, full, group=group)
+        # As the executor's Ulysses attention calls it: the autograd functional collective, waited
+        # on. On gloo/CPU it takes ~2 ms for 1 MiB between two ranks where dist.all_to_all_single
+        # takes ~1 ms; the fit must price what runs (only Ulysses uses all-to-all).
+        import torch.distributed._functional_collectives as fc
+
+        return lambda: fc.wait_tensor(fc.all_to_all_single_autograd(full, None, None, group))
     raise ValueError(kind)
 
 
 def _p2p_time(message_bytes: int, repeats: int, device: torch.device, pair: Any) -> float:
     """One neighbour exchange as the executor runs it (``context_parallel._send_recv``: a batched
-    isend + irecv, both directions at once, as in a ring shift or a 1F1B steady state) between
-    ranks 0 and 1 of ``pair``, back to back (others wait). Collective over the world.
+    isend + irecv, both directions at once, as in a ring shift or a 1F1B steady state) between the
+    two ranks of ``pair`` (this rank's pair group, None: this rank has no partner), back to back,
+    every pair at once as a run's cp rings and pipeline neighbours exchange at once. Collective
+    over the world; returns the slowest pair's time.
 
     A one-way ping-pong measured ~0.35 ms for 1 MiB on gloo/CPU where the executor's exchange
     takes ~1.5-4 ms: the fit must price what runs."""
     from autopar.executor.context_parallel import _send_recv
 
-    rank = dist.get_rank()
     buf = torch.ones(max(1, message_bytes // 4), device=device)
     samples = []
     inner = max(4, min(20, 2**23 // message_bytes))
+    partner = None if pair is None else 1 - dist.get_rank(group=pair)
     for i in range(repeats + 1):
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
-        if rank in (0, 1):
+        if pair is not None:
             for _ in range(inner):
-                _send_recv(buf, 1 - rank, 1 - rank, pair)
+                _send_recv(buf, partner, partner, pair)
         _sync(device)
         elapsed = time.perf_counter() - t0
         if i:
             samples.append(elapsed / inner)
-    value = torch.tensor([statistics.median(samples) if rank in (0, 1) else 0.0], dtype=torch.float64, device=device)
+    value = torch.tensor([statistics.median(samples) if pair is not None else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value)
+
+
+def _pair_groups() -> Any:
+    """Disjoint pairs (0, 1), (2, 3), ... of the world (collective: every rank creates every
+    group); this rank's pair, or None for the odd rank out."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for first in range(0, world - 1, 2):
+        group = dist.new_group([first, first + 1])
+        if rank in (first, first + 1):
+            mine = group
+    return mine
 
 
 def profile_comm(device: torch.device, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5,
                  log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure and fit every collective (collective call: every rank must make it). Returns the
-    ``comm`` section and ``memory_baseline_bytes`` (max over ranks of peak RSS now)."""
+    ``comm`` section and ``memory_baseline_bytes`` (max over ranks of the RSS before the sweep)."""
     world = dist.get_world_size()
-    groups = [(world, None)]
-    if world > 2:
-        groups.append((2, dist.new_group([0, 1])))
+    # What a rank holds before its model: python, torch, the process group after a first
+    # collective -- measured before the sweep's large messages inflate the peak.
+    dist.all_reduce(torch.zeros(1, device=device))
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64, device=device)
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    pair = _pair_groups() if world > 2 else dist.group.WORLD
+    groups = [(world, dist.group.WORLD)] + ([(2, pair)] if world > 2 else [])
     fits: dict[str, CollectiveFit] = {}
     for kind in COLLECTIVES:
         points: list[tuple[int, float, float]] = []
         for m in sizes:
             if kind == "p2p":
-                points.append((2, float(m), _p2p_time(m, repeats, device, groups[-1][1] or dist.group.WORLD)))
+                points.append((2, float(m), _p2p_time(m, repeats, device, pair)))
                 continue
             for n, group in groups:
-                if group is not None and dist.get_rank() >= n:
-                    # Not a member: still take part in the world barrier rhythm of _timed's members.
-                    continue
                 inner = max(1, min(20, 2**21 // m))
-                points.append((n, float(m), _timed(_collective(kind, n, m, group, device), repeats, group, device, inner)))
+                t = _timed(_collective(kind, n, m, group, device), repeats, group, device, inner) if group is not None else 0.0
+                if n < world:  # every pair ran at once: the slowest pair's time
+                    slowest = torch.tensor([t], dtype=torch.float64, device=device)
+                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                    t = float(slowest)
+                points.append((n, float(m), t))
         fits[kind] = fit_collective(kind, points)
         dist.barrier()
         if log:
             f = fits[kind]
             log(f"{kind}: latency {f.latency_s * 1e6:.1f} us, bandwidth {f.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
     link = "inter_node" if int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world else "intra_node"
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64, device=device)
-    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     return {"fits": fits, "ranks": world, "link": link, "memory_baseline_bytes": float(rss)}
