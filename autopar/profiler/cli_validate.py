@@ -10,10 +10,15 @@ Prediction: re-estimated with ``--profile`` / ``--cluster`` when given, else the
 
 Measured, per rank:
 * step time: median over the steps after the first (warm-up) of the slowest rank's step time;
-* peak memory: the process's peak RSS (``ru_maxrss``) on CPU -- the same quantity the cost model
-  predicts when the profile's framework reserve is the measured per-rank baseline (``autopar
-  profile --comm`` records it as ``memory_baseline_bytes``); ``torch.cuda.max_memory_allocated``
-  plus the reserve on GPU. The executor's own measure (RSS growth during training) is reported too.
+* peak memory, allocator-level on every device, plus the profile's framework reserve (what the
+  prediction holds for the CUDA context / the Python, torch and gloo process): on GPU
+  ``torch.cuda.max_memory_allocated``; on CPU, which has no allocator statistics, one more
+  (untimed) step after the timed ones under ``autopar.profiler.memory.step_allocated_bytes`` -- the
+  bytes of the tensors alive before it (parameters, buffers, optimizer states, DDP's gradient
+  buckets) plus the peak of what its ops allocate. Like ``max_memory_allocated`` it leaves out
+  allocator slack (glibc keeps freed heap pages: at 4 ranks on 2 cores the peak RSS of a DP rank
+  grew ~60 MiB between steps 1 and 2 with no tensor more) and the communication library's own
+  buffers. The peak RSS (``ru_maxrss``) and the executor's RSS growth are reported beside it.
 """
 
 from __future__ import annotations
@@ -48,26 +53,28 @@ def _under_torchrun() -> bool:
 
 
 def predict(plan_path: str, model: str, cluster: str | None, profile: str | None) -> dict[str, Any]:
-    """{step_time_s, peak_memory_bytes, per_stage_memory_bytes (None without re-estimate)}."""
+    """{step_time_s, peak_memory_bytes, stage_memory_bytes (None without re-estimate),
+    reserve_bytes (the cluster's framework reserve, inside the predicted peak), source}."""
+    from autopar.cluster import load_cluster_and_profile
     from autopar.executor.cli_run import read_prediction
     from autopar.plan import load_plan
 
     plan = load_plan(plan_path)
+    c = load_cluster_and_profile(cluster, profile, plan.cluster.profile)
     if cluster is None and profile is None:
         pred = read_prediction(plan_path)
         if "step_time_s" not in pred:
             raise AutoparError(f"{plan_path} has no prediction; give --cluster or --profile to estimate it")
         return {"step_time_s": float(pred["step_time_s"]), "peak_memory_bytes": float(pred.get("peak_memory_bytes", 0)),
-                "stage_memory_bytes": None, "source": "plan prediction"}
-    from autopar.cluster import load_cluster_and_profile
+                "stage_memory_bytes": None, "reserve_bytes": c.framework_reserve_bytes, "source": "plan prediction"}
     from autopar.cost.estimate import estimate_plan
     from autopar.graph import build_graph
     from autopar.modelfile import load_model_file
 
-    c = load_cluster_and_profile(cluster, profile, plan.cluster.profile)
     graph = build_graph(load_model_file(model), seq_len=plan.training.seq_len, dtype=plan.training.dtype)
     est = estimate_plan(plan, graph, c)
     return {"step_time_s": est.step_time_s, "peak_memory_bytes": est.peak_memory_bytes,
+            "reserve_bytes": c.framework_reserve_bytes,
             "stage_memory_bytes": [r.peak_bytes for r in est.ranks], "source": f"estimate ({profile or cluster})"}
 
 
@@ -129,10 +136,12 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
         exe = build_executable(plan, mf, spec, mesh, seed=args.seed, lr=1e-3, loss_fn=mf.loss_fn)
         result = train(exe, mf, steps=args.steps, seed=args.seed)
         if device.type == "cuda":
-            peak = float(torch.cuda.max_memory_allocated(device))
+            allocated = float(torch.cuda.max_memory_allocated(device))
         else:
-            peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        mine = torch.tensor([peak, float(baseline)], dtype=torch.float64, device=device)
+            allocated = float(sum(_cpu_step_allocated(exe, mf, plan, args.steps, args.seed)))
+        peak = allocated + prediction["reserve_bytes"]
+        rss = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        mine = torch.tensor([peak, float(baseline), rss], dtype=torch.float64, device=device)
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
         if rank == 0:
@@ -148,6 +157,30 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
     return 0
 
 
+def _cpu_step_allocated(exe, mf, plan, step: int, seed: int) -> tuple[int, int]:  # noqa: ANN001
+    """(bytes alive before, peak allocated during) one more training step of this rank."""
+    import torch
+
+    from autopar.executor.train import _Trainer, global_batch, rows
+    from autopar.profiler.memory import step_allocated_bytes
+
+    before: list[torch.Tensor] = []
+    for part in exe.parts:
+        before += [t for p in part.parameters() for t in (p, p.grad) if t is not None] + list(part.buffers())
+    for opt in (exe.optimizer, getattr(exe.optimizer, "optim", None)):  # ZeroRedundancyOptimizer's local one
+        for state in getattr(opt, "state", {}).values():
+            before += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    # DDP's gradient buckets live in C++, out of the step's sight: one flat copy of the gradients
+    buckets = sum(p.numel() * p.element_size() for w in exe.dp if w.kind == "ddp"
+                  for p in w.module.parameters() if p.requires_grad)
+    per_dp = plan.training.global_batch_size // plan.parallel.dp
+    d = exe.mesh.coords.dp
+    batch = rows(global_batch(mf, plan.training.global_batch_size, step, seed), d * per_dp, (d + 1) * per_dp)
+    trainer = _Trainer(exe, mf)
+    alive, peak = step_allocated_bytes(before, lambda: trainer.step(batch))
+    return alive + buckets, peak
+
+
 def _err(measured: float, predicted: float | None) -> float | None:
     return None if not predicted else 100.0 * (measured - predicted) / predicted
 
@@ -159,10 +192,11 @@ def build_report(plan, result, per_rank: list[list[float]], prediction: dict[str
     step = statistics.median(steady)
     stage_mem = prediction.get("stage_memory_bytes")
     ranks = []
-    for r, (peak, baseline) in enumerate(per_rank):
+    for r, (peak, baseline, rss) in enumerate(per_rank):
         pp_rank = r // (par.tp * par.cp * par.dp)
         pred_mem = stage_mem[pp_rank] if stage_mem else None
         ranks.append({"rank": r, "pp_rank": pp_rank, "measured_peak_bytes": peak, "baseline_bytes": baseline,
+                      "peak_rss_bytes": rss,
                       "executor_growth_bytes": result.peak_memory_bytes[r], "predicted_peak_bytes": pred_mem,
                       "memory_error_pct": _err(peak, pred_mem)})
     peak = max(r["measured_peak_bytes"] for r in ranks)
@@ -175,7 +209,9 @@ def build_report(plan, result, per_rank: list[list[float]], prediction: dict[str
                         "error_pct": _err(step, prediction["step_time_s"]), "all_steps_s": list(result.step_times_s)},
         "peak_memory_bytes": {"measured": peak, "predicted": prediction["peak_memory_bytes"],
                               "error_pct": _err(peak, prediction["peak_memory_bytes"])},
-        "memory_measure": "peak RSS (ru_maxrss), absolute" if device_type == "cpu" else "torch.cuda.max_memory_allocated",
+        "memory_measure": ("allocated tensor bytes of one step (LiveBytes) + reserve" if device_type == "cpu"
+                           else "torch.cuda.max_memory_allocated + reserve"),
+        "reserve_bytes": prediction["reserve_bytes"],
         "ranks": ranks,
         "notes": list(result.notes),
     }
@@ -192,11 +228,12 @@ def format_report(rep: dict[str, Any]) -> str:
              "   (median of steps after the first)",
              f"  peak memory  measured {mem['measured'] / mib:,.1f} MiB   predicted {mem['predicted'] / mib:,.1f} MiB   "
              f"error {pct(mem['error_pct'])}   ({rep['memory_measure']}, max over ranks)",
-             "  rank  pp  measured MiB  predicted MiB   error  baseline MiB  executor growth MiB"]
+             f"  (reserve {rep['reserve_bytes'] / mib:,.1f} MiB on both sides: the profile's framework reserve)",
+             "  rank  pp  measured MiB  predicted MiB   error  peak RSS MiB  RSS before model MiB"]
     for r in rep["ranks"]:
         pred = "-" if r["predicted_peak_bytes"] is None else f"{r['predicted_peak_bytes'] / mib:,.1f}"
         lines.append(f"  {r['rank']:4d}  {r['pp_rank']:2d}  {r['measured_peak_bytes'] / mib:12,.1f}  {pred:>13s}  "
-                     f"{pct(r['memory_error_pct']):>6s}  {r['baseline_bytes'] / mib:12,.1f}  {r['executor_growth_bytes'] / mib:19,.1f}")
+                     f"{pct(r['memory_error_pct']):>6s}  {r['peak_rss_bytes'] / mib:12,.1f}  {r['baseline_bytes'] / mib:20,.1f}")
     for n in rep["notes"]:
         lines.append(f"  note: {n}")
     return "\n".join(lines)

@@ -23,6 +23,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def _storage(t: Any) -> Any:
+    """The storage behind ``t``: a DTensor's local shard, a pending functional collective's result;
+    None for a tensor without one of its own (meta, other wrapper subclasses)."""
+    while True:
+        inner = getattr(t, "_local_tensor", None)
+        if inner is None:
+            inner = getattr(t, "elem", None) if type(t).__name__ == "AsyncCollectiveTensor" else None
+        if inner is None:
+            break
+        t = inner
+    if t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of storages allocated by ops run inside and still alive (see module docstring)."""
 
@@ -41,12 +59,12 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and not _is_meta(t)}
+        inputs = {st.data_ptr() for st in (_storage(t) for t in tree_flatten((args, kwargs))[0]
+                                           if isinstance(t, torch.Tensor)) if st is not None}
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or _is_meta(t):
+            st = _storage(t) if isinstance(t, torch.Tensor) else None
+            if st is None:
                 continue
-            st = t.untyped_storage()
             key, nbytes = st.data_ptr(), st.nbytes()
             if nbytes == 0 or key in inputs or key in self._refs:
                 continue
@@ -56,5 +74,24 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _is_meta(t: Any) -> bool:
-    return t.device.type == "meta"
+def resident_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (an iterable; None entries skipped)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = _storage(t) if isinstance(t, torch.Tensor) else None
+        if st is not None and st.nbytes() > 0:
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def step_allocated_bytes(tensors_before: Any, run_step: Any) -> tuple[int, int]:
+    """Allocator-level peak of one training step on any device (CPU included):
+    (bytes alive before it -- ``tensors_before``: parameters, buffers, optimizer states, gradient
+    buckets --, peak of what the step's ops allocate on top, ``LiveBytes``). The sum is the CPU
+    counterpart of ``torch.cuda.max_memory_allocated`` over that step: tensors only, no allocator
+    slack, no communication library buffers."""
+    before = resident_bytes(tensors_before)
+    live = LiveBytes()
+    with live:
+        run_step()
+    return before, live.peak_bytes
