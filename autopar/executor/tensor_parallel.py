@@ -27,8 +27,8 @@ embedding and head, as torchtitan does it):
   model prices the vocab-parallel loss; the fallback's gather is not in the estimate). Why not keep
   the gather for every loss_fn: it costs an all-gather of the logits per micro-batch and a full
   b·s·V logits tensor (plus its gradient) on every rank, which dominates the edges at large
-  vocabularies. With pp > 1 the pipeline schedule calls ``loss_fn`` on the last stage's DTensor
-  logits directly (inside the same ``loss_parallel()``), without the fallback;
+  vocabularies. With pp > 1 the pipeline schedule calls the same ``VocabParallelLoss`` on the last
+  stage's DTensor logits (inside the same ``loss_parallel()``; executor/apply.py), fallback included;
 * a tied embedding/head weight (GPT) is Shard(0) for both, so the one DTensor parameter serves
   both: the head keeps the embedding's sharded parameter (``_SharedColwise`` does not distribute an
   already-distributed parameter again). On pipeline stages the first stage holds it as the
