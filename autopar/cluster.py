@@ -36,10 +36,14 @@ class Link:
     # Measured per-collective fits (kind, latency_s, bus bandwidth in bytes/s) from `autopar profile
     # --comm`; a collective listed here is costed with its own fit instead of the figures above.
     fits: tuple[tuple[str, float, float], ...] = ()
+    # Measured (`autopar profile --comm`): what a blocking collective between compute costs beyond
+    # its fit, waiting for members the OS has descheduled -- ~1.7 ms per call at 4 single-threaded
+    # ranks on 2 CPU cores; not measured (0) where every rank has its own device.
+    rendezvous_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.bandwidth_bytes_per_s <= 0 or self.latency_s < 0:
-            raise ClusterError("link bandwidth must be > 0 and latency >= 0")
+        if self.bandwidth_bytes_per_s <= 0 or self.latency_s < 0 or self.rendezvous_s < 0:
+            raise ClusterError("link bandwidth must be > 0 and latency, rendezvous >= 0")
         if not 0 < self.max_efficiency <= 1:
             raise ClusterError("link max_efficiency must be in (0, 1]")
 
@@ -212,7 +216,7 @@ def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
         base = measured.comm.get("all_reduce") or next(iter(measured.comm.values()))
         changes[measured.comm_link] = dataclasses.replace(
             link, fits=fits, bandwidth_bytes_per_s=base.bandwidth_bytes_per_s, latency_s=base.latency_s,
-            max_efficiency=1.0, half_efficiency_bytes=0.0)
+            max_efficiency=1.0, half_efficiency_bytes=0.0, rendezvous_s=measured.comm_rendezvous_s)
     try:
         return dataclasses.replace(cluster, **changes)
     except (TypeError, ValueError) as exc:

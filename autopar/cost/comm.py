@@ -73,10 +73,10 @@ def collective_time_s(kind: str, message_bytes: float, group: GroupLink) -> floa
     if fit is not None:
         latency, bandwidth = fit
         bw = bandwidth * group.bandwidth_bytes_per_s / group.link.bandwidth_bytes_per_s
-        return volume / bw + hops * latency
+        return volume / bw + hops * latency + group.link.rendezvous_s
     step_bytes = message_bytes / n if kind != "p2p" else message_bytes
     bw = group.bandwidth_bytes_per_s * group.link.efficiency(step_bytes)
-    return volume / bw + hops * group.link.latency_s
+    return volume / bw + hops * group.link.latency_s + group.link.rendezvous_s
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -63,7 +63,7 @@ def _measure(args: argparse.Namespace) -> int:
             out = Path(args.output)
             data = read_profile(out)
             measured = dict(data.get("measured") or {})
-            measured["comm"] = comm_to_dict(result["fits"], result["ranks"], result["link"])
+            measured["comm"] = comm_to_dict(result["fits"], result["ranks"], result["link"], result["rendezvous_s"])
             if device.type == "cpu":
                 measured["memory_baseline_bytes"] = result["memory_baseline_bytes"]
             measured.setdefault("device", _device_info(device, torch.get_num_threads()))

@@ -16,6 +16,10 @@ fitted by non-negative least squares to the cost model's own formula
 executor's neighbour exchange between the two ranks of each pair (``_send_recv``: each sends M and receives M
 at once, back to back, as a ring-attention shift or a pipeline's steady state does).
 
+Rendezvous: a blocking collective between bursts of compute also waits for members the OS has
+descheduled when ranks share cores (``_rendezvous_time``); measured once and stored as
+``rendezvous_s``, the cost model adds it to every collective call on that link.
+
 All ranks of one torchrun are taken as one link: ``intra_node`` on one node (``--standalone``),
 ``inter_node`` when LOCAL_WORLD_SIZE < WORLD_SIZE (the measured groups then span nodes).
 """
@@ -144,6 +148,46 @@ def _p2p_time(message_bytes: int, repeats: int, device: torch.device, pair: Any)
     return float(value)
 
 
+def _rendezvous_time(device: torch.device, pair: Any, repeats: int) -> float:
+    """What a blocking collective costs between bursts of compute beyond its own time: every rank
+    alternates ~``BURST`` of GEMMs with a small all-to-all in its pair (as a cp rank alternates
+    attention steps with exchanges), and the loop's time per call is compared with the bursts alone
+    plus the collectives alone. Where ranks share cores, a rank reaching the collective waits for a
+    partner the OS has descheduled (at 4 single-threaded ranks on 2 cores ~1.7 ms per call; noise
+    on GPU). Collective over the world; the median over ``repeats`` of the slowest rank, >= 0."""
+    import torch.distributed._functional_collectives as fc
+
+    a = torch.randn(192, 192, device=device)
+    x = torch.ones(2**16, device=device)
+    calls = 32
+
+    def burst() -> None:
+        for _ in range(20):
+            a @ a
+
+    def exchange() -> None:
+        if pair is not None:
+            fc.wait_tensor(fc.all_to_all_single_autograd(x, None, None, pair))
+
+    def per_call(work: Callable[[], None]) -> float:
+        work()
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            work()
+        _sync(device)
+        t = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    samples = []
+    for _ in range(repeats):
+        both = per_call(lambda: (burst(), exchange()))
+        samples.append(both - per_call(burst) - per_call(exchange))
+    return max(0.0, statistics.median(samples))
+
+
 def _pair_groups() -> Any:
     """Disjoint pairs (0, 1), (2, 3), ... of the world (collective: every rank creates every
     group); this rank's pair, or None for the odd rank out."""
@@ -188,5 +232,8 @@ def profile_comm(device: torch.device, sizes: tuple[int, ...] = DEFAULT_SIZES, r
         if log:
             f = fits[kind]
             log(f"{kind}: latency {f.latency_s * 1e6:.1f} us, bandwidth {f.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+    rendezvous = _rendezvous_time(device, pair, repeats)
+    if log:
+        log(f"rendezvous: {rendezvous * 1e6:.1f} us per blocking collective between compute")
     link = "inter_node" if int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world else "intra_node"
-    return {"fits": fits, "ranks": world, "link": link, "memory_baseline_bytes": float(rss)}
+    return {"fits": fits, "ranks": world, "link": link, "memory_baseline_bytes": float(rss), "rendezvous_s": rendezvous}

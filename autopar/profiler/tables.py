@@ -12,7 +12,7 @@ key of a cluster profile (docs/profiles.md); every part of it is optional:
       memory_bandwidth: [{bytes, bytes_per_s}, ...]
       fitted: {peak_flops, gemm_max, gemm_half_dim, memory_bandwidth_bytes_per_s, kernel_overhead_s}
       memory_baseline_bytes: <process memory before any model state, per rank>
-      comm: {ranks, link, collectives: {all_reduce: {latency_s, bandwidth_bytes_per_s, points: [...]}}}
+      comm: {ranks, link, rendezvous_s, collectives: {all_reduce: {latency_s, bandwidth_bytes_per_s, points: [...]}}}
 
 ``model.edges_replicated``: false (what ``autopar profile`` writes) -- every region has points at
 each measured tp, the edges as one tp rank of the executor runs them (vocab/tp embedding rows,
@@ -192,6 +192,7 @@ class MeasuredProfile:
     comm_link: str = "intra_node"
     comm_ranks: int = 0
     comm: Mapping[str, CollectiveFit] = field(default_factory=dict)
+    comm_rendezvous_s: float = 0.0  # extra per blocking collective between compute (autopar.profiler.comm)
 
 
 FITTED_KEYS = ("peak_flops", "gemm_max", "gemm_half_dim", "memory_bandwidth_bytes_per_s", "memory_efficiency",
@@ -275,6 +276,7 @@ def measured_from_dict(data: Any, where: str) -> MeasuredProfile:
         fitted=fitted,
         memory_baseline_bytes=None if baseline is None else _number(baseline, f"{where}.memory_baseline_bytes"),
         comm_link=link, comm_ranks=int(comm_data.get("ranks", 0)), comm=comm,
+        comm_rendezvous_s=_number(comm_data.get("rendezvous_s", 0.0), f"{where}.comm.rendezvous_s"),
     )
 
 
@@ -290,7 +292,7 @@ def layer_table_to_dict(table: LayerTable) -> tuple[dict[str, Any], dict[str, An
     return model, layers
 
 
-def comm_to_dict(fits: Mapping[str, CollectiveFit], ranks: int, link: str) -> dict[str, Any]:
-    return {"ranks": ranks, "link": link, "collectives": {
+def comm_to_dict(fits: Mapping[str, CollectiveFit], ranks: int, link: str, rendezvous_s: float = 0.0) -> dict[str, Any]:
+    return {"ranks": ranks, "link": link, "rendezvous_s": rendezvous_s, "collectives": {
         k: {"latency_s": f.latency_s, "bandwidth_bytes_per_s": f.bandwidth_bytes_per_s,
             "points": [list(p) for p in f.points]} for k, f in fits.items()}}

@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         result = profile_comm(torch.device("cpu"), sizes=(2**12, 2**16, 2**20), repeats=3)
         if rank == 0:
             torch.save({k: (f.latency_s, f.bandwidth_bytes_per_s, f.points) for k, f in result["fits"].items()}
-                       | {"_meta": (result["ranks"], result["link"], result["memory_baseline_bytes"])}, out)
+                       | {"_meta": (result["ranks"], result["link"], result["memory_baseline_bytes"], result["rendezvous_s"])}, out)
     finally:
         dist.destroy_process_group()
 
@@ -41,8 +41,9 @@ def test_two_rank_gloo_comm_profile_fits_every_collective() -> None:
         out = str(Path(tmp) / "comm.pt")
         mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
         result = torch.load(out, weights_only=False)
-    ranks, link, baseline = result.pop("_meta")
+    ranks, link, baseline, rendezvous = result.pop("_meta")
     assert ranks == 2 and link == "intra_node"
+    assert 0 <= rendezvous < 0.05  # a wait for a descheduled partner, at most a few time slices
     assert 50 * 2**20 < baseline < 4 * 2**30  # a python + torch process, not zero, not absurd
     assert set(result) == set(COLLECTIVES)
     for kind, (latency, bandwidth, points) in result.items():

@@ -327,6 +327,22 @@ def test_measured_collective_fit_prices_collectives(a100) -> None:
 # ---------------------------------------------------------------- fits and memory
 
 
+def test_measured_rendezvous_is_added_to_every_collective_call(a100) -> None:
+    data = {"comm": {"ranks": 4, "rendezvous_s": 2e-3,
+                     "collectives": {"all_to_all": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9}}}}
+    plain = with_measured(a100, measured_from_dict({"comm": {**data["comm"], "rendezvous_s": 0.0}}, "t"))
+    waits = with_measured(a100, measured_from_dict(data, "t"))
+    assert waits.intra_node.rendezvous_s == 2e-3 and a100.intra_node.rendezvous_s == 0.0
+    for kind in ("all_to_all", "all_reduce", "p2p"):
+        g0 = GroupLink(size=2, members_per_node=2, intra_node=True, bandwidth_bytes_per_s=plain.intra_node.bandwidth_bytes_per_s,
+                       link=plain.intra_node)
+        g1 = GroupLink(size=2, members_per_node=2, intra_node=True, bandwidth_bytes_per_s=waits.intra_node.bandwidth_bytes_per_s,
+                       link=waits.intra_node)
+        assert collective_time_s(kind, 2**20, g1) - collective_time_s(kind, 2**20, g0) == pytest.approx(2e-3)
+    assert collective_time_s("all_to_all", 2**20, GroupLink(size=1, members_per_node=1, intra_node=True,
+                                                              bandwidth_bytes_per_s=1e9, link=waits.intra_node)) == 0.0
+
+
 def test_collective_fit_recovers_latency_and_bandwidth() -> None:
     pts = []
     for n in (2, 4):
