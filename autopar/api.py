@@ -160,6 +160,10 @@ def apply_plan(model: ModelLike, plan: PlanLike, *, seed: int = 0, lr: float = 1
     ``torch.distributed.init_process_group``) of the plan's world size must call it. The weights are
     those of ``torch.manual_seed(seed); build_model()``. Returns the ``Executable`` (``parts``,
     ``optimizer``, ``schedule`` when pp > 1) that ``autopar.executor.train.train`` drives.
+
+    With tp > 1 the model's output logits are a DTensor sharded on the vocabulary: compute the loss
+    (and its backward) inside ``torch.distributed.tensor.parallel.loss_parallel()``, as ``train``
+    does, or ``full_tensor()`` them first (an all-gather of the logits).
     """
     import torch.distributed as dist
 
