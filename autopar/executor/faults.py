@@ -61,8 +61,8 @@ class CollectiveRecord:
 def enable_flight_recorder(entries: int = 2000) -> None:
     """Turn on torch's collective flight recorder. Call before ``init_process_group``."""
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(entries))
-    # The older name too, although torch 2.13 warns that it is deprecated: without it, 3 of ~30
-    # CPU runs aborted at exit ("terminate called without an active exception"), 0 of 44 with it.
+    # The older name too, although torch 2.13 warns that it is deprecated: without it, 3 of 44
+    # CPU runs aborted at exit ("terminate called without an active exception"), 0 of 24 with it.
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(entries))
 
 
