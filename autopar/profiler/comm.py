@@ -169,17 +169,8 @@ def _rendezvous_time(device: torch.device, pair: Any, repeats: int) -> float:
         if pair is not None:
             fc.wait_tensor(fc.all_to_all_single_autograd(x, None, None, pair))
 
-    def per_call(work: Callable[[], None]) -> float:
-        work()
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            work()
-        _sync(device)
-        t = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+    def per_call(work: Callable[[], None]) -> float:  # over the world: every pair at once
+        return _timed(work, 1, None, device, calls)
 
     samples = []
     for _ in range(repeats):
