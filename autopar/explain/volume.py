@@ -182,7 +182,8 @@ def _cp_items(add, graph: ModelGraph, cfg, block_calls: float, x: float) -> None
     fwd_reps = 2 if cfg.recompute == "full" else 1
     if cfg.cp_kind == "ring":
         add("CP ring K,V (forward)", "p2p", "cp", block_calls * (n - 1) * fwd_reps, kv)
-        add("CP ring K,V and dK,dV (backward)", "p2p", "cp", block_calls * 2 * (n - 1), kv)
+        # backward sends each received block's gradient back once; the received K,V were saved
+        add("CP ring dK,dV (backward)", "p2p", "cp", block_calls * (n - 1), kv)
     elif cfg.cp_kind == "allgather":
         add("CP all-gather K,V (forward)", "all_gather", "cp", block_calls * fwd_reps, kv * n)
         add("CP reduce-scatter dK,dV (backward)", "reduce_scatter", "cp", block_calls, kv * n)
