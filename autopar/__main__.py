@@ -1,3 +1,3 @@
-from autopar.cli import main
+from autopar.cli import exit_process, main
 
-raise SystemExit(main())
+exit_process(main())

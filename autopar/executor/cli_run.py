@@ -264,4 +264,6 @@ add_arguments = add_run_arguments
 main = run_main
 
 if __name__ == "__main__":
-    raise SystemExit(standalone_main())
+    from autopar.cli import exit_process
+
+    exit_process(standalone_main())
