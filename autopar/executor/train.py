@@ -109,6 +109,13 @@ def rows(x: Any, start: int, end: int) -> Any:
     return x
 
 
+def rank_batch(exe: Executable, mf: ModelFile, step: int, seed: int) -> Any:
+    """This rank's data-parallel rows of global batch ``step`` of ``seed``, on its device."""
+    g = exe.plan.training.global_batch_size
+    per_dp, d = g // exe.plan.parallel.dp, exe.mesh.coords.dp
+    return to_device(rows(global_batch(mf, g, step, seed), d * per_dp, (d + 1) * per_dp), exe.mesh.device)
+
+
 def to_device(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device)
@@ -237,13 +244,11 @@ def train(
     guard = hooks.guard or (lambda phase: nullcontext())
     baseline = rss_baseline()
     trainer = _Trainer(exe, mf)
-    per_dp = g // par.dp
-    d = exe.mesh.coords.dp
     losses, times = [], []
     for step in range(start_step, steps):
         if hooks.before_step is not None:
             hooks.before_step(step)
-        batch = to_device(rows(global_batch(mf, g, step, seed), d * per_dp, (d + 1) * per_dp), device)
+        batch = rank_batch(exe, mf, step, seed)
         with guard(f"step {step + 1}"):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

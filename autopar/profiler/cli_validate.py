@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
@@ -138,7 +137,7 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
         if device.type == "cuda":
             allocated = float(torch.cuda.max_memory_allocated(device))
         else:
-            allocated = float(sum(_cpu_step_allocated(exe, mf, plan, args.steps, args.seed)))
+            allocated = float(sum(_cpu_step_allocated(exe, mf, args.steps, args.seed)))
         peak = allocated + prediction["reserve_bytes"]
         rss = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         mine = torch.tensor([peak, float(baseline), rss], dtype=torch.float64, device=device)
@@ -157,11 +156,11 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
     return 0
 
 
-def _cpu_step_allocated(exe, mf, plan, step: int, seed: int) -> tuple[int, int]:  # noqa: ANN001
+def _cpu_step_allocated(exe, mf, step: int, seed: int) -> tuple[int, int]:  # noqa: ANN001
     """(bytes alive before, peak allocated during) one more training step of this rank."""
     import torch
 
-    from autopar.executor.train import _Trainer, global_batch, rows
+    from autopar.executor.train import _Trainer, rank_batch
     from autopar.profiler.memory import step_allocated_bytes
 
     before: list[torch.Tensor] = []
@@ -173,9 +172,7 @@ def _cpu_step_allocated(exe, mf, plan, step: int, seed: int) -> tuple[int, int]:
     # DDP's gradient buckets live in C++, out of the step's sight: one flat copy of the gradients
     buckets = sum(p.numel() * p.element_size() for w in exe.dp if w.kind == "ddp"
                   for p in w.module.parameters() if p.requires_grad)
-    per_dp = plan.training.global_batch_size // plan.parallel.dp
-    d = exe.mesh.coords.dp
-    batch = rows(global_batch(mf, plan.training.global_batch_size, step, seed), d * per_dp, (d + 1) * per_dp)
+    batch = rank_batch(exe, mf, step, seed)
     trainer = _Trainer(exe, mf)
     alive, peak = step_allocated_bytes(before, lambda: trainer.step(batch))
     return alive + buckets, peak
