@@ -20,11 +20,9 @@ each step, prints measured vs predicted (the plan's ``prediction`` mapping: ``st
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.cost.stage import StageTerms
-from autopar.cost.step import Estimate, chunk_rank
+from autopar.cost.step import Estimate
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.errors import ModelFileError
 from autopar.graph.trace import Trace, run_and_trace
-from autopar.modelfile import ModelFile, call_model
+from autopar.modelfile import call_model
 
 REGIONS = ("pre", "block", "post", "loss")
 

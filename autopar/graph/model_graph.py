@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.errors import ModelFileError
 from autopar.graph.build import (
-    find_blocks, one_block_model, shard_for_tp, slice_sequence, trace_model, vocab_size_of,
+    find_blocks, one_block_model, shard_for_tp, slice_sequence, trace_model,
 )
 from autopar.graph.scaling import RegionFit, Shape, fit_region
 from autopar.modelfile import ModelFile, load_model_file
@@ -153,7 +153,6 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         inputs2 = slice_sequence(inputs2, mf.seq_len, base_seq)
 
     small = one_block_model(model, blocks_attr)
-    block = small.get_submodule(blocks_attr)[0]
 
     def run(m: nn.Module, inp: Any) -> Any:
         blk = m.get_submodule(blocks_attr)[0]
