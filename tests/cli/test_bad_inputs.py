@@ -8,16 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-MODELS = Path(__file__).resolve().parents[1] / "data" / "models"
-GPT12 = MODELS / "gpt12.py"  # 4 blocks, 12 heads, seq 64
-
-GOOD = {
-    "version": 1,
-    "model": {"file": str(GPT12), "num_blocks": 4},
-    "cluster": {"profile": "a100-80g", "num_gpus": 8, "gpus_per_node": 8},
-    "training": {"global_batch_size": 16, "micro_batch_size": 1, "seq_len": 64},
-    "parallel": {"dp": 2, "tp": 4, "pp": 1},
-}
+from plan_data import GOOD, GPT12, MODELS
 
 
 def _plan(tmp_path: Path, name: str = "plan.yaml", **sections: dict) -> Path:

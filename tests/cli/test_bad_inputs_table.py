@@ -14,17 +14,9 @@ from typing import Callable
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-MODELS = REPO / "tests" / "data" / "models"
-GPT12 = MODELS / "gpt12.py"  # 4 blocks, 12 heads, seq 64
+from plan_data import GOOD, GPT12, MODELS, REPO
+
 TINY = REPO / "tests" / "dist" / "models" / "tiny_gpt.py"  # 4 blocks, 4 heads, seq 32
-GOOD = {
-    "version": 1,
-    "model": {"file": str(GPT12), "num_blocks": 4},
-    "cluster": {"profile": "a100-80g", "num_gpus": 8, "gpus_per_node": 8},
-    "training": {"global_batch_size": 16, "micro_batch_size": 1, "seq_len": 64},
-    "parallel": {"dp": 2, "tp": 4, "pp": 1},
-}
 RUN_GOOD = {
     "version": 1,
     "model": {"file": str(TINY), "num_blocks": 4},
