@@ -73,7 +73,8 @@ def _cause(exc: BaseException) -> str:
 
 
 @contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
+def stdout_to_stderr() -> Iterator[None]:
+    """Point fd 1 and ``sys.stdout`` at stderr for the body (prints of user code stay off stdout)."""
     try:
         sys.stdout.flush()
     except (OSError, ValueError):
@@ -127,7 +128,7 @@ def user_code(what: str, path: object, where: str = "") -> Iterator[None]:
         threading.Thread(target=backstop, name="autopar-usercode-backstop", daemon=True).start()
     _settings.depth += 1
     try:
-        with _stdout_to_stderr():
+        with stdout_to_stderr():
             yield
     except _Timeout:
         raise ModelFileError(_message(what, path, limit_s)) from None
@@ -145,3 +146,22 @@ def user_code(what: str, path: object, where: str = "") -> Iterator[None]:
         if use_alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old_handler)
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type of ``--timeout``: a positive, finite number of seconds."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def add_timeout_argument(parser, default: float = DEFAULT_TIMEOUT_S) -> None:  # noqa: ANN001
+    parser.add_argument("--timeout", type=positive_seconds, default=default, metavar="S",
+                        help=f"time limit of each call into the model file: import, build_model, example_inputs "
+                             f"(default {default:g} s); a hang becomes a one-line error")

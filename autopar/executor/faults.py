@@ -145,10 +145,11 @@ def failure_message(rank: int, phase: str, timeout_s: float, exc: BaseException 
     what = f"collective {rec.describe()}" if rec else "a collective (no flight-recorder trace available)"
     timed_out = exc is None or "imed out" in str(exc)
     how = f"did not complete within --timeout {timeout_s:g} s" if timed_out else "lost a peer"
-    detail = f" [{str(exc).splitlines()[0][:160]}]" if exc is not None else ""
+    text = (str(exc).strip().splitlines() or [""])[0] if exc is not None else ""
+    detail = f" [{text[:120]}]" if text else ""
     return (
         f"rank {rank} in {phase}: {what} {how}{detail}; another rank died or hung (see its log); "
-        "resume with --resume, or run under torchrun --max-restarts to restart automatically"
+        "resume with --resume, or run with --max-restarts R to restart automatically"
     )
 
 

@@ -116,6 +116,7 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
     from autopar.executor.faults import Watchdog, enable_flight_recorder, inject_fault, poison_loss, set_group_timeouts
     from autopar.executor.mesh import backend_for, build_mesh, device_for_rank
     from autopar.executor.tracing import make_tracer
+    from autopar.launch.local import write_status
     from autopar.executor.train import StepHooks, train
 
     device = device_for_rank()
@@ -207,7 +208,11 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
 
         tracer = make_tracer(args.trace, rank, all_ranks=args.trace_all_ranks, steps_to_run=args.steps - start,
                              trace_steps=args.trace_steps)
-        hooks = StepHooks(before_step=lambda s: inject_fault(s, rank), after_step=after_step, guard=watchdog.guard,
+        def before_step(step: int) -> None:
+            write_status(f"step {step + 1}")  # a rank killed between phases is reported at the right step
+            inject_fault(step, rank)
+
+        hooks = StepHooks(before_step=before_step, after_step=after_step, guard=watchdog.guard,
                           profile_step=tracer.step if tracer else None)
         if log and start >= args.steps:
             log(f"the checkpoint already has {start} >= --steps {args.steps} steps; nothing to train")
