@@ -184,6 +184,10 @@ def _verdict(ranks: Sequence[_Rank], first: _Rank | None, status_dir: Path, stop
     dead = [r for r in ranks if (codes[r.rank] or 0) < 0 and r.rank not in stopped_after]
     faults = [e for r in ranks if codes[r.rank] == EXIT_FAULT for e in r.errors]
     usage = [e for r in ranks if codes[r.rank] == EXIT_USAGE for e in r.errors]
+    hung = sorted(stopped_after)
+    tail = (f"; rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} "
+            f"{'were' if len(hung) > 1 else 'was'} still running (hung) and {'were' if len(hung) > 1 else 'was'} stopped"
+            if hung else "")
     if dead:
         d = dead[0]
         where = _phase(status_dir, d.rank)
@@ -193,8 +197,12 @@ def _verdict(ranks: Sequence[_Rank], first: _Rank | None, status_dir: Path, stop
         else:
             line += "; the other ranks were stopped; resume with --resume, or run with --max-restarts to restart"
         return Outcome(code=EXIT_FAULT, line=line)
+    if usage and (first is None or codes[first.rank] == EXIT_USAGE):
+        # bad input found by a rank (a damaged checkpoint, a NaN loss): the root cause, even when
+        # the other ranks then lost it as a peer
+        return Outcome(code=EXIT_USAGE, line=usage[0])
     if faults:
-        return Outcome(code=EXIT_FAULT, line=faults[0])
+        return Outcome(code=EXIT_FAULT, line=faults[0] + tail)
     if usage:
         return Outcome(code=EXIT_USAGE, line=usage[0])
     assert first is not None
