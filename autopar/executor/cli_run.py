@@ -42,7 +42,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", metavar="PATH", help="write the JSON run report here (rank 0)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="collective timeout in seconds (default 600): a hang becomes an error naming the rank "
-                             "and the collective")
+                             "and the collective (exit 4); also the time limit of each call into the model file")
     g = parser.add_argument_group("checkpoints and faults (docs/reliability.md)")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="write sharded DCP checkpoints here (atomic; 'latest' pointer)")
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",

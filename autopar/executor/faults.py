@@ -18,7 +18,8 @@
   makes rank r SIGKILL itself before step index k; ``AUTOPAR_TEST_HANG_AT_STEP`` /
   ``AUTOPAR_TEST_HANG_RANK`` makes it sleep forever instead; ``AUTOPAR_TEST_STOP_AT_STEP`` /
   ``AUTOPAR_TEST_STOP_RANK`` makes it SIGSTOP itself (a frozen process); ``AUTOPAR_TEST_NAN_AT_STEP``
-  makes every rank's loss of that step NaN (``poison_loss``).
+  makes every rank's loss of that step NaN (``poison_loss``); ``AUTOPAR_TEST_KILL_IN_SAVE=r`` kills
+  rank r inside a checkpoint save (``inject_save_fault``).
 """
 
 from __future__ import annotations
@@ -217,6 +218,15 @@ def inject_fault(step: int, rank: int) -> None:
                 return
             while True:
                 time.sleep(3600)
+
+
+def inject_save_fault(rank: int) -> None:
+    """Test hook: ``AUTOPAR_TEST_KILL_IN_SAVE=r`` SIGKILLs rank r in the first checkpoint save, after
+    the shards are written and before the checkpoint is published."""
+    who = os.environ.get("AUTOPAR_TEST_KILL_IN_SAVE")
+    if who is not None and first_attempt() and int(who) == rank:
+        print(f"autopar: test hook: rank {rank} kills itself in a checkpoint save", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def poison_loss(steps_done: int, loss: float) -> float:

@@ -113,7 +113,8 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
 
     from autopar.executor.apply import build_executable
     from autopar.executor.checkpoint import Checkpointer, load
-    from autopar.executor.faults import Watchdog, enable_flight_recorder, inject_fault, poison_loss, set_group_timeouts
+    from autopar.executor.faults import (Watchdog, enable_flight_recorder, inject_fault, inject_save_fault, poison_loss,
+                                         set_group_timeouts)
     from autopar.executor.mesh import backend_for, build_mesh, device_for_rank
     from autopar.executor.tracing import make_tracer
     from autopar.launch.local import write_status
@@ -202,7 +203,7 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
                                     "lower --lr, or check the model's numerics and data")
             history.append(loss)
             if ck is not None and ck.due(done, args.steps):
-                last_saved[0] = ck.save(exe, done, history)
+                last_saved[0] = ck.save(exe, done, history, before_publish=lambda: inject_save_fault(rank))
                 if log:
                     log(f"checkpoint {last_saved[0]}")
 
