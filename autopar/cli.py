@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 2 bad input, including a request no plan can meet ("no plan fits ...": a
 one-line ``autopar: error: ...`` on stderr, nothing written); 4 a rank died or a collective hung during ``autopar run``
-(autopar.executor.faults); 1 an internal error (a bug: please report it).
+(autopar.executor.faults, autopar.launch.local); 128 + signal when interrupted (130 SIGINT, 143 SIGTERM);
+1 an internal error (a bug: please report it). The whole contract: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="autopar", description="Plan and run hybrid-parallel PyTorch training.",
                      epilog="exit codes: 0 ok, 2 bad input or no plan fits memory, 4 a rank died or hung, "
-                            "1 internal error")
+                            "130/143 interrupted, 1 internal error (docs/reliability.md)")
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True

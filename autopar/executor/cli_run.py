@@ -277,7 +277,10 @@ def format_comparison(report: dict[str, Any]) -> str:
 
 
 def standalone_main(argv: list[str] | None = None) -> int:
-    """Standalone entry used by the torchrun re-launch (and usable without autopar.cli)."""
+    """Standalone entry used by the rank launcher (and usable without autopar.cli)."""
+    from autopar.launch.local import arm_parent_death_signal
+
+    arm_parent_death_signal()
     parser = argparse.ArgumentParser(prog="autopar run")
     add_run_arguments(parser)
     args = parser.parse_args(argv)

@@ -21,8 +21,9 @@ rank code is the same under either, and adds:
   line), ``TORCHELASTIC_RESTART_COUNT`` counting up; the ranks resume from the last checkpoint.
 * **Signals.** SIGTERM, SIGINT and SIGHUP to the launcher are forwarded to every rank (each in
   its own process group, so its children stop too); the launcher waits ``STOP_GRACE_S`` for them,
-  then kills what is left, prints one line and exits ``128 + signal``. Ranks also get
-  ``PR_SET_PDEATHSIG`` (Linux): if the launcher itself is killed, they die with it.
+  then kills what is left, prints one line and exits ``128 + signal``. Ranks also arm
+  ``PR_SET_PDEATHSIG`` (Linux, ``arm_parent_death_signal``): if the launcher itself is killed, they
+  die with it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_FAULT = 0, 1, 2, 4
-REPORT_GRACE_S = 5.0  # after the first failure: time the other ranks get to exit with their own line
+REPORT_GRACE_S = 3.0  # after the first failure: time the other ranks get to exit with their own line
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
 ERROR_PREFIX = "autopar: error: "
 _PR_SET_PDEATHSIG = 1
@@ -71,11 +72,19 @@ def loopback_interface() -> str | None:
     return next((n for n in names if n in ("lo", "lo0")), next((n for n in names if n.startswith("lo")), None))
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+def arm_parent_death_signal() -> None:
+    """Rank side, first thing: die with the launcher (``PR_SET_PDEATHSIG``, Linux). Done in the rank
+    rather than in a ``preexec_fn`` (not safe in a launcher that runs threads); a launcher that died
+    before this ran is caught by comparing the parent pid with ``AUTOPAR_LAUNCHER_PID``."""
+    launcher = os.environ.get("AUTOPAR_LAUNCHER_PID")
+    if not launcher or sys.platform != "linux":
+        return
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != int(launcher):
+        os._exit(EXIT_FAULT)
 
 
 @dataclass(kw_only=True)
@@ -226,7 +235,8 @@ def _attempt(job: LocalJob, attempt: int, run_id: str, status_dir: Path, stopper
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(job.nproc),
                 LOCAL_WORLD_SIZE=str(job.nproc), GROUP_RANK="0", ROLE_RANK="0", ROLE_WORLD_SIZE=str(job.nproc),
                 TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(job.max_restarts),
-                TORCHELASTIC_RUN_ID=run_id, AUTOPAR_STATUS_DIR=str(status_dir), AUTOPAR_LOOPBACK_STORE="1")
+                TORCHELASTIC_RUN_ID=run_id, AUTOPAR_STATUS_DIR=str(status_dir), AUTOPAR_LOOPBACK_STORE="1",
+                AUTOPAR_LAUNCHER_PID=str(os.getpid()))
     base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     lo = loopback_interface()
     if lo and "GLOO_SOCKET_IFNAME" not in job.env:
@@ -240,11 +250,11 @@ def _attempt(job: LocalJob, attempt: int, run_id: str, status_dir: Path, stopper
                 env["AUTOPAR_STORE_FD"] = str(listener.fileno())
                 fds = (listener.fileno(),)
             proc = subprocess.Popen([sys.executable, *job.argv], env=env, stderr=subprocess.PIPE, pass_fds=fds,
-                                    start_new_session=True, preexec_fn=_set_pdeathsig if sys.platform == "linux" else None)
-            r = _Rank(rank=rank, proc=proc)
-            r.reader = threading.Thread(target=_pump, args=(r,), name=f"autopar-rank{rank}-stderr", daemon=True)
+                                    start_new_session=True)
+            ranks.append(_Rank(rank=rank, proc=proc))
+        for r in ranks:  # after every fork: no reader thread runs while the launcher forks
+            r.reader = threading.Thread(target=_pump, args=(r,), name=f"autopar-rank{r.rank}-stderr", daemon=True)
             r.reader.start()
-            ranks.append(r)
     except BaseException:
         _stop(ranks, signal.SIGKILL, 0.0)
         raise
@@ -266,7 +276,7 @@ def _attempt(job: LocalJob, attempt: int, run_id: str, status_dir: Path, stopper
                 break
             if deadline is not None and time.monotonic() > deadline:
                 stopped = {r.rank for r in live}
-                _stop(ranks, signal.SIGTERM, 2.0)
+                _stop(ranks, signal.SIGTERM, 1.0)
                 return _verdict(ranks, first, status_dir, stopped)
             time.sleep(0.05)
     except BaseException:
