@@ -35,6 +35,7 @@ from autopar.spec.tp_plan import is_tp_linear
 
 Piece = tuple[int, int, int]  # (negative dim, stride, extent)
 Taint = dict[str, tuple[Piece, ...]]
+_POISON: tuple[Piece, ...] = ((-1, 1, 1),)  # a bad source's mark once its layout is lost
 
 _IDENTITY = {"_to_copy", "clone", "contiguous", "alias", "detach", "lift_fresh", "native_dropout", "dropout",
              "expand", "repeat", "copy_", "to", "type_as", "_conj", "resolve_conj", "resolve_neg"}
@@ -159,12 +160,22 @@ class _Tracker(TorchDispatchMode):
         if not flat_in:
             return out
         name = func._overloadpacket.__name__
+        srcs = {src for t in flat_in for src in self.get(t)}
         try:
             self.propagate(func, name, args, kwargs, out)
         except Exception as exc:  # noqa: BLE001 - an op this tracker misreads must not break the probe
-            for t in flat_in:
-                for src in self.get(t):
-                    self.bad(src, f"reaches {name}, which the data flow could not follow ({type(exc).__name__})")
+            for src in srcs:
+                self.bad(src, f"reaches {name}, which the data flow could not follow ({type(exc).__name__})")
+        # A bad source stays on what it touched, so that every layer it reaches sees it (and is
+        # refused as a row layer), even where its layout is lost.
+        poisoned = [s for s in srcs if s in self.flow.bad]
+        if poisoned and name not in _SHAPE_ONLY:
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor):
+                    taint = dict(self.get(o))
+                    for src in poisoned:
+                        taint.setdefault(src, _POISON)
+                    self.put(o, taint)
         return out
 
     def propagate(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
@@ -201,6 +212,13 @@ class _Tracker(TorchDispatchMode):
             dim = _pos(args[at] if len(args) > at else kwargs.get("dim", 0), x.dim())
             for o in outs:
                 self.put(o, self.take(self.get(x), x, dim, o.shape[dim], drop_dim=False, name=name))
+            return
+        if name == "stack":
+            tensors = list(args[0])
+            nd = tensors[0].dim()
+            dim = _pos(args[1] if len(args) > 1 else kwargs.get("dim", 0), nd + 1)
+            self.put(out, self.merge([self.remap(self.get(t), nd, nd + 1, lambda d: d if d < dim else d + 1)
+                                      for t in tensors]))
             return
         if name in ("cat", "concat"):
             tensors = [t for t in args[0] if t.dim() > 0]

@@ -1,0 +1,186 @@
+"""TP inferred from block 0's data flow (autopar.spec.tp_infer) equals the declared plans.
+
+The reference models are built without their ``_tp_plan`` (a subclass that carries none), so the
+spec must infer; Hugging Face models are compared against HF's own ``base_model_tp_plan`` as
+autopar resolves it (transformers optional). A decoder with names nothing like Megatron's or HF's
+(a fused key/value projection) and HF GPT-2 (Conv1D, a fused qkv split with a fixed width) must get
+TP too.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.modelfile import load_model_file
+from autopar.models.gpt import GPT_TP_PLAN
+from autopar.models.llama import LLAMA_TP_PLAN
+from autopar.spec import model_spec
+from autopar.spec.tp_flow import trace_flow
+from autopar.spec.tp_infer import pairs_of
+
+MODELS = Path(__file__).parent / "tp_models"
+
+
+def _file(tmp_path: Path, name: str, body: str) -> Path:
+    p = tmp_path / f"{name}.py"
+    p.write_text(textwrap.dedent(body))
+    return p
+
+
+def _spec(path: Path):
+    return model_spec(load_model_file(path))
+
+
+REF = '''
+from autopar.models.gpt import GPT, GPTConfig, example_tokens, next_token_loss
+from autopar.models.llama import Llama, LlamaConfig
+
+class Plain{cls}({cls}):
+    _tp_plan = None
+
+CONFIG = {cfg}
+SEQ_LEN = 16
+
+def build_model():
+    return Plain{cls}(CONFIG)
+
+def example_inputs(micro_batch_size):
+    return example_tokens(SEQ_LEN, CONFIG.vocab_size, micro_batch_size)
+
+def loss_fn(output, inputs):
+    return next_token_loss(output, inputs)
+'''
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpt_without_tp_plan_infers_the_declared_plan(tmp_path: Path, fused: bool) -> None:
+    cfg = f"GPTConfig(num_layers=2, hidden_size=32, num_heads=4, seq_len=16, vocab_size=64, fused_attention={fused})"
+    spec = _spec(_file(tmp_path, f"gpt_{fused}", REF.format(cls="GPT", cfg=cfg)))
+    assert spec.tp.source == "inferred", spec.tp.detail
+    assert dict(spec.tp.styles) == GPT_TP_PLAN
+    assert dict(spec.tp.fused) == {"attn.qkv": 3}
+    assert "2 column->row pairs" in spec.tp.detail and "checked on CPU" in spec.tp.detail
+    assert spec.supports("tp")
+
+
+def test_llama_without_tp_plan_infers_the_declared_plan(tmp_path: Path) -> None:
+    cfg = ("LlamaConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48, "
+           "seq_len=16, vocab_size=64)")
+    spec = _spec(_file(tmp_path, "llama", REF.format(cls="Llama", cfg=cfg)))
+    assert spec.tp.source == "inferred", spec.tp.detail
+    assert dict(spec.tp.styles) == LLAMA_TP_PLAN
+    assert dict(spec.tp.fused) == {}  # GQA k/v are narrower than q, not fused
+    # Llama's config says heads; the data flow agrees (q 4 heads, k/v 2).
+    assert (spec.num_heads, spec.num_kv_heads) == (4, 2)
+
+
+def test_unusual_names_with_a_fused_kv_get_tp_and_heads_from_the_data_flow() -> None:
+    spec = _spec(MODELS / "odd_names_decoder.py")
+    assert dict(spec.tp.styles) == {"mix.query": "colwise", "mix.keyval": "colwise", "mix.out": "rowwise",
+                                    "ffw.gate": "colwise", "ffw.up": "colwise", "ffw.down": "rowwise"}
+    # keyval is (kv_heads, 2, head_dim): k and v of a head sit together, so no permutation is needed
+    assert dict(spec.tp.fused) == {}
+    assert (spec.num_heads, spec.num_kv_heads) == (4, 2)  # no config: read off the reshape of q and k
+
+
+def test_hf_gpt2_conv1d_fused_qkv_and_per_rank_split_size() -> None:
+    pytest.importorskip("transformers")
+    spec = _spec(MODELS / "hf_gpt2.py")
+    assert dict(spec.tp.styles) == {"attn.c_attn": "colwise", "attn.c_proj": "rowwise",
+                                    "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
+    assert dict(spec.tp.fused) == {"attn.c_attn": 3}
+    assert "attn.split_size" in spec.tp.local_attrs
+
+
+def _hf_file(tmp_path: Path, name: str, cls: str, cfg_cls: str, cfg: str) -> Path:
+    return _file(tmp_path, name, f'''
+        import torch
+        import torch.fx.experimental._config
+        import transformers
+
+        # eager MoE routing calls nonzero(); on meta, torch can assume every element non-zero
+        torch.fx.experimental._config.meta_nonzero_assume_all_nonzero = True
+
+        CONFIG = transformers.{cfg_cls}({cfg}, use_cache=False)
+        SEQ_LEN = 16
+        CARRY = True
+
+        def build_model():
+            m = transformers.{cls}(CONFIG)
+            if not CARRY:
+                m.config.base_model_tp_plan = None
+                m._tp_plan = None
+            return m
+
+        def example_inputs(micro_batch_size):
+            return torch.randint(0, CONFIG.vocab_size, (micro_batch_size, SEQ_LEN))
+
+        def loss_fn(output, inputs):
+            return output.logits.float().mean()
+    ''')
+
+
+HF = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+    "mistral": ("MistralForCausalLM", "MistralConfig"),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig"),
+}
+HF_CFG = ("vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, "
+          "num_key_value_heads=2, max_position_embeddings=16")
+
+
+@pytest.mark.parametrize("name", sorted(HF))
+def test_inferred_equals_hf_own_plan(tmp_path: Path, name: str) -> None:
+    pytest.importorskip("transformers")
+    cls, cfg_cls = HF[name]
+    # eager experts: the grouped-mm kernel wants bf16 even on meta
+    cfg = HF_CFG + (", num_local_experts=4, num_experts_per_tok=2, experts_implementation='eager'"
+                    if name == "mixtral" else "")
+    carried = _spec(_hf_file(tmp_path, f"{name}_carried", cls, cfg_cls, cfg))
+    assert carried.tp.source == "model"
+    path = _hf_file(tmp_path, f"{name}_bare", cls, cfg_cls, cfg)
+    path.write_text(path.read_text().replace("CARRY = True", "CARRY = False"))
+    inferred = _spec(path)
+    assert inferred.tp.source == "inferred", inferred.tp.detail
+    want = dict(carried.tp.styles)
+    if name == "mixtral":  # the experts are not Linear layers: compare the attention part
+        want = {k: v for k, v in want.items() if k.startswith("self_attn.")}
+    assert dict(inferred.tp.styles) == want
+
+
+class _Norm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+
+
+class _Bad(nn.Module):
+    """fc1's features are normalised (mixed) before fc2: no pair; a head-wise attention output
+    re-ordered across heads (kv heads tiled, not grouped) before o: no pair either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.norm = _Norm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc2(self.norm(self.fc1(x)))
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 2, 4).flip(2)  # the heads dim, reversed: rank 0 would need rank 1's head
+        return y + self.o(q.reshape(b, s, 8))
+
+
+def test_pairs_whose_features_mix_are_refused() -> None:
+    block = _Bad().to("meta")
+    x = torch.empty(1, 4, 8, device="meta")
+    flow = trace_flow(block, block, lambda: block(x))
+    pairs, notes = pairs_of(flow)
+    assert pairs == []
+    assert "is reduced by mean" in flow.bad["fc1"]
+    assert "flip" in flow.bad["q"]
