@@ -23,7 +23,7 @@ from autopar.errors import ModelFileError
 from autopar.graph.trace import Trace, run_and_trace
 from autopar.modelfile import call_model
 from autopar.spec.meta import tolerant_meta
-from autopar.spec.tp_plan import is_tp_linear
+from autopar.spec.tp_plan import is_tp_linear, set_local_attrs
 
 REGIONS = ("pre", "block", "post", "loss")
 
@@ -60,15 +60,6 @@ def _narrowed(mod: nn.Module, style: str, tp: int) -> nn.Module:
     if hasattr(new, "nf"):
         new.nf, new.nx = nf, nx
     return new
-
-
-def set_local_attrs(block: nn.Module, local_attrs: tuple[str, ...], tp: int) -> None:
-    """Divide each named integer attribute of ``block`` by tp (TPPlan.local_attrs: code that splits a
-    sharded projection with a fixed width, HF GPT-2's ``split_size``)."""
-    for path in local_attrs:
-        owner_name, _, attr = path.rpartition(".")
-        owner = block.get_submodule(owner_name) if owner_name else block
-        setattr(owner, attr, getattr(owner, attr) // tp)
 
 
 def shard_block_for_tp(block: nn.Module, tp_plan: Mapping[str, str], tp: int, local_attrs: tuple[str, ...] = (),

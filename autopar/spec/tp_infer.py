@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.spec.meta import tolerant_meta
 from autopar.spec.tp_flow import Flow, trace_flow
-from autopar.spec.tp_plan import TPPlan
+from autopar.spec.tp_plan import TPPlan, set_local_attrs
 
 _MAX_CHECK_PARAMS = 8_000_000  # numeric check on CPU below this many block parameters (2 shared cores)
 _MAX_CHECK_INPUT = 2_000_000  # ... and this many input elements
@@ -162,8 +162,6 @@ def fused_permutation(width: int, k: int, tp: int) -> torch.Tensor:
 
 def _rank_copy(full: nn.Module, styles: dict[str, str], fused: dict[str, int], attrs: tuple[str, ...],
                rank: int, tp: int) -> nn.Module:
-    from autopar.graph.build import set_local_attrs
-
     local = copy.deepcopy(full)
     with torch.no_grad():
         for name, style in styles.items():

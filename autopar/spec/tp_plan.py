@@ -165,3 +165,12 @@ def strip_prefixes(path: str, prefixes: tuple[str, ...]) -> list[str]:
         if p and path.startswith(p):
             out.append(path[len(p):])
     return out
+
+
+def set_local_attrs(block: nn.Module, local_attrs: tuple[str, ...], tp: int) -> None:
+    """Divide each named integer attribute of ``block`` by tp (TPPlan.local_attrs: code that splits a
+    sharded projection with a fixed width, HF GPT-2's ``split_size``)."""
+    for path in local_attrs:
+        owner_name, _, attr = path.rpartition(".")
+        owner = block.get_submodule(owner_name) if owner_name else block
+        setattr(owner, attr, getattr(owner, attr) // tp)

@@ -23,7 +23,7 @@ from autopar.spec import model_spec
 from autopar.spec.tp_flow import trace_flow
 from autopar.spec.tp_infer import pairs_of
 
-MODELS = Path(__file__).parent / "tp_models"
+MODELS = Path(__file__).resolve().parents[1] / "dist" / "models"  # shared with tests/dist/test_tp_foreign.py
 
 
 def _file(tmp_path: Path, name: str, body: str) -> Path:
