@@ -184,3 +184,77 @@ def test_pairs_whose_features_mix_are_refused() -> None:
     assert pairs == []
     assert "is reduced by mean" in flow.bad["fc1"]
     assert "flip" in flow.bad["q"]
+
+
+GPT_FILE = '''
+import torch.nn.functional as F
+from autopar.models.gpt import GPT, GPTConfig, example_tokens
+
+CONFIG = GPTConfig(num_layers=2, hidden_size=32, num_heads=4, seq_len=16, vocab_size=64)
+SEQ_LEN = 16
+VOCAB = 64
+{extra}
+
+def build_model():
+    return GPT(CONFIG)
+
+def example_inputs(micro_batch_size):
+    return example_tokens(SEQ_LEN, VOCAB, micro_batch_size)
+
+def loss_fn(output, inputs):
+    {loss}
+'''
+
+
+def test_a_loss_with_the_vocabulary_constant_keeps_tp(tmp_path: Path) -> None:
+    """logits.view(-1, VOCAB) fails on the planner's half-vocabulary meta logits; the executor's
+    DTensor logits have the global shape, so TP must stay offered, with the head still priced
+    vocab-parallel and the loss measured at full vocabulary."""
+    from autopar.graph.measure import build_graph
+
+    loss = "return F.cross_entropy(output[:, :-1].reshape(-1, VOCAB).float(), inputs[:, 1:].reshape(-1))"
+    g = build_graph(_file(tmp_path, "gpt_vocab_loss", GPT_FILE.format(extra="", loss=loss)))
+    assert g.support["tp"] is None, g.support["tp"]
+    assert g.tp_styles == GPT_TP_PLAN
+    head_gemms = [op for op in g.regions["post"].ops if op.kind == "gemm"]
+    assert head_gemms and all(op.flops_exps.t == pytest.approx(1.0) for op in head_gemms)
+    assert all(op.flops_exps.t == 0.0 for op in g.regions["loss"].ops)
+
+
+def test_hf_style_patterns_resolve_the_same_in_planner_and_executor(tmp_path: Path) -> None:
+    """``layers.*.x`` patterns (as HF writes them) become the block-relative plan that the graph
+    (planner) shards and the executor's apply_tp / fused permutations read: one source."""
+    from autopar.executor.tensor_parallel import fused_factors
+    from autopar.graph.build import match_tp_style, one_block_model, shard_for_tp
+    from autopar.graph.measure import build_graph
+
+    plan = "{" + ", ".join(f"'layers.*.{k}': '{v}'" for k, v in GPT_TP_PLAN.items()) + "}"
+    loss = "return output.float().mean()"
+    path = _file(tmp_path, "gpt_hf_patterns", GPT_FILE.format(extra=f"tp_plan = {plan}", loss=loss))
+    mf = load_model_file(path)
+    spec = model_spec(mf)
+    assert spec.tp.source == "declared" and dict(spec.tp_plan) == GPT_TP_PLAN
+    g = build_graph(path)
+    assert g.tp_styles == GPT_TP_PLAN and g.support["tp"] is None
+    model = mf.build("meta")
+    block = model.layers[0]
+    assert fused_factors(block, spec.tp_plan) == {"attn.qkv": 3, "mlp.fc1": 1}
+    sharded = shard_for_tp(one_block_model(model, "layers"), "layers", spec.tp_plan, 2).layers[0]
+    assert sharded.attn.qkv.out_features == 48 and sharded.attn.proj.in_features == 16
+    assert sharded.mlp.fc1.out_features == 64 and sharded.mlp.fc2.in_features == 64
+    # the planner's matcher also takes the HF form directly
+    assert match_tp_style("attn.qkv", {"layers.*.attn.qkv": "colwise"}, "layers") == "colwise"
+
+
+def test_conv1d_shards_in_the_planner() -> None:
+    pytest.importorskip("transformers")
+    from autopar.graph.build import one_block_model, shard_for_tp
+
+    mf = load_model_file(MODELS / "hf_gpt2.py")
+    spec = model_spec(mf)
+    model = mf.build("meta")
+    small = one_block_model(model, spec.blocks_path)
+    attn = shard_for_tp(small, spec.blocks_path, spec.tp_plan, 2, spec.tp.local_attrs).get_submodule(spec.blocks_path)[0].attn
+    assert tuple(attn.c_attn.weight.shape) == (64, 96) and attn.c_attn.nf == 96 and tuple(attn.c_attn.bias.shape) == (96,)
+    assert tuple(attn.c_proj.weight.shape) == (32, 64) and tuple(attn.c_proj.bias.shape) == (64,)
+    assert attn.split_size == 32
