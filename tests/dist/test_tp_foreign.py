@@ -1,6 +1,7 @@
 """TP on models autopar did not write, with nothing declared: HF GPT-2 (Conv1D, fused c_attn split by
 a fixed ``split_size``) and a decoder with its own module names (fused key/value projection), each at
-tp = 2 (with and without sequence parallelism for the decoder) against one rank. One spawn.
+tp = 2 with and without sequence parallelism, against one rank; and autopar's GPT with a tp_plan
+written as HF writes one (``layers.*.attn.qkv``). One spawn.
 
 The plans come from the data flow (autopar.spec.tp_infer); the executor shards Conv1D with
 autopar.executor.tp_conv1d. fp32: losses within rel 1e-4, gradients and parameters as in
@@ -20,8 +21,9 @@ from harness import HERE, LR, SEED, STEPS, Case, spawn_cases
 
 pytestmark = pytest.mark.dist
 
-FILES = {"hf-gpt2": HERE / "models" / "hf_gpt2.py", "odd-names": HERE / "models" / "odd_names_decoder.py"}
-LAYERS = {"hf-gpt2": 4, "odd-names": 4}
+FILES = {"hf-gpt2": HERE / "models" / "hf_gpt2.py", "odd-names": HERE / "models" / "odd_names_decoder.py",
+         "gpt-hf-patterns": HERE / "models" / "tiny_gpt_hf_patterns.py"}
+LAYERS = {"hf-gpt2": 4, "odd-names": 4, "gpt-hf-patterns": 4}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +48,9 @@ def _plan_dict(case: Case) -> dict[str, Any]:
 
 CASES = [
     ForeignCase(name="hf-gpt2-tp2", model="hf-gpt2", parallel={"tp": 2}),
+    ForeignCase(name="hf-gpt2-tp2-sp", model="hf-gpt2", parallel={"tp": 2, "sequence_parallel": True}),
+    # a declared plan in Hugging Face's form (layers.*.x): the executor reads what the planner read
+    ForeignCase(name="gpt-hf-patterns-tp2", model="gpt-hf-patterns", parallel={"tp": 2}),
     ForeignCase(name="odd-names-tp2", model="odd-names", parallel={"tp": 2}),
     ForeignCase(name="odd-names-tp2-sp", model="odd-names", parallel={"tp": 2, "sequence_parallel": True}),
 ]
@@ -81,6 +86,8 @@ def test_foreign_model_tp2_matches_one_rank(case: ForeignCase) -> None:
     for step, (a, b) in enumerate(zip(got["losses"], ref_losses, strict=True)):
         assert a == pytest.approx(b, rel=1e-4), f"step {step}: loss {a} vs reference {b}"
     assert got["vocab_sharded"], "the vocabulary edges should be sharded at tp = 2"
+    # every loss here (a vocabulary constant in a reshape included) runs on the vocab-sharded logits
+    assert not any("all-gathered" in n for n in got["notes"]), got["notes"]
     for name, ref in ref_grads.items():
         tol = 1e-4 * float(ref.abs().max()) + 1e-7
         torch.testing.assert_close(got["grads"][name], ref, rtol=1e-3, atol=tol, msg=lambda m: f"grad {name}: {m}")
