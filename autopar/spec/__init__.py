@@ -11,6 +11,7 @@ its own for blocks, heads or the TP plan. Needs torch, never torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -172,8 +173,13 @@ def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Mod
         styles, notes = resolve(carried, block, blocks_path, prefixes, strict=False, where=where, model_names=names)
         if styles:
             return TPPlan(styles=styles, source="model", detail=label, dropped=tuple(notes))
-        return TPPlan(styles={}, source="none", detail=f"the model's {label} has no entry autopar can run",
-                      dropped=tuple(notes))
+        # HF styles autopar does not run (Phi-3's colwise_gather_output): the data flow may still
+        # show pairs it can run.
+        inferred = infer().plan
+        if inferred.styles:
+            return dataclasses.replace(inferred, dropped=tuple(notes) + inferred.dropped)
+        return TPPlan(styles={}, source="none", detail=f"the model's {label} has no entry autopar can run, and "
+                      f"{inferred.detail}", dropped=tuple(notes) + inferred.dropped)
     inferred = infer().plan
     if inferred.styles:
         return inferred

@@ -210,8 +210,15 @@ class _Tracker(TorchDispatchMode):
         if name in ("slice", "split", "split_with_sizes", "unsafe_split", "chunk", "narrow"):
             at = 1 if name in ("slice", "narrow") else 2  # split(self, size, dim), slice(self, dim, ...)
             dim = _pos(args[at] if len(args) > at else kwargs.get("dim", 0), x.dim())
+            start = 0
             for o in outs:
-                self.put(o, self.take(self.get(x), x, dim, o.shape[dim], drop_dim=False, name=name))
+                if name == "slice":
+                    start = args[2] if len(args) > 2 and args[2] is not None else 0
+                    start = start + x.shape[dim] if start < 0 else start
+                length = o.shape[dim]
+                aligned = length == 0 or start % length == 0  # a fused part starts on a part boundary
+                self.put(o, self.take(self.get(x), x, dim, length if aligned else -1, drop_dim=False, name=name))
+                start += length
             return
         if name == "stack":
             tensors = list(args[0])
@@ -313,7 +320,7 @@ class _Tracker(TorchDispatchMode):
                     pass  # a select inside an inner piece: local to a rank's shard
                 elif k == 0:
                     whole = s == 1 and e == size
-                    parts = size if length is None else size // length if length and size % length == 0 else 0
+                    parts = size if length is None else size // length if length > 0 and size % length == 0 else 0
                     if not whole or not parts:
                         self.bad(src, f"is indexed ({name}) inside its sharded feature dim")
                         break

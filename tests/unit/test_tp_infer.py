@@ -258,3 +258,17 @@ def test_conv1d_shards_in_the_planner() -> None:
     assert tuple(attn.c_attn.weight.shape) == (64, 96) and attn.c_attn.nf == 96 and tuple(attn.c_attn.bias.shape) == (96,)
     assert tuple(attn.c_proj.weight.shape) == (32, 64) and tuple(attn.c_proj.bias.shape) == (64,)
     assert attn.split_size == 32
+
+
+def test_hf_styles_autopar_does_not_run_fall_back_to_inference(tmp_path: Path) -> None:
+    """Phi-3 carries colwise_gather_output / rowwise_split_input, which autopar does not run; the data
+    flow still shows its fused gate_up -> down pair (chunk(2)) and refuses the fused GQA qkv, whose
+    q, k and v slices are of unequal widths."""
+    pytest.importorskip("transformers")
+    path = _hf_file(tmp_path, "phi3", "Phi3ForCausalLM", "Phi3Config", HF_CFG + ", pad_token_id=0")
+    spec = _spec(path)
+    assert spec.tp.source == "inferred", spec.tp.detail
+    assert dict(spec.tp.styles) == {"mlp.gate_up_proj": "colwise", "mlp.down_proj": "rowwise"}
+    assert dict(spec.tp.fused) == {"mlp.gate_up_proj": 2}
+    assert any("colwise_gather_output" in n for n in spec.tp.dropped)
+    assert any(n.startswith("self_attn.o_proj: not a row-parallel layer") for n in spec.tp.dropped)
