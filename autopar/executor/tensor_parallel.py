@@ -247,16 +247,24 @@ def fused_row_permutations(model: nn.Module, spec: ModelSpec, tp: int) -> dict[s
     """Full-model parameter name -> row permutation for every fused colwise weight/bias.
 
     ``full[perm]`` is what gets sharded; ``sharded_full[inverse(perm)]`` restores the original.
+    A fused HF Conv1D gets the identity (see below).
     """
     if tp == 1 or not spec.tp_plan:
         return {}
     blocks = model.get_submodule(spec.blocks_path)
     perms: dict[str, torch.Tensor] = {}
     for name, k in fused_factors(blocks[0], spec.tp_plan, _known_fused(spec)).items():
-        if k == 1 or is_conv1d(blocks[0].get_submodule(name)):
-            continue  # a fused Conv1D is strided-sharded instead (tp_conv1d.py)
+        if k == 1:
+            continue
         for i, _ in enumerate(blocks):
             lin = blocks[i].get_submodule(name)
+            if is_conv1d(lin):
+                # Strided-sharded instead (tp_conv1d.py): its values need no permutation, but its
+                # shards are not contiguous chunks, which DCP cannot describe; an identity entry
+                # makes the checkpoint save it whole, as it saves the permuted ones.
+                for pname, p in lin.named_parameters(recurse=False):
+                    perms[f"{spec.blocks_path}.{i}.{name}.{pname}"] = torch.arange(p.shape[0])
+                continue
             perm = _chunk_permutation(lin.out_features, k, tp)
             perms[f"{spec.blocks_path}.{i}.{name}.weight"] = perm
             if lin.bias is not None:
