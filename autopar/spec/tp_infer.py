@@ -235,9 +235,11 @@ def _numeric_check(block: nn.Module, flow: Flow, styles: dict[str, str], fused: 
         t.start()
     for t in threads:
         t.join()
+    if all(isinstance(r, threading.BrokenBarrierError) for r in results):
+        return "the simulated tp = 2 block did not finish (its ranks called their row layers differently)"
     for r in results:
         if isinstance(r, threading.BrokenBarrierError):
-            continue
+            continue  # the other rank's error is the news
         if isinstance(r, Exception):
             return f"the simulated tp = 2 block failed ({type(r).__name__}: {str(r).splitlines()[0] if str(r) else ''})"
         scale = float(want.detach().abs().max()) or 1.0
@@ -272,6 +274,8 @@ def check_pairs(block: nn.Module, flow: Flow, pairs: list[Pair]) -> tuple[list[P
         if why is None and numeric:
             why = _numeric_check(block, flow, styles, fused, extra)
         if why is not None:
+            if flow.heads and flow.heads % 2:
+                why += f" (tp = 2 does not divide its {flow.heads} heads)"
             notes.append(f"{' + '.join(pair.cols)} -> {pair.row}: {why}")
             continue
         kept.append(pair)

@@ -272,3 +272,37 @@ def test_hf_styles_autopar_does_not_run_fall_back_to_inference(tmp_path: Path) -
     assert dict(spec.tp.fused) == {"mlp.gate_up_proj": 2}
     assert any("colwise_gather_output" in n for n in spec.tp.dropped)
     assert any(n.startswith("self_attn.o_proj: not a row-parallel layer") for n in spec.tp.dropped)
+
+
+ENCODER = '''
+import torch
+from torch import nn
+
+SEQ_LEN = 8
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def build_model():
+    return Encoder()
+
+
+def example_inputs(micro_batch_size):
+    return torch.zeros(micro_batch_size, SEQ_LEN, dtype=torch.long)
+'''
+
+
+def test_transformer_encoder_shards_its_mlp_and_says_why_not_its_attention(tmp_path: Path) -> None:
+    spec = _spec(_file(tmp_path, "encoder", ENCODER))
+    assert dict(spec.tp.styles) == {"linear1": "colwise", "linear2": "rowwise"}
+    assert any(n.startswith("self_attn: nn.MultiheadAttention") and "in_proj_weight" in n for n in spec.tp.dropped)
