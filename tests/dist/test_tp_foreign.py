@@ -1,7 +1,8 @@
 """TP on models autopar did not write, with nothing declared: HF GPT-2 (Conv1D, fused c_attn split by
 a fixed ``split_size``) and a decoder with its own module names (fused key/value projection), each at
 tp = 2 with and without sequence parallelism, against one rank; and autopar's GPT with a tp_plan
-written as HF writes one (``layers.*.attn.qkv``). One spawn.
+written as HF writes one (``layers.*.attn.qkv``); a decoder whose fused projections only the data
+flow can count (tests/dist/models/fused_chunks.py). One spawn.
 
 The plans come from the data flow (autopar.spec.tp_infer); the executor shards Conv1D with
 autopar.executor.tp_conv1d. fp32: losses within rel 1e-4, gradients and parameters as in
@@ -22,8 +23,10 @@ from harness import HERE, LR, SEED, STEPS, Case, spawn_cases
 pytestmark = pytest.mark.dist
 
 FILES = {"hf-gpt2": HERE / "models" / "hf_gpt2.py", "odd-names": HERE / "models" / "odd_names_decoder.py",
-         "gpt-hf-patterns": HERE / "models" / "tiny_gpt_hf_patterns.py"}
-LAYERS = {"hf-gpt2": 4, "odd-names": 4, "gpt-hf-patterns": 4}
+         "gpt-hf-patterns": HERE / "models" / "tiny_gpt_hf_patterns.py",
+         "fused-chunks": HERE / "models" / "fused_chunks.py"}
+LAYERS = {"hf-gpt2": 4, "odd-names": 4, "gpt-hf-patterns": 4, "fused-chunks": 2}
+SEQ = {"fused-chunks": 16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +44,7 @@ def _plan_dict(case: Case) -> dict[str, Any]:
         "model": {"file": str(FILES[case.model]), "num_blocks": LAYERS[case.model]},
         "cluster": {"profile": "a100-80g", "num_gpus": par["dp"] * par["tp"] * par["pp"], "gpus_per_node": 8},
         "training": {"global_batch_size": case.global_batch_size, "micro_batch_size": case.micro_batch_size,
-                     "seq_len": 32, "dtype": "fp32", "optimizer": "adamw"},
+                     "seq_len": SEQ.get(case.model, 32), "dtype": "fp32", "optimizer": "adamw"},
         "parallel": par,
     }
 
@@ -49,6 +52,8 @@ def _plan_dict(case: Case) -> dict[str, Any]:
 CASES = [
     ForeignCase(name="hf-gpt2-tp2", model="hf-gpt2", parallel={"tp": 2}),
     ForeignCase(name="hf-gpt2-tp2-sp", model="hf-gpt2", parallel={"tp": 2, "sequence_parallel": True}),
+    # fused q/k/v and gate/up split by chunk, column and row layers in different modules
+    ForeignCase(name="fused-chunks-tp2", model="fused-chunks", parallel={"tp": 2}),
     # a declared plan in Hugging Face's form (layers.*.x): the executor reads what the planner read
     ForeignCase(name="gpt-hf-patterns-tp2", model="gpt-hf-patterns", parallel={"tp": 2}),
     ForeignCase(name="odd-names-tp2", model="odd-names", parallel={"tp": 2}),

@@ -306,3 +306,14 @@ def test_transformer_encoder_shards_its_mlp_and_says_why_not_its_attention(tmp_p
     spec = _spec(_file(tmp_path, "encoder", ENCODER))
     assert dict(spec.tp.styles) == {"linear1": "colwise", "linear2": "rowwise"}
     assert any(n.startswith("self_attn: nn.MultiheadAttention") and "in_proj_weight" in n for n in spec.tp.dropped)
+
+
+def test_fused_counts_come_from_the_data_flow_not_widths() -> None:
+    from autopar.executor.tensor_parallel import fused_factors
+
+    mf = load_model_file(MODELS / "fused_chunks.py")
+    spec = _spec(MODELS / "fused_chunks.py")
+    assert dict(spec.tp.fused) == {"qkv.proj": 3, "expand.proj": 2}
+    block = mf.build("meta").cells[0]
+    assert fused_factors(block, spec.tp_plan, spec.tp.fused)["expand.proj"] == 2
+    assert fused_factors(block, spec.tp_plan)["expand.proj"] == 8  # what a width ratio would say
