@@ -296,7 +296,16 @@ class Inference:
 
 
 def infer_tp(model: nn.Module, block: nn.Module, run: Callable[[], Any]) -> Inference:
-    """The inferred TP plan of ``block`` (block 0 of ``model``; ``run()`` is one meta forward)."""
+    """The inferred TP plan of ``block`` (block 0 of ``model``; ``run()`` is one meta forward).
+    Never raises: inference is an offer, and a model it cannot read plans without TP, saying why."""
+    try:
+        return _infer(model, block, run)
+    except Exception as exc:  # noqa: BLE001 - the user's code under a dispatch mode, on meta and CPU
+        why = f"the data flow of block 0 could not be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        return Inference(plan=TPPlan(styles={}, source="none", detail=why), heads=None, kv_heads=None)
+
+
+def _infer(model: nn.Module, block: nn.Module, run: Callable[[], Any]) -> Inference:
     flow = trace_flow(model, block, run)
     pairs, notes = pairs_of(flow)
     notes = flow.skipped + notes

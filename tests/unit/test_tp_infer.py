@@ -317,3 +317,15 @@ def test_fused_counts_come_from_the_data_flow_not_widths() -> None:
     block = mf.build("meta").cells[0]
     assert fused_factors(block, spec.tp_plan, spec.tp.fused)["expand.proj"] == 2
     assert fused_factors(block, spec.tp_plan)["expand.proj"] == 8  # what a width ratio would say
+
+
+def test_inference_never_breaks_the_spec() -> None:
+    from autopar.spec.tp_infer import infer_tp
+
+    block = nn.Linear(4, 4)
+
+    def run() -> None:
+        raise RuntimeError("the user's forward broke")
+
+    got = infer_tp(block, block, run)
+    assert got.plan.styles == {} and "could not be read (RuntimeError: the user's forward broke)" in got.plan.detail
