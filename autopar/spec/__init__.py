@@ -11,9 +11,10 @@ its own for blocks, heads or the TP plan. Needs torch, never torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from autopar.modelfile import ModelFile, call_model
 from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, probe_calls
 from autopar.spec.meta import tolerant_meta
 from autopar.spec.support import DIMENSIONS, support_of
+from autopar.spec.tp_infer import Inference, infer_tp
 from autopar.spec.tp_plan import TPPlan, model_carried_plan, resolve, root_prefixes
 
 __all__ = ["DIMENSIONS", "ModelSpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
@@ -79,9 +81,11 @@ def _config_int(obj: Any, names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _heads(model: nn.Module, block: nn.Module) -> tuple[int | None, int | None]:
+def _heads(model: nn.Module, block: nn.Module, flow_heads: Callable[[], tuple[int | None, int | None]]
+           ) -> tuple[int | None, int | None]:
     """Heads and KV heads from the model's config, else from attributes of the block's modules
-    (``nn.MultiheadAttention.num_heads``, HF attention modules)."""
+    (``nn.MultiheadAttention.num_heads``, HF attention modules), else from the data flow of block 0
+    (``flow_heads``: the reshape of the q and k projections into (..., heads, head_dim))."""
     cfg = getattr(model, "config", None)
     heads = _config_int(cfg, _HEAD_ATTRS) if cfg is not None else None
     kv = _config_int(cfg, _KV_ATTRS) if cfg is not None else None
@@ -89,6 +93,8 @@ def _heads(model: nn.Module, block: nn.Module) -> tuple[int | None, int | None]:
         for mod in block.modules():
             heads = heads or _config_int(mod, _HEAD_ATTRS)
             kv = kv or _config_int(mod, _KV_ATTRS)
+    if heads is None:
+        heads, kv = flow_heads()
     return heads, (kv or heads) if heads is not None else None
 
 
@@ -152,9 +158,10 @@ def _bare_params(model: nn.Module, blocks_path: str, probe: Probe) -> tuple[str,
     return tuple(out)
 
 
-def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Module) -> TPPlan:
+def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Module,
+                infer: Callable[[], Inference]) -> TPPlan:
     """The TP plan by precedence: declared, carried by the model, inferred (module docstring of
-    autopar.spec.tp_plan)."""
+    autopar.spec.tp_plan; ``infer``: the data-flow inference of autopar.spec.tp_infer)."""
     where = str(mf.path)
     prefixes = root_prefixes(model)
     names = frozenset(n for n, _ in model.named_modules() if n)
@@ -166,9 +173,18 @@ def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Mod
         styles, notes = resolve(carried, block, blocks_path, prefixes, strict=False, where=where, model_names=names)
         if styles:
             return TPPlan(styles=styles, source="model", detail=label, dropped=tuple(notes))
-        return TPPlan(styles={}, source="none", detail=f"the model's {label} has no entry autopar can run",
-                      dropped=tuple(notes))
-    return TPPlan(styles={}, source="none", detail="none declared (tp_plan) or carried by the model (_tp_plan)")
+        # HF styles autopar does not run (Phi-3's colwise_gather_output): the data flow may still
+        # show pairs it can run.
+        inferred = infer().plan
+        if inferred.styles:
+            return dataclasses.replace(inferred, dropped=tuple(notes) + inferred.dropped)
+        return TPPlan(styles={}, source="none", detail=f"the model's {label} has no entry autopar can run, and "
+                      f"{inferred.detail}", dropped=tuple(notes) + inferred.dropped)
+    inferred = infer().plan
+    if inferred.styles:
+        return inferred
+    return TPPlan(styles={}, source="none", detail=f"none declared (tp_plan) or carried by the model (_tp_plan), "
+                  f"and {inferred.detail}", dropped=inferred.dropped)
 
 
 def _keyword_parents(block: nn.Module, styles: Mapping[str, str], run: Any) -> tuple[str, ...]:
@@ -234,8 +250,15 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         raise ModelFileError(f"{where}: {exc}") from None
     except Exception as exc:  # the user's forward on meta
         raise ModelFileError(f"{where}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
-    tp = _tp_plan_of(mf, model, blocks_path, block)
-    heads, kv = _heads(model, block)
+    memo: list[Inference] = []
+
+    def infer() -> Inference:
+        if not memo:
+            memo.append(infer_tp(model, block, run))
+        return memo[0]
+
+    tp = _tp_plan_of(mf, model, blocks_path, block, infer)
+    heads, kv = _heads(model, block, lambda: (infer().heads, infer().kv_heads))
     emb, head = _vocab_edges(model, blocks_path)
     try:
         params = inspect.signature(model.forward).parameters
