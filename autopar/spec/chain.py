@@ -196,12 +196,14 @@ def _pp_reason(units: list[str], info: list[dict[str, Any]], modules: Mapping[st
     for name, inf in zip(units, info):
         if inf["first"] is None:
             return f"{name} takes its input as a keyword argument; the pipeline cuts at a unit's first positional input"
-        if inf["extra"]:
-            two = len({u.rsplit(".", 2)[0] for u in units}) > 1
-            what = ("it also reads tensors computed outside the chain's stream (an encoder-decoder's decoder "
-                    "reads the encoder output, masks, position biases)" if two else
-                    "it also reads tensors beside its input (masks, position tables)")
-            return f"{name}: {what}; the pipeline carries one activation between stages"
+    containers = [u.rsplit(".", 1)[0] for u in units]
+    readers = [(c != containers[0], n) for n, c, inf in zip(units, containers, info) if inf["extra"]]
+    if readers:
+        later, name = max(readers, key=lambda x: x[0])  # a later container's reader names the second stream
+        what = ("it reads tensors beside its input from outside its own stack (an encoder-decoder's decoder reads "
+                "the encoder output)" if later else "it also reads tensors beside its input (masks, position tables)")
+        return f"{name}: {what}; the pipeline carries one activation between stages"
+    for name, inf in zip(units, info):
         out = inf.get("out")
         if not isinstance(out, torch.Tensor):
             return f"{name} returns a {type(out).__name__}, not a tensor"
