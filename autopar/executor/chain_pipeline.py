@@ -23,6 +23,7 @@ meta stub; the unit's gradients are then reduced in FSDP2's end-of-backward call
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -74,10 +75,11 @@ def build_chain_chunk(model: nn.Module, spec: ModelSpec, shapes: Shapes, unit_ra
     start, end = unit_range
     chunk = copy.deepcopy(model)
     inject = None
+    stand_ins: dict[str, nn.Module] = {}
     for i, name in enumerate(chain.units):
         if i < start:
             shape, dtype = shapes[name]
-            _replace(chunk, name, _MetaStub(shape, dtype))
+            stand_ins[name] = _MetaStub(shape, dtype)
         elif i == start and not is_first:
             inject = _Inject()
             holder = inject
@@ -87,9 +89,10 @@ def build_chain_chunk(model: nn.Module, spec: ModelSpec, shapes: Shapes, unit_ra
 
             chunk.get_submodule(name).register_forward_pre_hook(swap, with_kwargs=True)
         elif i == end and not is_last:
-            _replace(chunk, name, _Exit())
+            stand_ins[name] = _Exit()
         elif i > end:
-            _replace(chunk, name, _Dropped())
+            stand_ins[name] = _Dropped()
+    _place_stand_ins(chunk, stand_ins)
     for name, positions in chain.modules.items():
         p = positions[0] if positions else 0
         if _runs_here(p, start, end):
@@ -111,6 +114,32 @@ def build_chain_chunk(model: nn.Module, spec: ModelSpec, shapes: Shapes, unit_ra
     stage = StageModule(chunk, is_first=is_first, is_last=is_last, meta_inputs=meta_inputs)
     stage._inject = inject
     return stage
+
+
+def _place_stand_ins(chunk: nn.Module, stand_ins: dict[str, nn.Module]) -> None:
+    """Put each stand-in where its unit was. In an nn.Sequential (called in order, whatever the
+    keys) a stand-in gets a non-digit key, so code that walks a block list's digit keys (TP, CP,
+    recompute) sees only the chunk's real blocks, under their original indices; elsewhere (a
+    ModuleList may be indexed) the key stays."""
+    by_parent: dict[str, dict[str, nn.Module]] = {}
+    for name, mod in stand_ins.items():
+        parent, _, key = name.rpartition(".")
+        by_parent.setdefault(parent, {})[key] = mod
+    for parent_name, repl in by_parent.items():
+        parent = chunk.get_submodule(parent_name) if parent_name else chunk
+        if not isinstance(parent, nn.Sequential):
+            for key, mod in repl.items():
+                setattr(parent, key, mod)
+            continue
+        kind = {_MetaStub: "before", _Exit: "exit", _Dropped: "after"}
+        items = [(f"{kind[type(repl[k])]}_{k}" if k in repl else k, repl.get(k, m)) for k, m in parent.named_children()]
+        new = nn.Sequential(OrderedDict(items))
+        new.__dict__.update({k: v for k, v in parent.__dict__.items() if k not in new.__dict__})
+        new.train(parent.training)
+        if parent_name:
+            _replace(chunk, parent_name, new)
+        else:
+            raise ValueError("the model itself is the chain's container; wrap it in a module to pipeline it")
 
 
 def unit_modules(part: nn.Module, spec: ModelSpec, prefix: str = "") -> list[nn.Module]:
