@@ -1,6 +1,7 @@
 """Measure a chain model (no repeated block; spec/chain.py) on meta into a ModelGraph.
 
-The whole model is traced (a chain has no repeated block to cut to one), with regions switched at
+The model is traced with each chain container cut to the units that must run (the first unit of
+each kind, and units that change their input's shape; ``kept_units``), with regions switched at
 every unit: ``pre`` (the stem), ``unit.i`` (unit i and the code after it up to the next unit),
 ``post`` (after the last unit) and ``loss``; backward regions switch by gradient hooks on each
 unit's input and output, as graph/build.py does for a block. Units of one kind (same class,
@@ -11,7 +12,10 @@ is fitted at micro-batch 1 and 2 and, for sequence models, half the sequence (gr
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
+from collections import OrderedDict
 from typing import Any, Callable
 
 import networkx as nx
@@ -44,14 +48,54 @@ def measured_kinds(spec: ModelSpec) -> tuple[int, ...]:
     return tuple(out)
 
 
+def kept_units(spec: ModelSpec, kinds: tuple[int, ...]) -> tuple[int, ...]:
+    """Units the measurement runs: the first of each kind, and every unit that changes the shape of
+    its input (removing it would change what the next unit receives). A removed unit has the class,
+    shapes and input shape of its kind's first unit and keeps its input's shape, so the units after
+    it receive what they receive in the full model."""
+    chain = spec.chain
+    assert chain is not None
+    outs = chain.output_shapes or chain.input_shapes
+    return tuple(i for i, k in enumerate(kinds) if k == i or outs[i] != chain.input_shapes[i])
+
+
+def cut_chain_model(model: nn.Module, units: tuple[str, ...], keep: tuple[int, ...]) -> nn.Module:
+    """A shallow copy of ``model`` whose chain containers hold only the units ``keep`` (shared, not
+    copied; a Sequential keeps its keys, a ModuleList is renumbered as it is iterated)."""
+    clone = copy.copy(model)
+    clone._modules = dict(model._modules)  # type: ignore[attr-defined]
+    copied = {"": clone}
+
+    def writable(path: str) -> nn.Module:
+        if path not in copied:
+            parent_path, _, leaf = path.rpartition(".")
+            parent = writable(parent_path)
+            mod = copy.copy(parent._modules[leaf])
+            mod._modules = dict(mod._modules)
+            parent._modules[leaf] = mod
+            copied[path] = mod
+        return copied[path]
+
+    kept = {units[i] for i in keep}
+    containers = dict.fromkeys(u.rpartition(".")[0] for u in units)
+    for c in containers:
+        old = model.get_submodule(c)
+        children = [(k, m) for k, m in old.named_children() if f"{c}.{k}" in kept or f"{c}.{k}" not in units]
+        new = nn.Sequential(OrderedDict(children)) if isinstance(old, nn.Sequential) else nn.ModuleList(m for _, m in children)
+        parent_path, _, leaf = c.rpartition(".")
+        writable(parent_path)._modules[leaf] = new
+    return clone
+
+
 def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                      units: tuple[str, ...]) -> tuple[TracedRun, list[float]]:
-    """One forward+backward of ``model`` on meta attributed to pre / unit.i / post / loss, and the
-    bytes of the tensor each unit received."""
+                      unit_mods: list[nn.Module]) -> tuple[TracedRun, list[float]]:
+    """One forward+backward of ``model`` on meta attributed to pre / unit.i / post / loss (i: the
+    position in ``unit_mods``, the units the forward runs, in order), and the bytes of the tensor
+    each of them received."""
     handles = []
     current = {"region": "pre"}
     param_regions: dict[int, set[str]] = {}
-    in_bytes = [0.0] * len(units)
+    in_bytes = [0.0] * len(unit_mods)
 
     def note_params(mod: nn.Module, args: tuple) -> None:
         for p in mod.parameters(recurse=False):
@@ -66,8 +110,8 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
                 current["region"] = name
             set_region_raw(name)
 
-        last = len(units) - 1
-        for i, path in enumerate(units):
+        last = len(unit_mods) - 1
+        for i, mod in enumerate(unit_mods):
             def pre(mod: nn.Module, args: tuple, kwargs: dict, i: int = i) -> None:
                 set_region(f"unit.{i}")
                 x = first_tensor((args, kwargs))
@@ -84,7 +128,6 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
                 if y is not None and y.requires_grad:
                     y.register_hook(lambda g, i=i: set_region(f"bwd:unit.{i}"))
 
-            mod = model.get_submodule(path)
             handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
             handles.append(mod.register_forward_hook(post))
         set_region("pre")
@@ -130,18 +173,25 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
             inp = slice_sequence(inp, mf.seq_len, base_seq)
         return inp
 
+    kinds = measured_kinds(spec)
+    keep = kept_units(spec, kinds)
+    small = cut_chain_model(model, chain.units, keep)
+    mods = [model.get_submodule(chain.units[i]) for i in keep]
+
     def run(inp: Any) -> tuple[TracedRun, list[float]]:
         try:
-            return trace_chain_model(model, inp, mf.loss_fn, chain.units)
+            return trace_chain_model(small, inp, mf.loss_fn, mods)
         except ModelFileError as exc:
             raise ModelFileError(str(exc) if str(exc).startswith(str(mf.path)) else f"{mf.path}: {exc}") from None
         except Exception as exc:  # the user's forward or loss on meta
             raise ModelFileError(f"{mf.path}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
 
     inputs1 = shaped(1)
-    (base, in_bytes), (b2, _) = run(inputs1), run(shaped(2))
+    (base, kept_in), (b2, _) = run(inputs1), run(shaped(2))
     s_half = run(slice_sequence(inputs1, base_seq, base_seq // 2))[0] if is_seq else None
-    kinds = measured_kinds(spec)
+    # traced region unit.j is kept unit keep[j]; rename to the chain index of the unit
+    for tr in filter(None, (base, b2, s_half)):
+        _rename_regions(tr.trace, {f"unit.{j}": f"unit.{i}" for j, i in enumerate(keep)})
     regions: dict[str, RegionFit] = {}
     names = ["pre", "post", "loss"] + [f"unit.{k}" for k in sorted(set(kinds))]
     for region in names:
@@ -149,8 +199,10 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
             regions[region] = fit_region(region, base.trace, b2.trace, s_half and s_half.trace, None)
         except ValueError:
             regions[region] = fit_region(region, base.trace, b2.trace, None, None)
-    unit_params, pre, post, tied = _params(model, chain.units, base.param_regions)
-    units = tuple(ChainUnit(name=u, region=f"unit.{kinds[i]}", params=unit_params[i], input_bytes=in_bytes[i])
+    at = dict(zip(keep, kept_in))
+    param_regions = {pid: {_unit_region(r, keep) for r in rs} for pid, rs in base.param_regions.items()}
+    unit_params, pre, post, tied = _params(model, chain.units, param_regions)
+    units = tuple(ChainUnit(name=u, region=f"unit.{kinds[i]}", params=unit_params[i], input_bytes=at.get(i, at[kinds[i]]))
                   for i, u in enumerate(chain.units))
     regions["block"] = regions[units[0].region]
     params = {"pre": RegionParams(count=pre, tp_sharded=0), "post": RegionParams(count=post, tp_sharded=0),
@@ -166,6 +218,16 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
         block_input_bytes=units[0].input_bytes, graph=chain_networkx(regions, params, units, tied),
         build_seconds=time.perf_counter() - start, chain=units,
     )
+
+
+def _unit_region(region: str, keep: tuple[int, ...]) -> str:
+    return f"unit.{keep[int(region.split('.')[1])]}" if region.startswith("unit.") else region
+
+
+def _rename_regions(trace: Trace, names: dict[str, str]) -> None:
+    trace.ops[:] = [dataclasses.replace(o, region=names.get(o.region, o.region)) for o in trace.ops]
+    trace.saved[:] = [dataclasses.replace(r, region=names.get(r.region, r.region)) for r in trace.saved]
+    trace.comm[:] = [(names.get(c[0], c[0]), *c[1:]) for c in trace.comm]
 
 
 def _params(model: nn.Module, units: tuple[str, ...], param_regions: dict[int, set[str]]

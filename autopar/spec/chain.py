@@ -20,6 +20,7 @@ cannot cut the chain (None: it can).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -39,14 +40,15 @@ class Chain:
     ``kinds[i]``: index of the first unit measured for unit i (itself when it is the first of its
     class, shapes and input shape). ``modules``: each module outside the chain that ran -> the
     positions it ran at. ``bare``: each parameter owned by the root or by an ancestor of a unit
-    -> the positions whose code used it. ``input_shapes[i]``: unit i's first tensor argument at one
-    sample.
+    -> the positions whose code used it. ``input_shapes[i]`` / ``output_shapes[i]``: unit i's first
+    tensor argument and its output at one sample (() when not a tensor).
     """
 
     units: tuple[str, ...]
     containers: tuple[str, ...]
     kinds: tuple[int, ...]
     input_shapes: tuple[tuple[int, ...], ...]
+    output_shapes: tuple[tuple[int, ...], ...] = ()
     modules: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     bare: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     pp_reason: str | None = None
@@ -177,6 +179,7 @@ def probe_chain(model: nn.Module, units: list[str], run: Callable[[], Any]) -> C
     L = len(ordered)
     # positions were counted in calls; with each unit called once they are chain positions
     shapes = tuple(tuple(info[i]["first"].shape) if info[i]["first"] is not None else () for i in order)
+    outs = tuple(tuple(info[i]["out"].shape) if isinstance(info[i].get("out"), torch.Tensor) else () for i in order)
     sigs = [(_signature(mods[i]), shapes[k]) for k, i in enumerate(order)]
     kinds = tuple(sigs.index(s) for s in sigs)
     modules = {n: tuple(sorted(p)) for n, p in ran.items()}
@@ -184,8 +187,8 @@ def probe_chain(model: nn.Module, units: list[str], run: Callable[[], Any]) -> C
     for name in watched.values():
         bare.setdefault(name, ())
     reason = _pp_reason(ordered, [info[i] for i in order], modules, bare, twice, L)
-    return Chain(units=tuple(ordered), containers=(), kinds=kinds, input_shapes=shapes, modules=modules,
-                 bare=bare, pp_reason=reason)
+    return Chain(units=tuple(ordered), containers=(), kinds=kinds, input_shapes=shapes, output_shapes=outs,
+                 modules=modules, bare=bare, pp_reason=reason)
 
 
 def _pp_reason(units: list[str], info: list[dict[str, Any]], modules: Mapping[str, tuple[int, ...]],
@@ -222,15 +225,11 @@ def find_chain(model: nn.Module, run: Callable[[], Any]) -> Chain | None:
     units = [f"{c}.{k}" for c in containers for k, _ in model.get_submodule(c).named_children()]
     if len(units) < 2:
         return None
-    chain = probe_chain(model, units, run)
-    return Chain(units=chain.units, containers=tuple(containers), kinds=chain.kinds, input_shapes=chain.input_shapes,
-                 modules=chain.modules, bare=chain.bare, pp_reason=chain.pp_reason)
+    return dataclasses.replace(probe_chain(model, units, run), containers=tuple(containers))
 
 
 def block_list_chain(model: nn.Module, blocks_path: str, run: Callable[[], Any]) -> Chain:
     """The block list at ``blocks_path`` read as a chain (an nn.Sequential of blocks is cut this way)."""
     blocks = model.get_submodule(blocks_path)
     units = [f"{blocks_path}.{k}" for k, _ in blocks.named_children()]
-    chain = probe_chain(model, units, run)
-    return Chain(units=chain.units, containers=(blocks_path,), kinds=chain.kinds, input_shapes=chain.input_shapes,
-                 modules=chain.modules, bare=chain.bare, pp_reason=chain.pp_reason)
+    return dataclasses.replace(probe_chain(model, units, run), containers=(blocks_path,))
