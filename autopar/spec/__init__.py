@@ -235,7 +235,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     if blocks_path is None:
         chain = _meta_call(where, lambda: find_chain(model, run))
         if chain is not None:
-            return _with_support(_chain_spec(mf, model, chain, run, inputs))
+            return _with_support(_chain_spec(mf, model, chain, inputs))
         mixed = heterogeneous_lists(model)
         hint = (f" ({', '.join(mixed[:3])} hold blocks of different widths)" if mixed else "")
         raise ModelFileError(
@@ -283,13 +283,12 @@ def _meta_call(where: str, fn: Any) -> Any:
         raise ModelFileError(f"{where}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
 
 
-def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, run: Any, inputs: Any) -> ModelSpec:
+def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any) -> ModelSpec:
     """The spec of a model without a repeated block list: its layer chain (spec/chain.py).
     ``blocks_path`` names the container of the first unit (what block-list readers index);
     ``num_blocks`` counts the chain's units. TP plans are block-relative, so a chain gets none."""
-    where = str(mf.path)
     first = chain.units[0].rsplit(".", 1)[0]
-    probe = _meta_call(where, lambda: probe_calls(model, first, run))
+    probe = chain.probe
     heads, kv = _heads(model, model.get_submodule(chain.units[0]))
     emb, head = _vocab_edges(model, first)
     try:

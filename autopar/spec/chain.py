@@ -20,6 +20,7 @@ cannot cut the chain (None: it can).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -30,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from autopar.errors import ModelFileError
-from autopar.spec.blocks import BLOCK_CONTAINERS, _signature
+from autopar.spec.blocks import BLOCK_CONTAINERS, BlockCall, Probe, _signature
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,7 @@ class Chain:
     modules: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     bare: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     pp_reason: str | None = None
+    probe: Probe | None = None  # the same forward read as spec/blocks.py reads a block list's
 
     def __post_init__(self) -> None:
         n = len(self.units)
@@ -149,20 +151,25 @@ def probe_chain(model: nn.Module, units: list[str], run: Callable[[], Any]) -> C
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
             info.setdefault(i, {"first": first, "extra": len(tensors) - (first is not None),
-                                "kwargs": tuple(sorted(kwargs))})
+                                "num_args": len(args), "kwargs": tuple(sorted(kwargs))})
 
         def post(m: nn.Module, args: tuple, out: Any, i: int = i) -> None:
             info[i].setdefault("out", out)
 
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post))
+    returned: dict[str, str] = {}
     for name, mod in _outside_modules(model, units).items():
         handles.append(mod.register_forward_pre_hook(
             lambda m, a, n=name: ran.setdefault(n, set()).add(position[0])))
+        def note_output(m: nn.Module, a: tuple, o: Any, n: str = name) -> None:  # returns None: output unchanged
+            returned.setdefault(n, "Tensor" if isinstance(o, torch.Tensor) else type(o).__name__)
+
+        handles.append(mod.register_forward_hook(note_output))
     watched = _bare_params(model, units)
     uses: dict[str, set[int]] = {}
     try:
-        with torch.no_grad(), _UseRecorder(watched, position, uses):
+        with torch.no_grad(), (_UseRecorder(watched, position, uses) if watched else contextlib.nullcontext()):
             run()
     finally:
         for h in handles:
@@ -187,7 +194,13 @@ def probe_chain(model: nn.Module, units: list[str], run: Callable[[], Any]) -> C
     for name in watched.values():
         bare.setdefault(name, ())
     reason = _pp_reason(ordered, [info[i] for i in order], modules, bare, twice, L)
-    return Chain(units=tuple(ordered), containers=(), kinds=kinds, input_shapes=shapes, output_shapes=outs,
+    first, last = info[order[0]], info[order[-1]]
+    probe = Probe(prologue=tuple((n, returned.get(n, "Tensor")) for n, pos in modules.items() if pos == (0,)),
+                  epilogue=tuple(n for n, pos in modules.items() if pos == (L,)),
+                  block_call=BlockCall(num_args=first["num_args"], kwargs=first["kwargs"],
+                                       first_arg_is_tensor=first["first"] is not None),
+                  block_output="Tensor" if isinstance(last.get("out"), torch.Tensor) else type(last.get("out")).__name__)
+    return Chain(probe=probe, units=tuple(ordered), containers=(), kinds=kinds, input_shapes=shapes, output_shapes=outs,
                  modules=modules, bare=bare, pp_reason=reason)
 
 
