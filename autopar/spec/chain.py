@@ -42,7 +42,7 @@ class Chain:
     class, shapes and input shape). ``modules``: each module outside the chain that ran -> the
     positions it ran at. ``bare``: each parameter owned by the root or by an ancestor of a unit
     -> the positions whose code used it. ``input_shapes[i]`` / ``output_shapes[i]``: unit i's first
-    tensor argument and its output at one sample (() when not a tensor).
+    tensor argument and the first tensor of its output at one sample (() when there is none).
     """
 
     units: tuple[str, ...]
@@ -186,7 +186,7 @@ def probe_chain(model: nn.Module, units: list[str], run: Callable[[], Any]) -> C
     L = len(ordered)
     # positions were counted in calls; with each unit called once they are chain positions
     shapes = tuple(tuple(info[i]["first"].shape) if info[i]["first"] is not None else () for i in order)
-    outs = tuple(tuple(info[i]["out"].shape) if isinstance(info[i].get("out"), torch.Tensor) else () for i in order)
+    outs = tuple(_first_shape(info[i].get("out")) for i in order)
     sigs = [(_signature(mods[i]), shapes[k]) for k, i in enumerate(order)]
     kinds = tuple(sigs.index(s) for s in sigs)
     modules = {n: tuple(sorted(p)) for n, p in ran.items()}
@@ -202,6 +202,12 @@ def probe_chain(model: nn.Module, units: list[str], run: Callable[[], Any]) -> C
                   block_output="Tensor" if isinstance(last.get("out"), torch.Tensor) else type(last.get("out")).__name__)
     return Chain(probe=probe, units=tuple(ordered), containers=(), kinds=kinds, input_shapes=shapes, output_shapes=outs,
                  modules=modules, bare=bare, pp_reason=reason)
+
+
+def _first_shape(value: Any) -> tuple[int, ...]:
+    """Shape of the first tensor in a unit's output (a tuple's hidden states), () if none."""
+    t = next((v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)), None)
+    return () if t is None else tuple(t.shape)
 
 
 def _pp_reason(units: list[str], info: list[dict[str, Any]], modules: Mapping[str, tuple[int, ...]],
