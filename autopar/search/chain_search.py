@@ -115,7 +115,9 @@ def search_chain(graph: ModelGraph, cluster: Cluster, space: SearchSpace, *, top
             ranges, status, objective = ((0, L),), "DIRECT", None
         else:
             solved += 1
-            part = optimal_partition(L, cfg.pp, cfg.num_microbatches, StagePricer(terms), threshold)
+            pricer = StagePricer(terms)
+            rest = [pricer.acc["time"][L] - pricer.acc["time"][b] + terms.base.post.time_s for b in range(L + 1)]
+            part = optimal_partition(L, cfg.pp, cfg.num_microbatches, pricer, threshold, rest)
             if part is None:
                 rejected["memory or bound: no partition fits and beats the best plans" if threshold < math.inf
                          else "memory: no partition of the chain fits"] += 1

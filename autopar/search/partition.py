@@ -26,15 +26,18 @@ triples of all feasible prefixes,
 
 No dominated prefix can complete to a better partition, and every non-dominated one is kept, so
 the minimum is exact (proved optimal, status OPTIMAL). Prefixes whose F already reaches a given
-threshold (the search's k-th best plan) are dropped, since extending one only increases F. Cost:
+threshold (the search's k-th best plan) are dropped, since extending one only increases F; with a
+lower bound R(b) on what the remaining stages add to S (their units' own times), a prefix is dropped
+already when F(max(T, R(b) / stages left), S + R(b), Z) reaches it. Cost:
 O(P L^2 |front|) stage evaluations and comparisons; fronts stay small because T and Z are maxima.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 StageCost = Callable[[int, int, int], "tuple[float, float] | None"]  # (a, b, rank) -> (t, z) or None
 
@@ -53,18 +56,33 @@ class Partition:
 
 
 def _pareto(items: list[tuple[float, float, float, int, int]]) -> list[tuple[float, float, float, int, int]]:
-    """The non-dominated (T, S, Z, ...) entries (ties keep the first)."""
+    """The non-dominated (T, S, Z, ...) entries (ties keep the first). Visited in increasing T, an
+    entry is dominated iff an earlier one has S' <= S and Z' <= Z: a staircase of the earlier
+    entries' (S, Z) (S increasing, Z decreasing) answers that with one bisection."""
     items.sort(key=lambda x: (x[0], x[1], x[2]))
     kept: list[tuple[float, float, float, int, int]] = []
+    stair_s: list[float] = []
+    stair_z: list[float] = []
     for it in items:
-        if not any(k[0] <= it[0] and k[1] <= it[1] and k[2] <= it[2] for k in kept):
-            kept.append(it)
+        _, S, Z = it[0], it[1], it[2]
+        i = bisect.bisect_right(stair_s, S)
+        if i and stair_z[i - 1] <= Z:
+            continue
+        kept.append(it)
+        j = i
+        while j < len(stair_s) and stair_z[j] >= Z:  # now dominated in (S, Z) for all later entries
+            j += 1
+        stair_s[i:j], stair_z[i:j] = [S], [Z]
     return kept
 
 
 def optimal_partition(num_units: int, num_stages: int, num_microbatches: int, stage: StageCost,
-                      threshold: float = math.inf) -> Partition | None:
-    """The partition minimising F (module docstring); None if none fits or none beats ``threshold``."""
+                      threshold: float = math.inf, rest_s: Sequence[float] | None = None) -> Partition | None:
+    """The partition minimising F (module docstring); None if none fits or none beats ``threshold``.
+
+    ``rest_s[b]`` (optional, len L + 1): a lower bound on the time the stages after a prefix ending
+    at unit b add together (e.g. the remaining units' own times). A prefix is dropped when
+    F(max(T, rest / stages left), S + rest, Z) reaches ``threshold``: no completion can do better."""
     L, P, m1 = num_units, num_stages, num_microbatches - 1
     if not 1 <= P <= L:
         raise ValueError(f"cannot split {L} units over {P} stages")
@@ -88,9 +106,11 @@ def optimal_partition(num_units: int, num_stages: int, num_microbatches: int, st
                 if cost is None:
                     continue
                 t, z = cost
+                rest = rest_s[b] if rest_s is not None and r < P - 1 else 0.0
+                share = rest / (P - 1 - r) if rest else 0.0
                 for idx, (T, S, Z, _, _) in enumerate(entries):
                     new = (max(T, t), S + t, max(Z, z))
-                    if objective(*new) < threshold:
+                    if objective(max(new[0], share), new[1] + rest, new[2]) < threshold:
                         cands.append((*new, a, idx))
             if cands:
                 level[b] = _pareto(cands)

@@ -72,9 +72,14 @@ def test_partition_equals_brute_force_on_random_chains(seed: int) -> None:
     assert got is not None and got.objective_s == pytest.approx(want, rel=1e-12)
     f = _brute(L, P, M, lambda a, b, r: stage(a, b, r) if (a, b) in got.ranges else None)[0]
     assert f == pytest.approx(want, rel=1e-12)  # the returned ranges achieve the optimum
-    # a threshold at the optimum prunes everything; just above it keeps the optimum
+    # a threshold at the optimum prunes everything; just above it keeps the optimum, also with the
+    # remaining-work bound (the units' own times: every other term is >= 0)
+    rest = [sum(tau[b:]) for b in range(L + 1)]
     assert optimal_partition(L, P, M, stage, threshold=want) is None
-    assert optimal_partition(L, P, M, stage, threshold=want * 1.0001 + 1e-9).objective_s == pytest.approx(want)
+    assert optimal_partition(L, P, M, stage, threshold=want, rest_s=rest) is None
+    for r in (None, rest):
+        above = optimal_partition(L, P, M, stage, threshold=want * 1.0001 + 1e-9, rest_s=r)
+        assert above.objective_s == pytest.approx(want)
 
 
 def test_partition_validates_its_arguments() -> None:
@@ -198,3 +203,15 @@ def test_chain_and_sequential_models_plan_at_64_gpus_with_pp_offered(path: Path)
         if plan.parallel.pp > 1:
             ranges = plan.stage_ranges()
             assert ranges[0][0] == 0 and ranges[-1][1] == found.graph.num_blocks
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_pareto_front_equals_the_quadratic_definition(seed: int) -> None:
+    from autopar.search.partition import _pareto
+
+    rng = random.Random(seed)
+    items = [(rng.randint(0, 6), rng.randint(0, 6), rng.randint(0, 6), i, 0) for i in range(60)]
+    got = _pareto(list(items))
+    want = [x for k, x in enumerate(items) if not any(
+        (y[0] <= x[0] and y[1] <= x[1] and y[2] <= x[2]) and (y[:3] != x[:3] or j < k) for j, y in enumerate(items) if j != k)]
+    assert sorted(x[:3] for x in got) == sorted(x[:3] for x in want)
