@@ -58,11 +58,26 @@ def estimate_plan(plan: Plan, graph: ModelGraph, cluster: Cluster) -> Estimate:
     """The cost model's prediction for ``plan`` (graph measured at the plan's seq_len)."""
     check_plan_against_model(plan, graph)
     cfg = config_from_plan(plan)
+    if graph.chain:
+        return _estimate_chain(plan, graph, cluster, cfg)
     terms = build_terms(graph, cluster, cfg)
     chunk_blocks = [end - start for start, end in plan.stage_ranges()]
     tokens = plan.training.global_batch_size * plan.training.seq_len
     flops = graph.model_flops_per_sample() * plan.training.global_batch_size
     return evaluate(terms, chunk_blocks, flops, tokens, cluster.peak_flops)
+
+
+def _estimate_chain(plan: Plan, graph: ModelGraph, cluster: Cluster, cfg: Config) -> Estimate:
+    """A chain model's plan (graph.chain): its per-unit terms and its stage ranges (cost/chain.py)."""
+    from autopar.cost.chain import build_chain_terms, evaluate_chain
+
+    if cfg.virtual_stages != 1:
+        raise PlanError(f"parallel.pp_virtual_stages = {cfg.virtual_stages}: {graph.name} is a chain of distinct units, "
+                        "planned with one chunk per pipeline rank; set pp_virtual_stages: 1")
+    tokens = plan.training.global_batch_size * plan.training.seq_len
+    flops = graph.model_flops_per_sample() * plan.training.global_batch_size
+    terms = build_chain_terms(graph, cluster, cfg)
+    return evaluate_chain(terms, plan.stage_ranges(), flops, tokens, cluster.peak_flops)
 
 
 def estimate_json(est: Estimate) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.executor import chain_pipeline as chain_pipe
 from autopar.executor import pipeline_parallel as pipe
 from autopar.executor.context_parallel import apply_cp
 from autopar.executor.data_parallel import DataParallelResult, apply_data_parallel, build_optimizer
@@ -149,13 +150,18 @@ def build_executable(
         meta_inputs = mf.example_inputs(plan.training.micro_batch_size, "meta")
         if par.cp > 1:  # stages see this cp rank's share of the sequence
             meta_inputs = meta_inputs[:, : plan.training.seq_len // par.cp]
-        probe = pipe.probe_structure(model, spec, meta_inputs)
         ranges = plan.stage_ranges()
         n = len(ranges)
-        chunks = [
-            pipe.build_chunk(model, spec, probe, rng, is_first=c == 0, is_last=c == n - 1, meta_inputs=meta_inputs)
-            for c, rng in enumerate(ranges)
-        ]
+        if chain_pipe.uses_chain_chunks(spec):  # a layer chain / Sequential blocks: cut at unit inputs
+            shapes = chain_pipe.probe_chain_shapes(model, spec, meta_inputs)
+            chunks = [chain_pipe.build_chain_chunk(model, spec, shapes, rng, is_first=c == 0, is_last=c == n - 1,
+                                                   meta_inputs=meta_inputs) for c, rng in enumerate(ranges)]
+        else:
+            probe = pipe.probe_structure(model, spec, meta_inputs)
+            chunks = [
+                pipe.build_chunk(model, spec, probe, rng, is_first=c == 0, is_last=c == n - 1, meta_inputs=meta_inputs)
+                for c, rng in enumerate(ranges)
+            ]
         if par.cp > 1:
             from autopar.executor.context_parallel import shard_indices
 
@@ -190,7 +196,10 @@ def build_executable(
     dp_mesh = mesh.dp_cp
     wrapped: list[DataParallelResult] = []
     for part in parts:
-        blocks = [m for k, m in part.get_submodule(prefix + spec.blocks_path).named_children() if k.isdigit()]
+        if chain_pipe.uses_chain_chunks(spec):
+            blocks = chain_pipe.unit_modules(part, spec, prefix)
+        else:
+            blocks = [m for k, m in part.get_submodule(prefix + spec.blocks_path).named_children() if k.isdigit()]
         wrapped.append(apply_data_parallel(part, blocks, dp_mesh, zero=zero, dtype=plan.training.dtype, device=device))
 
     # 6. pipeline schedule, optimizer, tied-weight groups

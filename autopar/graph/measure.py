@@ -36,9 +36,14 @@ _CACHE: dict[tuple[str, str, int | None, str], ModelGraph] = {}
 def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     start = time.perf_counter()
     torch_dtype = _TORCH_DTYPES[dtype]
-    model = mf.build("meta").to(torch_dtype)
+    model = mf.build("meta")
+    spec = model_spec(mf, model)  # probed as built, with the file's own example inputs
+    model = model.to(torch_dtype)
     model.train()
-    spec = model_spec(mf, model)
+    if spec.blocks_kind == "chain":
+        from autopar.graph.chain_measure import build_chain_graph
+
+        return build_chain_graph(mf, model, spec, seq_len, dtype, lambda b: _inputs(mf, b, torch_dtype), start)
     blocks_attr = spec.blocks_path
     num_blocks = spec.num_blocks
     tp_plan = spec.tp_plan

@@ -23,12 +23,13 @@ from torch.utils._pytree import tree_flatten
 from autopar.errors import ModelFileError
 from autopar.modelfile import ModelFile, call_model
 from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, probe_calls
+from autopar.spec.chain import Chain, block_list_chain, find_chain
 from autopar.spec.meta import tolerant_meta
 from autopar.spec.support import DIMENSIONS, support_of
 from autopar.spec.tp_infer import Inference, infer_tp
 from autopar.spec.tp_plan import TPPlan, model_carried_plan, resolve, root_prefixes
 
-__all__ = ["DIMENSIONS", "ModelSpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
+__all__ = ["DIMENSIONS", "Chain", "ModelSpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead", "num_attention_heads_per_layer")
 _KV_ATTRS = ("num_kv_heads", "num_key_value_heads", "n_head_kv", "num_kv", "multi_query_group_num")
@@ -39,9 +40,9 @@ class ModelSpec:
     """Structural facts about one model (see the module docstring). Names are dotted paths from the
     model's root, except ``tp.styles`` and ``core_name``, which are block-relative."""
 
-    blocks_path: str
-    num_blocks: int
-    blocks_kind: str  # "ModuleList" | "Sequential"
+    blocks_path: str  # a chain model (blocks_kind "chain"): the container of its first unit
+    num_blocks: int  # a chain model: the number of units in its chain
+    blocks_kind: str  # "ModuleList" | "Sequential" | "chain"
     tp: TPPlan
     core_name: str | None
     num_heads: int | None
@@ -58,6 +59,17 @@ class ModelSpec:
     is_sequence_model: bool = False
     support: Mapping[str, str | None] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    # The layer chain a pipeline cuts at unit inputs (spec/chain.py): a model without a repeated
+    # block list, or a block list kept in an nn.Sequential. None: the block list is cut as a list.
+    chain: Chain | None = None
+
+    @property
+    def unit_paths(self) -> tuple[str, ...]:
+        """Dotted paths of the units a pipeline places and FSDP wraps one by one: the chain's
+        units, or the blocks of the block list."""
+        if self.chain is not None:
+            return self.chain.units
+        return tuple(f"{self.blocks_path}.{i}" for i in range(self.num_blocks))
 
     @property
     def tp_plan(self) -> Mapping[str, str] | None:
@@ -230,7 +242,16 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         blocks_path = find_block_list(model, mf.pipeline_blocks)
     except ModelFileError as exc:
         raise ModelFileError(f"{where}: {exc}") from None
+    inputs = mf.example_inputs(1, "meta")
+
+    def run() -> Any:
+        with tolerant_meta():
+            return call_model(model, inputs)
+
     if blocks_path is None:
+        chain = _meta_call(where, lambda: find_chain(model, run))
+        if chain is not None:
+            return _with_support(_chain_spec(mf, model, chain, inputs))
         mixed = heterogeneous_lists(model)
         hint = (f" ({', '.join(mixed[:3])} hold blocks of different widths)" if mixed else "")
         raise ModelFileError(
@@ -238,12 +259,6 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
             f"blocks){hint}; set pipeline_blocks = '<attribute name>'")
     blocks = model.get_submodule(blocks_path)
     block = blocks[0]
-    inputs = mf.example_inputs(1, "meta")
-
-    def run() -> Any:
-        with tolerant_meta():
-            return call_model(model, inputs)
-
     try:
         probe = probe_calls(model, blocks_path, run)
     except ModelFileError as exc:
@@ -276,8 +291,45 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         bare_params=_bare_params(model, blocks_path, probe), inputs_are_tensors=tensors_only and bool(flat),
         inputs_are_token_batch=token_batch, is_sequence_model=mf.seq_len is not None,
         notes=tp.dropped,
+        chain=_meta_call(where, lambda: block_list_chain(model, blocks_path, run)) if isinstance(blocks, nn.Sequential) else None,
     )
     return _with_support(spec)
+
+
+def _meta_call(where: str, fn: Any) -> Any:
+    """``fn()`` (a meta probe of the user's forward), its failures as one-line ModelFileErrors."""
+    try:
+        return fn()
+    except ModelFileError as exc:
+        raise ModelFileError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from None
+    except Exception as exc:  # the user's forward on meta
+        raise ModelFileError(f"{where}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+
+
+def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any) -> ModelSpec:
+    """The spec of a model without a repeated block list: its layer chain (spec/chain.py).
+    ``blocks_path`` names the container of the first unit (what block-list readers index);
+    ``num_blocks`` counts the chain's units. TP plans are block-relative, so a chain gets none."""
+    first = chain.units[0].rsplit(".", 1)[0]
+    probe = chain.probe
+    heads, kv = _heads(model, model.get_submodule(chain.units[0]))
+    emb, head = _vocab_edges(model, first)
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    tensors_only = isinstance(inputs, torch.Tensor) or (
+        isinstance(inputs, tuple) and bool(inputs) and all(isinstance(v, torch.Tensor) for v in inputs))
+    tp = TPPlan(styles={}, source="none", detail=(
+        f"no repeated block list (a chain of {chain.num_units} units of "
+        f"{len(set(chain.kinds))} kinds); tp plans apply to one repeated block"))
+    return ModelSpec(
+        blocks_path=first, num_blocks=chain.num_units, blocks_kind="chain", tp=tp, core_name=None,
+        num_heads=heads, num_kv_heads=kv, accepts_positions="positions" in params, vocab_embedding=emb,
+        vocab_head=head, tied=_tied(model), probe=probe, bare_params=tuple(chain.bare),
+        inputs_are_tensors=tensors_only, inputs_are_token_batch=False, is_sequence_model=mf.seq_len is not None,
+        notes=(f"chain: {chain.num_units} units in {', '.join(chain.containers)}",), chain=chain,
+    )
 
 
 def _with_support(spec: ModelSpec) -> ModelSpec:

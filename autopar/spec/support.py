@@ -40,8 +40,12 @@ def sp_support(spec: "ModelSpec") -> str | None:
 def pp_support(spec: "ModelSpec") -> str | None:
     if spec.num_blocks < 2:
         return "fewer than 2 blocks to split"
+    if spec.chain is not None and spec.chain.pp_reason:  # cut at unit inputs (spec/chain.py)
+        return spec.chain.pp_reason
     if not spec.inputs_are_tensors:
         return "example_inputs() is not a tensor or a tuple of tensors"
+    if spec.chain is not None:  # the chain's own requirements hold (bare parameters included)
+        return None
     if not spec.probe.block_call.first_arg_is_tensor:
         return "the blocks take their input as a keyword argument"
     if spec.probe.block_output != "Tensor":
