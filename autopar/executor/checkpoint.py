@@ -186,7 +186,7 @@ def _local_params(exe: Executable) -> list[tuple[str, str, torch.Tensor]]:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            orig = original_name(name)
+            orig = original_name(name, part)
             out.append((exe.canonical_names.get(orig, orig), orig, p))
     return out
 
@@ -229,7 +229,7 @@ def build_state(exe: Executable, *, rng: bool, for_load: bool) -> tuple[dict[str
             owner, _, leaf = name.rpartition(".")
             module = part.get_submodule(owner) if owner else part
             if leaf not in module._non_persistent_buffers_set:
-                orig = original_name(name)
+                orig = original_name(name, part)
                 state.setdefault(f"buffer/{exe.canonical_names.get(orig, orig)}", buf)
     if rng:
         r = dist.get_rank()

@@ -37,7 +37,7 @@ from autopar.errors import AutoparError
 from autopar.executor.apply import Executable, reference_model
 from autopar.executor.context_parallel import cp_next_token_loss, is_next_token_loss, shard_batch
 from autopar.executor.data_parallel import DTYPES, build_optimizer
-from autopar.executor.pipeline_parallel import sync_tied_grads
+from autopar.executor.pipeline_parallel import run_schedule, sync_tied_grads
 from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
 from autopar.modelfile import ModelFile, call_model
 from autopar.plan import Plan
@@ -212,15 +212,9 @@ class _Trainer:
                     raise AutoparError("context parallelism needs loss_fn to be mean next-token cross-entropy")
                 self.checked_cp_loss = True
             batch, _, target = shard_batch(batch, par.cp, exe.mesh.coords.cp)
-        is_first = 0 in exe.chunk_ids
         is_last = self.plan.parallel.num_stage_chunks - 1 in exe.chunk_ids
-        losses: list[torch.Tensor] = []
-        if is_first:
-            exe.schedule.step(batch)
-        elif is_last:
-            exe.schedule.step(target=target, losses=losses)
-        else:
-            exe.schedule.step()
+        losses = run_schedule(exe.schedule, exe.pipe_io, batch, is_last=is_last,
+                              target=target if par.cp > 1 else None, device=exe.mesh.device)
         if is_last and losses:
             # tp > 1: the schedule's loss_fn ran on vocab-sharded logits; its losses are replicated DTensors.
             return torch.stack([(l.full_tensor() if isinstance(l, DTensor) else l).detach().float()
