@@ -27,13 +27,14 @@ def tp_support(spec: "ModelSpec") -> str | None:
 
 
 def sp_support(spec: "ModelSpec") -> str | None:
+    # The SP hooks (executor/tensor_parallel.py) take a module's input positionally or by its first
+    # forward parameter's name (HF: hidden_states=), and a block's output as a tensor or a tuple
+    # whose first element is the hidden state.
     if tp_support(spec):
         return "needs tp"
-    if not spec.probe.block_call.first_arg_is_tensor:
-        return "the blocks take their input as a keyword argument; sequence parallelism needs it positional"
-    if spec.sp_parents_keyword:
-        return (f"{spec.sp_parents_keyword[0]} takes its input as a keyword argument; sequence parallelism "
-                "gathers the first positional input")
+    call = spec.probe.block_call
+    if not call.first_arg_is_tensor and call.num_args == 0 and not call.kwargs:
+        return "the blocks are called without a hidden-state input to split over the sequence"
     return None
 
 

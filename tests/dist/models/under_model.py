@@ -7,12 +7,13 @@ so every dimension (tp + sp, cp, pp, selective recompute) is offered on it.
 from torch import nn
 
 from autopar.models.gpt import example_tokens, next_token_loss
-from autopar.models.llama import Llama, LlamaConfig
+from autopar.models.llama import LLAMA_TP_PLAN, Llama, LlamaConfig
 
 CONFIG = LlamaConfig(
     num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=128, seq_len=32, vocab_size=128
 )
 SEQ_LEN = CONFIG.seq_len
+tp_plan = LLAMA_TP_PLAN  # block-relative
 
 
 class Wrapper(nn.Module):
