@@ -15,7 +15,7 @@ checkpoint (or absent), so resume never sees half a save.
 
 Plan independence (what makes *reshard* work): every entry is keyed by the parameter's
 fully-qualified name in the user's full model -- wrapper prefixes (DDP ``module.``, the pipeline
-``StageModule``'s ``model.``) removed and tied aliases (GPT's ``output.weight`` on the last pipeline
+``StageModule``'s ``autopar_chunk.``, apply.original_name) removed and tied aliases (GPT's ``output.weight`` on the last pipeline
 stage = ``tok_embeddings.weight``) mapped to one canonical name. Values are the live parameters and
 AdamW moments: DTensors (TP, FSDP2, FSDP2 x TP) keep their shards and DCP records their global
 offsets, plain tensors (DDP, replicated) are deduplicated by DCP; on load DCP reads whatever slice

@@ -38,7 +38,7 @@ class ViT(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, CLASSES)
-        self.logit_scale = nn.Parameter(torch.tensor(0.5))
+        self.logit_scale = nn.Parameter(torch.tensor([0.5]))  # 1-D: FSDP2 refuses scalar parameters
 
     def forward(self, images):
         x = self.patch(images).flatten(2).transpose(1, 2)
