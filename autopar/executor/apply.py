@@ -27,7 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.executor import pipeline_parallel as pipe
-from autopar.executor.context_parallel import apply_cp
+from autopar.executor import hf_attention
+from autopar.executor.context_parallel import ContextParallelAttention, apply_cp, position_kwargs
 from autopar.executor.data_parallel import DataParallelResult, apply_data_parallel, build_optimizer
 from autopar.executor.introspect import ModelSpec
 from autopar.executor.mesh import ParallelMesh
@@ -158,15 +159,16 @@ def build_executable(
         if par.cp > 1:  # stages see this cp rank's share of the sequence
             meta_inputs = meta_inputs[:, : plan.training.seq_len // par.cp]
         probe = pipe.probe_structure(model, spec, meta_inputs)
-        io = pipe.StepIO(meta_inputs)
+        io = pipe.StepIO(meta_inputs, probe.output)
         ranges = plan.stage_ranges()
         chunks = [pipe.build_chunk(model, spec, probe, rng, index=c, num_chunks=len(ranges), io=io, device=device)
                   for c, rng in enumerate(ranges)]
         if par.cp > 1:
             from autopar.executor.context_parallel import shard_indices
 
+            positions = shard_indices(plan.training.seq_len, par.cp, mesh.coords.cp).to(device)
             for ch in chunks:
-                ch.call_kwargs = {"positions": shard_indices(plan.training.seq_len, par.cp, mesh.coords.cp).to(device)}
+                ch.call_kwargs = position_kwargs(spec.accepts_positions, positions)
         all_chunk_names = [{k for k, _ in named_full(ch, remove_duplicate=False)} for ch in chunks]
         chunk_ids = pipe.local_chunk_ids(plan, mesh.coords.pp)
         parts = [chunks[c] for c in chunk_ids]
@@ -180,11 +182,19 @@ def build_executable(
             for note in apply_tp(part, sub_spec, mesh.tp, sequence_parallel=par.sequence_parallel):
                 if note not in notes:
                     notes.append(note)
-        if par.cp > 1:
+        recompute = par.recompute
+        if spec.core_name is None and spec.hf_attention is not None and (par.cp > 1 or recompute == "selective"):
+            # transformers attention: a registered implementation does CP and/or selective recompute
+            make_cp = (lambda: ContextParallelAttention(par.cp_kind, mesh.cp_group, par.cp, mesh.coords.cp,  # noqa: E731
+                                                        plan.training.seq_len)) if par.cp > 1 else None
+            hf_attention.install(part, prefix + spec.blocks_path, spec.hf_attention.module,
+                                 recompute=recompute == "selective", make_cp=make_cp)
+            recompute = "none" if recompute == "selective" else recompute
+        elif par.cp > 1:
             assert spec.core_name is not None
             apply_cp(part, prefix + spec.blocks_path, spec.core_name, kind=par.cp_kind, group=mesh.cp_group,
                      cp=par.cp, rank=mesh.coords.cp, seq_len=plan.training.seq_len)
-        apply_recompute(part, _prefixed(spec, prefix), par.recompute)
+        apply_recompute(part, _prefixed(spec, prefix), recompute)
 
     # 4. materialise from the seed-built full model
     reference = reference_model(mf, seed)
@@ -213,10 +223,10 @@ def build_executable(
         assert loss_fn is not None, "the pipeline's last stage computes the loss"
         row_target = True  # the model file's loss_fn gets each micro-batch's own inputs (StepIO.loss)
         if par.cp > 1:  # targets arrive pre-shifted and sharded (train.py); see context_parallel.py
-            from autopar.executor.context_parallel import cp_next_token_loss
+            from autopar.executor.context_parallel import cp_next_token_loss, logits_of
 
             n_targets = plan.training.micro_batch_size * (plan.training.seq_len - 1)
-            loss_fn = lambda out, tgt: cp_next_token_loss(out, tgt, n_targets, par.cp)  # noqa: E731
+            loss_fn = lambda out, tgt: cp_next_token_loss(logits_of(out)[0], tgt, n_targets, par.cp)  # noqa: E731
             row_target = False
         if par.tp > 1:  # vocab-sharded logits on the last stage: the same fallback as train.py's loss
             from autopar.executor.tensor_parallel import VocabParallelLoss

@@ -168,6 +168,7 @@ class Probe:
     block_out: Template
     block_first_param: str | None
     bare: dict[str, frozenset[str]]
+    output: Template  # what the whole model returns
 
 
 def _siblings(model: nn.Module, blocks_path: str) -> dict[str, nn.Module]:
@@ -245,7 +246,7 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
     handles.append(blocks[len(blocks) - 1].register_forward_hook(on_last))
     try:
         with torch.no_grad(), tolerant_meta(), recorder:
-            call_model(model, meta_inputs)
+            result = call_model(model, meta_inputs)
     finally:
         for h in handles:
             h.remove()
@@ -263,7 +264,7 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
             epilogue.append(name)
     return Probe(prologue=prologue, epilogue=tuple(epilogue), block_out=Template.of(block_out[0]),
                  block_first_param=_first_param(blocks[0]),
-                 bare={n: frozenset(r) for n, r in recorder.reads.items()})
+                 bare={n: frozenset(r) for n, r in recorder.reads.items()}, output=Template.of(result))
 
 
 def bare_holders(phases: frozenset[str], chunk: int, num_chunks: int) -> bool:
@@ -290,8 +291,9 @@ def _param_to_buffer(root: nn.Module, dotted: str) -> None:
 class StepIO:
     """One step's inputs as every stage and the last stage's loss see them (module docstring)."""
 
-    def __init__(self, meta_inputs: Any) -> None:
+    def __init__(self, meta_inputs: Any, model_output: Template | None = None) -> None:
         self.inputs = Template.of(meta_inputs)
+        self.model_output = model_output  # the probe's: what the whole model returns
         self.output: Template | None = None  # set by the last StageModule when it flattens
         self.batch: Any = None  # this rank's (dp-sliced) batch of the current step
 
@@ -302,6 +304,10 @@ class StepIO:
     def micro_batch(self, kwargs: dict[str, Any]) -> Any:
         n = sum(self.inputs.is_tensor)
         return self.inputs.rebuild([kwargs.pop(f"{INPUT_KEY}{i}") for i in range(n)])
+
+    def example_output(self, device: torch.device) -> Any:
+        """Zeros in the structure the whole model returns (None: unknown)."""
+        return None if self.model_output is None else self.model_output.zeros(device)
 
     def flatten_output(self, out: Any) -> Any:
         if isinstance(out, torch.Tensor):

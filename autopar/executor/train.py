@@ -35,7 +35,9 @@ from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
 from autopar.executor.apply import Executable, reference_model
-from autopar.executor.context_parallel import cp_next_token_loss, is_next_token_loss, shard_batch
+from autopar.executor.context_parallel import (
+    cp_next_token_loss, is_next_token_loss, logits_of, position_kwargs, shard_batch,
+)
 from autopar.executor.data_parallel import DTYPES, build_optimizer
 from autopar.executor.pipeline_parallel import run_schedule, sync_tied_grads
 from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
@@ -194,9 +196,10 @@ class _Trainer:
     def _cp_loss(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         par = self.plan.parallel
         local, positions, targets = shard_batch(tokens, par.cp, self.exe.mesh.coords.cp)
-        logits = model(local, positions=positions)
+        output = model(local, **position_kwargs(self.exe.spec.accepts_positions, positions))
+        logits = logits_of(output)[0]
         if not self.checked_cp_loss:
-            if not is_next_token_loss(self.mf.loss_fn, tokens, logits.shape[-1]):
+            if not is_next_token_loss(self.mf.loss_fn, tokens, logits.shape[-1], output):
                 raise AutoparError("context parallelism needs loss_fn to be mean next-token cross-entropy")
             self.checked_cp_loss = True
         loss = cp_next_token_loss(logits, targets, tokens.shape[0] * (tokens.shape[1] - 1), par.cp)
@@ -208,7 +211,8 @@ class _Trainer:
         target = batch
         if par.cp > 1:  # shard tokens and next-token targets; StageModule passes the positions
             if not self.checked_cp_loss:
-                if not is_next_token_loss(self.mf.loss_fn, batch, int(batch.max()) + 1):
+                like = exe.pipe_io.example_output(batch.device)
+                if not is_next_token_loss(self.mf.loss_fn, batch, int(batch.max()) + 1, like):
                     raise AutoparError("context parallelism needs loss_fn to be mean next-token cross-entropy")
                 self.checked_cp_loss = True
             batch, _, target = shard_batch(batch, par.cp, exe.mesh.coords.cp)

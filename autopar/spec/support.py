@@ -54,12 +54,26 @@ def pp_support(spec: "ModelSpec") -> str | None:
 def cp_support(spec: "ModelSpec") -> str | None:
     if not spec.is_sequence_model:
         return "not a sequence model (no SEQ_LEN)"
-    if spec.core_name is None:
-        return "no attention core submodule found (a parameter-free 'core' taking q, k, v)"
-    if not spec.accepts_positions:
-        return "forward() takes no positions= argument to place a sequence shard"
     if not spec.inputs_are_token_batch:
         return "example_inputs() is not one (batch, seq) token tensor"
+    hf = spec.hf_attention
+    if spec.core_name is None and hf is None:
+        return ("no attention core submodule found (a parameter-free 'core' taking q, k, v) and no "
+                "attention dispatched through transformers' attention interface")
+    if spec.core_name is not None:
+        if not spec.accepts_positions:
+            return "forward() takes no positions= argument to place a sequence shard"
+        return None
+    # transformers attention: executor/hf_attention.py registers a context-parallel implementation
+    # that is exact for full causal attention; the positions travel as position_ids=.
+    if not hf.causal:
+        return f"the attention ({hf.module}) is not causal; context parallelism here is causal-only"
+    if hf.sliding_window is not None:
+        return f"the attention uses a sliding window ({hf.sliding_window} tokens); context parallelism here is full-causal only"
+    if hf.dropout > 0:
+        return f"attention dropout {hf.dropout} > 0; context-parallel attention has no dropout"
+    if not hf.position_ids:
+        return "forward() takes no position_ids= argument to place a sequence shard"
     return None
 
 
@@ -68,8 +82,10 @@ def zero3_support(spec: "ModelSpec") -> str | None:
 
 
 def selective_support(spec: "ModelSpec") -> str | None:
-    if spec.core_name is None:
-        return "no attention core submodule to recompute"
+    # An attention core submodule is checkpointed in place; transformers attention through a
+    # registered implementation that runs the original under checkpoint (executor/hf_attention.py).
+    if spec.core_name is None and spec.hf_attention is None:
+        return "no attention core submodule and no transformers attention to recompute"
     return None
 
 

@@ -65,17 +65,20 @@ def _cases(model: str, *names: str) -> list[FileCase]:
         "pp2-gpipe": {"pp": 2, "pp_schedule": "gpipe"}, "pp2-1f1b": {"pp": 2, "pp_schedule": "1f1b"},
         "pp2-uneven": {"pp": 2, "pp_schedule": "1f1b", "stages": [[0, 1], [1, 4]]},
         "pp2-interleaved": {"pp": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 2},
-        "cp2-ring": {"cp": 2, "cp_kind": "ring"}, "dp2-selective": {"dp": 2, "recompute": "selective"},
+        "cp2-ring": {"cp": 2, "cp_kind": "ring"}, "cp2-ulysses": {"cp": 2, "cp_kind": "ulysses"},
+        "cp2-allgather": {"cp": 2, "cp_kind": "allgather"}, "dp2-selective": {"dp": 2, "recompute": "selective"},
+        "cp2-selective": {"cp": 2, "cp_kind": "ring", "recompute": "selective"},
         "dp2-full": {"dp": 2, "recompute": "full"},
     }
     return [FileCase(name=f"{model}-{n}", model=model, parallel=plans[n]) for n in names]
 
 
 CASES = (
-    _cases("hf-llama", "dp2", "zero1", "zero3", "tp2-sp", "pp2-1f1b", "pp2-gpipe")
+    _cases("hf-llama", "dp2", "zero1", "zero3", "tp2-sp", "pp2-1f1b", "pp2-gpipe", "cp2-ring", "cp2-ulysses",
+           "dp2-selective", "cp2-selective")
     + _cases("hf-mistral", "dp2", "tp2-sp", "pp2-1f1b")
     + _cases("hf-qwen2", "zero2", "tp2-sp", "pp2-1f1b")
-    + _cases("hf-gpt2", "dp2", "zero3", "pp2-1f1b")
+    + _cases("hf-gpt2", "dp2", "zero3", "pp2-1f1b", "cp2-allgather")
     + _cases("under-model", "dp2", "zero3", "tp2-sp", "cp2-ring", "pp2-1f1b", "dp2-selective")
     + _cases("bare-vit", "dp2", "zero3", "pp2-1f1b", "pp2-uneven", "pp2-interleaved")
     + _cases("bare-pos-gpt", "zero3", "pp2-1f1b")
