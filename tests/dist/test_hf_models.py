@@ -4,7 +4,7 @@ the loss inside the model), a network under an attribute named ``model``, bare `
 tuple-returning blocks -- under every dimension the planner offers, training like one rank (fp32,
 losses rel 1e-4 over 3 steps, step-1 gradients and final parameters).
 
-One spawn of 2 gloo ranks runs every case in sequence (tests/dist/harness.py).
+One spawn per world size (2 and 4 gloo ranks) runs its cases in sequence (tests/dist/harness.py).
 """
 
 from __future__ import annotations
@@ -74,20 +74,28 @@ def _cases(model: str, *names: str) -> list[FileCase]:
 
 
 CASES = (
-    _cases("hf-llama", "dp2", "zero1", "zero3", "tp2-sp", "pp2-1f1b", "pp2-gpipe", "cp2-ring", "cp2-ulysses",
-           "dp2-selective", "cp2-selective")
+    _cases("hf-llama", "dp2", "zero1", "zero3", "tp2-sp", "pp2-1f1b", "pp2-gpipe", "cp2-ring", "dp2-selective",
+           "cp2-selective")
     + _cases("hf-mistral", "dp2", "tp2-sp", "pp2-1f1b")
     + _cases("hf-qwen2", "zero2", "tp2-sp", "pp2-1f1b")
-    + _cases("hf-gpt2", "dp2", "zero3", "pp2-1f1b", "cp2-allgather")
-    + _cases("under-model", "dp2", "zero3", "tp2-sp", "cp2-ring", "pp2-1f1b", "dp2-selective")
-    + _cases("bare-vit", "dp2", "zero3", "pp2-1f1b", "pp2-uneven", "pp2-interleaved")
-    + _cases("bare-pos-gpt", "zero3", "pp2-1f1b")
+    + _cases("hf-gpt2", "zero3", "pp2-1f1b", "cp2-allgather")
+    + _cases("under-model", "dp2", "tp2-sp", "cp2-ring", "pp2-1f1b")
+    + _cases("bare-vit", "zero3", "pp2-1f1b", "pp2-interleaved")
+    + _cases("bare-pos-gpt", "pp2-1f1b")
 )
+# Four ranks: pipeline stages combined with tensor (+ sequence) and context parallelism on HF Llama.
+CASES_4 = [
+    FileCase(name="hf-llama-pp2xtp2-sp", model="hf-llama",
+             parallel={"pp": 2, "tp": 2, "sequence_parallel": True, "pp_schedule": "1f1b"}),
+    FileCase(name="hf-llama-pp2xcp2", model="hf-llama", parallel={"pp": 2, "cp": 2, "cp_kind": "allgather"}),
+    FileCase(name="hf-qwen2-pp2xdp2-zero3", model="hf-qwen2", parallel={"pp": 2, "dp": 2, "zero": 3}),
+]
+WORLD = {2: CASES, 4: CASES_4}
 
 
 @functools.lru_cache(maxsize=None)
-def _results() -> dict:
-    return spawn_cases(2, CASES)
+def _results(world: int) -> dict:
+    return spawn_cases(world, WORLD[world])
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,8 +117,7 @@ def _reference(model: str):
     return losses, {n: p.detach().clone() for n, p in model_.named_parameters(remove_duplicate=False)}, grads
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_offered_and_equivalent(case: FileCase) -> None:
+def _check(world: int, case: FileCase) -> None:
     from autopar.modelfile import load_model_file
     from autopar.spec import model_spec
 
@@ -118,7 +125,7 @@ def test_offered_and_equivalent(case: FileCase) -> None:
     for dim, used in _DIMS.items():
         if used(case.parallel):
             assert spec.support_reason(dim) is None, f"{dim} is not offered: {spec.support_reason(dim)}"
-    got = _results()[case.name]
+    got = _results(world)[case.name]
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, ref_params, ref_grads = _reference(case.model)
     assert len(got["losses"]) == len(ref_losses)
@@ -130,3 +137,13 @@ def test_offered_and_equivalent(case: FileCase) -> None:
         torch.testing.assert_close(got["grads"][name], ref, rtol=1e-3, atol=tol, msg=lambda m: f"grad {name}: {m}")
     for name, ref in ref_params.items():
         torch.testing.assert_close(got["params"][name], ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_two_ranks(case: FileCase) -> None:
+    _check(2, case)
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=lambda c: c.name)
+def test_four_ranks(case: FileCase) -> None:
+    _check(4, case)

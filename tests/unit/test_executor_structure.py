@@ -103,3 +103,45 @@ def test_sp_hooks_find_a_keyword_input() -> None:
         _map_first_input(m, (), {"mask": None}, lambda x: x)
     out = _map_first_output((torch.ones(1), None), lambda x: x + 1)
     assert out[0].item() == 2 and out[1] is None
+
+
+def test_hf_attention_support_and_selective_recompute_route() -> None:
+    pytest.importorskip("transformers")
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from autopar.executor import hf_attention
+
+    llama = model_spec(load_model_file(MODELS / "hf" / "llama.py"))
+    assert llama.hf_attention is not None and llama.hf_attention.module == "self_attn"
+    assert llama.support_reason("cp") is None and llama.support_reason("selective") is None
+    mistral = model_spec(load_model_file(MODELS / "hf" / "mistral.py"))
+    assert "sliding window" in mistral.support_reason("cp")
+    assert mistral.support_reason("selective") is None
+
+    calls = []
+
+    def counting(module, *args, **kwargs):
+        calls.append(type(module).__name__)
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register("test_counting", counting)
+    mf = load_model_file(MODELS / "hf" / "llama.py")
+    torch.manual_seed(0)
+    model = mf.build("cpu")
+    model.config._attn_implementation = "test_counting"
+    tokens = mf.example_inputs(2, "cpu")
+    plain = mf.loss_fn(model(tokens), tokens)
+    plain.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    calls.clear()
+    assert hf_attention.install(model, "model.layers", "self_attn", recompute=True) == 4
+    assert model.config._attn_implementation == "autopar_test_counting"
+    loss = mf.loss_fn(model(tokens), tokens)
+    assert len(calls) == 4  # forward: once per layer, through the original implementation
+    loss.backward()
+    assert len(calls) == 8  # backward recomputed each layer's attention
+    assert torch.equal(loss, plain)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-7)
