@@ -58,6 +58,8 @@ embedding and head, as torchtitan does it):
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Mapping
 
@@ -249,16 +251,20 @@ def fused_row_permutations(model: nn.Module, spec: ModelSpec, tp: int) -> dict[s
     return perms
 
 
-def _first_param_name(module: nn.Module) -> str | None:
-    """Name of ``module.forward``'s first parameter (HF attention: ``hidden_states``)."""
-    import inspect
-
+@functools.lru_cache(maxsize=None)
+def _first_param_of(cls: type) -> str | None:
     try:
-        params = list(inspect.signature(module.forward).parameters.values())
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # after self
     except (TypeError, ValueError):
         return None
     named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return named[0].name if named else None
+
+
+def _first_param_name(module: nn.Module) -> str | None:
+    """Name of the first parameter of ``module``'s forward (HF attention: ``hidden_states``); read
+    once per class (the hooks run on every call)."""
+    return _first_param_of(type(module))
 
 
 def _map_first_input(module: nn.Module, args: tuple, kwargs: dict, fn: Callable[[Any], Any]) -> tuple[tuple, dict]:
