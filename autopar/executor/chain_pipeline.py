@@ -29,12 +29,69 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.executor.pipeline_parallel import StageModule, _Dropped, _Exit, _Inject, _MetaStub, _replace
+from autopar.executor.pipeline_parallel import STAGE_ATTR, _Dropped, _replace, _StageExit
 from autopar.modelfile import call_model
 from autopar.spec import ModelSpec
 from autopar.spec.meta import tolerant_meta
 
 Shapes = dict[str, tuple[torch.Size, torch.dtype]]
+
+
+class _MetaStub(nn.Module):
+    """Stands in for a unit (or module) before the chunk: a meta tensor of the recorded shape."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.shape, self.dtype = tuple(shape), dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+
+
+class _Exit(nn.Module):
+    """The unit after the chunk: leaves the model's forward with its input (the next stage's)."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise _StageExit(x)
+
+
+class _Inject:
+    """Holds the activation received from the previous stage while the chunk's forward runs."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+
+class ChainStage(nn.Module):
+    """One pipeline chunk of a layer chain: the first takes the micro-batch, a later one the
+    activation of the previous stage (``forward(x)``); the model's own forward runs on meta
+    example inputs before the chunk's first unit (stubs), so its code is unchanged. The chunk sits
+    under ``pipeline_parallel.STAGE_ATTR``, as a block-list StageModule's does."""
+
+    def __init__(self, model: nn.Module, *, is_first: bool, is_last: bool, meta_inputs: Any,
+                 inject: _Inject | None) -> None:
+        super().__init__()
+        setattr(self, STAGE_ATTR, model)
+        self.is_first, self.is_last = is_first, is_last
+        self._meta_inputs = meta_inputs  # a plain attribute: not a buffer, never materialised
+        self._inject = inject
+        self.call_kwargs: dict[str, Any] = {}
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        model = getattr(self, STAGE_ATTR)
+        if self.is_first:
+            inputs = args[0] if len(args) == 1 else args
+        else:
+            assert self._inject is not None
+            self._inject.value = args[0]
+            inputs = self._meta_inputs
+        try:
+            return call_model(model, inputs)
+        except _StageExit as stop:
+            return stop.value
+        finally:
+            if self._inject is not None:
+                self._inject.value = None
 
 
 def uses_chain_chunks(spec: ModelSpec) -> bool:
@@ -68,8 +125,8 @@ def _runs_here(p: int, start: int, end: int) -> bool:
 
 
 def build_chain_chunk(model: nn.Module, spec: ModelSpec, shapes: Shapes, unit_range: tuple[int, int], *,
-                      is_first: bool, is_last: bool, meta_inputs: Any) -> StageModule:
-    """A StageModule holding units ``[start, end)`` of a deep copy of the meta ``model`` (module docstring)."""
+                      is_first: bool, is_last: bool, meta_inputs: Any) -> ChainStage:
+    """A ChainStage holding units ``[start, end)`` of a deep copy of the meta ``model`` (module docstring)."""
     chain = spec.chain
     assert chain is not None
     start, end = unit_range
@@ -111,9 +168,7 @@ def build_chain_chunk(model: nn.Module, spec: ModelSpec, shapes: Shapes, unit_ra
         param = owner._parameters.pop(leaf)
         # a plain attribute: the model's code still reads it (on meta), nothing materialises or trains it
         setattr(owner, leaf, torch.empty(param.shape, dtype=param.dtype, device="meta"))
-    stage = StageModule(chunk, is_first=is_first, is_last=is_last, meta_inputs=meta_inputs)
-    stage._inject = inject
-    return stage
+    return ChainStage(chunk, is_first=is_first, is_last=is_last, meta_inputs=meta_inputs, inject=inject)
 
 
 def _place_stand_ins(chunk: nn.Module, stand_ins: dict[str, nn.Module]) -> None:

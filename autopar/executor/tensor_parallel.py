@@ -58,6 +58,8 @@ embedding and head, as torchtitan does it):
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Mapping
 
@@ -272,14 +274,51 @@ def fused_row_permutations(model: nn.Module, spec: ModelSpec, tp: int) -> dict[s
     return perms
 
 
-def _gather_sequence_pre_hook(mesh: DeviceMesh):
-    """All-gather the first positional input over the sequence; backward reduce-scatters (SP)."""
+@functools.lru_cache(maxsize=None)
+def _first_param_of(cls: type) -> str | None:
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):
+        return None
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return named[0].name if named else None
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        x = args[0]
+
+def _first_param_name(module: nn.Module) -> str | None:
+    """Name of the first parameter of ``module``'s forward (HF attention: ``hidden_states``); read
+    once per class (the hooks run on every call)."""
+    return _first_param_of(type(module))
+
+
+def _map_first_input(module: nn.Module, args: tuple, kwargs: dict, fn: Callable[[Any], Any]) -> tuple[tuple, dict]:
+    """(args, kwargs) with ``fn`` applied to the module's first input: the first positional
+    argument, or its first forward parameter passed by keyword (HF: ``self_attn(hidden_states=...)``)."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    name = _first_param_name(module)
+    if name is None or name not in kwargs:
+        raise RuntimeError(f"sequence parallelism: {type(module).__name__} was called without its input "
+                           f"({name or 'a positional argument'})")
+    return args, {**kwargs, name: fn(kwargs[name])}
+
+
+def _map_first_output(out: Any, fn: Callable[[Any], Any]) -> Any:
+    """``out`` with ``fn`` applied to its hidden state: the tensor, or a tuple's first element."""
+    if isinstance(out, tuple) and out:
+        return (fn(out[0]), *out[1:])
+    return fn(out)
+
+
+def _gather_sequence_pre_hook(mesh: DeviceMesh):
+    """All-gather the module's input over the sequence; backward reduce-scatters (SP)."""
+
+    def gather(x: Any) -> Any:
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
-        return (x.redistribute(mesh, [Replicate()]), *args[1:]), kwargs
+        return x.redistribute(mesh, [Replicate()])
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _map_first_input(module, args, kwargs, gather)
 
     return hook
 
@@ -287,17 +326,21 @@ def _gather_sequence_pre_hook(mesh: DeviceMesh):
 def _split_sequence_pre_hook(mesh: DeviceMesh):
     """Keep this tp rank's sequence shard of a replicated input (backward all-gathers)."""
 
+    def split(x: Any) -> Any:
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        x = DTensor.from_local(args[0], mesh, [Replicate()], run_check=False)
-        return (x.redistribute(mesh, [Shard(1)]).to_local(), *args[1:]), kwargs
+        return _map_first_input(module, args, kwargs, split)
 
     return hook
 
 
 def _gather_sequence_post_hook(mesh: DeviceMesh):
-    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        x = DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
-        return x.redistribute(mesh, [Replicate()]).to_local()
+    def gather(x: Any) -> Any:
+        return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    def hook(module: nn.Module, args: Any, out: Any) -> Any:
+        return _map_first_output(out, gather)
 
     return hook
 

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.errors import ModelFileError
 from autopar.modelfile import ModelFile, call_model
+from autopar.spec.attention import HFAttention, hf_attention
 from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, probe_calls
 from autopar.spec.chain import Chain, block_list_chain, find_chain
 from autopar.spec.meta import tolerant_meta
@@ -57,6 +58,7 @@ class ModelSpec:
     inputs_are_tensors: bool = True
     inputs_are_token_batch: bool = False
     is_sequence_model: bool = False
+    hf_attention: HFAttention | None = None  # attention dispatched by transformers' interface (spec/attention.py)
     support: Mapping[str, str | None] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     # The layer chain a pipeline cuts at unit inputs (spec/chain.py): a model without a repeated
@@ -290,7 +292,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         probe=probe, sp_parents_keyword=_keyword_parents(block, tp.styles, run) if tp.styles else (),
         bare_params=_bare_params(model, blocks_path, probe), inputs_are_tensors=tensors_only and bool(flat),
         inputs_are_token_batch=token_batch, is_sequence_model=mf.seq_len is not None,
-        notes=tp.dropped,
+        hf_attention=hf_attention(model, block), notes=tp.dropped,
         chain=_meta_call(where, lambda: block_list_chain(model, blocks_path, run)) if isinstance(blocks, nn.Sequential) else None,
     )
     return _with_support(spec)
