@@ -97,6 +97,7 @@ class Cluster:
     overlap_cost_fraction: float = 0.1
     # How the training software behaves (the same GPUs run Megatron-LM and torchtitan differently):
     overlap_grad_reduce: bool = True  # DP gradient collectives overlap the last backward (DDP/FSDP do)
+    overlap_param_gather: bool = True  # ZeRO-1's parameter all-gather overlaps the next forward (FSDP2 prefetch)
     async_tp_backward: bool = False  # TP backward all-reduce overlaps the weight-gradient GEMM (Megatron)
     pipeline_scatter_gather: bool = False  # a PP send goes 1/tp per rail, re-gathered on NVLink (Megatron)
     source: Path | None = field(default=None, compare=False)
@@ -223,7 +224,7 @@ def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
         raise ClusterError(f"measured profile over {cluster.name}: {exc}") from None
 
 
-_SOFTWARE_KEYS = ("overlap_grad_reduce", "async_tp_backward", "pipeline_scatter_gather")
+_SOFTWARE_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "async_tp_backward", "pipeline_scatter_gather")
 
 
 def _software(data: Any, where: str) -> dict[str, bool]:

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import AutoparError
 from autopar.executor.apply import Executable, reference_model
 from autopar.executor.context_parallel import cp_next_token_loss, is_next_token_loss, shard_batch
-from autopar.executor.data_parallel import DTYPES, build_optimizer
+from autopar.executor.data_parallel import DTYPES, build_optimizer, zero1_microbatch
 from autopar.executor.pipeline_parallel import sync_tied_grads
 from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
 from autopar.modelfile import ModelFile, call_model
@@ -182,6 +182,8 @@ class _Trainer:
         for i in range(m):
             mb = rows(batch, i * mbs, (i + 1) * mbs)
             sync = model.no_sync() if kind == "ddp" and i < m - 1 else nullcontext()
+            if exe.dp[0].zero1:  # one reduce-scatter and one all-gather per step (data_parallel.py)
+                zero1_microbatch(model, last=i == m - 1)
             with sync:
                 if par.cp > 1:
                     loss = self._cp_loss(model, mb)

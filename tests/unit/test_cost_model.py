@@ -380,10 +380,35 @@ def test_cluster_profile_errors_name_the_field(tmp_path) -> None:  # noqa: ANN00
         load_cluster(str(path))
 
 
-def test_zero1_with_tp_is_priced_as_the_zero2_the_executor_runs(small_gpt, a100, make_plan) -> None:
-    z1, z2 = (_est(small_gpt, a100, make_plan, dp=4, tp=2, zero=z, global_batch_size=32, micro_batch_size=1)
+def _dp_traffic(graph, cluster, make_plan, **kw) -> tuple[float, int]:
+    """(bytes a rank sends over the dp x cp group per step, calls per step) from explain's volume."""
+    from autopar.explain.volume import communication_volume
+
+    vol = communication_volume(make_plan(graph.num_blocks, **kw), graph, cluster)[0]
+    items = [i for i in vol.items if i.axis == "dp_cp"]
+    return sum(i.sent_bytes_per_step for i in items), sum(i.calls_per_step for i in items)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_zero1_traffic_per_step_is_independent_of_micro_batches_zero2_grows(small_gpt, a100, make_plan, tp) -> None:
+    traffic = {(z, m): _dp_traffic(small_gpt, a100, make_plan, dp=4, tp=tp, zero=z, global_batch_size=4 * m,
+                                   micro_batch_size=1) for z in (1, 2) for m in (2, 8)}
+    assert traffic[(1, 2)] == traffic[(1, 8)]  # one reduce-scatter + one all-gather per step
+    assert traffic[(2, 8)][0] == pytest.approx(4 * traffic[(2, 2)][0])  # both, in every micro-batch
+    assert traffic[(2, 2)][0] == pytest.approx(2 * traffic[(1, 2)][0])
+    # The estimate prices the same: ZeRO-2's per-micro-batch collectives cost more at M = 8.
+    z1, z2 = (_est(small_gpt, a100, make_plan, dp=4, tp=tp, zero=z, global_batch_size=32, micro_batch_size=1)
+              for z in (1, 2))
+    assert z1.time_breakdown_s["zero_comm"] == 0 < z2.time_breakdown_s["zero_comm"]
+    assert z1.step_time_s < z2.step_time_s
+    # ... and ZeRO-2 holds 1/dp of the gradients where ZeRO-1 holds a whole fp32 accumulator.
+    params = z1.ranks[0].params
+    assert z1.memory_bytes["grads"] == pytest.approx(4 * params)
+    assert z2.memory_bytes["grads"] == pytest.approx(2 * params / 4)
+    assert z1.memory_bytes["optimizer"] == z2.memory_bytes["optimizer"]
+
+
+def test_zero2_with_pipeline_is_priced_as_the_zero1_it_runs_as(small_gpt, a100, make_plan) -> None:
+    z1, z2 = (_est(small_gpt, a100, make_plan, dp=2, pp=2, zero=z, global_batch_size=16, micro_batch_size=1)
               for z in (1, 2))
     assert z1.step_time_s == z2.step_time_s and z1.peak_memory_bytes == z2.peak_memory_bytes
-    flat1, flat2 = (_est(small_gpt, a100, make_plan, dp=8, zero=z, global_batch_size=32, micro_batch_size=1)
-                    for z in (1, 2))
-    assert flat1.step_time_s != flat2.step_time_s  # without tp, ZeRO-1 is ZeroRedundancyOptimizer + DDP
