@@ -6,8 +6,9 @@ file for get a FLOP- and parameter-equivalent stand-in, stated in ``stand_in``:
 
 - GPT-3 / Megatron GPT / MPT: ``autopar.models.gpt`` with the fused (flash) attention core, which
   Transformer Engine and llm-foundry run; MPT has no dropout.
-- Nemotron-4 (squared-ReLU MLP of width ffn, not gated, RoPE, GQA): ``autopar.models.llama`` with
-  SwiGLU of width 2/3 ffn -- the same MLP parameters and FLOPs (3 h (2/3 f) = 2 h f), the same GQA.
+- Nemotron-4 (LayerNorm, squared-ReLU MLP of width ffn, not gated, RoPE, GQA, untied head): a model
+  file built from ``autopar.models.llama``'s attention (GQA, RoPE) with LayerNorm and a squared-ReLU
+  MLP swapped in (``nemotron_model_file``) -- the architecture itself, not a FLOP-equivalent.
 - Llama 3.1: ``autopar.models.llama`` as it is.
 
 Where the source does not state a setting (Megatron-Core's weak-scaling table: micro-batch,
@@ -52,6 +53,7 @@ class PublicRun:
     derived: str = ""
     assumed: tuple[str, ...] = field(default=())
     software: str = "megatron"  # megatron | fsdp: what the run's framework overlaps (profiles/*-megatron.yaml)
+    tp_comm_overlap: bool | None = None  # False: the source says this run had TP communication overlap off
 
     @property
     def layout(self) -> str:
@@ -70,7 +72,59 @@ def _model_path(source: str, stem: str) -> Path:
     return path
 
 
+@dataclass(frozen=True, kw_only=True)
+class NemotronConfig(llama.LlamaConfig):
+    """Nemotron-4: Llama's GQA + RoPE attention, LayerNorm, squared-ReLU MLP (ffn_hidden_size wide)."""
+
+
+def nemotron_model_file(cfg: NemotronConfig) -> str:
+    """A model file (DESIGN §4) for a Nemotron-4 architecture."""
+    base = llama.LlamaConfig(**{f: getattr(cfg, f) for f in llama.LlamaConfig.__dataclass_fields__})
+    return f'''"""Nemotron-4 (LayerNorm, squared-ReLU MLP, GQA, RoPE): {cfg!r}"""
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.models.gpt import example_tokens, next_token_loss
+from autopar.models.llama import LLAMA_TP_PLAN, Llama, LlamaConfig
+
+CONFIG = {base!r}
+SEQ_LEN = CONFIG.seq_len
+tp_plan = {{k: v for k, v in LLAMA_TP_PLAN.items() if k != "feed_forward.w3"}}
+pipeline_blocks = "layers"
+
+
+class SquaredReLU(nn.Module):
+    def __init__(self, h, f):
+        super().__init__()
+        self.w1 = nn.Linear(h, f, bias=False)
+        self.w2 = nn.Linear(f, h, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.relu(self.w1(x)).square())
+
+
+def build_model():
+    m = Llama(CONFIG)
+    h, f = CONFIG.hidden_size, CONFIG.ffn_hidden_size
+    for blk in m.layers:
+        blk.attention_norm, blk.ffn_norm = nn.LayerNorm(h), nn.LayerNorm(h)
+        blk.feed_forward = SquaredReLU(h, f)
+    m.norm = nn.LayerNorm(h)
+    return m
+
+
+def example_inputs(micro_batch_size: int):
+    return example_tokens(CONFIG.seq_len, CONFIG.vocab_size, micro_batch_size)
+
+
+def loss_fn(output, inputs):
+    return next_token_loss(output, inputs)
+'''
+
+
 def model_path(cfg: gpt.GPTConfig | llama.LlamaConfig) -> Path:
+    if isinstance(cfg, NemotronConfig):
+        return _model_path(nemotron_model_file(cfg), "nemotron")
     if isinstance(cfg, llama.LlamaConfig):
         return _model_path(llama.model_file(cfg), "llama")
     return _model_path(gpt.model_file(cfg), "gpt")
@@ -84,10 +138,9 @@ def _model(m: dict, seq: int) -> tuple[gpt.GPTConfig | llama.LlamaConfig, str]:
     arch = str(m.get("arch", "gpt"))
     kv = m.get("kv_heads", m["heads"])
     if arch.startswith("gpt-like"):  # Nemotron-4
-        ffn = m["ffn"] * 2 // 3
-        return (llama.LlamaConfig(num_layers=m["layers"], hidden_size=m["hidden"], num_heads=m["heads"], num_kv_heads=kv,
-                                  ffn_hidden_size=ffn, seq_len=seq, vocab_size=m["vocab"]),
-                f"llama (GQA {kv}, SwiGLU {ffn} = squared-ReLU {m['ffn']} in FLOPs)")
+        return (NemotronConfig(num_layers=m["layers"], hidden_size=m["hidden"], num_heads=m["heads"], num_kv_heads=kv,
+                               ffn_hidden_size=m["ffn"], seq_len=seq, vocab_size=m["vocab"]),
+                f"nemotron (LayerNorm, squared ReLU, GQA {kv}, RoPE)")
     if arch == "llama":
         return (llama.LlamaConfig(num_layers=m["layers"], hidden_size=m["hidden"], num_heads=m["heads"], num_kv_heads=kv,
                                   ffn_hidden_size=m["ffn"], seq_len=seq, vocab_size=m["vocab"]), "llama")
@@ -111,7 +164,8 @@ def _dict_rows(group: str, data: dict) -> list[PublicRun]:
             group=group, name=r["name"], model=model, stand_in=stand_in, num_gpus=r["gpus"], global_batch=r["gbs"],
             micro_batch=r["mbs"], seq_len=seq, tp=r["tp"], pp=r["pp"], dp=r["dp"], virtual_stages=r.get("vp") or 1,
             zero=r["zero"], sequence_parallel=bool(r.get("sp", False)), recompute=r["recompute"], step_time_s=step,
-            derived=derived, assumed=tuple(r.get("inferred", ())), software="megatron" if r["zero"] < 3 else "fsdp"))
+            derived=derived, assumed=tuple(r.get("inferred", ())), software="megatron" if r["zero"] < 3 else "fsdp",
+            tp_comm_overlap=False if "no TP comm overlap" in str(r.get("notes", "")) else None))
     return out
 
 
@@ -121,10 +175,9 @@ def megatron_core_flops_per_step(layers: int, hidden: int, seq: int, vocab: int,
     return 72.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
 
 
-# Megatron-Core's table states no micro-batch, interleaving or recompute: one rule for every row --
-# micro-batch 1, no recompute, SP on; pipelined rows interleave with 2 layers per virtual stage
-# where that divides evenly (Megatron's published recipes at this depth interleave), else plain 1F1B.
-MCORE_LAYERS_PER_VIRTUAL_STAGE = 2
+# Megatron-Core's table states no micro-batch, interleaving or recompute: one rule for every row,
+# the least assumed -- micro-batch 1, no recompute, SP on, plain 1F1B (no interleaving).
+MCORE_LAYERS_PER_VIRTUAL_STAGE = 0  # 0: no interleaving; n: n layers per virtual stage where it divides
 
 
 def _mcore_rows(data: dict) -> list[PublicRun]:
@@ -135,12 +188,13 @@ def _mcore_rows(data: dict) -> list[PublicRun]:
                               fused_attention=True)
         step = megatron_core_flops_per_step(layers, hidden, seq, vocab, gbs) / (tflops * 1e12 * gpus)
         per_stage = layers // pp
-        v = per_stage // MCORE_LAYERS_PER_VIRTUAL_STAGE if pp > 1 and per_stage % MCORE_LAYERS_PER_VIRTUAL_STAGE == 0 else 1
+        n = MCORE_LAYERS_PER_VIRTUAL_STAGE
+        v = per_stage // n if n and pp > 1 and per_stage % n == 0 else 1
         out.append(PublicRun(
             group="megatron_core_r08", name=name, model=model, stand_in="gpt (fused attention)", num_gpus=gpus,
             global_batch=gbs, micro_batch=1, seq_len=seq, tp=tp, pp=pp, dp=dp, virtual_stages=max(1, v), zero=1,
             sequence_parallel=tp > 1, recompute="none", step_time_s=step, derived="Megatron FLOPs / TFLOP/s",
-            assumed=("micro_batch 1", "no recompute", "sp", f"{MCORE_LAYERS_PER_VIRTUAL_STAGE} layers per virtual stage")))
+            assumed=("micro_batch 1", "no recompute", "sp", "1f1b" if v == 1 else f"v{v}")))
     return out
 
 

@@ -25,7 +25,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import Mesh, collective_time_s
 from autopar.cost.compute import graph_region_time, usable_layer_table
 from autopar.cost.memory import inflight_microbatches, state_bytes_per_param
-from autopar.cost.zero import gradient_bytes_per_param, per_microbatch_exposed, per_step_sync
+from autopar.cost.zero import gradient_bytes_per_param, overlapped, per_microbatch_exposed, per_step_sync
 from autopar.graph.model_graph import ModelGraph
 from autopar.graph.scaling import Shape
 
@@ -232,9 +232,14 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
     fit = graph.regions["block"]
     rt = graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind)
     tp_f = _tp_time(cluster, cfg, fit.comm, "fwd", shape, tp_link)
-    # Weight-gradient GEMMs are half of the backward GEMMs: the window the backward collectives hide in.
     tp_b = _tp_time(cluster, cfg, fit.comm, "bwd", shape, tp_link)
-    if cluster.async_tp_backward:
+    if cluster.tp_comm_overlap:
+        # Megatron/TE userbuffers: each TP all-gather / reduce-scatter is split into chunks pipelined
+        # with the GEMM that consumes or produces it, in forward and in backward alike.
+        tp_f = overlapped(tp_f, rt.fwd_gemm_s, cluster.overlap_cost_fraction)
+        tp_b = overlapped(tp_b, rt.bwd_gemm_s, cluster.overlap_cost_fraction)
+    elif cluster.async_tp_backward:
+        # Weight-gradient GEMMs are half of the backward GEMMs: the window the backward collectives hide in.
         tp_b = _tp_backward_exposed(cfg, tp_b, rt.bwd_gemm_s / 2)
     cp_f, cp_b = _cp_time(graph, cfg, cp_link, tokens_bytes)
     fwd = rt.fwd_s + tp_f + cp_f
