@@ -233,3 +233,22 @@ def public_plan(run: PublicRun, profile: str):  # noqa: ANN201 - returns autopar
                           recompute=run.recompute, pp_schedule="interleaved-1f1b" if v > 1 else "1f1b",
                           pp_virtual_stages=v),
     )
+
+
+PROFILES = {"megatron": "h100-80g-megatron", "fsdp": "h100-80g"}
+
+
+def software_cluster(run: PublicRun):  # noqa: ANN201 - returns (autopar.cluster.Cluster, profile name)
+    """The H100 profile of the software ``run`` used, with the run's stated settings: Megatron-Core
+    runs on h100-80g-megatron, PyTorch FSDP runs on h100-80g; a run that states it had TP
+    communication overlap off (the 340B recipe) gets that switch off -- a setting of the run, as
+    its recompute or micro-batch are, never a fitted term."""
+    import dataclasses
+
+    from autopar.cluster import load_cluster
+
+    profile = PROFILES[run.software]
+    cluster = load_cluster(profile)
+    if run.tp_comm_overlap is False:
+        cluster = dataclasses.replace(cluster, tp_comm_overlap=False)
+    return cluster, profile
