@@ -14,6 +14,7 @@ misses.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,13 @@ def h100_rows(missed: list[str]) -> None:
         space = SearchSpace(num_gpus=run.num_gpus, gpus_per_node=8, global_batch=run.global_batch,
                             seq_len=run.seq_len, micro_batches=tuple(sorted({1, 2, 4, run.micro_batch})),
                             dtype_bytes=2)
+        fits = ""
+        if not published.fits:
+            # The cost model says the published configuration needs more than the GPU holds (the run did
+            # fit: a memory-model residual, docs/profiles.md). Compare at the memory it is priced at, so
+            # the published configuration is in the searched space and the comparison is of time alone.
+            cluster = dataclasses.replace(cluster, memory_bytes=published.peak_memory_bytes)
+            fits = f" (priced {published.peak_memory_bytes / 2**30:.0f} GiB: both searched at that)"
         t0 = time.perf_counter()
         result = search(graph, cluster, space, top_k=1)
         search_s = time.perf_counter() - t0
@@ -55,7 +63,6 @@ def h100_rows(missed: list[str]) -> None:
         ok = best.step_time_s <= published.step_time_s * (1 + 1e-9)
         if not ok:
             missed.append(run.name)
-        fits = "" if published.fits else " (over memory)"
         rows.append((run.name, run.num_gpus, profile, f"{run.step_time_s:.2f}",
                      _describe(config_from_plan(plan)) + fits, f"{published.step_time_s:.2f}",
                      _describe(best.config), f"{best.step_time_s:.2f}", f"{gain:+.1f} %", f"{search_s:.1f}",

@@ -105,3 +105,21 @@ def gradient_bytes_per_param(cfg: "Config", sharded_grads: float, uses_ddp: bool
     if cfg.zero == 0 and uses_ddp:
         return 2 * sharded_grads
     return sharded_grads
+
+
+def describe(cfg: "Config", asked_zero: int) -> str:
+    """One line on what the ZeRO stage holds and sends, as the executor runs it (for explain)."""
+    n, m = cfg.dp * cfg.cp, cfg.num_microbatches
+    if n <= 1:
+        return "zero: no data-parallel group, nothing to shard"
+    ran = "" if asked_zero == cfg.zero else f" (zero {asked_zero} runs as zero {cfg.zero} at pp > 1)"
+    if cfg.zero == 0:
+        return f"zero 0{ran}: whole states on each of {n} ranks; one gradient all-reduce per step"
+    if cfg.zero == 1:
+        fp32 = " in fp32" if m > 1 and cfg.dtype_bytes < FP32_BYTES else ""
+        return (f"zero 1{ran}: whole parameters and gradients (accumulated{fp32} over {m} micro-batches), "
+                f"optimizer states 1/{n}; one reduce-scatter + one all-gather per step, whatever the micro-batches")
+    if cfg.zero == 2:
+        return (f"zero 2{ran}: gradients and optimizer states 1/{n}; a reduce-scatter and an all-gather in each "
+                f"of the {m} micro-batches")
+    return f"zero 3{ran}: everything 1/{n}; parameters gathered forward and backward in each of the {m} micro-batches"

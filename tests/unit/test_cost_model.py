@@ -160,6 +160,69 @@ def test_slowest_stage_sets_the_steady_state(make_config) -> None:
     assert [r.num_blocks for r in est.ranks] == [2, 2, 5, 2]
 
 
+def _simulate_1f1b(fwd: list[float], bwd: list[float], p2p_s: float, m: int) -> float:
+    """Megatron's 1F1B by its definition, event by event: stage r runs min(m, p - r - 1) warm-up
+    forwards, then one forward and one backward in turn, then the cool-down backwards; a forward
+    needs the previous stage's forward of that micro-batch plus one P2P, a backward the next
+    stage's backward plus one P2P (the last stage: its own forward). Blocking P2P: the sender is
+    busy while it sends (torch.distributed.pipelining / Megatron wait for each transfer)."""
+    p = len(fwd)
+    order = []
+    for r in range(p):
+        warm = min(m, p - r - 1)
+        ops, nf = [("F", i) for i in range(warm)], warm
+        for nb in range(m):
+            if nf < m:
+                ops.append(("F", nf))
+                nf += 1
+            ops.append(("B", nb))
+        order.append(ops)
+    done: dict = {}
+    free, pos = [0.0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(order[r]):
+                kind, i = order[r][pos[r]]
+                if kind == "F":
+                    dep = 0.0 if r == 0 else done.get(("F", r - 1, i))
+                    send = p2p_s if r < p - 1 else 0.0
+                    work = fwd[r]
+                else:
+                    dep = done.get(("F", r, i)) if r == p - 1 else done.get(("B", r + 1, i))
+                    send = p2p_s if r > 0 else 0.0
+                    work = bwd[r]
+                if dep is None:
+                    break
+                start = max(free[r], dep)
+                done[(kind, r, i)] = start + work + send  # the next stage may start once the send is done
+                free[r] = start + work + send
+                pos[r] += 1
+                progress = True
+    return max(free)
+
+
+@pytest.mark.parametrize("p,m", [(32, 128), (64, 512)])
+def test_deep_1f1b_step_matches_the_schedule_by_definition(make_config, p: int, m: int) -> None:
+    """At pp >= 32 the step formula ((M - 1) max_r t_r + sum_r t_r, t_r with its P2P sends) is the
+    schedule's own makespan: P2P on the critical path once per boundary and direction, the first
+    stage's embedding and the last stage's head and loss making them the slow ones."""
+    block_s, p2p_s = 0.01, 0.0005
+    terms = dataclasses.replace(_terms(make_config, pp=p, m=m, block_s=block_s), p2p_s=p2p_s,
+                                pre=_part(0.004), post=_part(0.012))
+    est = evaluate(terms, [2] * p, 1.0, 1.0, 1.0)
+    fwd = [2 * block_s / 3] * p
+    bwd = [2 * 2 * block_s / 3] * p
+    fwd[0] += 0.004 / 3
+    bwd[0] += 2 * 0.004 / 3
+    fwd[-1] += 0.012 / 3
+    bwd[-1] += 2 * 0.012 / 3
+    simulated = _simulate_1f1b(fwd, bwd, p2p_s, m)
+    assert est.step_time_s == pytest.approx(simulated, rel=0.005)
+    assert est.step_time_s >= simulated * (1 - 1e-9)  # never optimistic
+
+
 # ---------------------------------------------------------------- the full estimate on a real model
 
 
