@@ -1,7 +1,7 @@
 """Issue 12: ZeRO-1 at any tp is FSDP2 with one reduce-scatter and one all-gather per step.
 
-One 4-rank gloo spawn runs (a) equivalence cases -- ZeRO-1 at tp2 x dp2 (with and without SP) and at
-tp 1 give the single-process losses, gradients and parameters, as tests/dist/test_equivalence.py
+One 4-rank gloo spawn runs (a) equivalence cases -- ZeRO-1 at tp2 x dp2 (with and without SP), at tp 1
+and under a pipeline give the single-process losses, gradients and parameters, as tests/dist/test_equivalence.py
 checks them -- and (b) a count of FSDP2's collectives in one step at 2 and at 4 micro-batches, for
 ZeRO-1 and ZeRO-2: ZeRO-1's count does not change with the micro-batches, ZeRO-2's grows with them.
 """
@@ -27,6 +27,8 @@ EQUIVALENCE = [
     Case(name="gpt-tp2xdp2-zero1", model="gpt", parallel={"tp": 2, "dp": 2, "zero": 1}),
     Case(name="llama-tp2xdp2-zero1-sp", model="llama", parallel={"tp": 2, "dp": 2, "zero": 1, "sequence_parallel": True}),
     Case(name="gpt-dp4-zero1", model="gpt", parallel={"dp": 4, "zero": 1}, global_batch_size=8),
+    # at pp > 1 torch's pipelining stage switches the gradient sync itself (cost.zero.executed_zero)
+    Case(name="gpt-pp2xdp2-zero1", model="gpt", parallel={"pp": 2, "dp": 2, "zero": 1, "pp_schedule": "1f1b"}),
 ]
 # (case, micro-batches per dp rank): global batch = dp * M, micro-batch 1
 COUNTS = [(zero, m) for zero in (1, 2) for m in (2, 4)]
