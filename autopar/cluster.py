@@ -40,9 +40,12 @@ class Link:
     # its fit, waiting for members the OS has descheduled -- ~1.7 ms per call at 4 single-threaded
     # ranks on 2 CPU cores; not measured (0) where every rank has its own device.
     rendezvous_s: float = 0.0
+    # NVSwitch with in-switch reduction (H100 NVLS, which NCCL picks for all-reduce inside a node):
+    # the all-reduce bus bandwidth it reaches; 0 = no NVLS, all-reduce runs as a ring.
+    nvls_bandwidth_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.bandwidth_bytes_per_s <= 0 or self.latency_s < 0 or self.rendezvous_s < 0:
+        if self.bandwidth_bytes_per_s <= 0 or self.latency_s < 0 or self.rendezvous_s < 0 or self.nvls_bandwidth_bytes_per_s < 0:
             raise ClusterError("link bandwidth must be > 0 and latency, rendezvous >= 0")
         if not 0 < self.max_efficiency <= 1:
             raise ClusterError("link max_efficiency must be in (0, 1]")
@@ -169,6 +172,7 @@ def _link(data: Any, where: str) -> Link:
         latency_s=_num(data, "latency_s", where),
         max_efficiency=_num(data, "max_efficiency", where, 1.0),
         half_efficiency_bytes=_num(data, "half_efficiency_bytes", where, 0.0),
+        nvls_bandwidth_bytes_per_s=_num(data, "nvls_bandwidth_bytes_per_s", where, 0.0),
     )
 
 

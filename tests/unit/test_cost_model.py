@@ -4,6 +4,7 @@ model (bubble, interleaving, tails), ZeRO, SP, recompute, CP and MFU."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -63,10 +64,18 @@ def test_all_reduce_is_twice_reduce_scatter(a100, size: int, stride: int, nbytes
     ar = collective_time_s("all_reduce", nbytes, g)
     rs = collective_time_s("reduce_scatter", nbytes, g)
     ag = collective_time_s("all_gather", nbytes, g)
-    assert ar == pytest.approx(2 * rs) and ag == pytest.approx(rs)
+    assert ag == pytest.approx(rs)
     n = size
     bw = g.bandwidth_bytes_per_s * g.link.efficiency(nbytes / n)
-    assert ar == pytest.approx(2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * g.link.latency_s)
+    ring = 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * g.link.latency_s
+    assert ring == pytest.approx(2 * rs)
+    if g.intra_node:
+        assert ar == pytest.approx(ring)
+    else:  # across nodes NCCL's tree where it is cheaper: 2 M at the rail, 2 log2(nodes) + 2 (k - 1) hops
+        k, nodes = g.members_per_node, size // g.members_per_node
+        tree = 2 * nbytes / (g.bandwidth_bytes_per_s * g.link.efficiency(nbytes / k)) + (
+            2 * math.ceil(math.log2(nodes)) + 2 * (k - 1)) * g.link.latency_s
+        assert ar == pytest.approx(min(ring, tree)) and ar <= ring * (1 + 1e-12)
 
 
 def test_collective_edge_cases(a100) -> None:
@@ -294,7 +303,7 @@ def test_sequence_parallel_cuts_activation_memory(a100, make_config) -> None:
     off = build_terms(g, a100, make_config(tp=8, micro_batch=4)).block
     on = build_terms(g, a100, make_config(tp=8, micro_batch=4, sequence_parallel=True)).block
     assert on.act_bytes < off.act_bytes
-    s, b, h, a, t = 2048, 4, 6144, 64, 8
+    s, h, a, t = 2048, 6144, 64, 8  # b = 4 cancels in the ratio
     assert on.act_bytes / off.act_bytes == pytest.approx((34 / t + 5 * a * s / (h * t)) / (10 + 24 / t + 5 * a * s / (h * t)),
                                                          rel=0.02)
     assert on.tp_comm_s > 0 and off.tp_comm_s > 0
