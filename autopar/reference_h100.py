@@ -1,8 +1,8 @@
 """Published H100 pre-training runs (``h100_public.yaml``) as plans, for calibration and plan quality.
 
-Every row of the file becomes a ``PublicRun``: the model as one of autopar's reference model files,
-the published configuration as a plan v1, and the published step time. Models autopar has no exact
-file for get a FLOP- and parameter-equivalent stand-in, stated in ``stand_in``:
+Every row of the file becomes a ``PublicRun``: the model as a model file of its architecture (what
+is used, and how it differs from the published model, is stated in ``stand_in``), the published
+configuration as a plan v1, and the published step time:
 
 - GPT-3 / Megatron GPT / MPT: ``autopar.models.gpt`` with the fused (flash) attention core, which
   Transformer Engine and llm-foundry run; MPT has no dropout.
@@ -37,7 +37,7 @@ class PublicRun:
     group: str
     name: str
     model: gpt.GPTConfig | llama.LlamaConfig
-    stand_in: str
+    stand_in: str  # the model file used for the published architecture
     num_gpus: int
     global_batch: int
     micro_batch: int
