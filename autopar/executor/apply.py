@@ -143,10 +143,7 @@ def build_executable(
 ) -> Executable:
     """Apply ``plan`` to the model of ``mf`` on this rank (collective: every rank must call it)."""
     par, device, notes = plan.parallel, mesh.device, []
-    zero = par.zero
-    if zero == 1 and par.tp > 1:
-        notes.append("zero 1 with tp > 1: ZeroRedundancyOptimizer cannot take DTensor parameters; using ZeRO-2 (FSDP2)")
-        zero = 2
+    zero = par.zero  # ZeRO-1 at any tp: FSDP2 with per-step gradient sync (data_parallel.py)
     model = mf.build("meta")  # 1. meta
     perms = fused_row_permutations(model, spec, par.tp)
     canonical = canonical_names(model)

@@ -38,7 +38,7 @@ from autopar.executor.apply import Executable, reference_model
 from autopar.executor.context_parallel import (
     cp_next_token_loss, is_next_token_loss, logits_of, position_kwargs, shard_batch,
 )
-from autopar.executor.data_parallel import DTYPES, build_optimizer
+from autopar.executor.data_parallel import DTYPES, build_optimizer, zero1_microbatch
 from autopar.executor.pipeline_parallel import run_schedule, sync_tied_grads
 from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
 from autopar.modelfile import ModelFile, call_model
@@ -184,6 +184,8 @@ class _Trainer:
         for i in range(m):
             mb = rows(batch, i * mbs, (i + 1) * mbs)
             sync = model.no_sync() if kind == "ddp" and i < m - 1 else nullcontext()
+            if exe.dp[0].zero1:  # one reduce-scatter and one all-gather per step (data_parallel.py)
+                zero1_microbatch(model, last=i == m - 1)
             with sync:
                 if par.cp > 1:
                     loss = self._cp_loss(model, mb)

@@ -42,7 +42,10 @@ ATTENTION_OPS = {
     "_flash_attention_backward",
 }
 # Ops that only bookkeep (no kernel on a GPU).
-_FREE_OPS = {"detach", "empty", "empty_like", "empty_strided", "lift_fresh", "_local_scalar_dense", "alias"}
+# new_empty_strided is autograd allocating a weight gradient's buffer (its copy_ is the traffic);
+# _unsafe_view is a reshape that aliases its input (its schema just does not say so).
+_FREE_OPS = {"detach", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+             "_local_scalar_dense", "alias", "_unsafe_view"}
 
 
 def _nbytes(t: torch.Tensor) -> int:
