@@ -61,21 +61,41 @@ def _gemm_dims(name: str, args: tuple) -> tuple[int, int, int, int]:
 
 
 class _Recorder(TorchDispatchMode):
+    """Records each non-view op. A view (or a bookkeeping op such as ``detach``) names its output
+    after the tensor it views, so that reading a view of an op's output counts as reading that
+    output when element-wise fusion is modelled (``apply_fusion``).
+
+    The view map is a forest, never a cycle: each entry points at a root (a tensor that views
+    nothing), and an op that returns its own input (``lift_fresh`` of ``torch.tensor(...)``, an
+    alias of a view) adds no entry. Tensor ids stay unique because every tensor the recorder sees
+    is kept alive until the trace ends (meta tensors cost no memory)."""
+
     def __init__(self, trace: Trace, state: "_State") -> None:
         super().__init__()
         self.trace = trace
         self.state = state
         self.alive: list[torch.Tensor] = []  # keeps outputs alive so tensor ids stay unique
-        self.root: dict[int, int] = {}  # id of a view -> id of the tensor it views
+        self.root: dict[int, int] = {}  # id of a view -> id of the root tensor it views
         self.io: list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = []
 
     def _rid(self, t: torch.Tensor) -> int:
         return self._rid_of(id(t))
 
     def _rid_of(self, i: int) -> int:
-        while i in self.root:
-            i = self.root[i]
+        # One step: entries point at roots. A root that later became a view (an op that returned
+        # an existing tensor as a view of another) adds steps; the walk is bounded by the map's
+        # size, so even a corrupted map cannot loop.
+        for _ in range(len(self.root) + 1):
+            nxt = self.root.get(i)
+            if nxt is None or nxt == i:
+                return i
+            i = nxt
         return i
+
+    def _note_view(self, out: torch.Tensor, of: torch.Tensor) -> None:
+        root = self._rid(of)
+        if root != id(out):  # returning the input itself (or what it views) makes no entry
+            self.root[id(out)] = root
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -91,7 +111,7 @@ class _Recorder(TorchDispatchMode):
         if is_view:
             if flat_in:
                 for o in flat_out:
-                    self.root[id(o)] = self._rid(flat_in[0])
+                    self._note_view(o, flat_in[0])
             return out
         moved = sum(_nbytes(t) for t in flat_in) + sum(_nbytes(t) for t in flat_out)
         flops = 0.0
