@@ -29,8 +29,12 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from autopar.graph.records import OpRecord, SavedRecord, Trace
+from autopar.spec.meta import meta_fallback
 
 GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm"}
+# Grouped GEMMs (one matmul per expert of a mixture of experts, ``torch._grouped_mm``): not in
+# torch's flop registry, counted here (``_grouped_mm_cost``).
+GROUPED_GEMM_OPS = {"_grouped_mm"}
 ATTENTION_OPS = {
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_backward",
@@ -58,6 +62,33 @@ def _gemm_dims(name: str, args: tuple) -> tuple[int, int, int, int]:
         return (1, a.shape[0], b.shape[1], a.shape[1])
     a, b = (args[0], args[1]) if name == "bmm" else (args[1], args[2])
     return (a.shape[0], a.shape[1], b.shape[2], a.shape[2])
+
+
+def _grouped_mm_cost(args: tuple, kwargs: dict) -> tuple[float, tuple[int, int, int, int]]:
+    """(FLOPs, (batch, m, n, k)) of ``torch._grouped_mm(a, b, offs)``. Its four layouts (the
+    group size G is the leading dimension of the 3-D operand, or of ``offs``):
+
+        2d x 3d  a (M, K),    b (G, K, N)  -> (M, N)      each row meets its group's (K, N) matrix
+        3d x 2d  a (G, M, K), b (K, N)     -> (M, N)      each column block meets its group's a
+        2d x 2d  a (M, K),    b (K, N)     -> (G, M, N)   K is split into groups (weight gradients)
+        3d x 3d  a (G, M, K), b (G, K, N)  -> (G, M, N)   a batched matmul
+
+    On meta the offsets hold no values: every row is taken as routed (the rows past the last
+    offset, which the kernel skips, are expert-parallel sentinels that a single rank has none of)."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    groups = int(offs.shape[0]) if isinstance(offs, torch.Tensor) else 1
+    if a.dim() == 2 and b.dim() == 3:
+        m, k, n = a.shape[0], a.shape[1], b.shape[2]
+        return 2.0 * m * k * n, (1, m, n, k)
+    if a.dim() == 3 and b.dim() == 2:
+        m, k, n = a.shape[1], a.shape[2], b.shape[1]
+        return 2.0 * m * k * n, (1, m, n, k)
+    if a.dim() == 2 and b.dim() == 2:
+        m, k, n = a.shape[0], a.shape[1], b.shape[1]
+        return 2.0 * m * k * n, (groups, m, n, max(1, k // max(1, groups)))
+    g, m, k, n = a.shape[0], a.shape[1], a.shape[2], b.shape[2]
+    return 2.0 * g * m * k * n, (g, m, n, k)
 
 
 class _Recorder(TorchDispatchMode):
@@ -99,7 +130,12 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError:  # a meta kernel that refuses a dtype the GPU kernel takes (grouped_mm)
+            out = meta_fallback(func, args, kwargs)
+            if out is None:
+                raise
         name = func._overloadpacket.__name__
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         flat_out = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]
@@ -121,6 +157,9 @@ class _Recorder(TorchDispatchMode):
         kind, dims = "mem", None
         if name in GEMM_OPS:
             kind, dims = "gemm", _gemm_dims(name, args)
+        elif name in GROUPED_GEMM_OPS:
+            flops, dims = _grouped_mm_cost(args, kwargs)
+            kind = "gemm"
         elif name in ATTENTION_OPS:
             kind = "attn"
         self.trace.ops.append(

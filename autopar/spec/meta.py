@@ -1,47 +1,184 @@
 """Running a user's forward on the meta device, where data-dependent code has no data.
 
 Real model code asks its tensors for values now and then: Hugging Face's packed-sequence check calls
-``.item()``, masks test ``bool(tensor)``. Meta tensors hold no values, so those calls raise.
-``tolerant_meta()`` answers them instead, with the value of the common training path (0 / False:
-no packed sequences, no padding detected), so that a forward runs through and its shapes, FLOPs and
-saved tensors can be measured. Every op still runs as PyTorch dispatches it; only value reads are
-answered.
+``.item()``, masks test ``bool(tensor)``, a mixture of experts asks which tokens chose each expert
+(``torch.where(idx == e)``, ``nonzero``). Meta tensors hold no values, so those calls raise.
+``tolerant_meta()`` answers them instead, with the value of the common training path, so that a
+forward runs through and its shapes, FLOPs and saved tensors can be measured:
+
+* value reads (``.item()``, ``bool(t)``, ``torch.equal``): 0 / False -- no packed sequences, no
+  padding detected -- except for a reduction of a routing mask (below), which is the expected
+  count (``mask.sum()``) or True (``mask.any()``: an expert has tokens).
+* data-dependent shapes (``nonzero``, one-argument ``torch.where``, ``argwhere``,
+  ``masked_select``, ``bincount``): every element taken as nonzero (no padding), except for masks
+  of a top-k routing (below).
+* ``torch._grouped_mm`` in a dtype its meta kernel refuses (it takes bf16 only): the output's
+  shape and dtype, as a GPU kernel of that dtype would give.
+
+Routing. A ``topk`` over the last dimension of a (tokens, experts) score tensor is a router: its
+indices, and the integer or boolean tensors computed from them, are routing tensors. Routing is
+taken as balanced, the expected load of a trained router with a balancing loss: each of the E
+experts receives tokens x top_k / E (token, slot) pairs. So a routing mask with tokens or
+tokens x top_k elements (``idx == e``, ``(idx == e).any(-1)``, a slice of ``one_hot(idx)``) has
+tokens x top_k / E nonzeros, and one with E (or E + 1, a sentinel class) elements ("which experts
+were hit") has E. Every op still runs as PyTorch dispatches it; only value reads and these
+data-dependent shapes are answered.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 _VALUE_READS = {"_local_scalar_dense", "is_nonzero", "equal"}
+_DATA_SHAPED = {"nonzero", "masked_select", "bincount"}
+_REDUCTIONS = {"any", "sum", "count_nonzero", "max", "amax"}  # a routing mask's "how many / any?"
 
 
-def _default_value(func: Any, args: tuple) -> Any:
-    name = func._overloadpacket.__name__
-    if name in ("is_nonzero", "equal"):
-        return False
-    t = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if t is not None and t.dtype == torch.bool:
-        return False
-    if t is not None and t.is_floating_point():
-        return 0.0
-    return 0
+@dataclass(frozen=True, kw_only=True)
+class Routing:
+    """The top-k routing seen last in this forward: (token, slot) pairs are tokens x top_k."""
+
+    tokens: int
+    top_k: int
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        if not (self.tokens >= 0 and 1 <= self.top_k < self.num_experts):
+            raise ValueError(f"not a top-k routing: {self}")
+
+    @property
+    def per_expert(self) -> int:
+        """(token, slot) pairs each expert receives under balanced routing (at least 1 when any)."""
+        pairs = self.tokens * self.top_k
+        return max(1, round(pairs / self.num_experts)) if pairs else 0
+
+    def nonzeros(self, numel: int) -> int | None:
+        """Nonzeros of a routing mask of ``numel`` elements, None when its shape says nothing."""
+        if numel in (self.num_experts, self.num_experts + 1):
+            return self.num_experts
+        if numel in (self.tokens, self.tokens * self.top_k):
+            return self.per_expert
+        return None
+
+
+def grouped_mm_meta(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The output of ``torch._grouped_mm(a, b, offs, bias, out_dtype)`` on meta, any dtype
+    (layouts in autopar.graph.trace._grouped_mm_cost)."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    out_dtype = args[4] if len(args) > 4 else kwargs.get("out_dtype")
+    groups = int(offs.shape[0]) if isinstance(offs, torch.Tensor) else 1
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[2])
+    elif a.dim() == 3 and b.dim() == 2:
+        shape = (a.shape[1], b.shape[1])
+    elif a.dim() == 2 and b.dim() == 2:
+        shape = (groups, a.shape[0], b.shape[1])
+    else:
+        shape = (a.shape[0], a.shape[1], b.shape[2])
+    return torch.empty(shape, dtype=out_dtype or a.dtype, device="meta")
+
+
+def meta_fallback(func: Any, args: tuple, kwargs: dict) -> Any:
+    """What a meta kernel that refuses a dtype would have returned, or None (then the error stands)."""
+    if func._overloadpacket.__name__ == "_grouped_mm" and all(
+            isinstance(a, torch.Tensor) and a.is_meta for a in args[:2]):
+        return grouped_mm_meta(args, kwargs)
+    return None
+
+
+def _is_meta(args: tuple) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
 
 
 class _TolerantMeta(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.routing: Routing | None = None
+        self.routed: dict[int, str] = {}  # id of a routing tensor -> the op that made it
+        self.alive: list[torch.Tensor] = []  # keeps routing tensors alive so their ids stay theirs
+
+    def _is_routed(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and id(t) in self.routed
+
+    def _mark(self, out: Any, name: str) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex():
+                self.routed[id(t)] = name
+                self.alive.append(t)
+
+    def _value(self, name: str, args: tuple) -> Any:
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name == "equal":
+            return False
+        if t is not None and self.routing is not None and self.routed.get(id(t)) in _REDUCTIONS:
+            if t.dtype == torch.bool or name == "is_nonzero":
+                return True  # "does this expert have tokens?": under balanced routing, yes
+            return self.routing.per_expert  # "how many tokens did it get?"
+        if name == "is_nonzero" or (t is not None and t.dtype == torch.bool):
+            return False
+        return 0.0 if t is not None and t.is_floating_point() else 0
+
+    def _data_shaped(self, name: str, args: tuple, kwargs: dict) -> torch.Tensor:
+        x = args[0]
+        routed = self.routing is not None and self._is_routed(x)
+        if name == "bincount":
+            minlength = int(args[2] if len(args) > 2 else kwargs.get("minlength", 0))
+            if routed:
+                length = max(minlength, self.routing.num_experts)
+            elif minlength > 0:
+                length = minlength
+            else:
+                raise NotImplementedError("bincount on meta needs minlength= (its length is the largest value + 1)")
+            w = args[1] if len(args) > 1 else kwargs.get("weights")
+            dtype = w.dtype if isinstance(w, torch.Tensor) else torch.int64
+            return torch.empty((length,), dtype=dtype, device="meta")
+        if name == "masked_select":
+            mask = args[1]
+            numel = torch.broadcast_shapes(x.shape, mask.shape).numel()
+            rows = self.routing.nonzeros(numel) if self.routing is not None and self._is_routed(mask) else None
+            return torch.empty((numel if rows is None else rows,), dtype=x.dtype, device="meta")
+        rows = self.routing.nonzeros(x.numel()) if routed else None
+        return torch.empty((x.numel() if rows is None else rows, x.dim()), dtype=torch.int64, device="meta")
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
-        if func._overloadpacket.__name__ in _VALUE_READS and any(
-                isinstance(a, torch.Tensor) and a.is_meta for a in args):
-            return _default_value(func, args)
-        return func(*args, **kwargs)
+        name = func._overloadpacket.__name__
+        if name in _VALUE_READS and _is_meta(args):
+            return self._value(name, args)
+        if name in _DATA_SHAPED and _is_meta(args):
+            out = self._data_shaped(name, args, kwargs)
+        else:
+            try:
+                out = func(*args, **kwargs)
+            except RuntimeError:
+                out = meta_fallback(func, args, kwargs)
+                if out is None:
+                    raise
+        if name == "topk" and _is_meta(args):
+            self._note_router(args, kwargs, out)
+        elif any(self._is_routed(a) for a in tree_flatten((args, kwargs))[0]):
+            self._mark(out, name)
+        return out
+
+    def _note_router(self, args: tuple, kwargs: dict, out: Any) -> None:
+        scores, k = args[0], int(args[1] if len(args) > 1 else kwargs.get("k", 1))
+        dim = int(args[2] if len(args) > 2 else kwargs.get("dim", -1))
+        if scores.dim() < 1 or dim not in (-1, scores.dim() - 1) or not 1 <= k < scores.shape[-1]:
+            return
+        self.routing = Routing(tokens=scores.numel() // scores.shape[-1], top_k=k, num_experts=scores.shape[-1])
+        self._mark(out[1], "topk")
 
 
 @contextmanager
 def tolerant_meta() -> Iterator[None]:
-    """Answer value reads of meta tensors (see the module docstring) inside this block."""
+    """Answer value reads and data-dependent shapes of meta tensors (see the module docstring)
+    inside this block."""
     with _TolerantMeta():
         yield
