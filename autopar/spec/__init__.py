@@ -23,10 +23,11 @@ from autopar.errors import ModelFileError
 from autopar.modelfile import ModelFile, call_model
 from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, probe_calls
 from autopar.spec.meta import tolerant_meta
+from autopar.spec.moe import MoESpec, moe_of
 from autopar.spec.support import DIMENSIONS, support_of
 from autopar.spec.tp_plan import TPPlan, model_carried_plan, resolve, root_prefixes
 
-__all__ = ["DIMENSIONS", "ModelSpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
+__all__ = ["DIMENSIONS", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead", "num_attention_heads_per_layer")
 _KV_ATTRS = ("num_kv_heads", "num_key_value_heads", "n_head_kv", "num_kv", "multi_query_group_num")
@@ -56,6 +57,7 @@ class ModelSpec:
     is_sequence_model: bool = False
     support: Mapping[str, str | None] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    moe: MoESpec | None = None  # the blocks' mixture of experts (autopar.spec.moe), None when dense
 
     @property
     def tp_plan(self) -> Mapping[str, str] | None:
@@ -224,9 +226,14 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     block = blocks[0]
     inputs = mf.example_inputs(1, "meta")
 
+    routing: list[tuple[int, int]] = []  # (top_k, experts) of the router topk the probe saw
+
     def run() -> Any:
-        with tolerant_meta():
-            return call_model(model, inputs)
+        with tolerant_meta() as mode:
+            out = call_model(model, inputs)
+        if mode.routing is not None and not routing:
+            routing.append((mode.routing.top_k, mode.routing.num_experts))
+        return out
 
     try:
         probe = probe_calls(model, blocks_path, run)
@@ -252,7 +259,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         probe=probe, sp_parents_keyword=_keyword_parents(block, tp.styles, run) if tp.styles else (),
         bare_params=_bare_params(model, blocks_path, probe), inputs_are_tensors=tensors_only and bool(flat),
         inputs_are_token_batch=token_batch, is_sequence_model=mf.seq_len is not None,
-        notes=tp.dropped,
+        notes=tp.dropped, moe=moe_of(model, block, lambda: routing[0] if routing else None),
     )
     return _with_support(spec)
 

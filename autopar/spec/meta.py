@@ -177,8 +177,8 @@ class _TolerantMeta(TorchDispatchMode):
 
 
 @contextmanager
-def tolerant_meta() -> Iterator[None]:
+def tolerant_meta() -> Iterator[_TolerantMeta]:
     """Answer value reads and data-dependent shapes of meta tensors (see the module docstring)
-    inside this block."""
-    with _TolerantMeta():
-        yield
+    inside this block. The mode it yields holds ``routing``: the last top-k routing seen (or None)."""
+    with _TolerantMeta() as mode:
+        yield mode

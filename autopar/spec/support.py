@@ -29,6 +29,10 @@ def tp_support(spec: "ModelSpec") -> str | None:
 def sp_support(spec: "ModelSpec") -> str | None:
     if tp_support(spec):
         return "needs tp"
+    if spec.moe is not None:  # the executor does not yet split a routed layer's tokens across tp ranks
+        return (f"the blocks hold a mixture of experts ({spec.moe.experts_path}): between sequence-parallel "
+                "norms it would route only this rank's sequence shard and its expert gradients would differ "
+                "across tp ranks")
     if not spec.probe.block_call.first_arg_is_tensor:
         return "the blocks take their input as a keyword argument; sequence parallelism needs it positional"
     if spec.sp_parents_keyword:

@@ -2,8 +2,8 @@
 MoE code routes: ``torch.topk`` over router scores, then per expert ``torch.where(idx == e)`` (a
 data-dependent shape) and an ``if not mask.any()`` check (a value read), ``index_add_`` back.
 
-Sizes (module constants, read by tests/unit/test_moe.py): D model width, F expert width, E experts,
-K experts per token, H heads, L blocks, V vocabulary, SEQ_LEN tokens.
+Sizes (module constants, which tests/unit/test_moe.py rewrites in copies): D model width, F_EXPERT
+expert width, E experts, K experts per token, H heads, L blocks, V vocabulary, SEQ_LEN tokens.
 """
 
 import torch
@@ -12,6 +12,7 @@ from torch import nn
 
 D, F_EXPERT, E, K, H, L, V = 64, 128, 4, 2, 4, 2, 256
 SEQ_LEN = 32
+DENSE = False  # True: a dense MLP of width K x F_EXPERT instead (the same FLOPs per token, no router)
 
 
 class Expert(nn.Module):
@@ -19,6 +20,16 @@ class Expert(nn.Module):
         super().__init__()
         self.up = nn.Linear(D, F_EXPERT, bias=False)
         self.down = nn.Linear(F_EXPERT, D, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D, K * F_EXPERT, bias=False)
+        self.down = nn.Linear(K * F_EXPERT, D, bias=False)
 
     def forward(self, x):
         return self.down(F.silu(self.up(x)))
@@ -51,7 +62,7 @@ class Block(nn.Module):
         self.qkv = nn.Linear(D, 3 * D, bias=False)
         self.proj = nn.Linear(D, D, bias=False)
         self.norm2 = nn.LayerNorm(D)
-        self.moe = TopKMoE()
+        self.moe = DenseMLP() if DENSE else TopKMoE()
 
     def forward(self, x):
         b, s, _ = x.shape
