@@ -26,7 +26,7 @@ from typing import Iterator
 
 from autopar.errors import AutoparError, ModelFileError
 
-DEFAULT_LIMIT_S = 60.0
+DEFAULT_LIMIT_S = 120.0  # wall clock: generous for a loaded machine; a one-block meta trace takes seconds
 ENV_VAR = "AUTOPAR_TRACE_TIMEOUT_S"
 STAGES = ("building", "probing", "tracing")
 _WHAT = {"building": "building the model (build_model())", "probing": "probing the model's structure",

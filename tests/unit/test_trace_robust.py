@@ -1,0 +1,197 @@
+"""Tracing on meta never hangs and copes with common model code: ``torch.tensor`` in a forward
+(its ``lift_fresh`` returns its input), value reads and data-dependent shapes answered on meta,
+and a time limit that ends a tracing which cannot finish with one line (exit 2)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from autopar.errors import AutoparError, ModelFileError
+from autopar.graph.measure import build_graph
+from autopar.graph.time_limit import ENV_VAR, measure_time_limit
+from autopar.graph.trace import run_and_trace
+from autopar.spec.meta import tolerant_meta
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "tests" / "data" / "models"
+
+_TINY = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SEQ_LEN = 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+{body}
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x)
+
+
+def build_model():
+    return Model()
+
+
+def example_inputs(micro_batch_size):
+    return torch.randint(0, 32, (micro_batch_size, SEQ_LEN))
+'''
+
+
+def _model(tmp_path: Path, name: str, body: str, extra: str = "") -> Path:
+    path = tmp_path / f"{name}.py"
+    path.write_text(_TINY.format(body=body) + extra)
+    return path
+
+
+def _block_flops(graph) -> float:
+    return sum(op.flops for op in graph.regions["block"].ops)
+
+
+def test_torch_tensor_in_forward_traces(tmp_path) -> None:
+    """``torch.tensor(...)`` in a block used to loop the tracer's view map forever (lift_fresh)."""
+    plain = build_graph(str(_model(tmp_path, "plain", "        return self.lin(x) * 2.0")), time_limit_s=60)
+    lifted = build_graph(str(_model(tmp_path, "lifted", "        return self.lin(x) * torch.tensor(2.0)")),
+                         time_limit_s=60)
+    assert _block_flops(lifted) == pytest.approx(_block_flops(plain)) and _block_flops(plain) > 0
+
+
+def test_ops_returning_their_input_do_not_loop_the_view_map() -> None:
+    x = torch.randn(4, 4, device="meta", requires_grad=True)
+
+    def fn(set_region) -> None:
+        set_region("block")
+        t = torch.ops.aten.lift_fresh(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # returns its input
+        v = x.view(16).view(4, 4)  # a view of a view
+        a = torch.ops.aten.alias(v)
+        y = (a * t.to("meta")).sum() + torch.ops.aten.lift_fresh(torch.tensor(1.0)).to("meta")
+        set_region("bwd:block")
+        y.backward()
+
+    with measure_time_limit("view-map test", limit_s=20):
+        trace = run_and_trace(fn, iter([x]))
+    assert any(op.name == "mul" for op in trace.ops)
+
+
+def test_data_dependent_code_runs_on_meta() -> None:
+    """Non-routing masks are taken as all nonzero (no padding), value reads as 0 / False."""
+    with tolerant_meta():
+        mask = torch.ones(2, 8, dtype=torch.bool, device="meta")
+        assert torch.nonzero(mask).shape == (16, 2)
+        rows, cols = torch.where(mask)
+        assert rows.shape == (16,)
+        assert torch.masked_select(torch.empty(2, 8, device="meta"), mask).shape == (16,)
+        assert not bool(mask.any()) and mask.sum().item() == 0
+        with pytest.raises(NotImplementedError, match="minlength"):
+            torch.bincount(torch.empty(8, dtype=torch.long, device="meta"))
+
+
+def test_top_k_routing_is_balanced_on_meta() -> None:
+    tokens, experts, k = 32, 4, 2
+    with tolerant_meta() as mode:
+        scores = torch.empty(tokens, experts, device="meta")
+        _, idx = torch.topk(scores, k, dim=-1)
+        assert mode.routing is not None and (mode.routing.tokens, mode.routing.top_k) == (tokens, k)
+        for e in range(experts):
+            mask = idx == e
+            assert bool(mask.any())  # an expert has tokens
+            tok, slot = torch.where(mask)
+            assert tok.shape == (tokens * k // experts,)
+            assert torch.nonzero(mask.any(-1)).shape[0] == tokens * k // experts
+        assert torch.bincount(idx.flatten()).shape == (experts,)
+        hit = (torch.nn.functional.one_hot(idx, num_classes=experts + 1).sum(dim=(0, 1)) > 0).nonzero()
+        assert hit.shape[0] == experts
+
+
+def test_grouped_mm_runs_on_meta_in_fp32() -> None:
+    a = torch.empty(12, 8, device="meta")
+    b = torch.empty(3, 8, 5, device="meta")
+    offs = torch.empty(3, dtype=torch.int32, device="meta")
+    with tolerant_meta():
+        out = torch._grouped_mm(a, b, offs=offs)
+    assert out.shape == (12, 5) and out.dtype == torch.float32
+
+
+def test_time_limit_restores_the_previous_handler_and_timer() -> None:
+    def mine(signum, frame) -> None:  # noqa: ANN001
+        raise AssertionError("the caller's handler ran early")
+
+    old = signal.signal(signal.SIGALRM, mine)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30.0)
+        with measure_time_limit("x.py", limit_s=5) as clock:
+            clock.stage("probing")
+            assert signal.getitimer(signal.ITIMER_REAL)[0] <= 5.0
+        assert signal.getsignal(signal.SIGALRM) is mine
+        assert 20.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 30.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_time_limit_ends_a_loop_with_one_line_naming_the_stage() -> None:
+    start = time.monotonic()
+    with pytest.raises(ModelFileError) as info:
+        with measure_time_limit("m.py", limit_s=0.5) as clock:
+            clock.stage("tracing")
+            while True:
+                pass
+    assert time.monotonic() - start < 5
+    msg = str(info.value)
+    assert msg.startswith("m.py: tracing the model") and "0.5 s" in msg and ENV_VAR in msg and "\n" not in msg
+
+
+def test_bad_time_limit_is_a_user_error(monkeypatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "soon")
+    with pytest.raises(AutoparError, match=ENV_VAR):
+        with measure_time_limit("m.py"):
+            pass
+
+
+def test_a_loss_that_never_returns_ends_in_the_tracing_stage(tmp_path) -> None:
+    path = _model(tmp_path, "loss_loops", "        return self.lin(x)",
+                  "\n\ndef loss_fn(output, inputs):\n    while True:\n        pass\n")
+    start = time.monotonic()
+    with pytest.raises(ModelFileError, match=r"tracing the model on the meta device did not finish within 2 s"):
+        build_graph(str(path), time_limit_s=2)
+    assert time.monotonic() - start < 30
+
+
+def test_plan_of_a_model_that_loops_forever_exits_2_with_one_line() -> None:
+    env = dict(os.environ, **{ENV_VAR: "3"}, PYTHONPATH=str(REPO))
+    model = DATA / "loops_forever.py"
+    proc = subprocess.run([sys.executable, "-m", "autopar", "plan", str(model), "--gpus", "8"],
+                          capture_output=True, text=True, env=env, timeout=240, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("autopar: error: ") and str(model) in lines[0]
+    # the forward loops while the structure is probed; on a loaded machine building may use up the 3 s
+    assert re.search(r": (building the model|probing the model's structure) \(?.*on the meta device did not "
+                     r"finish within 3 s; .* raise " + ENV_VAR, lines[0]), lines[0]
+    assert proc.stdout == ""
