@@ -25,8 +25,9 @@ _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtype: str = "bf16",
                 time_limit_s: float | None = None) -> ModelGraph:
     """Measure ``model_file`` on meta and return its ModelGraph (cached per file, seq_len, dtype).
-    Building, probing and tracing together end within ``time_limit_s`` (default: the
-    AUTOPAR_TRACE_TIMEOUT_S environment variable, else 120 s) or raise a one-line ModelFileError."""
+    Building, probing and tracing together end within ``time_limit_s`` seconds of CPU time (default:
+    the AUTOPAR_TRACE_TIMEOUT_S environment variable, else 60; autopar.graph.time_limit) or raise a
+    one-line ModelFileError."""
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
     key = (str(mf.path.resolve()), mf.sha256, seq_len, dtype)
     if key not in _CACHE:

@@ -163,7 +163,7 @@ class _TolerantMeta(TorchDispatchMode):
                     raise
         if name == "topk" and _is_meta(args):
             self._note_router(args, kwargs, out)
-        elif any(self._is_routed(a) for a in tree_flatten((args, kwargs))[0]):
+        elif self.routed and any(self._is_routed(a) for a in tree_flatten((args, kwargs))[0]):
             self._mark(out, name)
         return out
 

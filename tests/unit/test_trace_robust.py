@@ -144,10 +144,13 @@ def test_time_limit_restores_the_previous_handler_and_timer() -> None:
     old = signal.signal(signal.SIGALRM, mine)
     try:
         signal.setitimer(signal.ITIMER_REAL, 30.0)
+        prof = signal.getsignal(signal.SIGPROF)
         with measure_time_limit("x.py", limit_s=5) as clock:
             clock.stage("probing")
-            assert signal.getitimer(signal.ITIMER_REAL)[0] <= 5.0
-        assert signal.getsignal(signal.SIGALRM) is mine
+            assert 0 < signal.getitimer(signal.ITIMER_PROF)[0] <= 5.05  # CPU time (timer granularity)
+            assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 25.05  # the wall-clock backstop, 5x
+        assert signal.getsignal(signal.SIGALRM) is mine and signal.getsignal(signal.SIGPROF) is prof
+        assert signal.getitimer(signal.ITIMER_PROF)[0] == 0
         assert 20.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 30.0
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -177,7 +180,7 @@ def test_a_loss_that_never_returns_ends_in_the_tracing_stage(tmp_path) -> None:
     path = _model(tmp_path, "loss_loops", "        return self.lin(x)",
                   "\n\ndef loss_fn(output, inputs):\n    while True:\n        pass\n")
     start = time.monotonic()
-    with pytest.raises(ModelFileError, match=r"tracing the model on the meta device did not finish within 2 s"):
+    with pytest.raises(ModelFileError, match=r"tracing the model on the meta device did not finish within 2 s of CPU time"):
         build_graph(str(path), time_limit_s=2)
     assert time.monotonic() - start < 30
 
@@ -193,5 +196,13 @@ def test_plan_of_a_model_that_loops_forever_exits_2_with_one_line() -> None:
     assert lines[0].startswith("autopar: error: ") and str(model) in lines[0]
     # the forward loops while the structure is probed; on a loaded machine building may use up the 3 s
     assert re.search(r": (building the model|probing the model's structure) \(?.*on the meta device did not "
-                     r"finish within 3 s; .* raise " + ENV_VAR, lines[0]), lines[0]
+                     r"finish within 3 s of CPU time; .* raise " + ENV_VAR, lines[0]), lines[0]
     assert proc.stdout == ""
+
+
+def test_a_wait_that_uses_no_cpu_ends_by_the_wall_clock() -> None:
+    with pytest.raises(ModelFileError, match=r"probing the model's structure on the meta device did not finish "
+                                             r"within 1 s;"):
+        with measure_time_limit("m.py", limit_s=0.2) as clock:
+            clock.stage("probing")
+            time.sleep(30)
