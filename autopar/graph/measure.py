@@ -15,7 +15,7 @@ from autopar.graph.build import (
 )
 from autopar.graph.model_graph import ModelGraph, RegionParams, _to_networkx
 from autopar.graph.scaling import RegionFit, fit_region
-from autopar.graph.time_limit import Clock, measure_time_limit
+from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit
 from autopar.modelfile import ModelFile, load_model_file
 from autopar.spec import model_spec
 
@@ -31,22 +31,23 @@ def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtyp
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
     key = (str(mf.path.resolve()), mf.sha256, seq_len, dtype)
     if key not in _CACHE:
-        with measure_time_limit(mf.path, time_limit_s) as clock:
-            _CACHE[key] = _build(mf, seq_len, dtype, clock)
+        with measure_time_limit(mf.path, time_limit_s):
+            _CACHE[key] = _build(mf, seq_len, dtype)
     return _CACHE[key]
 
 
 _CACHE: dict[tuple[str, str, int | None, str], ModelGraph] = {}
 
 
-def _build(mf: ModelFile, seq_len: int | None, dtype: str, clock: Clock) -> ModelGraph:
+def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     start = time.perf_counter()
     torch_dtype = _TORCH_DTYPES[dtype]
-    model = mf.build("meta").to(torch_dtype)
+    model = mf.build("meta")
+    enter_stage("probing")
+    spec = model_spec(mf, model)  # probed as built, with the file's own example inputs
+    enter_stage("tracing")
+    model = model.to(torch_dtype)
     model.train()
-    clock.stage("probing")
-    spec = model_spec(mf, model)
-    clock.stage("tracing")
     blocks_attr = spec.blocks_path
     num_blocks = spec.num_blocks
     tp_plan = spec.tp_plan
@@ -75,7 +76,8 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str, clock: Clock) -> Mode
         except ModelFileError as exc:
             raise ModelFileError(str(exc) if str(exc).startswith(str(mf.path)) else f"{mf.path}: {exc}") from None
         except Exception as exc:  # the user's forward or loss on meta
-            if clock.expired:  # the time limit's interrupt, wrapped on its way out (autograd)
+            clock = active_clock()
+            if clock is not None and clock.expired:  # the time limit's interrupt, wrapped (autograd)
                 raise clock.error(mf.path) from None
             raise ModelFileError(f"{mf.path}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
 

@@ -98,6 +98,19 @@ class Clock:
             signal.setitimer(which, max(1e-3, self._deadline[kind] - self._now(kind)))
 
 
+_ACTIVE: list[Clock] = []  # the clocks of the measurements running now, innermost last
+
+
+def enter_stage(name: str) -> None:
+    """Tell the innermost running measurement (if any) that it entered stage ``name``."""
+    if _ACTIVE:
+        _ACTIVE[-1].stage(name)
+
+
+def active_clock() -> Clock | None:
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 @contextmanager
 def measure_time_limit(path: object, limit_s: float | None = None) -> Iterator[Clock]:
     """Bound the body to ``limit_s`` seconds of CPU time (default: ``limit_from_env()``) and
@@ -123,11 +136,13 @@ def measure_time_limit(path: object, limit_s: float | None = None) -> Iterator[C
             saved.append((kind, which, signum, signal.signal(signum, on_timer), left, clock._now(kind)))
             clock._armed[kind] = which
             signal.setitimer(which, ours)
+    _ACTIVE.append(clock)
     try:
         yield clock
     except _Expired:
         raise clock.error(path) from None
     finally:
+        _ACTIVE.remove(clock)
         for kind, which, signum, handler, left, t0 in saved:
             signal.setitimer(which, 0)
         clock._armed.clear()
