@@ -6,9 +6,10 @@ Real model code asks its tensors for values now and then: Hugging Face's packed-
 ``tolerant_meta()`` answers them instead, with the value of the common training path, so that a
 forward runs through and its shapes, FLOPs and saved tensors can be measured:
 
-* value reads (``.item()``, ``bool(t)``, ``torch.equal``): 0 / False -- no packed sequences, no
-  padding detected -- except for a reduction of a routing mask (below), which is the expected
-  count (``mask.sum()``) or True (``mask.any()``: an expert has tokens).
+* value reads (``.item()``, ``bool(t)``, ``torch.equal``, and copies to a real device: ``.cpu()``,
+  ``.tolist()``): 0 / False -- no packed sequences, no padding detected -- except for a count made
+  from a routing tensor (below: ``mask.sum()``, ``bincount(idx)``), which is the expected count
+  per expert, or True (``mask.any()``: an expert has tokens).
 * data-dependent shapes (``nonzero``, one-argument ``torch.where``, ``argwhere``,
   ``masked_select``, ``bincount``): every element taken as nonzero (no padding), except for masks
   of a top-k routing (below).
@@ -37,7 +38,12 @@ from torch.utils._pytree import tree_flatten
 
 _VALUE_READS = {"_local_scalar_dense", "is_nonzero", "equal"}
 _DATA_SHAPED = {"nonzero", "masked_select", "bincount"}
-_REDUCTIONS = {"any", "sum", "count_nonzero", "max", "amax"}  # a routing mask's "how many / any?"
+# Ops whose result, made from a routing tensor, answers "how many tokens / any token?" per expert.
+_COUNTS = {"any", "sum", "count_nonzero", "max", "amax", "bincount"}
+# Ops that pass their input's values on (views, copies, picks): the result keeps the input's label.
+_PASS_ON = {"select", "slice", "view", "_unsafe_view", "reshape", "unbind", "index", "clone", "_to_copy", "squeeze",
+            "unsqueeze", "alias", "detach", "lift_fresh", "expand", "permute", "t", "transpose", "contiguous",
+            "flatten", "split", "chunk", "narrow", "copy_"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,17 +113,23 @@ class _TolerantMeta(TorchDispatchMode):
     def _is_routed(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and id(t) in self.routed
 
-    def _mark(self, out: Any, name: str) -> None:
+    def _mark(self, out: Any, name: str, inputs: list[Any] = ()) -> None:
+        label = name
+        if name in _PASS_ON:
+            label = next((self.routed[id(a)] for a in inputs if self._is_routed(a)), name)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex():
-                self.routed[id(t)] = name
+                self.routed[id(t)] = label
                 self.alive.append(t)
+
+    def _counts(self, t: Any) -> bool:
+        return self.routing is not None and self.routed.get(id(t)) in _COUNTS
 
     def _value(self, name: str, args: tuple) -> Any:
         t = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if name == "equal":
             return False
-        if t is not None and self.routing is not None and self.routed.get(id(t)) in _REDUCTIONS:
+        if t is not None and self._counts(t):
             if t.dtype == torch.bool or name == "is_nonzero":
                 return True  # "does this expert have tokens?": under balanced routing, yes
             return self.routing.per_expert  # "how many tokens did it get?"
@@ -154,6 +166,8 @@ class _TolerantMeta(TorchDispatchMode):
             return self._value(name, args)
         if name in _DATA_SHAPED and _is_meta(args):
             out = self._data_shaped(name, args, kwargs)
+        elif name == "_to_copy" and _is_meta(args[:1]) and kwargs.get("device") not in (None, torch.device("meta")):
+            out = self._copy_out(args[0], kwargs)  # .cpu(), .tolist(): the values a read would get
         else:
             try:
                 out = func(*args, **kwargs)
@@ -163,9 +177,19 @@ class _TolerantMeta(TorchDispatchMode):
                     raise
         if name == "topk" and _is_meta(args):
             self._note_router(args, kwargs, out)
-        elif self.routed and any(self._is_routed(a) for a in tree_flatten((args, kwargs))[0]):
-            self._mark(out, name)
+        elif self.routed:
+            inputs = tree_flatten((args, kwargs))[0]
+            if any(self._is_routed(a) for a in inputs):
+                self._mark(out, name, inputs)
         return out
+
+    def _copy_out(self, t: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """A meta tensor copied to a real device: filled with what its value reads would answer
+        (per-expert counts of a routing count, else zeros)."""
+        dtype = kwargs.get("dtype") or t.dtype
+        value = self.routing.per_expert if self._counts(t) and t.dtype != torch.bool else (
+            True if self._counts(t) else 0)
+        return torch.full(t.shape, value, dtype=dtype, device=kwargs["device"])
 
     def _note_router(self, args: tuple, kwargs: dict, out: Any) -> None:
         scores, k = args[0], int(args[1] if len(args) > 1 else kwargs.get("k", 1))

@@ -29,11 +29,12 @@ def _variant(tmp_path: Path, name: str, source: str, **constants: object) -> Pat
     return path
 
 
-def _topk(tmp_path: Path, name: str, *, d=64, f=128, e=4, k=2, s=32, dense=False) -> Path:
+def _topk(tmp_path: Path, name: str, *, d=64, f=128, e=4, k=2, s=32, dense=False, routing="where") -> Path:
     text = (DATA / "topk_moe.py").read_text()
     text = text.replace("D, F_EXPERT, E, K, H, L, V = 64, 128, 4, 2, 4, 2, 256",
                         f"D, F_EXPERT, E, K, H, L, V = {d}, {f}, {e}, {k}, 4, 2, 256")
     text = text.replace("SEQ_LEN = 32", f"SEQ_LEN = {s}").replace("DENSE = False", f"DENSE = {dense}")
+    text = text.replace('ROUTING = "where"', f"ROUTING = {routing!r}")
     path = tmp_path / f"{name}.py"
     path.write_text(text)
     return path
@@ -47,9 +48,12 @@ def _block_bwd_flops(graph) -> float:
     return sum(op.flops for op in graph.regions["block"].ops if op.phase == "bwd")
 
 
-def test_topk_moe_block_flops_are_attention_plus_top_k_experts_plus_router(tmp_path) -> None:
+@pytest.mark.parametrize("routing", ["where", "sorted"])
+def test_topk_moe_block_flops_are_attention_plus_top_k_experts_plus_router(tmp_path, routing) -> None:
+    """Per-expert torch.where(idx == e) with an any() check, or tokens sorted by expert and sliced
+    by bincount(...).tolist() counts: either way each expert gets tokens x top_k / E rows."""
     d, f, e, k, s = 64, 128, 4, 2, 32
-    g = build_graph(str(_topk(tmp_path, "moe", d=d, f=f, e=e, k=k, s=s)), dtype="fp32")
+    g = build_graph(str(_topk(tmp_path, f"moe_{routing}", d=d, f=f, e=e, k=k, s=s, routing=routing)), dtype="fp32")
     attention = 2 * d * 3 * d + 2 * d * d + 4 * s * d  # qkv, out projection, q.k^T and p.v per token
     experts = k * (2 * d * f + 2 * f * d)  # top_k experts of up + down per token
     router = 2 * d * e

@@ -13,6 +13,7 @@ from torch import nn
 D, F_EXPERT, E, K, H, L, V = 64, 128, 4, 2, 4, 2, 256
 SEQ_LEN = 32
 DENSE = False  # True: a dense MLP of width K x F_EXPERT instead (the same FLOPs per token, no router)
+ROUTING = "where"  # "where": per expert torch.where(idx == e); "sorted": tokens sorted by expert, counts .tolist()
 
 
 class Expert(nn.Module):
@@ -45,6 +46,8 @@ class TopKMoE(nn.Module):
         b, s, d = x.shape
         x = x.reshape(-1, d)
         weights, idx = torch.topk(self.router(x).softmax(-1), K, dim=-1)
+        if ROUTING == "sorted":
+            return self._sorted(x, weights, idx).view(b, s, d)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             mask = idx == e
@@ -53,6 +56,20 @@ class TopKMoE(nn.Module):
             tok, slot = torch.where(mask)
             out.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
         return out.view(b, s, d)
+
+    def _sorted(self, x, weights, idx):
+        """DeepSeek-style: (token, slot) pairs sorted by expert, sliced by per-expert counts on the host."""
+        order = idx.flatten().argsort()
+        counts = torch.bincount(idx.flatten(), minlength=E).cpu().tolist()
+        rows = x[order // K]
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            outs.append(self.experts[e](rows[start:start + n]))
+            start += n
+        y = torch.cat(outs) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, order // K, y)
 
 
 class Block(nn.Module):
