@@ -206,3 +206,64 @@ def test_a_wait_that_uses_no_cpu_ends_by_the_wall_clock() -> None:
         with measure_time_limit("m.py", limit_s=0.2) as clock:
             clock.stage("probing")
             time.sleep(30)
+
+
+_HF = '''
+import torch
+import transformers
+
+CONFIG = transformers.{config}(**{kwargs!r})
+SEQ_LEN = 32
+
+
+def build_model():
+    return transformers.{model}(CONFIG)
+
+
+def example_inputs(micro_batch_size):
+    ids = torch.randint(4, CONFIG.vocab_size, (micro_batch_size, SEQ_LEN))
+    return {inputs}
+
+
+def loss_fn(output, inputs):
+    return output.loss if getattr(output, "loss", None) is not None else output.logits.float().mean()
+'''
+_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, use_cache=False)
+HF_CASES = {
+    # use_cache=False, the training setting, once hit a .item() on meta (HF's packed-sequence check)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_SMALL, num_key_value_heads=2), "ids"),
+    # a sliding window shorter than the sequence: the mask really cuts
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_SMALL, num_key_value_heads=2, sliding_window=16), "ids"),
+    "qwen2_sliding": ("Qwen2Config", "Qwen2ForCausalLM",
+                      dict(_SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                           max_window_layers=0), "ids"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_SMALL, num_key_value_heads=2, pad_token_id=0), "ids"),
+    "bert": ("BertConfig", "BertForMaskedLM", dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                   num_hidden_layers=2, num_attention_heads=4), "ids"),
+    "bart": ("BartConfig", "BartForConditionalGeneration",
+             dict(vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+                  use_cache=False), '{"input_ids": ids, "labels": ids}'),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_CASES))
+def test_hf_models_trace_on_meta(tmp_path, name) -> None:
+    """Hugging Face models from configs trace, and their block's FLOPs are its Linear layers' (2 per
+    weight per token) plus attention (at most 2 x 4 s d per token: self- and cross-attention)."""
+    pytest.importorskip("transformers")
+    config, model, kwargs, inputs = HF_CASES[name]
+    path = tmp_path / f"hf_{name}.py"
+    path.write_text(_HF.format(config=config, model=model, kwargs=kwargs, inputs=inputs))
+    graph = build_graph(str(path))
+    from autopar.modelfile import load_model_file
+    from autopar.spec import model_spec
+
+    mf = load_model_file(path)
+    spec = model_spec(mf)
+    block = mf.build("meta").get_submodule(spec.blocks_path)[0]
+    linear = sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear))
+    d, s = 64, 32
+    per_token = sum(op.flops for op in graph.regions["block"].ops if op.phase == "fwd") / s
+    assert 2 * linear * 0.99 <= per_token <= (2 * linear + 2 * 4 * s * d) * 1.02
