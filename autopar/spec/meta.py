@@ -6,8 +6,8 @@ Real model code asks its tensors for values now and then: Hugging Face's packed-
 ``tolerant_meta()`` answers them instead, with the value of the common training path, so that a
 forward runs through and its shapes, FLOPs and saved tensors can be measured:
 
-* value reads (``.item()``, ``bool(t)``, ``torch.equal``, and copies to a real device: ``.cpu()``,
-  ``.tolist()``): 0 / False -- no packed sequences, no padding detected -- except for a count made
+* value reads (``.item()``, ``bool(t)``, ``torch.equal``, and copies of integer and boolean tensors
+  to a real device: ``.cpu()``, ``.tolist()``; activations copied out still fail): 0 / False -- no packed sequences, no padding detected -- except for a count made
   from a routing tensor (below: ``mask.sum()``, ``bincount(idx)``), which is the expected count
   per expert, or True (``mask.any()``: an expert has tokens).
 * data-dependent shapes (``nonzero``, one-argument ``torch.where``, ``argwhere``,
@@ -166,8 +166,9 @@ class _TolerantMeta(TorchDispatchMode):
             return self._value(name, args)
         if name in _DATA_SHAPED and _is_meta(args):
             out = self._data_shaped(name, args, kwargs)
-        elif name == "_to_copy" and _is_meta(args[:1]) and kwargs.get("device") not in (None, torch.device("meta")):
-            out = self._copy_out(args[0], kwargs)  # .cpu(), .tolist(): the values a read would get
+        elif (name == "_to_copy" and _is_meta(args[:1]) and kwargs.get("device") not in (None, torch.device("meta"))
+              and not args[0].is_floating_point() and not args[0].is_complex()):
+            out = self._copy_out(args[0], kwargs)  # .cpu(), .tolist() of counts and masks: what reads get
         else:
             try:
                 out = func(*args, **kwargs)
