@@ -11,8 +11,9 @@ forward runs through and its shapes, FLOPs and saved tensors can be measured:
   from a routing tensor (below: ``mask.sum()``, ``bincount(idx)``), which is the expected count
   per expert, or True (``mask.any()``: an expert has tokens).
 * data-dependent shapes (``nonzero``, one-argument ``torch.where``, ``argwhere``,
-  ``masked_select``, ``bincount``): every element taken as nonzero (no padding), except for masks
-  of a top-k routing (below).
+  ``masked_select``, ``unique``): every element taken as nonzero and distinct (no padding), except
+  for tensors of a top-k routing (below); ``bincount`` and ``repeat_interleave`` answer routing
+  counts only (``bincount(x, minlength=n)`` has length n).
 * ``torch._grouped_mm`` in a dtype its meta kernel refuses (it takes bf16 only): the output's
   shape and dtype, as a GPU kernel of that dtype would give.
 
@@ -37,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 _VALUE_READS = {"_local_scalar_dense", "is_nonzero", "equal"}
-_DATA_SHAPED = {"nonzero", "masked_select", "bincount"}
+_DATA_SHAPED = {"nonzero", "masked_select", "bincount", "_unique2", "repeat_interleave"}
 # Ops whose result, made from a routing tensor, answers "how many tokens / any token?" per expert.
 _COUNTS = {"any", "sum", "count_nonzero", "max", "amax", "bincount"}
 # Ops that pass their input's values on (views, copies, picks): the result keeps the input's label.
@@ -151,6 +152,19 @@ class _TolerantMeta(TorchDispatchMode):
             w = args[1] if len(args) > 1 else kwargs.get("weights")
             dtype = w.dtype if isinstance(w, torch.Tensor) else torch.int64
             return torch.empty((length,), dtype=dtype, device="meta")
+        if name == "_unique2":  # torch.unique: routing indices hold every expert, other values are distinct
+            n = self.routing.num_experts if routed else x.numel()
+            inverse = args[2] if len(args) > 2 else kwargs.get("return_inverse", False)
+            counts = args[3] if len(args) > 3 else kwargs.get("return_counts", False)
+            values = torch.empty((n,), dtype=x.dtype, device="meta")
+            inv = torch.empty(x.shape if inverse else (0,), dtype=torch.int64, device="meta")
+            cnt = torch.empty((n,) if counts else (0,), dtype=torch.int64, device="meta")
+            if routed:
+                self._mark((values, inv), "unique")
+                self._mark(cnt, "bincount")  # per-value counts: a routing count
+            return values, inv, cnt
+        if name == "repeat_interleave":  # only repeat_interleave(counts) of routing counts: sum = E x per expert
+            return torch.empty((x.numel() * self.routing.per_expert,), dtype=torch.int64, device="meta")
         if name == "masked_select":
             mask = args[1]
             numel = torch.broadcast_shapes(x.shape, mask.shape).numel()
@@ -164,7 +178,9 @@ class _TolerantMeta(TorchDispatchMode):
         name = func._overloadpacket.__name__
         if name in _VALUE_READS and _is_meta(args):
             return self._value(name, args)
-        if name in _DATA_SHAPED and _is_meta(args):
+        if name in _DATA_SHAPED and _is_meta(args) and (name != "repeat_interleave" or (
+                func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+                and self._counts(args[0]))):
             out = self._data_shaped(name, args, kwargs)
         elif (name == "_to_copy" and _is_meta(args[:1]) and kwargs.get("device") not in (None, torch.device("meta"))
               and not args[0].is_floating_point() and not args[0].is_complex()):
@@ -178,7 +194,7 @@ class _TolerantMeta(TorchDispatchMode):
                     raise
         if name == "topk" and _is_meta(args):
             self._note_router(args, kwargs, out)
-        elif self.routed:
+        elif self.routed and name != "_unique2":  # unique labels its own outputs (values, counts)
             inputs = tree_flatten((args, kwargs))[0]
             if any(self._is_routed(a) for a in inputs):
                 self._mark(out, name, inputs)

@@ -267,3 +267,16 @@ def test_hf_models_trace_on_meta(tmp_path, name) -> None:
     d, s = 64, 32
     per_token = sum(op.flops for op in graph.regions["block"].ops if op.phase == "fwd") / s
     assert 2 * linear * 0.99 <= per_token <= (2 * linear + 2 * 4 * s * d) * 1.02
+
+
+def test_unique_and_repeat_interleave_of_routing_on_meta() -> None:
+    tokens, experts, k = 32, 4, 2
+    with tolerant_meta():
+        _, idx = torch.topk(torch.empty(tokens, experts, device="meta"), k, dim=-1)
+        hit, counts = torch.unique(idx, return_counts=True)
+        assert hit.shape == (experts,) and counts.shape == (experts,)
+        assert counts.cpu().tolist() == [tokens * k // experts] * experts
+        owner = torch.repeat_interleave(torch.arange(experts, device="meta"), counts)
+        assert owner.shape == (tokens * k,)
+        assert torch.empty(3, 5, device="meta").repeat_interleave(2, dim=0).shape == (6, 5)  # static: as torch
+        assert torch.unique(torch.empty(7, dtype=torch.long, device="meta")).shape == (7,)
