@@ -11,7 +11,7 @@ forward runs through and its shapes, FLOPs and saved tensors can be measured:
   from a routing tensor (below: ``mask.sum()``, ``bincount(idx)``), which is the expected count
   per expert, or True (``mask.any()``: an expert has tokens).
 * data-dependent shapes (``nonzero``, one-argument ``torch.where``, ``argwhere``,
-  ``masked_select``, ``unique``): every element taken as nonzero and distinct (no padding), except
+  ``masked_select``, ``unique``, indexing with a boolean mask): every element taken as nonzero and distinct (no padding), except
   for tensors of a top-k routing (below); ``bincount`` and ``repeat_interleave`` answer routing
   counts only (``bincount(x, minlength=n)`` has length n).
 * ``torch._grouped_mm`` in a dtype its meta kernel refuses (it takes bf16 only): the output's
@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 _VALUE_READS = {"_local_scalar_dense", "is_nonzero", "equal"}
+_MASK_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "_unsafe_index_put"}
 _DATA_SHAPED = {"nonzero", "masked_select", "bincount", "_unique2", "repeat_interleave"}
 # Ops whose result, made from a routing tensor, answers "how many tokens / any token?" per expert.
 _COUNTS = {"any", "sum", "count_nonzero", "max", "amax", "bincount"}
@@ -173,9 +174,29 @@ class _TolerantMeta(TorchDispatchMode):
         rows = self.routing.nonzeros(x.numel()) if routed else None
         return torch.empty((x.numel() if rows is None else rows, x.dim()), dtype=torch.int64, device="meta")
 
+    def _long_indices(self, indices: list) -> list:
+        """Boolean (mask) indices replaced by the long indices of their nonzeros, as answered above
+        (``x[mask]``, ``x[mask] = v``: PyTorch's meta kernels would call nonzero themselves)."""
+        out: list = []
+        for t in indices:
+            if isinstance(t, torch.Tensor) and t.is_meta and t.dtype in (torch.bool, torch.uint8):
+                nz = self._data_shaped("nonzero", (t,), {})
+                if self._is_routed(t):
+                    self._mark(nz, "nonzero")
+                cols = nz.unbind(1)
+                if self._is_routed(t):
+                    self._mark(cols, "nonzero")
+                out.extend(cols)
+            else:
+                out.append(t)
+        return out
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
         name = func._overloadpacket.__name__
+        if name in _MASK_INDEXED and len(args) > 1 and _is_meta(args[:1]) and any(
+                isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in args[1]):
+            args = (args[0], self._long_indices(list(args[1])), *args[2:])
         if name in _VALUE_READS and _is_meta(args):
             return self._value(name, args)
         if name in _DATA_SHAPED and _is_meta(args) and (name != "repeat_interleave" or (

@@ -107,6 +107,9 @@ def test_data_dependent_code_runs_on_meta() -> None:
         assert rows.shape == (16,)
         assert torch.masked_select(torch.empty(2, 8, device="meta"), mask).shape == (16,)
         assert not bool(mask.any()) and mask.sum().item() == 0
+        h = torch.empty(2, 8, 5, device="meta")
+        assert h[mask].shape == (16, 5)  # boolean-mask indexing (its meta kernel would call nonzero)
+        h[mask] = torch.zeros(16, 5, device="meta")
         with pytest.raises(NotImplementedError, match="minlength"):
             torch.bincount(torch.empty(8, dtype=torch.long, device="meta"))
 
@@ -124,6 +127,8 @@ def test_top_k_routing_is_balanced_on_meta() -> None:
             assert tok.shape == (tokens * k // experts,)
             assert torch.nonzero(mask.any(-1)).shape[0] == tokens * k // experts
         assert torch.bincount(idx.flatten()).shape == (experts,)
+        x = torch.empty(tokens, 8, device="meta")
+        assert x[(idx == 1).any(-1)].shape == (tokens * k // experts, 8)
         hit = (torch.nn.functional.one_hot(idx, num_classes=experts + 1).sum(dim=(0, 1)) > 0).nonzero()
         assert hit.shape[0] == experts
 
