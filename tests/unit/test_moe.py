@@ -140,3 +140,14 @@ def test_step_time_scales_with_the_experts_used(tmp_path, make_plan, a100) -> No
     assert step_s(top2) - step_s(top1) >= (f2 - f1) * batch / a100.peak_flops
     assert step_s(top2) < step_s(dense_all)
     assert estimate_plan(plan, top2, a100).mfu < 0.75
+
+    # activations kept for backward follow the routed tokens as well: top-2 keeps about twice the
+    # expert activations of top-1, at least what the dense MLP of the same width keeps (plus the
+    # routed copies of the tokens, the gathered rows each expert saves), far from all E
+    def saved(g) -> float:
+        return sum(q.nbytes for q in g.regions["block"].saved)
+
+    attention_only = saved(top1) - (saved(top2) - saved(top1))  # the part that does not route
+    assert saved(top2) > saved(top1) > attention_only > 0
+    assert saved(dense2) * 0.95 <= saved(top2) <= saved(dense2) * 1.6
+    assert saved(top2) < 0.6 * saved(dense_all)
