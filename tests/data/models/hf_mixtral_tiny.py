@@ -2,13 +2,11 @@
 experts implementation: "grouped_mm" (transformers' default: one ``torch._grouped_mm`` per
 projection) or "eager" (a loop over the experts hit, ``nonzero`` / ``torch.where`` routing)."""
 
-import os
-
 import torch
 import torch.nn.functional as F
 from transformers import MixtralConfig, MixtralForCausalLM
 
-EXPERTS = os.environ.get("AUTOPAR_TEST_EXPERTS", "grouped_mm")
+EXPERTS = "grouped_mm"  # tests/unit/test_moe.py writes copies with "eager"
 CONFIG = MixtralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=256,
                        max_position_embeddings=32, use_cache=False, experts_implementation=EXPERTS)
