@@ -113,9 +113,9 @@ class _Recorder(TorchDispatchMode):
         return self._rid_of(id(t))
 
     def _rid_of(self, i: int) -> int:
-        # One step: entries point at roots. A root that later became a view (an op that returned
-        # an existing tensor as a view of another) adds steps; the walk is bounded by the map's
-        # size, so even a corrupted map cannot loop.
+        # Entries point at roots, so this is usually one step; a root that later became a view
+        # itself (an op returned an existing tensor as a view of another) adds a step. The walk is
+        # bounded by the map's size, so it ends whatever the map holds.
         for _ in range(len(self.root) + 1):
             nxt = self.root.get(i)
             if nxt is None or nxt == i:
