@@ -141,6 +141,12 @@ def measure_time_limit(path: object, limit_s: float | None = None) -> Iterator[C
         yield clock
     except _Expired:
         raise clock.error(path) from None
+    except Exception:
+        # Our interrupt, caught and re-raised as something else on its way out (autopar.usercode's
+        # guard turns whatever build_model() raises into a ModelFileError; autograd wraps): ours.
+        if clock.expired_by is not None:
+            raise clock.error(path) from None
+        raise
     finally:
         _ACTIVE.remove(clock)
         for kind, which, signum, handler, left, t0 in saved:

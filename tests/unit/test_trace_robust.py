@@ -285,3 +285,13 @@ def test_unique_and_repeat_interleave_of_routing_on_meta() -> None:
         assert owner.shape == (tokens * k,)
         assert torch.empty(3, 5, device="meta").repeat_interleave(2, dim=0).shape == (6, 5)  # static: as torch
         assert torch.unique(torch.empty(7, dtype=torch.long, device="meta")).shape == (7,)
+
+
+def test_a_build_model_that_never_returns_ends_in_the_building_stage(tmp_path) -> None:
+    """build_model() runs inside the model-file guard (autopar.usercode), which reports what the
+    user's code raised; the time limit's interrupt is still reported as the time limit."""
+    path = _model(tmp_path, "build_loops", "        return self.lin(x)",
+                  "\n\ndef build_model():\n    while True:\n        pass\n")
+    with pytest.raises(ModelFileError, match=r"building the model \(build_model\(\)\) on the meta device did not "
+                                             r"finish within 1 s of CPU time"):
+        build_graph(str(path), time_limit_s=1)
