@@ -117,8 +117,11 @@ class _TolerantMeta(TorchDispatchMode):
 
     def _mark(self, out: Any, name: str, inputs: list[Any] = ()) -> None:
         label = name
-        if name in _PASS_ON:
-            label = next((self.routed[id(a)] for a in inputs if self._is_routed(a)), name)
+        source = next((self.routed[id(a)] for a in inputs if self._is_routed(a)), None)
+        if name in _PASS_ON and source is not None:
+            label = source
+        elif name in ("max", "amax") and source == "topk":
+            label = "largest expert"  # idx.max(): the largest expert id, not a count
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex():
                 self.routed[id(t)] = label
@@ -131,6 +134,8 @@ class _TolerantMeta(TorchDispatchMode):
         t = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if name == "equal":
             return False
+        if t is not None and self.routing is not None and self.routed.get(id(t)) == "largest expert":
+            return self.routing.num_experts - 1
         if t is not None and self._counts(t):
             if t.dtype == torch.bool or name == "is_nonzero":
                 return True  # "does this expert have tokens?": under balanced routing, yes

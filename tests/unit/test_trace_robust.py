@@ -127,6 +127,7 @@ def test_top_k_routing_is_balanced_on_meta() -> None:
             assert tok.shape == (tokens * k // experts,)
             assert torch.nonzero(mask.any(-1)).shape[0] == tokens * k // experts
         assert torch.bincount(idx.flatten()).shape == (experts,)
+        assert idx.max().item() == experts - 1  # the largest expert id, not a count
         x = torch.empty(tokens, 8, device="meta")
         assert x[(idx == 1).any(-1)].shape == (tokens * k // experts, 8)
         hit = (torch.nn.functional.one_hot(idx, num_classes=experts + 1).sum(dim=(0, 1)) > 0).nonzero()
