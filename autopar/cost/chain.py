@@ -26,7 +26,8 @@ from typing import Sequence
 from autopar.cluster import Cluster
 from autopar.cost.comm import Mesh, collective_time_s
 from autopar.cost.compute import graph_region_time
-from autopar.cost.stage import Config, Part, StageTerms, _zero_exposed, build_terms
+from autopar.cost.stage import Config, Part, StageTerms, build_terms
+from autopar.cost.zero import per_microbatch_exposed
 from autopar.cost.step import Estimate, RankCost
 from autopar.graph.model_graph import ModelGraph
 from autopar.graph.scaling import Shape
@@ -74,7 +75,7 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
         else:
             recompute, act, work = 0.0, rt.saved_bytes, 0.0
         bwd = rt.bwd_s + recompute
-        zero = _zero_exposed(cfg, float(unit.params), rt.fwd_s, bwd, dpcp_link, cluster.overlap_cost_fraction)
+        zero = per_microbatch_exposed(cfg, float(unit.params), rt.fwd_s, bwd, dpcp_link, cluster.overlap_cost_fraction)
         parts.append(Part(fwd_s=rt.fwd_s, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=0.0, cp_comm_s=0.0,
                           zero_comm_s=zero, act_bytes=act, params=float(unit.params), fwd_flops=rt.fwd_flops,
                           bwd_flops=rt.bwd_flops))

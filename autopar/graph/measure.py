@@ -15,18 +15,24 @@ from autopar.graph.build import (
 )
 from autopar.graph.model_graph import ModelGraph, RegionParams, _to_networkx
 from autopar.graph.scaling import RegionFit, fit_region
+from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit
 from autopar.modelfile import ModelFile, load_model_file
 from autopar.spec import model_spec
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtype: str = "bf16") -> ModelGraph:
-    """Measure ``model_file`` on meta and return its ModelGraph (cached per file, seq_len, dtype)."""
+def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtype: str = "bf16",
+                time_limit_s: float | None = None) -> ModelGraph:
+    """Measure ``model_file`` on meta and return its ModelGraph (cached per file, seq_len, dtype).
+    Building, probing and tracing together end within ``time_limit_s`` seconds of CPU time (default:
+    the AUTOPAR_TRACE_TIMEOUT_S environment variable, else 60; autopar.graph.time_limit) or raise a
+    one-line ModelFileError."""
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
     key = (str(mf.path.resolve()), mf.sha256, seq_len, dtype)
     if key not in _CACHE:
-        _CACHE[key] = _build(mf, seq_len, dtype)
+        with measure_time_limit(mf.path, time_limit_s):
+            _CACHE[key] = _build(mf, seq_len, dtype)
     return _CACHE[key]
 
 
@@ -37,7 +43,9 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     start = time.perf_counter()
     torch_dtype = _TORCH_DTYPES[dtype]
     model = mf.build("meta")
+    enter_stage("probing")
     spec = model_spec(mf, model)  # probed as built, with the file's own example inputs
+    enter_stage("tracing")
     model = model.to(torch_dtype)
     model.train()
     if spec.blocks_kind == "chain":
@@ -72,6 +80,9 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         except ModelFileError as exc:
             raise ModelFileError(str(exc) if str(exc).startswith(str(mf.path)) else f"{mf.path}: {exc}") from None
         except Exception as exc:  # the user's forward or loss on meta
+            clock = active_clock()
+            if clock is not None and clock.expired:  # the time limit's interrupt, wrapped (autograd)
+                raise clock.error(mf.path) from None
             raise ModelFileError(f"{mf.path}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
 
     base = run(small, inputs1)

@@ -26,11 +26,12 @@ from autopar.spec.attention import HFAttention, hf_attention
 from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, probe_calls
 from autopar.spec.chain import Chain, block_list_chain, find_chain
 from autopar.spec.meta import tolerant_meta
+from autopar.spec.moe import MoESpec, moe_of
 from autopar.spec.support import DIMENSIONS, support_of
 from autopar.spec.tp_infer import Inference, infer_tp
 from autopar.spec.tp_plan import TPPlan, model_carried_plan, resolve, root_prefixes
 
-__all__ = ["DIMENSIONS", "Chain", "ModelSpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
+__all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead", "num_attention_heads_per_layer")
 _KV_ATTRS = ("num_kv_heads", "num_key_value_heads", "n_head_kv", "num_kv", "multi_query_group_num")
@@ -72,6 +73,7 @@ class ModelSpec:
         if self.chain is not None:
             return self.chain.units
         return tuple(f"{self.blocks_path}.{i}" for i in range(self.num_blocks))
+    moe: MoESpec | None = None  # the blocks' mixture of experts (autopar.spec.moe), None when dense
 
     @property
     def tp_plan(self) -> Mapping[str, str] | None:
@@ -245,10 +247,14 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     except ModelFileError as exc:
         raise ModelFileError(f"{where}: {exc}") from None
     inputs = mf.example_inputs(1, "meta")
+    routing: list[tuple[int, int]] = []  # (top_k, experts) of the router topk the probe saw
 
     def run() -> Any:
-        with tolerant_meta():
-            return call_model(model, inputs)
+        with tolerant_meta() as mode:
+            out = call_model(model, inputs)
+        if mode.routing is not None and not routing:
+            routing.append((mode.routing.top_k, mode.routing.num_experts))
+        return out
 
     if blocks_path is None:
         chain = _meta_call(where, lambda: find_chain(model, run))
@@ -293,6 +299,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         bare_params=_bare_params(model, blocks_path, probe), inputs_are_tensors=tensors_only and bool(flat),
         inputs_are_token_batch=token_batch, is_sequence_model=mf.seq_len is not None,
         hf_attention=hf_attention(model, block), notes=tp.dropped,
+        moe=moe_of(model, block, lambda: routing[0] if routing else None),
         chain=_meta_call(where, lambda: block_list_chain(model, blocks_path, run)) if isinstance(blocks, nn.Sequential) else None,
     )
     return _with_support(spec)
