@@ -121,7 +121,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     state = state_bytes_per_param(zero=cfg.zero, shard_degree=cfg.dp * cfg.cp, dtype_bytes=cfg.dtype_bytes,
                                   optimizer=cfg.optimizer)
     # As the executor holds gradients (autopar.cost.zero): ZeRO-1's whole fp32 accumulator, DDP's buckets.
-    uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.dp * cfg.cp > 1
+    uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1  # else FSDP2 replicate
     state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
     tokens_bytes = graph.block_input_bytes * cfg.micro_batch * s_ratio  # one rank's block input, full width
     tp_link, cp_link, dpcp_link = mesh.link(cluster, "tp"), mesh.link(cluster, "cp"), mesh.link(cluster, "dp_cp")

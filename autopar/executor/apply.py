@@ -215,7 +215,8 @@ def build_executable(
             blocks = chain_pipe.unit_modules(part, spec, prefix)
         else:
             blocks = [m for k, m in part.get_submodule(prefix + spec.blocks_path).named_children() if k.isdigit()]
-        wrapped.append(apply_data_parallel(part, blocks, dp_mesh, zero=zero, dtype=plan.training.dtype, device=device))
+        wrapped.append(apply_data_parallel(part, blocks, dp_mesh, zero=zero, dtype=plan.training.dtype, device=device,
+                                           pipelined=par.pp > 1))
 
     # 6. pipeline schedule, optimizer, tied-weight groups
     exe = Executable(

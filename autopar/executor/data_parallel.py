@@ -64,8 +64,14 @@ def apply_data_parallel(
     zero: int,
     dtype: str,
     device: torch.device,
+    pipelined: bool = False,
 ) -> DataParallelResult:
-    """Wrap ``part`` (real tensors, already TP/CP/recompute-applied) for data parallelism."""
+    """Wrap ``part`` (real tensors, already TP/CP/recompute-applied) for data parallelism.
+
+    ``pipelined``: ``part`` is a pipeline stage. Its schedule runs several forwards before their
+    backwards (1F1B warm-up), which DDP's reducer cannot follow (its first iteration rebuilds the
+    buckets from one forward's parameter order and asserts on the second), so ZeRO-0 stages use
+    FSDP2's ``replicate``, whose gradient sync the pipelining stage drives as it does FSDP2's."""
     if zero >= 2 or (zero == 1 and mesh.size() > 1):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -79,7 +85,7 @@ def apply_data_parallel(
         return DataParallelResult(module=part, kind="fsdp", sharded_optimizer=False, zero1=zero == 1)
     if mesh.size() == 1:
         return DataParallelResult(module=part, kind="none", sharded_optimizer=False)
-    if _has_dtensor(part):
+    if _has_dtensor(part) or pipelined:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate(part, mesh=mesh)

@@ -50,6 +50,9 @@ CASES_4 = [
     Case(name="gpt-dp2xtp2-zero3", model="gpt", parallel={"dp": 2, "tp": 2, "zero": 3}),
     # tied embedding/head across stages with FSDP2-sharded gradients
     Case(name="gpt-pp2xdp2-zero3", model="gpt", parallel={"pp": 2, "dp": 2, "zero": 3, "pp_schedule": "gpipe"}),
+    # plain data parallelism under a pipeline (several forwards before their backwards: FSDP2 replicate)
+    Case(name="llama-pp2xdp2-zero0", model="llama", parallel={"pp": 2, "dp": 2, "pp_schedule": "1f1b"},
+         global_batch_size=8),
     Case(name="llama-cp2xtp2-ring", model="llama", parallel={"cp": 2, "tp": 2, "sequence_parallel": True}),
     Case(name="gpt-dp2xcp2-zero1", model="gpt", parallel={"dp": 2, "cp": 2, "cp_kind": "allgather", "zero": 1}),
     Case(name="gpt-pp2xcp2-ring", model="gpt", parallel={"pp": 2, "cp": 2, "pp_schedule": "1f1b"}),
