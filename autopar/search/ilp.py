@@ -33,61 +33,82 @@ two maxima, which the epigraph variables T and Z represent exactly because they 
 sync, c is not charged and the second family becomes Z >= (sync + gather + opt) P_r.
 
 Integers: times are scaled so that one micro-batch of the whole model (every block, embedding and
-head) is 1e9 units, a resolution of one part in 1e9 whatever the model size, with coefficients far
+head) is 1e6 units (TIME_UNITS), a resolution of one part in 1e6 whatever the model size, with coefficients far
 from int64 overflow; bytes stay bytes (coefficients rounded up, capacity rounded down, so a split
 the ILP accepts always fits). The reported step time is the float ``evaluate`` of the split the
 solver returns. T and Z get the tightest upper bounds known (all blocks on one rank).
+
+Two exact solvers of this one program (same integer coefficients, same objective, same cost
+model): a small program -- at most MAX_ENUMERATED_SPLITS vectors (N_0..N_{pp-1}) within the block
+bounds and memory capacities, e.g. the 35 splits of 8 blocks over 4 ranks -- is solved directly by
+evaluating T, Z and the objective for every one of them (provably optimal: nothing is left out;
+milliseconds, and it cannot stall, where CP-SAT's 2-worker portfolio was measured taking up to
+3.3 s on such programs); a larger one goes to CP-SAT, which proves its optimum (status OPTIMAL,
+objective == bound) or reports FEASIBLE at its time limit. Either way ``SplitSolution.method``
+says which solved it, and the status is OPTIMAL only for a proven optimum. ortools is imported
+only when CP-SAT is needed.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from ortools.sat.python import cp_model
+from typing import Iterator
 
 from autopar.cost.stage import StageTerms
 from autopar.cost.step import chunk_rank
 
 # Two workers: CP-SAT's portfolio pairs a search worker with an LP-based one, which proves these
-# small programs optimal in milliseconds where a single default worker can stall for seconds on
-# the wide T and Z domains (measured on the search-time benchmark). The optimum is unique in value;
-# between equally fast splits either may be returned.
+# programs optimal in milliseconds where a single default worker can stall for seconds on the wide
+# T and Z domains of large programs (measured on the search-time benchmark). Small programs, where
+# the same pairing was seen to stall for seconds instead, never reach CP-SAT: they are enumerated
+# (MAX_ENUMERATED_SPLITS). The optimum is unique in value; between equally fast splits either may
+# be returned.
 SOLVER_PARAMETERS: dict[str, object] = {"num_workers": 2}
 TIME_UNITS = 1e6  # one micro-batch's total work is 1e6 integer time units (resolution 1e-6 of it)
+# Programs with at most this many feasible block counts (N_0..N_{pp-1}) are solved by evaluating
+# every one in the same integer objective: exact, and a few milliseconds at most.
+MAX_ENUMERATED_SPLITS = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
 class SplitSolution:
-    """CP-SAT's answer for one configuration."""
+    """The split program's answer for one configuration."""
 
     chunk_blocks: tuple[int, ...] | None  # None: no split fits memory
     status: str  # OPTIMAL | FEASIBLE | INFEASIBLE | UNKNOWN
     objective_s: float
     bound_s: float
+    method: str = "cp-sat"  # "enumeration" (every feasible split evaluated) or "cp-sat"
 
 
 class SplitILP:
-    """Builds and solves the program in the module docstring; one method per constraint family."""
+    """The program in the module docstring: integer coefficients once, then either every feasible
+    split evaluated (small programs) or CP-SAT (one method per constraint family)."""
 
     def __init__(self, terms: StageTerms, num_blocks: int) -> None:
         self.terms = terms
         self.cfg = terms.config
         self.L = num_blocks
         self.C = self.cfg.pp * self.cfg.virtual_stages
-        self.model = cp_model.CpModel()
         self.ranks = range(self.cfg.pp)
         self.last_rank = chunk_rank(self.C - 1, self.cfg.pp)
-        v = self.cfg.virtual_stages
-        self.N = [self.model.NewIntVar(v, num_blocks, f"N_{r}") for r in self.ranks]
         t = terms
         everything = num_blocks * t.block.time_s + t.pre.time_s + t.post.time_s + 2 * self.C * t.p2p_s
         params = num_blocks * t.block.params + t.pre.params + t.post.params + t.tied_params
-        tail = t.grad_sync_floor_s + params * (t.grad_sync_s_per_param + t.param_gather_s_per_param
-                                               + t.optimizer_s_per_param)
+        self.tail_s = t.grad_sync_floor_s + params * (t.grad_sync_s_per_param + t.param_gather_s_per_param
+                                                      + t.optimizer_s_per_param)
+        self.everything_s = everything
         self.ns = TIME_UNITS / max(everything, 1e-12)  # integer time units per second
-        self.T = self.model.NewIntVar(0, math.ceil(everything * self.ns) + 1, "T")
-        self.Z = self.model.NewIntVar(0, math.ceil(tail * self.ns) + 1, "Z")
+        self.caps = rank_block_capacity(terms)
+        self.tau_ns = round(t.block.time_s * self.ns)
+        self.fixed_ns = [self._fixed_time_ns(r) for r in self.ranks]
+        self.tail_rows = [self._tail_rows(r) for r in self.ranks]  # [(const, coeff), ...] per rank
+        m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
+        self.t_weight, self.z_weight = m * v - 1, v
+        # sum_r t_r = tau * L + sum_r f_r is a constant; kept so the objective is the step time.
+        # Multiplied by v so (M - 1/v) stays an integer coefficient.
+        self.constant_ns = self.tau_ns * self.L + sum(self.fixed_ns)
 
     # -- coefficients ------------------------------------------------------------------------
     def _fixed_time_ns(self, r: int) -> int:
@@ -110,56 +131,123 @@ class SplitILP:
         t = self.terms
         return (t.pre.bwd_s if r == 0 else 0.0) + (t.post.bwd_s if r == self.last_rank else 0.0)
 
-    # -- constraint families -----------------------------------------------------------------
-    def _add_block_count_constraints(self) -> None:
-        self.model.Add(sum(self.N) == self.L)
-
-    def _add_slowest_stage_constraints(self) -> None:
-        tau = round(self.terms.block.time_s * self.ns)
-        for r in self.ranks:
-            self.model.Add(self.T >= tau * self.N[r] + self._fixed_time_ns(r))
-
-    def _add_tail_constraints(self) -> None:
+    def _tail_rows(self, r: int) -> list[tuple[int, int]]:
+        """The tail family of rank r as integer (constant, coefficient of N_r) pairs: Z >= each."""
         t = self.terms
         sync_ns = t.grad_sync_s_per_param * self.ns
         per_param_ns = (t.param_gather_s_per_param + t.optimizer_s_per_param) * self.ns
         if t.grad_sync_overlaps:
             per_param_ns += t.overlap_cost_fraction * sync_ns  # a hidden sync still costs its share c
-        for r in self.ranks:
-            fixed_p = self._fixed_params(r)
-            # Z >= floor + (gather + opt) P_r
-            self.model.Add(self.Z >= round(t.grad_sync_floor_s * self.ns + per_param_ns * fixed_p)
-                           + round(per_param_ns * t.block.params) * self.N[r])
-            if t.grad_sync_overlaps:
-                # Z >= (sync + gather + opt) P_r - b_r
-                coeff = round((sync_ns + per_param_ns) * t.block.params - t.block.bwd_s * self.ns)
-                const = round((sync_ns + per_param_ns) * fixed_p - self._fixed_bwd_s(r) * self.ns)
-            else:
-                coeff = round((sync_ns + per_param_ns) * t.block.params)
-                const = round((sync_ns + per_param_ns) * fixed_p)
-            self.model.Add(self.Z >= const + coeff * self.N[r])
+        fixed_p = self._fixed_params(r)
+        # Z >= floor + (gather + opt) P_r
+        rows = [(round(t.grad_sync_floor_s * self.ns + per_param_ns * fixed_p), round(per_param_ns * t.block.params))]
+        if t.grad_sync_overlaps:
+            # Z >= (sync + gather + opt) P_r - b_r
+            rows.append((round((sync_ns + per_param_ns) * fixed_p - self._fixed_bwd_s(r) * self.ns),
+                         round((sync_ns + per_param_ns) * t.block.params - t.block.bwd_s * self.ns)))
+        else:
+            rows.append((round((sync_ns + per_param_ns) * fixed_p), round((sync_ns + per_param_ns) * t.block.params)))
+        return rows
 
-    def _add_memory_constraints(self) -> None:
-        """sigma P_r + I_r (alpha N_r + a_r) + other <= capacity, solved for the integer N_r once
-        (``rank_block_capacity``), so the ILP and the search's pre-check read one rule."""
-        for r, cap in enumerate(rank_block_capacity(self.terms)):
-            self.model.Add(self.N[r] <= cap)
+    def _bounds(self) -> list[tuple[int, int]]:
+        """Each rank's block range: its v chunks at least, memory and the other ranks' minimum at most."""
+        v = self.cfg.virtual_stages
+        top = self.L - (self.cfg.pp - 1) * v
+        return [(v, min(cap, top)) for cap in self.caps]
 
-    def _set_objective(self) -> None:
-        m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
-        tau = round(self.terms.block.time_s * self.ns)
-        fixed_sum = sum(self._fixed_time_ns(r) for r in self.ranks)
-        # sum_r t_r = tau * L + sum_r f_r is a constant; kept so the objective is the step time.
-        # Multiplied by v so (M - 1/v) stays an integer coefficient.
-        self.constant_ns = tau * self.L + fixed_sum
-        self.model.Minimize((m * v - 1) * self.T + v * self.Z)
+    def _objective(self, n: tuple[int, ...] | list[int]) -> int:
+        """The integer objective v * (step time) - constant of block counts ``n`` (max(T) and max(Z) at equality)."""
+        t_max = max(self.tau_ns * n[r] + self.fixed_ns[r] for r in self.ranks)
+        z_max = max(0, max(c + k * n[r] for r in self.ranks for c, k in self.tail_rows[r]))
+        return self.t_weight * t_max + self.z_weight * z_max
 
-    def solve(self, time_limit_s: float = 10.0) -> SplitSolution:
+    # -- direct solution of small programs -----------------------------------------------------
+    def count_splits(self, limit: int = MAX_ENUMERATED_SPLITS) -> int:
+        """How many block counts satisfy the bounds and sum to L (counting stops past ``limit``)."""
+        ways = {0: 1}
+        for lo, hi in self._bounds():
+            nxt: dict[int, int] = {}
+            for used, w in ways.items():
+                for n in range(lo, hi + 1):
+                    if used + n <= self.L:
+                        nxt[used + n] = min(limit + 1, nxt.get(used + n, 0) + w)
+            ways = nxt
+        return ways.get(self.L, 0)
+
+    def _splits(self) -> Iterator[tuple[int, ...]]:
+        bounds = self._bounds()
+        rest_lo = [sum(lo for lo, _ in bounds[r:]) for r in range(len(bounds) + 1)]
+        rest_hi = [sum(hi for _, hi in bounds[r:]) for r in range(len(bounds) + 1)]
+
+        def walk(r: int, left: int, prefix: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+            if r == len(bounds):
+                if left == 0:
+                    yield prefix
+                return
+            lo, hi = bounds[r]
+            for n in range(max(lo, left - rest_hi[r + 1]), min(hi, left - rest_lo[r + 1]) + 1):
+                yield from walk(r + 1, left - n, prefix + (n,))
+
+        yield from walk(0, self.L, ())
+
+    def enumerate(self) -> SplitSolution:
+        """Every feasible split evaluated in the program's own integer objective: the least is
+        provably optimal (the first of equal ones, in lexicographic order of the block counts)."""
+        best, best_n = None, None
+        for n in self._splits():
+            value = self._objective(n)
+            if best is None or value < best:
+                best, best_n = value, n
+        if best_n is None:
+            return SplitSolution(chunk_blocks=None, status="INFEASIBLE", objective_s=math.inf, bound_s=math.inf,
+                                 method="enumeration")
+        value_s = (best + self.constant_ns) / (self.ns * self.cfg.virtual_stages)
+        return SplitSolution(chunk_blocks=deal_chunks(list(best_n), self.cfg.virtual_stages), status="OPTIMAL",
+                             objective_s=value_s, bound_s=value_s, method="enumeration")
+
+    # -- CP-SAT ----------------------------------------------------------------------------------
+    def _build_model(self) -> None:
+        from ortools.sat.python import cp_model  # imported only when a program is too large to enumerate
+
+        self.model = cp_model.CpModel()
+        v = self.cfg.virtual_stages
+        self.N = [self.model.NewIntVar(v, self.L, f"N_{r}") for r in self.ranks]
+        self.T = self.model.NewIntVar(0, math.ceil(self.everything_s * self.ns) + 1, "T")
+        self.Z = self.model.NewIntVar(0, math.ceil(self.tail_s * self.ns) + 1, "Z")
         self._add_block_count_constraints()
         self._add_slowest_stage_constraints()
         self._add_tail_constraints()
         self._add_memory_constraints()
-        self._set_objective()
+        self.model.Minimize(self.t_weight * self.T + self.z_weight * self.Z)
+
+    def _add_block_count_constraints(self) -> None:
+        self.model.Add(sum(self.N) == self.L)
+
+    def _add_slowest_stage_constraints(self) -> None:
+        for r in self.ranks:
+            self.model.Add(self.T >= self.tau_ns * self.N[r] + self.fixed_ns[r])
+
+    def _add_tail_constraints(self) -> None:
+        for r in self.ranks:
+            for const, coeff in self.tail_rows[r]:
+                self.model.Add(self.Z >= const + coeff * self.N[r])
+
+    def _add_memory_constraints(self) -> None:
+        """sigma P_r + I_r (alpha N_r + a_r) + other <= capacity, solved for the integer N_r once
+        (``rank_block_capacity``), so the ILP and the search's pre-check read one rule."""
+        for r, cap in enumerate(self.caps):
+            self.model.Add(self.N[r] <= cap)
+
+    def solve(self, time_limit_s: float = 10.0, method: str = "auto") -> SplitSolution:
+        """``method``: "auto" (enumerate programs of at most MAX_ENUMERATED_SPLITS splits, CP-SAT
+        otherwise), "enumeration" or "cp-sat"."""
+        if method not in ("auto", "enumeration", "cp-sat"):
+            raise ValueError(f"unknown split method {method!r}")
+        if method == "enumeration" or (method == "auto" and self.count_splits() <= MAX_ENUMERATED_SPLITS):
+            return self.enumerate()
+        from ortools.sat.python import cp_model
+
+        self._build_model()
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = time_limit_s
         for key, value in SOLVER_PARAMETERS.items():
@@ -176,9 +264,12 @@ class SplitILP:
         )
 
 
-def solve_split(terms: StageTerms, num_blocks: int, time_limit_s: float = 10.0) -> SplitSolution:
-    """Optimal contiguous split of ``num_blocks`` blocks over the pipeline chunks of ``terms``."""
-    return SplitILP(terms, num_blocks).solve(time_limit_s)
+def solve_split(terms: StageTerms, num_blocks: int, time_limit_s: float = 10.0,
+                method: str = "auto") -> SplitSolution:
+    """Optimal contiguous split of ``num_blocks`` blocks over the pipeline chunks of ``terms``.
+
+    ``method``: "auto" (enumerate small programs, CP-SAT otherwise), "enumeration" or "cp-sat"."""
+    return SplitILP(terms, num_blocks).solve(time_limit_s, method)
 
 
 def rank_block_capacity(terms: StageTerms) -> list[int]:
