@@ -97,7 +97,10 @@ def schema_fingerprint(tp: Any = ModelGraph) -> str:
             walk(arg)
         if dataclasses.is_dataclass(t) and isinstance(t, type) and t not in seen:
             seen.add(t)
-            hints = typing.get_type_hints(t)
+            try:
+                hints = typing.get_type_hints(t)
+            except Exception:  # noqa: BLE001 - an unresolvable hint: its text still names the type
+                hints = {f.name: f.type for f in dataclasses.fields(t)}
             parts.append(t.__qualname__ + "(" + ",".join(f"{f.name}:{hints[f.name]}"
                                                           for f in dataclasses.fields(t) if f.init) + ")")
             for f in dataclasses.fields(t):
@@ -177,7 +180,10 @@ def decode(tp: Any, data: Any, where: str = "graph") -> Any:
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(data, dict):
             raise _Corrupt(f"{where}: expected a mapping for {tp.__name__}")
-        hints = typing.get_type_hints(tp)
+        try:
+            hints = typing.get_type_hints(tp)
+        except Exception as exc:  # noqa: BLE001 - then this entry cannot be checked: not trusted
+            raise _Corrupt(f"{where}: type hints of {tp.__name__} do not resolve: {exc}") from None
         fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
         if set(data) != set(fields):
             raise _Corrupt(f"{where}: fields {sorted(data)} are not {tp.__name__}'s {sorted(fields)}")

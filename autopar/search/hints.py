@@ -1,14 +1,15 @@
 """What to tell a user whose request no plan fits: only remedies checked, by the cost model, to fit.
 
 Each candidate remedy is evaluated with ``search.smallest_memory`` (the least peak memory of any
-legal configuration at its most frugal settings): dropping the user's constraints, more GPUs (up
-to 16x), a profile with more memory per GPU (among those ``autopar profiles`` lists), a shorter
+legal configuration at its most frugal settings): dropping the user's constraints, more GPUs (the
+power-of-two multiple the memory ratio suggests, then twice and four times that), a profile with more memory per GPU (among those ``autopar profiles`` lists), a shorter
 sequence (sequence models). A remedy whose frugal plan does not fit is not named.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 from autopar.cluster import Cluster
@@ -35,8 +36,15 @@ def infeasible_hint(graph: ModelGraph, cluster: Cluster, space: SearchSpace, fix
                                    **_UNCONSTRAINED)
         if _fits(graph, cluster, free):
             remedies.append("drop the constraints (" + ", ".join(f"--{k.replace('_', '-')}" for k in fixed) + ")")
-    for factor in (2, 4, 8, 16):
+    # Memory per GPU falls about as 1/N: start at the power-of-two multiple that ratio asks for and
+    # double (at most three checks, at most 65,536 GPUs).
+    need, _ = smallest_memory(graph, cluster, space)
+    ratio = need / cluster.memory_bytes if math.isfinite(need) else 2.0
+    first = 2 ** max(1, math.ceil(math.log2(max(ratio, 1.0))))
+    for factor in (first, first * 2, first * 4):
         n = space.num_gpus * factor
+        if n > 65536:
+            break
         batch = space.global_batch if user_batch else max(space.global_batch, n)
         if batch % n and not user_batch:
             batch = (batch // n + 1) * n
@@ -57,13 +65,14 @@ def infeasible_hint(graph: ModelGraph, cluster: Cluster, space: SearchSpace, fix
                 remedies.append(f"a shorter sequence (--seq-len {seq})")
                 break
     if not remedies:
-        return ("no single change autopar checked fits either (16x the GPUs, a larger-memory profile, "
-                "a quarter of the sequence); the model is too large for this setup")
+        return ("no single change autopar checked fits either (more GPUs, a larger-memory profile, "
+                "a shorter sequence); combine them or shrink the model")
     return "these would fit: " + "; or ".join(remedies)
 
 
 def _larger_memory_profile(graph: ModelGraph, cluster: Cluster, space: SearchSpace) -> str | None:
-    """The listed profile with the least memory above ``cluster``'s on which some plan fits."""
+    """The listed profile with the least memory above ``cluster``'s (and at least a quarter of its
+    FLOP/s) on which some plan fits."""
     from autopar.cluster import list_profiles, load_cluster
 
     options = []
@@ -72,7 +81,9 @@ def _larger_memory_profile(graph: ModelGraph, cluster: Cluster, space: SearchSpa
             other = load_cluster(str(path))
         except Exception:  # noqa: BLE001 - a broken local profile must not hide the error being reported
             continue
-        if other.memory_bytes > cluster.memory_bytes and other.gpus_per_node >= space.gpus_per_node:
+        # A device four times slower (a measured CPU profile) is no remedy anyone wants.
+        if (other.memory_bytes > cluster.memory_bytes and other.gpus_per_node >= space.gpus_per_node
+                and other.peak_flops >= cluster.peak_flops / 4):
             options.append((other.memory_bytes, name, other))
     for _, name, other in sorted(options, key=lambda o: (o[0], o[1])):
         if _fits(graph, other, space):
