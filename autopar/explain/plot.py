@@ -99,8 +99,9 @@ def plot_explanation(ex: "Explanation", path: str | os.PathLike[str]) -> Path:
 
 
 def plot_sweep(points: Sequence["SweepPoint"], path: str | os.PathLike[str]) -> Path:
-    """Tokens/s against the sweep points (with the linear-scaling line from the first point) and
-    MFU; the x axis is GPUs (log 2) when only the GPU count varies, else the point labels."""
+    """Left: tokens/s of each point's best plan (log-log against GPUs, with the linear-scaling line
+    from the first point, when only the GPU count varies; else against the point labels). Right:
+    scaling efficiency (tokens/s per GPU against the first point) and MFU, in %."""
     target = _check_target(path)
     plt = require_matplotlib()
     ok = [p for p in points if p.found is not None]
@@ -109,13 +110,14 @@ def plot_sweep(points: Sequence["SweepPoint"], path: str | os.PathLike[str]) -> 
     only_gpus = len({(p.global_batch, p.seq_len) for p in ok}) == 1 and len({p.gpus for p in ok}) == len(ok)
     tokens = [p.found.result.top[0].estimate.tokens_per_s for p in ok]
     mfu = [p.found.result.top[0].estimate.mfu * 100 for p in ok]
+    eff = [p.tokens_per_s_per_gpu / ok[0].tokens_per_s_per_gpu * 100 for p in ok]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
     if only_gpus:
         xs = [p.gpus for p in ok]
         ideal = [tokens[0] * n / xs[0] for n in xs]
         ax_t.plot(xs, ideal, linestyle="--", color="gray", label="linear from the first point")
         ax_t.plot(xs, tokens, marker="o", label="best plan")
-        ax_m.plot(xs, mfu, marker="o")
+        ax_t.set_yscale("log")
         for ax in (ax_t, ax_m):
             ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [f"{n:,}" for n in xs])
@@ -124,16 +126,17 @@ def plot_sweep(points: Sequence["SweepPoint"], path: str | os.PathLike[str]) -> 
         xs = list(range(len(ok)))
         labels = [f"{p.gpus} GPUs\nb{p.found.space.global_batch} s{p.found.space.seq_len}" for p in ok]
         ax_t.plot(xs, tokens, marker="o", label="best plan")
-        ax_m.plot(xs, mfu, marker="o")
         for ax in (ax_t, ax_m):
             ax.set_xticks(xs, labels, fontsize=7)
+    ax_m.plot(xs, eff, marker="o", label="scaling efficiency (tokens/s per GPU vs the first)")
+    ax_m.plot(xs, mfu, marker="s", label="MFU")
     ax_t.set_ylabel("tokens / s")
-    ax_t.set_yscale("log" if max(tokens) / max(min(tokens), 1e-9) > 8 else "linear")
     ax_t.legend(fontsize=8)
-    ax_t.set_title("throughput", fontsize=10)
-    ax_m.set_ylabel("MFU %")
-    ax_m.set_ylim(0, max(100.0, math.ceil(max(mfu) / 10) * 10) if max(mfu) > 60 else 60)
-    ax_m.set_title("model FLOPs utilisation", fontsize=10)
+    ax_t.set_title("throughput of the best plan", fontsize=10)
+    ax_m.set_ylabel("%")
+    ax_m.set_ylim(0, max(110.0, math.ceil(max(eff + mfu) / 10) * 10 + 10))
+    ax_m.legend(fontsize=8, loc="best")
+    ax_m.set_title("scaling efficiency and MFU", fontsize=10)
     g = ok[0].found.graph
     fig.suptitle(f"{g.name} on {ok[0].found.cluster.name}: best plan per point", fontsize=11)
     fig.tight_layout()
