@@ -119,16 +119,12 @@ def main(args: argparse.Namespace) -> int:
             end = "\n" if done == total else ""
             print(f"\rsearching: {done}/{total} branches, {elapsed:.1f} s", end=end, file=sys.stderr, flush=True)
 
-    def on_miss() -> None:
-        if not args.quiet:
-            print(f"tracing {args.model} on the meta device (cached for the next plan)", file=sys.stderr, flush=True)
-
     def plan_point(n: int, batch: int | None, seq: int | None):  # noqa: ANN202
         return search_plans(
             args.model, gpus=n, cluster=cluster, cluster_ref=cluster_ref, gpus_per_node=gpus_per_node,
             global_batch=batch, micro_batches=(1, 2, 4, 8), seq_len=seq, dtype=args.dtype,
             optimizer=args.optimizer, top_k=top, constraints=constraints, progress=progress,
-            use_cache=not args.no_cache, on_miss=on_miss,
+            use_cache=not args.no_cache,
         )
 
     if not sweep:

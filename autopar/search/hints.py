@@ -2,7 +2,7 @@
 
 Each candidate remedy is evaluated with ``search.smallest_memory`` (the least peak memory of any
 legal configuration at its most frugal settings): dropping the user's constraints, more GPUs (the
-power-of-two multiple the memory ratio suggests, then twice and four times that), a profile with more memory per GPU (among those ``autopar profiles`` lists), a shorter
+power-of-two multiples around the memory ratio: the first that fits is named), a profile with more memory per GPU (among those ``autopar profiles`` lists), a shorter
 sequence (sequence models). A remedy whose frugal plan does not fit is not named.
 """
 
@@ -41,7 +41,7 @@ def infeasible_hint(graph: ModelGraph, cluster: Cluster, space: SearchSpace, fix
     need, _ = smallest_memory(graph, cluster, space)
     ratio = need / cluster.memory_bytes if math.isfinite(need) else 2.0
     first = 2 ** max(1, math.ceil(math.log2(max(ratio, 1.0))))
-    for factor in (first, first * 2, first * 4):
+    for factor in ((first // 2,) if first >= 4 else ()) + (first, first * 2, first * 4):
         n = space.num_gpus * factor
         if n > 65536:
             break
@@ -50,7 +50,7 @@ def infeasible_hint(graph: ModelGraph, cluster: Cluster, space: SearchSpace, fix
             batch = (batch // n + 1) * n
         more = dataclasses.replace(space, num_gpus=n, global_batch=batch)
         if _fits(graph, cluster, more):
-            remedies.append(f"at least {n} GPUs (--gpus {n})")
+            remedies.append(f"more GPUs (--gpus {n})")
             break
     bigger = _larger_memory_profile(graph, cluster, space)
     if bigger:
