@@ -112,7 +112,9 @@ def plan(model: ModelLike, gpus: int, cluster: str = "a100-80g", *, gpus_per_nod
     if isinstance(micro_batch, int):
         micro_batch = (micro_batch,)
     prof = load_cluster(cluster)
-    found = search_plans(load_model(model), gpus=gpus, cluster=prof,
+    # A path goes to the driver as it is: on a graph-cache hit the model file is not even imported.
+    source = model if isinstance(model, (str, os.PathLike)) else load_model(model)
+    found = search_plans(source, gpus=gpus, cluster=prof,
                          cluster_ref=prof.name if not Path(cluster).suffix else cluster,
                          gpus_per_node=gpus_per_node, global_batch=global_batch, micro_batches=micro_batch,
                          seq_len=seq_len, dtype=dtype, optimizer=optimizer, top_k=1, knobs=knobs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -75,6 +76,7 @@ def _torch_version() -> str:
         return "absent"
 
 
+@functools.lru_cache(maxsize=1)
 def _code_sha256() -> str:
     """Hash of the source files that decide what a trace measures (milliseconds to read)."""
     h = hashlib.sha256()
