@@ -7,7 +7,7 @@ Contract:
 - Key: the sha256 of everything the graph depends on -- the model file's bytes (not what it
   imports: edit a module it imports and pass ``--no-cache``), its name, the tracing inputs
   (sequence length, dtype), the torch version (read from package metadata: no import), autopar's
-  version, the source of autopar's tracing code (``autopar/graph``, ``modelfile.py``,
+  version, the source of autopar's tracing code (``autopar/graph``, ``autopar/spec``, ``modelfile.py``,
   ``autopar/models``) and the shape of the ModelGraph dataclasses. Any change is a new key.
 - Format: JSON, never pickle -- a cache file is data, not code. ``ModelGraph`` is serialised
   generically from its dataclass fields and their type hints (nested dataclasses, dicts, tuples,
@@ -40,7 +40,7 @@ from autopar.graph.model_graph import ModelGraph
 
 SCHEMA_VERSION = 1  # bump when the entry layout (not ModelGraph: that is fingerprinted) changes
 _PACKAGE = Path(__file__).resolve().parent.parent  # autopar/
-_TRACING_SOURCES = ("graph", "modelfile.py", "models")
+_TRACING_SOURCES = ("graph", "spec", "modelfile.py", "models")
 
 
 class _Corrupt(Exception):

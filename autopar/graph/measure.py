@@ -11,22 +11,14 @@ from torch.utils._pytree import tree_map
 
 from autopar.errors import ModelFileError
 from autopar.graph.build import (
-    find_blocks, one_block_model, shard_for_tp, slice_sequence, trace_model,
+    one_block_model, shard_for_tp, slice_sequence, trace_model,
 )
 from autopar.graph.model_graph import ModelGraph, RegionParams, _to_networkx
 from autopar.graph.scaling import RegionFit, fit_region
 from autopar.modelfile import ModelFile, load_model_file
+from autopar.spec import model_spec
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _heads_of(model: nn.Module) -> tuple[int | None, int | None]:
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return None, None
-    heads = getattr(cfg, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
-    kv = getattr(cfg, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", None)
-    return heads, kv
 
 
 def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtype: str = "bf16") -> ModelGraph:
@@ -46,20 +38,11 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     torch_dtype = _TORCH_DTYPES[dtype]
     model = mf.build("meta").to(torch_dtype)
     model.train()
-    try:
-        found = find_blocks(model, mf.pipeline_blocks)
-    except ModelFileError as exc:
-        raise ModelFileError(f"{mf.path}: {exc}") from None
-    if found is None:
-        raise ModelFileError(
-            f"{mf.path}: found no nn.ModuleList of repeated blocks; set pipeline_blocks = '<attribute name>'"
-        )
-    blocks_attr, blocks = found
-    num_blocks = len(blocks)
-    tp_plan = dict(mf.tp_plan) if mf.tp_plan else None
-    if tp_plan is None:
-        tp_plan = _inferred_tp_plan(model)
-    heads, kv_heads = _heads_of(model)
+    spec = model_spec(mf, model)
+    blocks_attr = spec.blocks_path
+    num_blocks = spec.num_blocks
+    tp_plan = spec.tp_plan
+    heads, kv_heads = spec.num_heads, spec.num_kv_heads
 
     base_seq = seq_len or mf.seq_len
     inputs1 = _inputs(mf, 1, torch_dtype)
@@ -89,7 +72,7 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     base = run(small, inputs1)
     b2 = run(small, inputs2)
     s_half = run(small, slice_sequence(inputs1, base_seq, base_seq // 2)) if is_seq else None
-    tp_reason = None if tp_plan else "the model file has no tp_plan and none could be inferred"
+    tp_reason = spec.support_reason("tp")
     t2 = None
     if tp_reason is None:
         try:
@@ -104,12 +87,18 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
             # Shapes change the op sequence: fall back to fitting without TP (rare; non-transformer code paths).
             regions[region] = fit_region(region, base.trace, b2.trace, None, None)
     params, tied = _region_params(small, base.param_regions, t2, blocks_attr, tp_plan)
-    cp_reason = None if is_seq and tp_plan else "not a sequence model with attention (no SEQ_LEN or tp_plan)"
+    support = dict(spec.support)
+    if tp_reason is not None:  # the sharded block did not trace: TP and what needs it are off
+        support.update(tp=tp_reason, sp=support["sp"] or "needs tp")
+    if not is_seq and support["cp"] is None:
+        support["cp"] = f"sequence length {base_seq} cannot be split"
+    cp_reason = support["cp"]
     graph = _to_networkx(regions, params, num_blocks, tied, base.block_input_bytes)
     return ModelGraph(
         name=mf.name, sha256=mf.sha256, num_blocks=num_blocks, seq_len=base_seq if is_seq else 1,
         is_sequence_model=is_seq, dtype=dtype, num_heads=heads, num_kv_heads=kv_heads,
-        tp_reason=tp_reason, cp_reason=cp_reason, pp_reason=None,
+        tp_reason=tp_reason, cp_reason=cp_reason, pp_reason=support["pp"], support=support,
+        tp_source=spec.tp.describe(), tp_styles=dict(tp_plan or {}),
         regions=regions, params=params, tied_params=tied,
         block_input_bytes=base.block_input_bytes, graph=graph,
         build_seconds=time.perf_counter() - start,
@@ -123,20 +112,6 @@ def _inputs(mf: ModelFile, micro_batch: int, dtype: torch.dtype) -> Any:
 
 def _cast_float(value: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, value)
-
-
-def _inferred_tp_plan(model: nn.Module) -> dict[str, str] | None:
-    """Honour a Hugging Face ``base_model_tp_plan`` when present; otherwise no inference here."""
-    for source in (getattr(model, "_tp_plan", None), getattr(getattr(model, "config", None), "base_model_tp_plan", None)):
-        if source:
-            plan = {}
-            for pattern, style in dict(source).items():
-                style = {"colwise_rep": "colwise", "rowwise_rep": "rowwise"}.get(style, style)
-                if style in ("colwise", "rowwise"):
-                    plan[pattern] = style
-            if plan:
-                return plan
-    return None
 
 
 def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any, blocks_attr: str,

@@ -17,6 +17,7 @@ measured by ``graph/measure.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import networkx as nx
 
@@ -56,6 +57,15 @@ class ModelGraph:
     block_input_bytes: float  # one sample, tp=1: the tensor a block receives (full recompute keeps it)
     graph: nx.DiGraph = field(compare=False)
     build_seconds: float = field(compare=False, default=0.0)
+    # What the executor can run on this model, per dimension (autopar.spec.support): None = offered,
+    # else the reason it is not. Empty: everything the reasons above allow.
+    support: Mapping[str, str | None] = field(default_factory=dict)
+    tp_source: str = ""  # the TP plan used and where it came from (spec.TPPlan.describe())
+    tp_styles: Mapping[str, str] = field(default_factory=dict)  # block-relative name -> colwise|rowwise
+
+    def supports(self, dim: str) -> str | None:
+        """None if the executor can run dimension ``dim`` on this model, else the reason."""
+        return self.support.get(dim)
 
     @property
     def dtype_bytes(self) -> int:
