@@ -66,8 +66,9 @@ from autopar.cost.step import chunk_rank
 # be returned.
 SOLVER_PARAMETERS: dict[str, object] = {"num_workers": 2}
 TIME_UNITS = 1e6  # one micro-batch's total work is 1e6 integer time units (resolution 1e-6 of it)
-# Programs with at most this many feasible block counts (N_0..N_{pp-1}) are solved by evaluating
-# every one in the same integer objective: exact, and a few milliseconds at most.
+# Programs with at most this many feasible block counts (N_0..N_{pp-1}) are solved by walking all
+# of them in the same integer objective (``enumerate``): exact, and milliseconds (3,876 splits of
+# 20 blocks over 5 ranks: 2-60 ms on the loaded 2-core machine, where CP-SAT took 3.2 s).
 MAX_ENUMERATED_SPLITS = 4096
 
 
@@ -191,18 +192,41 @@ class SplitILP:
         yield from walk(0, self.L, ())
 
     def enumerate(self) -> SplitSolution:
-        """Every feasible split evaluated in the program's own integer objective: the least is
-        provably optimal (the first of equal ones, in lexicographic order of the block counts)."""
-        best, best_n = None, None
-        for n in self._splits():
-            value = self._objective(n)
-            if best is None or value < best:
-                best, best_n = value, n
-        if best_n is None:
+        """Every feasible split, in lexicographic order of the block counts, evaluated in the
+        program's own integer objective; the least (the first of equal ones) is provably optimal.
+
+        The walk carries the running maxima of the T and Z families down the ranks, and drops a
+        prefix once they alone reach the best objective found (both maxima only grow as ranks are
+        added, so nothing below it can be better): exhaustive, without visiting what cannot win."""
+        bounds = self._bounds()
+        rest_lo = [sum(lo for lo, _ in bounds[r:]) for r in range(len(bounds) + 1)]
+        rest_hi = [sum(hi for _, hi in bounds[r:]) for r in range(len(bounds) + 1)]
+        tau, fixed, rows = self.tau_ns, self.fixed_ns, self.tail_rows
+        wt, wz = self.t_weight, self.z_weight
+        best: list = [None, None]  # objective, block counts
+        counts = [0] * len(bounds)
+
+        def walk(r: int, left: int, t_max: int, z_max: int) -> None:
+            if r == len(bounds):
+                value = wt * t_max + wz * z_max
+                if best[0] is None or value < best[0]:
+                    best[0], best[1] = value, tuple(counts)
+                return
+            lo, hi = bounds[r]
+            for n in range(max(lo, left - rest_hi[r + 1]), min(hi, left - rest_lo[r + 1]) + 1):
+                t = max(t_max, tau * n + fixed[r])
+                z = max(z_max, max(c + k * n for c, k in rows[r]))
+                if best[0] is not None and wt * t + wz * z >= best[0]:
+                    continue
+                counts[r] = n
+                walk(r + 1, left - n, t, z)
+
+        walk(0, self.L, 0, 0)
+        if best[1] is None:
             return SplitSolution(chunk_blocks=None, status="INFEASIBLE", objective_s=math.inf, bound_s=math.inf,
                                  method="enumeration")
-        value_s = (best + self.constant_ns) / (self.ns * self.cfg.virtual_stages)
-        return SplitSolution(chunk_blocks=deal_chunks(list(best_n), self.cfg.virtual_stages), status="OPTIMAL",
+        value_s = (best[0] + self.constant_ns) / (self.ns * self.cfg.virtual_stages)
+        return SplitSolution(chunk_blocks=deal_chunks(list(best[1]), self.cfg.virtual_stages), status="OPTIMAL",
                              objective_s=value_s, bound_s=value_s, method="enumeration")
 
     # -- CP-SAT ----------------------------------------------------------------------------------

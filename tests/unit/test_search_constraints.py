@@ -188,10 +188,36 @@ def test_enumeration_equals_cp_sat_on_every_small_program() -> None:
 
 def test_count_splits_matches_the_enumeration() -> None:
     graph, cluster, space = _tight_terms()
-    cfg = next(c for c in enumerate_configs(graph, space, Counter()) if c.pp == 4 and c.virtual_stages == 1)
-    ilp = SplitILP(build_terms(graph, cluster, cfg), graph.num_blocks)
+    ilps = (SplitILP(build_terms(graph, cluster, c), graph.num_blocks) for c in enumerate_configs(graph, space, Counter())
+            if c.pp == 4 and c.virtual_stages == 1)
+    ilp = next(i for i in ilps if i.count_splits() > 1)
+    cfg = ilp.cfg
     assert ilp.count_splits() == len(list(ilp._splits()))
     assert all(sum(n) == 8 for n in ilp._splits())
+    # the pruned walk finds the minimum of the exhaustive one
+    best = min(ilp._objective(n) for n in ilp._splits())
+    sol = ilp.enumerate()
+    assert sol.objective_s == (best + ilp.constant_ns) / (ilp.ns * cfg.virtual_stages)
+
+
+def test_pruned_enumeration_equals_exhaustive_on_larger_programs() -> None:
+    graph = gpt_graph(GPTConfig(num_layers=20, hidden_size=128, num_heads=4, seq_len=64, vocab_size=256))
+    cluster = _cluster(40, 5)
+    space = SearchSpace(num_gpus=5, gpus_per_node=5, global_batch=20, seq_len=64, micro_batches=(1, 2))
+    checked = 0
+    for cfg in enumerate_configs(graph, space, Counter()):
+        if cfg.pp != 5:
+            continue
+        ilp = SplitILP(build_terms(graph, cluster, cfg), graph.num_blocks)
+        splits = list(ilp._splits())
+        sol = ilp.enumerate()
+        if not splits:
+            assert sol.chunk_blocks is None
+            continue
+        best = min(ilp._objective(n) for n in splits)
+        assert sol.objective_s == (best + ilp.constant_ns) / (ilp.ns * cfg.virtual_stages)
+        checked += 1
+    assert checked >= 4
 
 
 # ------------------------------------------------------------- the no-fit hint
