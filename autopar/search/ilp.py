@@ -38,15 +38,27 @@ from int64 overflow; bytes stay bytes (coefficients rounded up, capacity rounded
 the ILP accepts always fits). The reported step time is the float ``evaluate`` of the split the
 solver returns. T and Z get the tightest upper bounds known (all blocks on one rank).
 
-Two exact solvers of this one program (same integer coefficients, same objective, same cost
-model): a small program -- at most MAX_ENUMERATED_SPLITS vectors (N_0..N_{pp-1}) within the block
-bounds and memory capacities, e.g. the 35 splits of 8 blocks over 4 ranks -- is solved directly by
-evaluating T, Z and the objective for every one of them (provably optimal: nothing is left out;
-milliseconds, and it cannot stall, where CP-SAT's 2-worker portfolio was measured taking up to
-3.3 s on such programs); a larger one goes to CP-SAT, which proves its optimum (status OPTIMAL,
-objective == bound) or reports FEASIBLE at its time limit. Either way ``SplitSolution.method``
-says which solved it, and the status is OPTIMAL only for a proven optimum. ortools is imported
-only when CP-SAT is needed.
+Three exact solvers of this one program (same integer coefficients, same objective, same cost
+model), each provably optimal; ``SplitILP.solve`` picks the first that applies:
+
+- ``enumerate`` -- a program with at most MAX_ENUMERATED_SPLITS feasible block-count vectors
+  (N_0..N_{pp-1}), e.g. the 35 ways to put 8 blocks on 4 ranks: every split is walked and
+  evaluated exactly, from the greedy split (each block to the rank that stays fastest), dropping
+  a prefix only when a lower bound of its objective already reaches the best found (so the walk
+  stays exhaustive). Milliseconds, and it cannot stall, where CP-SAT's 2-worker portfolio was
+  measured taking up to 3.3 s on such programs.
+- ``parametric`` -- larger programs: for fixed values of the two maxima T and Z each rank's
+  feasible block counts form an interval, so feasibility is a sum test; the optimum has T equal
+  to some t_r(n) and Z to some z_r(n), and the search walks T upwards, bisecting for the least
+  feasible Z, until wT T + wZ (least Z of all) reaches the best value. Polynomial (about
+  pp L log(pp L) steps per T tried), well under a millisecond for GPT-3's programs.
+- CP-SAT (OR-Tools) -- a program with more than MAX_PARAMETRIC_VALUES candidate values (and on
+  request, ``method="cp-sat"``): it proves its optimum (status OPTIMAL, objective == bound) or
+  reports FEASIBLE at its time limit.
+
+``SplitSolution.method`` says which solved it; the status is OPTIMAL only for a proven optimum.
+ortools is imported only when CP-SAT runs. The tests check the three against each other and
+against an exhaustive evaluation of every split.
 """
 
 from __future__ import annotations
@@ -60,16 +72,18 @@ from autopar.cost.step import chunk_rank
 
 # Two workers: CP-SAT's portfolio pairs a search worker with an LP-based one, which proves these
 # programs optimal in milliseconds where a single default worker can stall for seconds on the wide
-# T and Z domains of large programs (measured on the search-time benchmark). Small programs, where
-# the same pairing was seen to stall for seconds instead, never reach CP-SAT: they are enumerated
-# (MAX_ENUMERATED_SPLITS). The optimum is unique in value; between equally fast splits either may
-# be returned.
+# T and Z domains of large programs (measured on the search-time benchmark). The same pairing was
+# seen to stall for seconds on small programs, which is why CP-SAT is the last resort (see the
+# module docstring). The optimum is unique in value; between equally fast splits any may be returned.
 SOLVER_PARAMETERS: dict[str, object] = {"num_workers": 2}
 TIME_UNITS = 1e6  # one micro-batch's total work is 1e6 integer time units (resolution 1e-6 of it)
 # Programs with at most this many feasible block counts (N_0..N_{pp-1}) are solved by walking all
 # of them in the same integer objective (``enumerate``): exact, and milliseconds (3,876 splits of
 # 20 blocks over 5 ranks: 2-60 ms on the loaded 2-core machine, where CP-SAT took 3.2 s).
 MAX_ENUMERATED_SPLITS = 4096
+# Larger programs go to the parametric search when they have at most this many candidate values
+# of the two maxima (pp x L for T, as many for Z), to CP-SAT beyond.
+MAX_PARAMETRIC_VALUES = 200_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +94,7 @@ class SplitSolution:
     status: str  # OPTIMAL | FEASIBLE | INFEASIBLE | UNKNOWN
     objective_s: float
     bound_s: float
-    method: str = "cp-sat"  # "enumeration" (every feasible split evaluated) or "cp-sat"
+    method: str = "cp-sat"  # which exact solver answered: "enumeration", "parametric" or "cp-sat"
 
 
 class SplitILP:
@@ -191,43 +205,170 @@ class SplitILP:
 
         yield from walk(0, self.L, ())
 
-    def enumerate(self) -> SplitSolution:
-        """Every feasible split, in lexicographic order of the block counts, evaluated in the
-        program's own integer objective; the least (the first of equal ones) is provably optimal.
-
-        The walk carries the running maxima of the T and Z families down the ranks, and drops a
-        prefix once they alone reach the best objective found (both maxima only grow as ranks are
-        added, so nothing below it can be better): exhaustive, without visiting what cannot win."""
+    def _greedy(self) -> tuple[int, ...] | None:
+        """A feasible split to start from: every rank at its minimum, then each further block to
+        the rank whose t_r would stay lowest (the split that minimises the slowest stage)."""
         bounds = self._bounds()
-        rest_lo = [sum(lo for lo, _ in bounds[r:]) for r in range(len(bounds) + 1)]
-        rest_hi = [sum(hi for _, hi in bounds[r:]) for r in range(len(bounds) + 1)]
+        n = [lo for lo, _ in bounds]
+        left = self.L - sum(n)
+        if left < 0 or any(lo > hi for lo, hi in bounds) or left > sum(hi - lo for lo, hi in bounds):
+            return None
+        for _ in range(left):
+            r = min((r for r in self.ranks if n[r] < bounds[r][1]),
+                    key=lambda r: self.tau_ns * (n[r] + 1) + self.fixed_ns[r])
+            n[r] += 1
+        return tuple(n)
+
+    def enumerate(self, node_budget: int | None = None) -> SplitSolution | None:
+        """Every feasible split, walked in lexicographic order of the block counts and evaluated
+        in the program's own integer objective; the least is provably optimal.
+
+        The walk starts from the greedy split's objective, carries the running maxima of the T and
+        Z families down the ranks, and drops a prefix once a lower bound of its objective -- those
+        maxima, T raised to the fewest blocks the busiest remaining rank must take and to every
+        later rank's least t, Z to every later rank's least z -- reaches the best found: nothing below it can be better, so the walk stays exhaustive. With
+        ``node_budget`` it gives up (returns None) after visiting that many prefixes."""
+        bounds = self._bounds()
+        k = len(bounds)
+        rest_lo = [sum(lo for lo, _ in bounds[r:]) for r in range(k + 1)]
+        rest_hi = [sum(hi for _, hi in bounds[r:]) for r in range(k + 1)]
+        min_fixed_rest = [min(self.fixed_ns[r:], default=0) for r in range(k + 1)]
         tau, fixed, rows = self.tau_ns, self.fixed_ns, self.tail_rows
+        # What every later rank costs at least, whatever it gets: t at its fewest blocks, and the
+        # least z over its whole range (z is convex in n: max of affine pieces).
+        t_least = [tau * lo + fixed[r] for r, (lo, _) in enumerate(bounds)]
+        z_least = [min((max(c + kk * n for c, kk in rows[r]) for n in range(lo, hi + 1)), default=0)
+                   for r, (lo, hi) in enumerate(bounds)]
+        t_rest = [max(t_least[r:], default=0) for r in range(k + 1)]
+        z_rest = [max(z_least[r:], default=0) for r in range(k + 1)]
         wt, wz = self.t_weight, self.z_weight
-        best: list = [None, None]  # objective, block counts
-        counts = [0] * len(bounds)
+        seed = self._greedy()
+        best: list = [self._objective(seed), seed] if seed is not None else [None, None]
+        counts = [0] * k
+        visits = [0]
+
+        class _OutOfBudget(Exception):
+            pass
 
         def walk(r: int, left: int, t_max: int, z_max: int) -> None:
-            if r == len(bounds):
+            if r == k:
                 value = wt * t_max + wz * z_max
                 if best[0] is None or value < best[0]:
                     best[0], best[1] = value, tuple(counts)
                 return
+            visits[0] += 1
+            if node_budget is not None and visits[0] > node_budget:
+                raise _OutOfBudget
             lo, hi = bounds[r]
+            after = k - r - 1
             for n in range(max(lo, left - rest_hi[r + 1]), min(hi, left - rest_lo[r + 1]) + 1):
                 t = max(t_max, tau * n + fixed[r])
-                z = max(z_max, max(c + k * n for c, k in rows[r]))
-                if best[0] is not None and wt * t + wz * z >= best[0]:
+                z = max(z_max, max(c + kk * n for c, kk in rows[r]))
+                t_lb = t if after == 0 else max(t, tau * -(-(left - n) // after) + min_fixed_rest[r + 1],
+                                                t_rest[r + 1])
+                if best[0] is not None and wt * t_lb + wz * max(z, z_rest[r + 1]) >= best[0]:
                     continue
                 counts[r] = n
                 walk(r + 1, left - n, t, z)
 
-        walk(0, self.L, 0, 0)
+        try:
+            walk(0, self.L, 0, 0)
+        except _OutOfBudget:
+            return None
         if best[1] is None:
             return SplitSolution(chunk_blocks=None, status="INFEASIBLE", objective_s=math.inf, bound_s=math.inf,
                                  method="enumeration")
         value_s = (best[0] + self.constant_ns) / (self.ns * self.cfg.virtual_stages)
         return SplitSolution(chunk_blocks=deal_chunks(list(best[1]), self.cfg.virtual_stages), status="OPTIMAL",
                              objective_s=value_s, bound_s=value_s, method="enumeration")
+
+    def _z_interval(self, r: int, z: int) -> tuple[float, float]:
+        """The block counts of rank r whose tail terms all stay <= z (an interval: each is affine)."""
+        lo, hi = -math.inf, math.inf
+        for c, k in self.tail_rows[r]:
+            if k > 0:
+                hi = min(hi, (z - c) // k)
+            elif k < 0:
+                lo = max(lo, -((z - c) // -k))  # n >= (z - c) / k, k < 0: ceil((c - z) / -k)
+            elif c > z:
+                return 1.0, 0.0
+        return lo, hi
+
+    def _intervals(self, t: int, z: int) -> list[tuple[int, int]] | None:
+        """Per rank, the block counts with t_r <= t and every tail term <= z; None if the sums
+        cannot meet L."""
+        out = []
+        for r, (lo, hi) in enumerate(self._bounds()):
+            t_hi = hi if self.tau_ns == 0 else (t - self.fixed_ns[r]) // self.tau_ns
+            if self.tau_ns == 0 and t < self.fixed_ns[r]:
+                return None
+            z_lo, z_hi = self._z_interval(r, z)
+            a, b = max(lo, z_lo), min(hi, t_hi, z_hi)
+            if a > b:
+                return None
+            out.append((int(a), int(b)))
+        if sum(a for a, _ in out) > self.L or sum(b for _, b in out) < self.L:
+            return None
+        return out
+
+    def parametric(self) -> SplitSolution | None:
+        """The exact optimum by parametric search on the two maxima; None when the program is too
+        large for it (more than MAX_PARAMETRIC_VALUES candidate values).
+
+        The objective is wT T + wZ Z with T = max_r t_r(N_r) and Z = max(0, max_r z_r(N_r)). For
+        fixed caps T and Z every rank's feasible block counts form an interval, and a split exists
+        iff the interval bounds sum around L. At the optimum T equals some t_r(n) and Z some
+        z_r(n) (or 0), so: for each candidate T in increasing order, the least feasible Z is found
+        by bisection over the candidate Z values (feasibility grows with Z); the walk stops once
+        wT T + wZ Z_min, with Z_min the least Z of any T, reaches the best value found."""
+        bounds = self._bounds()
+        if any(lo > hi for lo, hi in bounds):
+            return SplitSolution(chunk_blocks=None, status="INFEASIBLE", objective_s=math.inf, bound_s=math.inf,
+                                 method="parametric")
+        size = sum(hi - lo + 1 for lo, hi in bounds)
+        if 2 * size > MAX_PARAMETRIC_VALUES:
+            return None
+        t_values = sorted({self.tau_ns * n + self.fixed_ns[r] for r, (lo, hi) in enumerate(bounds)
+                           for n in range(lo, hi + 1)})
+        z_values = sorted({0} | {max(0, max(c + k * n for c, k in self.tail_rows[r]))
+                                 for r, (lo, hi) in enumerate(bounds) for n in range(lo, hi + 1)})
+
+        def least_z(t: int) -> int | None:
+            if self._intervals(t, z_values[-1]) is None:
+                return None
+            a, b = 0, len(z_values) - 1  # the answer is in z_values[a..b]
+            while a < b:
+                mid = (a + b) // 2
+                if self._intervals(t, z_values[mid]) is None:
+                    a = mid + 1
+                else:
+                    b = mid
+            return z_values[a]
+
+        z_floor = least_z(t_values[-1])
+        if z_floor is None:
+            return SplitSolution(chunk_blocks=None, status="INFEASIBLE", objective_s=math.inf, bound_s=math.inf,
+                                 method="parametric")
+        wt, wz = self.t_weight, self.z_weight
+        best: tuple[int, int, int] | None = None  # value, T, Z
+        for t in (t_values if wt > 0 else t_values[-1:]):
+            if best is not None and wt * t + wz * z_floor >= best[0]:
+                break
+            z = least_z(t)
+            if z is not None and (best is None or wt * t + wz * z < best[0]):
+                best = (wt * t + wz * z, t, z)
+        assert best is not None  # t_values[-1] is feasible (z_floor exists)
+        intervals = self._intervals(best[1], best[2])
+        counts = [a for a, _ in intervals]
+        left = self.L - sum(counts)
+        for r, (a, b) in enumerate(intervals):
+            take = min(left, b - a)
+            counts[r] += take
+            left -= take
+        value = self._objective(counts)
+        value_s = (value + self.constant_ns) / (self.ns * self.cfg.virtual_stages)
+        return SplitSolution(chunk_blocks=deal_chunks(counts, self.cfg.virtual_stages), status="OPTIMAL",
+                             objective_s=value_s, bound_s=value_s, method="parametric")
 
     # -- CP-SAT ----------------------------------------------------------------------------------
     def _build_model(self) -> None:
@@ -263,12 +404,16 @@ class SplitILP:
             self.model.Add(self.N[r] <= cap)
 
     def solve(self, time_limit_s: float = 10.0, method: str = "auto") -> SplitSolution:
-        """``method``: "auto" (enumerate programs of at most MAX_ENUMERATED_SPLITS splits, CP-SAT
-        otherwise), "enumeration" or "cp-sat"."""
-        if method not in ("auto", "enumeration", "cp-sat"):
+        """``method``: "auto" (the order of the module docstring), "enumeration", "parametric" or
+        "cp-sat"."""
+        if method not in ("auto", "enumeration", "parametric", "cp-sat"):
             raise ValueError(f"unknown split method {method!r}")
         if method == "enumeration" or (method == "auto" and self.count_splits() <= MAX_ENUMERATED_SPLITS):
             return self.enumerate()
+        if method == "parametric" or method == "auto":
+            direct = self.parametric()
+            if direct is not None or method == "parametric":
+                return direct
         from ortools.sat.python import cp_model
 
         self._build_model()
@@ -292,7 +437,8 @@ def solve_split(terms: StageTerms, num_blocks: int, time_limit_s: float = 10.0,
                 method: str = "auto") -> SplitSolution:
     """Optimal contiguous split of ``num_blocks`` blocks over the pipeline chunks of ``terms``.
 
-    ``method``: "auto" (enumerate small programs, CP-SAT otherwise), "enumeration" or "cp-sat"."""
+    ``method``: "auto" (enumeration, else parametric, else CP-SAT: the module docstring),
+    "enumeration", "parametric" or "cp-sat"."""
     return SplitILP(terms, num_blocks).solve(time_limit_s, method)
 
 

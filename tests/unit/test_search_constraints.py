@@ -21,6 +21,7 @@ from autopar.search.ilp import MAX_ENUMERATED_SPLITS, SplitILP, solve_split, val
 from autopar.search.search import search
 from autopar.search.space import SearchSpace, enumerate_configs
 
+REPO_EXAMPLES = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples"
 SMALL = GPTConfig(num_layers=8, hidden_size=128, num_heads=4, seq_len=64, vocab_size=256)
 
 
@@ -180,6 +181,8 @@ def test_enumeration_equals_cp_sat_on_every_small_program() -> None:
             continue
         assert direct.method == "enumeration" and direct.status == "OPTIMAL"
         assert direct.objective_s == pytest.approx(cpsat.objective_s, rel=1e-9, abs=1e-12)
+        para = solve_split(terms, graph.num_blocks, method="parametric")
+        assert para.method == "parametric" and para.objective_s == pytest.approx(direct.objective_s, rel=1e-12)
         checked += 1
         if checked == 8:  # CP-SAT is the slow side here (that is the point): enough programs
             break
@@ -216,8 +219,37 @@ def test_pruned_enumeration_equals_exhaustive_on_larger_programs() -> None:
             continue
         best = min(ilp._objective(n) for n in splits)
         assert sol.objective_s == (best + ilp.constant_ns) / (ilp.ns * cfg.virtual_stages)
+        assert ilp.parametric().objective_s == sol.objective_s
         checked += 1
     assert checked >= 4
+
+
+def test_parametric_equals_cp_sat_on_gpt3_programs() -> None:
+    """GPT-3 175B's split programs at 64 GPUs (pp 4-32, 96 blocks: too many splits to walk)."""
+    from autopar.cluster import load_cluster as lc
+    from autopar.graph.cache import cached_graph
+
+    graph, _ = cached_graph(str(REPO_EXAMPLES / "gpt.py"), seq_len=None, dtype="bf16")
+    cluster = lc("a100-80g")
+    space = SearchSpace(num_gpus=64, gpus_per_node=8, global_batch=2048, seq_len=2048, micro_batches=(1, 2))
+    checked = 0
+    for cfg in enumerate_configs(graph, space, Counter()):
+        if cfg.pp < 4 or cfg.virtual_stages % 5 != 1 or cfg.recompute != "full":
+            continue
+        ilp = SplitILP(build_terms(graph, cluster, cfg), graph.num_blocks)
+        if sum(ilp.caps) < graph.num_blocks or min(ilp.caps) < cfg.virtual_stages:
+            continue
+        if ilp.count_splits() <= MAX_ENUMERATED_SPLITS:  # memory leaves few splits: the walk's case
+            continue
+        para = ilp.parametric()
+        cpsat = solve_split(ilp.terms, graph.num_blocks, method="cp-sat", time_limit_s=30)
+        assert cpsat.status == "OPTIMAL"
+        assert para.objective_s == pytest.approx(cpsat.objective_s, rel=1e-9)
+        assert valid_split(para.chunk_blocks, cfg.pp) and sum(para.chunk_blocks) == graph.num_blocks
+        checked += 1
+        if checked == 12:
+            break
+    assert checked == 12
 
 
 # ------------------------------------------------------------- the no-fit hint
