@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 # add_arguments(parser) and main(args) -> exit code; a module not present is not offered.
 _COMMANDS = (
     ("plan", "autopar.search.cli_plan", "search the fastest plan that fits memory",
-     "Search (ILP, OR-Tools CP-SAT) for the fastest plan of MODEL on N GPUs and write it as plan YAML v1."),
+     "Search (branch and bound, exact stage-split ILP) for the fastest plan of MODEL on N GPUs and write it "
+     "as plan YAML v1; lists in --gpus/--global-batch/--seq-len sweep, --tp/--pp/... constrain."),
     ("run", "autopar.executor.cli_run", "train with a plan (torch.distributed)",
      "Apply PLAN to the model and train for a few steps; report measured vs predicted."),
     ("profile", "autopar.profiler.cli_profile", "measure per-layer compute/memory or collectives",
