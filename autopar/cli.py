@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 2 bad input, including a request no plan can meet ("no plan fits ...": a
 one-line ``autopar: error: ...`` on stderr, nothing written); 4 a rank died or a collective hung during ``autopar run``
-(autopar.executor.faults); 1 an internal error (a bug: please report it).
+(autopar.executor.faults, autopar.launch.local); 128 + signal when interrupted (130 SIGINT, 143 SIGTERM);
+1 an internal error (a bug: please report it). The whole contract: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -35,17 +36,37 @@ RANK_TOP_K = 20  # estimate ranks a hand plan among this many of the fastest sea
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from autopar.api import plan_model_path
-    from autopar.cluster import load_cluster_and_profile
-    from autopar.cost.compute import measured_table_warning
-    from autopar.cost.estimate import estimate_json, estimate_plan
-    from autopar.plan import load_plan
+    from autopar.cost.estimate import estimate_json
     from autopar.report import estimate_report
-    from autopar.search.driver import load_graph
+    from autopar.usercode import configure, stdout_to_stderr
 
     if args.model and args.model.endswith((".yaml", ".yml")) and args.plan.endswith(".py"):
         # PLAN.yaml MODEL.py, the order of run / validate / explain: take it as meant
         args.model, args.plan = args.plan, args.model
+    configure(timeout_s=args.timeout)
+    if args.json:  # nothing but the JSON object on stdout, whatever the model file prints
+        with stdout_to_stderr():
+            est, plan, graph, cluster, _ = _estimate(args)
+        print(json.dumps(estimate_json(est), indent=2))
+        return EXIT_OK
+    est, plan, graph, cluster, model = _estimate(args)
+    print(estimate_report(plan, est, graph.name, graph.num_params, cluster.name))
+    if not args.no_rank:
+        print("")
+        print(_rank_text(plan, est, model, cluster, args))
+    return EXIT_OK
+
+
+def _estimate(args: argparse.Namespace):  # noqa: ANN202
+    """(estimate, plan, graph, cluster, model path); the graph through the cache (model code, and
+    its example_inputs check, run only on a miss: graph/cache.py)."""
+    from autopar.api import plan_model_path
+    from autopar.cluster import load_cluster_and_profile
+    from autopar.cost.compute import measured_table_warning
+    from autopar.cost.estimate import estimate_plan
+    from autopar.plan import load_plan
+    from autopar.search.driver import load_graph
+
     plan = load_plan(args.plan)
     cluster = load_cluster_and_profile(args.cluster, args.profile, plan.cluster.profile)
     if args.cluster is None and args.profile is None and plan.cluster.gpus_per_node != cluster.gpus_per_node:
@@ -58,15 +79,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     note = measured_table_warning(graph, cluster)
     if note:
         _warn(note)
-    est = estimate_plan(plan, graph, cluster)
-    if args.json:
-        print(json.dumps(estimate_json(est), indent=2))
-        return EXIT_OK
-    print(estimate_report(plan, est, graph.name, graph.num_params, cluster.name))
-    if not args.no_rank:
-        print("")
-        print(_rank_text(plan, est, model, cluster, args))
-    return EXIT_OK
+    return estimate_plan(plan, graph, cluster), plan, graph, cluster, model
 
 
 def _rank_text(plan, est, model, cluster, args: argparse.Namespace) -> str:  # noqa: ANN001
@@ -121,9 +134,11 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: built-in commands plus every command module present."""
+    from autopar.usercode import add_timeout_argument
+
     parser = _Parser(prog="autopar", description="Plan and run hybrid-parallel PyTorch training.",
                      epilog="exit codes: 0 ok, 2 bad input or no plan fits memory, 4 a rank died or hung, "
-                            "1 internal error")
+                            "130/143 interrupted, 1 internal error (docs/reliability.md)")
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -141,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not search for where the plan ranks among autopar's plans (text output only)")
     p.add_argument("--no-cache", action="store_true",
                    help="trace the model file again instead of reading its graph from the cache (~/.cache/autopar)")
+    add_timeout_argument(p)
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("profiles", help="list the cluster profiles with their key figures",
@@ -184,8 +200,11 @@ def _add_optional_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from autopar.usercode import configure
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure(hard_exit=True)  # a model-file call that ignores its time limit ends the process (usercode.py)
     try:
         return int(args.func(args) or 0)
     except AutoparError as exc:

@@ -36,6 +36,9 @@ def main(args: argparse.Namespace) -> int:
         from autopar.explain.plot import require_matplotlib
 
         require_matplotlib()  # before any work: the one-line hint when matplotlib is missing
+        from autopar.outputs import check_output_file
+
+        check_output_file(args.plot, "--plot")
     plan = load_plan(args.plan)
     model = args.model or api.plan_model_path(plan, args.plan)
     graph, source = load_graph(model, seq_len=plan.training.seq_len, dtype=plan.training.dtype,

@@ -318,7 +318,10 @@ def cached_graph(model: Any, *, seq_len: int | None, dtype: str, use_cache: bool
     from autopar.graph.measure import build_graph
     from autopar.modelfile import load_model_file
 
+    from autopar.modelcheck import check_example_inputs
+
     mf = mf or load_model_file(path)
+    check_example_inputs(mf)  # the contract check; a hit's bytes passed it when they were traced
     if mf.sha256 != sha:  # the file changed between hashing and importing: key the bytes imported
         key = graph_key(file_sha256=mf.sha256, name=path.stem, seq_len=seq_len, dtype=dtype)
     graph = build_graph(mf, seq_len=seq_len, dtype=dtype)

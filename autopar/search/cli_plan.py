@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sp", type=on_off_list, metavar="on|off", help="Megatron sequence parallelism (with tp > 1)")
     g.add_argument("--virtual-stages", type=int_list, metavar="V",
                    help="virtual stages per pipeline rank (1: gpipe/1f1b; >1: interleaved; pipelined plans only)")
+    from autopar.usercode import add_timeout_argument
+
+    add_timeout_argument(p)
 
 
 def constraints_of(args: argparse.Namespace) -> dict[str, tuple]:
@@ -96,8 +99,11 @@ def constraints_of(args: argparse.Namespace) -> dict[str, tuple]:
 
 def main(args: argparse.Namespace) -> int:
     from autopar.cluster import load_cluster_and_profile
+    from autopar.outputs import check_output_dir, check_output_file
     from autopar.search.driver import search_plans
+    from autopar.usercode import configure
 
+    configure(timeout_s=args.timeout)
     cluster = load_cluster_and_profile(args.cluster, args.profile, "a100-80g")
     profile_ref = args.cluster or (args.profile if args.profile else "a100-80g")
     cluster_ref = cluster.name if not Path(profile_ref).suffix else profile_ref
@@ -113,6 +119,14 @@ def main(args: argparse.Namespace) -> int:
         from autopar.explain.plot import require_matplotlib
 
         plotting = require_matplotlib()  # fail before searching, not after
+    # Outputs are checked before the search: never search for a plan that cannot be written.
+    if sweep:
+        check_output_dir(args.output or "plans", "-o")
+    else:
+        output = Path(args.output) if args.output else Path("plans") / f"{Path(args.model).stem}-{args.gpus[0]}gpu.yaml"
+        check_output_file(output, "-o")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
 
     def progress(done: int, total: int, elapsed: float) -> None:
         if not args.quiet and not sweep:
@@ -133,7 +147,6 @@ def main(args: argparse.Namespace) -> int:
             print(f"autopar: warning: {found.warning}", file=sys.stderr)
         from autopar.search.result import result_report
 
-        output = Path(args.output) if args.output else Path("plans") / f"{found.source.name}-{args.gpus[0]}gpu.yaml"
         print(result_report(found.result, list(found.plans), found.graph, found.cluster, found.space, found.fixed))
         _save(found.plans[0], output)
         print(f"\nbest plan written to {output}")
