@@ -35,7 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
 ModelLike = Any  # str | os.PathLike | ModelFile
 PlanLike = Any  # Plan | str | os.PathLike
 
-_SPACE_KNOBS = ("zero_stages", "recompute_modes", "schedules", "cp_kinds", "max_virtual_stages")
+_SPACE_KNOBS = ("zero_stages", "recompute_modes", "schedules", "cp_kinds", "max_virtual_stages", "dp_degrees",
+                "tp_degrees", "pp_degrees", "cp_degrees", "sequence_parallel", "virtual_stages")
 
 
 def load_model(model: ModelLike) -> "ModelFile":
@@ -97,7 +98,8 @@ def plan(model: ModelLike, gpus: int, cluster: str = "a100-80g", *, gpus_per_nod
     """Search the fastest plan of ``model`` on ``gpus`` GPUs that fits memory (``autopar plan``).
 
     ``knobs`` restrict the search space (``search.space.SearchSpace`` fields): zero_stages,
-    recompute_modes, schedules, cp_kinds, max_virtual_stages. Returns the best plan with its
+    recompute_modes, schedules, cp_kinds, max_virtual_stages, dp/tp/pp/cp_degrees,
+    sequence_parallel, virtual_stages (``autopar plan --tp 8 ...`` is the CLI's form). Returns the best plan with its
     ``prediction``; raises ``InfeasibleError`` when nothing fits.
     """
     from autopar.cluster import load_cluster
@@ -110,7 +112,9 @@ def plan(model: ModelLike, gpus: int, cluster: str = "a100-80g", *, gpus_per_nod
     if isinstance(micro_batch, int):
         micro_batch = (micro_batch,)
     prof = load_cluster(cluster)
-    found = search_plans(load_model(model), gpus=gpus, cluster=prof,
+    # A path goes to the driver as it is: on a graph-cache hit the model file is not even imported.
+    source = model if isinstance(model, (str, os.PathLike)) else load_model(model)
+    found = search_plans(source, gpus=gpus, cluster=prof,
                          cluster_ref=prof.name if not Path(cluster).suffix else cluster,
                          gpus_per_node=gpus_per_node, global_batch=global_batch, micro_batches=micro_batch,
                          seq_len=seq_len, dtype=dtype, optimizer=optimizer, top_k=1, knobs=knobs)

@@ -32,6 +32,9 @@ def _warn(message: str) -> None:
     print(f"autopar: warning: {message}", file=sys.stderr)
 
 
+RANK_TOP_K = 20  # estimate ranks a hand plan among this many of the fastest searched plans
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from autopar.cost.estimate import estimate_json
     from autopar.report import estimate_report
@@ -43,36 +46,74 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     configure(timeout_s=args.timeout)
     if args.json:  # nothing but the JSON object on stdout, whatever the model file prints
         with stdout_to_stderr():
-            est, plan, graph, cluster = _estimate(args)
+            est, plan, graph, cluster, _ = _estimate(args)
         print(json.dumps(estimate_json(est), indent=2))
         return EXIT_OK
-    est, plan, graph, cluster = _estimate(args)
+    est, plan, graph, cluster, model = _estimate(args)
     print(estimate_report(plan, est, graph.name, graph.num_params, cluster.name))
+    if not args.no_rank:
+        print("")
+        print(_rank_text(plan, est, model, cluster, args))
     return EXIT_OK
 
 
 def _estimate(args: argparse.Namespace):  # noqa: ANN202
+    """(estimate, plan, graph, cluster, model path); the graph through the cache (model code, and
+    its example_inputs check, run only on a miss: graph/cache.py)."""
+    from autopar.api import plan_model_path
     from autopar.cluster import load_cluster_and_profile
     from autopar.cost.compute import measured_table_warning
     from autopar.cost.estimate import estimate_plan
-    from autopar.graph import build_graph
-    from autopar.modelcheck import check_example_inputs
-    from autopar.modelfile import load_model_file
     from autopar.plan import load_plan
+    from autopar.search.driver import load_graph
 
     plan = load_plan(args.plan)
     cluster = load_cluster_and_profile(args.cluster, args.profile, plan.cluster.profile)
     if args.cluster is None and args.profile is None and plan.cluster.gpus_per_node != cluster.gpus_per_node:
         _warn(f"plan has {plan.cluster.gpus_per_node} GPUs per node, profile {cluster.name} has {cluster.gpus_per_node}")
-    mf = load_model_file(args.model or plan.model.file)
-    check_example_inputs(mf)
-    if plan.model.sha256 and plan.model.sha256 != mf.sha256:
-        _warn(f"{mf.path} changed since the plan was made (sha256 differs); the estimate is for the file as it is now")
-    graph = build_graph(mf, seq_len=plan.training.seq_len, dtype=plan.training.dtype)
+    model = args.model or plan_model_path(plan, args.plan)
+    graph, source = load_graph(model, seq_len=plan.training.seq_len, dtype=plan.training.dtype,
+                               use_cache=not args.no_cache)
+    if plan.model.sha256 and plan.model.sha256 != source.sha256:
+        _warn(f"{source.path} changed since the plan was made (sha256 differs); the estimate is for the file as it is now")
     note = measured_table_warning(graph, cluster)
     if note:
         _warn(note)
-    return estimate_plan(plan, graph, cluster), plan, graph, cluster
+    return estimate_plan(plan, graph, cluster), plan, graph, cluster, model
+
+
+def _rank_text(plan, est, model, cluster, args: argparse.Namespace) -> str:  # noqa: ANN001
+    """Where ``plan`` ranks among the plans ``autopar plan`` searches for the same request
+    (GPUs, GPUs per node, global batch, sequence, dtype, optimizer) and how far it is from the best."""
+    from autopar.errors import InfeasibleError
+    from autopar.search.driver import search_plans
+    from autopar.search.sweep import plan_text
+
+    t = plan.training
+    try:
+        found = search_plans(model, gpus=plan.cluster.num_gpus, cluster=cluster, cluster_ref=cluster.name,
+                             gpus_per_node=plan.cluster.gpus_per_node, global_batch=t.global_batch_size,
+                             seq_len=t.seq_len, dtype=t.dtype, optimizer=t.optimizer, top_k=RANK_TOP_K,
+                             use_cache=not args.no_cache)
+    except InfeasibleError:
+        return "ranking: no searched plan fits memory for this request either"
+    except AutoparError as exc:
+        return f"ranking: not available ({exc})"
+    top = found.result.top
+    best = top[0]
+    mine = est.step_time_s
+    faster = [c for c in top if c.step_time_s < mine * (1 - 1e-9)]
+    searched = f"{found.result.num_configs:,} configurations searched in {found.result.elapsed_s:.2f} s"
+    layout = f"{plan_text(found)} ({best.step_time_s:,.3f} s, {best.estimate.mfu * 100:.1f} % MFU)"
+    if not est.fits:
+        return f"ranking: this plan does not fit memory; the best searched plan is {layout} [{searched}]"
+    if not faster:
+        return f"ranking: #1 -- no searched plan is faster (the best searched is {layout}) [{searched}]"
+    gap = (mine / best.step_time_s - 1) * 100
+    where = (f"#{len(faster) + 1} of the searched plans ({len(faster)} faster)" if len(faster) < len(top)
+             else f"below the {len(top)} fastest searched plans")
+    return (f"ranking: {where}; the best, {layout}, is {gap:,.1f} % faster "
+            f"(this plan takes {mine / best.step_time_s:,.2f}x its step time) [{searched}]")
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
@@ -111,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="PATH",
                    help="measured profile (autopar profile) layered over the cluster profile, or a full one")
     p.add_argument("--json", action="store_true", help="print one JSON object (the estimate --json contract)")
+    p.add_argument("--no-rank", action="store_true",
+                   help="do not search for where the plan ranks among autopar's plans (text output only)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="trace the model file again instead of reading its graph from the cache (~/.cache/autopar)")
     add_timeout_argument(p)
     p.set_defaults(func=cmd_estimate)
 
@@ -126,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
 # add_arguments(parser) and main(args) -> exit code; a module not present is not offered.
 _COMMANDS = (
     ("plan", "autopar.search.cli_plan", "search the fastest plan that fits memory",
-     "Search (ILP, OR-Tools CP-SAT) for the fastest plan of MODEL on N GPUs and write it as plan YAML v1."),
+     "Search (branch and bound, exact stage-split ILP) for the fastest plan of MODEL on N GPUs and write it "
+     "as plan YAML v1; lists in --gpus/--global-batch/--seq-len sweep, --tp/--pp/... constrain."),
     ("run", "autopar.executor.cli_run", "train with a plan (torch.distributed)",
      "Apply PLAN to the model and train for a few steps; report measured vs predicted."),
     ("profile", "autopar.profiler.cli_profile", "measure per-layer compute/memory or collectives",

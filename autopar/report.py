@@ -35,6 +35,14 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:,.1f}"
 
 
+def param_count(n: float) -> str:
+    """``174.62 B``, ``124.4 M``, ``6.1 K``: a parameter count a person reads at a glance."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f}"
+
+
 def seconds(s: float) -> str:
     if s >= 1:
         return f"{s:,.2f} s"
@@ -62,7 +70,7 @@ def plan_summary(plan: Plan) -> str:
 def estimate_report(plan: Plan, est: Estimate, model_name: str, num_params: float, cluster_name: str) -> str:
     """The human-readable output of ``autopar estimate``."""
     out = [
-        f"model    {model_name}: {num_params / 1e9:,.2f} B parameters, {plan.model.num_blocks} blocks, "
+        f"model    {model_name}: {param_count(num_params)} parameters, {plan.model.num_blocks} blocks, "
         f"seq {plan.training.seq_len}, global batch {plan.training.global_batch_size}, {plan.training.dtype}",
         f"cluster  {cluster_name}: {plan.cluster.num_gpus} GPUs, {plan.cluster.gpus_per_node} per node",
         f"plan     {plan_summary(plan)}",

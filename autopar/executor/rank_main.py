@@ -215,6 +215,10 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
 
         hooks = StepHooks(before_step=before_step, after_step=after_step, guard=watchdog.guard,
                           profile_step=tracer.step if tracer else None)
+        if log and start == 0:
+            hint = initial_loss_hint(mf)
+            if hint:
+                log(f"note: {hint}")
         if log and start >= args.steps:
             log(f"the checkpoint already has {start} >= --steps {args.steps} steps; nothing to train")
         result = train(exe, mf, steps=args.steps, seed=seed, log=log, start_step=start, hooks=hooks)
@@ -251,3 +255,30 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
             tracer.close()
         dist.destroy_process_group()
     return 0
+
+
+def initial_loss_hint(mf) -> str | None:  # noqa: ANN001
+    """For a next-token model (token ids in, loss_fn numerically mean next-token cross-entropy, a
+    ``config.vocab_size``): the loss an untrained model starts near, ln(vocab), so a user can tell
+    it trains. None for any other model, or when it cannot be told cheaply."""
+    import math
+
+    import torch
+
+    from autopar.executor.context_parallel import is_next_token_loss
+
+    if mf.loss_fn is None:
+        return None
+    try:
+        tokens = mf.example_inputs(1, "cpu")
+        if not (isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and not tokens.is_floating_point()):
+            return None
+        vocab = getattr(getattr(mf.build("meta"), "config", None), "vocab_size", None)
+        if not isinstance(vocab, int) or vocab < 2:
+            return None
+        if not is_next_token_loss(mf.loss_fn, tokens[:, :64], vocab):
+            return None
+    except Exception:  # noqa: BLE001 - a hint only: never fail a run over it
+        return None
+    return (f"next-token model, vocabulary {vocab:,}: step 1's loss should be near ln({vocab:,}) = "
+            f"{math.log(vocab):.3f} (an untrained model guesses uniformly); falling below it means it trains")

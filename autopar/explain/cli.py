@@ -1,4 +1,4 @@
-"""``autopar explain PLAN.yaml [MODEL.py] [--cluster NAME|PATH] [--trace out.json]`` (thin over autopar.api)."""
+"""``autopar explain PLAN.yaml [MODEL.py] [--cluster NAME|PATH] [--trace out.json] [--plot FILE.png]``."""
 
 from __future__ import annotations
 
@@ -16,27 +16,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", metavar="OUT.json",
                    help="also write the predicted pipeline timeline as a Chrome/Perfetto trace (Trace Event JSON)")
     p.add_argument("--groups", type=int, default=4, metavar="K", help="groups listed per mesh axis (default 4)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also draw memory per stage (stacked bars) and the step-time breakdown "
+                        "(needs matplotlib: pip install 'autopar[plot]')")
+    p.add_argument("--no-cache", action="store_true",
+                   help="trace the model file again instead of reading its graph from the cache (~/.cache/autopar)")
 
 
 def main(args: argparse.Namespace) -> int:
     from autopar import api
-    from autopar.explain.explanation import format_explanation
+    from autopar.explain.explanation import explain_plan, format_explanation
     from autopar.explain.trace import simulate, trace_json
     from autopar.plan import load_plan, write_text_atomic
+    from autopar.search.driver import load_graph
 
     if args.groups < 1:
         raise AutoparError(f"--groups must be >= 1, got {args.groups}")
+    if args.plot:
+        from autopar.explain.plot import require_matplotlib
+
+        require_matplotlib()  # before any work: the one-line hint when matplotlib is missing
+        from autopar.outputs import check_output_file
+
+        check_output_file(args.plot, "--plot")
     plan = load_plan(args.plan)
     model = args.model or api.plan_model_path(plan, args.plan)
-    mf = api.load_model(model)
-    if plan.model.sha256 and plan.model.sha256 != mf.sha256:
-        print(f"autopar: warning: {mf.path} changed since the plan was made (sha256 differs)", file=sys.stderr)
+    graph, source = load_graph(model, seq_len=plan.training.seq_len, dtype=plan.training.dtype,
+                               use_cache=not args.no_cache)
+    if plan.model.sha256 and plan.model.sha256 != source.sha256:
+        print(f"autopar: warning: {source.path} changed since the plan was made (sha256 differs)", file=sys.stderr)
     cluster = api.cluster_for(plan, args.cluster)
     if plan.cluster.gpus_per_node != cluster.gpus_per_node:
         print(f"autopar: warning: plan has {plan.cluster.gpus_per_node} GPUs per node, profile {cluster.name} has "
               f"{cluster.gpus_per_node}; links are costed with the profile's", file=sys.stderr)
-    ex = api.explanation(plan, mf, cluster)
+    ex = explain_plan(plan, graph, cluster)
     print(format_explanation(ex, max_groups=args.groups))
+    if args.plot:
+        from autopar.explain.plot import plot_explanation
+
+        plot_explanation(ex, args.plot)
+        print(f"\nmemory and time plot written to {args.plot}")
     if args.trace:
         timeline = simulate(plan, ex.terms, ex.estimate)
         try:

@@ -21,7 +21,7 @@ from autopar.explain.trace import chunk_times
 from autopar.explain.volume import StageVolume, communication_volume
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import Plan
-from autopar.report import gib, plan_summary, seconds, table
+from autopar.report import gib, param_count, plan_summary, seconds, table
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "other")
 _AXIS_TITLE = {"tp": "tensor (tp)", "cp": "context (cp)", "dp": "data (dp)", "dp_cp": "grad/ZeRO (dp x cp)",
@@ -59,7 +59,7 @@ def format_explanation(ex: Explanation, *, max_groups: int = 4) -> str:
     """The text of ``autopar explain``; at most ``max_groups`` groups listed per axis (then a count)."""
     plan, est = ex.plan, ex.estimate
     out = [
-        f"model    {ex.model_name}: {ex.num_params / 1e9:,.2f} B parameters, {plan.model.num_blocks} blocks, "
+        f"model    {ex.model_name}: {param_count(ex.num_params)} parameters, {plan.model.num_blocks} blocks, "
         f"seq {plan.training.seq_len}, global batch {plan.training.global_batch_size}, {plan.training.dtype}",
         f"cluster  {ex.cluster.name}: {plan.cluster.num_gpus} GPUs on {plan.cluster.num_nodes} node(s), "
         f"{plan.cluster.gpus_per_node} per node (node = rank // {plan.cluster.gpus_per_node})",

@@ -131,9 +131,11 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
     try:
         rank = dist.get_rank()
         baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        load_before = _load_average()
         mesh = build_mesh(plan, device)
         exe = build_executable(plan, mf, spec, mesh, seed=args.seed, lr=1e-3, loss_fn=mf.loss_fn)
         result = train(exe, mf, steps=args.steps, seed=args.seed)
+        load_after = _load_average()
         if device.type == "cuda":
             allocated = float(torch.cuda.max_memory_allocated(device))
         else:
@@ -145,6 +147,7 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
         dist.all_gather(gathered, mine)
         if rank == 0:
             report = build_report(plan, result, [g.tolist() for g in gathered], prediction, device.type, args)
+            report["machine_load"] = machine_load(load_before, load_after, dist.get_world_size(), device.type)
             print(format_report(report), flush=True)
             if args.report:
                 from autopar.plan import write_text_atomic
@@ -154,6 +157,26 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):  # not on every platform
+        return None
+
+
+def machine_load(before: float | None, after: float | None, world: int, device_type: str) -> dict[str, Any]:
+    """Whether other work shared the cores while this run measured: the 1-minute load average
+    (before and after training) against the cores, less this run's own ranks (one busy core each
+    on CPU). ``loaded`` is true when the rest exceeds a quarter of the cores (at least one)."""
+    cores = os.cpu_count() or 1
+    own = world if device_type == "cpu" else 0
+    seen = max((v for v in (before, after) if v is not None), default=None)
+    other = None if seen is None else max(0.0, seen - own)
+    loaded = other is not None and other > max(1.0, cores / 4)
+    return {"load_average_1m": [before, after], "cores": cores, "own_ranks": own, "other_load": other,
+            "loaded": loaded}
 
 
 def _cpu_step_allocated(exe, mf, step: int, seed: int) -> tuple[int, int]:  # noqa: ANN001
@@ -233,4 +256,12 @@ def format_report(rep: dict[str, Any]) -> str:
                      f"{pct(r['memory_error_pct']):>6s}  {r['peak_rss_bytes'] / mib:12,.1f}  {r['baseline_bytes'] / mib:20,.1f}")
     for n in rep["notes"]:
         lines.append(f"  note: {n}")
+    load = rep.get("machine_load")
+    if load and load["loaded"]:
+        lines.append(f"  note: the machine was loaded while measuring: load average {load['other_load']:.1f} beyond "
+                     f"this run's {load['own_ranks']} rank(s) on {load['cores']} cores; measured times read high "
+                     "-- validate again on an idle machine")
+    elif load and load["other_load"] is not None:
+        lines.append(f"  machine load while measuring: {load['other_load']:.1f} beyond this run on {load['cores']} cores "
+                     "(idle enough)")
     return "\n".join(lines)

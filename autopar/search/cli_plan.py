@@ -1,77 +1,205 @@
-"""``autopar plan``: search the fastest plan that fits memory and write it as plan YAML v1."""
+"""``autopar plan``: search the fastest plan that fits memory and write it as plan YAML v1.
+
+``--gpus``, ``--global-batch`` and ``--seq-len`` take lists: more than one point is a sweep (one
+table, one plan file per point). ``--tp``, ``--pp`` ... narrow the space; plans record them under
+``prediction.search.fixed_by_user``. A warm run (graph cache hit) never imports torch.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from autopar.cliargs import int_list, positive_int
 from autopar.errors import AutoparError
-from autopar.plan import DTYPES, OPTIMIZERS
+from autopar.plan import CP_KINDS, DTYPES, OPTIMIZERS, RECOMPUTE_MODES
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def choice_list(choices: tuple[str, ...], aliases: dict[str, str] | None = None) -> Any:
+    """argparse type: a comma list of ``choices``."""
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple((aliases or {}).get(x.strip(), x.strip()) for x in text.split(",") if x.strip())
+        bad = [v for v in values if v not in choices]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)}, got {text!r}")
+        return values
+    return parse
+
+
+def zero_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v not in (0, 1, 2, 3) for v in values):
+        raise argparse.ArgumentTypeError(f"expected ZeRO stages from 0,1,2,3, got {text!r}")
+    return values
+
+
+def on_off_list(text: str) -> tuple[bool, ...]:
+    return tuple(v == "on" for v in choice_list(("on", "off"))(text))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.py", help="model file (see the model-file contract in README)")
-    p.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="number of GPUs to plan for")
+    p.add_argument("--gpus", type=int_list, required=True, metavar="N[,N...]",
+                   help="number of GPUs to plan for; a list (64,128,256) sweeps and prints one table")
     p.add_argument("--gpus-per-node", type=positive_int, metavar="G", help="GPUs per node (default: the profile's)")
     p.add_argument("--cluster", metavar="NAME|PATH",
                    help="cluster profile (default a100-80g, or --profile when it is a full profile; see 'autopar profiles')")
     p.add_argument("--profile", metavar="PATH",
                    help="measured profile (autopar profile): layered over --cluster, or the cluster itself when full")
-    p.add_argument("--global-batch", type=positive_int, metavar="B",
-                   help="samples per optimizer step (default: the multiple of N nearest 4M tokens; "
-                        "32 x N for a model without SEQ_LEN)")
-    p.add_argument("--micro-batch", type=int_list, default=(1, 2, 4, 8), metavar="1,2,4,8",
-                   help="micro-batch sizes to consider (default 1,2,4,8)")
-    p.add_argument("--seq-len", type=positive_int, metavar="S", help="tokens per sample (default: the model file's SEQ_LEN)")
+    p.add_argument("--global-batch", type=int_list, metavar="B[,B...]",
+                   help="samples per optimizer step (default: the multiple of N nearest 4M tokens; 32 x N for a "
+                        "model without SEQ_LEN); a list sweeps")
+    p.add_argument("--seq-len", type=int_list, metavar="S[,S...]",
+                   help="tokens per sample (default: the model file's SEQ_LEN); a list sweeps")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="optimizer (default adam)")
     p.add_argument("--top", type=positive_int, default=5, metavar="K", help="how many plans to rank (default 5)")
     p.add_argument("-o", "--output", metavar="PLAN.yaml",
-                   help="where to write the best plan (default plans/<model>-<N>gpu.yaml)")
+                   help="where to write the best plan (default plans/<model>-<N>gpu.yaml; in a sweep: a directory)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="trace the model file again instead of reading its graph from the cache "
+                        "(~/.cache/autopar; needed after editing a module the model file imports)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="sweeps: draw tokens/s and MFU against the sweep points (needs matplotlib: autopar[plot])")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    g = p.add_argument_group("constraints", "narrow the search (each a value or a comma list); the table stars "
+                                            "and the plan records what you fixed")
+    g.add_argument("--dp", type=int_list, metavar="D", help="data-parallel degrees")
+    g.add_argument("--tp", type=int_list, metavar="T", help="tensor-parallel degrees")
+    g.add_argument("--pp", type=int_list, metavar="P", help="pipeline-parallel degrees")
+    g.add_argument("--cp", type=int_list, metavar="C", help="context-parallel degrees")
+    g.add_argument("--zero", type=zero_list, metavar="Z", help="ZeRO stages (0-3)")
+    g.add_argument("--recompute", type=choice_list(RECOMPUTE_MODES), metavar="|".join(RECOMPUTE_MODES),
+                   help="activation recompute modes")
+    g.add_argument("--schedule", type=choice_list(SCHEDULES, {"interleaved": "interleaved-1f1b"}),
+                   metavar="|".join(SCHEDULES), help="pipeline schedules (pipelined plans only; add --pp to exclude pp 1)")
+    g.add_argument("--micro-batch", type=int_list, metavar="1,2,4,8",
+                   help="micro-batch sizes (default: the search tries 1,2,4,8)")
+    g.add_argument("--cp-kind", type=choice_list(CP_KINDS), metavar="|".join(CP_KINDS), help="context-parallel kinds")
+    g.add_argument("--sp", type=on_off_list, metavar="on|off", help="Megatron sequence parallelism (with tp > 1)")
+    g.add_argument("--virtual-stages", type=int_list, metavar="V",
+                   help="virtual stages per pipeline rank (1: gpipe/1f1b; >1: interleaved; pipelined plans only)")
     from autopar.usercode import add_timeout_argument
 
     add_timeout_argument(p)
 
 
+def constraints_of(args: argparse.Namespace) -> dict[str, tuple]:
+    """The constraint flags the user gave, in flag order (keys of driver.CONSTRAINTS)."""
+    names = ("dp", "tp", "pp", "cp", "zero", "recompute", "schedule", "micro_batch", "cp_kind", "sp",
+             "virtual_stages")
+    return {k: tuple(getattr(args, k)) for k in names if getattr(args, k, None) is not None}
+
+
 def main(args: argparse.Namespace) -> int:
     from autopar.cluster import load_cluster_and_profile
-    from autopar.modelfile import load_model_file
-    from autopar.plan import save_plan
+    from autopar.outputs import check_output_dir, check_output_file
     from autopar.search.driver import search_plans
-    from autopar.search.result import result_report
-
-    from autopar.modelcheck import check_example_inputs
-    from autopar.outputs import check_output_file
     from autopar.usercode import configure
 
     configure(timeout_s=args.timeout)
     cluster = load_cluster_and_profile(args.cluster, args.profile, "a100-80g")
-    mf = load_model_file(args.model)
-    check_example_inputs(mf)
-    output = Path(args.output) if args.output else Path("plans") / f"{mf.name}-{args.gpus}gpu.yaml"
-    check_output_file(output, "-o")  # before the search: never search for a plan that cannot be written
     profile_ref = args.cluster or (args.profile if args.profile else "a100-80g")
+    cluster_ref = cluster.name if not Path(profile_ref).suffix else profile_ref
+    gpus_per_node, top = args.gpus_per_node, args.top
+    constraints = constraints_of(args)
+    batches, seqs = args.global_batch or (None,), args.seq_len or (None,)
+    sweep = len(args.gpus) * len(batches) * len(seqs) > 1
+    if args.plot and not sweep:
+        raise AutoparError("--plot draws a sweep: give a list (--gpus 64,128,256); for one plan use "
+                           "'autopar explain PLAN.yaml --plot FILE.png'")
+    plotting = None
+    if args.plot:
+        from autopar.explain.plot import require_matplotlib
+
+        plotting = require_matplotlib()  # fail before searching, not after
+    # Outputs are checked before the search: never search for a plan that cannot be written.
+    if sweep:
+        check_output_dir(args.output or "plans", "-o")
+    else:
+        output = Path(args.output) if args.output else Path("plans") / f"{Path(args.model).stem}-{args.gpus[0]}gpu.yaml"
+        check_output_file(output, "-o")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
 
     def progress(done: int, total: int, elapsed: float) -> None:
-        if not args.quiet:
+        if not args.quiet and not sweep:
             end = "\n" if done == total else ""
             print(f"\rsearching: {done}/{total} branches, {elapsed:.1f} s", end=end, file=sys.stderr, flush=True)
 
-    found = search_plans(
-        mf, gpus=args.gpus, cluster=cluster,
-        cluster_ref=cluster.name if not Path(profile_ref).suffix else profile_ref,
-        gpus_per_node=args.gpus_per_node, global_batch=args.global_batch, micro_batches=args.micro_batch,
-        seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer, top_k=args.top, progress=progress,
-    )
-    if found.warning:
-        print(f"autopar: warning: {found.warning}", file=sys.stderr)
-    print(result_report(found.result, list(found.plans), found.graph, found.cluster, found.space))
+    def plan_point(n: int, batch: int | None, seq: int | None):  # noqa: ANN202
+        return search_plans(
+            args.model, gpus=n, cluster=cluster, cluster_ref=cluster_ref, gpus_per_node=gpus_per_node,
+            global_batch=batch, micro_batches=(1, 2, 4, 8), seq_len=seq, dtype=args.dtype,
+            optimizer=args.optimizer, top_k=top, constraints=constraints, progress=progress,
+            use_cache=not args.no_cache,
+        )
+
+    if not sweep:
+        found = plan_point(args.gpus[0], batches[0], seqs[0])
+        if found.warning:
+            print(f"autopar: warning: {found.warning}", file=sys.stderr)
+        from autopar.search.result import result_report
+
+        print(result_report(found.result, list(found.plans), found.graph, found.cluster, found.space, found.fixed))
+        _save(found.plans[0], output)
+        print(f"\nbest plan written to {output}")
+        return 0
+    return _sweep(args, plan_point, batches, seqs, plotting)
+
+
+def _save(plan: Any, output: Path) -> None:
+    from autopar.plan import save_plan
+
     try:
-        save_plan(found.plans[0], output)
+        save_plan(plan, output)
     except OSError as exc:
         raise AutoparError(f"cannot write {output}: {exc.strerror}") from None
-    print(f"\nbest plan written to {output}")
+
+
+def _sweep(args: argparse.Namespace, plan_point: Any, batches: tuple, seqs: tuple, plotting: Any) -> int:
+    from autopar.search.result import constraint_text
+    from autopar.search.sweep import run_sweep, sweep_points, sweep_report
+
+    points = sweep_points(args.gpus, batches, seqs)
+    if not args.quiet:
+        print(f"sweep: {len(points)} points", file=sys.stderr)
+    done = run_sweep(points, plan_point)
+    ok = [p for p in done if p.found is not None]
+    first = (ok or [None])[0]
+    if first is not None:
+        g, c = first.found.graph, first.found.cluster
+        print(f"model    {g.name}: {g.num_blocks} blocks    cluster {c.name}: {c.gpus_per_node} GPUs per node, "
+              f"{c.memory_bytes / 2**30:,.1f} GiB each")
+        if first.found.fixed:
+            print(f"fixed    {constraint_text(first.found.fixed)} (by you)")
+        print()
+    print(sweep_report(done))
+    for p in done:
+        if p.error:
+            print(f"{p.gpus} GPUs: {p.error}", file=sys.stderr)
+    if not ok:
+        raise AutoparError("no point of the sweep has a plan that fits (reasons above)")
+    outdir = Path(args.output) if args.output else Path("plans")
+    print()
+    for p in ok:
+        name = f"{p.found.source.name}-{p.gpus}gpu"
+        if len(batches) > 1:
+            name += f"-gb{p.found.space.global_batch}"
+        if len(seqs) > 1:
+            name += f"-seq{p.found.space.seq_len}"
+        _save(p.found.plans[0], outdir / f"{name}.yaml")
+    print(f"best plans written to {outdir}/ ({len(ok)} files)")
+    if plotting is not None:
+        from autopar.explain.plot import plot_sweep
+
+        plot_sweep(done, args.plot)
+        print(f"scaling plot written to {args.plot}")
     return 0

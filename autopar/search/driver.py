@@ -1,4 +1,9 @@
-"""One search request from a model file to ranked plans: shared by ``autopar plan`` and ``autopar.plan()``."""
+"""One search request from a model file to ranked plans: shared by ``autopar plan``, sweeps,
+``autopar estimate``'s ranking and ``autopar.plan()``.
+
+The graph comes from the graph cache (``graph/cache.py``): on a hit this module and everything it
+imports run without torch; the model file is imported and traced only on a miss.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,21 @@ from typing import Any, Callable, Mapping, Sequence
 from autopar.cluster import Cluster
 from autopar.cost.compute import measured_table_warning
 from autopar.errors import AutoparError, InfeasibleError
-from autopar.graph import ModelGraph, build_graph
-from autopar.modelfile import ModelFile
+from autopar.graph.cache import ModelSource, cached_graph
+from autopar.graph.model_graph import ModelGraph
 from autopar.plan import DTYPE_BYTES, Plan
-from autopar.report import gib
+from autopar.search.hints import infeasible_hint
 from autopar.search.result import candidate_plan
 from autopar.search.search import SearchResult, search
 from autopar.search.space import SearchSpace
+
+# User constraints (``plan --tp 8 ...``, the names plans record under prediction.search.fixed_by_user)
+# and the SearchSpace field each narrows; micro_batch narrows ``micro_batches``.
+CONSTRAINTS: dict[str, str] = {
+    "dp": "dp_degrees", "tp": "tp_degrees", "pp": "pp_degrees", "cp": "cp_degrees", "zero": "zero_stages",
+    "recompute": "recompute_modes", "schedule": "schedules", "micro_batch": "micro_batches",
+    "cp_kind": "cp_kinds", "sp": "sequence_parallel", "virtual_stages": "virtual_stages",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +41,8 @@ class PlanSearch:
     cluster: Cluster
     space: SearchSpace
     warning: str | None  # a measured profile that does not apply to this model, or None
+    source: ModelSource | None = None
+    fixed: Mapping[str, tuple] = dataclasses.field(default_factory=dict)  # constraints the user set
 
 
 SAMPLES_PER_GPU = 32  # a model without SEQ_LEN (images -> classes): ImageNet's 256 images on 8 GPUs
@@ -42,8 +57,39 @@ def default_global_batch(num_gpus: int, seq_len: int) -> int:
     return max(num_gpus, round(target / num_gpus) * num_gpus)
 
 
+def load_graph(model: Any, *, seq_len: int | None, dtype: str, use_cache: bool = True,
+               on_miss: Callable[[], None] | None = None) -> tuple[ModelGraph, ModelSource]:
+    """The graph of ``model`` (path or ModelFile) at ``seq_len`` / ``dtype``, through the cache."""
+    if dtype not in DTYPE_BYTES:
+        raise AutoparError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    return cached_graph(model, seq_len=seq_len, dtype=dtype, use_cache=use_cache, on_miss=on_miss)
+
+
+def build_space(graph: ModelGraph, source: ModelSource, *, gpus: int, gpus_per_node: int,
+                global_batch: int | None, micro_batches: Sequence[int], seq_len: int | None, dtype: str,
+                optimizer: str, knobs: Mapping[str, Any] | None = None,
+                constraints: Mapping[str, Sequence[Any]] | None = None) -> SearchSpace:
+    """The SearchSpace of one request; bad settings are an AutoparError naming them."""
+    seq = seq_len or source.declared_seq_len or 1
+    fields = dict(knobs or {})
+    mbs = tuple(sorted(set(micro_batches)))
+    for name, values in (constraints or {}).items():
+        if name not in CONSTRAINTS:
+            raise AutoparError(f"unknown constraint {name!r}; allowed: {', '.join(CONSTRAINTS)}")
+        if name == "micro_batch":
+            mbs = tuple(sorted(set(values)))
+        else:
+            fields[CONSTRAINTS[name]] = tuple(values)
+    try:
+        return SearchSpace(num_gpus=gpus, gpus_per_node=min(gpus_per_node, gpus),
+                           global_batch=global_batch or default_global_batch(gpus, seq), seq_len=seq,
+                           micro_batches=mbs, dtype_bytes=DTYPE_BYTES[dtype], optimizer=optimizer, **fields)
+    except (TypeError, ValueError) as exc:
+        raise AutoparError(f"invalid search settings: {exc}") from None
+
+
 def search_plans(
-    mf: ModelFile,
+    model: Any,
     *,
     gpus: int,
     cluster: Cluster,
@@ -56,34 +102,50 @@ def search_plans(
     optimizer: str = "adam",
     top_k: int = 5,
     knobs: Mapping[str, Any] | None = None,
+    constraints: Mapping[str, Sequence[Any]] | None = None,
     progress: Callable[[int, int, float], None] | None = None,
+    use_cache: bool = True,
+    on_miss: Callable[[], None] | None = None,
 ) -> PlanSearch:
-    """Graph ``mf``, search the space, and return the top ``top_k`` plans as plan files.
+    """Graph ``model`` (a path or a ModelFile), search the space, return the top ``top_k`` plans.
 
     ``cluster_ref`` is what the plans record as ``cluster.profile`` (a name or a path). ``knobs``
-    restrict the space (SearchSpace fields). Raises InfeasibleError when no plan fits memory.
+    restrict the space (SearchSpace fields); ``constraints`` (keys of CONSTRAINTS) do too and are
+    recorded in each plan as fixed by the user. Raises InfeasibleError when no plan fits memory,
+    with a hint naming only the remedies that were checked to fit.
     """
-    if dtype not in DTYPE_BYTES:
-        raise AutoparError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    graph, source = load_graph(model, seq_len=seq_len, dtype=dtype, use_cache=use_cache, on_miss=on_miss)
     gpn = gpus_per_node or cluster.gpus_per_node
     if gpn != cluster.gpus_per_node:
         cluster = dataclasses.replace(cluster, gpus_per_node=gpn)
-    seq = seq_len or mf.seq_len or 1
-    graph = build_graph(mf, seq_len=seq_len, dtype=dtype)
-    try:
-        space = SearchSpace(num_gpus=gpus, gpus_per_node=min(gpn, gpus),
-                            global_batch=global_batch or default_global_batch(gpus, seq), seq_len=seq,
-                            micro_batches=tuple(sorted(set(micro_batches))), dtype_bytes=DTYPE_BYTES[dtype],
-                            optimizer=optimizer, **dict(knobs or {}))
-    except (TypeError, ValueError) as exc:
-        raise AutoparError(f"invalid search settings: {exc}") from None
+    fixed = {k: tuple(v) for k, v in (constraints or {}).items()}
+    space = build_space(graph, source, gpus=gpus, gpus_per_node=gpn, global_batch=global_batch,
+                        micro_batches=micro_batches, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                        knobs=knobs, constraints=fixed)
     result = search(graph, cluster, space, top_k=top_k, progress=progress)
     if not result.top:
+        if result.num_configs == 0:
+            raise AutoparError(_no_config_message(space, fixed, result))
         raise InfeasibleError(
-            f"no plan fits {gib(cluster.memory_bytes)} GiB per GPU on {gpus} GPUs: the smallest plan needs "
-            f"{gib(result.min_memory_bytes)} GiB; use more GPUs (--gpus), a larger-memory GPU "
-            f"(--cluster h200-141g), or a shorter sequence (--seq-len)"
+            f"no plan fits {cluster.memory_bytes / 2**30:,.1f} GiB per GPU on {gpus} GPUs: the smallest plan needs "
+            f"{result.min_memory_bytes / 2**30:,.1f} GiB; "
+            + infeasible_hint(graph, cluster, space, fixed, user_batch=global_batch is not None)
         )
-    plans = tuple(candidate_plan(c, mf, cluster_ref, gpn, dtype=dtype) for c in result.top)
+    plans = tuple(candidate_plan(c, source, cluster_ref, gpn, dtype=dtype, fixed=fixed) for c in result.top)
     return PlanSearch(result=result, plans=plans, graph=graph, cluster=cluster, space=space,
-                      warning=measured_table_warning(graph, cluster))
+                      warning=measured_table_warning(graph, cluster), source=source, fixed=fixed)
+
+
+def _no_config_message(space: SearchSpace, fixed: Mapping[str, tuple], result: SearchResult) -> str:
+    reasons = "; ".join(f"{why} ({n:,})" for why, n in sorted(result.rejected.items(), key=lambda kv: -kv[1])[:3])
+    if fixed:
+        what = " ".join(f"--{k.replace('_', '-')} {','.join(map(_flag_value, v))}" for k, v in fixed.items())
+        return (f"no legal configuration on {space.num_gpus} GPUs satisfies {what}: {reasons}; "
+                "loosen or drop a constraint")
+    return f"no legal configuration on {space.num_gpus} GPUs: {reasons}"
+
+
+def _flag_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return str(v)

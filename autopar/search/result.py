@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from autopar.cluster import Cluster
 from autopar.cost.estimate import estimate_json
 from autopar.graph.model_graph import ModelGraph
-from autopar.modelfile import ModelFile
 from autopar.plan import ClusterRef, ModelRef, Parallel, Plan, Training
-from autopar.report import gib, seconds, table
+from autopar.report import gib, param_count, seconds, table
 from autopar.search.search import Candidate, SearchResult
 from autopar.search.space import SearchSpace
 
 _DTYPE_NAMES = {2: "bf16", 4: "fp32"}
 
 
-def candidate_plan(cand: Candidate, mf: ModelFile, cluster_name: str, gpus_per_node: int,
-                   dtype: str | None = None) -> Plan:
-    """A plan v1 for ``cand``, its stage split explicit, its prediction attached."""
+def candidate_plan(cand: Candidate, mf: Any, cluster_name: str, gpus_per_node: int,
+                   dtype: str | None = None, fixed: Mapping[str, tuple] | None = None) -> Plan:
+    """A plan v1 for ``cand``, its stage split explicit, its prediction attached.
+
+    ``mf`` is the model file (anything with ``path`` and ``sha256``: a ModelFile or the cache's
+    ModelSource). ``fixed``: the user's constraints, recorded under ``prediction.search.fixed_by_user``
+    (prediction is written, never read: old and new plans load alike)."""
     c = cand.config
     ranges, start = [], 0
     for n in cand.chunk_blocks:
@@ -36,6 +41,8 @@ def candidate_plan(cand: Candidate, mf: ModelFile, cluster_name: str, gpus_per_n
     prediction.pop("stages", None)
     prediction["search"] = {"ilp_status": cand.ilp_status, "ilp_objective_s": cand.ilp_objective_s,
                             "ilp_bound_s": cand.ilp_bound_s}
+    if fixed:
+        prediction["search"]["fixed_by_user"] = {k: list(v) for k, v in fixed.items()}
     return plan.with_prediction(prediction)
 
 
@@ -56,8 +63,22 @@ def _schedule(c) -> str:  # noqa: ANN001
     return "interleaved v=%d" % c.virtual_stages if c.schedule == "interleaved-1f1b" else c.schedule
 
 
+# Table column of each constraint (plan --tp ...): its header is starred when the user fixed it.
+_COLUMN_OF = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "cp_kind": "cp kind", "sp": "sp", "zero": "zero",
+              "micro_batch": "mb", "schedule": "schedule", "virtual_stages": "schedule", "recompute": "recompute"}
+
+
+def constraint_text(fixed: Mapping[str, tuple]) -> str:
+    """``tp 8, pp 4, sp on``: the constraints as the user gave them."""
+    def value(v: object) -> str:
+        return ("on" if v else "off") if isinstance(v, bool) else str(v)
+
+    return ", ".join(f"{k.replace('_', ' ')} {','.join(value(v) for v in vs)}" for k, vs in fixed.items())
+
+
 def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cluster: Cluster,
-                  space: SearchSpace) -> str:
+                  space: SearchSpace, fixed: Mapping[str, tuple] | None = None) -> str:
+    fixed = fixed or {}
     rows = []
     for i, cand in enumerate(result.top, 1):
         c, e = cand.config, cand.estimate
@@ -67,17 +88,22 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
                      _schedule(c), split if c.pp > 1 else "-", c.recompute, f"{e.step_time_s:,.3f}",
                      f"{e.tokens_per_s:,.0f}", f"{e.mfu * 100:.1f}", gib(e.peak_memory_bytes), gib(e.headroom_bytes)))
     lines = [
-        f"model    {graph.name}: {graph.num_params / 1e9:,.2f} B parameters, {graph.num_blocks} blocks, "
+        f"model    {graph.name}: {param_count(graph.num_params)} parameters, {graph.num_blocks} blocks, "
         f"seq {space.seq_len}, global batch {space.global_batch}",
         f"cluster  {cluster.name}: {space.num_gpus} GPUs, {cluster.gpus_per_node} per node, "
         f"{gib(cluster.memory_bytes)} GiB each",
         *([f"tp plan  {graph.tp_source}: "
            + ", ".join(f"{n} {s}" for n, s in graph.tp_styles.items())] if graph.tp_styles else
           ([f"tp plan  {graph.tp_source}"] if graph.tp_source else [])),
+    ]
+    starred = {_COLUMN_OF[k] for k in fixed}
+    if fixed:
+        lines.append(f"fixed    {constraint_text(fixed)} (by you; starred columns)")
+    headers = ["#", "dp", "tp", "pp", "cp", "cp kind", "sp", "zero", "mb", "schedule", "blocks/rank", "recompute",
+               "step s", "tokens/s", "MFU %", "peak GiB", "headroom"]
+    lines += [
         "",
-        table(["#", "dp", "tp", "pp", "cp", "cp kind", "sp", "zero", "mb", "schedule", "blocks/rank", "recompute",
-               "step s", "tokens/s", "MFU %", "peak GiB", "headroom"],
-              rows, align="rrrrrllrrlllrrrrr"),
+        table([h + "*" if h in starred else h for h in headers], rows, align="rrrrrllrrlllrrrrr"),
         "",
     ]
     best = result.top[0]

@@ -273,7 +273,11 @@ def smallest_memory(graph: ModelGraph, cluster: Cluster, space: SearchSpace) -> 
     mb = min(space.micro_batches)
     best: tuple[float, Config | None] = (math.inf, None)
     for cfg in enumerate_configs(graph, space, Counter()):
-        if cfg.recompute != rc or cfg.micro_batch != mb or cfg.virtual_stages != 1 or cfg.schedule == "gpipe":
+        if cfg.recompute != rc or cfg.micro_batch != mb:
+            continue
+        if cfg.virtual_stages != 1 and space.allows("virtual_stages", 1):
+            continue
+        if cfg.schedule == "gpipe" and "1f1b" in space.schedules:  # 1F1B keeps fewer in flight
             continue
         if cfg.zero != (zero if cfg.dp * cfg.cp > 1 else 0):
             continue

@@ -34,6 +34,14 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
     cp_kinds: tuple[str, ...] = CP_KINDS
     max_virtual_stages: int = 16
+    # User constraints (``plan --tp 8 --pp 4 ...``): the degrees allowed, None = any legal one.
+    # ``schedules`` and ``virtual_stages`` narrow pipelined configurations only (pp = 1 has neither).
+    dp_degrees: tuple[int, ...] | None = None
+    tp_degrees: tuple[int, ...] | None = None
+    pp_degrees: tuple[int, ...] | None = None
+    cp_degrees: tuple[int, ...] | None = None
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    virtual_stages: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for key in ("num_gpus", "gpus_per_node", "global_batch", "seq_len"):
@@ -41,6 +49,21 @@ class SearchSpace:
                 raise ValueError(f"{key} must be >= 1")
         if not self.micro_batches or min(self.micro_batches) < 1:
             raise ValueError("micro_batches must be positive")
+        for key in ("dp_degrees", "tp_degrees", "pp_degrees", "cp_degrees", "virtual_stages"):
+            values = getattr(self, key)
+            if values is not None and (not values or min(values) < 1):
+                raise ValueError(f"{key} must be positive integers")
+        for key, allowed in (("zero_stages", (0, 1, 2, 3)), ("recompute_modes", RECOMPUTE_MODES),
+                             ("schedules", ("gpipe", "1f1b", "interleaved-1f1b")), ("cp_kinds", CP_KINDS),
+                             ("sequence_parallel", (False, True))):
+            values = getattr(self, key)
+            if not values or any(v not in allowed for v in values):
+                raise ValueError(f"{key} must be a non-empty selection of {', '.join(map(str, allowed))}")
+
+    def allows(self, key: str, value: int) -> bool:
+        """Whether the degree constraint ``key`` (e.g. ``tp_degrees``) admits ``value``."""
+        values = getattr(self, key)
+        return values is None or value in values
 
 
 def divisors(n: int) -> list[int]:
@@ -99,6 +122,9 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
     for rc in set(space.recompute_modes) - set(recompute_modes):
         rejected[f"recompute {rc}: {graph.supports(rc)}"] += 1
     for tp in divisors(n):
+        if not space.allows("tp_degrees", tp):
+            rejected["constraint: tp"] += 1
+            continue
         if tp > space.gpus_per_node:
             rejected["tp > GPUs per node"] += 1
             continue
@@ -107,6 +133,9 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
             rejected["tp does not divide heads" if "heads" in reason else f"tp not applicable: {reason}"] += 1
             continue
         for cp in divisors(n // tp):
+            if not space.allows("cp_degrees", cp):
+                rejected["constraint: cp"] += 1
+                continue
             kinds = _cp_kinds(graph, space, tp, cp, rejected)
             if not kinds:
                 continue
@@ -118,6 +147,9 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
                     rejected[f"pp: {graph.supports('pp')}"] += 1
                     continue
                 dp = n // (tp * cp * pp)
+                if not (space.allows("pp_degrees", pp) and space.allows("dp_degrees", dp)):
+                    rejected["constraint: pp or dp"] += 1
+                    continue
                 zeros = space.zero_stages if dp * cp > 1 else (0,)
                 if 3 in zeros and graph.supports("zero3"):
                     zeros = tuple(z for z in zeros if z != 3)
@@ -132,7 +164,7 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
                     if not schedules:
                         continue
                     for kind in kinds:
-                        for sp in ((False, True) if tp > 1 and not graph.supports("sp") else (False,)):
+                        for sp in (space.sequence_parallel if tp > 1 and not graph.supports("sp") else (False,)):
                             for rc in recompute_modes:
                                 yield Branch(tp=tp, cp=cp, cp_kind=kind, sequence_parallel=sp, micro_batch=mb,
                                              recompute=rc, pp=pp, dp=dp, schedules=schedules, zero_stages=zeros,
@@ -169,6 +201,8 @@ def _schedules(space: SearchSpace, pp: int, num_blocks: int, m: int, rejected: C
         yield "1f1b", 1  # no pipeline: the schedule has no meaning
         return
     for schedule in space.schedules:
+        if schedule != "interleaved-1f1b" and not space.allows("virtual_stages", 1):
+            continue
         if schedule == "gpipe":
             yield "gpipe", 1
         elif schedule == "1f1b":
@@ -183,4 +217,6 @@ def _schedules(space: SearchSpace, pp: int, num_blocks: int, m: int, rejected: C
             for v in range(2, space.max_virtual_stages + 1):
                 if pp * v > num_blocks:
                     break
+                if not space.allows("virtual_stages", v):
+                    continue
                 yield "interleaved-1f1b", v
