@@ -39,7 +39,9 @@ the ILP accepts always fits). The reported step time is the float ``evaluate`` o
 solver returns. T and Z get the tightest upper bounds known (all blocks on one rank).
 
 Three exact solvers of this one program (same integer coefficients, same objective, same cost
-model), each provably optimal; ``SplitILP.solve`` picks the first that applies:
+model), each provably optimal. ``SplitILP.solve`` walks small programs (``enumerate``) and gives
+every other one to CP-SAT, the project's ILP solver; ``parametric`` runs on request
+(``method="parametric"``) and cross-checks the other two in the tests:
 
 - ``enumerate`` -- a program with at most MAX_ENUMERATED_SPLITS feasible block-count vectors
   (N_0..N_{pp-1}), e.g. the 35 ways to put 8 blocks on 4 ranks: every split is walked and
@@ -47,12 +49,12 @@ model), each provably optimal; ``SplitILP.solve`` picks the first that applies:
   a prefix only when a lower bound of its objective already reaches the best found (so the walk
   stays exhaustive). Milliseconds, and it cannot stall, where CP-SAT's 2-worker portfolio was
   measured taking up to 3.3 s on such programs.
-- ``parametric`` -- larger programs: for fixed values of the two maxima T and Z each rank's
+- ``parametric`` -- on request: for fixed values of the two maxima T and Z each rank's
   feasible block counts form an interval, so feasibility is a sum test; the optimum has T equal
   to some t_r(n) and Z to some z_r(n), and the search walks T upwards, bisecting for the least
   feasible Z, until wT T + wZ (least Z of all) reaches the best value. Polynomial (about
   pp L log(pp L) steps per T tried), well under a millisecond for GPT-3's programs.
-- CP-SAT (OR-Tools) -- a program with more than MAX_PARAMETRIC_VALUES candidate values (and on
+- CP-SAT (OR-Tools) -- every program with more than MAX_ENUMERATED_SPLITS splits (and on
   request, ``method="cp-sat"``): it proves its optimum (status OPTIMAL, objective == bound) or
   reports FEASIBLE at its time limit.
 
@@ -81,8 +83,8 @@ TIME_UNITS = 1e6  # one micro-batch's total work is 1e6 integer time units (reso
 # of them in the same integer objective (``enumerate``): exact, and milliseconds (3,876 splits of
 # 20 blocks over 5 ranks: 2-60 ms on the loaded 2-core machine, where CP-SAT took 3.2 s).
 MAX_ENUMERATED_SPLITS = 4096
-# Larger programs go to the parametric search when they have at most this many candidate values
-# of the two maxima (pp x L for T, as many for Z), to CP-SAT beyond.
+# The parametric search declines programs with more candidate values of the two maxima than this
+# (pp x L for T, as many for Z).
 MAX_PARAMETRIC_VALUES = 200_000
 
 
@@ -410,10 +412,8 @@ class SplitILP:
             raise ValueError(f"unknown split method {method!r}")
         if method == "enumeration" or (method == "auto" and self.count_splits() <= MAX_ENUMERATED_SPLITS):
             return self.enumerate()
-        if method == "parametric" or method == "auto":
-            direct = self.parametric()
-            if direct is not None or method == "parametric":
-                return direct
+        if method == "parametric":
+            return self.parametric()
         from ortools.sat.python import cp_model
 
         self._build_model()
@@ -437,7 +437,7 @@ def solve_split(terms: StageTerms, num_blocks: int, time_limit_s: float = 10.0,
                 method: str = "auto") -> SplitSolution:
     """Optimal contiguous split of ``num_blocks`` blocks over the pipeline chunks of ``terms``.
 
-    ``method``: "auto" (enumeration, else parametric, else CP-SAT: the module docstring),
+    ``method``: "auto" (enumeration, else CP-SAT: the module docstring),
     "enumeration", "parametric" or "cp-sat"."""
     return SplitILP(terms, num_blocks).solve(time_limit_s, method)
 
