@@ -45,7 +45,8 @@ class Template:
         return tree_unflatten([next(it) if t else v for v, t in zip(self.leaves, self.is_tensor)], self.spec)
 
     def zeros(self, device: torch.device) -> Any:
-        return self.rebuild([torch.zeros(v[0], dtype=v[1], device=device) for v, t in zip(self.leaves, self.is_tensor) if t])
+        shapes = [v for v, t in zip(self.leaves, self.is_tensor) if t]
+        return self.rebuild([torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes])
 
 
 def tensors_of(value: Any) -> tuple[torch.Tensor, ...]:
