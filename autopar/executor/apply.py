@@ -46,7 +46,7 @@ def original_name(name: str, part: nn.Module) -> str:
     ``model`` or ``module`` keeps its names. FSDP2, ``replicate``, recompute and CP rename nothing."""
     if isinstance(part, nn.parallel.DistributedDataParallel):
         name, part = name.removeprefix("module."), part.module
-    if isinstance(part, pipe.StageModule):
+    if isinstance(part, (pipe.StageModule, chain_pipe.ChainStage)):
         name = name.removeprefix(pipe.STAGE_PREFIX)
     return name
 
@@ -78,6 +78,14 @@ class Executable:
     # full-model parameter name -> canonical name of its tie group (first alias in the full model's
     # named_parameters order); the checkpoint keys of tied weights (checkpoint.py)
     canonical_names: dict[str, str] = field(default_factory=dict)
+
+    def parameter_copies(self) -> dict[str, list[nn.Parameter]]:
+        """Full-model name -> every local parameter of that name (one per pipeline chunk)."""
+        out: dict[str, list[nn.Parameter]] = {}
+        for part in self.parts:
+            for name, p in named_full(part, remove_duplicate=False):
+                out.setdefault(name, []).append(p)
+        return out
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """Local parameters by original full-model name (deduplicated)."""
@@ -224,7 +232,8 @@ def build_executable(
         optimizer=None,  # type: ignore[arg-type]  # set below, needs the wrapped parameters
         permutations=perms, chunk_ids=chunk_ids, notes=notes, canonical_names=canonical,
     )
-    params = list(exe.named_parameters().values())
+    # every distinct local parameter: an interleaved rank holds a copy of a shared one per chunk
+    params = list({id(p): p for part in exe.parts for p in part.parameters()}.values())
     if par.tp > 1:  # embedding gradients come back Replicate; keep them vocab-sharded (tensor_parallel.py)
         keep_grad_placements([p for w in wrapped if w.kind in ("none", "ddp") for p in w.module.parameters()])
     exe.optimizer = build_optimizer(params, plan.training.optimizer, lr, any(w.sharded_optimizer for w in wrapped), dp_mesh)
@@ -249,7 +258,8 @@ def build_executable(
             exe.pipe_io = io
             exe.schedule, exe.stages = pipe.build_schedule(plan, exe.parts, chunk_ids, mesh.pp_group, device,
                                                            io.loss(loss_fn, row_target=row_target))
-            exe.tied = pipe.tied_groups(model, plan, all_chunk_names, bare=tuple(probe.bare))
+            shared = tuple(f"{m}.{n}" for m in probe.shared for n, _ in model.get_submodule(m).named_parameters())
+            exe.tied = pipe.tied_groups(model, plan, all_chunk_names, bare=tuple(probe.bare) + shared)
     return exe
 
 

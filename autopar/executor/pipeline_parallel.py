@@ -34,11 +34,16 @@ tensors (the pipelining API's contract); the last stage's output -- a tensor, tu
 ``labels`` included) whatever the schedule's order: the schedule's target is the micro-batch's row
 indices.
 
-Bare parameters live on the stages whose part of the forward reads them (prologue: the first chunk;
-epilogue: the last; between blocks: every chunk). Elsewhere they become non-persistent buffers with
-the same value (the forward still reads them, into a result that is discarded), so no stage keeps a
-meta tensor, and only users hold trainable copies. One held by several pp ranks is summed over them
-after backward, like a tied weight.
+Bare parameters (on the root or an ancestor of the block list, or of a sibling module that never
+runs as a module) live on the stages whose part of the forward reads them (prologue: the first
+chunk; epilogue: the last; between blocks, or feeding a block's keyword arguments: every chunk).
+Elsewhere they become non-persistent buffers with the same value (the forward still reads them,
+into a result that is discarded), so no stage keeps a meta tensor, and only users hold trainable
+copies. A parameter-holding prologue module whose output reaches the blocks other than through the
+hidden state (a learned bias passed as ``gain=``), or that runs again after the blocks, is *shared*:
+real on every chunk. Every parameter held by several chunks has its gradients summed over all
+copies after backward (the local ones of an interleaved rank, then over the pp ranks), like a tied
+weight, so the copies take identical optimizer steps.
 
 Tied parameters across stages (GPT's embedding = output head): the first and last stage both hold
 the weight; their gradients are summed across those pp ranks after backward (Megatron's
@@ -47,8 +52,8 @@ Under tp > 1 both copies are sharded by vocabulary (Shard(0), tensor_parallel.py
 embedding shard and head shard cover the same rows and their local gradients are summed.
 
 Requirements: the blocks are called in order over the block list (a loop or ``nn.Sequential``), a
-block's first input is the hidden state, and a parameter-holding prologue module's value reaches the
-blocks only through that hidden state.
+block's first input is the hidden state, and a prologue module's parameters are not read directly
+after the blocks (``h @ self.wte.weight.T``; tie an output module's weight instead, as HF does).
 """
 
 from __future__ import annotations
@@ -247,7 +252,7 @@ def build_chunk(
     _replace(chunk, spec.blocks_path, blocks)
     if not is_first:
         for name, (out, holds_params) in probe.prologue.items():
-            if holds_params:
+            if holds_params and name not in probe.shared:
                 _replace(chunk, name, _ZeroStub(out, device))
     if not is_last:
         for name in probe.epilogue:
@@ -313,9 +318,10 @@ def run_schedule(schedule: Any, io: StepIO, batch: Any, *, is_last: bool, target
 def tied_groups(
     model: nn.Module, plan: Plan, chunk_param_names: list[set[str]], bare: tuple[str, ...] = ()
 ) -> list[tuple[list[str], dist.ProcessGroup | None]]:
-    """For every parameter shared under several names, and every bare parameter (``bare``), that
-    lands on more than one pp rank: a group of the pp ranks holding it (for this rank's dp/cp/tp
-    coordinate) and the local alias names.
+    """For every parameter shared under several names, and every parameter named in ``bare``
+    (bare and shared-module parameters), that lands on more than one chunk: its alias names and a
+    group of the pp ranks holding it (for this rank's dp/cp/tp coordinate; None where one pp rank
+    holds every copy, or this rank none).
 
     ``chunk_param_names[c]``: parameter names (original, full-model) present on chunk c.
     Must be called on every rank with the same arguments (new_group is collective). pp is the
@@ -329,35 +335,42 @@ def tied_groups(
     for names in aliases.values():
         if len(names) < 2 and not set(names) & set(bare):
             continue
-        holders = sorted({c % par.pp for c, have in enumerate(chunk_param_names) if have & set(names)})
-        if len(holders) < 2:
+        chunks = [c for c, have in enumerate(chunk_param_names) if have & set(names)]
+        if len(chunks) < 2:
             continue
-        # Every rank creates every group in the same order (new_group is collective on the world).
-        world = dist.get_world_size()
-        per_stage = world // par.pp
+        holders = sorted({c % par.pp for c in chunks})
         mine = None
-        for offset in range(per_stage):
-            ranks = [h * per_stage + offset for h in holders]
-            group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
-                mine = group
+        if len(holders) >= 2:
+            # Every rank creates every group in the same order (new_group is collective on the world).
+            world = dist.get_world_size()
+            per_stage = world // par.pp
+            for offset in range(per_stage):
+                ranks = [h * per_stage + offset for h in holders]
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    mine = group
         out.append((names, mine))
     return out
 
 
 def sync_tied_grads(
-    named_params: dict[str, nn.Parameter], groups: list[tuple[list[str], dist.ProcessGroup | None]]
+    copies: dict[str, list[nn.Parameter]], groups: list[tuple[list[str], dist.ProcessGroup | None]]
 ) -> None:
-    """Sum the gradients of tied parameters across the pp ranks that hold a copy."""
+    """Make every copy's gradient the sum over all copies of a tied parameter: the local copies
+    (chunks of an interleaved schedule on this rank) and those of the other pp ranks holding one.
+    ``copies``: full-model name -> this rank's parameters of that name (one per chunk)."""
     for names, group in groups:
-        if group is None:
-            continue
-        local = [named_params[n] for n in names if n in named_params]
+        seen: set[int] = set()
+        local = [p for n in names for p in copies.get(n, ()) if not (id(p) in seen or seen.add(id(p)))]
         if not local:
             continue
-        grad = local[0].grad
-        if grad is None:
-            grad = torch.zeros_like(local[0])
-            local[0].grad = grad
-        t = grad.to_local() if hasattr(grad, "to_local") else grad
-        dist.all_reduce(t, group=group)
+        for p in local:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        shards = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in local]
+        total = shards[0] if len(shards) == 1 else torch.stack(shards).sum(0)
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        for t in shards:
+            if t is not total:
+                t.copy_(total)

@@ -45,7 +45,8 @@ class Template:
         return tree_unflatten([next(it) if t else v for v, t in zip(self.leaves, self.is_tensor)], self.spec)
 
     def zeros(self, device: torch.device) -> Any:
-        return self.rebuild([torch.zeros(v[0], dtype=v[1], device=device) for v, t in zip(self.leaves, self.is_tensor) if t])
+        shapes = [v for v, t in zip(self.leaves, self.is_tensor) if t]
+        return self.rebuild([torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes])
 
 
 def tensors_of(value: Any) -> tuple[torch.Tensor, ...]:
@@ -56,13 +57,15 @@ def tensors_of(value: Any) -> tuple[torch.Tensor, ...]:
 class Probe:
     """What one meta forward showed (module docstring): prologue module name -> (output structure,
     holds parameters); epilogue names; a block's output structure and first forward parameter;
-    bare parameter name -> phases that read it ("prologue", "blocks", "epilogue")."""
+    bare parameter name -> phases that read it ("prologue", "blocks", "epilogue"); the shared
+    prologue modules (see ``probe_structure``)."""
 
     prologue: dict[str, tuple[Template, bool]]
     epilogue: tuple[str, ...]
     block_out: Template
     block_first_param: str | None
     bare: dict[str, frozenset[str]]
+    shared: tuple[str, ...]  # prologue modules kept real on every stage (probe_structure)
     output: Template  # what the whole model returns
 
 
@@ -90,20 +93,45 @@ def _bare_parameters(model: nn.Module, blocks_path: str) -> dict[str, nn.Paramet
     return out
 
 
-class _ReadRecorder(TorchFunctionMode):
-    """Records in which phase any torch function reads one of the watched tensors."""
+class _Recorder(TorchFunctionMode):
+    """Records in which phase any torch function reads one of the watched parameters, and which
+    sources (watched parameters, outputs of ``mark``ed modules) a value derives from (taint)."""
 
     def __init__(self, watched: dict[int, str]) -> None:
         super().__init__()
         self.watched, self.phase = watched, "prologue"
         self.reads: dict[str, set[str]] = {n: set() for n in watched.values()}
+        self.taint: dict[int, frozenset[str]] = {}
+        self._keep: list[torch.Tensor] = []  # tainted tensors stay alive: ids are not reused
+
+    def mark(self, value: Any, origins: frozenset[str]) -> None:
+        for v in tree_flatten(value)[0]:
+            if isinstance(v, torch.Tensor):
+                self.taint[id(v)] = self.taint.get(id(v), frozenset()) | origins
+                self._keep.append(v)
+
+    def origins(self, value: Any) -> frozenset[str]:
+        out: frozenset[str] = frozenset()
+        for v in tree_flatten(value)[0]:
+            if isinstance(v, torch.Tensor):
+                out |= self.taint.get(id(v), frozenset())
+                name = self.watched.get(id(v))
+                if name is not None:
+                    out |= {name}
+        return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        for v in tree_flatten((args, kwargs or {}))[0]:
+        kwargs = kwargs or {}
+        for v in tree_flatten((args, kwargs))[0]:
             name = self.watched.get(id(v)) if isinstance(v, torch.Tensor) else None
             if name is not None:
                 self.reads[name].add(self.phase)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        if self.phase == "prologue":
+            origins = self.origins((args, kwargs))
+            if origins:
+                self.mark(out, origins)
+        return out
 
 
 def _first_param(block: nn.Module) -> str | None:
@@ -116,20 +144,44 @@ def _first_param(block: nn.Module) -> str | None:
 
 
 def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Probe:
-    """Run ``model`` (on meta) once and classify what runs around the block list."""
+    """Run ``model`` (on meta) once and classify what runs around the block list.
+
+    Bare parameters (``Probe.bare``) are those registered on the root or an ancestor of the block
+    list, and those of sibling modules that never run as modules (read directly: ``x @
+    self.wte.weight.T``). A parameter-holding prologue module whose output reaches a block other
+    than through its hidden state (a learned bias passed as a keyword argument), or that also runs
+    in the epilogue, is ``shared``: real on every stage, its gradients summed over the stages; a
+    bare parameter that reaches a block that way counts as read between the blocks.
+    """
     from autopar.spec.meta import tolerant_meta
 
     events: list[tuple[str, str, Any]] = []
     handles = []
-    for name, mod in _siblings(model, spec.blocks_path).items():
-        handles.append(mod.register_forward_hook(lambda m, a, o, n=name: events.append(("mod", n, o))))
+    siblings = _siblings(model, spec.blocks_path)
     blocks = model.get_submodule(spec.blocks_path)
-    bare = _bare_parameters(model, spec.blocks_path)
-    recorder = _ReadRecorder({id(p): n for n, p in bare.items()})
-    block_out: list[Any] = []
+    first_param = _first_param(blocks[0])
+    watched = dict(_bare_parameters(model, spec.blocks_path))
+    for mname, mod in siblings.items():
+        for pname, p in mod.named_parameters():
+            watched.setdefault(f"{mname}.{pname}", p)
+    recorder = _Recorder({id(p): n for n, p in watched.items()})
+    holders = {n for n, m in siblings.items() if any(True for _ in m.parameters())}
 
-    def on_first(m: nn.Module, a: tuple) -> None:
+    def on_module(m: nn.Module, a: tuple, o: Any, n: str) -> None:
+        events.append(("mod", n, o))
+        if recorder.phase == "prologue" and n in holders:
+            recorder.mark(o, frozenset({n}))
+
+    for name, mod in siblings.items():
+        handles.append(mod.register_forward_hook(lambda m, a, o, n=name: on_module(m, a, o, n)))
+    block_out: list[Any] = []
+    side: set[str] = set()
+
+    def on_first(m: nn.Module, a: tuple, kw: dict) -> None:
         events.append(("first", "", None))
+        extra = (a[1:], {k: v for k, v in kw.items() if k != first_param}) if a else \
+            (a, {k: v for k, v in kw.items() if k != first_param})
+        side.update(recorder.origins(extra))
         recorder.phase = "blocks"
 
     def on_last(m: nn.Module, a: tuple, o: Any) -> None:
@@ -137,7 +189,7 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
         block_out.append(o)
         recorder.phase = "epilogue"
 
-    handles.append(blocks[0].register_forward_pre_hook(on_first))
+    handles.append(blocks[0].register_forward_pre_hook(on_first, with_kwargs=True))
     handles.append(blocks[len(blocks) - 1].register_forward_hook(on_last))
     try:
         with torch.no_grad(), tolerant_meta(), recorder:
@@ -153,13 +205,20 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
         if kind != "mod":
             continue
         if i < first:
-            holds = any(True for _ in model.get_submodule(name).parameters())
-            prologue.setdefault(name, (Template.of(out), holds))
+            prologue.setdefault(name, (Template.of(out), name in holders))
         elif i > last and name not in epilogue:
             epilogue.append(name)
-    return Probe(prologue=prologue, epilogue=tuple(epilogue), block_out=Template.of(block_out[0]),
-                 block_first_param=_first_param(blocks[0]),
-                 bare={n: frozenset(r) for n, r in recorder.reads.items()}, output=Template.of(result))
+    ran = {n for k, n, _ in events if k == "mod"}
+    shared = tuple(n for n in prologue if n in holders and (n in side or n in epilogue))
+    bare_names = set(_bare_parameters(model, spec.blocks_path))
+    bare = {}
+    for n, phases in recorder.reads.items():
+        owner = n.rpartition(".")[0]
+        if n in bare_names or not any(owner == m or owner.startswith(m + ".") for m in ran):
+            bare[n] = frozenset(phases | ({"blocks"} if n in side else set()))
+    return Probe(prologue=prologue, epilogue=tuple(n for n in epilogue if n not in shared),
+                 block_out=Template.of(block_out[0]), block_first_param=first_param, bare=bare,
+                 shared=shared, output=Template.of(result))
 
 
 def bare_holders(phases: frozenset[str], chunk: int, num_chunks: int) -> bool:

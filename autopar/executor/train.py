@@ -170,7 +170,7 @@ class _Trainer:
             else:
                 contrib = self._flat_step(batch, mbs, m)
         if exe.tied:
-            sync_tied_grads(exe.named_parameters(), exe.tied)
+            sync_tied_grads(exe.parameter_copies(), exe.tied)
         if on_grads is not None:
             on_grads()
         exe.optimizer.step()

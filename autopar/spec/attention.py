@@ -56,9 +56,10 @@ def hf_attention(model: nn.Module, block: nn.Module) -> HFAttention | None:
         impl = getattr(cfg, "_attn_implementation", None)
         if not name or not isinstance(impl, str) or not _dispatches(mod):
             continue
+        # the module's own window where it has one (Qwen2: None on full-attention layers), else the config's
         window = getattr(mod, "sliding_window") if hasattr(mod, "sliding_window") else getattr(cfg, "sliding_window", None)
-        dropout = next((float(getattr(cfg, a)) for a in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
-                        if isinstance(getattr(cfg, a, None), (int, float))), 0.0)
+        rates = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+        dropout = next((float(getattr(cfg, a)) for a in rates if isinstance(getattr(cfg, a, None), (int, float))), 0.0)
         try:
             takes_ids = "position_ids" in inspect.signature(model.forward).parameters
         except (TypeError, ValueError):

@@ -74,8 +74,8 @@ def _cases(model: str, *names: str) -> list[FileCase]:
 
 
 CASES = (
-    _cases("hf-llama", "dp2", "zero1", "zero3", "tp2-sp", "pp2-1f1b", "pp2-gpipe", "cp2-ring", "dp2-selective", "dp2-full",
-           "cp2-selective")
+    _cases("hf-llama", "dp2", "zero1", "zero3", "tp2-sp", "pp2-1f1b", "pp2-gpipe", "cp2-ring", "dp2-selective",
+           "dp2-full", "cp2-selective")
     + _cases("hf-mistral", "dp2", "tp2-sp", "pp2-1f1b")
     + _cases("hf-qwen2", "zero2", "tp2-sp", "pp2-1f1b")
     + _cases("hf-gpt2", "zero3", "pp2-1f1b", "cp2-allgather")

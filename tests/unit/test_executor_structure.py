@@ -46,6 +46,8 @@ def test_bare_parameters_live_on_the_stages_that_read_them() -> None:
     _, _, probe, (first, last) = _chunks(MODELS / "bare_params_vit.py", [(0, 2), (2, 4)])
     assert probe.bare == {"cls_token": frozenset({"prologue"}), "pos_embed": frozenset({"prologue"}),
                           "logit_scale": frozenset({"epilogue"})}
+    assert probe.shared == ("gain",)  # its output reaches the blocks as gain=: real on every stage
+    assert type(last.chunk.gain).__name__ == "Embedding" and type(last.chunk.patch).__name__ == "_ZeroStub"
     params = [{n for n, _ in named_full(c)} for c in (first, last)]
     buffers = [{n for n, _ in named_full(c, buffers=True)} for c in (first, last)]
     assert {"cls_token", "pos_embed"} <= params[0] and "logit_scale" in buffers[0]

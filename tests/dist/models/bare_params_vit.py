@@ -1,7 +1,9 @@
 """A plain-torch ViT-style classifier with bare ``nn.Parameter``s on the root: a class token and a
 learned positional embedding used before the blocks, and a logit temperature used after them.
-Blocks sit in an ``nn.ModuleList`` and return a tuple ``(x, None)`` that the loop unpacks, as some
-libraries' layers do. A pipeline must place the bare parameters on the stages that use them.
+Blocks sit in an ``nn.ModuleList``, take a ``gain=`` computed by a prologue module (an embedding, so
+it holds parameters: a pipeline must run it for real on every stage) and return a tuple
+``(x, None)`` that the loop unpacks, as some libraries' layers do. A pipeline must place the bare
+parameters on the stages that use them.
 """
 
 import torch
@@ -22,10 +24,10 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(DIM, 2 * DIM)
         self.fc2 = nn.Linear(2 * DIM, DIM)
 
-    def forward(self, x):
+    def forward(self, x, gain):
         b, n, c = x.shape
         q, k, v = self.qkv(self.norm1(x)).reshape(b, n, 3, HEADS, c // HEADS).permute(2, 0, 3, 1, 4).unbind(0)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)) * gain
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x)))), None
 
 
@@ -35,6 +37,7 @@ class ViT(nn.Module):
         self.patch = nn.Conv2d(3, DIM, kernel_size=PATCH, stride=PATCH)
         self.cls_token = nn.Parameter(torch.randn(1, 1, DIM) * 0.02)
         self.pos_embed = nn.Parameter(torch.randn(1, NUM_PATCHES + 1, DIM) * 0.02)
+        self.gain = nn.Embedding(1, DIM)  # a prologue module whose output every block takes as gain=
         self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, CLASSES)
@@ -43,8 +46,9 @@ class ViT(nn.Module):
     def forward(self, images):
         x = self.patch(images).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        gain = self.gain(torch.zeros(1, dtype=torch.long, device=images.device))
         for block in self.blocks:
-            x, _ = block(x)
+            x, _ = block(x, gain=gain)
         return self.head(self.norm(x)[:, 0]) * self.logit_scale.exp()
 
 
