@@ -321,7 +321,7 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any) -> M
     ``num_blocks`` counts the chain's units. TP plans are block-relative, so a chain gets none."""
     first = chain.units[0].rsplit(".", 1)[0]
     probe = chain.probe
-    heads, kv = _heads(model, model.get_submodule(chain.units[0]))
+    heads, kv = _heads(model, model.get_submodule(chain.units[0]), lambda: (None, None))  # no block to infer from
     emb, head = _vocab_edges(model, first)
     try:
         params = inspect.signature(model.forward).parameters

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from autopar.executor.chain_pipeline import build_chain_chunk, probe_chain_shapes, unit_modules
+from autopar.executor.pipeline_parallel import STAGE_ATTR, STAGE_PREFIX
 from autopar.modelfile import load_model_file
 from autopar.spec import model_spec
 
@@ -39,22 +40,22 @@ def _run_chunks(path: Path, ranges: list[tuple[int, int]]):
 def test_resnet_chunks_compute_the_full_model(ranges) -> None:
     model, spec, chunks, got, want = _run_chunks(MODELS / "chain_resnet.py", ranges)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    names = [{n.removeprefix("model.") for n, _ in ch.named_parameters()} for ch in chunks]
+    names = [{n.removeprefix(STAGE_PREFIX) for n, _ in ch.named_parameters()} for ch in chunks]
     assert set().union(*names) == {n for n, _ in model.named_parameters()}
     assert sum(len(s) for s in names) == len(list(model.parameters())), "every parameter on exactly one chunk"
     for ch, (a, b) in zip(chunks, ranges):  # FSDP2 and recompute see exactly the chunk's units
-        mine = [ch.get_submodule("model." + spec.chain.units[i]) for i in range(a, b)]
-        assert [id(m) for m in unit_modules(ch, spec, "model.")] == [id(m) for m in mine]
+        mine = [ch.get_submodule(STAGE_PREFIX + spec.chain.units[i]) for i in range(a, b)]
+        assert [id(m) for m in unit_modules(ch, spec, STAGE_PREFIX)] == [id(m) for m in mine]
 
 
 def test_vit_chunks_keep_the_class_token_on_the_first_stage() -> None:
     model, spec, chunks, got, want = _run_chunks(MODELS / "chain_vit.py", [(0, 1), (1, 4)])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     first, second = chunks
-    assert isinstance(first.model.cls_token, nn.Parameter) and not first.model.cls_token.is_meta
-    later = second.model.cls_token
+    assert isinstance(getattr(first, STAGE_ATTR).cls_token, nn.Parameter) and not getattr(first, STAGE_ATTR).cls_token.is_meta
+    later = getattr(second, STAGE_ATTR).cls_token
     assert not isinstance(later, nn.Parameter) and later.is_meta  # read on meta, never trained there
-    assert "model.cls_token" not in dict(second.named_parameters())
+    assert STAGE_PREFIX + "cls_token" not in dict(second.named_parameters())
     # stand-ins in the Sequential get non-digit keys: code walking digit keys sees real blocks only
-    assert [k for k in second.model.blocks._modules if k.isdigit()] == ["1", "2", "3"]
-    assert [k for k in first.model.blocks._modules if k.isdigit()] == ["0"]
+    assert [k for k in getattr(second, STAGE_ATTR).blocks._modules if k.isdigit()] == ["1", "2", "3"]
+    assert [k for k in getattr(first, STAGE_ATTR).blocks._modules if k.isdigit()] == ["0"]

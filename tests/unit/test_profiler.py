@@ -118,7 +118,7 @@ def test_layer_profile_schema_and_written_profile_loads(tmp_path) -> None:
     out = tmp_path / "cpu-test.yaml"
     args = argparse.Namespace(model=TINY_GPT, output=str(out), device="cpu", micro_batch=(1, 2), tp=(1, 2), cp=(1, 2),
                               dtype=None, threads=1, repeats=1, warmup=0, no_kernels=True, comm=False,
-                              nproc_per_node=None, gpus_per_node=2, load_ranks=1)
+                              nproc_per_node=None, gpus_per_node=2, load_ranks=1, timeout=300.0)
     assert main(args) == 0
     data = yaml.safe_load(out.read_text())
     m = data["measured"]
