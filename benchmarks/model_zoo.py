@@ -1,0 +1,136 @@
+"""The model zoo: autopar on models it did not write, unchanged (issue 11's acceptance table).
+
+For every model file in ``examples/zoo/`` one row:
+
+* ``plan64``: wall seconds of ``autopar plan FILE --gpus 64`` on the file's full size (a copy with
+  ``SIZE = "full"``), as a subprocess with a 90 s limit; a timeout or a non-zero exit is a failure;
+* ``tp sp pp cp zero3``: whether autopar offers the dimension for this model (the reason when not);
+* ``dp2 tp2+sp pp2 cp2 zero3``: the tiny size trained 3 steps on 2 CPU ranks (gloo) under a plan of that
+  dimension, against the same model on one rank: every step's loss within 1e-4 (relative). A dimension
+  that is not offered is ``n/a``; ``tp2+sp`` runs tp2 alone when tp is offered without SP.
+
+Every cell is ``ok``, ``FAIL[n]`` or ``n/a[n]``; note ``[n]`` under the table gives the one-line cause or
+reason. Exit 1 if any cell fails. Runs are sequential by default (``--jobs``), each with a time limit.
+
+    python benchmarks/model_zoo.py                          # the whole zoo
+    python benchmarks/model_zoo.py --models hf_llama,vit --dims dp2,pp2
+    python benchmarks/model_zoo.py --out notes/zoo_matrix.txt --failures notes/zoo_failures.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from zoo_lib import RUNS, SUPPORT_KEYS, ZOO_DIR, ModelResult, evaluate, zoo_models  # noqa: E402
+
+
+
+def _header(col: str) -> str:
+    return col.split(":", 1)[1] + ("?" if col.startswith("offer:") else "") if ":" in col else col
+
+
+def format_table(results: list[ModelResult], dims: list[str]) -> str:
+    cols = ["plan64"] + [f"offer:{k}" for k in SUPPORT_KEYS] + [f"run:{d}" for d in dims]
+    notes: list[str] = []
+    note_ids: dict[str, int] = {}
+    rows = []
+    for r in results:
+        cells = r.cells()
+        row = [r.model.name]
+        for col in cols:
+            c = cells[col]
+            text = c.status
+            if col == "plan64" and c.status == "ok":
+                text = f"{c.seconds:.1f} s"
+            elif c.detail and not (c.status == "ok"):
+                key = f"{c.status} {c.detail}"
+                if key not in note_ids:
+                    note_ids[key] = len(notes) + 1
+                    notes.append(f"[{note_ids[key]}] {c.status}: {c.detail}")
+                text = f"{c.status}[{note_ids[key]}]"
+            elif c.detail:
+                text = f"ok ({c.detail})"
+            row.append(text)
+        rows.append(row)
+    head = ["model"] + [_header(c) for c in cols]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in rows]
+    lines += ["", "columns: plan64 = autopar plan of the full size at 64 GPUs (s); tp? .. zero3? = offered by "
+              "autopar; dp2 .. zero3 = 2 CPU ranks vs 1 rank, 3 steps, losses within 1e-4", ""]
+    lines += notes
+    return "\n".join(lines)
+
+
+def summary(results: list[ModelResult]) -> tuple[str, int]:
+    counts = {"ok": 0, "FAIL": 0, "n/a": 0}
+    for r in results:
+        for c in r.cells().values():
+            counts[c.status] += 1
+    failed_models = [r.model.name for r in results if any(c.failed for c in r.cells().values())]
+    line = (f"zoo: {len(results)} models, {counts['ok']} ok, {counts['FAIL']} FAIL, {counts['n/a']} n/a cells; "
+            f"models with a failure: {', '.join(failed_models) or 'none'}")
+    return line, counts["FAIL"]
+
+
+def failure_log(results: list[ModelResult]) -> str:
+    out = []
+    for r in results:
+        for col, c in r.cells().items():
+            if c.failed:
+                out.append(f"### {r.model.name} {col}: {c.detail}\n")
+                if c.tail:
+                    out.append("```\n" + c.tail + "\n```\n")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", help=f"comma-separated model names (default: every file in {ZOO_DIR.name}/)")
+    p.add_argument("--dims", default=",".join(RUNS), help=f"run cells to try (default {','.join(RUNS)})")
+    p.add_argument("--jobs", type=int, default=1, help="models evaluated at once (default 1: sequential)")
+    p.add_argument("--gpus", type=int, default=64, help="GPUs to plan the full size for (default 64)")
+    p.add_argument("--no-plan", action="store_true", help="skip the full-size planning column")
+    p.add_argument("--out", help="also write the table and summary to this file (overwritten)")
+    p.add_argument("--failures", help="append each failure's cause and output tail to this Markdown file")
+    args = p.parse_args(argv)
+    dims = [d for d in args.dims.split(",") if d]
+    bad = [d for d in dims if d not in RUNS]
+    if bad or args.jobs < 1:
+        p.error(f"--dims takes {','.join(RUNS)}; got {','.join(bad)}" if bad else "--jobs must be >= 1")
+    try:
+        models = zoo_models(args.models.split(",") if args.models else None)
+    except ValueError as exc:
+        p.error(str(exc))
+    start = time.perf_counter()
+
+    def one(m):
+        r = evaluate(m, dims=dims, plan=not args.no_plan, gpus=args.gpus)
+        bad_cells = [f"{k}: {c}" for k, c in r.cells().items() if c.failed]
+        print(f"  {m.name}: {'FAIL ' + '; '.join(bad_cells) if bad_cells else 'no failures'}", file=sys.stderr, flush=True)
+        return r
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(one, models))
+    table = format_table(results, dims)
+    line, failures = summary(results)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = f"{table}\n\n{line} ({time.perf_counter() - start:.0f} s, {stamp})"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    if args.failures and failures:
+        with open(args.failures, "a", encoding="utf-8") as fh:
+            fh.write(f"\n## model_zoo run {stamp}\n\n{failure_log(results)}\n")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
