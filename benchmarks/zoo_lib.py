@@ -43,6 +43,17 @@ PLAN_TIMEOUT_S, SUPPORT_TIMEOUT_S, RUN_TIMEOUT_S = 90.0, 90.0, 180.0
 _OPTIONAL_PACKAGES = ("transformers",)
 
 
+# What a demanding user expects autopar to offer for a zoo model (issue 11): pipeline and ZeRO-3 for
+# every model, tensor parallelism (and Megatron SP) for every transformer whose projections are Linear
+# layers. CP is not expected anywhere: it is offered only where the executor knows the attention.
+_NO_TP_EXPECTED = {"resnet": "a conv net", "wrapped_mha_lm": "nn.MultiheadAttention packs q/k/v in one Parameter"}
+
+
+def expected_offers(name: str) -> frozenset[str]:
+    """The support keys the zoo expects autopar to offer for model ``name``."""
+    return frozenset({"pp", "zero3"} | (set() if name in _NO_TP_EXPECTED else {"tp", "sp"}))
+
+
 class ZooError(Exception):
     """A zoo step failed: ``cause`` is one line, ``tail`` the end of the output for the failure log."""
 
@@ -57,6 +68,7 @@ class Cell:
     detail: str = ""
     seconds: float | None = None
     tail: str = field(default="", compare=False)
+    expected: bool = False  # n/a although the zoo expects the dimension offered (expected_offers)
 
     def __post_init__(self) -> None:
         if self.status not in ("ok", "FAIL", "n/a"):
@@ -66,8 +78,13 @@ class Cell:
     def failed(self) -> bool:
         return self.status == "FAIL"
 
+    @property
+    def missing_offer(self) -> bool:
+        return self.status == "n/a" and self.expected
+
     def __str__(self) -> str:
-        return self.status if not self.detail else f"{self.status}({self.detail})"
+        status = self.status + ("*" if self.missing_offer else "")
+        return status if not self.detail else f"{status}({self.detail})"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,24 +167,60 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-_ERROR_LINE = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+_ERROR_LINE = re.compile(r"^\s*(?:\[(?:rank|default)\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+# Consequences, not causes: a peer that died first, torchrun's summary, a rank killed by its launcher.
+_SECONDARY = re.compile(r"lost a peer|Connection closed by peer|ChildFailedError|torch\.distributed\.elastic|"
+                        r"SignalException|Connection reset|Broken pipe|timed out waiting|"
+                        r"aborted by peer|another rank", re.I)
+
+
+def _causes(output: str) -> list[tuple[int, str]]:
+    found = []
+    for i, line in enumerate(output.splitlines()):
+        if "autopar: error:" in line:
+            found.append((i, line.split("autopar: error:", 1)[1].strip()))
+        else:
+            m = _ERROR_LINE.match(line)
+            if m:
+                found.append((i, m.group(1).strip()))
+    return found
 
 
 def one_line_cause(output: str, code: int) -> str:
-    """The most telling line of a failed command: autopar's one-line error, else the last exception."""
+    """The most telling line of a failed command: the first error that is not a consequence of another
+    rank's failure (autopar's one-line error or an exception line), else the last error, else the tail."""
+    found = _causes(output)
+    primary = [c for _, c in found if not _SECONDARY.search(c)]
+    if primary:
+        return primary[0]
+    if found:
+        return found[-1][1]
     lines = output.splitlines()
-    for line in reversed(lines):
-        if "autopar: error:" in line:
-            return line.split("autopar: error:", 1)[1].strip()
-    for line in reversed(lines):
-        m = _ERROR_LINE.match(line)
-        if m and not m.group(1).startswith(("ChildFailedError", "torch.distributed.elastic")):
-            return m.group(1).strip()
     return f"exit {code}: {lines[-1].strip() if lines else 'no output'}"
 
 
+_NOISE = re.compile(r"^\s*(?:\[rank\d+\]:)?\s*[\^~ ]+$|/torch/nn/modules/module\.py\", line \d+, in _(?:wrapped_)?call_impl|"
+                    r"^\s*(?:\[rank\d+\]:)?\s*return (?:self\._call_impl|forward_call)\(")
+
+
+def failure_excerpt(output: str, before: int = 12, after: int = 2, tail: int = 6) -> str:
+    """The lines leading to the first primary error, and the last lines: enough to see where it broke
+    (caret markers and nn.Module's call wrappers left out)."""
+    lines = [ln for ln in output.rstrip().splitlines() if not _NOISE.search(ln)]
+    found = [i for i, c in _causes("\n".join(lines)) if not _SECONDARY.search(c)]
+    if not found:
+        return "\n".join(lines[-(before + tail):])
+    i = found[0]
+    head = lines[max(0, i - before): i + after + 1]
+    rest = lines[-tail:] if len(lines) - tail > i + after + 1 else []
+    return "\n".join(head + (["..."] + rest if rest else []))
+
+
+_WORK_PATH = re.compile(r"\S*/zoo-[\w-]+/(?:full|tiny)/")
+
+
 def _short(text: str, limit: int = 160) -> str:
-    text = " ".join(text.split())
+    text = _WORK_PATH.sub("", " ".join(text.split()))  # the temporary copy's directory says nothing
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -212,7 +265,7 @@ def support_of(path: Path, timeout_s: float = SUPPORT_TIMEOUT_S) -> Support:
     code, out, _ = _run([sys.executable, str(Path(__file__).resolve()), "--support", str(path)], timeout_s, REPO)
     marker = [ln for ln in out.splitlines() if ln.startswith("ZOO-SUPPORT ")]
     if code != 0 or not marker:
-        raise ZooError(one_line_cause(out, code), _tail(out))
+        raise ZooError(one_line_cause(out, code), failure_excerpt(out))
     d = json.loads(marker[-1][len("ZOO-SUPPORT "):])
     return Support(num_blocks=d["num_blocks"], seq_len=d["seq_len"], support=d["support"],
                    tp_source=d.get("tp_source"), source=d["source"])
@@ -230,7 +283,8 @@ def plan_cell(path: Path, work_dir: Path, *, gpus: int = 64, timeout_s: float = 
     except ZooError as exc:
         return Cell(status="FAIL", detail=exc.cause, tail=exc.tail)
     if code != 0:
-        return Cell(status="FAIL", detail=f"exit {code}: {_short(one_line_cause(out, code))}", seconds=secs, tail=_tail(out))
+        return Cell(status="FAIL", detail=f"exit {code}: {_short(one_line_cause(out, code))}", seconds=secs,
+                    tail=failure_excerpt(out))
     return Cell(status="ok", detail=f"{secs:.1f} s", seconds=secs)
 
 
@@ -267,7 +321,7 @@ def run_losses(path: Path, support: Support, parallel: Mapping[str, Any], work_d
         cmd += ["--nproc-per-node", str(world)]
     code, out, _ = _run(cmd, timeout_s, work_dir)
     if code != 0 or not report.exists():
-        raise ZooError(f"exit {code}: {_short(one_line_cause(out, code))}", _tail(out, 25))
+        raise ZooError(f"exit {code}: {_short(one_line_cause(out, code))}", failure_excerpt(out))
     return [float(x) for x in json.loads(report.read_text(encoding="utf-8"))["losses"]]
 
 
@@ -347,8 +401,9 @@ def evaluate(model: ZooModel, *, dims: Sequence[str] = tuple(RUNS), plan: bool =
             skipped = Cell(status="n/a", detail="autopar could not say what it supports")
             return ModelResult(model=model, plan=plan_c, support=None, support_cells={k: fail for k in SUPPORT_KEYS},
                                runs={d: skipped for d in dims})
-        cells = {k: Cell(status="ok") if sup.reason(k) is None else Cell(status="n/a", detail=_short(sup.reason(k)))
-                 for k in SUPPORT_KEYS}
+        expected = expected_offers(model.name)
+        cells = {k: Cell(status="ok") if sup.reason(k) is None else
+                 Cell(status="n/a", detail=_short(sup.reason(k)), expected=k in expected) for k in SUPPORT_KEYS}
         ref = reference_losses(tiny, sup, work) if dims else []
         runs = {d: run_cell(tiny, sup, d, ref, work) for d in dims}
     return ModelResult(model=model, plan=plan_c, support=sup, support_cells=cells, runs=runs)
