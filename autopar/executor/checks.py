@@ -19,6 +19,25 @@ def check_world_size(plan: Plan, world_size: int) -> None:
         )
 
 
+_DIM_NAMES = {"tp": "tensor parallelism", "sp": "sequence parallelism", "pp": "pipeline parallelism",
+              "cp": "context parallelism", "zero3": "ZeRO-3", "selective": "selective recompute",
+              "full": "full recompute"}
+
+
+def _dimensions_used(plan: Plan) -> list[tuple[str, bool, str]]:
+    """(dimension, whether the plan uses it, what to change instead) for every spec dimension."""
+    par = plan.parallel
+    return [
+        ("tp", par.tp > 1, "plan with tp = 1"),
+        ("sp", par.tp > 1 and par.sequence_parallel, "set sequence_parallel: false"),
+        ("pp", par.pp > 1, "plan with pp = 1"),
+        ("cp", par.cp > 1, "plan with cp = 1"),
+        ("zero3", par.zero == 3, "use zero 0, 1 or 2"),
+        ("selective", par.recompute == "selective", "use recompute none or full"),
+        ("full", par.recompute == "full", "use recompute none"),
+    ]
+
+
 def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple[ModelSpec, list[str]]:
     """Validate the plan against the model file; returns the ModelSpec and warnings to print.
 
@@ -45,9 +64,10 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
         raise AutoparError(
             f"the plan's training.seq_len = {plan.training.seq_len} but {where} has SEQ_LEN = {mf.seq_len}"
         )
+    for dim, used, change in _dimensions_used(plan):
+        if used and spec.support_reason(dim):
+            raise AutoparError(f"{_DIM_NAMES[dim]} cannot run on {where}: {spec.support_reason(dim)}; {change}")
     if par.tp > 1:
-        if spec.tp_plan is None:
-            raise AutoparError(f"{where} declares no tp_plan and none can be inferred; plan with tp = 1")
         for name, heads in (("attention heads", spec.num_heads), ("key/value heads", spec.num_kv_heads)):
             if heads is not None and heads % par.tp:
                 raise AutoparError(f"tp = {par.tp} does not divide the model's {heads} {name}; pick a tp that divides {heads}")
@@ -58,19 +78,12 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
             if width % par.tp:
                 raise AutoparError(f"tp = {par.tp} does not divide the width {width} of {name}; pick another tp")
     if par.cp > 1:
-        if spec.core_name is None or not spec.accepts_positions:
-            raise AutoparError(
-                f"context parallelism needs an attention core submodule ('core') and forward(..., positions=); "
-                f"{where} lacks them; plan with cp = 1"
-            )
         example_shape_check(mf.example_inputs(1), where, need_sequence=True)
         if par.cp_kind == "ulysses" and spec.num_heads is not None and (spec.num_heads // par.tp) % par.cp:
             raise AutoparError(
                 f"Ulysses cp = {par.cp} must divide the heads per tensor-parallel rank ({spec.num_heads // par.tp}); "
                 "use cp_kind ring or allgather"
             )
-    if par.recompute == "selective" and spec.core_name is None:
-        raise AutoparError(f"selective recompute needs an attention core submodule; {where} has none (use full)")
     if plan.training.dtype == "fp16" and par.pp > 1:
         raise AutoparError("fp16 needs loss scaling, which this executor does not do under pp; use bf16 or fp32")
     return spec, warnings

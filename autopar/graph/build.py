@@ -22,28 +22,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from autopar.errors import ModelFileError
 from autopar.graph.trace import Trace, run_and_trace
 from autopar.modelfile import call_model
+from autopar.spec.meta import tolerant_meta
 
 REGIONS = ("pre", "block", "post", "loss")
-
-
-def find_blocks(model: nn.Module, declared: str | None) -> tuple[str, nn.ModuleList] | None:
-    """The ModuleList of repeated blocks: the model file's ``pipeline_blocks`` or the largest list
-    whose children all share one type."""
-    if declared is not None:
-        try:
-            blocks = model.get_submodule(declared)
-        except AttributeError:
-            raise ModelFileError(f"pipeline_blocks = {declared!r} is not a submodule of the model") from None
-        if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
-            raise ModelFileError(f"pipeline_blocks = {declared!r} must name a non-empty nn.ModuleList")
-        return declared, blocks
-    best: tuple[int, str, nn.ModuleList] | None = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and len({type(c) for c in mod}) == 1:
-            size = sum(p.numel() for p in mod.parameters())
-            if best is None or size > best[0]:
-                best = (size, name, mod)
-    return None if best is None else (best[1], best[2])
 
 
 def match_tp_style(block_relative_name: str, tp_plan: Mapping[str, str], blocks_attr: str) -> str | None:
@@ -169,7 +150,8 @@ def trace_model(
             if tp_plan:
                 handles.extend(_tp_comm_hooks(block, tp_plan, blocks_attr or "", trace))
         set_region("pre")
-        out = call_model(model, inputs)
+        with tolerant_meta():  # value reads of meta tensors (HF's .item() checks) get a default
+            out = call_model(model, inputs)
         set_region("loss")
         loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
         y = first_tensor(out)
@@ -230,10 +212,16 @@ def one_block_model(model: nn.Module, blocks_attr: str) -> nn.Module:
         parent = copy.copy(clone.get_submodule(parent_name))
         parent._modules = dict(parent._modules)  # type: ignore[attr-defined]
         _set_path(clone, parent_name, parent)
-        parent._modules[leaf] = nn.ModuleList([blocks[0]])
+        parent._modules[leaf] = _one(blocks)
     else:
-        clone._modules[leaf] = nn.ModuleList([blocks[0]])
+        clone._modules[leaf] = _one(blocks)
     return clone
+
+
+def _one(blocks: nn.Module) -> nn.Module:
+    """The block list cut to its first block, of the same container kind (a Sequential is called,
+    a ModuleList is iterated)."""
+    return nn.Sequential(blocks[0]) if isinstance(blocks, nn.Sequential) else nn.ModuleList([blocks[0]])
 
 
 def _set_path(root: nn.Module, path: str, value: nn.Module) -> None:

@@ -9,28 +9,20 @@ that selective recompute drops. Pipeline cut points are the edges between blocks
 
 The numbers on the nodes are per micro-batch of one sample at the model's sequence length and tp=1;
 ``regions`` hold the fitted per-op tables the cost model evaluates at any shape.
+
+This module is plain data and needs no torch (the planner half loads without it); the graph is
+measured by ``graph/measure.py``.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Mapping
 
 import networkx as nx
-import torch
-from torch import nn
-from torch.utils._pytree import tree_map
 
-from autopar.errors import ModelFileError
-from autopar.graph.build import (
-    find_blocks, one_block_model, shard_for_tp, slice_sequence, trace_model,
-)
-from autopar.graph.scaling import RegionFit, Shape, fit_region
-from autopar.modelfile import ModelFile, load_model_file
+from autopar.graph.scaling import RegionFit, Shape
 from autopar.plan import DTYPE_BYTES
-
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +57,15 @@ class ModelGraph:
     block_input_bytes: float  # one sample, tp=1: the tensor a block receives (full recompute keeps it)
     graph: nx.DiGraph = field(compare=False)
     build_seconds: float = field(compare=False, default=0.0)
+    # What the executor can run on this model, per dimension (autopar.spec.support): None = offered,
+    # else the reason it is not. Empty: everything the reasons above allow.
+    support: Mapping[str, str | None] = field(default_factory=dict)
+    tp_source: str = ""  # the TP plan used and where it came from (spec.TPPlan.describe())
+    tp_styles: Mapping[str, str] = field(default_factory=dict)  # block-relative name -> colwise|rowwise
+
+    def supports(self, dim: str) -> str | None:
+        """None if the executor can run dimension ``dim`` on this model, else the reason."""
+        return self.support.get(dim)
 
     @property
     def dtype_bytes(self) -> int:
@@ -95,150 +96,6 @@ class ModelGraph:
         if self.num_kv_heads is not None and self.num_kv_heads % (tp * cp):
             return f"ulysses needs tp x cp = {tp * cp} to divide the {self.num_kv_heads} kv heads"
         return None
-
-
-def _heads_of(model: nn.Module) -> tuple[int | None, int | None]:
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return None, None
-    heads = getattr(cfg, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
-    kv = getattr(cfg, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", None)
-    return heads, kv
-
-
-def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtype: str = "bf16") -> ModelGraph:
-    """Measure ``model_file`` on meta and return its ModelGraph (cached per file, seq_len, dtype)."""
-    mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
-    key = (str(mf.path.resolve()), mf.sha256, seq_len, dtype)
-    if key not in _CACHE:
-        _CACHE[key] = _build(mf, seq_len, dtype)
-    return _CACHE[key]
-
-
-_CACHE: dict[tuple[str, str, int | None, str], ModelGraph] = {}
-
-
-def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
-    start = time.perf_counter()
-    torch_dtype = _TORCH_DTYPES[dtype]
-    model = mf.build("meta").to(torch_dtype)
-    model.train()
-    try:
-        found = find_blocks(model, mf.pipeline_blocks)
-    except ModelFileError as exc:
-        raise ModelFileError(f"{mf.path}: {exc}") from None
-    if found is None:
-        raise ModelFileError(
-            f"{mf.path}: found no nn.ModuleList of repeated blocks; set pipeline_blocks = '<attribute name>'"
-        )
-    blocks_attr, blocks = found
-    num_blocks = len(blocks)
-    tp_plan = dict(mf.tp_plan) if mf.tp_plan else None
-    if tp_plan is None:
-        tp_plan = _inferred_tp_plan(model)
-    heads, kv_heads = _heads_of(model)
-
-    base_seq = seq_len or mf.seq_len
-    inputs1 = _inputs(mf, 1, torch_dtype)
-    if base_seq is not None and mf.seq_len is not None and base_seq != mf.seq_len:
-        if base_seq > mf.seq_len:
-            raise ModelFileError(
-                f"{mf.path}: sequence length {base_seq} (--seq-len or the plan's training.seq_len) exceeds the "
-                f"model file's SEQ_LEN {mf.seq_len}"
-            )
-        inputs1 = slice_sequence(inputs1, mf.seq_len, base_seq)
-    is_seq = base_seq is not None and base_seq >= 2 and base_seq % 2 == 0
-    inputs2 = _inputs(mf, 2, torch_dtype)
-    if is_seq and mf.seq_len != base_seq:
-        inputs2 = slice_sequence(inputs2, mf.seq_len, base_seq)
-
-    small = one_block_model(model, blocks_attr)
-
-    def run(m: nn.Module, inp: Any) -> Any:
-        blk = m.get_submodule(blocks_attr)[0]
-        try:
-            return trace_model(m, inp, mf.loss_fn, blk, tp_plan, blocks_attr)
-        except ModelFileError as exc:
-            raise ModelFileError(str(exc) if str(exc).startswith(str(mf.path)) else f"{mf.path}: {exc}") from None
-        except Exception as exc:  # the user's forward or loss on meta
-            raise ModelFileError(f"{mf.path}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
-
-    base = run(small, inputs1)
-    b2 = run(small, inputs2)
-    s_half = run(small, slice_sequence(inputs1, base_seq, base_seq // 2)) if is_seq else None
-    tp_reason = None if tp_plan else "the model file has no tp_plan and none could be inferred"
-    t2 = None
-    if tp_reason is None:
-        try:
-            t2 = run(shard_for_tp(small, blocks_attr, tp_plan, 2), inputs1)
-        except ModelFileError as exc:
-            tp_reason = f"the block does not run on tp-sharded Linear layers ({exc})"
-    regions: dict[str, RegionFit] = {}
-    for region in ("pre", "block", "post", "loss"):
-        try:
-            regions[region] = fit_region(region, base.trace, b2.trace, s_half and s_half.trace, t2 and t2.trace)
-        except ValueError:
-            # Shapes change the op sequence: fall back to fitting without TP (rare; non-transformer code paths).
-            regions[region] = fit_region(region, base.trace, b2.trace, None, None)
-    params, tied = _region_params(small, base.param_regions, t2, blocks_attr, tp_plan)
-    cp_reason = None if is_seq and tp_plan else "not a sequence model with attention (no SEQ_LEN or tp_plan)"
-    graph = _to_networkx(regions, params, num_blocks, tied, base.block_input_bytes)
-    return ModelGraph(
-        name=mf.name, sha256=mf.sha256, num_blocks=num_blocks, seq_len=base_seq if is_seq else 1,
-        is_sequence_model=is_seq, dtype=dtype, num_heads=heads, num_kv_heads=kv_heads,
-        tp_reason=tp_reason, cp_reason=cp_reason, pp_reason=None,
-        regions=regions, params=params, tied_params=tied,
-        block_input_bytes=base.block_input_bytes, graph=graph,
-        build_seconds=time.perf_counter() - start,
-    )
-
-
-def _inputs(mf: ModelFile, micro_batch: int, dtype: torch.dtype) -> Any:
-    inp = mf.example_inputs(micro_batch, "meta")
-    return _cast_float(inp, dtype)
-
-
-def _cast_float(value: Any, dtype: torch.dtype) -> Any:
-    return tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, value)
-
-
-def _inferred_tp_plan(model: nn.Module) -> dict[str, str] | None:
-    """Honour a Hugging Face ``base_model_tp_plan`` when present; otherwise no inference here."""
-    for source in (getattr(model, "_tp_plan", None), getattr(getattr(model, "config", None), "base_model_tp_plan", None)):
-        if source:
-            plan = {}
-            for pattern, style in dict(source).items():
-                style = {"colwise_rep": "colwise", "rowwise_rep": "rowwise"}.get(style, style)
-                if style in ("colwise", "rowwise"):
-                    plan[pattern] = style
-            if plan:
-                return plan
-    return None
-
-
-def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any, blocks_attr: str,
-                   tp_plan: dict[str, str] | None) -> tuple[dict[str, RegionParams], int]:
-    counts = {"pre": 0, "block": 0, "post": 0, "loss": 0}
-    tied = 0
-    seen: set[int] = set()
-    for p in small.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        regions = param_regions.get(id(p), {"pre"})
-        first = "pre" if "pre" in regions else ("block" if "block" in regions else sorted(regions)[0])
-        counts[first] += p.numel()
-        if "pre" in regions and "post" in regions:
-            tied += p.numel()
-    sharded = {"pre": 0, "block": 0, "post": 0, "loss": 0}
-    if t2 is not None and tp_plan:
-        sharded_model = shard_for_tp(small, blocks_attr, tp_plan, 2)
-        for (name, p), (_, q) in zip(small.named_parameters(), sharded_model.named_parameters()):
-            if p.numel() != q.numel():
-                regions = param_regions.get(id(p), {"pre"})
-                first = "pre" if "pre" in regions else ("block" if "block" in regions else sorted(regions)[0])
-                sharded[first] += p.numel()
-    return {r: RegionParams(count=counts[r], tp_sharded=sharded[r]) for r in counts}, tied
 
 
 def region_totals(fit: RegionFit, shape: Shape) -> dict[str, float]:

@@ -20,7 +20,7 @@ import difflib
 import math
 from dataclasses import dataclass
 
-from autopar.graph.trace import OpRecord, SavedRecord, Trace
+from autopar.graph.records import OpRecord, SavedRecord, Trace
 
 QUADRATIC_EXPONENT = 1.5  # e_s above this: an attention-core quantity (s^2)
 

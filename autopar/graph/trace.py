@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -27,6 +27,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from autopar.graph.records import OpRecord, SavedRecord, Trace
 
 GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm"}
 ATTENTION_OPS = {
@@ -41,46 +43,6 @@ ATTENTION_OPS = {
 }
 # Ops that only bookkeep (no kernel on a GPU).
 _FREE_OPS = {"detach", "empty", "empty_like", "empty_strided", "lift_fresh", "_local_scalar_dense", "alias"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class OpRecord:
-    """One aten op: which phase and region ran it, its FLOPs and the bytes it read and wrote."""
-
-    name: str
-    phase: str  # "fwd" | "bwd"
-    region: str
-    kind: str  # "gemm" | "attn" | "mem"
-    flops: float
-    bytes: float
-    dims: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a GEMM
-
-
-@dataclass(frozen=True, kw_only=True)
-class SavedRecord:
-    """One tensor kept for backward (an activation), attributed to the region that saved it."""
-
-    region: str
-    nbytes: float
-
-
-@dataclass(kw_only=True)
-class Trace:
-    """Everything recorded for one forward+backward."""
-
-    ops: list[OpRecord] = field(default_factory=list)
-    saved: list[SavedRecord] = field(default_factory=list)
-    comm: list[tuple[str, str, str, float]] = field(default_factory=list)  # (region, phase, what, bytes)
-
-    def total(self, attr: str, phase: str | None = None, region: str | None = None) -> float:
-        return sum(
-            getattr(op, attr)
-            for op in self.ops
-            if (phase is None or op.phase == phase) and (region is None or op.region == region)
-        )
-
-    def saved_bytes(self, region: str | None = None) -> float:
-        return sum(r.nbytes for r in self.saved if region is None or r.region == region)
 
 
 def _nbytes(t: torch.Tensor) -> int:

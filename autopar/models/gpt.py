@@ -119,7 +119,14 @@ class GPTBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """tokens (b, s) int64 -> logits (b, s, vocab)."""
+    """tokens (b, s) int64 -> logits (b, s, vocab).
+
+    ``_tp_plan`` is the model's Megatron tensor-parallel plan, written the way Hugging Face models
+    carry theirs (model-relative patterns), so a model file needs no ``tp_plan`` line.
+    """
+
+    _tp_plan = {f"layers.*.{name}": style for name, style in {
+        "attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}.items()}
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -173,12 +180,7 @@ def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
 
 
-GPT_TP_PLAN = {
-    "attn.qkv": "colwise",
-    "attn.proj": "rowwise",
-    "mlp.fc1": "colwise",
-    "mlp.fc2": "rowwise",
-}
+GPT_TP_PLAN = {k.removeprefix("layers.*."): v for k, v in GPT._tp_plan.items()}  # block-relative
 
 
 def model_file(config: GPTConfig) -> str:

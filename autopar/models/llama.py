@@ -133,7 +133,11 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """tokens (b, s) int64 -> logits (b, s, vocab)."""
+    """tokens (b, s) int64 -> logits (b, s, vocab). ``_tp_plan``: as GPT's (model-relative patterns)."""
+
+    _tp_plan = {f"layers.*.{name}": style for name, style in {
+        "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+        "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"}.items()}
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -166,15 +170,7 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-LLAMA_TP_PLAN = {
-    "attention.wq": "colwise",
-    "attention.wk": "colwise",
-    "attention.wv": "colwise",
-    "attention.wo": "rowwise",
-    "feed_forward.w1": "colwise",
-    "feed_forward.w3": "colwise",
-    "feed_forward.w2": "rowwise",
-}
+LLAMA_TP_PLAN = {k.removeprefix("layers.*."): v for k, v in Llama._tp_plan.items()}  # block-relative
 
 
 def model_file(config: LlamaConfig) -> str:

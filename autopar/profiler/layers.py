@@ -53,13 +53,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autopar.executor.introspect import _find_core  # the executor's own rule for the attention core
 from autopar.graph.build import (
-    find_blocks, first_tensor as _first_tensor, one_block_model, shard_for_tp, slice_sequence, vocab_size_of,
+    first_tensor as _first_tensor, one_block_model, shard_for_tp, slice_sequence, vocab_size_of,
 )
 from autopar.modelfile import ModelFile, call_model
 from autopar.profiler.memory import LiveBytes
 from autopar.profiler.tables import LayerPoint, LayerTable
+from autopar.spec import find_core as _find_core  # the executor's own rule for the attention core
+from autopar.spec import model_spec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -206,10 +207,8 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
 
     _CPU_SHARE[0] = max(1.0, cfg.ranks_per_machine / (os.cpu_count() or 1)) if device.type == "cpu" else 1.0
     meta = mf.build("meta")
-    found = find_blocks(meta, mf.pipeline_blocks)
-    if found is None:
-        raise ValueError(f"{mf.path}: no nn.ModuleList of repeated blocks to profile")
-    blocks_attr, _ = found
+    spec = model_spec(mf, meta)
+    blocks_attr, tp_plan = spec.blocks_path, dict(spec.tp_plan or {})
     small = one_block_model(meta, blocks_attr)
     seq = mf.seq_len or 0
     seqs = sorted({seq // cp for cp in cfg.cps if seq and seq % cp == 0 and seq // cp >= 1}, reverse=True) or [seq]
@@ -217,9 +216,9 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
     regions: dict[str, list[LayerPoint]] = {r: [] for r in ("pre", "block", "post", "loss")}
     cp_runs = [(cp, kind) for cp in cfg.cps if cp > 1 and seq and seq % cp == 0 for kind in cfg.cp_kinds]
     for tp in cfg.tps:
-        if tp > 1 and not mf.tp_plan:
+        if tp > 1 and not tp_plan:
             continue
-        rank_model, vocab = _rank_model(small, blocks_attr, dict(mf.tp_plan or {}), tp)
+        rank_model, vocab = _rank_model(small, blocks_attr, tp_plan, tp)
         model = materialise(rank_model, device)
         model.train()
         block = model.get_submodule(blocks_attr)[0]

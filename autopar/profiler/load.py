@@ -46,14 +46,19 @@ def _gemm_loop() -> None:
 def _model_loop(model_path: str, micro_batch: int) -> None:
     import torch
 
-    from autopar.graph.build import find_blocks, one_block_model
+    from autopar.graph.build import one_block_model
     from autopar.modelfile import call_model, load_model_file
     from autopar.profiler.layers import materialise
 
     mf = load_model_file(model_path)
     meta = mf.build("meta")
-    found = find_blocks(meta, mf.pipeline_blocks)
-    model = materialise(one_block_model(meta, found[0]) if found else meta, torch.device("cpu"))
+    try:
+        from autopar.spec import model_spec
+
+        blocks_path: str | None = model_spec(mf, meta).blocks_path
+    except Exception:  # noqa: BLE001 - the load must go on (see main): the whole model then
+        blocks_path = None
+    model = materialise(one_block_model(meta, blocks_path) if blocks_path else meta, torch.device("cpu"))
     model.train()
     inputs = mf.example_inputs(micro_batch, "cpu")
     while True:

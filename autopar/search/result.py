@@ -71,6 +71,9 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
         f"seq {space.seq_len}, global batch {space.global_batch}",
         f"cluster  {cluster.name}: {space.num_gpus} GPUs, {cluster.gpus_per_node} per node, "
         f"{gib(cluster.memory_bytes)} GiB each",
+        *([f"tp plan  {graph.tp_source}: "
+           + ", ".join(f"{n} {s}" for n, s in graph.tp_styles.items())] if graph.tp_styles else
+          ([f"tp plan  {graph.tp_source}"] if graph.tp_source else [])),
         "",
         table(["#", "dp", "tp", "pp", "cp", "cp kind", "sp", "zero", "mb", "schedule", "blocks/rank", "recompute",
                "step s", "tokens/s", "MFU %", "peak GiB", "headroom"],

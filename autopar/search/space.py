@@ -95,6 +95,9 @@ class Branch:
 def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter) -> Iterator[Branch]:
     """Every legal branch; illegal combinations are counted in ``rejected`` by reason."""
     n, L = space.num_gpus, graph.num_blocks
+    recompute_modes = tuple(rc for rc in space.recompute_modes if rc == "none" or not graph.supports(rc))
+    for rc in set(space.recompute_modes) - set(recompute_modes):
+        rejected[f"recompute {rc}: {graph.supports(rc)}"] += 1
     for tp in divisors(n):
         if tp > space.gpus_per_node:
             rejected["tp > GPUs per node"] += 1
@@ -111,8 +114,13 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
                 if pp > L:
                     rejected["pp > blocks"] += 1
                     continue
+                if pp > 1 and graph.supports("pp"):
+                    rejected[f"pp: {graph.supports('pp')}"] += 1
+                    continue
                 dp = n // (tp * cp * pp)
                 zeros = space.zero_stages if dp * cp > 1 else (0,)
+                if 3 in zeros and graph.supports("zero3"):
+                    zeros = tuple(z for z in zeros if z != 3)
                 if tp > 1 and 2 in zeros:  # the executor runs ZeRO-1 with tp > 1 as ZeRO-2 (apply.py)
                     zeros = tuple(z for z in zeros if z != 1)
                 for mb in space.micro_batches:
@@ -124,8 +132,8 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
                     if not schedules:
                         continue
                     for kind in kinds:
-                        for sp in ((False, True) if tp > 1 else (False,)):
-                            for rc in space.recompute_modes:
+                        for sp in ((False, True) if tp > 1 and not graph.supports("sp") else (False,)):
+                            for rc in recompute_modes:
                                 yield Branch(tp=tp, cp=cp, cp_kind=kind, sequence_parallel=sp, micro_batch=mb,
                                              recompute=rc, pp=pp, dp=dp, schedules=schedules, zero_stages=zeros,
                                              space=space)

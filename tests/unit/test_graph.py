@@ -88,8 +88,13 @@ def test_blocks_found_without_pipeline_blocks_declaration(tmp_path: Path) -> Non
         "def example_inputs(n):\n    return example_tokens(32, 128, n)\n")
     g = build_graph(str(path), dtype="fp32")
     assert g.num_blocks == 6
-    # No tp_plan declared and none inferable: TP is not applicable, and the graph says why.
-    assert g.tp_reason and g.tp_allowed(2) == g.tp_reason and g.tp_allowed(1) is None
+    # No tp_plan line: the reference GPT carries its own plan (_tp_plan, as HF models do), so TP is
+    # offered and the graph says where the plan came from.
+    assert g.tp_reason is None and g.tp_allowed(2) is None
+    assert "model: _tp_plan" in g.tp_source
+    from autopar.models.gpt import GPT_TP_PLAN
+
+    assert dict(g.tp_styles) == GPT_TP_PLAN
 
 
 # ---------------------------------------------------------------- FLOPs

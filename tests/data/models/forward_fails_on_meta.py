@@ -1,4 +1,6 @@
-"""Bad model file: the forward pass needs real data (``.item()``), so it fails on meta."""
+"""Bad model file: the forward pass copies its activations to the CPU, which meta tensors cannot do.
+
+(Value reads such as ``.item()`` are answered on meta -- autopar.spec.meta -- so they no longer fail.)"""
 
 import torch
 from torch import nn
@@ -12,9 +14,8 @@ class Net(nn.Module):
     def forward(self, x):
         for b in self.blocks:
             x = b(x)
-        if x.sum().item() > 0:  # data-dependent control flow
-            x = x * 2
-        return x
+        host = x.detach().to("cpu")  # needs the values
+        return x * host.abs().max()
 
 
 def build_model():

@@ -1,0 +1,139 @@
+"""Measure a model file on the meta device into a ``ModelGraph`` (needs torch; see model_graph.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from autopar.errors import ModelFileError
+from autopar.graph.build import (
+    one_block_model, shard_for_tp, slice_sequence, trace_model,
+)
+from autopar.graph.model_graph import ModelGraph, RegionParams, _to_networkx
+from autopar.graph.scaling import RegionFit, fit_region
+from autopar.modelfile import ModelFile, load_model_file
+from autopar.spec import model_spec
+
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtype: str = "bf16") -> ModelGraph:
+    """Measure ``model_file`` on meta and return its ModelGraph (cached per file, seq_len, dtype)."""
+    mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
+    key = (str(mf.path.resolve()), mf.sha256, seq_len, dtype)
+    if key not in _CACHE:
+        _CACHE[key] = _build(mf, seq_len, dtype)
+    return _CACHE[key]
+
+
+_CACHE: dict[tuple[str, str, int | None, str], ModelGraph] = {}
+
+
+def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
+    start = time.perf_counter()
+    torch_dtype = _TORCH_DTYPES[dtype]
+    model = mf.build("meta").to(torch_dtype)
+    model.train()
+    spec = model_spec(mf, model)
+    blocks_attr = spec.blocks_path
+    num_blocks = spec.num_blocks
+    tp_plan = spec.tp_plan
+    heads, kv_heads = spec.num_heads, spec.num_kv_heads
+
+    base_seq = seq_len or mf.seq_len
+    inputs1 = _inputs(mf, 1, torch_dtype)
+    if base_seq is not None and mf.seq_len is not None and base_seq != mf.seq_len:
+        if base_seq > mf.seq_len:
+            raise ModelFileError(
+                f"{mf.path}: sequence length {base_seq} (--seq-len or the plan's training.seq_len) exceeds the "
+                f"model file's SEQ_LEN {mf.seq_len}"
+            )
+        inputs1 = slice_sequence(inputs1, mf.seq_len, base_seq)
+    is_seq = base_seq is not None and base_seq >= 2 and base_seq % 2 == 0
+    inputs2 = _inputs(mf, 2, torch_dtype)
+    if is_seq and mf.seq_len != base_seq:
+        inputs2 = slice_sequence(inputs2, mf.seq_len, base_seq)
+
+    small = one_block_model(model, blocks_attr)
+
+    def run(m: nn.Module, inp: Any) -> Any:
+        blk = m.get_submodule(blocks_attr)[0]
+        try:
+            return trace_model(m, inp, mf.loss_fn, blk, tp_plan, blocks_attr)
+        except ModelFileError as exc:
+            raise ModelFileError(str(exc) if str(exc).startswith(str(mf.path)) else f"{mf.path}: {exc}") from None
+        except Exception as exc:  # the user's forward or loss on meta
+            raise ModelFileError(f"{mf.path}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+
+    base = run(small, inputs1)
+    b2 = run(small, inputs2)
+    s_half = run(small, slice_sequence(inputs1, base_seq, base_seq // 2)) if is_seq else None
+    tp_reason = spec.support_reason("tp")
+    t2 = None
+    if tp_reason is None:
+        try:
+            t2 = run(shard_for_tp(small, blocks_attr, tp_plan, 2), inputs1)
+        except ModelFileError as exc:
+            tp_reason = f"the block does not run on tp-sharded Linear layers ({exc})"
+    regions: dict[str, RegionFit] = {}
+    for region in ("pre", "block", "post", "loss"):
+        try:
+            regions[region] = fit_region(region, base.trace, b2.trace, s_half and s_half.trace, t2 and t2.trace)
+        except ValueError:
+            # Shapes change the op sequence: fall back to fitting without TP (rare; non-transformer code paths).
+            regions[region] = fit_region(region, base.trace, b2.trace, None, None)
+    params, tied = _region_params(small, base.param_regions, t2, blocks_attr, tp_plan)
+    support = dict(spec.support)
+    if tp_reason is not None:  # the sharded block did not trace: TP and what needs it are off
+        support.update(tp=tp_reason, sp=support["sp"] or "needs tp")
+    if not is_seq and support["cp"] is None:
+        support["cp"] = f"sequence length {base_seq} cannot be split"
+    cp_reason = support["cp"]
+    graph = _to_networkx(regions, params, num_blocks, tied, base.block_input_bytes)
+    return ModelGraph(
+        name=mf.name, sha256=mf.sha256, num_blocks=num_blocks, seq_len=base_seq if is_seq else 1,
+        is_sequence_model=is_seq, dtype=dtype, num_heads=heads, num_kv_heads=kv_heads,
+        tp_reason=tp_reason, cp_reason=cp_reason, pp_reason=support["pp"], support=support,
+        tp_source=spec.tp.describe(), tp_styles=dict(tp_plan or {}),
+        regions=regions, params=params, tied_params=tied,
+        block_input_bytes=base.block_input_bytes, graph=graph,
+        build_seconds=time.perf_counter() - start,
+    )
+
+
+def _inputs(mf: ModelFile, micro_batch: int, dtype: torch.dtype) -> Any:
+    inp = mf.example_inputs(micro_batch, "meta")
+    return _cast_float(inp, dtype)
+
+
+def _cast_float(value: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, value)
+
+
+def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any, blocks_attr: str,
+                   tp_plan: dict[str, str] | None) -> tuple[dict[str, RegionParams], int]:
+    counts = {"pre": 0, "block": 0, "post": 0, "loss": 0}
+    tied = 0
+    seen: set[int] = set()
+    for p in small.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        regions = param_regions.get(id(p), {"pre"})
+        first = "pre" if "pre" in regions else ("block" if "block" in regions else sorted(regions)[0])
+        counts[first] += p.numel()
+        if "pre" in regions and "post" in regions:
+            tied += p.numel()
+    sharded = {"pre": 0, "block": 0, "post": 0, "loss": 0}
+    if t2 is not None and tp_plan:
+        sharded_model = shard_for_tp(small, blocks_attr, tp_plan, 2)
+        for (name, p), (_, q) in zip(small.named_parameters(), sharded_model.named_parameters()):
+            if p.numel() != q.numel():
+                regions = param_regions.get(id(p), {"pre"})
+                first = "pre" if "pre" in regions else ("block" if "block" in regions else sorted(regions)[0])
+                sharded[first] += p.numel()
+    return {r: RegionParams(count=counts[r], tp_sharded=sharded[r]) for r in counts}, tied

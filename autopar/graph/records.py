@@ -1,0 +1,49 @@
+"""What a trace records, as plain data: ops, saved tensors and collectives of one forward+backward.
+
+Kept apart from the recorder (``graph/trace.py``, which needs torch) so that the planner half --
+fitted regions, the ModelGraph, the cost model and the search -- loads without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpRecord:
+    """One aten op: which phase and region ran it, its FLOPs and the bytes it read and wrote."""
+
+    name: str
+    phase: str  # "fwd" | "bwd"
+    region: str
+    kind: str  # "gemm" | "attn" | "mem"
+    flops: float
+    bytes: float
+    dims: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a GEMM
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedRecord:
+    """One tensor kept for backward (an activation), attributed to the region that saved it."""
+
+    region: str
+    nbytes: float
+
+
+@dataclass(kw_only=True)
+class Trace:
+    """Everything recorded for one forward+backward."""
+
+    ops: list[OpRecord] = field(default_factory=list)
+    saved: list[SavedRecord] = field(default_factory=list)
+    comm: list[tuple[str, str, str, float]] = field(default_factory=list)  # (region, phase, what, bytes)
+
+    def total(self, attr: str, phase: str | None = None, region: str | None = None) -> float:
+        return sum(
+            getattr(op, attr)
+            for op in self.ops
+            if (phase is None or op.phase == phase) and (region is None or op.region == region)
+        )
+
+    def saved_bytes(self, region: str | None = None) -> float:
+        return sum(r.nbytes for r in self.saved if region is None or r.region == region)

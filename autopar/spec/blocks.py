@@ -1,0 +1,157 @@
+"""Where a model's repeated blocks are, and what runs around them.
+
+A *block list* is an ``nn.ModuleList`` or ``nn.Sequential`` of at least two children of one class
+with identical parameter shapes (the repeated transformer layers). It may sit at any depth: GPT's
+``layers``, Hugging Face's ``model.layers`` / ``bert.encoder.layer``, a timm-style ViT's ``blocks``
+Sequential. The model file's ``pipeline_blocks`` names one explicitly. Otherwise the list holding the
+most parameters wins.
+
+``probe_calls`` runs the model once on meta and records, in order, which modules beside the block
+list ran before the first block (the prologue: embeddings, rotary tables) and after the last (the
+epilogue: final norm, head), and how each block was called (positional or keyword arguments).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.errors import ModelFileError
+
+BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def _signature(mod: nn.Module) -> tuple:
+    return (type(mod),) + tuple((n, tuple(p.shape)) for n, p in mod.named_parameters())
+
+
+def is_block_list(mod: nn.Module) -> bool:
+    """A ModuleList or Sequential of >= 2 children that are the same block (class and shapes)."""
+    if not isinstance(mod, BLOCK_CONTAINERS) or len(mod) < 2:
+        return False
+    children = list(mod.children())
+    first = _signature(children[0])
+    return all(_signature(c) == first for c in children[1:])
+
+
+def _num_params(mod: nn.Module) -> int:
+    return sum(p.numel() for p in mod.parameters())
+
+
+def find_block_list(model: nn.Module, declared: str | None) -> str | None:
+    """Dotted path of the block list: ``declared`` (checked) or the largest one found; None if none."""
+    if declared is not None:
+        try:
+            blocks = model.get_submodule(declared)
+        except AttributeError:
+            raise ModelFileError(f"pipeline_blocks = {declared!r} is not a submodule of the model") from None
+        if not isinstance(blocks, BLOCK_CONTAINERS) or len(blocks) == 0:
+            raise ModelFileError(
+                f"pipeline_blocks = {declared!r} must name a non-empty nn.ModuleList or nn.Sequential, "
+                f"got {type(blocks).__name__}")
+        if len(blocks) > 1 and not is_block_list(blocks):
+            raise ModelFileError(
+                f"pipeline_blocks = {declared!r} holds blocks of different classes or shapes; "
+                "name a list of identical blocks")
+        return declared
+    best: tuple[int, str] | None = None
+    for name, mod in model.named_modules():
+        if name and is_block_list(mod):
+            size = _num_params(mod)
+            if best is None or size > best[0]:
+                best = (size, name)
+    return None if best is None else best[1]
+
+
+def heterogeneous_lists(model: nn.Module) -> list[str]:
+    """ModuleLists / Sequentials whose children share a class but not their parameter shapes
+    (ResNet stages of different widths): named in the message when no block list exists."""
+    out = []
+    for name, mod in model.named_modules():
+        if name and isinstance(mod, BLOCK_CONTAINERS) and len(mod) >= 2 and not is_block_list(mod):
+            if len({type(c) for c in mod.children()}) == 1:
+                out.append(name)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockCall:
+    """How the model calls a block: positional argument count and keyword names."""
+
+    num_args: int
+    kwargs: tuple[str, ...]
+    first_arg_is_tensor: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Probe:
+    """What one meta forward showed around the block list (see the module docstring).
+
+    ``prologue``: names (dotted, from the root) of the modules beside the block list that ran
+    before the first block, with the type of what they returned; ``epilogue``: those that ran
+    after the last block. ``block_call``: how the first block was called. ``block_output``: the type
+    name of what a block returned ("Tensor", "tuple", ...).
+    """
+
+    prologue: tuple[tuple[str, str], ...]
+    epilogue: tuple[str, ...]
+    block_call: BlockCall
+    block_output: str
+
+
+def _siblings(model: nn.Module, blocks_path: str) -> dict[str, nn.Module]:
+    """Every module beside the block list on its path from the root (the candidates for the
+    prologue and epilogue)."""
+    path = blocks_path.split(".")
+    out: dict[str, nn.Module] = {}
+    for depth in range(len(path)):
+        prefix = ".".join(path[:depth])
+        parent = model.get_submodule(prefix) if prefix else model
+        for name, child in parent.named_children():
+            if name != path[depth]:
+                out[f"{prefix}.{name}" if prefix else name] = child
+    return out
+
+
+def _type_name(value: Any) -> str:
+    return "Tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def probe_calls(model: nn.Module, blocks_path: str, run: Any) -> Probe:
+    """Run ``run()`` (one meta forward of ``model``) and classify the modules around the blocks."""
+    events: list[tuple[str, str, Any]] = []
+    handles = []
+    for name, mod in _siblings(model, blocks_path).items():
+        handles.append(mod.register_forward_hook(lambda m, a, o, n=name: events.append(("mod", n, _type_name(o)))))
+    blocks = model.get_submodule(blocks_path)
+    first, last = blocks[0], blocks[len(blocks) - 1]
+    call: dict[str, Any] = {}
+
+    def on_first(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        events.append(("first", "", None))
+        call.setdefault("call", BlockCall(num_args=len(args), kwargs=tuple(sorted(kwargs)),
+                                          first_arg_is_tensor=bool(args) and isinstance(args[0], torch.Tensor)))
+
+    def on_last(mod: nn.Module, args: tuple, out: Any) -> None:
+        events.append(("last", "", None))
+        call.setdefault("output", _type_name(out))
+
+    handles.append(first.register_forward_pre_hook(on_first, with_kwargs=True))
+    handles.append(last.register_forward_hook(on_last))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    kinds = [e[0] for e in events]
+    if "first" not in kinds:
+        raise ModelFileError(f"the model's forward never called its blocks ({blocks_path})")
+    i_first, i_last = kinds.index("first"), len(kinds) - 1 - kinds[::-1].index("last")
+    prologue = tuple((n, t) for i, (k, n, t) in enumerate(events) if k == "mod" and i < i_first)
+    epilogue = tuple(dict.fromkeys(n for i, (k, n, _) in enumerate(events) if k == "mod" and i > i_last))
+    return Probe(prologue=tuple(dict.fromkeys(prologue)), epilogue=epilogue,
+                 block_call=call["call"], block_output=call.get("output", "Tensor"))

@@ -1,0 +1,158 @@
+"""The tensor-parallel plan of a model and where it came from.
+
+A TP plan maps block-relative submodule names to ``"colwise"`` or ``"rowwise"`` (Megatron's column-
+and row-parallel Linear layers). Sources, in order of precedence:
+
+1. ``declared``: the model file's ``tp_plan``. Patterns are block-relative (``"attn.qkv"``) or
+   model-relative with a wildcard index, as Hugging Face writes them (``"layers.*.attn.qkv"``);
+2. ``model``: the model's own ``_tp_plan`` (autopar's reference models carry one, as HF models do),
+   then its ``config.base_model_tp_plan`` (HF, relative to the base model);
+3. ``inferred``: read off the traced block's data flow (``autopar.spec.tp_infer``).
+
+Hugging Face styles are mapped to the two autopar runs: ``colwise``, ``colwise_rep``,
+``packed_colwise`` -> colwise (a packed/fused projection is recognised by its width, as
+executor/tensor_parallel.py does); ``rowwise``, ``rowwise_rep`` -> rowwise. Entries autopar does not
+run (expert weights, ``local_*``, ``gather``, ``ep_router``, ``sequence_parallel``, targets that are
+not Linear layers) are dropped with a note; a parent whose colwise or rowwise half is dropped loses
+the other half too, since a lone column-parallel layer would hand a sharded tensor to unsharded code.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from torch import nn
+
+from autopar.errors import ModelFileError
+
+STYLE_MAP = {"colwise": "colwise", "colwise_rep": "colwise", "packed_colwise": "colwise",
+             "rowwise": "rowwise", "rowwise_rep": "rowwise"}
+SOURCES = ("declared", "model", "inferred")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPPlan:
+    """A block-relative TP plan and its provenance. ``styles`` is empty when TP is impossible."""
+
+    styles: Mapping[str, str]
+    source: str  # one of SOURCES, or "none"
+    detail: str = ""  # e.g. "config.base_model_tp_plan", or why inference found nothing
+    dropped: tuple[str, ...] = field(default=())  # notes on entries left out
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES + ("none",):
+            raise ValueError(f"TPPlan.source must be one of {SOURCES + ('none',)}, got {self.source!r}")
+        for name, style in self.styles.items():
+            if style not in ("colwise", "rowwise"):
+                raise ValueError(f"TPPlan style of {name!r} must be colwise or rowwise, got {style!r}")
+
+    def describe(self) -> str:
+        if not self.styles:
+            return f"none ({self.detail})" if self.detail else "none"
+        src = self.source + (f": {self.detail}" if self.detail else "")
+        return f"{len(self.styles)} layers ({src})"
+
+
+def is_tp_linear(mod: nn.Module) -> bool:
+    """A layer the executor can shard by rows or columns: nn.Linear, or HF's Conv1D (transposed)."""
+    return isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D"
+
+
+def _matches(pattern: str, name: str, prefixes: tuple[str, ...]) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or any(fnmatch.fnmatchcase(p + name, pattern) for p in prefixes)
+
+
+def _match(patterns: Mapping[str, str], names: list[str], prefixes: tuple[str, ...]) -> dict[str, str]:
+    """Block-relative name -> raw style for every block submodule a pattern matches. A name is
+    tried block-relative and as ``<blocks path>.0.<name>`` for each form of the blocks' path (from
+    the root, or from the base model)."""
+    out: dict[str, str] = {}
+    for name in names:
+        for pattern, style in patterns.items():
+            if _matches(pattern, name, prefixes):
+                out[name] = style
+                break
+    return out
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def resolve(patterns: Mapping[str, Any], block: nn.Module, blocks_path: str, root_prefixes: tuple[str, ...],
+            *, strict: bool, where: str, model_names: frozenset[str] = frozenset()) -> tuple[dict[str, str], list[str]]:
+    """Turn a pattern plan into block-relative colwise/rowwise styles; returns (styles, notes).
+
+    ``strict`` (a declared plan): a pattern that matches no module of the model, or names a block
+    layer that cannot be sharded, is an error; otherwise such entries are dropped with a note.
+    Entries for modules outside the blocks (embedding, head) are noted and left to the executor,
+    which shards the vocabulary edges itself. ``model_names``: every module name of the model."""
+    names = [n for n, _ in block.named_modules() if n]
+    prefixes = tuple(f"{form}.0." for form in strip_prefixes(blocks_path, root_prefixes))
+    raw = _match(patterns, names, prefixes)
+    if strict:
+        for pattern in patterns:
+            if any(_matches(pattern, n, prefixes) for n in names):
+                continue
+            if not any(fnmatch.fnmatchcase(form, pattern) for n in model_names for form in strip_prefixes(n, root_prefixes)):
+                raise ModelFileError(f"{where}: tp_plan names {pattern!r}, which is not a submodule of the model")
+    styles: dict[str, str] = {}
+    notes: list[str] = []
+    for name, style in raw.items():
+        mapped = STYLE_MAP.get(str(style))
+        mod = block.get_submodule(name)
+        if mapped is None:
+            if strict and style not in ("replicate", "sequence_parallel"):
+                raise ModelFileError(f"{where}: tp_plan[{name!r}] = {style!r}; use colwise or rowwise")
+            notes.append(f"{name}: style {style!r} is not run by autopar")
+            continue
+        if not is_tp_linear(mod):
+            if strict:
+                raise ModelFileError(f"{where}: tp_plan[{name!r}] must name an nn.Linear, got {type(mod).__name__}")
+            notes.append(f"{name}: {type(mod).__name__} is not a Linear layer")
+            continue
+        styles[name] = mapped
+    # A parent keeps its TP only as a whole column->row pair.
+    by_parent: dict[str, set[str]] = {}
+    for name, style in styles.items():
+        by_parent.setdefault(_parent(name), set()).add(style)
+    dropped_parents = {p for p, kinds in by_parent.items() if kinds != {"colwise", "rowwise"}}
+    if dropped_parents and not strict:
+        for p in sorted(dropped_parents):
+            notes.append(f"{p or '(block)'}: no column->row pair left; kept replicated")
+        styles = {n: s for n, s in styles.items() if _parent(n) not in dropped_parents}
+    return styles, notes
+
+
+def model_carried_plan(model: nn.Module) -> tuple[Mapping[str, Any] | None, str]:
+    """The TP plan a model carries itself, with its detail label: ``_tp_plan`` entries that reach
+    into the blocks, else ``config.base_model_tp_plan`` (Hugging Face)."""
+    own = getattr(model, "_tp_plan", None)
+    if isinstance(own, Mapping) and any("." in k for k in own):
+        return own, "_tp_plan"
+    cfg = getattr(model, "config", None)
+    base = getattr(cfg, "base_model_tp_plan", None)
+    if isinstance(base, Mapping) and base:
+        return base, "config.base_model_tp_plan"
+    return None, ""
+
+
+def root_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Prefixes under which a model-relative pattern may be written: the root itself and, for HF
+    models, the base model (``base_model_prefix``, e.g. ``model.``)."""
+    base = getattr(model, "base_model_prefix", None)
+    out = ("",)
+    if isinstance(base, str) and base and hasattr(model, base):
+        out += (f"{base}.",)
+    return out
+
+
+def strip_prefixes(path: str, prefixes: tuple[str, ...]) -> list[str]:
+    """``path`` and its forms with each root prefix removed (HF patterns omit the base model)."""
+    out = [path]
+    for p in prefixes:
+        if p and path.startswith(p):
+            out.append(path[len(p):])
+    return out
