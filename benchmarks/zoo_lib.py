@@ -243,7 +243,7 @@ def _own_model_spec():
 def _support_child(path: str) -> dict[str, Any]:
     """(In the child.) What autopar offers for the model file at ``path``: autopar.spec.model_spec when
     it exists, else the planner graph's reasons. The one place to change when autopar's API changes."""
-    from autopar.graph.model_graph import build_graph
+    from autopar.graph import build_graph
     from autopar.modelfile import load_model_file
 
     mf = load_model_file(path)
@@ -251,9 +251,10 @@ def _support_child(path: str) -> dict[str, Any]:
     if model_spec is not None:
         spec = model_spec(mf)
         num_blocks = getattr(spec, "num_blocks", None) or build_graph(mf, dtype="fp32").num_blocks
+        tp = getattr(spec, "tp", None)
         return {"num_blocks": num_blocks, "seq_len": mf.seq_len, "source": "spec",
                 "support": {k: spec.support.get(k, "not reported by model_spec") for k in SUPPORT_KEYS},
-                "tp_source": getattr(spec, "tp_source", None)}
+                "tp_source": getattr(spec, "tp_source", None) or getattr(tp, "source", None)}
     g = build_graph(mf, dtype="fp32")
     support = {"tp": g.tp_reason, "sp": g.tp_reason, "pp": g.pp_reason, "cp": g.cp_reason, "zero3": None}
     return {"num_blocks": g.num_blocks, "seq_len": mf.seq_len, "source": "graph", "support": support,
@@ -402,7 +403,8 @@ def evaluate(model: ZooModel, *, dims: Sequence[str] = tuple(RUNS), plan: bool =
             return ModelResult(model=model, plan=plan_c, support=None, support_cells={k: fail for k in SUPPORT_KEYS},
                                runs={d: skipped for d in dims})
         expected = expected_offers(model.name)
-        cells = {k: Cell(status="ok") if sup.reason(k) is None else
+        cells = {k: Cell(status="ok", detail=sup.tp_source if k == "tp" and sup.tp_source else "")
+                 if sup.reason(k) is None else
                  Cell(status="n/a", detail=_short(sup.reason(k)), expected=k in expected) for k in SUPPORT_KEYS}
         ref = reference_losses(tiny, sup, work) if dims else []
         runs = {d: run_cell(tiny, sup, d, ref, work) for d in dims}
