@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from zoo_lib import RUNS, SUPPORT_KEYS, ZOO_DIR, ModelResult, evaluate, zoo_models  # noqa: E402
+from zoo_lib import RUNS, SUPPORT_KEYS, ZOO_DIR, Cell, ModelResult, evaluate, zoo_models  # noqa: E402
 
 
 
@@ -85,13 +85,18 @@ def summary(results: list[ModelResult], strict_offers: bool = False) -> tuple[st
 
 
 def failure_log(results: list[ModelResult]) -> str:
+    """Markdown: per model, each distinct cause once, with the cells it failed and an output excerpt."""
     out = []
     for r in results:
+        by_cause: dict[str, list[tuple[str, Cell]]] = {}
         for col, c in r.cells().items():
             if c.failed:
-                out.append(f"### {r.model.name} {col}: {c.detail}\n")
-                if c.tail:
-                    out.append("```\n" + c.tail + "\n```\n")
+                by_cause.setdefault(c.detail, []).append((col, c))
+        for detail, cells in by_cause.items():
+            out.append(f"### {r.model.name} — {', '.join(col for col, _ in cells)}: {detail}\n")
+            tail = next((c.tail for _, c in cells if c.tail), "")
+            if tail:
+                out.append("```\n" + tail + "\n```\n")
     return "\n".join(out)
 
 
@@ -118,13 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
 
     def one(m):
+        t0 = time.perf_counter()
         r = evaluate(m, dims=dims, plan=not args.no_plan, gpus=args.gpus)
+        took = f"({time.perf_counter() - t0:.0f} s)"
         causes: dict[str, list[str]] = {}
         for k, c in r.cells().items():
             if c.failed:
                 causes.setdefault(c.detail, []).append(k)
         bad_cells = [f"{','.join(ks)}: {d}" for d, ks in causes.items()]
-        print(f"  {m.name}: {'FAIL ' + '; '.join(bad_cells) if bad_cells else 'no failures'}", file=sys.stderr, flush=True)
+        print(f"  {m.name} {took}: {'FAIL ' + '; '.join(bad_cells) if bad_cells else 'no failures'}", file=sys.stderr,
+              flush=True)
         return r
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

@@ -28,15 +28,17 @@ def _xfail(reason: str):
     return pytest.mark.xfail(strict=True, reason=reason)
 
 
+# (model, run cell, the support keys the case requires offered). "tp2+sp" runs tp2 without SP where SP
+# is not offered; a case that lists "sp" requires it.
 CASES = [
-    pytest.param("hf_llama", "tp2+sp", id="hf_llama-tp2+sp"),
-    pytest.param("hf_llama", "pp2", id="hf_llama-pp2"),
-    pytest.param("hf_gpt2", "tp2+sp", id="hf_gpt2-tp2"),
-    pytest.param("odd_names_decoder", "tp2+sp", id="odd_names_decoder-tp2"),
-    pytest.param("vit", "pp2", id="vit-pp2"),
-    pytest.param("resnet", "pp2", id="resnet-pp2"),
-    pytest.param("torch_encoder", "dp2", id="torch_encoder-dp2"),
-    pytest.param("hf_mixtral", "dp2", id="hf_mixtral-dp2"),
+    pytest.param("hf_llama", "tp2+sp", ("tp", "sp"), id="hf_llama-tp2+sp"),
+    pytest.param("hf_llama", "pp2", ("pp",), id="hf_llama-pp2"),
+    pytest.param("hf_gpt2", "tp2+sp", ("tp",), id="hf_gpt2-tp2"),
+    pytest.param("odd_names_decoder", "tp2+sp", ("tp",), id="odd_names_decoder-tp2"),
+    pytest.param("vit", "pp2", ("pp",), id="vit-pp2"),
+    pytest.param("resnet", "pp2", ("pp",), id="resnet-pp2"),
+    pytest.param("torch_encoder", "dp2", (), id="torch_encoder-dp2"),
+    pytest.param("hf_mixtral", "dp2", (), id="hf_mixtral-dp2"),
 ]
 
 
@@ -59,13 +61,13 @@ def zoo_state(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize(("name", "dim"), CASES)
-def test_zoo_model_trains_like_one_rank(zoo_state, name, dim):
+@pytest.mark.parametrize(("name", "dim", "needs"), CASES)
+def test_zoo_model_trains_like_one_rank(zoo_state, name, dim, needs):
     if name.startswith("hf_") and not HAS_TRANSFORMERS:
         pytest.skip("transformers not installed")
     tiny, support, reference, work = zoo_state(name)
-    missing = [k for k in zoo_lib.RUN_NEEDS[dim] if support.reason(k) is not None]
-    assert not missing, f"autopar does not offer {dim} for {name}: {support.reason(missing[0])}"
+    missing = [k for k in needs if support.reason(k) is not None]
+    assert not missing, f"autopar does not offer {missing[0]} for {name}: {support.reason(missing[0])}"
     cell = zoo_lib.run_cell(tiny, support, dim, reference, work)
     assert cell.status == "ok", f"{name} {dim}: {cell}\n{cell.tail}"
 
@@ -110,3 +112,24 @@ def test_one_line_cause_is_the_first_error_that_is_not_a_peer_failing():
     assert zoo_lib.one_line_cause(out, 1) == "KeyError: 'embed_tokens.weight'"
     assert "lost a peer" in zoo_lib.one_line_cause("autopar: error: rank 0: a collective lost a peer\n", 4)
     assert zoo_lib.one_line_cause("", 1) == "exit 1: no output"
+
+
+def test_table_gives_every_cell_a_result_or_a_numbered_reason_and_fails_on_any_failure():
+    import model_zoo
+
+    m = zoo_lib.zoo_models(["vit"])[0]
+    ok, na = zoo_lib.Cell(status="ok"), zoo_lib.Cell(status="n/a", detail="no tp plan", expected=True)
+    fail = zoo_lib.Cell(status="FAIL", detail="KeyError: 'cls_token'", tail="Traceback ...")
+    result = zoo_lib.ModelResult(
+        model=m, plan=zoo_lib.Cell(status="ok", detail="3.0 s", seconds=3.0), support=None,
+        support_cells={"tp": na, "sp": na, "pp": ok, "cp": zoo_lib.Cell(status="n/a", detail="no SEQ_LEN"), "zero3": ok},
+        runs={"dp2": ok, "pp2": fail})
+    table = model_zoo.format_table([result], ["dp2", "pp2"])
+    row = next(line for line in table.splitlines() if line.startswith("vit"))
+    assert row.split() == ["vit", "3.0", "s", "n/a*[1]", "n/a*[1]", "ok", "n/a[2]", "ok", "ok", "FAIL[3]"]
+    assert "[3] FAIL: KeyError: 'cls_token'" in table and "[1] n/a: no tp plan" in table
+    line, failures = model_zoo.summary([result])
+    assert failures == 1 and "2 expected offers missing" in line and "vit" in line
+    assert model_zoo.summary([result], strict_offers=True)[1] == 3
+    log = model_zoo.failure_log([result])
+    assert "### vit — run:pp2: KeyError: 'cls_token'" in log and "Traceback ..." in log
