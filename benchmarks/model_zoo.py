@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -121,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     start = time.perf_counter()
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    done: dict[str, ModelResult] = {}
+    lock = threading.Lock()
+    if args.failures:
+        with open(args.failures, "a", encoding="utf-8") as fh:
+            fh.write(f"\n## model_zoo run {stamp} ({len(models)} models, dims {','.join(dims)})\n\n")
 
     def one(m):
         t0 = time.perf_counter()
@@ -133,20 +140,26 @@ def main(argv: list[str] | None = None) -> int:
         bad_cells = [f"{','.join(ks)}: {d}" for d, ks in causes.items()]
         print(f"  {m.name} {took}: {'FAIL ' + '; '.join(bad_cells) if bad_cells else 'no failures'}", file=sys.stderr,
               flush=True)
+        with lock:  # the files show the models finished so far, so a long run can be read while it goes
+            done[m.name] = r
+            if args.failures and bad_cells:
+                with open(args.failures, "a", encoding="utf-8") as fh:
+                    fh.write(failure_log([r]) + "\n")
+            if args.out:
+                partial = [done[x.name] for x in models if x.name in done]
+                Path(args.out).write_text(
+                    f"{format_table(partial, dims)}\n\n(partial: {len(partial)} of {len(models)} models, started "
+                    f"{stamp})\n", encoding="utf-8")
         return r
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(one, models))
     table = format_table(results, dims)
     line, failures = summary(results, args.strict_offers)
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    text = f"{table}\n\n{line} ({time.perf_counter() - start:.0f} s, {stamp})"
+    text = f"{table}\n\n{line} ({time.perf_counter() - start:.0f} s, started {stamp})"
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
-    if args.failures and failures:
-        with open(args.failures, "a", encoding="utf-8") as fh:
-            fh.write(f"\n## model_zoo run {stamp}\n\n{failure_log(results)}\n")
     return 1 if failures else 0
 
 
