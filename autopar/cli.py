@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 2 bad input, including a request no plan can meet ("no plan fits ...": a
 one-line ``autopar: error: ...`` on stderr, nothing written); 4 a rank died or a collective hung during ``autopar run``
-(autopar.executor.faults); 1 an internal error (a bug: please report it).
+(autopar.executor.faults, autopar.launch.local); 128 + signal when interrupted (130 SIGINT, 143 SIGTERM);
+1 an internal error (a bug: please report it). The whole contract: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -32,34 +33,46 @@ def _warn(message: str) -> None:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from autopar.cluster import load_cluster_and_profile
-    from autopar.cost.compute import measured_table_warning
-    from autopar.cost.estimate import estimate_json, estimate_plan
-    from autopar.graph import build_graph
-    from autopar.modelfile import load_model_file
-    from autopar.plan import load_plan
+    from autopar.cost.estimate import estimate_json
     from autopar.report import estimate_report
+    from autopar.usercode import configure, stdout_to_stderr
 
     if args.model and args.model.endswith((".yaml", ".yml")) and args.plan.endswith(".py"):
         # PLAN.yaml MODEL.py, the order of run / validate / explain: take it as meant
         args.model, args.plan = args.plan, args.model
+    configure(timeout_s=args.timeout)
+    if args.json:  # nothing but the JSON object on stdout, whatever the model file prints
+        with stdout_to_stderr():
+            est, plan, graph, cluster = _estimate(args)
+        print(json.dumps(estimate_json(est), indent=2))
+        return EXIT_OK
+    est, plan, graph, cluster = _estimate(args)
+    print(estimate_report(plan, est, graph.name, graph.num_params, cluster.name))
+    return EXIT_OK
+
+
+def _estimate(args: argparse.Namespace):  # noqa: ANN202
+    from autopar.cluster import load_cluster_and_profile
+    from autopar.cost.compute import measured_table_warning
+    from autopar.cost.estimate import estimate_plan
+    from autopar.graph import build_graph
+    from autopar.modelcheck import check_example_inputs
+    from autopar.modelfile import load_model_file
+    from autopar.plan import load_plan
+
     plan = load_plan(args.plan)
     cluster = load_cluster_and_profile(args.cluster, args.profile, plan.cluster.profile)
     if args.cluster is None and args.profile is None and plan.cluster.gpus_per_node != cluster.gpus_per_node:
         _warn(f"plan has {plan.cluster.gpus_per_node} GPUs per node, profile {cluster.name} has {cluster.gpus_per_node}")
     mf = load_model_file(args.model or plan.model.file)
+    check_example_inputs(mf)
     if plan.model.sha256 and plan.model.sha256 != mf.sha256:
         _warn(f"{mf.path} changed since the plan was made (sha256 differs); the estimate is for the file as it is now")
     graph = build_graph(mf, seq_len=plan.training.seq_len, dtype=plan.training.dtype)
     note = measured_table_warning(graph, cluster)
     if note:
         _warn(note)
-    est = estimate_plan(plan, graph, cluster)
-    if args.json:
-        print(json.dumps(estimate_json(est), indent=2))
-    else:
-        print(estimate_report(plan, est, graph.name, graph.num_params, cluster.name))
-    return EXIT_OK
+    return estimate_plan(plan, graph, cluster), plan, graph, cluster
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
@@ -80,9 +93,11 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: built-in commands plus every command module present."""
+    from autopar.usercode import add_timeout_argument
+
     parser = _Parser(prog="autopar", description="Plan and run hybrid-parallel PyTorch training.",
                      epilog="exit codes: 0 ok, 2 bad input or no plan fits memory, 4 a rank died or hung, "
-                            "1 internal error")
+                            "130/143 interrupted, 1 internal error (docs/reliability.md)")
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -96,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="PATH",
                    help="measured profile (autopar profile) layered over the cluster profile, or a full one")
     p.add_argument("--json", action="store_true", help="print one JSON object (the estimate --json contract)")
+    add_timeout_argument(p)
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("profiles", help="list the cluster profiles with their key figures",
@@ -138,8 +154,11 @@ def _add_optional_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from autopar.usercode import configure
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure(hard_exit=True)  # a model-file call that ignores its time limit ends the process (usercode.py)
     try:
         return int(args.func(args) or 0)
     except AutoparError as exc:

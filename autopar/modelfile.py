@@ -63,22 +63,20 @@ class ModelFile:
 
     def build(self, device: str | torch.device = "meta") -> nn.Module:
         """Call ``build_model()`` under ``device`` (meta by default: no memory is used)."""
-        try:
-            with torch.device(device):
-                model = self.module.build_model()
-        except Exception as exc:  # the user's code: any failure is reported, never a traceback
-            raise ModelFileError(f"{self.path}: build_model() failed on {device}: {_cause(exc)}") from None
+        from autopar.usercode import user_code  # time limit, exits and BaseExceptions, stdout to stderr
+
+        with user_code("build_model()", self.path, f" on {device}"), torch.device(device):
+            model = self.module.build_model()
         if not isinstance(model, nn.Module):
             raise ModelFileError(f"{self.path}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
         return model
 
     def example_inputs(self, micro_batch_size: int, device: str | torch.device = "meta") -> Any:
         """One micro-batch of forward arguments, moved to ``device``."""
-        try:
-            with torch.device(device):
-                inputs = self.module.example_inputs(micro_batch_size)
-        except Exception as exc:
-            raise ModelFileError(f"{self.path}: example_inputs({micro_batch_size}) failed: {_cause(exc)}") from None
+        from autopar.usercode import user_code
+
+        with user_code(f"example_inputs({micro_batch_size})", self.path), torch.device(device):
+            inputs = self.module.example_inputs(micro_batch_size)
         return _to_device(inputs, torch.device(device))
 
 
@@ -116,14 +114,14 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelFileError(f"model file {p} cannot be imported")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    from autopar.usercode import user_code
+
     try:
-        spec.loader.exec_module(module)
-    except SystemExit as exc:
-        raise ModelFileError(f"model file {p} failed to import: it called exit({exc.code})") from None
-    except BaseException as exc:  # noqa: BLE001 - SyntaxError, ImportError, anything the user's file raises
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        raise ModelFileError(f"model file {p} failed to import: {_cause(exc)}") from None
+        with user_code("import", f"model file {p}"):
+            spec.loader.exec_module(module)
+    except ModelFileError:
+        sys.modules.pop(name, None)
+        raise
     for required in ("build_model", "example_inputs"):
         if not callable(getattr(module, required, None)):
             raise ModelFileError(f"model file {p} must define {required}() (see the model-file contract in README)")

@@ -11,7 +11,6 @@ import dataclasses
 import os
 import re
 import sys
-import tempfile
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,10 +359,16 @@ def _plain(value: Any) -> Any:
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Read and validate a plan file. Raises PlanError with a one-line message."""
+    from autopar.yamlload import MAX_INPUT_BYTES
+
     p = Path(path)
     if not p.is_file():
         raise PlanError(f"plan file {p} does not exist")
     try:
+        size = p.stat().st_size
+        if size > MAX_INPUT_BYTES:
+            raise PlanError(f"plan file {p} is {size / 2**20:,.1f} MiB; a plan is at most "
+                            f"{MAX_INPUT_BYTES / 2**20:g} MiB (is it the right file?)")
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise PlanError(f"cannot read plan file {p}: {exc}") from None
@@ -371,9 +376,14 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 
 
 def parse_plan(text: str, source: str = "<plan>") -> Plan:
-    """Parse plan YAML text (safe_load only: python tags are refused)."""
+    """Parse plan YAML text (a SafeLoader: python tags, duplicate keys and oversized text are refused)."""
+    from autopar.errors import AutoparError
+    from autopar.yamlload import load_yaml
+
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text, source)
+    except AutoparError as exc:
+        raise PlanError(str(exc)) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -399,18 +409,10 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return p
+    """Atomic, umask-respecting write that refuses devices, FIFOs and directories (autopar.outputs)."""
+    from autopar.outputs import write_text_atomic as write
+
+    return write(path, text)
 
 
 # ``autopar.plan`` names two things: this module (``from autopar.plan import Plan, load_plan``

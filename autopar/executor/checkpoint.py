@@ -9,9 +9,18 @@ Layout of ``DIR`` (a filesystem every rank sees -- one node, or a shared filesys
 
 Save protocol (collective): rank 0 clears a stale ``step-N.tmp``; every rank writes its shards with
 ``dcp.save`` into ``step-N.tmp`` (DCP's coordinator writes ``.metadata`` only after every rank
-reported); barrier; rank 0 writes ``meta.json``, fsyncs, renames ``step-N.tmp`` -> ``step-N`` and
-only then replaces ``latest``; barrier. A crash at any point leaves ``latest`` naming a complete
-checkpoint (or absent), so resume never sees half a save.
+reported); barrier; rank 0 records the size and sha256 of every file (``meta.json``'s ``files``),
+writes ``meta.json``, fsyncs, renames ``step-N.tmp`` -> ``step-N`` and only then replaces
+``latest``; barrier. A crash at any point leaves ``latest`` naming a complete checkpoint (or
+absent), so resume never sees half a save.
+
+Load protocol (integrity.py): the candidates, newest first, are checked against their recorded
+sizes and checksums (the ranks share the hashing); a damaged one is skipped with a one-line
+warning, and none intact is a one-line error. DCP's ``.metadata`` is a pickle: it is read with a
+restricted unpickler that builds only DCP's metadata classes (``SafeReader``), so a crafted
+checkpoint cannot run code -- the checksum alone would not protect it, since whoever can rewrite
+``.metadata`` can rewrite ``meta.json`` too. The tensors are read by DCP with
+``torch.load(weights_only=True)``.
 
 Plan independence (what makes *reshard* work): every entry is keyed by the parameter's
 fully-qualified name in the user's full model -- wrapper prefixes (DDP ``module.``, the pipeline
@@ -36,7 +45,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,6 +59,7 @@ from autopar.executor.apply import Executable, original_name
 FORMAT = 1
 LATEST = "latest"
 META = "meta.json"
+MAX_META_BYTES = 256 * 2**20  # the loss history of ten million steps fits
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -70,6 +80,7 @@ class CheckpointMeta:
     num_blocks: int
     losses: tuple[float, ...]  # loss of every step so far, across resumes
     format: int = FORMAT
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {size, sha256}, all but meta.json
 
     def to_json(self) -> str:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -79,14 +90,18 @@ class CheckpointMeta:
     @staticmethod
     def from_file(path: Path) -> "CheckpointMeta":
         try:
+            if path.stat().st_size > MAX_META_BYTES:
+                raise CheckpointError(f"{path} is larger than {MAX_META_BYTES // 2**20} MiB; not an autopar checkpoint record")
             d = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(d, dict) or not isinstance(d.get("files", {}), dict):
+                raise ValueError("not a JSON object")
             if d.get("format") != FORMAT:
                 raise CheckpointError(f"{path}: checkpoint format {d.get('format')!r}, this autopar reads {FORMAT}")
             d["losses"] = tuple(float(x) for x in d["losses"])
             return CheckpointMeta(**d)
         except CheckpointError:
             raise
-        except (OSError, ValueError, TypeError, KeyError) as exc:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise CheckpointError(f"{path} is not a readable autopar checkpoint record ({type(exc).__name__})") from None
 
 
@@ -117,6 +132,37 @@ def find_latest(directory: str | os.PathLike[str]) -> Path | None:
     return steps[-1][1] if steps else None
 
 
+LOCK = ".autopar.lock"
+
+
+def lock_directory(directory: str | os.PathLike[str]):  # noqa: ANN201 - an open file object
+    """Take the exclusive lock of a checkpoint directory (``DIR/.autopar.lock``, ``flock``) for as
+    long as the returned file stays open; a second run on the same directory gets a one-line
+    CheckpointError naming the holder's pid instead of overwriting its checkpoints. (flock is
+    advisory and, on some network filesystems, local to one host.)"""
+    import fcntl
+
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fh = open(d / LOCK, "a+", encoding="utf-8")
+    except OSError as exc:
+        raise CheckpointError(f"--checkpoint-dir {d}: cannot create its lock file: {exc.strerror}") from None
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip() or "?"
+        fh.close()
+        raise CheckpointError(f"--checkpoint-dir {d} is in use by another autopar run (pid {holder}); wait for it "
+                              "to finish or use another directory") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    return fh
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -141,7 +187,13 @@ def _write_file_atomic(path: Path, text: str) -> None:
 
 
 def publish(tmp: Path, final: Path, meta: CheckpointMeta, keep: int) -> None:
-    """Rank 0, after every rank's shards are written: meta.json, rename, ``latest``, retention."""
+    """Rank 0, after every rank's shards are written: integrity record + meta.json, rename,
+    ``latest``, retention."""
+    import dataclasses
+
+    from autopar.executor.integrity import file_record
+
+    meta = dataclasses.replace(meta, files=file_record(tmp, exclude=(META,)))
     _write_file_atomic(tmp / META, meta.to_json())
     if final.exists():  # left by a crash after rename but before ``latest`` moved on; not referenced
         shutil.rmtree(final)
@@ -304,10 +356,19 @@ class Checkpointer:
                 shutil.rmtree(tmp)
         dist.barrier()
         state, _ = build_state(exe, rng=True, for_load=False)
-        dcp.save(state, checkpoint_id=str(tmp))
+        try:
+            dcp.save(state, checkpoint_id=str(tmp))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException (a BaseException) gathers every rank's
+            if _is_peer_loss(exc):
+                raise
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CheckpointError(f"cannot write checkpoint {tmp}: {first}"[:600]) from None
         dist.barrier()  # every rank's shards are on disk
         if before_publish is not None:
             before_publish()
+        failure: list[str | None] = [None]
         if dist.get_rank() == 0:
             plan = exe.plan
             meta = CheckpointMeta(
@@ -315,9 +376,20 @@ class Checkpointer:
                 parallel=_parallel_dict(plan), global_batch_size=plan.training.global_batch_size,
                 num_blocks=plan.model.num_blocks, losses=tuple(losses),
             )
-            publish(tmp, final, meta, self.keep)
-        dist.barrier()
+            try:
+                publish(tmp, final, meta, self.keep)
+            except OSError as exc:  # e.g. a full disk: tell every rank instead of leaving them in a barrier
+                failure[0] = f"cannot publish checkpoint {final}: {exc.strerror or exc}; {LATEST} still names the previous one"
+        dist.broadcast_object_list(failure, src=0)
+        if failure[0]:
+            raise CheckpointError(failure[0])
         return final
+
+
+def _is_peer_loss(exc: BaseException) -> bool:
+    """A DCP failure caused by a dead or hung peer (left to the fault handling, exit 4)."""
+    text = str(exc)
+    return any(t in text for t in ("imed out", "Connection closed", "Connection reset", "Broken pipe"))
 
 
 def _parallel_dict(plan) -> dict[str, Any]:
@@ -339,11 +411,19 @@ def load(exe: Executable, path: Path) -> tuple[CheckpointMeta, list[str]]:
     if not same_layout:
         notes.append(f"resharded {path.name} from {_describe(meta.parallel)} to {_describe(_parallel_dict(exe.plan))}"
                      " (per-rank RNG state not restored)")
+    from autopar.executor.integrity import SafeReader, check_shapes
+
     init_optimizer_state(exe)
     state, fixups = build_state(exe, rng=same_layout, for_load=True)
+    reader = SafeReader(str(path))
+    check_shapes(path, reader.read_metadata(), state)
     try:
-        dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException with per-rank details
+        dcp.load(state, storage_reader=SafeReader(str(path)))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except AutoparError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         first = str(exc).strip().splitlines()
         raise CheckpointError(f"cannot load {path}: {first[0] if first else type(exc).__name__}"[:600]) from None
     for fix in fixups:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 from autopar.errors import AutoparError
 
 DEFAULT_STEPS, DEFAULT_LR, DEFAULT_SEED = 3, 1e-3, 0
+_LOCKS: list[Any] = []  # checkpoint-directory locks of this process (checkpoint.lock_directory)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +42,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", metavar="PATH", help="write the JSON run report here (rank 0)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="collective timeout in seconds (default 600): a hang becomes an error naming the rank "
-                             "and the collective")
+                             "and the collective (exit 4); also the time limit of each call into the model file")
     g = parser.add_argument_group("checkpoints and faults (docs/reliability.md)")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="write sharded DCP checkpoints here (atomic; 'latest' pointer)")
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
@@ -74,24 +74,29 @@ def _model_path(args: argparse.Namespace, plan_path: Path, plan_file: str) -> st
 
 
 def _relaunch(args: argparse.Namespace, model: str) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}"]
-    if args.max_restarts:
-        cmd.append(f"--max-restarts={args.max_restarts}")
-    cmd += ["-m", "autopar.executor.cli_run", args.plan, model, "--steps", str(args.steps), "--lr", repr(args.lr),
-            "--seed", str(args.seed), "--timeout", repr(args.timeout)]
+    """Start ``--nproc-per-node`` ranks of this module with autopar's launcher (launch/local.py:
+    loopback only, one line and exit 4 for a dead or hung rank, signals forwarded, restarts)."""
+    from autopar.launch.local import LocalJob, run_local
+
+    cmd = ["-m", "autopar.executor.cli_run", args.plan, model, "--steps", str(args.steps), "--lr", repr(args.lr),
+           "--seed", str(args.seed), "--timeout", repr(args.timeout)]
     for flag, value in (("--report", args.report), ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace)):
         if value is not None:
             cmd += [flag, str(value)]
     cmd += ["--checkpoint-every", str(args.checkpoint_every), "--keep-checkpoints", str(args.keep_checkpoints),
             "--trace-steps", str(args.trace_steps)]
     cmd += [f for f, on in (("--resume", args.resume), ("--trace-all-ranks", args.trace_all_ranks)) if on]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.call(cmd, env=env)
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "AUTOPAR_CKPT_LOCKED": "1"}
+    return run_local(LocalJob(argv=tuple(cmd), nproc=args.nproc_per_node, max_restarts=args.max_restarts, env=env))
 
 
 def validate_args(args: argparse.Namespace) -> None:
-    """Every argument of ``autopar run`` checked before any work (one-line AutoparError)."""
+    """Every argument of ``autopar run`` checked before any work (one-line AutoparError), every
+    output location included: ``--report``, ``--trace`` and ``--checkpoint-dir`` must be writable
+    regular files / a directory now, not after training."""
     import math
+
+    from autopar.outputs import check_output_dir, check_output_file
 
     if args.steps < 1:
         raise AutoparError(f"--steps must be >= 1, got {args.steps}")
@@ -110,31 +115,39 @@ def validate_args(args: argparse.Namespace) -> None:
             if on:
                 raise AutoparError(f"{flag} needs --checkpoint-dir DIR")
     else:
-        d = Path(args.checkpoint_dir)
-        if d.exists() and not d.is_dir():
-            raise AutoparError(f"--checkpoint-dir {d} exists and is not a directory")
+        check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
     for flag, value in (("--report", args.report), ("--trace", args.trace)):
-        if value is None:
-            continue
-        p = Path(value)
-        if p.is_dir():
-            raise AutoparError(f"{flag} {p} is a directory; give a file path")
-        if not p.parent.is_dir() and p.parent != Path(""):
-            raise AutoparError(f"{flag} {p}: directory {p.parent} does not exist")
+        if value is not None:
+            check_output_file(value, flag, create_parent=False)
+    if args.trace is not None and args.trace_all_ranks:
+        from autopar.executor.tracing import trace_path
+
+        for r in range(args.nproc_per_node or 1):
+            check_output_file(trace_path(args.trace, r, True), "--trace", create_parent=False)
 
 
 def _check_resume(args: argparse.Namespace, plan) -> list[str]:
     """--resume needs a complete checkpoint of a compatible model (found before launch)."""
-    from autopar.executor.checkpoint import META, CheckpointError, CheckpointMeta, find_latest
+    from autopar.executor.checkpoint import META, CheckpointError, CheckpointMeta
+    from autopar.executor.integrity import candidates
 
-    if args.checkpoint_dir is None:
-        return []
-    latest = find_latest(args.checkpoint_dir)
-    if latest is None:
+    if args.checkpoint_dir is None or not Path(args.checkpoint_dir).is_dir():
         if args.resume:
             raise CheckpointError(f"--resume: no complete checkpoint in {args.checkpoint_dir}")
         return []
-    meta = CheckpointMeta.from_file(latest / META)
+    # The newest checkpoint whose record reads; the ranks check sizes and checksums (integrity.choose).
+    latest, meta = None, None
+    for path in candidates(Path(args.checkpoint_dir)):
+        try:
+            meta = CheckpointMeta.from_file(path / META)
+        except CheckpointError:
+            continue
+        latest = path
+        break
+    if latest is None or meta is None:
+        if args.resume:
+            raise CheckpointError(f"--resume: no complete checkpoint in {args.checkpoint_dir}")
+        return []
     if meta.num_blocks != plan.model.num_blocks:
         raise CheckpointError(
             f"{latest} holds a model with {meta.num_blocks} blocks but the plan's has {plan.model.num_blocks}; "
@@ -153,11 +166,22 @@ def run_main(args: argparse.Namespace) -> int:
     from autopar.modelfile import load_model_file
     from autopar.plan import load_plan
 
+    from autopar.modelcheck import check_example_inputs
+    from autopar.usercode import configure
+
     validate_args(args)
+    configure(timeout_s=args.timeout)  # the model file's import, build_model and example_inputs too
     plan = load_plan(args.plan)
     model = _model_path(args, Path(args.plan), plan.model.file)
     mf = load_model_file(model)
+    if not _under_torchrun():
+        check_example_inputs(mf)
     resume_warnings = _check_resume(args, plan)
+    if args.checkpoint_dir is not None and os.environ.get("AUTOPAR_CKPT_LOCKED") != "1" and (
+            not _under_torchrun() or os.environ.get("RANK") == "0"):
+        from autopar.executor.checkpoint import lock_directory
+
+        _LOCKS.append(lock_directory(args.checkpoint_dir))  # held until this process exits
     if _under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
     elif args.nproc_per_node is not None:
@@ -195,9 +219,11 @@ def read_prediction(plan_path: str) -> dict[str, Any]:
     """The plan file's ``prediction`` mapping (load_plan ignores it by contract, so read it here)."""
     import yaml
 
+    from autopar.yamlload import load_yaml
+
     try:
-        data = yaml.safe_load(Path(plan_path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
+        data = load_yaml(Path(plan_path).read_text(encoding="utf-8"), plan_path)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AutoparError, RecursionError):
         return {}
     pred = data.get("prediction") if isinstance(data, dict) else None
     return dict(pred) if isinstance(pred, dict) else {}
@@ -205,7 +231,12 @@ def read_prediction(plan_path: str) -> dict[str, Any]:
 
 def build_report(plan, model_path: str, result, world: int, args: argparse.Namespace, warnings: list[str]) -> dict[str, Any]:
     """The JSON report (rank 0): what ran, what was measured, the prediction and the errors in %."""
+    import math
+
     pred = dict(plan.prediction or {}) or read_prediction(args.plan)
+    # ``prediction`` is ignored on load by contract, so anything may be in it: keep finite numbers only.
+    pred = {k: float(v) for k, v in pred.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
     measured = {
         "step_time_s": result.step_time_s,
         "tokens_per_s": result.tokens_per_s,
@@ -246,15 +277,24 @@ def format_comparison(report: dict[str, Any]) -> str:
 
 
 def standalone_main(argv: list[str] | None = None) -> int:
-    """Standalone entry used by the torchrun re-launch (and usable without autopar.cli)."""
+    """Standalone entry used by the rank launcher (and usable without autopar.cli)."""
+    from autopar.launch.local import arm_parent_death_signal
+
+    arm_parent_death_signal()
     parser = argparse.ArgumentParser(prog="autopar run")
     add_run_arguments(parser)
     args = parser.parse_args(argv)
+    from autopar.usercode import configure
+
+    configure(hard_exit=True)
     try:
         return run_main(args)
     except AutoparError as exc:
         print(f"autopar: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
 
 
 # The interface autopar.cli expects of a command module.

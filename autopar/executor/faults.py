@@ -16,7 +16,10 @@
 * **Test hooks** (used by tests/dist/test_fault.py; inert unless set, and only on the first attempt
   ``TORCHELASTIC_RESTART_COUNT == 0``): ``AUTOPAR_TEST_KILL_AT_STEP=k`` + ``AUTOPAR_TEST_KILL_RANK=r``
   makes rank r SIGKILL itself before step index k; ``AUTOPAR_TEST_HANG_AT_STEP`` /
-  ``AUTOPAR_TEST_HANG_RANK`` makes it sleep forever instead.
+  ``AUTOPAR_TEST_HANG_RANK`` makes it sleep forever instead; ``AUTOPAR_TEST_STOP_AT_STEP`` /
+  ``AUTOPAR_TEST_STOP_RANK`` makes it SIGSTOP itself (a frozen process); ``AUTOPAR_TEST_NAN_AT_STEP``
+  makes every rank's loss of that step NaN (``poison_loss``); ``AUTOPAR_TEST_KILL_IN_SAVE=r`` kills
+  rank r inside a checkpoint save (``inject_save_fault``).
 """
 
 from __future__ import annotations
@@ -131,7 +134,8 @@ def _is_distributed_error(exc: BaseException) -> bool:
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
     text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
+    dcp_failure = type(exc).__name__ == "CheckpointException"
+    return (isinstance(exc, RuntimeError) or dcp_failure) and any(
         s in text for s in ("Timed out", "timed out", "Connection closed", "Connection reset", "gloo", "NCCL", "Broken pipe")
     )
 
@@ -142,10 +146,11 @@ def failure_message(rank: int, phase: str, timeout_s: float, exc: BaseException 
     what = f"collective {rec.describe()}" if rec else "a collective (no flight-recorder trace available)"
     timed_out = exc is None or "imed out" in str(exc)
     how = f"did not complete within --timeout {timeout_s:g} s" if timed_out else "lost a peer"
-    detail = f" [{str(exc).splitlines()[0][:160]}]" if exc is not None else ""
+    text = (str(exc).strip().splitlines() or [""])[0] if exc is not None else ""
+    detail = f" [{text[:120]}]" if text else ""
     return (
         f"rank {rank} in {phase}: {what} {how}{detail}; another rank died or hung (see its log); "
-        "resume with --resume, or run under torchrun --max-restarts to restart automatically"
+        "resume with --resume, or run with --max-restarts R to restart automatically"
     )
 
 
@@ -173,13 +178,16 @@ class Watchdog:
     @contextmanager
     def guard(self, phase: str) -> Iterator[None]:
         """Watch ``phase``; turn a distributed error inside it into a one-line CollectiveFailure."""
+        from autopar.launch.local import write_status
+
         with self._lock:
             self._phase, self._since = phase, time.monotonic()
+        write_status(phase)  # where the launcher looks when this rank dies
         try:
             yield
-        except AutoparError:
+        except (AutoparError, KeyboardInterrupt, SystemExit, GeneratorExit):
             raise
-        except Exception as exc:
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if _is_distributed_error(exc):
                 raise CollectiveFailure(failure_message(self.rank, phase, self.timeout_s, exc)) from None
             raise
@@ -199,11 +207,29 @@ def inject_fault(step: int, rank: int) -> None:
     """Test hook (module docstring): kill or hang ``rank`` before step index ``step``."""
     if not first_attempt():
         return
-    for kind in ("KILL", "HANG"):
+    for kind in ("KILL", "HANG", "STOP"):
         at, who = os.environ.get(f"AUTOPAR_TEST_{kind}_AT_STEP"), os.environ.get(f"AUTOPAR_TEST_{kind}_RANK", "0")
         if at is not None and int(at) == step and int(who) == rank:
             print(f"autopar: test hook: rank {rank} {kind.lower()}s itself before step {step + 1}", file=sys.stderr, flush=True)
             if kind == "KILL":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "STOP":
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return
             while True:
                 time.sleep(3600)
+
+
+def inject_save_fault(rank: int) -> None:
+    """Test hook: ``AUTOPAR_TEST_KILL_IN_SAVE=r`` SIGKILLs rank r in the first checkpoint save, after
+    the shards are written and before the checkpoint is published."""
+    who = os.environ.get("AUTOPAR_TEST_KILL_IN_SAVE")
+    if who is not None and first_attempt() and int(who) == rank:
+        print(f"autopar: test hook: rank {rank} kills itself in a checkpoint save", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poison_loss(steps_done: int, loss: float) -> float:
+    """Test hook (module docstring): NaN instead of the loss of step ``AUTOPAR_TEST_NAN_AT_STEP``."""
+    at = os.environ.get("AUTOPAR_TEST_NAN_AT_STEP")
+    return float("nan") if at is not None and first_attempt() and int(at) == steps_done else loss

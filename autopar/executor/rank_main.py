@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -19,6 +20,10 @@ from typing import Any, Callable
 from autopar.errors import AutoparError
 
 
+class NonFiniteLoss(AutoparError):
+    """A step's loss is NaN or infinite: the run stops (exit 2) and keeps the last good checkpoint."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ResumeDecision:
     """Where this attempt starts: a checkpoint path, or None (from the seed)."""
@@ -27,22 +32,27 @@ class ResumeDecision:
     reason: str
 
 
-def resume_decision(checkpoint_dir: str | None, resume: bool) -> ResumeDecision:
-    """``--resume`` or a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) with a complete checkpoint
-    in ``checkpoint_dir`` resumes from it; ``--resume`` without one is an error (found before launch
-    by cli_run)."""
-    from autopar.executor.checkpoint import CheckpointError, find_latest
+def resume_decision(checkpoint_dir: str | None, resume: bool, warn=None, gather=None, share: int = 0,  # noqa: ANN001
+                    of: int = 1) -> ResumeDecision:
+    """``--resume`` or a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest
+    *intact* checkpoint in ``checkpoint_dir`` (integrity.choose: damaged newer ones are skipped with
+    a warning; none intact is a one-line error); ``--resume`` without any checkpoint is an error
+    (found before launch by cli_run). ``gather``/``share``/``of``: the ranks share the hashing."""
+    from autopar.executor.checkpoint import CheckpointError
     from autopar.executor.faults import first_attempt
+    from autopar.executor.integrity import choose
 
     if checkpoint_dir is None:
         return ResumeDecision(path=None, reason="no --checkpoint-dir")
-    latest = find_latest(checkpoint_dir)
-    if resume and latest is None:
-        raise CheckpointError(f"--resume: no complete checkpoint in {checkpoint_dir}")
-    if latest is not None and (resume or not first_attempt()):
-        why = "--resume" if resume else f"torchrun restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
-        return ResumeDecision(path=latest, reason=why)
-    return ResumeDecision(path=None, reason="fresh start")
+    if not resume and first_attempt():
+        return ResumeDecision(path=None, reason="fresh start")
+    latest = choose(checkpoint_dir, warn=warn, gather=gather, share=share, of=of)
+    if latest is None:
+        if resume:
+            raise CheckpointError(f"--resume: no complete checkpoint in {checkpoint_dir}")
+        return ResumeDecision(path=None, reason="fresh start")
+    why = "--resume" if resume else f"torchrun restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
+    return ResumeDecision(path=latest, reason=why)
 
 
 def _init_process_group(backend: str, timeout: timedelta) -> None:
@@ -54,6 +64,9 @@ def _init_process_group(backend: str, timeout: timedelta) -> None:
     """
     import torch.distributed as dist
 
+    if os.environ.get("AUTOPAR_LOOPBACK_STORE") == "1" or os.environ.get("AUTOPAR_LOCAL_WORLD") == "1":
+        _init_loopback(backend, timeout)
+        return
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, timeout=timeout)
         return
@@ -65,6 +78,34 @@ def _init_process_group(backend: str, timeout: timedelta) -> None:
                             world_size=world, timeout=timeout)
 
 
+def _init_loopback(backend: str, timeout: timedelta) -> None:
+    """The store of autopar's own launcher (launch/local.py): rank 0 serves the TCPStore on the
+    socket the launcher bound to 127.0.0.1 (``AUTOPAR_STORE_FD``), the others connect to it; a
+    world of one uses an in-process HashStore. Nothing listens beyond loopback."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world == 1 and "AUTOPAR_STORE_FD" not in os.environ:
+        store = dist.HashStore()
+    elif rank == 0:
+        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, True, timeout,
+                              master_listen_fd=int(os.environ["AUTOPAR_STORE_FD"]), use_libuv=False)
+    else:
+        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, False, timeout, use_libuv=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _die_with(line: str, code: int) -> None:
+    """Print the one-line error and leave now: with a peer dead or stopped, destroying the process
+    group (or any other collective) could block forever, and the launcher is waiting for the line."""
+    print(f"autopar: error: {line}", file=sys.stderr, flush=True)
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(code)
+
+
 def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], world: int,
              build_report: Callable[..., dict[str, Any]], format_comparison: Callable[[dict[str, Any]], str]) -> int:
     import torch
@@ -72,9 +113,11 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
 
     from autopar.executor.apply import build_executable
     from autopar.executor.checkpoint import Checkpointer, load
-    from autopar.executor.faults import Watchdog, enable_flight_recorder, inject_fault, set_group_timeouts
+    from autopar.executor.faults import (Watchdog, enable_flight_recorder, inject_fault, inject_save_fault, poison_loss,
+                                         set_group_timeouts)
     from autopar.executor.mesh import backend_for, build_mesh, device_for_rank
     from autopar.executor.tracing import make_tracer
+    from autopar.launch.local import write_status
     from autopar.executor.train import StepHooks, train
 
     device = device_for_rank()
@@ -85,6 +128,12 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ["AUTOPAR_LOCAL_WORLD"] = "1"  # in-process store: no listening socket (_init_loopback)
+        from autopar.launch.local import loopback_interface
+
+        lo = loopback_interface()
+        if lo:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
     import warnings as _warnings
@@ -92,10 +141,18 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
     # FSDP2 warns on every wrapped block that returns a view; the executor never mutates outputs.
     _warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     enable_flight_recorder()
-    _init_process_group(backend_for(device), timedelta(seconds=args.timeout))
+    try:
+        _init_process_group(backend_for(device), timedelta(seconds=args.timeout))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a peer that never arrived: a fault, not a bug
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        _die_with(f"rank {os.environ.get('RANK', '0')} could not join the process group within --timeout "
+                  f"{args.timeout:g} s ({first}); another rank died or hung at start-up (see its log)", 4)
     rank = dist.get_rank()
     watchdog = Watchdog(rank, limit_s=2 * args.timeout + 60, timeout_s=args.timeout)
     tracer = None
+    report_error: str | None = None
     try:
         rank0 = rank == 0
         log = (lambda s: print(f"autopar run: {s}", flush=True)) if rank0 else None
@@ -110,7 +167,18 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
         if log:
             for note in exe.notes:
                 log(f"note: {note}")
-        decision = resume_decision(args.checkpoint_dir, args.resume)
+        def say(line: str) -> None:
+            if rank0:
+                print(f"autopar: warning: {line}", file=sys.stderr, flush=True)
+
+        def gather(verdict):  # noqa: ANN001, ANN202 - every rank's integrity verdict on its share
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, verdict)
+            return every
+
+        with watchdog.guard("checking checkpoints"):
+            decision = resume_decision(args.checkpoint_dir, args.resume, warn=say, gather=gather, share=rank,
+                                       of=dist.get_world_size())
         start, history, seed = 0, [], args.seed
         if decision.path is not None:
             with watchdog.guard(f"resume from {decision.path}"):
@@ -125,16 +193,27 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
             ck = Checkpointer(directory=Path(args.checkpoint_dir), every=args.checkpoint_every, keep=args.keep_checkpoints,
                               seed=seed, lr=args.lr)
 
+        last_saved: list[Path | None] = [decision.path]
+
         def after_step(done: int, loss: float) -> None:
+            loss = poison_loss(done, loss)
+            if not math.isfinite(loss):  # every rank holds the same all-reduced loss: all stop here
+                kept = f"the last good checkpoint {last_saved[0]} is kept" if last_saved[0] else "no checkpoint was written"
+                raise NonFiniteLoss(f"the loss of step {done} is {loss}; training stopped before saving it and {kept}; "
+                                    "lower --lr, or check the model's numerics and data")
             history.append(loss)
             if ck is not None and ck.due(done, args.steps):
-                path = ck.save(exe, done, history)
+                last_saved[0] = ck.save(exe, done, history, before_publish=lambda: inject_save_fault(rank))
                 if log:
-                    log(f"checkpoint {path}")
+                    log(f"checkpoint {last_saved[0]}")
 
         tracer = make_tracer(args.trace, rank, all_ranks=args.trace_all_ranks, steps_to_run=args.steps - start,
                              trace_steps=args.trace_steps)
-        hooks = StepHooks(before_step=lambda s: inject_fault(s, rank), after_step=after_step, guard=watchdog.guard,
+        def before_step(step: int) -> None:
+            write_status(f"step {step + 1}")  # a rank killed between phases is reported at the right step
+            inject_fault(step, rank)
+
+        hooks = StepHooks(before_step=before_step, after_step=after_step, guard=watchdog.guard,
                           profile_step=tracer.step if tracer else None)
         if log and start >= args.steps:
             log(f"the checkpoint already has {start} >= --steps {args.steps} steps; nothing to train")
@@ -150,12 +229,21 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
             report["loss_history"] = list(history) if args.checkpoint_dir else list(result.losses)
             print(format_comparison(report), flush=True)
             if args.report:
-                from autopar.plan import write_text_atomic
+                from autopar.outputs import write_text_atomic
 
-                write_text_atomic(args.report, json.dumps(report, indent=2) + "\n")
+                try:  # never leave the other ranks waiting in the barrier for a failed write
+                    write_text_atomic(args.report, json.dumps(report, indent=2, allow_nan=False) + "\n", "--report")
+                except (AutoparError, ValueError) as exc:
+                    print(json.dumps(report, indent=2), flush=True)  # not lost: on stdout instead
+                    report_error = f"{exc}; the JSON report is printed on stdout instead"
         with watchdog.guard("final barrier"):
             dist.barrier()
-    except AutoparError:
+        if report_error:
+            raise AutoparError(report_error)
+    except AutoparError as exc:
+        if world > 1:  # the others may be blocked in a collective: leave now, with the one line
+            watchdog.stop()
+            _die_with(str(exc), exc.exit_code)
         raise
     finally:
         watchdog.stop()

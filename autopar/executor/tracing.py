@@ -48,9 +48,19 @@ class StepTracer:
         self._prof.__enter__()
 
     def _export(self, prof) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        prof.export_chrome_trace(str(tmp))
-        os.replace(tmp, self.path)
+        from autopar.outputs import OutputError, resolve_target
+
+        target = resolve_target(self.path, "--trace")  # a regular file (symlinks followed), never a FIFO
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            prof.export_chrome_trace(str(tmp))
+            os.replace(tmp, target)
+        except OSError as exc:  # a full disk: one line, not a traceback after training ran
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise OutputError(f"cannot write --trace {self.path}: {exc.strerror or exc}") from None
         self._written = True
 
     def step(self) -> None:
@@ -61,8 +71,12 @@ class StepTracer:
         trace file was written."""
         self._prof.__exit__(None, None, None)
         if not self._written:
+            from autopar.errors import AutoparError
+
             try:
                 self._export(self._prof)
+            except AutoparError:
+                raise
             except Exception:  # noqa: BLE001 - nothing recorded (no step ran)
                 return False
         return self._written

@@ -121,8 +121,28 @@ def chunk_times(terms: StageTerms, chunk_blocks: list[int]) -> list[tuple[float,
     return out
 
 
+# A trace holds about 3 events per forward/backward (plus sends and recompute) at ~150 bytes of JSON
+# each: 500,000 forwards and backwards is a ~200 MB file, as much as Perfetto opens comfortably.
+MAX_TRACE_OPS = 500_000
+
+
+def check_trace_size(plan: Plan) -> int:
+    """The number of forward/backward operations the trace would hold; one-line AutoparError when
+    it is above MAX_TRACE_OPS (``explain --trace`` grew without bound with the micro-batch count)."""
+    par = plan.parallel
+    ops = 2 * par.pp * plan.num_microbatches * par.pp_virtual_stages
+    if ops > MAX_TRACE_OPS:
+        raise AutoparError(
+            f"--trace would hold {ops:,} forward/backward events (2 x pp {par.pp} x {plan.num_microbatches:,} "
+            f"micro-batches x {par.pp_virtual_stages} virtual stages), more than {MAX_TRACE_OPS:,}; trace a plan "
+            "with fewer micro-batches (a larger micro_batch_size or a smaller global batch)")
+    return ops
+
+
 def simulate(plan: Plan, terms: StageTerms, estimate: Estimate | None = None) -> Timeline:
-    """Run the plan's schedule with the cost model's durations (see the module docstring)."""
+    """Run the plan's schedule with the cost model's durations (see the module docstring).
+    Bounded: at most MAX_TRACE_OPS operations (check_trace_size)."""
+    check_trace_size(plan)
     par = plan.parallel
     p, m = par.pp, plan.num_microbatches
     chunk_blocks = [end - start for start, end in plan.stage_ranges()]

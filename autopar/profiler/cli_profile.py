@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--comm", action="store_true", help="profile collectives on the torchrun ranks instead of layers")
     p.add_argument("--nproc-per-node", type=int, metavar="N", help="with --comm: launch N ranks with torchrun")
     p.add_argument("--gpus-per-node", type=int, metavar="G", help="network.gpus_per_node of a new profile (default: ranks)")
+    from autopar.usercode import add_timeout_argument
+
+    add_timeout_argument(p)
 
 
 def _device_info(device: Any, threads: int) -> dict[str, Any]:
@@ -171,6 +174,11 @@ def main(args: argparse.Namespace) -> int:
         raise AutoparError("autopar profile needs MODEL.py (or --comm to profile collectives)")
     if args.nproc_per_node:
         raise AutoparError("--nproc-per-node goes with --comm; layer profiling runs in this process")
+    from autopar.outputs import check_output_file
+    from autopar.usercode import configure
+
+    configure(timeout_s=args.timeout)
+    check_output_file(args.output, "-o")  # before minutes of measuring
     return _layers_main(args)
 
 

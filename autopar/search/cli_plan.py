@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="PLAN.yaml",
                    help="where to write the best plan (default plans/<model>-<N>gpu.yaml)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    from autopar.usercode import add_timeout_argument
+
+    add_timeout_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -39,8 +42,16 @@ def main(args: argparse.Namespace) -> int:
     from autopar.search.driver import search_plans
     from autopar.search.result import result_report
 
+    from autopar.modelcheck import check_example_inputs
+    from autopar.outputs import check_output_file
+    from autopar.usercode import configure
+
+    configure(timeout_s=args.timeout)
     cluster = load_cluster_and_profile(args.cluster, args.profile, "a100-80g")
     mf = load_model_file(args.model)
+    check_example_inputs(mf)
+    output = Path(args.output) if args.output else Path("plans") / f"{mf.name}-{args.gpus}gpu.yaml"
+    check_output_file(output, "-o")  # before the search: never search for a plan that cannot be written
     profile_ref = args.cluster or (args.profile if args.profile else "a100-80g")
 
     def progress(done: int, total: int, elapsed: float) -> None:
@@ -56,7 +67,6 @@ def main(args: argparse.Namespace) -> int:
     )
     if found.warning:
         print(f"autopar: warning: {found.warning}", file=sys.stderr)
-    output = Path(args.output) if args.output else Path("plans") / f"{mf.name}-{args.gpus}gpu.yaml"
     print(result_report(found.result, list(found.plans), found.graph, found.cluster, found.space))
     try:
         save_plan(found.plans[0], output)

@@ -211,12 +211,14 @@ def test_checkpoint_directory_protocol() -> None:
 
 def _complete(d: Path, step: int) -> Path:
     from autopar.executor.checkpoint import CheckpointMeta
+    from autopar.executor.integrity import file_record
 
     p = d / f"step-{step}"
     p.mkdir(parents=True)
     (p / ".metadata").write_bytes(b"x")
+    (p / "__0_0.distcp").write_bytes(b"shard")
     meta = CheckpointMeta(step=step, seed=0, lr=1e-3, world_size=1, parallel={}, global_batch_size=4, num_blocks=4,
-                          losses=(1.0,) * step)
+                          losses=(1.0,) * step, files=file_record(p))
     (p / "meta.json").write_text(meta.to_json())
     return p
 
@@ -270,3 +272,13 @@ def test_resume_decision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert resume_decision(str(tmp_path), True).path.name == "step-3"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a torchrun restart resumes by itself
     assert resume_decision(str(tmp_path), False).path.name == "step-3"
+    # integrity: a newer checkpoint whose shard changed after the save is skipped, with one warning
+    newer = _complete(tmp_path, 4)
+    (newer / "__0_0.distcp").write_bytes(b"shard!")
+    (tmp_path / "latest").write_text("step-4\n")
+    warned: list[str] = []
+    assert resume_decision(str(tmp_path), True, warn=warned.append).path.name == "step-3"
+    assert len(warned) == 1 and "step-4 is damaged" in warned[0] and "__0_0.distcp has 6 bytes, 5 were written" in warned[0]
+    (tmp_path / "step-3" / ".metadata").unlink()  # none intact: one line naming both
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint .*step-4: .*step-3: \.metadata is missing"):
+        resume_decision(str(tmp_path), True)

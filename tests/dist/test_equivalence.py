@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import reference_for
-from harness import Case, spawn_cases
+from harness import LR, STEPS, Case, spawn_cases
 
 pytestmark = pytest.mark.dist
 
@@ -88,10 +88,17 @@ def _check(world: int, case: Case) -> None:
     for name, ref in ref_grads.items():
         tol = 1e-4 * float(ref.abs().max()) + 1e-7
         torch.testing.assert_close(got["grads"][name], ref, rtol=1e-3, atol=tol, msg=lambda m: f"grad {name}: {m}")
-    # Parameters after 3 AdamW steps; a few elements with near-zero gradients may move by a
-    # fraction of one lr-sized step from reduction-order noise, hence atol = lr / 10.
+    # Parameters after 3 AdamW steps, at atol = lr / 10. An element whose first gradient is at the
+    # level of reduction-order noise (a dead unit: |g| <= 1e-6 max |g|) has no defined Adam direction:
+    # m / sqrt(v) of noise is O(1), so it may move by up to one lr per step either way, and only that
+    # bound holds for it.
     for name, ref in ref_params.items():
-        torch.testing.assert_close(got["params"][name], ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        g = ref_grads.get(name)
+        noise = g.abs() <= 1e-6 * float(g.abs().max()) if g is not None else torch.zeros_like(ref, dtype=torch.bool)
+        torch.testing.assert_close(got["params"][name][~noise], ref[~noise], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{name}: {m}")
+        if bool(noise.any()):
+            assert float((got["params"][name][noise] - ref[noise]).abs().max()) <= STEPS * LR * 1.01, name
 
 
 @pytest.mark.parametrize("case", CASES_2, ids=lambda c: c.name)
