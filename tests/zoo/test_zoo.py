@@ -149,3 +149,41 @@ def test_table_gives_every_cell_a_result_or_a_numbered_reason_and_fails_on_any_f
     assert model_zoo.summary([result], strict_offers=True)[1] == 3
     log = model_zoo.failure_log([result])
     assert "### vit — run:pp2: KeyError: 'cls_token'" in log and "Traceback ..." in log
+
+
+# ---- the TP plan autopar uses for zoo models that declare none (in-process: model_spec on meta) -----
+def _spec(name: str):
+    from autopar.modelfile import load_model_file
+    from autopar.spec import model_spec
+
+    return model_spec(load_model_file(zoo_lib.zoo_models([name])[0].path))
+
+
+@pytest.mark.parametrize("name", ["autopar_gpt", "autopar_llama"])
+def test_reference_models_without_a_tp_plan_line_get_their_declared_plan(name):
+    from autopar.models.gpt import GPT_TP_PLAN
+    from autopar.models.llama import LLAMA_TP_PLAN
+
+    spec = _spec(name)
+    assert dict(spec.tp.styles) == {"autopar_gpt": GPT_TP_PLAN, "autopar_llama": LLAMA_TP_PLAN}[name]
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed")
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2"])
+def test_hf_models_get_hf_own_tp_plan(name):
+    import transformers
+
+    spec = _spec(name)
+    cfg_cls = {"hf_llama": transformers.LlamaConfig, "hf_qwen2": transformers.Qwen2Config}[name]
+    expected = {k.split(".*.", 1)[1]: v for k, v in cfg_cls.base_model_tp_plan.items() if v in ("colwise", "rowwise")}
+    assert spec.tp.source == "model"
+    assert dict(spec.tp.styles) == expected
+
+
+@_xfail("TP is not inferred for a model that declares no plan (issue 11, build 2)")
+def test_tp_is_inferred_for_unusual_module_names():
+    spec = _spec("odd_names_decoder")
+    assert dict(spec.tp.styles) == {
+        "mix.query": "colwise", "mix.keyval": "colwise", "mix.out": "rowwise",
+        "ffw.gate": "colwise", "ffw.up": "colwise", "ffw.down": "rowwise",
+    }
