@@ -40,9 +40,12 @@ class Link:
     # its fit, waiting for members the OS has descheduled -- ~1.7 ms per call at 4 single-threaded
     # ranks on 2 CPU cores; not measured (0) where every rank has its own device.
     rendezvous_s: float = 0.0
+    # NVSwitch with in-switch reduction (H100 NVLS, which NCCL picks for all-reduce inside a node):
+    # the all-reduce bus bandwidth it reaches; 0 = no NVLS, all-reduce runs as a ring.
+    nvls_bandwidth_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.bandwidth_bytes_per_s <= 0 or self.latency_s < 0 or self.rendezvous_s < 0:
+        if self.bandwidth_bytes_per_s <= 0 or self.latency_s < 0 or self.rendezvous_s < 0 or self.nvls_bandwidth_bytes_per_s < 0:
             raise ClusterError("link bandwidth must be > 0 and latency, rendezvous >= 0")
         if not 0 < self.max_efficiency <= 1:
             raise ClusterError("link max_efficiency must be in (0, 1]")
@@ -68,9 +71,16 @@ class GemmEfficiency:
 
     max: float
     half_dim: float
+    # Set (> 0): the output-tile form, max * mn / (mn + half_mn^2) * k / (k + half_dim) -- a GEMM
+    # fills the SMs with output tiles (any m x n of the same area does), and its k loop hides the
+    # tile's load/store prologue; a tall-skinny GEMM with many tiles is not penalised per dimension.
+    half_mn: float = 0.0
 
     def __call__(self, m: float, n: float, k: float) -> float:
         h = self.half_dim
+        if self.half_mn > 0:
+            area = m * n
+            return self.max * area / (area + self.half_mn**2) * (k / (k + h))
         return self.max * (m / (m + h)) * (n / (n + h)) * (k / (k + h))
 
 
@@ -86,6 +96,9 @@ class Cluster:
     memory_efficiency: float  # fraction of HBM bandwidth element-wise kernels reach
     attention_efficiency: float  # fraction of peak a fused (flash) attention kernel reaches
     kernel_overhead_s: float  # launch + tail cost of each kernel
+    # Fused attention's efficiency falls at short key lengths (fewer tiles per query block):
+    # attention_efficiency * s_kv / (s_kv + attention_half_seq); 0 = the same at every length.
+    attention_half_seq: float = 0.0
     gemm: GemmEfficiency
     gpus_per_node: int
     intra_node: Link  # NVLink/NVSwitch, bus bandwidth per GPU
@@ -97,12 +110,21 @@ class Cluster:
     overlap_cost_fraction: float = 0.1
     # How the training software behaves (the same GPUs run Megatron-LM and torchtitan differently):
     overlap_grad_reduce: bool = True  # DP gradient collectives overlap the last backward (DDP/FSDP do)
+    overlap_param_gather: bool = True  # ZeRO-1's parameter all-gather overlaps the next forward (FSDP2 prefetch)
+    tp_comm_overlap: bool = False  # TP collectives pipelined with their GEMMs (Megatron/TE userbuffers)
+    fused_grad_accumulation: bool = False  # weight-gradient GEMMs accumulate into the grad buffer in place
     async_tp_backward: bool = False  # TP backward all-reduce overlaps the weight-gradient GEMM (Megatron)
     pipeline_scatter_gather: bool = False  # a PP send goes 1/tp per rail, re-gathered on NVLink (Megatron)
     source: Path | None = field(default=None, compare=False)
     # Measured tables (autopar profile): layer times/memory, kernel curves, collective fits. The
     # cost model consults them where they apply and falls back to the figures above otherwise.
     measured: MeasuredProfile | None = field(default=None, compare=False)
+
+    def attention_efficiency_at(self, kv_tokens: float) -> float:
+        """Fraction of peak a fused attention kernel reaches with ``kv_tokens`` keys per query."""
+        if self.attention_half_seq <= 0 or kv_tokens <= 0:
+            return self.attention_efficiency
+        return self.attention_efficiency * kv_tokens / (kv_tokens + self.attention_half_seq)
 
     def __post_init__(self) -> None:
         for key in ("peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s"):
@@ -150,6 +172,7 @@ def _link(data: Any, where: str) -> Link:
         latency_s=_num(data, "latency_s", where),
         max_efficiency=_num(data, "max_efficiency", where, 1.0),
         half_efficiency_bytes=_num(data, "half_efficiency_bytes", where, 0.0),
+        nvls_bandwidth_bytes_per_s=_num(data, "nvls_bandwidth_bytes_per_s", where, 0.0),
     )
 
 
@@ -171,13 +194,15 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
             attention_efficiency=_num(eff, "attention", f"{where} efficiency"),
             kernel_overhead_s=_num(eff, "kernel_overhead_s", f"{where} efficiency"),
             gemm=GemmEfficiency(max=_num(eff, "gemm_max", f"{where} efficiency"),
-                                half_dim=_num(eff, "gemm_half_dim", f"{where} efficiency")),
+                                half_dim=_num(eff, "gemm_half_dim", f"{where} efficiency"),
+                                half_mn=_num(eff, "gemm_half_mn", f"{where} efficiency", 0.0)),
             gpus_per_node=int(_num(net, "gpus_per_node", f"{where} network")),
             intra_node=_link(_get(net, "intra_node", f"{where} network"), f"{where} network.intra_node"),
             inter_node=_link(_get(net, "inter_node", f"{where} network"), f"{where} network.inter_node"),
             framework_reserve_bytes=_num(gpu, "framework_reserve_bytes", f"{where} gpu"),
             optimizer_bytes_per_param=_num(eff, "optimizer_bytes_per_param", f"{where} efficiency", 32.0),
             overlap_cost_fraction=_num(eff, "overlap_cost_fraction", f"{where} efficiency", 0.1),
+            attention_half_seq=_num(eff, "attention_half_seq", f"{where} efficiency", 0.0),
             **_software(data.get("software", {}), f"{where} software"),
             source=source,
         )
@@ -207,7 +232,7 @@ def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
         changes["attention_efficiency"] = f["attention_efficiency"]
     if "gemm_max" in f or "gemm_half_dim" in f:
         changes["gemm"] = GemmEfficiency(max=f.get("gemm_max", cluster.gemm.max),
-                                         half_dim=f.get("gemm_half_dim", cluster.gemm.half_dim))
+                                         half_dim=f.get("gemm_half_dim", cluster.gemm.half_dim))  # measured: product form
     if measured.memory_baseline_bytes is not None:
         changes["framework_reserve_bytes"] = measured.memory_baseline_bytes
     if measured.comm:
@@ -223,7 +248,8 @@ def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
         raise ClusterError(f"measured profile over {cluster.name}: {exc}") from None
 
 
-_SOFTWARE_KEYS = ("overlap_grad_reduce", "async_tp_backward", "pipeline_scatter_gather")
+_SOFTWARE_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "async_tp_backward", "pipeline_scatter_gather",
+                  "tp_comm_overlap", "fused_grad_accumulation")
 
 
 def _software(data: Any, where: str) -> dict[str, bool]:
@@ -270,7 +296,7 @@ def list_profiles() -> dict[str, Path]:
                     head = yaml.safe_load(f.read_text(encoding="utf-8"))
                 except yaml.YAMLError:
                     continue
-                if isinstance(head, Mapping) and "gpu" in head and "network" in head:
+                if isinstance(head, Mapping) and ("gpu" in head and "network" in head or "base" in head):
                     found[f.stem] = f
     return found
 
@@ -305,10 +331,37 @@ def load_cluster_and_profile(cluster: str | None, profile: str | None, default: 
     return with_measured(load_cluster(cluster or default), measured_from_dict(data["measured"], f"profile {path}"))
 
 
+def _merged(base: Any, over: Any) -> Any:
+    """``over`` laid over ``base``: mappings merge key by key, anything else replaces."""
+    if isinstance(base, Mapping) and isinstance(over, Mapping):
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = _merged(base.get(k), v) if k in base else v
+        return out
+    return over
+
+
+def _with_base(data: Any, path: Path, seen: tuple[str, ...] = ()) -> Any:
+    """A profile with ``base: OTHER`` is OTHER's profile with this file's keys laid over it (a
+    software variant of the same hardware names only what differs). Bases chain; a loop is an error."""
+    if not isinstance(data, Mapping) or "base" not in data:
+        return data
+    base_name = data["base"]
+    if not isinstance(base_name, str) or not base_name:
+        raise ClusterError(f"cluster profile {path}: 'base' must be a profile name")
+    base_path = resolve_profile_path(base_name)
+    key = str(base_path.resolve())
+    if key in seen or key == str(path.resolve()):
+        raise ClusterError(f"cluster profile {path}: 'base: {base_name}' loops back to itself")
+    base = _with_base(_read_yaml(base_path), base_path, seen + (str(path.resolve()),))
+    over = {k: v for k, v in data.items() if k != "base"}
+    return _merged({k: v for k, v in base.items() if k != "name"}, over)
+
+
 def load_cluster(name_or_path: str) -> Cluster:
     """Load a cluster profile by name or path (cached)."""
     path = resolve_profile_path(name_or_path)
     key = str(path.resolve())
     if key not in _CACHE:
-        _CACHE[key] = cluster_from_dict(_read_yaml(path), path.stem, path)
+        _CACHE[key] = cluster_from_dict(_with_base(_read_yaml(path), path), path.stem, path)
     return _CACHE[key]

@@ -1,4 +1,5 @@
-"""A non-transformer model: a deep residual MLP classifier. TP and CP do not apply (no tp_plan, no SEQ_LEN)."""
+"""A non-transformer model: a deep residual MLP classifier. No tp_plan: autopar infers fc1 -> fc2 as a
+column->row pair from the data flow. CP does not apply (no SEQ_LEN)."""
 
 import torch
 import torch.nn.functional as F

@@ -12,7 +12,11 @@ Times use the bus-bandwidth convention of nccl-tests, with ``M`` the full tensor
                         (n-1)/n * M / bw +   (n-1) * latency
     point-to-point              M / bw +           latency
 
-where bw is the link bandwidth times its efficiency at the per-step message size. A link measured
+where bw is the link bandwidth times its efficiency at the per-step message size; so a ring's
+latency grows with its length (at dp 512 an all-gather pays 511 hops). An all-reduce across nodes
+takes the cheaper of the ring and NCCL's tree (2 log2(nodes) network hops; ``_tree_all_reduce_s``);
+one inside an NVSwitch node with in-switch reduction (``nvls_bandwidth_bytes_per_s``, H100) runs as
+NVLS at that bus bandwidth. A link measured
 by ``autopar profile --comm`` carries a fit (latency, bus bandwidth) per collective, found by
 least squares on the same formula; that collective then uses its own fit (bandwidth scaled like the
 link's for groups that span nodes) and no efficiency curve.
@@ -20,6 +24,7 @@ link's for groups that span nodes) and no efficiency curve.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster, Link
@@ -76,7 +81,28 @@ def collective_time_s(kind: str, message_bytes: float, group: GroupLink) -> floa
         return volume / bw + hops * latency + group.link.rendezvous_s
     step_bytes = message_bytes / n if kind != "p2p" else message_bytes
     bw = group.bandwidth_bytes_per_s * group.link.efficiency(step_bytes)
-    return volume / bw + hops * group.link.latency_s + group.link.rendezvous_s
+    if kind == "all_reduce" and group.intra_node and n > 2 and group.link.nvls_bandwidth_bytes_per_s > 0:
+        # NVLS: the switch reduces; bus bandwidth beyond the ring's, latency of one pass each way.
+        bw = group.link.nvls_bandwidth_bytes_per_s * group.link.efficiency(step_bytes)
+        return volume / bw + 2 * group.link.latency_s + group.link.rendezvous_s
+    ring = volume / bw + hops * group.link.latency_s + group.link.rendezvous_s
+    if kind == "all_reduce" and not group.intra_node:
+        return min(ring, _tree_all_reduce_s(message_bytes, group))
+    return ring
+
+
+def _tree_all_reduce_s(message_bytes: float, group: GroupLink) -> float:
+    """NCCL's tree all-reduce across nodes (what it picks where the ring's 2(n-1) latency hops
+    dominate): a reduce up and a broadcast down a binary tree of the nodes, pipelined in chunks, so
+    the volume is the ring's 2 M per rank at the same per-GPU rail bandwidth and the latency is
+    2 log2(nodes) network hops plus 2 (k - 1) hops inside each node."""
+    nodes = max(1, group.size // max(1, group.members_per_node))
+    if nodes <= 1:
+        return math.inf
+    k = group.members_per_node
+    bw = group.bandwidth_bytes_per_s * group.link.efficiency(message_bytes / max(1, k))
+    hops = 2 * math.ceil(math.log2(nodes)) + 2 * (k - 1)
+    return 2.0 * message_bytes / bw + hops * group.link.latency_s + group.link.rendezvous_s
 
 
 @dataclass(frozen=True, kw_only=True)

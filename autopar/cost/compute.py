@@ -3,8 +3,13 @@
 Each op's time is physics, judged on its own shape:
 
     GEMM       flops / (peak * gemm_eff(m, n, k))        (m counts a batched GEMM's batch)
-    attention  flops / (peak * attention_eff)            (fused flash kernel)
+    attention  flops / (peak * attention_eff(s_kv))      (fused flash kernel; s_kv keys per query,
+                                                          eff = max * s_kv / (s_kv + half_seq))
     other      bytes moved / (HBM bandwidth * memory_eff) (element-wise, norms, softmax, dropout)
+
+A weight-gradient-sized backward copy (autograd's gradient accumulation) moves its bytes once per
+micro-batch at any batch size, and nothing where the software fuses the accumulation into the
+weight-gradient GEMM (``software.fused_grad_accumulation``, Megatron's main-grad buffer).
 
 plus a fixed per-kernel overhead. Attention-core ops (s^2 quantities, or the fused attention kernel)
 are evaluated at ``core_shape``, which differs from ``shape`` under context parallelism: a ring or
@@ -46,6 +51,7 @@ class RegionTime:
     bwd_s: float
     core_fwd_s: float  # forward time of the attention core: what selective recompute re-runs
     bwd_gemm_s: float  # backward GEMM time: the window in which backward collectives can hide
+    fwd_gemm_s: float = 0.0  # forward GEMM time: the window TP communication overlap hides forward collectives in
     fwd_flops: float
     bwd_flops: float
     saved_bytes: float  # activations kept for backward without recompute
@@ -56,8 +62,18 @@ def is_core(op: FitOp) -> bool:
     return op.kind == "attn" or op.flops_exps.quadratic or op.bytes_exps.quadratic
 
 
-def op_time_s(op: FitOp, shape: Shape, cluster: Cluster) -> tuple[float, float]:
-    """(seconds, flops) of one op at ``shape``."""
+def is_parameter_sized(op: FitOp, sequence_model: bool) -> bool:
+    """A backward element-wise op whose bytes do not scale with the tokens of a sequence model: it
+    works on a weight-shaped tensor (autograd's gradient accumulation / layout copy of a weight
+    gradient). Its bytes do not depend on the micro-batch either -- its fitted batch exponent is not
+    reliable, as autograd runs such copies at some batch sizes and not at others."""
+    return sequence_model and op.kind == "mem" and op.phase == "bwd" and op.bytes_exps.s < 0.25
+
+
+def op_time_s(op: FitOp, shape: Shape, cluster: Cluster, seq_len: int = 0,
+              parameter_sized: bool = False) -> tuple[float, float]:
+    """(seconds, flops) of one op at ``shape``; ``seq_len``: the graph's base sequence (attention's
+    key length is ``shape.kv_ratio * seq_len``); ``parameter_sized``: see ``is_parameter_sized``."""
     if op.kind == "gemm" and op.dims is not None and op.dims_exps is not None:
         flops = op.flops * _no_sp(shape).scale(op.flops_exps)
         batch, m, n, k = (d * _no_sp(shape).scale(e) for d, e in zip(op.dims, op.dims_exps))
@@ -65,7 +81,13 @@ def op_time_s(op: FitOp, shape: Shape, cluster: Cluster) -> tuple[float, float]:
         return flops / (cluster.peak_flops * eff) + cluster.kernel_overhead_s, flops
     if op.kind == "attn":
         flops = op.flops * shape.scale(op.flops_exps)
-        return flops / (cluster.peak_flops * cluster.attention_efficiency) + cluster.kernel_overhead_s, flops
+        eff = cluster.attention_efficiency_at(shape.kv_ratio * seq_len)
+        return flops / (cluster.peak_flops * eff) + cluster.kernel_overhead_s, flops
+    if parameter_sized:
+        if cluster.fused_grad_accumulation:  # the weight-gradient GEMM accumulates in place
+            return 0.0, 0.0
+        return op.bytes * replace(shape, b=1.0).scale(op.bytes_exps) / (
+            cluster.memory_bandwidth_bytes_per_s * cluster.memory_efficiency) + cluster.kernel_overhead_s, 0.0
     moved = op.bytes * shape.scale(op.bytes_exps)
     flops = op.flops * shape.scale(op.flops_exps)
     bw = cluster.memory_bandwidth_bytes_per_s * cluster.memory_efficiency
@@ -81,22 +103,27 @@ def _no_sp(shape: Shape) -> Shape:
 _CACHE: dict[tuple, tuple[RegionFit, RegionTime]] = {}
 
 
-def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shape | None = None) -> RegionTime:
-    """Compute time and saved bytes of ``fit`` at ``shape`` (cached)."""
+def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shape | None = None,
+                seq_len: int = 0) -> RegionTime:
+    """Compute time and saved bytes of ``fit`` at ``shape`` (cached); ``seq_len`` as in ``op_time_s``."""
     core_shape = core_shape or shape
-    key = (id(fit), cluster, shape, core_shape)
+    key = (id(fit), cluster, shape, core_shape, seq_len)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is fit:
         return hit[1]
-    fwd = bwd = core = fwd_f = bwd_f = bwd_gemm = 0.0
+    fwd = bwd = core = fwd_f = bwd_f = bwd_gemm = fwd_gemm = 0.0
+    sequence_model = any(op.bytes_exps.s > 0.5 for op in fit.ops)
     for op in fit.ops:
         core_op = is_core(op)
-        secs, flops = op_time_s(op, core_shape if core_op else shape, cluster)
+        secs, flops = op_time_s(op, core_shape if core_op else shape, cluster, seq_len,
+                                is_parameter_sized(op, sequence_model))
         if op.phase == "fwd":
             fwd += secs
             fwd_f += flops
             if core_op:
                 core += secs
+            if op.kind == "gemm":
+                fwd_gemm += secs
         else:
             bwd += secs
             bwd_f += flops
@@ -110,7 +137,8 @@ def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shap
         else:
             b = q.nbytes * shape.scale(q.exps)
         saved += b
-    out = RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=bwd_gemm, fwd_flops=fwd_f, bwd_flops=bwd_f,
+    out = RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
+                     fwd_flops=fwd_f, bwd_flops=bwd_f,
                      saved_bytes=saved, core_saved_bytes=core_saved)
     _CACHE[key] = (fit, out)
     return out
@@ -145,7 +173,7 @@ def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape:
     points measured for that kind (the executor's cp attention on a loopback) is used as measured,
     else the plain s/cp points times the roofline ratio."""
     fit = graph.regions[region]
-    rt = region_time(fit, cluster, shape, core_shape)
+    rt = region_time(fit, cluster, shape, core_shape, graph.seq_len)
     table = usable_layer_table(graph, cluster)
     if table is None:
         return rt
@@ -159,7 +187,7 @@ def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape:
     ref_core = None
     if hit.cp > 1 and hit.cp_kind == "ulysses":  # all s queries, heads / (tp cp)
         ref_core = Shape(b=hit.b, s_ratio=ratio_s * hit.cp, kv_ratio=ratio_s * hit.cp, t=float(hit.tp * hit.cp), sp=1.0)
-    ref = region_time(fit, cluster, ref_shape, ref_core)
+    ref = region_time(fit, cluster, ref_shape, ref_core, graph.seq_len)
     v = hit.values
 
     def scaled(measured: float, ours: float, at_ref: float) -> float:
@@ -176,4 +204,5 @@ def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape:
     core = (scaled(v["core_fwd_s"], rt.core_fwd_s, ref.core_fwd_s) if "core_fwd_s" in v and rt.core_fwd_s > 0
             else rt.core_fwd_s * f_ratio)
     return replace(rt, fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=rt.bwd_gemm_s * b_ratio,
+                   fwd_gemm_s=rt.fwd_gemm_s * f_ratio,
                    saved_bytes=saved, core_saved_bytes=rt.core_saved_bytes * s_ratio)

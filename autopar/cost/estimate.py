@@ -12,18 +12,19 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.cost.stage import Config, build_terms
 from autopar.cost.step import Estimate, evaluate
+from autopar.cost.zero import executed_zero
 from autopar.errors import PlanError
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import Plan
 
 
 def config_from_plan(plan: Plan) -> Config:
-    """The plan as the cost model prices it: as the executor runs it. ZeRO-1 with tp > 1 runs as
-    ZeRO-2 (ZeroRedundancyOptimizer cannot take DTensor parameters; executor/apply.py)."""
+    """The plan as the cost model prices it: as the executor runs it. ZeRO-2 at pp > 1 runs as
+    ZeRO-1 (torch.distributed.pipelining defers an FSDP stage's gradient sync; autopar.cost.zero)."""
     par, tr = plan.parallel, plan.training
     return Config(
         dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, cp_kind=par.cp_kind, sequence_parallel=par.sequence_parallel,
-        zero=2 if par.zero == 1 and par.tp > 1 else par.zero, recompute=par.recompute, schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
+        zero=executed_zero(par.zero, par.pp), recompute=par.recompute, schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
         micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_len=tr.seq_len,
         dtype_bytes=tr.dtype_bytes, optimizer=tr.optimizer,
     )
@@ -58,11 +59,26 @@ def estimate_plan(plan: Plan, graph: ModelGraph, cluster: Cluster) -> Estimate:
     """The cost model's prediction for ``plan`` (graph measured at the plan's seq_len)."""
     check_plan_against_model(plan, graph)
     cfg = config_from_plan(plan)
+    if graph.chain:
+        return _estimate_chain(plan, graph, cluster, cfg)
     terms = build_terms(graph, cluster, cfg)
     chunk_blocks = [end - start for start, end in plan.stage_ranges()]
     tokens = plan.training.global_batch_size * plan.training.seq_len
     flops = graph.model_flops_per_sample() * plan.training.global_batch_size
     return evaluate(terms, chunk_blocks, flops, tokens, cluster.peak_flops)
+
+
+def _estimate_chain(plan: Plan, graph: ModelGraph, cluster: Cluster, cfg: Config) -> Estimate:
+    """A chain model's plan (graph.chain): its per-unit terms and its stage ranges (cost/chain.py)."""
+    from autopar.cost.chain import build_chain_terms, evaluate_chain
+
+    if cfg.virtual_stages != 1:
+        raise PlanError(f"parallel.pp_virtual_stages = {cfg.virtual_stages}: {graph.name} is a chain of distinct units, "
+                        "planned with one chunk per pipeline rank; set pp_virtual_stages: 1")
+    tokens = plan.training.global_batch_size * plan.training.seq_len
+    flops = graph.model_flops_per_sample() * plan.training.global_batch_size
+    terms = build_chain_terms(graph, cluster, cfg)
+    return evaluate_chain(terms, plan.stage_ranges(), flops, tokens, cluster.peak_flops)
 
 
 def estimate_json(est: Estimate) -> dict[str, Any]:

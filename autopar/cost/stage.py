@@ -25,10 +25,9 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import Mesh, collective_time_s
 from autopar.cost.compute import graph_region_time, usable_layer_table
 from autopar.cost.memory import inflight_microbatches, state_bytes_per_param
+from autopar.cost.zero import gradient_bytes_per_param, overlapped, per_microbatch_exposed, per_step_sync
 from autopar.graph.model_graph import ModelGraph
 from autopar.graph.scaling import Shape
-
-DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket: the last one cannot overlap backward
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,11 +120,9 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         core_shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=kv_ratio, t=cfg.tp, sp=1.0)
     state = state_bytes_per_param(zero=cfg.zero, shard_degree=cfg.dp * cfg.cp, dtype_bytes=cfg.dtype_bytes,
                                   optimizer=cfg.optimizer)
-    if cfg.zero in (0, 1) and cfg.tp == 1 and cfg.dp * cfg.cp > 1:
-        # The executor's DDP (parameters without DTensors) keeps its communication buckets beside
-        # the gradients: a second gradient-sized buffer (gradient_as_bucket_view is off, see
-        # executor/data_parallel.py). Counted with the gradients.
-        state = replace(state, grads=2 * state.grads)
+    # As the executor holds gradients (autopar.cost.zero): ZeRO-1's whole fp32 accumulator, DDP's buckets.
+    uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.dp * cfg.cp > 1
+    state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
     tokens_bytes = graph.block_input_bytes * cfg.micro_batch * s_ratio  # one rank's block input, full width
     tp_link, cp_link, dpcp_link = mesh.link(cluster, "tp"), mesh.link(cluster, "cp"), mesh.link(cluster, "dp_cp")
 
@@ -147,9 +144,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
 
     d = cfg.dtype_bytes
     n_shard = cfg.dp * cfg.cp
-    bucket_ar = _grad_sync_time(cfg, dpcp_link, DDP_BUCKET_BYTES / d)
-    per_param_sync = _grad_sync_time(cfg, dpcp_link, 1e9) / 1e9
-    gather = collective_time_s("all_gather", 1e9 * d, dpcp_link) / 1e9 if cfg.zero in (1, 2) else 0.0
+    per_param_sync, gather, bucket_floor = per_step_sync(cfg, dpcp_link, cluster)
     opt_params_per_rank = 1.0 / n_shard if cfg.zero >= 1 else 1.0
     optimizer_s = cluster.optimizer_bytes_per_param * opt_params_per_rank / cluster.memory_bandwidth_bytes_per_s
     block_params = graph.params["block"].per_rank(cfg.tp)
@@ -166,10 +161,10 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         config=cfg, block=block, pre=pre, post=post, p2p_s=p2p,
         state_bytes_per_param=state.total,
         state_split={"params": state.params, "grads": state.grads, "optimizer": state.optimizer},
-        grad_sync_s_per_param=per_param_sync if cfg.zero in (0, 1) else 0.0,
+        grad_sync_s_per_param=per_param_sync,
         grad_sync_overlaps=cluster.overlap_grad_reduce,
         overlap_cost_fraction=cluster.overlap_cost_fraction,
-        grad_sync_floor_s=bucket_ar if cfg.zero in (0, 1) and n_shard > 1 else 0.0,
+        grad_sync_floor_s=bucket_floor,
         param_gather_s_per_param=gather,
         optimizer_s_per_param=optimizer_s,
         transient_bytes=transient,
@@ -177,17 +172,6 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         reserve_bytes=cluster.framework_reserve_bytes,
         capacity_bytes=cluster.memory_bytes,
     )
-
-
-def _grad_sync_time(cfg: Config, link, num_params: float) -> float:  # noqa: ANN001
-    """End-of-step gradient collective for ``num_params`` parameters (ZeRO-0 all-reduce, ZeRO-1
-    reduce-scatter); ZeRO-2/3 reduce gradients inside each backward instead."""
-    nbytes = num_params * cfg.dtype_bytes
-    if cfg.zero == 0:
-        return collective_time_s("all_reduce", nbytes, link)
-    if cfg.zero == 1:
-        return collective_time_s("reduce_scatter", nbytes, link)
-    return 0.0
 
 
 def _tp_time(cluster: Cluster, cfg: Config, fit_comm, phase: str, shape: Shape, link) -> float:  # noqa: ANN001
@@ -244,34 +228,18 @@ def _cp_time(graph: ModelGraph, cfg: Config, link, tokens_bytes: float) -> tuple
     return a2a, a2a
 
 
-def _overlapped(comm_s: float, window_s: float, cost_fraction: float) -> float:
-    """Time a collective adds when run behind ``window_s`` of compute: what sticks out, plus the
-    share of the hidden part that contention for SMs and memory bandwidth costs."""
-    return max(0.0, comm_s - window_s) + cost_fraction * min(comm_s, window_s)
-
-
-def _zero_exposed(cfg: Config, params: float, fwd_s: float, bwd_s: float, link, cost_fraction: float) -> float:  # noqa: ANN001
-    """ZeRO-2/3 collectives per micro-batch: prefetched behind forward/backward compute. ZeRO-3
-    gathers parameters in forward and again in backward and reduce-scatters gradients; ZeRO-2
-    reduce-scatters gradients in every micro-batch's backward."""
-    nbytes = params * cfg.dtype_bytes  # the gathered (unsharded) parameters of this piece
-    if cfg.zero == 3:
-        ag = collective_time_s("all_gather", nbytes, link)
-        rs = collective_time_s("reduce_scatter", nbytes, link)
-        return _overlapped(ag, fwd_s, cost_fraction) + _overlapped(ag + rs, bwd_s, cost_fraction)
-    if cfg.zero == 2:
-        rs = collective_time_s("reduce_scatter", nbytes, link)
-        return _overlapped(rs, bwd_s, cost_fraction)
-    return 0.0
-
-
 def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes) -> Part:  # noqa: ANN001
     fit = graph.regions["block"]
     rt = graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind)
     tp_f = _tp_time(cluster, cfg, fit.comm, "fwd", shape, tp_link)
-    # Weight-gradient GEMMs are half of the backward GEMMs: the window the backward collectives hide in.
     tp_b = _tp_time(cluster, cfg, fit.comm, "bwd", shape, tp_link)
-    if cluster.async_tp_backward:
+    if cluster.tp_comm_overlap:
+        # Megatron/TE userbuffers: each TP all-gather / reduce-scatter is split into chunks pipelined
+        # with the GEMM that consumes or produces it, in forward and in backward alike.
+        tp_f = overlapped(tp_f, rt.fwd_gemm_s, cluster.overlap_cost_fraction)
+        tp_b = overlapped(tp_b, rt.bwd_gemm_s, cluster.overlap_cost_fraction)
+    elif cluster.async_tp_backward:
+        # Weight-gradient GEMMs are half of the backward GEMMs: the window the backward collectives hide in.
         tp_b = _tp_backward_exposed(cfg, tp_b, rt.bwd_gemm_s / 2)
     cp_f, cp_b = _cp_time(graph, cfg, cp_link, tokens_bytes)
     fwd = rt.fwd_s + tp_f + cp_f
@@ -284,7 +252,7 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
         recompute, act = 0.0, rt.saved_bytes
     params = graph.params["block"].per_rank(cfg.tp)
     bwd = rt.bwd_s + tp_b + cp_b + recompute
-    zero = _zero_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)
+    zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b,
                 zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops)
 
@@ -323,7 +291,7 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
     params = graph.params[region].per_rank(1 if replicated else cfg.tp)
     if region == "post":
         params += graph.params["loss"].count
-    zero = _zero_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)
+    zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=0.0, tp_comm_s=tp, cp_comm_s=0.0, zero_comm_s=zero,
                 act_bytes=sum(p.saved_bytes for p in parts), params=params,
                 fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts))

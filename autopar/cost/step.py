@@ -9,8 +9,9 @@ micro-batches and v chunks per rank (v = 1 for GPipe and 1F1B):
 
 For equal stages this is M t + (p - 1) t / v: the work of M micro-batches plus Megatron's
 interleaved bubble (p - 1)/v; for v = 1 it is 1F1B's (M - 1) max t + sum t. The tail is the
-end-of-step gradient collective that backward could not hide, the ZeRO-1/2 parameter
-all-gather and the optimizer update. Memory per rank = model states + in-flight activations +
+end-of-step gradient collective that backward could not hide (with ZeRO-1's parameter all-gather
+when the software overlaps it, autopar.cost.zero), ZeRO-1's all-gather when it does not, and the
+optimizer update. Memory per rank = model states + in-flight activations +
 transient buffers + the framework reserve.
 """
 

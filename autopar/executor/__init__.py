@@ -11,7 +11,7 @@ pipeline_parallel.py   cut into stage chunks (uneven ranges, virtual stages), Pi
 tensor_parallel.py     DTensor Colwise/Rowwise (+ Megatron SP), fused-QKV interleaving
 context_parallel.py    ring / all-gather-KV / Ulysses attention, load-balanced causal sharding
 recompute.py           full and selective activation checkpointing
-data_parallel.py       DDP, ZeRO-1 (ZeroRedundancyOptimizer), ZeRO-2/3 (FSDP2)
+data_parallel.py       DDP, ZeRO-1/2/3 (FSDP2; ZeRO-1 syncs gradients once per step)
 apply.py               meta build -> PP split -> TP -> CP -> recompute -> materialise -> ZeRO/DP
 train.py               data, micro-batches, optimizer steps, metrics, single-process reference
 checkpoint.py          sharded DCP checkpoints keyed by full-model names (resume under any plan),

@@ -26,8 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.executor import chain_pipeline as chain_pipe
 from autopar.executor import pipeline_parallel as pipe
-from autopar.executor.context_parallel import apply_cp
+from autopar.executor import hf_attention
+from autopar.executor.context_parallel import ContextParallelAttention, apply_cp, position_kwargs
 from autopar.executor.data_parallel import DataParallelResult, apply_data_parallel, build_optimizer
 from autopar.executor.introspect import ModelSpec
 from autopar.executor.mesh import ParallelMesh
@@ -36,15 +38,23 @@ from autopar.executor.tensor_parallel import apply_tp, fused_row_permutations, k
 from autopar.modelfile import ModelFile
 from autopar.plan import Plan
 
-_WRAPPER_PREFIXES = ("module.", "model.")
-
-
-def original_name(name: str) -> str:
-    """Full-model parameter name of a (possibly DDP- or stage-wrapped) local parameter name."""
-    for prefix in _WRAPPER_PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix):]
+def original_name(name: str, part: nn.Module) -> str:
+    """Full-model name of the parameter or buffer ``name`` of ``part`` (one of ``Executable.parts``,
+    or a chunk before wrapping). Exactly the prefixes the executor's wrappers put there are removed,
+    and only where ``part`` is such a wrapper: DDP's ``module.``, then the pipeline StageModule's
+    attribute (``pipeline_parallel.STAGE_PREFIX``). A user's network under an attribute named
+    ``model`` or ``module`` keeps its names. FSDP2, ``replicate``, recompute and CP rename nothing."""
+    if isinstance(part, nn.parallel.DistributedDataParallel):
+        name, part = name.removeprefix("module."), part.module
+    if isinstance(part, pipe.StageModule):
+        name = name.removeprefix(pipe.STAGE_PREFIX)
     return name
+
+
+def named_full(part: nn.Module, *, buffers: bool = False, remove_duplicate: bool = True) -> list[tuple[str, Any]]:
+    """``part``'s parameters (or buffers) by full-model name (see ``original_name``)."""
+    items = part.named_buffers() if buffers else part.named_parameters(remove_duplicate=remove_duplicate)
+    return [(original_name(n, part), t) for n, t in items]
 
 
 @dataclass(kw_only=True)
@@ -63,6 +73,7 @@ class Executable:
     chunk_ids: list[int] = field(default_factory=list)
     tied: list[tuple[list[str], dist.ProcessGroup | None]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    pipe_io: Any = None  # pp > 1: pipeline_parallel.StepIO (the step's inputs for every stage)
     stage_loss: Any = None  # pp > 1 and tp > 1: the last stage's VocabParallelLoss (its fallback note)
     # full-model parameter name -> canonical name of its tie group (first alias in the full model's
     # named_parameters order); the checkpoint keys of tied weights (checkpoint.py)
@@ -72,8 +83,8 @@ class Executable:
         """Local parameters by original full-model name (deduplicated)."""
         out: dict[str, nn.Parameter] = {}
         for part in self.parts:
-            for name, p in part.named_parameters():
-                out.setdefault(original_name(name), p)
+            for name, p in named_full(part):
+                out.setdefault(name, p)
         return out
 
 
@@ -104,8 +115,7 @@ def materialise(part: nn.Module, reference: nn.Module, device: torch.device, per
             setattr(part.get_submodule(owner) if owner else part, leaf, keep)
     ref = dict(reference.named_parameters(remove_duplicate=False))
     ref.update(dict(reference.named_buffers(remove_duplicate=False)))
-    for name, t in list(part.named_parameters()) + list(part.named_buffers()):
-        key = original_name(name)
+    for key, t in named_full(part) + named_full(part, buffers=True):
         full = ref[key].detach()
         if key in perms:
             full = full[perms[key]]
@@ -133,10 +143,7 @@ def build_executable(
 ) -> Executable:
     """Apply ``plan`` to the model of ``mf`` on this rank (collective: every rank must call it)."""
     par, device, notes = plan.parallel, mesh.device, []
-    zero = par.zero
-    if zero == 1 and par.tp > 1:
-        notes.append("zero 1 with tp > 1: ZeroRedundancyOptimizer cannot take DTensor parameters; using ZeRO-2 (FSDP2)")
-        zero = 2
+    zero = par.zero  # ZeRO-1 at any tp: FSDP2 with per-step gradient sync (data_parallel.py)
     model = mf.build("meta")  # 1. meta
     perms = fused_row_permutations(model, spec, par.tp)
     canonical = canonical_names(model)
@@ -149,36 +156,50 @@ def build_executable(
         meta_inputs = mf.example_inputs(plan.training.micro_batch_size, "meta")
         if par.cp > 1:  # stages see this cp rank's share of the sequence
             meta_inputs = meta_inputs[:, : plan.training.seq_len // par.cp]
-        probe = pipe.probe_structure(model, spec, meta_inputs)
         ranges = plan.stage_ranges()
-        n = len(ranges)
-        chunks = [
-            pipe.build_chunk(model, spec, probe, rng, is_first=c == 0, is_last=c == n - 1, meta_inputs=meta_inputs)
-            for c, rng in enumerate(ranges)
-        ]
+        io = None
+        if chain_pipe.uses_chain_chunks(spec):  # a layer chain / Sequential blocks: cut at unit inputs
+            n = len(ranges)
+            shapes = chain_pipe.probe_chain_shapes(model, spec, meta_inputs)
+            chunks = [chain_pipe.build_chain_chunk(model, spec, shapes, rng, is_first=c == 0, is_last=c == n - 1,
+                                                   meta_inputs=meta_inputs) for c, rng in enumerate(ranges)]
+        else:
+            probe = pipe.probe_structure(model, spec, meta_inputs)
+            io = pipe.StepIO(meta_inputs, probe.output)
+            chunks = [pipe.build_chunk(model, spec, probe, rng, index=c, num_chunks=len(ranges), io=io, device=device)
+                      for c, rng in enumerate(ranges)]
         if par.cp > 1:
             from autopar.executor.context_parallel import shard_indices
 
+            positions = shard_indices(plan.training.seq_len, par.cp, mesh.coords.cp).to(device)
             for ch in chunks:
-                ch.call_kwargs = {"positions": shard_indices(plan.training.seq_len, par.cp, mesh.coords.cp).to(device)}
-        all_chunk_names = [{original_name(k) for k, _ in ch.named_parameters(remove_duplicate=False)} for ch in chunks]
+                ch.call_kwargs = position_kwargs(spec.accepts_positions, positions)
+        all_chunk_names = [{k for k, _ in named_full(ch, remove_duplicate=False)} for ch in chunks]
         chunk_ids = pipe.local_chunk_ids(plan, mesh.coords.pp)
         parts = [chunks[c] for c in chunk_ids]
         del chunks
 
     # 3. inside each chunk: TP(+SP) -> CP -> recompute
-    prefix = "model." if par.pp > 1 else ""
+    prefix = pipe.STAGE_PREFIX if par.pp > 1 else ""
     for part in parts:
         if par.tp > 1:
             sub_spec = spec if not prefix else _prefixed(spec, prefix)
             for note in apply_tp(part, sub_spec, mesh.tp, sequence_parallel=par.sequence_parallel):
                 if note not in notes:
                     notes.append(note)
-        if par.cp > 1:
+        recompute = par.recompute
+        if spec.core_name is None and spec.hf_attention is not None and (par.cp > 1 or recompute == "selective"):
+            # transformers attention: a registered implementation does CP and/or selective recompute
+            make_cp = (lambda: ContextParallelAttention(par.cp_kind, mesh.cp_group, par.cp, mesh.coords.cp,  # noqa: E731
+                                                        plan.training.seq_len)) if par.cp > 1 else None
+            hf_attention.install(part, prefix + spec.blocks_path, spec.hf_attention.module,
+                                 recompute=recompute == "selective", make_cp=make_cp)
+            recompute = "none" if recompute == "selective" else recompute
+        elif par.cp > 1:
             assert spec.core_name is not None
             apply_cp(part, prefix + spec.blocks_path, spec.core_name, kind=par.cp_kind, group=mesh.cp_group,
                      cp=par.cp, rank=mesh.coords.cp, seq_len=plan.training.seq_len)
-        apply_recompute(part, _prefixed(spec, prefix), par.recompute)
+        apply_recompute(part, _prefixed(spec, prefix), recompute)
 
     # 4. materialise from the seed-built full model
     reference = reference_model(mf, seed)
@@ -190,7 +211,10 @@ def build_executable(
     dp_mesh = mesh.dp_cp
     wrapped: list[DataParallelResult] = []
     for part in parts:
-        blocks = [m for k, m in part.get_submodule(prefix + spec.blocks_path).named_children() if k.isdigit()]
+        if chain_pipe.uses_chain_chunks(spec):
+            blocks = chain_pipe.unit_modules(part, spec, prefix)
+        else:
+            blocks = [m for k, m in part.get_submodule(prefix + spec.blocks_path).named_children() if k.isdigit()]
         wrapped.append(apply_data_parallel(part, blocks, dp_mesh, zero=zero, dtype=plan.training.dtype, device=device))
 
     # 6. pipeline schedule, optimizer, tied-weight groups
@@ -205,18 +229,26 @@ def build_executable(
     exe.optimizer = build_optimizer(params, plan.training.optimizer, lr, any(w.sharded_optimizer for w in wrapped), dp_mesh)
     if par.pp > 1:
         assert loss_fn is not None, "the pipeline's last stage computes the loss"
+        row_target = True  # the model file's loss_fn gets each micro-batch's own inputs (StepIO.loss)
         if par.cp > 1:  # targets arrive pre-shifted and sharded (train.py); see context_parallel.py
-            from autopar.executor.context_parallel import cp_next_token_loss
+            from autopar.executor.context_parallel import cp_next_token_loss, logits_of
 
             n_targets = plan.training.micro_batch_size * (plan.training.seq_len - 1)
-            loss_fn = lambda out, tgt: cp_next_token_loss(out, tgt, n_targets, par.cp)  # noqa: E731
+            loss_fn = lambda out, tgt: cp_next_token_loss(logits_of(out)[0], tgt, n_targets, par.cp)  # noqa: E731
+            row_target = False
         if par.tp > 1:  # vocab-sharded logits on the last stage: the same fallback as train.py's loss
             from autopar.executor.tensor_parallel import VocabParallelLoss
 
             exe.stage_loss = VocabParallelLoss(loss_fn)
             loss_fn = exe.stage_loss
-        exe.schedule, exe.stages = pipe.build_schedule(plan, exe.parts, chunk_ids, mesh.pp_group, device, loss_fn)
-        exe.tied = pipe.tied_groups(model, plan, all_chunk_names)
+        if io is None:  # chain chunks (chain_pipeline.py): the first stage takes the batch, the last the target
+            exe.schedule, exe.stages = pipe.build_schedule(plan, exe.parts, chunk_ids, mesh.pp_group, device, loss_fn)
+            exe.tied = pipe.tied_groups(model, plan, all_chunk_names)
+        else:
+            exe.pipe_io = io
+            exe.schedule, exe.stages = pipe.build_schedule(plan, exe.parts, chunk_ids, mesh.pp_group, device,
+                                                           io.loss(loss_fn, row_target=row_target))
+            exe.tied = pipe.tied_groups(model, plan, all_chunk_names, bare=tuple(probe.bare))
     return exe
 
 
@@ -238,7 +270,7 @@ def full_parameters(exe: Executable, *, grads: bool = False) -> dict[str, torch.
     pipeline stage must call it). Missing gradients come back as zeros.
     """
     out: dict[str, torch.Tensor] = {}
-    local = {original_name(n): p for part in exe.parts for n, p in part.named_parameters(remove_duplicate=False)}
+    local = {n: p for part in exe.parts for n, p in named_full(part, remove_duplicate=False)}
     for name, p in local.items():
         t = p
         if grads:

@@ -24,7 +24,7 @@ checkpoint cannot run code -- the checksum alone would not protect it, since who
 
 Plan independence (what makes *reshard* work): every entry is keyed by the parameter's
 fully-qualified name in the user's full model -- wrapper prefixes (DDP ``module.``, the pipeline
-``StageModule``'s ``model.``) removed and tied aliases (GPT's ``output.weight`` on the last pipeline
+``StageModule``'s ``autopar_chunk.``, apply.original_name) removed and tied aliases (GPT's ``output.weight`` on the last pipeline
 stage = ``tok_embeddings.weight``) mapped to one canonical name. Values are the live parameters and
 AdamW moments: DTensors (TP, FSDP2, FSDP2 x TP) keep their shards and DCP records their global
 offsets, plain tensors (DDP, replicated) are deduplicated by DCP; on load DCP reads whatever slice
@@ -238,7 +238,7 @@ def _local_params(exe: Executable) -> list[tuple[str, str, torch.Tensor]]:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            orig = original_name(name)
+            orig = original_name(name, part)
             out.append((exe.canonical_names.get(orig, orig), orig, p))
     return out
 
@@ -281,7 +281,7 @@ def build_state(exe: Executable, *, rng: bool, for_load: bool) -> tuple[dict[str
             owner, _, leaf = name.rpartition(".")
             module = part.get_submodule(owner) if owner else part
             if leaf not in module._non_persistent_buffers_set:
-                orig = original_name(name)
+                orig = original_name(name, part)
                 state.setdefault(f"buffer/{exe.canonical_names.get(orig, orig)}", buf)
     if rng:
         r = dist.get_rank()

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from autopar.errors import AutoparError
 from autopar.executor.introspect import ModelSpec, example_shape_check, inspect_model
 from autopar.modelfile import ModelFile
@@ -74,7 +76,9 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
         block = model.get_submodule(spec.blocks_path)[0]
         for name, style in spec.tp_plan.items():
             lin = block.get_submodule(name)
-            width = lin.out_features if style == "colwise" else lin.in_features
+            # nn.Linear, or HF Conv1D (weight (in, out))
+            in_f, out_f = (lin.in_features, lin.out_features) if isinstance(lin, nn.Linear) else tuple(lin.weight.shape)
+            width = out_f if style == "colwise" else in_f
             if width % par.tp:
                 raise AutoparError(f"tp = {par.tp} does not divide the width {width} of {name}; pick another tp")
     if par.cp > 1:

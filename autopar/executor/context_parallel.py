@@ -24,11 +24,13 @@ gradient average divides by cp, so the local loss is multiplied by cp (``cp_next
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 IGNORE = -100
 _MASKED = -1.0e30  # finite: a fully masked block gets weight exp(-1e30 - lse) = 0, and no NaN grads
@@ -61,13 +63,43 @@ def cp_next_token_loss(logits: torch.Tensor, local_targets: torch.Tensor, num_ta
     return total * (cp / num_targets)
 
 
-def is_next_token_loss(loss_fn, tokens: torch.Tensor, vocab: int) -> bool:
-    """Numerically check that the model file's loss_fn is mean next-token cross-entropy."""
+def is_next_token_loss(loss_fn, tokens: torch.Tensor, vocab: int, output: Any = None) -> bool:
+    """Numerically check that the model file's loss_fn is mean next-token cross-entropy.
+    ``output``: a model output of the model's structure (an HF ``ModelOutput``), whose logits the
+    check's random logits replace (None: the model returns the logits tensor)."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(*tokens.shape, vocab, generator=g).to(tokens.device)
     want = cp_next_token_loss(logits, shard_batch(tokens, 1, 0)[2], tokens.shape[0] * (tokens.shape[1] - 1), 1)
-    got = loss_fn(logits, tokens)
+    try:
+        got = loss_fn(logits if output is None else logits_of(output)[1](logits), tokens)
+    except Exception:  # noqa: BLE001 - a loss_fn that cannot take this output is not the CP loss
+        return False
     return bool(torch.isclose(got.float(), want, rtol=1e-5, atol=1e-6))
+
+
+def logits_of(output: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
+    """The logits in a model's output -- the tensor itself, or the first 3-d tensor of a tuple,
+    dict or HF ``ModelOutput`` -- and a function putting other logits in their place (the other
+    tensors of the output as zeros, their structure kept)."""
+    if isinstance(output, torch.Tensor):
+        return output, lambda new: new
+    leaves, spec = tree_flatten(output)
+    i = next((j for j, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.dim() == 3), None)
+    if i is None:
+        raise ValueError(f"context parallelism: the model's output ({type(output).__name__}) holds no (b, s, vocab) logits")
+
+    def put(new: torch.Tensor) -> Any:
+        out = [torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for v in leaves]
+        out[i] = new
+        return tree_unflatten(out, spec)
+
+    return leaves[i], put
+
+
+def position_kwargs(accepts_positions: bool, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How the model's forward is told where its shard's tokens sit: autopar's ``positions=``, or
+    transformers' ``position_ids=`` (shape (1, s_local), read by the rotary tables)."""
+    return {"positions": positions} if accepts_positions else {"position_ids": positions[None]}
 
 
 def _peer(group: dist.ProcessGroup, group_rank: int) -> int:
@@ -118,18 +150,20 @@ class ContextParallelAttention(nn.Module):
         self.kind, self.group, self.cp, self.rank = kind, group, cp, rank
         self.positions = [shard_indices(seq_len, cp, r) for r in range(cp)]  # plain list: not a buffer
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Causal attention of the local (b, heads, s_local, head_dim) shards; ``scale`` defaults
+        to 1/sqrt(head_dim) (transformers passes its ``scaling``)."""
         if k.shape[1] != q.shape[1]:  # grouped-query attention: repeat K/V heads like SDPA enable_gqa
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         pos = [p.to(q.device) for p in self.positions]
         if self.kind == "ring":
             out = self._ring(q, k, v, pos, scale)
         elif self.kind == "allgather":
             out = self._allgather(q, k, v, pos, scale)
         else:
-            return self._ulysses(q, k, v, pos)
+            return self._ulysses(q, k, v, pos, scale)
         return out.to(q.dtype)
 
     def _ring(self, q, k, v, pos, scale):
@@ -151,7 +185,7 @@ class ContextParallelAttention(nn.Module):
         out, _ = _block(q, kv_all[0], kv_all[1], pos[self.rank], torch.cat(pos), scale)
         return out
 
-    def _ulysses(self, q, k, v, pos):
+    def _ulysses(self, q, k, v, pos, scale):
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         b, h, s_l, d = q.shape
@@ -163,7 +197,7 @@ class ContextParallelAttention(nn.Module):
 
         order = torch.argsort(torch.cat(pos))  # rank-order -> natural sequence order
         qs, ks, vs = (to_heads(x)[:, :, order] for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         o = o[:, :, torch.argsort(order)].reshape(b, h // cp, cp, s_l, d).permute(2, 1, 0, 3, 4).reshape(h, b, s_l, d)
         back = all_to_all_single_autograd(o.contiguous(), None, None, self.group)
         return back.view(h, b, s_l, d).permute(1, 0, 2, 3)

@@ -9,11 +9,18 @@ zero    mechanism
 0       ``DistributedDataParallel`` (bucketed all-reduce overlapped with backward). When the
         parameters are DTensors (tp > 1) DDP cannot take them, so FSDP2-style ``replicate`` is used:
         same semantics (replicated params, all-reduced grads) and it understands DTensor.
-1       DDP for the gradients + ``ZeroRedundancyOptimizer`` (AdamW states sharded over dp x cp;
-        each rank steps its shard and broadcasts the updated parameters).
+1       FSDP2 ``fully_shard(reshard_after_forward=False)`` driven per step (``ZeroOneSync``, the
+        training loop): gradient sync off and no resharding after backward on every micro-batch
+        but the last, so the parameters are all-gathered once per step (first forward), the
+        gradients accumulate unsharded (fp32) and are reduce-scattered once (last backward), and
+        each rank's optimizer steps its 1/(dp cp) shard -- Megatron's distributed optimizer. At
+        pp > 1 torch.distributed.pipelining's stage does the same switching itself. Works with
+        and without DTensor (tp > 1) parameters.
 2       FSDP2 ``fully_shard(reshard_after_forward=False)``: gradients reduce-scattered (sharded) and
-        optimizer states sharded; the parameters gathered in forward are kept for backward (no
-        second all-gather). This is PyTorch's documented ZeRO-2 equivalent (SHARD_GRAD_OP).
+        optimizer states sharded in every micro-batch; the parameters gathered in forward are kept
+        for backward (no second all-gather) and freed after it. This is PyTorch's documented
+        ZeRO-2 equivalent (SHARD_GRAD_OP). (At pp > 1 the pipelining stage turns it into the
+        ZeRO-1 behaviour above; the cost model prices it so, autopar.cost.zero.)
 3       FSDP2 ``fully_shard`` per block and on the root (params, grads and states sharded; params
         re-gathered for backward).
 ======  =============================================================================================
@@ -41,7 +48,8 @@ class DataParallelResult:
 
     module: nn.Module
     kind: str  # "none" | "ddp" | "replicate" | "fsdp"
-    sharded_optimizer: bool  # True: build ZeroRedundancyOptimizer
+    sharded_optimizer: bool  # True: build ZeroRedundancyOptimizer (no plan does any more; kept for callers)
+    zero1: bool = False  # FSDP2 as ZeRO-1: the training loop syncs gradients on the last micro-batch only
 
 
 def _has_dtensor(module: nn.Module) -> bool:
@@ -58,7 +66,7 @@ def apply_data_parallel(
     device: torch.device,
 ) -> DataParallelResult:
     """Wrap ``part`` (real tensors, already TP/CP/recompute-applied) for data parallelism."""
-    if zero >= 2:
+    if zero >= 2 or (zero == 1 and mesh.size() > 1):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32) if dtype != "fp32" else MixedPrecisionPolicy()
@@ -68,14 +76,14 @@ def apply_data_parallel(
         # Root: FSDP2's default (None) keeps the root's parameters gathered from forward to backward,
         # which comes right after -- re-gathering them would only add an all-gather.
         fully_shard(part, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=mp)
-        return DataParallelResult(module=part, kind="fsdp", sharded_optimizer=False)
+        return DataParallelResult(module=part, kind="fsdp", sharded_optimizer=False, zero1=zero == 1)
     if mesh.size() == 1:
         return DataParallelResult(module=part, kind="none", sharded_optimizer=False)
     if _has_dtensor(part):
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate(part, mesh=mesh)
-        return DataParallelResult(module=part, kind="replicate", sharded_optimizer=zero == 1)
+        return DataParallelResult(module=part, kind="replicate", sharded_optimizer=False)
     # gradient_as_bucket_view stays off: with it the MLP's dp2 equivalence run grew to 14 GB RSS
     # (OOM) on torch 2.13 CPU; DDP's bucket copy of the gradients is priced instead (cost/stage.py).
     ddp = nn.parallel.DistributedDataParallel(
@@ -84,7 +92,20 @@ def apply_data_parallel(
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=False,
     )
-    return DataParallelResult(module=ddp, kind="ddp", sharded_optimizer=zero == 1)
+    return DataParallelResult(module=ddp, kind="ddp", sharded_optimizer=False)
+
+
+def zero1_microbatch(module: nn.Module, last: bool) -> None:
+    """Before micro-batch i of a step on a ZeRO-1 FSDP2 module: on all but the last, no gradient
+    reduce-scatter (FSDP2 accumulates the unsharded gradient in its reduce dtype) and no resharding
+    after backward (the next forward finds the parameters gathered); on the last, both back on, so
+    the step's one reduce-scatter runs and the parameters are freed for the optimizer to update
+    their shards (the next step's first forward gathers them again)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    assert isinstance(module, FSDPModule), "ZeRO-1 parts are FSDP2 modules"
+    module.set_requires_gradient_sync(last)
+    module.set_reshard_after_backward(last)
 
 
 def build_optimizer(

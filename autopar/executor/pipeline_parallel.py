@@ -4,33 +4,56 @@
 
 How a user's model is cut without changing its code
 ---------------------------------------------------
-A meta-device probe run records which modules next to the block list run before the first block
-(the *prologue*, e.g. embeddings) and after the last (the *epilogue*, e.g. final norm + head).
-Every chunk is a deep copy of the meta model whose block ModuleList holds only the chunk's blocks
-(registered under their original indices, so parameter names match the full model), and:
+A meta-device probe (``pipeline_probe.probe_structure``) records which modules beside the block list run before the
+first block (the *prologue*: embeddings, rotary tables) and after the last (the *epilogue*: final
+norm, head), the structure of what each prologue module and a block return, the name of a block's
+first forward parameter, and in which phase the model's own code reads each bare parameter (one
+registered on the root or an ancestor of the block list: a ViT's class token). Every chunk is a
+deep copy of the meta model whose block list holds only the chunk's blocks (under their original
+indices, so parameter names match the full model), wrapped in a ``StageModule`` (attribute
+``STAGE_ATTR``, the one prefix ``apply.original_name`` removes).
 
-* a non-first chunk replaces its prologue modules by stubs that return meta tensors of the recorded
-  shape (free), and puts an ``_Inject`` marker first in the block list that returns the activation
-  received from the previous stage; it is called with meta example inputs, so the model's own
-  forward runs unchanged;
-* a non-last chunk drops its epilogue modules and ends the block list with an ``_Exit`` marker that
-  raises, returning the activation to ``StageModule.forward`` before the epilogue code runs.
+**Every stage runs the model's own forward on the real micro-batch inputs.** The schedule passes
+the micro-batch to every stage as keyword arguments (``StepIO.step_kwargs``; the pipelining API
+splits keyword arguments into micro-batches like positional ones), so the model's forward computes
+its block arguments -- HF's ``position_embeddings=`` (cos, sin), ``attention_mask=``,
+``position_ids=`` -- for real on every stage, exactly as on one rank. On a non-first chunk:
 
-The stage module, not the user's model, is the unit FSDP2/DDP wrap, so no FSDP hook is skipped by
-the early exit. Requirements: the blocks are called in a loop over the ModuleList, the prologue and
-epilogue are modules returning tensors, and ``example_inputs`` returns one tensor.
+* prologue modules holding parameters (embeddings) are replaced by ``_ZeroStub``s returning real
+  zeros of the recorded structure, shape and dtype (cheap; their result is discarded), while
+  parameter-free ones (rotary tables, dropout) run for real;
+* an ``_Inject`` marker first in the block list returns the activation received from the previous
+  stage, in the structure a block returns (a tuple ``(h, None)`` as well as a tensor);
+
+and on a non-last chunk the epilogue modules are dropped and an ``_Exit`` marker ends the block
+list: it raises with the hidden state it is given (positional, or the block's first parameter by
+keyword), leaving the model's forward before the epilogue runs. Activations travel as tuples of
+tensors (the pipelining API's contract); the last stage's output -- a tensor, tuple, dict or HF
+``ModelOutput`` -- is flattened to its tensors for the API and rebuilt before the model file's
+``loss_fn`` sees it (``StepIO.loss``), which also receives the micro-batch's own inputs (dicts with
+``labels`` included) whatever the schedule's order: the schedule's target is the micro-batch's row
+indices.
+
+Bare parameters live on the stages whose part of the forward reads them (prologue: the first chunk;
+epilogue: the last; between blocks: every chunk). Elsewhere they become non-persistent buffers with
+the same value (the forward still reads them, into a result that is discarded), so no stage keeps a
+meta tensor, and only users hold trainable copies. One held by several pp ranks is summed over them
+after backward, like a tied weight.
 
 Tied parameters across stages (GPT's embedding = output head): the first and last stage both hold
 the weight; their gradients are summed across those pp ranks after backward (Megatron's
 embedding-group all-reduce), so the two copies receive identical Adam updates and stay equal.
 Under tp > 1 both copies are sharded by vocabulary (Shard(0), tensor_parallel.py), so a tp rank's
 embedding shard and head shard cover the same rows and their local gradients are summed.
+
+Requirements: the blocks are called in order over the block list (a loop or ``nn.Sequential``), a
+block's first input is the hidden state, and a parameter-holding prologue module's value reaches the
+blocks only through that hidden state.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -38,10 +61,19 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.executor.introspect import ModelSpec
+from autopar.executor.pipeline_probe import Probe, Template, bare_holders, probe_structure, tensors_of
 from autopar.modelfile import call_model
 from autopar.plan import Plan
 
+__all__ = ["STAGE_ATTR", "STAGE_PREFIX", "Probe", "StageModule", "StepIO", "Template", "build_chunk",
+           "build_schedule", "local_chunk_ids", "probe_structure", "run_schedule", "sync_tied_grads", "tied_groups"]
 
+STAGE_ATTR = "autopar_chunk"  # the StageModule's attribute holding the chunk (a distinctive name)
+STAGE_PREFIX = STAGE_ATTR + "."
+INPUT_KEY = "autopar_input_"  # keyword arguments carrying the micro-batch's tensors to every stage
+
+
+# ----------------------------------------------------------------------------------------- markers
 class _StageExit(Exception):
     def __init__(self, value: torch.Tensor) -> None:
         super().__init__("pipeline stage exit")
@@ -49,33 +81,45 @@ class _StageExit(Exception):
 
 
 class _Inject(nn.Module):
-    """First entry of a non-first chunk's block list: yields the received activation."""
+    """First entry of a non-first chunk's block list: returns the received activation in the
+    structure a block returns (extra tensor leaves, e.g. attention weights, as zeros)."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_out: Template) -> None:
         super().__init__()
+        self.block_out = block_out
         self.value: torch.Tensor | None = None
 
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         assert self.value is not None, "StageModule sets the injected activation before the call"
-        return self.value
+        if self.block_out.is_tensor == (True,):
+            return self.value
+        shapes = [v for v, t in zip(self.block_out.leaves, self.block_out.is_tensor) if t]
+        rest = [torch.zeros(v[0], dtype=v[1], device=self.value.device) for v in shapes[1:]]
+        return self.block_out.rebuild([self.value, *rest])
 
 
 class _Exit(nn.Module):
-    """Last entry of a non-last chunk's block list: leaves the model's forward with the activation."""
+    """Last entry of a non-last chunk's block list: leaves the model's forward with the hidden state
+    (the first positional input, or the block's first forward parameter passed by keyword)."""
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _StageExit(x)
-
-
-class _MetaStub(nn.Module):
-    """Stands in for a prologue module on later stages: returns a meta tensor of the recorded shape."""
-
-    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
+    def __init__(self, first_param: str | None) -> None:
         super().__init__()
-        self.shape, self.dtype = tuple(shape), dtype
+        self.first_param = first_param
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+        raise _StageExit(args[0] if args else kwargs[self.first_param])
+
+
+class _ZeroStub(nn.Module):
+    """Stands in for a parameter-holding prologue module on later stages: real zeros of the
+    recorded structure (the value is discarded: the received activation replaces it)."""
+
+    def __init__(self, out: Template, device: torch.device) -> None:
+        super().__init__()
+        self.out, self.device = out, device
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.out.zeros(self.device)
 
 
 class _Dropped(nn.Module):
@@ -85,112 +129,133 @@ class _Dropped(nn.Module):
         raise RuntimeError("autopar pipeline: an epilogue module ran on a non-last stage")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Probe:
-    """Prologue/epilogue module names (dotted, from the root) and prologue output metas."""
-
-    prologue: dict[str, tuple[torch.Size, torch.dtype]]
-    epilogue: tuple[str, ...]
-
-
-def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Probe:
-    """Run ``model`` (on meta) once and classify the modules around the block list."""
-    path = spec.blocks_path.split(".")
-    candidates: dict[str, nn.Module] = {}
-    for depth in range(len(path)):
-        prefix = ".".join(path[:depth])
-        parent = model.get_submodule(prefix) if prefix else model
-        for name, child in parent.named_children():
-            if name != path[depth]:
-                candidates[f"{prefix}.{name}" if prefix else name] = child
-    events: list[tuple[str, str, Any]] = []
-    handles = []
-    for name, mod in candidates.items():
-        handles.append(mod.register_forward_hook(lambda m, a, o, n=name: events.append(("mod", n, o))))
-    blocks = model.get_submodule(spec.blocks_path)
-    handles.append(blocks[0].register_forward_pre_hook(lambda m, a: events.append(("first", "", None))))
-    handles.append(blocks[len(blocks) - 1].register_forward_hook(lambda m, a, o: events.append(("last", "", None))))
-    try:
-        with torch.no_grad():
-            call_model(model, meta_inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    kinds = [e[0] for e in events]
-    first, last = kinds.index("first"), len(kinds) - 1 - kinds[::-1].index("last")
-    prologue: dict[str, tuple[torch.Size, torch.dtype]] = {}
-    epilogue: list[str] = []
-    for i, (kind, name, out) in enumerate(events):
-        if kind != "mod":
-            continue
-        if i < first:
-            if not isinstance(out, torch.Tensor):
-                raise ValueError(f"pipeline: prologue module {name} returns {type(out).__name__}, not a tensor")
-            prologue[name] = (out.shape, out.dtype)
-        elif i > last:
-            epilogue.append(name)
-    return Probe(prologue=prologue, epilogue=tuple(epilogue))
-
-
 def _replace(root: nn.Module, dotted: str, new: nn.Module) -> None:
     parent_name, _, leaf = dotted.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     setattr(parent, leaf, new)
 
 
-class StageModule(nn.Module):
-    """One pipeline chunk of the user's model; ``forward(x)`` -> activation or model output."""
+def _param_to_buffer(root: nn.Module, dotted: str) -> None:
+    owner_name, _, leaf = dotted.rpartition(".")
+    owner = root.get_submodule(owner_name) if owner_name else root
+    p = owner._parameters.pop(leaf)
+    owner.register_buffer(leaf, p.detach(), persistent=False)  # materialise fills its value
 
-    def __init__(self, model: nn.Module, *, is_first: bool, is_last: bool, meta_inputs: Any) -> None:
+
+# ------------------------------------------------------------------------------------------ stages
+class StepIO:
+    """One step's inputs as every stage and the last stage's loss see them (module docstring)."""
+
+    def __init__(self, meta_inputs: Any, model_output: Template | None = None) -> None:
+        self.inputs = Template.of(meta_inputs)
+        self.model_output = model_output  # the probe's: what the whole model returns
+        self.output: Template | None = None  # set by the last StageModule when it flattens
+        self.batch: Any = None  # this rank's (dp-sliced) batch of the current step
+
+    def step_kwargs(self, batch: Any) -> dict[str, torch.Tensor]:
+        """The keyword arguments of ``schedule.step`` that carry ``batch`` to every stage."""
+        return {f"{INPUT_KEY}{i}": t for i, t in enumerate(tensors_of(batch))}
+
+    def micro_batch(self, kwargs: dict[str, Any]) -> Any:
+        n = sum(self.inputs.is_tensor)
+        return self.inputs.rebuild([kwargs.pop(f"{INPUT_KEY}{i}") for i in range(n)])
+
+    def example_output(self, device: torch.device) -> Any:
+        """Zeros in the structure the whole model returns (None: unknown)."""
+        return None if self.model_output is None else self.model_output.zeros(device)
+
+    def flatten_output(self, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return out
+        self.output = Template.of(out)
+        return tensors_of(out)
+
+    def rebuild_output(self, out: Any) -> Any:
+        if self.output is None:
+            return out
+        return self.output.rebuild(out if isinstance(out, (tuple, list)) else (out,))
+
+    @staticmethod
+    def row_target(batch: Any, device: torch.device) -> torch.Tensor:
+        """The schedule's target: the batch's row indices (split into micro-batches with it)."""
+        return torch.arange(tensors_of(batch)[0].shape[0], device=device)
+
+    def loss(self, loss_fn: Callable[[Any, Any], torch.Tensor], *, row_target: bool) -> Callable:
+        """The schedule's loss_fn: the model file's ``loss_fn`` on the rebuilt output and, with
+        ``row_target``, the micro-batch's own inputs (else the schedule's target as it is)."""
+        from autopar.executor.train import rows
+
+        def fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+            if row_target:
+                target = rows(self.batch, int(target[0]), int(target[-1]) + 1)
+            return loss_fn(self.rebuild_output(output), target)
+
+        return fn
+
+
+class StageModule(nn.Module):
+    """One pipeline chunk of the user's model: ``forward(*activation, **micro_batch)`` -> the
+    activation for the next stage, or the model's (flattened) output on the last stage."""
+
+    def __init__(self, model: nn.Module, *, is_first: bool, is_last: bool, io: StepIO) -> None:
         super().__init__()
-        self.model = model
+        setattr(self, STAGE_ATTR, model)
         self.is_first, self.is_last = is_first, is_last
-        self._meta_inputs = meta_inputs  # a plain attribute: not a buffer, never materialised
+        self.io = io
         self._inject: _Inject | None = None
         self.call_kwargs: dict[str, Any] = {}  # e.g. positions= of this cp rank's tokens
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        if not self.is_first:
-            assert self._inject is not None
+    @property
+    def chunk(self) -> nn.Module:
+        return getattr(self, STAGE_ATTR)
+
+    def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
+        inputs = self.io.micro_batch(kwargs)
+        if self._inject is not None:
+            assert len(args) == 1, "one activation tensor travels between stages"
             self._inject.value = args[0]
-        if self.is_first:
-            inputs = args[0] if len(args) == 1 else args
-        else:
-            inputs = self._meta_inputs  # the prologue runs on meta stubs; _Inject supplies args[0]
         try:
             if self.call_kwargs:
-                return self.model(inputs, **self.call_kwargs)
-            return call_model(self.model, inputs)
+                out = self.chunk(inputs, **self.call_kwargs)
+            else:
+                out = call_model(self.chunk, inputs)
         except _StageExit as stop:
             return stop.value
         finally:
             if self._inject is not None:
                 self._inject.value = None
+        return self.io.flatten_output(out) if self.is_last else out
 
 
 def build_chunk(
-    model: nn.Module, spec: ModelSpec, probe: Probe, block_range: tuple[int, int], *, is_first: bool, is_last: bool, meta_inputs: Any
+    model: nn.Module, spec: ModelSpec, probe: Probe, block_range: tuple[int, int], *, index: int, num_chunks: int,
+    io: StepIO, device: torch.device,
 ) -> StageModule:
     """A StageModule holding blocks ``[start, end)`` of a deep copy of the meta ``model``."""
+    is_first, is_last = index == 0, index == num_chunks - 1
     chunk = copy.deepcopy(model)
     old = chunk.get_submodule(spec.blocks_path)
-    blocks = nn.ModuleList()
+    blocks = nn.Sequential() if isinstance(old, nn.Sequential) else nn.ModuleList()
     inject = None
     if not is_first:
-        inject = _Inject()
+        inject = _Inject(probe.block_out)
         blocks.add_module("inject", inject)
     for i in range(*block_range):
         blocks.add_module(str(i), old[i])  # original index = original parameter names
     if not is_last:
-        blocks.add_module("exit", _Exit())
+        blocks.add_module("exit", _Exit(probe.block_first_param))
     _replace(chunk, spec.blocks_path, blocks)
     if not is_first:
-        for name, (shape, dtype) in probe.prologue.items():
-            _replace(chunk, name, _MetaStub(shape, dtype))
+        for name, (out, holds_params) in probe.prologue.items():
+            if holds_params:
+                _replace(chunk, name, _ZeroStub(out, device))
     if not is_last:
         for name in probe.epilogue:
             _replace(chunk, name, _Dropped())
-    stage = StageModule(chunk, is_first=is_first, is_last=is_last, meta_inputs=meta_inputs)
+    for name, phases in probe.bare.items():
+        if not bare_holders(phases, index, num_chunks):
+            _param_to_buffer(chunk, name)
+    stage = StageModule(chunk, is_first=is_first, is_last=is_last, io=io)
     stage._inject = inject
     return stage
 
@@ -207,7 +272,7 @@ def build_schedule(
     chunk_ids: list[int],
     pp_group: dist.ProcessGroup,
     device: torch.device,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
 ):
     """PipelineStage per local chunk and the plan's schedule over them."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -226,11 +291,31 @@ def build_schedule(
     return ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn), stages
 
 
+def run_schedule(schedule: Any, io: StepIO, batch: Any, *, is_last: bool, target: Any,
+                 device: torch.device) -> list[torch.Tensor]:
+    """One schedule step on this pp rank: every stage gets the micro-batches' inputs (keyword
+    arguments); the last gets the loss target (``None``: the row indices, see ``StepIO.loss``).
+    Returns the last stage's per-micro-batch losses (empty elsewhere)."""
+    io.batch = batch
+    kwargs = io.step_kwargs(batch)
+    losses: list[torch.Tensor] = []
+    try:
+        if is_last:
+            tgt = io.row_target(batch, device) if target is None else target
+            schedule.step(target=tgt, losses=losses, return_outputs=False, **kwargs)
+        else:
+            schedule.step(**kwargs)
+    finally:
+        io.batch = None
+    return losses
+
+
 def tied_groups(
-    model: nn.Module, plan: Plan, chunk_param_names: list[set[str]]
+    model: nn.Module, plan: Plan, chunk_param_names: list[set[str]], bare: tuple[str, ...] = ()
 ) -> list[tuple[list[str], dist.ProcessGroup | None]]:
-    """For every parameter shared under several names that lands on more than one pp rank, a group
-    of the pp ranks holding it (for this rank's dp/cp/tp coordinate) and the local alias names.
+    """For every parameter shared under several names, and every bare parameter (``bare``), that
+    lands on more than one pp rank: a group of the pp ranks holding it (for this rank's dp/cp/tp
+    coordinate) and the local alias names.
 
     ``chunk_param_names[c]``: parameter names (original, full-model) present on chunk c.
     Must be called on every rank with the same arguments (new_group is collective). pp is the
@@ -242,7 +327,7 @@ def tied_groups(
         aliases.setdefault(id(p), []).append(name)
     out: list[tuple[list[str], dist.ProcessGroup | None]] = []
     for names in aliases.values():
-        if len(names) < 2:
+        if len(names) < 2 and not set(names) & set(bare):
             continue
         holders = sorted({c % par.pp for c, have in enumerate(chunk_param_names) if have & set(names)})
         if len(holders) < 2:

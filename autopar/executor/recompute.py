@@ -31,15 +31,24 @@ def _checkpoint_forward(module: nn.Module) -> None:
     module.forward = forward  # instance attribute shadows the class method
 
 
+def _blocks(part: nn.Module, spec: ModelSpec) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``part`` to checkpoint: a layer chain's units (executor/chain_pipeline.py), else
+    the digit-named children of the block list."""
+    if spec.chain is not None:
+        from autopar.executor.chain_pipeline import unit_modules
+
+        container = spec.chain.units[0].rsplit(".", 1)[0]  # spec.blocks_path, before a stage's "model." prefix
+        prefix = spec.blocks_path[: len(spec.blocks_path) - len(container)]
+        return [(str(i), m) for i, m in enumerate(unit_modules(part, spec, prefix))]
+    return [(k, b) for k, b in part.get_submodule(spec.blocks_path).named_children() if k.isdigit()]
+
+
 def apply_recompute(part: nn.Module, spec: ModelSpec, mode: str) -> int:
     """Install recompute on every block of ``part``; returns how many modules were wrapped."""
     if mode == "none":
         return 0
-    blocks = part.get_submodule(spec.blocks_path)
     count = 0
-    for key, block in blocks.named_children():
-        if not key.isdigit():
-            continue
+    for key, block in _blocks(part, spec):
         if mode == "full":
             _checkpoint_forward(block)
         elif mode == "selective":

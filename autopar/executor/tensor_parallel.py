@@ -58,6 +58,8 @@ embedding and head, as torchtitan does it):
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Mapping
 
@@ -75,6 +77,8 @@ from torch.distributed.tensor.parallel import (
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.executor.introspect import ModelSpec
+from autopar.executor.tp_conv1d import conv1d_layout, is_conv1d
+from autopar.spec.tp_plan import set_local_attrs
 
 
 class _SharedColwise(ColwiseParallel):
@@ -202,22 +206,35 @@ def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
-def fused_factors(block: nn.Module, tp_plan: Mapping[str, str]) -> dict[str, int]:
-    """Block-relative colwise name -> number of fused projections it stacks (1 = not fused)."""
+def fused_factors(block: nn.Module, tp_plan: Mapping[str, str], known: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Block-relative colwise name -> number of fused projections it stacks (1 = not fused).
+    ``known``: the factors the data flow showed (an inferred plan, spec.tp.fused); otherwise a
+    colwise layer k times as wide as its rowwise partner's input is taken to stack k."""
+    if known is not None:
+        return {n: known.get(n, 1) for n, s in tp_plan.items() if s == "colwise"}
     rowwise = [n for n, s in tp_plan.items() if s == "rowwise"]
     out: dict[str, int] = {}
     for name, style in tp_plan.items():
         if style != "colwise":
             continue
-        width = block.get_submodule(name).out_features
+        width = _widths(block.get_submodule(name))[1]
         partners = [r for r in rowwise if _parent(r) == _parent(name)] or rowwise
         k = 1
         if partners:
-            partner_in = block.get_submodule(partners[0]).in_features
+            partner_in = _widths(block.get_submodule(partners[0]))[0]
             if width > partner_in and width % partner_in == 0:
                 k = width // partner_in
         out[name] = k
     return out
+
+
+def _widths(mod: nn.Module) -> tuple[int, int]:
+    """(in, out) features of an nn.Linear or an HF Conv1D (weight (in, out))."""
+    return (mod.in_features, mod.out_features) if isinstance(mod, nn.Linear) else tuple(mod.weight.shape)
+
+
+def _known_fused(spec: ModelSpec) -> Mapping[str, int] | None:
+    return spec.tp.fused if spec.tp.source == "inferred" else None
 
 
 def _chunk_permutation(rows: int, k: int, tp: int) -> torch.Tensor:
@@ -232,16 +249,24 @@ def fused_row_permutations(model: nn.Module, spec: ModelSpec, tp: int) -> dict[s
     """Full-model parameter name -> row permutation for every fused colwise weight/bias.
 
     ``full[perm]`` is what gets sharded; ``sharded_full[inverse(perm)]`` restores the original.
+    A fused HF Conv1D gets the identity (see below).
     """
     if tp == 1 or not spec.tp_plan:
         return {}
     blocks = model.get_submodule(spec.blocks_path)
     perms: dict[str, torch.Tensor] = {}
-    for name, k in fused_factors(blocks[0], spec.tp_plan).items():
+    for name, k in fused_factors(blocks[0], spec.tp_plan, _known_fused(spec)).items():
         if k == 1:
             continue
         for i, _ in enumerate(blocks):
             lin = blocks[i].get_submodule(name)
+            if is_conv1d(lin):
+                # Strided-sharded instead (tp_conv1d.py): its values need no permutation, but its
+                # shards are not contiguous chunks, which DCP cannot describe; an identity entry
+                # makes the checkpoint save it whole, as it saves the permuted ones.
+                for pname, p in lin.named_parameters(recurse=False):
+                    perms[f"{spec.blocks_path}.{i}.{name}.{pname}"] = torch.arange(p.shape[0])
+                continue
             perm = _chunk_permutation(lin.out_features, k, tp)
             perms[f"{spec.blocks_path}.{i}.{name}.weight"] = perm
             if lin.bias is not None:
@@ -249,14 +274,51 @@ def fused_row_permutations(model: nn.Module, spec: ModelSpec, tp: int) -> dict[s
     return perms
 
 
-def _gather_sequence_pre_hook(mesh: DeviceMesh):
-    """All-gather the first positional input over the sequence; backward reduce-scatters (SP)."""
+@functools.lru_cache(maxsize=None)
+def _first_param_of(cls: type) -> str | None:
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):
+        return None
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return named[0].name if named else None
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        x = args[0]
+
+def _first_param_name(module: nn.Module) -> str | None:
+    """Name of the first parameter of ``module``'s forward (HF attention: ``hidden_states``); read
+    once per class (the hooks run on every call)."""
+    return _first_param_of(type(module))
+
+
+def _map_first_input(module: nn.Module, args: tuple, kwargs: dict, fn: Callable[[Any], Any]) -> tuple[tuple, dict]:
+    """(args, kwargs) with ``fn`` applied to the module's first input: the first positional
+    argument, or its first forward parameter passed by keyword (HF: ``self_attn(hidden_states=...)``)."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    name = _first_param_name(module)
+    if name is None or name not in kwargs:
+        raise RuntimeError(f"sequence parallelism: {type(module).__name__} was called without its input "
+                           f"({name or 'a positional argument'})")
+    return args, {**kwargs, name: fn(kwargs[name])}
+
+
+def _map_first_output(out: Any, fn: Callable[[Any], Any]) -> Any:
+    """``out`` with ``fn`` applied to its hidden state: the tensor, or a tuple's first element."""
+    if isinstance(out, tuple) and out:
+        return (fn(out[0]), *out[1:])
+    return fn(out)
+
+
+def _gather_sequence_pre_hook(mesh: DeviceMesh):
+    """All-gather the module's input over the sequence; backward reduce-scatters (SP)."""
+
+    def gather(x: Any) -> Any:
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
-        return (x.redistribute(mesh, [Replicate()]), *args[1:]), kwargs
+        return x.redistribute(mesh, [Replicate()])
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _map_first_input(module, args, kwargs, gather)
 
     return hook
 
@@ -264,17 +326,21 @@ def _gather_sequence_pre_hook(mesh: DeviceMesh):
 def _split_sequence_pre_hook(mesh: DeviceMesh):
     """Keep this tp rank's sequence shard of a replicated input (backward all-gathers)."""
 
+    def split(x: Any) -> Any:
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        x = DTensor.from_local(args[0], mesh, [Replicate()], run_check=False)
-        return (x.redistribute(mesh, [Shard(1)]).to_local(), *args[1:]), kwargs
+        return _map_first_input(module, args, kwargs, split)
 
     return hook
 
 
 def _gather_sequence_post_hook(mesh: DeviceMesh):
-    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        x = DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
-        return x.redistribute(mesh, [Replicate()]).to_local()
+    def gather(x: Any) -> Any:
+        return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    def hook(module: nn.Module, args: Any, out: Any) -> Any:
+        return _map_first_output(out, gather)
 
     return hook
 
@@ -305,11 +371,14 @@ def apply_tp(
                 layout[name] = ColwiseParallel()
             else:
                 layout[name] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+        layout.update(conv1d_layout(block, spec.tp_plan, fused_factors(block, spec.tp_plan, _known_fused(spec)),
+                                    sequence_parallel=sequence_parallel))
         if sequence_parallel:
             for name, mod in block.named_modules():
                 if name and _is_norm(mod):
                     layout[name] = SequenceParallel()
         parallelize_module(block, tp_mesh, layout)
+        set_local_attrs(block, spec.tp.local_attrs, tp_mesh.size())  # widths the block's code splits by
         if sequence_parallel:
             parents = {_parent(n) for n, s in spec.tp_plan.items() if s == "colwise"}
             for p in parents:

@@ -35,9 +35,11 @@ from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
 from autopar.executor.apply import Executable, reference_model
-from autopar.executor.context_parallel import cp_next_token_loss, is_next_token_loss, shard_batch
-from autopar.executor.data_parallel import DTYPES, build_optimizer
-from autopar.executor.pipeline_parallel import sync_tied_grads
+from autopar.executor.context_parallel import (
+    cp_next_token_loss, is_next_token_loss, logits_of, position_kwargs, shard_batch,
+)
+from autopar.executor.data_parallel import DTYPES, build_optimizer, zero1_microbatch
+from autopar.executor.pipeline_parallel import run_schedule, sync_tied_grads
 from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
 from autopar.modelfile import ModelFile, call_model
 from autopar.plan import Plan
@@ -182,6 +184,8 @@ class _Trainer:
         for i in range(m):
             mb = rows(batch, i * mbs, (i + 1) * mbs)
             sync = model.no_sync() if kind == "ddp" and i < m - 1 else nullcontext()
+            if exe.dp[0].zero1:  # one reduce-scatter and one all-gather per step (data_parallel.py)
+                zero1_microbatch(model, last=i == m - 1)
             with sync:
                 if par.cp > 1:
                     loss = self._cp_loss(model, mb)
@@ -194,9 +198,10 @@ class _Trainer:
     def _cp_loss(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         par = self.plan.parallel
         local, positions, targets = shard_batch(tokens, par.cp, self.exe.mesh.coords.cp)
-        logits = model(local, positions=positions)
+        output = model(local, **position_kwargs(self.exe.spec.accepts_positions, positions))
+        logits = logits_of(output)[0]
         if not self.checked_cp_loss:
-            if not is_next_token_loss(self.mf.loss_fn, tokens, logits.shape[-1]):
+            if not is_next_token_loss(self.mf.loss_fn, tokens, logits.shape[-1], output):
                 raise AutoparError("context parallelism needs loss_fn to be mean next-token cross-entropy")
             self.checked_cp_loss = True
         loss = cp_next_token_loss(logits, targets, tokens.shape[0] * (tokens.shape[1] - 1), par.cp)
@@ -208,19 +213,23 @@ class _Trainer:
         target = batch
         if par.cp > 1:  # shard tokens and next-token targets; StageModule passes the positions
             if not self.checked_cp_loss:
-                if not is_next_token_loss(self.mf.loss_fn, batch, int(batch.max()) + 1):
+                like = exe.pipe_io.example_output(batch.device)
+                if not is_next_token_loss(self.mf.loss_fn, batch, int(batch.max()) + 1, like):
                     raise AutoparError("context parallelism needs loss_fn to be mean next-token cross-entropy")
                 self.checked_cp_loss = True
             batch, _, target = shard_batch(batch, par.cp, exe.mesh.coords.cp)
-        is_first = 0 in exe.chunk_ids
         is_last = self.plan.parallel.num_stage_chunks - 1 in exe.chunk_ids
-        losses: list[torch.Tensor] = []
-        if is_first:
-            exe.schedule.step(batch)
-        elif is_last:
-            exe.schedule.step(target=target, losses=losses)
+        if exe.pipe_io is None:  # chain chunks (chain_pipeline.py): only the first stage takes the inputs
+            losses: list[torch.Tensor] = []
+            if 0 in exe.chunk_ids:
+                exe.schedule.step(batch)
+            elif is_last:
+                exe.schedule.step(target=target, losses=losses)
+            else:
+                exe.schedule.step()
         else:
-            exe.schedule.step()
+            losses = run_schedule(exe.schedule, exe.pipe_io, batch, is_last=is_last,
+                                  target=target if par.cp > 1 else None, device=exe.mesh.device)
         if is_last and losses:
             # tp > 1: the schedule's loss_fn ran on vocab-sharded logits; its losses are replicated DTensors.
             return torch.stack([(l.full_tensor() if isinstance(l, DTensor) else l).detach().float()

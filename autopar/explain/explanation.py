@@ -15,6 +15,7 @@ from autopar.cluster import Cluster
 from autopar.cost.estimate import config_from_plan, estimate_plan
 from autopar.cost.stage import StageTerms, build_terms
 from autopar.cost.step import Estimate, chunk_rank
+from autopar.cost.zero import describe as describe_zero
 from autopar.explain.mesh import AxisSummary, format_group, mesh_summary
 from autopar.explain.trace import chunk_times
 from autopar.explain.volume import StageVolume, communication_volume
@@ -165,7 +166,8 @@ def _memory_section(ex: Explanation) -> list[str]:
         rows.append((rk.rank, rk.num_blocks, *(f"{rk.memory_bytes[k] / size:,.1f}" for k in MEMORY_KEYS),
                      f"{rk.peak_bytes / size:,.1f}"))
     return [f"== memory per GPU ({unit}), by pipeline stage ==",
-            table(["stage", "blocks", *MEMORY_KEYS, "total"], rows)]
+            table(["stage", "blocks", *MEMORY_KEYS, "total"], rows),
+            describe_zero(config_from_plan(ex.plan), ex.plan.parallel.zero)]
 
 
 def _human_bytes(n: float) -> str:

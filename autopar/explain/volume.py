@@ -22,7 +22,10 @@ Calls per step on one rank of pipeline rank r, and the message (full, unsharded 
     DP   (dp·cp > 1, over the dp_cp group, message P_r·d)
                    ZeRO-0 all-reduce of gradients, once per step (in buckets, overlapped)
                    ZeRO-1 reduce-scatter of gradients + all-gather of updated parameters, once each
-                   ZeRO-2 reduce-scatter of gradients every micro-batch (M) + all-gather once
+                          per step, whatever M (gradients accumulate unsharded)
+                   ZeRO-2 reduce-scatter of gradients (M) + all-gather of parameters (M): every
+                          micro-batch (parameters are freed after each backward); at pp > 1 it
+                          runs as ZeRO-1 (autopar.cost.zero.executed_zero)
                    ZeRO-3 all-gather forward (M) and backward (M) + reduce-scatter (M)
     PP   (pp > 1)  P2P of X/tp under SP (else X) per micro-batch per boundary: a rank sends the
                    activation out of each of its chunks but the last, and the gradient out of each
@@ -204,7 +207,7 @@ def _dp_items(add, cfg, state_bytes: float, m: int) -> None:  # noqa: ANN001
         add("ZeRO-1 parameter all-gather", "all_gather", "dp_cp", 1, state_bytes)
     elif cfg.zero == 2:
         add("ZeRO-2 gradient reduce-scatter (every micro-batch)", "reduce_scatter", "dp_cp", m, state_bytes)
-        add("ZeRO-2 parameter all-gather", "all_gather", "dp_cp", 1, state_bytes)
+        add("ZeRO-2 parameter all-gather (every micro-batch)", "all_gather", "dp_cp", m, state_bytes)
     else:
         add("ZeRO-3 parameter all-gather (forward)", "all_gather", "dp_cp", m, state_bytes)
         add("ZeRO-3 parameter all-gather (backward)", "all_gather", "dp_cp", m, state_bytes)

@@ -23,6 +23,7 @@ from autopar.errors import ModelFileError
 from autopar.graph.trace import Trace, run_and_trace
 from autopar.modelfile import call_model
 from autopar.spec.meta import tolerant_meta
+from autopar.spec.tp_plan import is_tp_linear, set_local_attrs
 
 REGIONS = ("pre", "block", "post", "loss")
 
@@ -42,22 +43,52 @@ def vocab_size_of(model: nn.Module) -> int | None:
     return max(sizes) if sizes else None
 
 
-def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str], tp: int) -> nn.Module:
+def _narrowed(mod: nn.Module, style: str, tp: int) -> nn.Module:
+    """A meta layer of ``mod``'s kind with one tp rank's width: nn.Linear (weight (out, in)) or HF's
+    ``Conv1D`` (weight (in, out), ``nf`` / ``nx`` its widths, read by its forward)."""
+    if isinstance(mod, nn.Linear):
+        in_f, out_f = (mod.in_features, mod.out_features // tp) if style == "colwise" else (mod.in_features // tp, mod.out_features)
+        return nn.Linear(in_f, out_f, bias=mod.bias is not None, device="meta", dtype=mod.weight.dtype)
+    new = copy.copy(mod)  # Conv1D: same class and attributes, fresh parameters
+    new._parameters = dict(mod._parameters)  # type: ignore[attr-defined]
+    nx, nf = mod.weight.shape
+    nx, nf = (nx, nf // tp) if style == "colwise" else (nx // tp, nf)
+    new.weight = nn.Parameter(torch.empty(nx, nf, device="meta", dtype=mod.weight.dtype))
+    if getattr(mod, "bias", None) is not None:
+        width = nf if style == "colwise" else mod.bias.shape[0]
+        new.bias = nn.Parameter(torch.empty(width, device="meta", dtype=mod.bias.dtype))
+    if hasattr(new, "nf"):
+        new.nf, new.nx = nf, nx
+    return new
+
+
+def shard_block_for_tp(block: nn.Module, tp_plan: Mapping[str, str], tp: int, local_attrs: tuple[str, ...] = (),
+                       blocks_attr: str = "") -> nn.Module:
+    """``block`` (changed in place and returned) with its tp-planned Linear / Conv1D layers at one tp
+    rank's width and its ``local_attrs`` divided by tp."""
+    for name, mod in list(block.named_modules()):
+        style = match_tp_style(name, tp_plan, blocks_attr) if name else None
+        if style not in ("colwise", "rowwise") or not is_tp_linear(mod):
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(block.get_submodule(parent_name) if parent_name else block, leaf, _narrowed(mod, style, tp))
+    set_local_attrs(block, local_attrs, tp)
+    return block
+
+
+def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str], tp: int,
+                 local_attrs: tuple[str, ...] = (), *, vocab: bool = True) -> nn.Module:
     """A meta copy whose first block's Linear layers and vocabulary edges hold 1/tp of their width,
     as each tensor-parallel rank of the executor holds them: the token embedding vocab/tp rows, the
     output head vocab/tp output columns (executor/tensor_parallel.py), a tied embedding/head weight
     still one parameter. A vocabulary that tp does not divide stays whole, as the executor keeps
-    such edges replicated. Only shapes matter on meta."""
+    such edges replicated; ``vocab=False`` keeps the edges whole regardless. Only shapes matter on
+    meta. HF ``Conv1D`` layers shard like Linear layers (their weight is transposed);
+    ``local_attrs`` (TPPlan.local_attrs) are divided by tp."""
     sharded = copy.deepcopy(model)
-    block = sharded.get_submodule(blocks_attr)[0]
-    for name, mod in list(block.named_modules()):
-        style = match_tp_style(name, tp_plan, blocks_attr) if name else None
-        if style not in ("colwise", "rowwise") or not isinstance(mod, nn.Linear):
-            continue
-        in_f, out_f = (mod.in_features, mod.out_features // tp) if style == "colwise" else (mod.in_features // tp, mod.out_features)
-        new = nn.Linear(in_f, out_f, bias=mod.bias is not None, device="meta", dtype=mod.weight.dtype)
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(block.get_submodule(parent_name) if parent_name else block, leaf, new)
+    shard_block_for_tp(sharded.get_submodule(blocks_attr)[0], tp_plan, tp, local_attrs, blocks_attr)
+    if not vocab:
+        return sharded
     vocab = vocab_size_of(sharded)
     if vocab is not None and vocab % tp == 0:
         new_by_old: dict[int, nn.Parameter] = {}  # id(old weight) -> its sharded replacement (ties)
@@ -195,9 +226,9 @@ def _tp_comm_hooks(block: nn.Module, tp_plan: Mapping[str, str], blocks_attr: st
 
     for name, mod in block.named_modules():
         style = match_tp_style(name, tp_plan, blocks_attr) if name else None
-        if isinstance(mod, nn.Linear) and style == "rowwise":
+        if is_tp_linear(mod) and style == "rowwise":
             handles.append(mod.register_forward_hook(on_rowwise))
-        elif isinstance(mod, nn.Linear) and style == "colwise":
+        elif is_tp_linear(mod) and style == "colwise":
             handles.append(mod.register_forward_pre_hook(on_colwise))
     return handles
 

@@ -15,18 +15,24 @@ from autopar.graph.build import (
 )
 from autopar.graph.model_graph import ModelGraph, RegionParams, _to_networkx
 from autopar.graph.scaling import RegionFit, fit_region
+from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit
 from autopar.modelfile import ModelFile, load_model_file
 from autopar.spec import model_spec
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtype: str = "bf16") -> ModelGraph:
-    """Measure ``model_file`` on meta and return its ModelGraph (cached per file, seq_len, dtype)."""
+def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtype: str = "bf16",
+                time_limit_s: float | None = None) -> ModelGraph:
+    """Measure ``model_file`` on meta and return its ModelGraph (cached per file, seq_len, dtype).
+    Building, probing and tracing together end within ``time_limit_s`` seconds of CPU time (default:
+    the AUTOPAR_TRACE_TIMEOUT_S environment variable, else 60; autopar.graph.time_limit) or raise a
+    one-line ModelFileError."""
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
     key = (str(mf.path.resolve()), mf.sha256, seq_len, dtype)
     if key not in _CACHE:
-        _CACHE[key] = _build(mf, seq_len, dtype)
+        with measure_time_limit(mf.path, time_limit_s):
+            _CACHE[key] = _build(mf, seq_len, dtype)
     return _CACHE[key]
 
 
@@ -36,9 +42,16 @@ _CACHE: dict[tuple[str, str, int | None, str], ModelGraph] = {}
 def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     start = time.perf_counter()
     torch_dtype = _TORCH_DTYPES[dtype]
-    model = mf.build("meta").to(torch_dtype)
+    model = mf.build("meta")
+    enter_stage("probing")
+    spec = model_spec(mf, model)  # probed as built, with the file's own example inputs
+    enter_stage("tracing")
+    model = model.to(torch_dtype)
     model.train()
-    spec = model_spec(mf, model)
+    if spec.blocks_kind == "chain":
+        from autopar.graph.chain_measure import build_chain_graph
+
+        return build_chain_graph(mf, model, spec, seq_len, dtype, lambda b: _inputs(mf, b, torch_dtype), start)
     blocks_attr = spec.blocks_path
     num_blocks = spec.num_blocks
     tp_plan = spec.tp_plan
@@ -60,33 +73,46 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
 
     small = one_block_model(model, blocks_attr)
 
-    def run(m: nn.Module, inp: Any) -> Any:
+    def run(m: nn.Module, inp: Any, loss_fn: Any = mf.loss_fn) -> Any:
         blk = m.get_submodule(blocks_attr)[0]
         try:
-            return trace_model(m, inp, mf.loss_fn, blk, tp_plan, blocks_attr)
+            return trace_model(m, inp, loss_fn, blk, tp_plan, blocks_attr)
         except ModelFileError as exc:
             raise ModelFileError(str(exc) if str(exc).startswith(str(mf.path)) else f"{mf.path}: {exc}") from None
         except Exception as exc:  # the user's forward or loss on meta
+            clock = active_clock()
+            if clock is not None and clock.expired:  # the time limit's interrupt, wrapped (autograd)
+                raise clock.error(mf.path) from None
             raise ModelFileError(f"{mf.path}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
 
     base = run(small, inputs1)
     b2 = run(small, inputs2)
     s_half = run(small, slice_sequence(inputs1, base_seq, base_seq // 2)) if is_seq else None
     tp_reason = spec.support_reason("tp")
-    t2 = None
+    t2, loss_t2 = None, True
     if tp_reason is None:
+        sharded = shard_for_tp(small, blocks_attr, tp_plan, 2, spec.tp.local_attrs)
         try:
-            t2 = run(shard_for_tp(small, blocks_attr, tp_plan, 2), inputs1)
+            t2 = run(sharded, inputs1)
         except ModelFileError as exc:
-            tp_reason = f"the block does not run on tp-sharded Linear layers ({exc})"
+            # A loss_fn may hold the vocabulary as a constant (logits.view(-1, VOCAB)): on meta it
+            # fails on the half-vocabulary logits of this trace, while the executor hands it DTensor
+            # logits of the full global shape, which run. Trace the tp = 2 variant again with the
+            # model's default loss: the edges keep their vocab-parallel exponents; the loss region is
+            # fitted without tp (measured at full vocabulary).
+            try:
+                t2, loss_t2 = run(sharded, inputs1, None), False
+            except ModelFileError:
+                tp_reason = f"the block does not run on tp-sharded Linear layers ({exc})"
     regions: dict[str, RegionFit] = {}
     for region in ("pre", "block", "post", "loss"):
+        t2_region = t2.trace if t2 is not None and (loss_t2 or region != "loss") else None
         try:
-            regions[region] = fit_region(region, base.trace, b2.trace, s_half and s_half.trace, t2 and t2.trace)
+            regions[region] = fit_region(region, base.trace, b2.trace, s_half and s_half.trace, t2_region)
         except ValueError:
             # Shapes change the op sequence: fall back to fitting without TP (rare; non-transformer code paths).
             regions[region] = fit_region(region, base.trace, b2.trace, None, None)
-    params, tied = _region_params(small, base.param_regions, t2, blocks_attr, tp_plan)
+    params, tied = _region_params(small, base.param_regions, t2, blocks_attr, tp_plan, spec.tp.local_attrs)
     support = dict(spec.support)
     if tp_reason is not None:  # the sharded block did not trace: TP and what needs it are off
         support.update(tp=tp_reason, sp=support["sp"] or "needs tp")
@@ -115,7 +141,7 @@ def _cast_float(value: Any, dtype: torch.dtype) -> Any:
 
 
 def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any, blocks_attr: str,
-                   tp_plan: dict[str, str] | None) -> tuple[dict[str, RegionParams], int]:
+                   tp_plan: dict[str, str] | None, local_attrs: tuple[str, ...] = ()) -> tuple[dict[str, RegionParams], int]:
     counts = {"pre": 0, "block": 0, "post": 0, "loss": 0}
     tied = 0
     seen: set[int] = set()
@@ -130,7 +156,7 @@ def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any
             tied += p.numel()
     sharded = {"pre": 0, "block": 0, "post": 0, "loss": 0}
     if t2 is not None and tp_plan:
-        sharded_model = shard_for_tp(small, blocks_attr, tp_plan, 2)
+        sharded_model = shard_for_tp(small, blocks_attr, tp_plan, 2, local_attrs)
         for (name, p), (_, q) in zip(small.named_parameters(), sharded_model.named_parameters()):
             if p.numel() != q.numel():
                 regions = param_regions.get(id(p), {"pre"})

@@ -37,6 +37,25 @@ class RegionParams:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ChainUnit:
+    """One unit of a model's layer chain (a model without one repeated block; spec/chain.py).
+
+    ``region``: the fitted region its costs come from (units of one class, shapes and input shape
+    share one); ``params``: its own parameters (plus those of modules that run right after it,
+    before the next unit); ``input_bytes``: the tensor it receives, one sample at the graph's
+    sequence length (what a pipeline cut before it sends, and what full recompute keeps)."""
+
+    name: str
+    region: str
+    params: int
+    input_bytes: float
+
+    def __post_init__(self) -> None:
+        if self.params < 0 or self.input_bytes < 0:
+            raise ValueError(f"chain unit {self.name}: params and input_bytes must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelGraph:
     """A model as the planner sees it. Frozen; build with ``build_graph``."""
 
@@ -62,6 +81,10 @@ class ModelGraph:
     support: Mapping[str, str | None] = field(default_factory=dict)
     tp_source: str = ""  # the TP plan used and where it came from (spec.TPPlan.describe())
     tp_styles: Mapping[str, str] = field(default_factory=dict)  # block-relative name -> colwise|rowwise
+    # A model without one repeated block: its units in forward order (num_blocks of them). Then
+    # regions["block"] / params["block"] describe unit 0 only; the cost model reads the units
+    # (cost/chain.py). Empty: the blocks repeat.
+    chain: tuple[ChainUnit, ...] = ()
 
     def supports(self, dim: str) -> str | None:
         """None if the executor can run dimension ``dim`` on this model, else the reason."""
@@ -73,6 +96,8 @@ class ModelGraph:
 
     @property
     def num_params(self) -> int:
+        if self.chain:
+            return self.params["pre"].count + sum(u.params for u in self.chain) + self.params["post"].count
         return self.params["pre"].count + self.num_blocks * self.params["block"].count + self.params["post"].count
 
     def model_flops_per_sample(self) -> float:

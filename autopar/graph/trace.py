@@ -29,8 +29,12 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from autopar.graph.records import OpRecord, SavedRecord, Trace
+from autopar.spec.meta import meta_fallback
 
 GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm"}
+# Grouped GEMMs (one matmul per expert of a mixture of experts, ``torch._grouped_mm``): not in
+# torch's flop registry, counted here (``_grouped_mm_cost``).
+GROUPED_GEMM_OPS = {"_grouped_mm"}
 ATTENTION_OPS = {
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_backward",
@@ -42,7 +46,10 @@ ATTENTION_OPS = {
     "_flash_attention_backward",
 }
 # Ops that only bookkeep (no kernel on a GPU).
-_FREE_OPS = {"detach", "empty", "empty_like", "empty_strided", "lift_fresh", "_local_scalar_dense", "alias"}
+# new_empty_strided is autograd allocating a weight gradient's buffer (its copy_ is the traffic);
+# _unsafe_view is a reshape that aliases its input (its schema just does not say so).
+_FREE_OPS = {"detach", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+             "_local_scalar_dense", "alias", "_unsafe_view"}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -60,26 +67,78 @@ def _gemm_dims(name: str, args: tuple) -> tuple[int, int, int, int]:
     return (a.shape[0], a.shape[1], b.shape[2], a.shape[2])
 
 
+def _grouped_mm_cost(args: tuple, kwargs: dict) -> tuple[float, tuple[int, int, int, int]]:
+    """(FLOPs, (batch, m, n, k)) of ``torch._grouped_mm(a, b, offs)``. Its four layouts (the
+    group size G is the leading dimension of the 3-D operand, or of ``offs``):
+
+        2d x 3d  a (M, K),    b (G, K, N)  -> (M, N)      each row meets its group's (K, N) matrix
+        3d x 2d  a (G, M, K), b (K, N)     -> (M, N)      each column block meets its group's a
+        2d x 2d  a (M, K),    b (K, N)     -> (G, M, N)   K is split into groups (weight gradients)
+        3d x 3d  a (G, M, K), b (G, K, N)  -> (G, M, N)   a batched matmul
+
+    On meta the offsets hold no values: every row is taken as routed (the rows past the last
+    offset, which the kernel skips, are expert-parallel sentinels that a single rank has none of)."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    groups = int(offs.shape[0]) if isinstance(offs, torch.Tensor) else 1
+    if a.dim() == 2 and b.dim() == 3:
+        m, k, n = a.shape[0], a.shape[1], b.shape[2]
+        return 2.0 * m * k * n, (1, m, n, k)
+    if a.dim() == 3 and b.dim() == 2:
+        m, k, n = a.shape[1], a.shape[2], b.shape[1]
+        return 2.0 * m * k * n, (1, m, n, k)
+    if a.dim() == 2 and b.dim() == 2:
+        m, k, n = a.shape[0], a.shape[1], b.shape[1]
+        return 2.0 * m * k * n, (groups, m, n, max(1, k // max(1, groups)))
+    g, m, k, n = a.shape[0], a.shape[1], a.shape[2], b.shape[2]
+    return 2.0 * g * m * k * n, (g, m, n, k)
+
+
 class _Recorder(TorchDispatchMode):
+    """Records each non-view op. A view (or a bookkeeping op such as ``detach``) names its output
+    after the tensor it views, so that reading a view of an op's output counts as reading that
+    output when element-wise fusion is modelled (``apply_fusion``).
+
+    The view map is a forest, never a cycle: each entry points at a root (a tensor that views
+    nothing), and an op that returns its own input (``lift_fresh`` of ``torch.tensor(...)``, an
+    alias of a view) adds no entry. Tensor ids stay unique because every tensor the recorder sees
+    is kept alive until the trace ends (meta tensors cost no memory)."""
+
     def __init__(self, trace: Trace, state: "_State") -> None:
         super().__init__()
         self.trace = trace
         self.state = state
         self.alive: list[torch.Tensor] = []  # keeps outputs alive so tensor ids stay unique
-        self.root: dict[int, int] = {}  # id of a view -> id of the tensor it views
+        self.root: dict[int, int] = {}  # id of a view -> id of the root tensor it views
         self.io: list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = []
 
     def _rid(self, t: torch.Tensor) -> int:
         return self._rid_of(id(t))
 
     def _rid_of(self, i: int) -> int:
-        while i in self.root:
-            i = self.root[i]
+        # Entries point at roots, so this is usually one step; a root that later became a view
+        # itself (an op returned an existing tensor as a view of another) adds a step. The walk is
+        # bounded by the map's size, so it ends whatever the map holds.
+        for _ in range(len(self.root) + 1):
+            nxt = self.root.get(i)
+            if nxt is None or nxt == i:
+                return i
+            i = nxt
         return i
+
+    def _note_view(self, out: torch.Tensor, of: torch.Tensor) -> None:
+        root = self._rid(of)
+        if root != id(out):  # returning the input itself (or what it views) makes no entry
+            self.root[id(out)] = root
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError:  # a meta kernel that refuses a dtype the GPU kernel takes (grouped_mm)
+            out = meta_fallback(func, args, kwargs)
+            if out is None:
+                raise
         name = func._overloadpacket.__name__
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         flat_out = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]
@@ -91,7 +150,7 @@ class _Recorder(TorchDispatchMode):
         if is_view:
             if flat_in:
                 for o in flat_out:
-                    self.root[id(o)] = self._rid(flat_in[0])
+                    self._note_view(o, flat_in[0])
             return out
         moved = sum(_nbytes(t) for t in flat_in) + sum(_nbytes(t) for t in flat_out)
         flops = 0.0
@@ -101,6 +160,9 @@ class _Recorder(TorchDispatchMode):
         kind, dims = "mem", None
         if name in GEMM_OPS:
             kind, dims = "gemm", _gemm_dims(name, args)
+        elif name in GROUPED_GEMM_OPS:
+            flops, dims = _grouped_mm_cost(args, kwargs)
+            kind = "gemm"
         elif name in ATTENTION_OPS:
             kind = "attn"
         self.trace.ops.append(

@@ -99,14 +99,15 @@ def materialise(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def _rank_model(small: nn.Module, blocks_attr: str, tp_plan: dict[str, str], tp: int) -> tuple[nn.Module, int | None]:
+def _rank_model(small: nn.Module, blocks_attr: str, tp_plan: dict[str, str], tp: int,
+                local_attrs: tuple[str, ...] = ()) -> tuple[nn.Module, int | None]:
     """(``small`` as one tp rank holds it, the vocabulary rows of its embedding that token ids must
     stay below; None: the ids need no wrapping -- tp = 1, or no vocabulary)."""
     if tp == 1:
         return small, None
     vocab = vocab_size_of(small)
     rows = vocab // tp if vocab is not None and vocab % tp == 0 else vocab  # the executor's rule
-    return shard_for_tp(small, blocks_attr, tp_plan, tp), rows
+    return shard_for_tp(small, blocks_attr, tp_plan, tp, local_attrs), rows
 
 
 def _clamp_tokens(inputs: Any, high: int | None) -> Any:
@@ -218,7 +219,7 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
     for tp in cfg.tps:
         if tp > 1 and not tp_plan:
             continue
-        rank_model, vocab = _rank_model(small, blocks_attr, tp_plan, tp)
+        rank_model, vocab = _rank_model(small, blocks_attr, tp_plan, tp, spec.tp.local_attrs)
         model = materialise(rank_model, device)
         model.train()
         block = model.get_submodule(blocks_attr)[0]

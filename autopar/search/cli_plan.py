@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="PATH",
                    help="measured profile (autopar profile): layered over --cluster, or the cluster itself when full")
     p.add_argument("--global-batch", type=positive_int, metavar="B",
-                   help="sequences per optimizer step (default: the multiple of N nearest 4M tokens)")
+                   help="samples per optimizer step (default: the multiple of N nearest 4M tokens; "
+                        "32 x N for a model without SEQ_LEN)")
     p.add_argument("--micro-batch", type=int_list, default=(1, 2, 4, 8), metavar="1,2,4,8",
                    help="micro-batch sizes to consider (default 1,2,4,8)")
     p.add_argument("--seq-len", type=positive_int, metavar="S", help="tokens per sample (default: the model file's SEQ_LEN)")

@@ -30,8 +30,14 @@ class PlanSearch:
     warning: str | None  # a measured profile that does not apply to this model, or None
 
 
+SAMPLES_PER_GPU = 32  # a model without SEQ_LEN (images -> classes): ImageNet's 256 images on 8 GPUs
+
+
 def default_global_batch(num_gpus: int, seq_len: int) -> int:
-    """The multiple of ``num_gpus`` closest to 4M tokens per step (at least ``num_gpus``)."""
+    """The multiple of ``num_gpus`` closest to 4M tokens per step (at least ``num_gpus``); for a
+    model without a sequence (``seq_len`` 1) ``SAMPLES_PER_GPU`` samples per GPU."""
+    if seq_len <= 1:
+        return SAMPLES_PER_GPU * num_gpus
     target = max(1, round((4 * 2**20) / seq_len))
     return max(num_gpus, round(target / num_gpus) * num_gpus)
 

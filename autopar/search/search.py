@@ -84,6 +84,10 @@ def search(
     ilp_time_limit_s: float = 10.0,
 ) -> SearchResult:
     """The top ``top_k`` plans (fastest first) that fit memory; see the module docstring."""
+    if graph.chain:  # no repeated block: per-unit terms and the chain's optimal partition
+        from autopar.search.chain_search import search_chain
+
+        return search_chain(graph, cluster, space, top_k=top_k, progress=progress)
     start = time.perf_counter()
     rejected: Counter = Counter()
     tokens = space.global_batch * space.seq_len

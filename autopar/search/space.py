@@ -121,8 +121,8 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
                 zeros = space.zero_stages if dp * cp > 1 else (0,)
                 if 3 in zeros and graph.supports("zero3"):
                     zeros = tuple(z for z in zeros if z != 3)
-                if tp > 1 and 2 in zeros:  # the executor runs ZeRO-1 with tp > 1 as ZeRO-2 (apply.py)
-                    zeros = tuple(z for z in zeros if z != 1)
+                if pp > 1 and 1 in zeros:  # ZeRO-2 at pp > 1 runs as ZeRO-1 (cost.zero.executed_zero)
+                    zeros = tuple(z for z in zeros if z != 2)
                 for mb in space.micro_batches:
                     if space.global_batch % (dp * mb):
                         rejected["global batch not divisible by dp x micro-batch"] += 1

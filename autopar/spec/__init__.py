@@ -11,9 +11,10 @@ its own for blocks, heads or the TP plan. Needs torch, never torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -21,12 +22,16 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.errors import ModelFileError
 from autopar.modelfile import ModelFile, call_model
+from autopar.spec.attention import HFAttention, hf_attention
 from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, probe_calls
+from autopar.spec.chain import Chain, block_list_chain, find_chain
 from autopar.spec.meta import tolerant_meta
+from autopar.spec.moe import MoESpec, moe_of
 from autopar.spec.support import DIMENSIONS, support_of
+from autopar.spec.tp_infer import Inference, infer_tp
 from autopar.spec.tp_plan import TPPlan, model_carried_plan, resolve, root_prefixes
 
-__all__ = ["DIMENSIONS", "ModelSpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
+__all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead", "num_attention_heads_per_layer")
 _KV_ATTRS = ("num_kv_heads", "num_key_value_heads", "n_head_kv", "num_kv", "multi_query_group_num")
@@ -37,9 +42,9 @@ class ModelSpec:
     """Structural facts about one model (see the module docstring). Names are dotted paths from the
     model's root, except ``tp.styles`` and ``core_name``, which are block-relative."""
 
-    blocks_path: str
-    num_blocks: int
-    blocks_kind: str  # "ModuleList" | "Sequential"
+    blocks_path: str  # a chain model (blocks_kind "chain"): the container of its first unit
+    num_blocks: int  # a chain model: the number of units in its chain
+    blocks_kind: str  # "ModuleList" | "Sequential" | "chain"
     tp: TPPlan
     core_name: str | None
     num_heads: int | None
@@ -54,8 +59,21 @@ class ModelSpec:
     inputs_are_tensors: bool = True
     inputs_are_token_batch: bool = False
     is_sequence_model: bool = False
+    hf_attention: HFAttention | None = None  # attention dispatched by transformers' interface (spec/attention.py)
     support: Mapping[str, str | None] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    # The layer chain a pipeline cuts at unit inputs (spec/chain.py): a model without a repeated
+    # block list, or a block list kept in an nn.Sequential. None: the block list is cut as a list.
+    chain: Chain | None = None
+
+    @property
+    def unit_paths(self) -> tuple[str, ...]:
+        """Dotted paths of the units a pipeline places and FSDP wraps one by one: the chain's
+        units, or the blocks of the block list."""
+        if self.chain is not None:
+            return self.chain.units
+        return tuple(f"{self.blocks_path}.{i}" for i in range(self.num_blocks))
+    moe: MoESpec | None = None  # the blocks' mixture of experts (autopar.spec.moe), None when dense
 
     @property
     def tp_plan(self) -> Mapping[str, str] | None:
@@ -79,9 +97,11 @@ def _config_int(obj: Any, names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _heads(model: nn.Module, block: nn.Module) -> tuple[int | None, int | None]:
+def _heads(model: nn.Module, block: nn.Module, flow_heads: Callable[[], tuple[int | None, int | None]]
+           ) -> tuple[int | None, int | None]:
     """Heads and KV heads from the model's config, else from attributes of the block's modules
-    (``nn.MultiheadAttention.num_heads``, HF attention modules)."""
+    (``nn.MultiheadAttention.num_heads``, HF attention modules), else from the data flow of block 0
+    (``flow_heads``: the reshape of the q and k projections into (..., heads, head_dim))."""
     cfg = getattr(model, "config", None)
     heads = _config_int(cfg, _HEAD_ATTRS) if cfg is not None else None
     kv = _config_int(cfg, _KV_ATTRS) if cfg is not None else None
@@ -89,6 +109,8 @@ def _heads(model: nn.Module, block: nn.Module) -> tuple[int | None, int | None]:
         for mod in block.modules():
             heads = heads or _config_int(mod, _HEAD_ATTRS)
             kv = kv or _config_int(mod, _KV_ATTRS)
+    if heads is None:
+        heads, kv = flow_heads()
     return heads, (kv or heads) if heads is not None else None
 
 
@@ -152,9 +174,10 @@ def _bare_params(model: nn.Module, blocks_path: str, probe: Probe) -> tuple[str,
     return tuple(out)
 
 
-def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Module) -> TPPlan:
+def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Module,
+                infer: Callable[[], Inference]) -> TPPlan:
     """The TP plan by precedence: declared, carried by the model, inferred (module docstring of
-    autopar.spec.tp_plan)."""
+    autopar.spec.tp_plan; ``infer``: the data-flow inference of autopar.spec.tp_infer)."""
     where = str(mf.path)
     prefixes = root_prefixes(model)
     names = frozenset(n for n, _ in model.named_modules() if n)
@@ -166,9 +189,18 @@ def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Mod
         styles, notes = resolve(carried, block, blocks_path, prefixes, strict=False, where=where, model_names=names)
         if styles:
             return TPPlan(styles=styles, source="model", detail=label, dropped=tuple(notes))
-        return TPPlan(styles={}, source="none", detail=f"the model's {label} has no entry autopar can run",
-                      dropped=tuple(notes))
-    return TPPlan(styles={}, source="none", detail="none declared (tp_plan) or carried by the model (_tp_plan)")
+        # HF styles autopar does not run (Phi-3's colwise_gather_output): the data flow may still
+        # show pairs it can run.
+        inferred = infer().plan
+        if inferred.styles:
+            return dataclasses.replace(inferred, dropped=tuple(notes) + inferred.dropped)
+        return TPPlan(styles={}, source="none", detail=f"the model's {label} has no entry autopar can run, and "
+                      f"{inferred.detail}", dropped=tuple(notes) + inferred.dropped)
+    inferred = infer().plan
+    if inferred.styles:
+        return inferred
+    return TPPlan(styles={}, source="none", detail=f"none declared (tp_plan) or carried by the model (_tp_plan), "
+                  f"and {inferred.detail}", dropped=inferred.dropped)
 
 
 def _keyword_parents(block: nn.Module, styles: Mapping[str, str], run: Any) -> tuple[str, ...]:
@@ -214,7 +246,20 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         blocks_path = find_block_list(model, mf.pipeline_blocks)
     except ModelFileError as exc:
         raise ModelFileError(f"{where}: {exc}") from None
+    inputs = mf.example_inputs(1, "meta")
+    routing: list[tuple[int, int]] = []  # (top_k, experts) of the router topk the probe saw
+
+    def run() -> Any:
+        with tolerant_meta() as mode:
+            out = call_model(model, inputs)
+        if mode.routing is not None and not routing:
+            routing.append((mode.routing.top_k, mode.routing.num_experts))
+        return out
+
     if blocks_path is None:
+        chain = _meta_call(where, lambda: find_chain(model, run))
+        if chain is not None:
+            return _with_support(_chain_spec(mf, model, chain, inputs))
         mixed = heterogeneous_lists(model)
         hint = (f" ({', '.join(mixed[:3])} hold blocks of different widths)" if mixed else "")
         raise ModelFileError(
@@ -222,20 +267,21 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
             f"blocks){hint}; set pipeline_blocks = '<attribute name>'")
     blocks = model.get_submodule(blocks_path)
     block = blocks[0]
-    inputs = mf.example_inputs(1, "meta")
-
-    def run() -> Any:
-        with tolerant_meta():
-            return call_model(model, inputs)
-
     try:
         probe = probe_calls(model, blocks_path, run)
     except ModelFileError as exc:
         raise ModelFileError(f"{where}: {exc}") from None
     except Exception as exc:  # the user's forward on meta
         raise ModelFileError(f"{where}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
-    tp = _tp_plan_of(mf, model, blocks_path, block)
-    heads, kv = _heads(model, block)
+    memo: list[Inference] = []
+
+    def infer() -> Inference:
+        if not memo:
+            memo.append(infer_tp(model, block, run))
+        return memo[0]
+
+    tp = _tp_plan_of(mf, model, blocks_path, block, infer)
+    heads, kv = _heads(model, block, lambda: (infer().heads, infer().kv_heads))
     emb, head = _vocab_edges(model, blocks_path)
     try:
         params = inspect.signature(model.forward).parameters
@@ -252,9 +298,47 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         probe=probe, sp_parents_keyword=_keyword_parents(block, tp.styles, run) if tp.styles else (),
         bare_params=_bare_params(model, blocks_path, probe), inputs_are_tensors=tensors_only and bool(flat),
         inputs_are_token_batch=token_batch, is_sequence_model=mf.seq_len is not None,
-        notes=tp.dropped,
+        hf_attention=hf_attention(model, block), notes=tp.dropped,
+        moe=moe_of(model, block, lambda: routing[0] if routing else None),
+        chain=_meta_call(where, lambda: block_list_chain(model, blocks_path, run)) if isinstance(blocks, nn.Sequential) else None,
     )
     return _with_support(spec)
+
+
+def _meta_call(where: str, fn: Any) -> Any:
+    """``fn()`` (a meta probe of the user's forward), its failures as one-line ModelFileErrors."""
+    try:
+        return fn()
+    except ModelFileError as exc:
+        raise ModelFileError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from None
+    except Exception as exc:  # the user's forward on meta
+        raise ModelFileError(f"{where}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+
+
+def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any) -> ModelSpec:
+    """The spec of a model without a repeated block list: its layer chain (spec/chain.py).
+    ``blocks_path`` names the container of the first unit (what block-list readers index);
+    ``num_blocks`` counts the chain's units. TP plans are block-relative, so a chain gets none."""
+    first = chain.units[0].rsplit(".", 1)[0]
+    probe = chain.probe
+    heads, kv = _heads(model, model.get_submodule(chain.units[0]))
+    emb, head = _vocab_edges(model, first)
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    tensors_only = isinstance(inputs, torch.Tensor) or (
+        isinstance(inputs, tuple) and bool(inputs) and all(isinstance(v, torch.Tensor) for v in inputs))
+    tp = TPPlan(styles={}, source="none", detail=(
+        f"no repeated block list (a chain of {chain.num_units} units of "
+        f"{len(set(chain.kinds))} kinds); tp plans apply to one repeated block"))
+    return ModelSpec(
+        blocks_path=first, num_blocks=chain.num_units, blocks_kind="chain", tp=tp, core_name=None,
+        num_heads=heads, num_kv_heads=kv, accepts_positions="positions" in params, vocab_embedding=emb,
+        vocab_head=head, tied=_tied(model), probe=probe, bare_params=tuple(chain.bare),
+        inputs_are_tensors=tensors_only, inputs_are_token_batch=False, is_sequence_model=mf.seq_len is not None,
+        notes=(f"chain: {chain.num_units} units in {', '.join(chain.containers)}",), chain=chain,
+    )
 
 
 def _with_support(spec: ModelSpec) -> ModelSpec:

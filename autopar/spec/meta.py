@@ -1,47 +1,251 @@
 """Running a user's forward on the meta device, where data-dependent code has no data.
 
 Real model code asks its tensors for values now and then: Hugging Face's packed-sequence check calls
-``.item()``, masks test ``bool(tensor)``. Meta tensors hold no values, so those calls raise.
-``tolerant_meta()`` answers them instead, with the value of the common training path (0 / False:
-no packed sequences, no padding detected), so that a forward runs through and its shapes, FLOPs and
-saved tensors can be measured. Every op still runs as PyTorch dispatches it; only value reads are
-answered.
+``.item()``, masks test ``bool(tensor)``, a mixture of experts asks which tokens chose each expert
+(``torch.where(idx == e)``, ``nonzero``). Meta tensors hold no values, so those calls raise.
+``tolerant_meta()`` answers them instead, with the value of the common training path, so that a
+forward runs through and its shapes, FLOPs and saved tensors can be measured:
+
+* value reads (``.item()``, ``bool(t)``, ``torch.equal``, and copies of integer and boolean tensors
+  to a real device: ``.cpu()``, ``.tolist()``; activations copied out still fail): 0 / False -- no packed sequences, no padding detected -- except for a count made
+  from a routing tensor (below: ``mask.sum()``, ``bincount(idx)``), which is the expected count
+  per expert, or True (``mask.any()``: an expert has tokens).
+* data-dependent shapes (``nonzero``, one-argument ``torch.where``, ``argwhere``,
+  ``masked_select``, ``unique``, indexing with a boolean mask): every element taken as nonzero and distinct (no padding), except
+  for tensors of a top-k routing (below); ``bincount`` and ``repeat_interleave`` answer routing
+  counts only (``bincount(x, minlength=n)`` has length n).
+* ``torch._grouped_mm`` in a dtype its meta kernel refuses (it takes bf16 only): the output's
+  shape and dtype, as a GPU kernel of that dtype would give.
+
+Routing. A ``topk`` over the last dimension of a (tokens, experts) score tensor is a router: its
+indices, and the integer or boolean tensors computed from them, are routing tensors. Routing is
+taken as balanced, the expected load of a trained router with a balancing loss: each of the E
+experts receives tokens x top_k / E (token, slot) pairs. So a routing mask with tokens or
+tokens x top_k elements (``idx == e``, ``(idx == e).any(-1)``, a slice of ``one_hot(idx)``) has
+tokens x top_k / E nonzeros, and one with E (or E + 1, a sentinel class) elements ("which experts
+were hit") has E. Every op still runs as PyTorch dispatches it; only value reads and these
+data-dependent shapes are answered.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 _VALUE_READS = {"_local_scalar_dense", "is_nonzero", "equal"}
+_MASK_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "_unsafe_index_put"}
+_DATA_SHAPED = {"nonzero", "masked_select", "bincount", "_unique2", "repeat_interleave"}
+# Ops whose result, made from a routing tensor, answers "how many tokens / any token?" per expert.
+_COUNTS = {"any", "sum", "count_nonzero", "max", "amax", "bincount"}
+# Ops that pass their input's values on (views, copies, picks): the result keeps the input's label.
+_PASS_ON = {"select", "slice", "view", "_unsafe_view", "reshape", "unbind", "index", "clone", "_to_copy", "squeeze",
+            "unsqueeze", "alias", "detach", "lift_fresh", "expand", "permute", "t", "transpose", "contiguous",
+            "flatten", "split", "chunk", "narrow", "copy_"}
 
 
-def _default_value(func: Any, args: tuple) -> Any:
-    name = func._overloadpacket.__name__
-    if name in ("is_nonzero", "equal"):
-        return False
-    t = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if t is not None and t.dtype == torch.bool:
-        return False
-    if t is not None and t.is_floating_point():
-        return 0.0
-    return 0
+@dataclass(frozen=True, kw_only=True)
+class Routing:
+    """The top-k routing seen last in this forward: (token, slot) pairs are tokens x top_k."""
+
+    tokens: int
+    top_k: int
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        if not (self.tokens >= 0 and 1 <= self.top_k < self.num_experts):
+            raise ValueError(f"not a top-k routing: {self}")
+
+    @property
+    def per_expert(self) -> int:
+        """(token, slot) pairs each expert receives under balanced routing (at least 1 when any)."""
+        pairs = self.tokens * self.top_k
+        return max(1, round(pairs / self.num_experts)) if pairs else 0
+
+    def nonzeros(self, numel: int) -> int | None:
+        """Nonzeros of a routing mask of ``numel`` elements, None when its shape says nothing."""
+        if numel in (self.num_experts, self.num_experts + 1):
+            return self.num_experts
+        if numel in (self.tokens, self.tokens * self.top_k):
+            return self.per_expert
+        return None
+
+
+def grouped_mm_meta(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The output of ``torch._grouped_mm(a, b, offs, bias, out_dtype)`` on meta, any dtype
+    (layouts in autopar.graph.trace._grouped_mm_cost)."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    out_dtype = args[4] if len(args) > 4 else kwargs.get("out_dtype")
+    groups = int(offs.shape[0]) if isinstance(offs, torch.Tensor) else 1
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[2])
+    elif a.dim() == 3 and b.dim() == 2:
+        shape = (a.shape[1], b.shape[1])
+    elif a.dim() == 2 and b.dim() == 2:
+        shape = (groups, a.shape[0], b.shape[1])
+    else:
+        shape = (a.shape[0], a.shape[1], b.shape[2])
+    return torch.empty(shape, dtype=out_dtype or a.dtype, device="meta")
+
+
+def meta_fallback(func: Any, args: tuple, kwargs: dict) -> Any:
+    """What a meta kernel that refuses a dtype would have returned, or None (then the error stands)."""
+    if func._overloadpacket.__name__ == "_grouped_mm" and all(
+            isinstance(a, torch.Tensor) and a.is_meta for a in args[:2]):
+        return grouped_mm_meta(args, kwargs)
+    return None
+
+
+def _is_meta(args: tuple) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
 
 
 class _TolerantMeta(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.routing: Routing | None = None
+        self.routed: dict[int, str] = {}  # id of a routing tensor -> the op that made it
+        self.alive: list[torch.Tensor] = []  # keeps routing tensors alive so their ids stay theirs
+
+    def _is_routed(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and id(t) in self.routed
+
+    def _mark(self, out: Any, name: str, inputs: list[Any] = ()) -> None:
+        label = name
+        source = next((self.routed[id(a)] for a in inputs if self._is_routed(a)), None)
+        if name in _PASS_ON and source is not None:
+            label = source
+        elif name in ("max", "amax") and source == "topk":
+            label = "largest expert"  # idx.max(): the largest expert id, not a count
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex():
+                self.routed[id(t)] = label
+                self.alive.append(t)
+
+    def _counts(self, t: Any) -> bool:
+        return self.routing is not None and self.routed.get(id(t)) in _COUNTS
+
+    def _value(self, name: str, args: tuple) -> Any:
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name == "equal":
+            return False
+        if t is not None and self.routing is not None and self.routed.get(id(t)) == "largest expert":
+            return self.routing.num_experts - 1
+        if t is not None and self._counts(t):
+            if t.dtype == torch.bool or name == "is_nonzero":
+                return True  # "does this expert have tokens?": under balanced routing, yes
+            return self.routing.per_expert  # "how many tokens did it get?"
+        if name == "is_nonzero" or (t is not None and t.dtype == torch.bool):
+            return False
+        return 0.0 if t is not None and t.is_floating_point() else 0
+
+    def _data_shaped(self, name: str, args: tuple, kwargs: dict) -> torch.Tensor:
+        x = args[0]
+        routed = self.routing is not None and self._is_routed(x)
+        if name == "bincount":
+            minlength = int(args[2] if len(args) > 2 else kwargs.get("minlength", 0))
+            if routed:
+                length = max(minlength, self.routing.num_experts)
+            elif minlength > 0:
+                length = minlength
+            else:
+                raise NotImplementedError("bincount on meta needs minlength= (its length is the largest value + 1)")
+            w = args[1] if len(args) > 1 else kwargs.get("weights")
+            dtype = w.dtype if isinstance(w, torch.Tensor) else torch.int64
+            return torch.empty((length,), dtype=dtype, device="meta")
+        if name == "_unique2":  # torch.unique: routing indices hold every expert, other values are distinct
+            n = self.routing.num_experts if routed else x.numel()
+            inverse = args[2] if len(args) > 2 else kwargs.get("return_inverse", False)
+            counts = args[3] if len(args) > 3 else kwargs.get("return_counts", False)
+            values = torch.empty((n,), dtype=x.dtype, device="meta")
+            inv = torch.empty(x.shape if inverse else (0,), dtype=torch.int64, device="meta")
+            cnt = torch.empty((n,) if counts else (0,), dtype=torch.int64, device="meta")
+            if routed:
+                self._mark((values, inv), "unique")
+                self._mark(cnt, "bincount")  # per-value counts: a routing count
+            return values, inv, cnt
+        if name == "repeat_interleave":  # only repeat_interleave(counts) of routing counts: sum = E x per expert
+            return torch.empty((x.numel() * self.routing.per_expert,), dtype=torch.int64, device="meta")
+        if name == "masked_select":
+            mask = args[1]
+            numel = torch.broadcast_shapes(x.shape, mask.shape).numel()
+            rows = self.routing.nonzeros(numel) if self.routing is not None and self._is_routed(mask) else None
+            return torch.empty((numel if rows is None else rows,), dtype=x.dtype, device="meta")
+        rows = self.routing.nonzeros(x.numel()) if routed else None
+        return torch.empty((x.numel() if rows is None else rows, x.dim()), dtype=torch.int64, device="meta")
+
+    def _long_indices(self, indices: list) -> list:
+        """Boolean (mask) indices replaced by the long indices of their nonzeros, as answered above
+        (``x[mask]``, ``x[mask] = v``: PyTorch's meta kernels would call nonzero themselves)."""
+        out: list = []
+        for t in indices:
+            if isinstance(t, torch.Tensor) and t.is_meta and t.dtype in (torch.bool, torch.uint8):
+                nz = self._data_shaped("nonzero", (t,), {})
+                if self._is_routed(t):
+                    self._mark(nz, "nonzero")
+                cols = nz.unbind(1)
+                if self._is_routed(t):
+                    self._mark(cols, "nonzero")
+                out.extend(cols)
+            else:
+                out.append(t)
+        return out
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
-        if func._overloadpacket.__name__ in _VALUE_READS and any(
-                isinstance(a, torch.Tensor) and a.is_meta for a in args):
-            return _default_value(func, args)
-        return func(*args, **kwargs)
+        name = func._overloadpacket.__name__
+        if name in _MASK_INDEXED and len(args) > 1 and _is_meta(args[:1]) and any(
+                isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in args[1]):
+            args = (args[0], self._long_indices(list(args[1])), *args[2:])
+        if name in _VALUE_READS and _is_meta(args):
+            return self._value(name, args)
+        if name in _DATA_SHAPED and _is_meta(args) and (name != "repeat_interleave" or (
+                func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+                and self._counts(args[0]))):
+            out = self._data_shaped(name, args, kwargs)
+        elif (name == "_to_copy" and _is_meta(args[:1]) and kwargs.get("device") not in (None, torch.device("meta"))
+              and not args[0].is_floating_point() and not args[0].is_complex()):
+            out = self._copy_out(args[0], kwargs)  # .cpu(), .tolist() of counts and masks: what reads get
+        else:
+            try:
+                out = func(*args, **kwargs)
+            except RuntimeError:
+                out = meta_fallback(func, args, kwargs)
+                if out is None:
+                    raise
+        if name == "topk" and _is_meta(args):
+            self._note_router(args, kwargs, out)
+        elif self.routed and name != "_unique2":  # unique labels its own outputs (values, counts)
+            inputs = tree_flatten((args, kwargs))[0]
+            if any(self._is_routed(a) for a in inputs):
+                self._mark(out, name, inputs)
+        return out
+
+    def _copy_out(self, t: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """A meta tensor copied to a real device: filled with what its value reads would answer
+        (per-expert counts of a routing count, else zeros)."""
+        dtype = kwargs.get("dtype") or t.dtype
+        value = self.routing.per_expert if self._counts(t) and t.dtype != torch.bool else (
+            True if self._counts(t) else 0)
+        return torch.full(t.shape, value, dtype=dtype, device=kwargs["device"])
+
+    def _note_router(self, args: tuple, kwargs: dict, out: Any) -> None:
+        scores, k = args[0], int(args[1] if len(args) > 1 else kwargs.get("k", 1))
+        dim = int(args[2] if len(args) > 2 else kwargs.get("dim", -1))
+        if scores.dim() < 1 or dim not in (-1, scores.dim() - 1) or not 1 <= k < scores.shape[-1]:
+            return
+        self.routing = Routing(tokens=scores.numel() // scores.shape[-1], top_k=k, num_experts=scores.shape[-1])
+        self._mark(out[1], "topk")
 
 
 @contextmanager
-def tolerant_meta() -> Iterator[None]:
-    """Answer value reads of meta tensors (see the module docstring) inside this block."""
-    with _TolerantMeta():
-        yield
+def tolerant_meta() -> Iterator[_TolerantMeta]:
+    """Answer value reads and data-dependent shapes of meta tensors (see the module docstring)
+    inside this block. The mode it yields holds ``routing``: the last top-k routing seen (or None)."""
+    with _TolerantMeta() as mode:
+        yield mode

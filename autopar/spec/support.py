@@ -27,42 +27,61 @@ def tp_support(spec: "ModelSpec") -> str | None:
 
 
 def sp_support(spec: "ModelSpec") -> str | None:
+    # The SP hooks (executor/tensor_parallel.py) take a module's input positionally or by its first
+    # forward parameter's name (HF: hidden_states=), and a block's output as a tensor or a tuple
+    # whose first element is the hidden state.
     if tp_support(spec):
         return "needs tp"
-    if not spec.probe.block_call.first_arg_is_tensor:
-        return "the blocks take their input as a keyword argument; sequence parallelism needs it positional"
-    if spec.sp_parents_keyword:
-        return (f"{spec.sp_parents_keyword[0]} takes its input as a keyword argument; sequence parallelism "
-                "gathers the first positional input")
+    if spec.moe is not None:  # the executor does not yet split a routed layer's tokens across tp ranks
+        return (f"the blocks hold a mixture of experts ({spec.moe.experts_path}): between sequence-parallel "
+                "norms it would route only this rank's sequence shard and its expert gradients would differ "
+                "across tp ranks")
+    call = spec.probe.block_call
+    if not call.first_arg_is_tensor and call.num_args == 0 and not call.kwargs:
+        return "the blocks are called without a hidden-state input to split over the sequence"
     return None
 
 
 def pp_support(spec: "ModelSpec") -> str | None:
+    # executor/pipeline_parallel.py runs the model's own forward on every stage with the real
+    # micro-batch (any tensors, tuples or dicts), stubs only parameter-holding prologue modules,
+    # passes a block's hidden state positionally or by keyword, rebuilds tuple block outputs and
+    # ModelOutput results, and places bare parameters on the stages that read them.
     if spec.num_blocks < 2:
         return "fewer than 2 blocks to split"
-    if not spec.inputs_are_tensors:
-        return "example_inputs() is not a tensor or a tuple of tensors"
-    if not spec.probe.block_call.first_arg_is_tensor:
-        return "the blocks take their input as a keyword argument"
-    if spec.probe.block_output != "Tensor":
-        return f"a block returns a {spec.probe.block_output}, not a tensor"
-    bad = [n for n, t in spec.probe.prologue if t != "Tensor"]
-    if bad:
-        return f"prologue module {bad[0]} returns a non-tensor"
-    if spec.bare_params:
-        return f"parameter {spec.bare_params[0]} is not inside a submodule the pipeline can place"
+    if spec.chain is not None and spec.chain.pp_reason:  # cut at unit inputs (spec/chain.py)
+        return spec.chain.pp_reason
+    if spec.chain is not None:  # the chain's own requirements hold (bare parameters included)
+        return None if spec.inputs_are_tensors else "example_inputs() is not a tensor or a tuple of tensors"
+    call = spec.probe.block_call
+    if not call.first_arg_is_tensor and call.num_args == 0 and not call.kwargs:
+        return "the blocks are called without a hidden-state input a stage could receive"
     return None
 
 
 def cp_support(spec: "ModelSpec") -> str | None:
     if not spec.is_sequence_model:
         return "not a sequence model (no SEQ_LEN)"
-    if spec.core_name is None:
-        return "no attention core submodule found (a parameter-free 'core' taking q, k, v)"
-    if not spec.accepts_positions:
-        return "forward() takes no positions= argument to place a sequence shard"
     if not spec.inputs_are_token_batch:
         return "example_inputs() is not one (batch, seq) token tensor"
+    hf = spec.hf_attention
+    if spec.core_name is None and hf is None:
+        return ("no attention core submodule found (a parameter-free 'core' taking q, k, v) and no "
+                "attention dispatched through transformers' attention interface")
+    if spec.core_name is not None:
+        if not spec.accepts_positions:
+            return "forward() takes no positions= argument to place a sequence shard"
+        return None
+    # transformers attention: executor/hf_attention.py registers a context-parallel implementation
+    # that is exact for full causal attention; the positions travel as position_ids=.
+    if not hf.causal:
+        return f"the attention ({hf.module}) is not causal; context parallelism here is causal-only"
+    if hf.sliding_window is not None:
+        return f"the attention uses a sliding window ({hf.sliding_window} tokens); context parallelism here is full-causal only"
+    if hf.dropout > 0:
+        return f"attention dropout {hf.dropout} > 0; context-parallel attention has no dropout"
+    if not hf.position_ids:
+        return "forward() takes no position_ids= argument to place a sequence shard"
     return None
 
 
@@ -71,8 +90,10 @@ def zero3_support(spec: "ModelSpec") -> str | None:
 
 
 def selective_support(spec: "ModelSpec") -> str | None:
-    if spec.core_name is None:
-        return "no attention core submodule to recompute"
+    # An attention core submodule is checkpointed in place; transformers attention through a
+    # registered implementation that runs the original under checkpoint (executor/hf_attention.py).
+    if spec.core_name is None and spec.hf_attention is None:
+        return "no attention core submodule and no transformers attention to recompute"
     return None
 
 

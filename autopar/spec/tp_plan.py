@@ -40,6 +40,12 @@ class TPPlan:
     source: str  # one of SOURCES, or "none"
     detail: str = ""  # e.g. "config.base_model_tp_plan", or why inference found nothing
     dropped: tuple[str, ...] = field(default=())  # notes on entries left out
+    # colwise name -> number of projections it stacks (fused qkv = 3), when the data flow showed it;
+    # empty: the executor infers fusion from widths (executor/tensor_parallel.fused_factors)
+    fused: Mapping[str, int] = field(default_factory=dict)
+    # block-relative integer attributes ("attn.split_size") each tp rank divides by tp: code that
+    # splits a sharded projection with a fixed width (autopar.spec.tp_infer)
+    local_attrs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES + ("none",):
@@ -47,6 +53,9 @@ class TPPlan:
         for name, style in self.styles.items():
             if style not in ("colwise", "rowwise"):
                 raise ValueError(f"TPPlan style of {name!r} must be colwise or rowwise, got {style!r}")
+        for name, k in self.fused.items():
+            if self.styles.get(name) != "colwise" or not isinstance(k, int) or k < 1:
+                raise ValueError(f"TPPlan.fused[{name!r}] = {k!r}: must be a colwise layer and a count >= 1")
 
     def describe(self) -> str:
         if not self.styles:
@@ -156,3 +165,12 @@ def strip_prefixes(path: str, prefixes: tuple[str, ...]) -> list[str]:
         if p and path.startswith(p):
             out.append(path[len(p):])
     return out
+
+
+def set_local_attrs(block: nn.Module, local_attrs: tuple[str, ...], tp: int) -> None:
+    """Divide each named integer attribute of ``block`` by tp (TPPlan.local_attrs: code that splits a
+    sharded projection with a fixed width, HF GPT-2's ``split_size``)."""
+    for path in local_attrs:
+        owner_name, _, attr = path.rpartition(".")
+        owner = block.get_submodule(owner_name) if owner_name else block
+        setattr(owner, attr, getattr(owner, attr) // tp)

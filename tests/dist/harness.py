@@ -125,11 +125,11 @@ def tp_vocab_sharded(exe) -> list[str]:
     edges = {f"{m}.weight" for m in (spec.vocab_embedding, spec.vocab_head) if m}
     for part in exe.parts:
         for name, p in part.named_parameters(remove_duplicate=False):
-            if original_name(name) not in edges or not isinstance(p, DTensor):
+            if original_name(name, part) not in edges or not isinstance(p, DTensor):
                 continue
             dims = p.device_mesh.mesh_dim_names or ()
             if "tp" in dims and p.placements[dims.index("tp")] == Shard(0):
-                out.append(original_name(name))
+                out.append(original_name(name, part))
     return out
 
 

@@ -180,11 +180,13 @@ def test_tp_must_divide_the_heads(data_dir: Path, a100, make_plan) -> None:
         estimate_plan(make_plan(4, seq_len=64, global_batch_size=8, tp=8), g, a100)
 
 
-def test_non_transformer_has_tp_and_cp_reasons(repo: Path) -> None:
+def test_non_transformer_gets_inferred_tp_and_a_cp_reason(repo: Path) -> None:
     g = build_graph(str(repo / "examples" / "mlp.py"), dtype="fp32")
     assert g.num_blocks == 12 and not g.is_sequence_model and g.seq_len == 1
-    assert g.tp_reason and "tp_plan" in g.tp_reason
-    assert g.tp_allowed(2) == g.tp_reason and g.tp_allowed(1) is None
+    # nothing declared: fc1 -> relu -> fc2 is a column->row pair in the data flow (spec/tp_infer.py)
+    assert g.tp_reason is None and g.tp_styles == {"fc1": "colwise", "fc2": "rowwise"}
+    assert "inferred" in g.tp_source
+    assert g.tp_allowed(2) is None and g.tp_allowed(1) is None
     assert g.cp_reason
     assert g.num_heads is None
     # fwd FLOPs of a residual MLP block: fc1 and fc2, 2 * (w * 2w) each, per sample.

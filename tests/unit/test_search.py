@@ -185,12 +185,16 @@ def _write(source: str, name: str):
     return path
 
 
-def test_zero1_is_not_searched_with_tp() -> None:
+def test_zero1_and_zero2_are_searched_at_every_tp_and_zero2_not_twice_with_pp() -> None:
     from collections import Counter
 
     graph = gpt_graph(GPTConfig(num_layers=8, hidden_size=1024, num_heads=16, seq_len=1024, vocab_size=50304))
     space = SearchSpace(num_gpus=16, gpus_per_node=8, global_batch=64, seq_len=1024, micro_batches=(1, 2),
                         dtype_bytes=2, optimizer="adam")
     configs = list(enumerate_configs(graph, space, Counter()))
-    assert not [c for c in configs if c.tp > 1 and c.zero == 1]  # runs as ZeRO-2: the same plan twice
-    assert [c for c in configs if c.tp > 1 and c.zero == 2] and [c for c in configs if c.tp == 1 and c.zero == 1]
+    for tp in (1, 2, 8):
+        flat = {c.zero for c in configs if c.tp == tp and c.pp == 1 and c.dp * c.cp > 1}
+        assert {1, 2} <= flat, (tp, flat)
+    # ZeRO-2 at pp > 1 runs as ZeRO-1 (cost.zero.executed_zero): the same plan would be searched twice
+    assert not [c for c in configs if c.pp > 1 and c.zero == 2]
+    assert [c for c in configs if c.pp > 1 and c.tp > 1 and c.zero == 1]

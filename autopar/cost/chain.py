@@ -1,0 +1,177 @@
+"""Per-unit cost terms of a chain model (no repeated block; graph.chain) and the cost of one
+contiguous partition of its chain over the pipeline ranks.
+
+For one configuration, unit i costs ``units[i]`` (a ``Part``: forward/backward time of one
+micro-batch, parameters, activations per in-flight micro-batch), a cut before unit i sends unit
+i's input to the next rank (``cut_p2p_s[i]``), and unit i needs ``unit_transient_bytes[i]`` while
+it runs (its ZeRO-3 gathered parameters and gradients, its recompute working set). The stem, head,
+loss, model states, tails and capacity are the ones ``cost.stage.build_terms`` gives any model.
+
+A chain is planned with one chunk per pipeline rank (v = 1: GPipe or 1F1B). Rank r holds units
+[s_r, s_{r+1}); with the step formula of ``cost.step``:
+
+    t_r   = sum_{i in r} tau_i + [r > 0] p2p(s_r) + [r < pp-1] p2p(s_{r+1}) + [r = 0] pre + [r = pp-1] post
+    step  = (M - 1) max_r t_r + sum_r t_r + max_r tail_r
+    mem_r = sigma P_r + I_r (sum_{i in r} alpha_i + edges) + max_{i in r} transient_i + reserve
+
+tail_r as in ``cost.step.evaluate``. ``evaluate_chain`` is the oracle the partition search
+(search/partition.py) optimises and the estimate of a chain plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from autopar.cluster import Cluster
+from autopar.cost.comm import Mesh, collective_time_s
+from autopar.cost.compute import graph_region_time
+from autopar.cost.stage import Config, Part, StageTerms, build_terms
+from autopar.cost.zero import per_microbatch_exposed
+from autopar.cost.step import Estimate, RankCost
+from autopar.graph.model_graph import ModelGraph
+from autopar.graph.scaling import Shape
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainTerms:
+    """Everything needed to cost any partition of a chain for one Config (module docstring)."""
+
+    base: StageTerms
+    units: tuple[Part, ...]
+    cut_p2p_s: tuple[float, ...]  # [i]: a cut before unit i (index 0 unused: 0.0)
+    unit_transient_bytes: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.units) == len(self.cut_p2p_s) == len(self.unit_transient_bytes) >= 1):
+            raise ValueError("ChainTerms needs one part, cut time and transient per unit")
+        if self.base.config.virtual_stages != 1:
+            raise ValueError("a chain is planned with one chunk per pipeline rank (virtual_stages 1)")
+
+    @property
+    def config(self) -> Config:
+        return self.base.config
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units)
+
+
+def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> ChainTerms:
+    """Per-unit terms of ``cfg`` for the chain model ``graph`` (``graph.chain`` non-empty)."""
+    if not graph.chain:
+        raise ValueError(f"{graph.name} has no chain (its blocks repeat); use cost.stage.build_terms")
+    base = build_terms(graph, cluster, cfg)
+    s_ratio = cfg.seq_len / graph.seq_len if graph.is_sequence_model else 1.0
+    shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=s_ratio, t=1, sp=1.0)
+    mesh = Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+    pp_link, dpcp_link = mesh.link(cluster, "pp"), mesh.link(cluster, "dp_cp")
+    parts, cuts, transient = [], [], []
+    for i, unit in enumerate(graph.chain):
+        rt = graph_region_time(graph, unit.region, cluster, shape)
+        in_bytes = unit.input_bytes * cfg.micro_batch * s_ratio
+        if cfg.recompute == "full":
+            recompute, act, work = rt.fwd_s, in_bytes, rt.saved_bytes
+        else:
+            recompute, act, work = 0.0, rt.saved_bytes, 0.0
+        bwd = rt.bwd_s + recompute
+        zero = per_microbatch_exposed(cfg, float(unit.params), rt.fwd_s, bwd, dpcp_link, cluster.overlap_cost_fraction)
+        parts.append(Part(fwd_s=rt.fwd_s, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=0.0, cp_comm_s=0.0,
+                          zero_comm_s=zero, act_bytes=act, params=float(unit.params), fwd_flops=rt.fwd_flops,
+                          bwd_flops=rt.bwd_flops))
+        cuts.append(collective_time_s("p2p", in_bytes, pp_link) if i and cfg.pp > 1 else 0.0)
+        gathered = 3 * unit.params * cfg.dtype_bytes if cfg.zero == 3 else 0.0  # as build_terms for a block
+        transient.append(gathered + work)
+    return ChainTerms(base=base, units=tuple(parts), cut_p2p_s=tuple(cuts), unit_transient_bytes=tuple(transient))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageLoad:
+    """Rank-level sums of one stage [start, end) at pipeline position ``rank``."""
+
+    time_s: float
+    bwd_s: float
+    params: float
+    act_bytes: float
+    transient_bytes: float
+
+
+def stage_load(terms: ChainTerms, start: int, end: int, rank: int) -> StageLoad:
+    """What ranks ``rank`` of ``terms.config.pp`` holding units [start, end) costs (module docstring)."""
+    pp, L, t = terms.config.pp, terms.num_units, terms.base
+    us = terms.units[start:end]
+    time = sum(u.time_s for u in us)
+    bwd = sum(u.bwd_s for u in us)
+    params = sum(u.params for u in us)
+    act = sum(u.act_bytes for u in us)
+    if start > 0:
+        time += terms.cut_p2p_s[start]
+    if end < L:
+        time += terms.cut_p2p_s[end]
+    if rank == 0:
+        time, bwd, params, act = time + t.pre.time_s, bwd + t.pre.bwd_s, params + t.pre.params, act + t.pre.act_bytes
+    if rank == pp - 1:
+        time, bwd = time + t.post.time_s, bwd + t.post.bwd_s
+        params, act = params + t.post.params + t.tied_params, act + t.post.act_bytes
+    return StageLoad(time_s=time, bwd_s=bwd, params=params, act_bytes=act,
+                     transient_bytes=max(terms.unit_transient_bytes[start:end], default=0.0))
+
+
+def stage_tail_s(terms: ChainTerms, load: StageLoad) -> float:
+    """The end-of-step tail of a rank (the formula of ``cost.step.evaluate``)."""
+    t = terms.base
+    sync = load.params * t.grad_sync_s_per_param
+    if t.grad_sync_overlaps:
+        tail = max(t.grad_sync_floor_s if sync > 0 else 0.0, sync - load.bwd_s) + t.overlap_cost_fraction * sync
+    else:
+        tail = sync
+    return tail + load.params * (t.param_gather_s_per_param + t.optimizer_s_per_param)
+
+
+def stage_memory(terms: ChainTerms, load: StageLoad, rank: int) -> dict[str, float]:
+    t, split = terms.base, terms.base.state_split
+    return {"params": load.params * split["params"], "grads": load.params * split["grads"],
+            "optimizer": load.params * split["optimizer"], "activations": t.inflight(rank) * load.act_bytes,
+            "other": load.transient_bytes + t.reserve_bytes}
+
+
+def evaluate_chain(terms: ChainTerms, ranges: Sequence[tuple[int, int]], model_flops_per_step: float,
+                   tokens_per_step: float, peak_flops: float) -> Estimate:
+    """Cost the partition ``ranges`` (one contiguous [start, end) per pipeline rank, covering the chain)."""
+    cfg, L = terms.config, terms.num_units
+    if len(ranges) != cfg.pp or ranges[0][0] != 0 or ranges[-1][1] != L or any(
+            a >= b for a, b in ranges) or any(ranges[k][1] != ranges[k + 1][0] for k in range(len(ranges) - 1)):
+        raise ValueError(f"ranges {list(ranges)} are not {cfg.pp} contiguous non-empty stages covering {L} units")
+    ranks = []
+    for r, (a, b) in enumerate(ranges):
+        load = stage_load(terms, a, b, r)
+        ranks.append(RankCost(rank=r, num_blocks=b - a, time_s=load.time_s, backward_s=load.bwd_s,
+                              tail_s=stage_tail_s(terms, load), params=load.params,
+                              memory_bytes=stage_memory(terms, load, r)))
+    m, pp, t = cfg.num_microbatches, cfg.pp, terms.base
+    steady = (m - 1) * max(rk.time_s for rk in ranks)
+    busy = sum(rk.time_s for rk in ranks)
+    tail = max(rk.tail_s for rk in ranks)
+    step = steady + busy + tail
+    us = terms.units
+    per_mb = {
+        "compute": sum(u.time_s - u.recompute_s - u.zero_comm_s for u in us) + t.pre.time_s + t.post.time_s
+        - t.pre.tp_comm_s - t.post.tp_comm_s - t.pre.zero_comm_s - t.post.zero_comm_s,
+        "recompute": sum(u.recompute_s for u in us),
+        "tp_comm": t.pre.tp_comm_s + t.post.tp_comm_s,
+        "cp_comm": 0.0,
+        "zero_comm": sum(u.zero_comm_s for u in us) + t.pre.zero_comm_s + t.post.zero_comm_s,
+        "pp_comm": 2 * sum(terms.cut_p2p_s[a] for a, _ in ranges[1:]),
+    }
+    breakdown = {k: val * m / pp for k, val in per_mb.items()}
+    breakdown["bubble"] = steady + busy - m * busy / pp
+    optimizer = max(rk.params * t.optimizer_s_per_param for rk in ranks)
+    breakdown["optimizer"] = optimizer
+    breakdown["dp_tail"] = tail - optimizer
+    peak = max(ranks, key=lambda rk: rk.peak_bytes)
+    return Estimate(
+        step_time_s=step, tokens_per_s=tokens_per_step / step,
+        mfu=model_flops_per_step / (step * cfg.num_gpus * peak_flops), peak_memory_bytes=peak.peak_bytes,
+        capacity_bytes=t.capacity_bytes, memory_bytes=dict(peak.memory_bytes), time_breakdown_s=breakdown,
+        ranks=tuple(ranks), bubble_fraction=max(0.0, breakdown["bubble"]) / step if step else 0.0,
+    )

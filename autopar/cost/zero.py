@@ -1,0 +1,125 @@
+"""Data-parallel and ZeRO traffic and gradient memory, as the executor (and Megatron-Core) run them.
+
+Over the ``dp x cp`` group of N ranks, for P parameters on a rank, d bytes of the training dtype and
+M micro-batches per step:
+
+=====  ===============================================  =============================================
+zero   collectives                                      mechanism
+=====  ===============================================  =============================================
+0      all-reduce P d once per step (bucketed, behind   DDP / replicate
+       the last backward)
+1      reduce-scatter P d once per step (behind the     FSDP2 without resharding, gradient sync only
+       last backward) + all-gather P d once per step    on the last micro-batch (Megatron: the
+       (behind the first forward where the software     distributed optimizer)
+       overlaps it, else after the optimizer)
+2      reduce-scatter P d in every micro-batch's        FSDP2 reshard_after_forward=False: the
+       backward + all-gather P d in every micro-        parameters are freed after each backward,
+       batch's forward (both prefetched)                so each forward gathers them again
+3      all-gather forward and backward + reduce-        FSDP2 fully_shard per block
+       scatter, every micro-batch
+=====  ===============================================  =============================================
+
+So ZeRO-1's traffic per step does not depend on M, ZeRO-2's grows with it; ZeRO-2 keeps 1/N of the
+gradients and ZeRO-1 a whole gradient buffer -- in fp32 when training in 16 bits and M > 1 (FSDP2
+accumulates unsharded gradients in its reduce dtype, Megatron in its fp32 main-grad buffer).
+
+At pp > 1 torch.distributed.pipelining's stage defers an FSDP module's gradient sync to the step's
+last backward and keeps its parameters gathered between micro-batches (``set_requires_gradient_sync``
+and ``set_reshard_after_backward`` in PipelineStage), so ZeRO-2 runs as ZeRO-1 there
+(``executed_zero``): priced, explained and searched as ZeRO-1.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autopar.cost.comm import GroupLink, collective_time_s
+
+if TYPE_CHECKING:
+    from autopar.cluster import Cluster
+    from autopar.cost.stage import Config
+
+DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket: the last one cannot overlap backward
+FP32_BYTES = 4
+
+
+def executed_zero(zero: int, pp: int) -> int:
+    """The ZeRO stage the executor runs for ``zero`` at pipeline depth ``pp`` (module docstring)."""
+    return 1 if zero == 2 and pp > 1 else zero
+
+
+def overlapped(comm_s: float, window_s: float, cost_fraction: float) -> float:
+    """Time a collective adds when run behind ``window_s`` of compute: what sticks out, plus the
+    share of the hidden part that contention for SMs and memory bandwidth costs."""
+    return max(0.0, comm_s - window_s) + cost_fraction * min(comm_s, window_s)
+
+
+def per_microbatch_exposed(cfg: "Config", params: float, fwd_s: float, bwd_s: float, link: GroupLink,
+                           cost_fraction: float) -> float:
+    """ZeRO-2/3 collectives of one micro-batch of a piece holding ``params`` parameters, each
+    prefetched behind the compute of its own pass (module docstring); 0 for ZeRO-0/1."""
+    nbytes = params * cfg.dtype_bytes  # the gathered (unsharded) parameters of this piece
+    if cfg.zero not in (2, 3):
+        return 0.0
+    ag = collective_time_s("all_gather", nbytes, link)
+    rs = collective_time_s("reduce_scatter", nbytes, link)
+    if cfg.zero == 3:
+        return overlapped(ag, fwd_s, cost_fraction) + overlapped(ag + rs, bwd_s, cost_fraction)
+    return overlapped(ag, fwd_s, cost_fraction) + overlapped(rs, bwd_s, cost_fraction)
+
+
+def per_step_sync(cfg: "Config", link: GroupLink, cluster: "Cluster") -> tuple[float, float, float]:
+    """(seconds per parameter hidden behind the last backward, seconds per parameter after the
+    optimizer, the last bucket that never hides) of the once-per-step DP/ZeRO collectives.
+
+    ZeRO-1's parameter all-gather goes with the gradient reduce-scatter into the first term when the
+    software overlaps it (``overlap_param_gather``: FSDP2 prefetch, Megatron --overlap-param-gather):
+    it hides behind the next step's first forward, priced with the backward's window (the smaller
+    of the two, so never optimistic); otherwise it runs after the optimizer (second term)."""
+    if cfg.zero not in (0, 1) or link.size <= 1:
+        return 0.0, 0.0, 0.0
+    d = cfg.dtype_bytes
+    probe = 1e9  # parameters: a large message, as the whole gradient is one stream of buckets
+
+    def per_param(kind: str) -> float:
+        return collective_time_s(kind, probe * d, link) / probe
+
+    floor_kind = "all_reduce" if cfg.zero == 0 else "reduce_scatter"
+    floor = collective_time_s(floor_kind, DDP_BUCKET_BYTES, link)
+    if cfg.zero == 0:
+        return per_param("all_reduce"), 0.0, floor
+    gather = per_param("all_gather")
+    if cluster.overlap_param_gather:
+        return per_param("reduce_scatter") + gather, 0.0, floor
+    return per_param("reduce_scatter"), gather, floor
+
+
+def gradient_bytes_per_param(cfg: "Config", sharded_grads: float, uses_ddp: bool) -> float:
+    """Gradient bytes per parameter on a rank as the executor holds them (``sharded_grads``: the
+    ZeRO formula's figure, autopar.cost.memory). ZeRO-1 accumulates whole gradients over the
+    micro-batches, in fp32 when training in 16 bits; DDP (ZeRO-0 without DTensors) keeps its
+    communication buckets beside the gradients (gradient_as_bucket_view is off,
+    executor/data_parallel.py)."""
+    if cfg.zero == 1 and cfg.dp * cfg.cp > 1 and cfg.num_microbatches > 1 and cfg.dtype_bytes < FP32_BYTES:
+        return float(FP32_BYTES)
+    if cfg.zero == 0 and uses_ddp:
+        return 2 * sharded_grads
+    return sharded_grads
+
+
+def describe(cfg: "Config", asked_zero: int) -> str:
+    """One line on what the ZeRO stage holds and sends, as the executor runs it (for explain)."""
+    n, m = cfg.dp * cfg.cp, cfg.num_microbatches
+    if n <= 1:
+        return "zero: no data-parallel group, nothing to shard"
+    ran = "" if asked_zero == cfg.zero else f" (zero {asked_zero} runs as zero {cfg.zero} at pp > 1)"
+    if cfg.zero == 0:
+        return f"zero 0{ran}: whole states on each of {n} ranks; one gradient all-reduce per step"
+    if cfg.zero == 1:
+        fp32 = " in fp32" if m > 1 and cfg.dtype_bytes < FP32_BYTES else ""
+        return (f"zero 1{ran}: whole parameters and gradients (accumulated{fp32} over {m} micro-batches), "
+                f"optimizer states 1/{n}; one reduce-scatter + one all-gather per step, whatever the micro-batches")
+    if cfg.zero == 2:
+        return (f"zero 2{ran}: gradients and optimizer states 1/{n}; a reduce-scatter and an all-gather in each "
+                f"of the {m} micro-batches")
+    return f"zero 3{ran}: everything 1/{n}; parameters gathered forward and backward in each of the {m} micro-batches"

@@ -1,0 +1,282 @@
+"""Measure a chain model (no repeated block; spec/chain.py) on meta into a ModelGraph.
+
+The model is traced with each chain container cut to the units that must run (the first unit of
+each kind, and units that change their input's shape; ``kept_units``), with regions switched at
+every unit: ``pre`` (the stem), ``unit.i`` (unit i and the code after it up to the next unit),
+``post`` (after the last unit) and ``loss``; backward regions switch by gradient hooks on each
+unit's input and output, as graph/build.py does for a block. Units of one kind (same class,
+parameter shapes and input shape, and no module running between it and the next unit) share the
+fitted region of the first of them, ``unit.k``; each unit keeps its own parameter count. The graph
+is fitted at micro-batch 1 and 2 and, for sequence models, half the sequence (graph/scaling.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+import networkx as nx
+import torch
+from torch import nn
+
+from autopar.errors import ModelFileError
+from autopar.graph.build import TracedRun, first_tensor, slice_sequence
+from autopar.graph.model_graph import ChainUnit, ModelGraph, RegionParams, region_totals, saved_split
+from autopar.graph.scaling import RegionFit, Shape, fit_region
+from autopar.graph.trace import Trace, run_and_trace
+from autopar.modelfile import ModelFile, call_model
+from autopar.spec import ModelSpec
+from autopar.spec.meta import tolerant_meta
+
+
+def measured_kinds(spec: ModelSpec) -> tuple[int, ...]:
+    """``spec.chain.kinds``, except that a unit followed by a module or a parameter read before the
+    next unit (the glue its region also holds) is a kind of its own."""
+    chain = spec.chain
+    assert chain is not None
+    glue = {p for pos in list(chain.modules.values()) + list(chain.bare.values()) for p in pos
+            if 0 < p < chain.num_units}
+    out: list[int] = []
+    for i, k in enumerate(chain.kinds):
+        if i + 1 in glue:
+            out.append(i)
+        else:  # the first unit of its kind without glue after it (at the latest: itself)
+            out.append(next(j for j in range(i + 1) if chain.kinds[j] == k and j + 1 not in glue))
+    return tuple(out)
+
+
+def kept_units(spec: ModelSpec, kinds: tuple[int, ...]) -> tuple[int, ...]:
+    """Units the measurement runs: the first of each kind, and every unit that changes the shape of
+    its input (removing it would change what the next unit receives). A removed unit has the class,
+    shapes and input shape of its kind's first unit and keeps its input's shape, so the units after
+    it receive what they receive in the full model."""
+    chain = spec.chain
+    assert chain is not None
+    outs = chain.output_shapes or chain.input_shapes
+    return tuple(i for i, k in enumerate(kinds) if k == i or outs[i] != chain.input_shapes[i])
+
+
+def cut_chain_model(model: nn.Module, units: tuple[str, ...], keep: tuple[int, ...]) -> nn.Module:
+    """A shallow copy of ``model`` whose chain containers hold only the units ``keep`` (shared, not
+    copied; a Sequential keeps its keys, a ModuleList is renumbered as it is iterated)."""
+    clone = copy.copy(model)
+    clone._modules = dict(model._modules)  # type: ignore[attr-defined]
+    copied = {"": clone}
+
+    def writable(path: str) -> nn.Module:
+        if path not in copied:
+            parent_path, _, leaf = path.rpartition(".")
+            parent = writable(parent_path)
+            mod = copy.copy(parent._modules[leaf])
+            mod._modules = dict(mod._modules)
+            parent._modules[leaf] = mod
+            copied[path] = mod
+        return copied[path]
+
+    kept = {units[i] for i in keep}
+    containers = dict.fromkeys(u.rpartition(".")[0] for u in units)
+    for c in containers:
+        old = model.get_submodule(c)
+        children = [(k, m) for k, m in old.named_children() if f"{c}.{k}" in kept or f"{c}.{k}" not in units]
+        new = nn.Sequential(OrderedDict(children)) if isinstance(old, nn.Sequential) else nn.ModuleList(m for _, m in children)
+        parent_path, _, leaf = c.rpartition(".")
+        writable(parent_path)._modules[leaf] = new
+    return clone
+
+
+def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                      unit_mods: list[nn.Module]) -> tuple[TracedRun, list[float]]:
+    """One forward+backward of ``model`` on meta attributed to pre / unit.i / post / loss (i: the
+    position in ``unit_mods``, the units the forward runs, in order), and the bytes of the tensor
+    each of them received."""
+    handles = []
+    current = {"region": "pre"}
+    param_regions: dict[int, set[str]] = {}
+    in_bytes = [0.0] * len(unit_mods)
+
+    def note_params(mod: nn.Module, args: tuple) -> None:
+        for p in mod.parameters(recurse=False):
+            param_regions.setdefault(id(p), set()).add(current["region"])
+
+    for mod in model.modules():
+        handles.append(mod.register_forward_pre_hook(note_params))
+
+    def run(set_region_raw: Callable[[str], None]) -> None:
+        def set_region(name: str) -> None:
+            if not name.startswith("bwd:"):
+                current["region"] = name
+            set_region_raw(name)
+
+        last = len(unit_mods) - 1
+        for i, mod in enumerate(unit_mods):
+            def pre(mod: nn.Module, args: tuple, kwargs: dict, i: int = i) -> None:
+                set_region(f"unit.{i}")
+                x = first_tensor((args, kwargs))
+                if x is not None:
+                    in_bytes[i] = float(x.numel() * x.element_size())
+                    if x.requires_grad:  # its gradient done: what ran before unit i is next
+                        before = "pre" if i == 0 else f"unit.{i - 1}"
+                        x.register_hook(lambda g, r=before: set_region(f"bwd:{r}"))
+
+            def post(mod: nn.Module, args: tuple, out: Any, i: int = i) -> None:
+                if i == last:
+                    set_region("post")
+                y = first_tensor(out)
+                if y is not None and y.requires_grad:
+                    y.register_hook(lambda g, i=i: set_region(f"bwd:unit.{i}"))
+
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+            handles.append(mod.register_forward_hook(post))
+        set_region("pre")
+        with tolerant_meta():
+            out = call_model(model, inputs)
+        set_region("loss")
+        if loss_fn is not None:
+            loss = loss_fn(out, inputs)
+        else:
+            y = first_tensor(out)
+            if y is None:
+                raise ModelFileError("the model's output holds no tensor to train on; define loss_fn(output, inputs)")
+            loss = y.float().mean()
+        y = first_tensor(out)
+        if y is not None and y.requires_grad:
+            y.register_hook(lambda g: set_region("bwd:post"))
+        set_region("bwd:loss")
+        loss.backward()
+
+    trace = Trace()
+    try:
+        run_and_trace(run, model.parameters(), trace)
+    finally:
+        for h in handles:
+            h.remove()
+    return TracedRun(trace=trace, param_regions=param_regions, block_input_bytes=in_bytes[0]), in_bytes
+
+
+def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len: int | None, dtype: str,
+                      inputs: Callable[[int], Any], start: float) -> ModelGraph:
+    """The ModelGraph of a chain model (see the module docstring). ``model``: built on meta in the
+    plan's dtype; ``inputs(b)``: example inputs of b samples cast to that dtype."""
+    chain = spec.chain
+    assert chain is not None
+    base_seq = seq_len or mf.seq_len
+    is_seq = base_seq is not None and base_seq >= 2 and base_seq % 2 == 0
+
+    def shaped(b: int) -> Any:
+        inp = inputs(b)
+        if base_seq is not None and mf.seq_len is not None and base_seq != mf.seq_len:
+            if base_seq > mf.seq_len:
+                raise ModelFileError(f"{mf.path}: sequence length {base_seq} exceeds the model file's SEQ_LEN {mf.seq_len}")
+            inp = slice_sequence(inp, mf.seq_len, base_seq)
+        return inp
+
+    kinds = measured_kinds(spec)
+    keep = kept_units(spec, kinds)
+    small = cut_chain_model(model, chain.units, keep)
+    mods = [model.get_submodule(chain.units[i]) for i in keep]
+
+    def run(inp: Any) -> tuple[TracedRun, list[float]]:
+        try:
+            return trace_chain_model(small, inp, mf.loss_fn, mods)
+        except ModelFileError as exc:
+            raise ModelFileError(str(exc) if str(exc).startswith(str(mf.path)) else f"{mf.path}: {exc}") from None
+        except Exception as exc:  # the user's forward or loss on meta
+            raise ModelFileError(f"{mf.path}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+
+    inputs1 = shaped(1)
+    (base, kept_in), (b2, _) = run(inputs1), run(shaped(2))
+    s_half = run(slice_sequence(inputs1, base_seq, base_seq // 2))[0] if is_seq else None
+    # traced region unit.j is kept unit keep[j]; rename to the chain index of the unit
+    for tr in filter(None, (base, b2, s_half)):
+        _rename_regions(tr.trace, {f"unit.{j}": f"unit.{i}" for j, i in enumerate(keep)})
+    regions: dict[str, RegionFit] = {}
+    names = ["pre", "post", "loss"] + [f"unit.{k}" for k in sorted(set(kinds))]
+    for region in names:
+        try:
+            regions[region] = fit_region(region, base.trace, b2.trace, s_half and s_half.trace, None)
+        except ValueError:
+            regions[region] = fit_region(region, base.trace, b2.trace, None, None)
+    at = dict(zip(keep, kept_in))
+    param_regions = {pid: {_unit_region(r, keep) for r in rs} for pid, rs in base.param_regions.items()}
+    unit_params, pre, post, tied = _params(model, chain.units, param_regions)
+    units = tuple(ChainUnit(name=u, region=f"unit.{kinds[i]}", params=unit_params[i], input_bytes=at.get(i, at[kinds[i]]))
+                  for i, u in enumerate(chain.units))
+    regions["block"] = regions[units[0].region]
+    params = {"pre": RegionParams(count=pre, tp_sharded=0), "post": RegionParams(count=post, tp_sharded=0),
+              "loss": RegionParams(count=0, tp_sharded=0), "block": RegionParams(count=units[0].params, tp_sharded=0)}
+    support = dict(spec.support)
+    if not is_seq and support["cp"] is None:
+        support["cp"] = f"sequence length {base_seq} cannot be split"
+    return ModelGraph(
+        name=mf.name, sha256=mf.sha256, num_blocks=len(units), seq_len=base_seq if is_seq else 1,
+        is_sequence_model=is_seq, dtype=dtype, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+        tp_reason=support["tp"], cp_reason=support["cp"], pp_reason=support["pp"], support=support,
+        tp_source=spec.tp.describe(), tp_styles={}, regions=regions, params=params, tied_params=tied,
+        block_input_bytes=units[0].input_bytes, graph=chain_networkx(regions, params, units, tied),
+        build_seconds=time.perf_counter() - start, chain=units,
+    )
+
+
+def _unit_region(region: str, keep: tuple[int, ...]) -> str:
+    return f"unit.{keep[int(region.split('.')[1])]}" if region.startswith("unit.") else region
+
+
+def _rename_regions(trace: Trace, names: dict[str, str]) -> None:
+    trace.ops[:] = [dataclasses.replace(o, region=names.get(o.region, o.region)) for o in trace.ops]
+    trace.saved[:] = [dataclasses.replace(r, region=names.get(r.region, r.region)) for r in trace.saved]
+    trace.comm[:] = [(names.get(c[0], c[0]), *c[1:]) for c in trace.comm]
+
+
+def _params(model: nn.Module, units: tuple[str, ...], param_regions: dict[int, set[str]]
+            ) -> tuple[list[int], int, int, int]:
+    """Parameters per unit, of the stem (pre), of the head (post), and tied between them. A
+    parameter outside the units used only by the glue after unit i counts for unit i."""
+    seen: set[int] = set()
+    per_unit = []
+    for path in units:
+        n = 0
+        for p in model.get_submodule(path).parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+        per_unit.append(n)
+    pre = post = tied = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        regions = param_regions.get(id(p), {"pre"})
+        if "pre" in regions:
+            pre += p.numel()
+            tied += p.numel() if "post" in regions else 0
+        elif "post" in regions:
+            post += p.numel()
+        else:
+            first = min(int(r.split(".")[1]) for r in regions if r.startswith("unit."))
+            per_unit[first] += p.numel()
+    return per_unit, pre, post, tied
+
+
+def chain_networkx(regions: dict[str, RegionFit], params: dict[str, RegionParams], units: tuple[ChainUnit, ...],
+                   tied: int) -> nx.DiGraph:
+    """The layer graph: embedding (the stem), block.i per unit, head, loss; every edge between units
+    is a pipeline cut point."""
+    g = nx.DiGraph()
+    base = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=1)
+    rows = [("embedding", "pre", params["pre"].count, 0.0)]
+    rows += [(f"block.{i}", u.region, u.params, u.input_bytes) for i, u in enumerate(units)]
+    rows += [("head", "post", params["post"].count, 0.0), ("loss", "loss", 0, 0.0)]
+    for i, (name, region, n_params, in_bytes) in enumerate(rows):
+        totals = region_totals(regions[region], base)
+        g.add_node(name, kind="block" if region.startswith("unit.") else region, index=i, region=region,
+                   fwd_flops=totals["fwd_flops"], bwd_flops=totals["bwd_flops"], num_params=n_params,
+                   tp_sharded_params=0, saved_bytes=totals["saved_bytes"], saved_split=saved_split(regions[region]),
+                   input_bytes=in_bytes)
+        if i:
+            prev = rows[i - 1][0]
+            g.add_edge(prev, name, cut_point=prev.startswith("block.") and name.startswith("block."))
+    g.graph["tied_params"] = tied
+    return g

@@ -1,0 +1,69 @@
+"""Attention that Hugging Face transformers dispatches through its attention interface.
+
+transformers 5 selects a block's attention function with ``ALL_ATTENTION_FUNCTIONS`` keyed by
+``config._attn_implementation`` ("sdpa", "eager", ...); the intended way to change attention is to
+register an implementation (``AttentionInterface.register``). ``hf_attention`` finds the block's
+module that makes that call and the facts the executor's registered implementation needs
+(executor/hf_attention.py: selective recompute and context parallelism). Needs torch, never
+torch.distributed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFAttention:
+    """The attention of a block that dispatches through transformers' attention interface.
+
+    ``module``: its block-relative name (HF: ``self_attn``); ``implementation``: the config's
+    ``_attn_implementation``; ``causal``: the module's ``is_causal``; ``sliding_window``: the window
+    in tokens (None: full causal); ``dropout``: the attention dropout probability in training;
+    ``position_ids``: whether the model's forward takes ``position_ids=`` (where a context-parallel
+    shard says where its tokens sit).
+    """
+
+    module: str
+    implementation: str
+    causal: bool
+    sliding_window: int | None
+    dropout: float
+    position_ids: bool
+
+    def __post_init__(self) -> None:
+        if not self.implementation:
+            raise ValueError("HFAttention.implementation must be a non-empty name")
+        if not 0.0 <= self.dropout <= 1.0:
+            raise ValueError(f"HFAttention.dropout must be in [0, 1], got {self.dropout}")
+
+
+def _dispatches(mod: nn.Module) -> bool:
+    """Whether ``mod``'s class is an attention whose source module uses the attention interface."""
+    source = sys.modules.get(type(mod).__module__)
+    return (type(mod).__name__.endswith("Attention") and source is not None
+            and "ALL_ATTENTION_FUNCTIONS" in vars(source))
+
+
+def hf_attention(model: nn.Module, block: nn.Module) -> HFAttention | None:
+    """The block's interface-dispatched attention (the outermost one), or None."""
+    for name, mod in block.named_modules():
+        cfg = getattr(mod, "config", None)
+        impl = getattr(cfg, "_attn_implementation", None)
+        if not name or not isinstance(impl, str) or not _dispatches(mod):
+            continue
+        window = getattr(mod, "sliding_window") if hasattr(mod, "sliding_window") else getattr(cfg, "sliding_window", None)
+        dropout = next((float(getattr(cfg, a)) for a in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+                        if isinstance(getattr(cfg, a, None), (int, float))), 0.0)
+        try:
+            takes_ids = "position_ids" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            takes_ids = False
+        return HFAttention(module=name, implementation=impl, causal=bool(getattr(mod, "is_causal", False)),
+                           sliding_window=window if isinstance(window, int) else None, dropout=dropout,
+                           position_ids=takes_ids)
+    return None

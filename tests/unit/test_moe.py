@@ -1,0 +1,153 @@
+"""Mixtures of experts on meta: expert compute counted at the expected tokens per expert
+(tokens x top_k / E under balanced routing), all experts' parameters in memory, the MoE facts in
+the model spec, and no sequence parallelism offered for MoE blocks."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from autopar.graph.measure import build_graph
+from autopar.modelfile import load_model_file
+from autopar.spec import model_spec
+from autopar.spec.moe import MoESpec
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "models"
+
+
+def _variant(tmp_path: Path, name: str, source: str, **constants: object) -> Path:
+    """A copy of ``source`` (a fixture model file) with module constants rewritten."""
+    text = (DATA / source).read_text()
+    for key, value in constants.items():
+        text, n = re.subn(rf"^{key} = .*$", f"{key} = {value!r}", text, count=1, flags=re.M)
+        if n == 0:
+            raise KeyError(f"{source} has no module constant {key}")
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return path
+
+
+def _topk(tmp_path: Path, name: str, *, d=64, f=128, e=4, k=2, s=32, dense=False, routing="where") -> Path:
+    text = (DATA / "topk_moe.py").read_text()
+    text = text.replace("D, F_EXPERT, E, K, H, L, V = 64, 128, 4, 2, 4, 2, 256",
+                        f"D, F_EXPERT, E, K, H, L, V = {d}, {f}, {e}, {k}, 4, 2, 256")
+    text = text.replace("SEQ_LEN = 32", f"SEQ_LEN = {s}").replace("DENSE = False", f"DENSE = {dense}")
+    text = text.replace('ROUTING = "where"', f"ROUTING = {routing!r}")
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return path
+
+
+def _block_fwd_flops(graph) -> float:
+    return sum(op.flops for op in graph.regions["block"].ops if op.phase == "fwd")
+
+
+def _block_bwd_flops(graph) -> float:
+    return sum(op.flops for op in graph.regions["block"].ops if op.phase == "bwd")
+
+
+@pytest.mark.parametrize("routing", ["where", "sorted"])
+def test_topk_moe_block_flops_are_attention_plus_top_k_experts_plus_router(tmp_path, routing) -> None:
+    """Per-expert torch.where(idx == e) with an any() check, or tokens sorted by expert and sliced
+    by bincount(...).tolist() counts: either way each expert gets tokens x top_k / E rows."""
+    d, f, e, k, s = 64, 128, 4, 2, 32
+    g = build_graph(str(_topk(tmp_path, f"moe_{routing}", d=d, f=f, e=e, k=k, s=s, routing=routing)), dtype="fp32")
+    attention = 2 * d * 3 * d + 2 * d * d + 4 * s * d  # qkv, out projection, q.k^T and p.v per token
+    experts = k * (2 * d * f + 2 * f * d)  # top_k experts of up + down per token
+    router = 2 * d * e
+    per_token = _block_fwd_flops(g) / s
+    assert per_token == pytest.approx(attention + experts + router, rel=0.03)
+    # all E experts would be E / k times the expert share: counted at top_k, not at E, not at 0
+    assert per_token < attention + router + e / k * experts * 0.75
+    assert _block_bwd_flops(g) == pytest.approx(2 * _block_fwd_flops(g), rel=0.05)
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+def test_hf_mixtral_block_flops_per_token(tmp_path, experts) -> None:
+    pytest.importorskip("transformers")
+    path = _variant(tmp_path, f"mixtral_{experts}", "hf_mixtral_tiny.py", EXPERTS=experts)
+    g = build_graph(str(path))
+    mf = load_model_file(path)
+    cfg = mf.module.CONFIG
+    d, f, s = cfg.hidden_size, cfg.intermediate_size, mf.seq_len
+    kv = cfg.num_key_value_heads * (d // cfg.num_attention_heads)
+    attention = 2 * d * (2 * d + 2 * kv) + 4 * s * d  # q, o (d x d), k, v (d x kv), scores and p.v
+    expert_mlp = 3 * 2 * d * f  # gate, up, down
+    router = 2 * d * cfg.num_local_experts
+    expected = attention + cfg.num_experts_per_tok * expert_mlp + router
+    assert _block_fwd_flops(g) / s == pytest.approx(expected, rel=0.03)
+    # every expert's parameters are in memory on every rank (no expert parallelism)
+    spec = model_spec(mf)
+    assert spec.moe is not None and spec.moe.num_experts == cfg.num_local_experts
+    assert g.params["block"].count >= spec.moe.expert_params == cfg.num_local_experts * expert_mlp // 2
+
+
+def test_hf_mixtral_moe_spec_and_no_sequence_parallelism(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    spec = model_spec(load_model_file(_variant(tmp_path, "mixtral_spec", "hf_mixtral_tiny.py", EXPERTS="grouped_mm")))
+    moe = spec.moe
+    assert isinstance(moe, MoESpec)
+    assert (moe.experts_path, moe.experts_kind, moe.num_experts, moe.top_k, moe.top_k_source, moe.router_name) == (
+        "mlp.experts", "stacked", 4, 2, "config", "mlp.gate")
+    assert moe.params_per_expert == 3 * 64 * 128
+    if spec.support["tp"] is None:
+        assert "mixture of experts" in spec.support["sp"]
+
+
+def test_topk_moe_spec_reads_top_k_from_the_router_call(tmp_path) -> None:
+    spec = model_spec(load_model_file(_topk(tmp_path, "moe_spec", e=8, k=3)))
+    assert spec.moe is not None
+    assert (spec.moe.experts_path, spec.moe.experts_kind, spec.moe.num_experts, spec.moe.top_k) == (
+        "moe.experts", "ModuleList", 8, 3)
+    assert spec.moe.top_k_source == "topk call" and spec.moe.router_name == "moe.router"
+    assert spec.moe.expert_params == 8 * 2 * 64 * 128
+
+
+def test_dense_model_has_no_moe(tmp_path) -> None:
+    assert model_spec(load_model_file(_topk(tmp_path, "dense_spec", dense=True))).moe is None
+
+
+def test_moe_spec_validates() -> None:
+    with pytest.raises(ValueError, match="top_k"):
+        MoESpec(experts_path="x", experts_kind="stacked", num_experts=4, top_k=5, top_k_source="config",
+                params_per_expert=10, router_name=None)
+
+
+def test_step_time_scales_with_the_experts_used(tmp_path, make_plan, a100) -> None:
+    """Step time follows the experts a token uses: a top-2 MoE is at least as slow as a dense MLP
+    of the same FLOPs per token (width 2F; its expert GEMMs are smaller and its routing adds memory
+    traffic), slower than top-1 by at least the extra expert FLOPs at peak, and faster than running
+    all E experts on every token (a dense MLP of width E x F)."""
+    from autopar.cost.estimate import estimate_plan
+
+    size = dict(d=1024, f=2048, e=8, s=1024)
+    top2 = build_graph(str(_topk(tmp_path, "big_top2", k=2, **size)))
+    top1 = build_graph(str(_topk(tmp_path, "big_top1", k=1, **size)))
+    dense2 = build_graph(str(_topk(tmp_path, "big_dense2", k=2, dense=True, **size)))
+    dense_all = build_graph(str(_topk(tmp_path, "big_dense8", k=8, dense=True, **size)))
+    batch = 8
+    plan = make_plan(2, global_batch_size=batch, micro_batch_size=1, seq_len=1024, dp=1)
+
+    def step_s(g) -> float:
+        return estimate_plan(plan, g, a100).step_time_s
+
+    f2, f1 = top2.model_flops_per_sample(), top1.model_flops_per_sample()
+    assert f2 == pytest.approx(dense2.model_flops_per_sample(), rel=0.02)
+    assert f2 > 1.3 * f1
+    assert step_s(top2) >= 0.95 * step_s(dense2)
+    assert step_s(top2) - step_s(top1) >= (f2 - f1) * batch / a100.peak_flops
+    assert step_s(top2) < step_s(dense_all)
+    assert estimate_plan(plan, top2, a100).mfu < 0.75
+
+    # activations kept for backward follow the routed tokens as well: top-2 keeps about twice the
+    # expert activations of top-1, at least what the dense MLP of the same width keeps (plus the
+    # routed copies of the tokens, the gathered rows each expert saves), far from all E
+    def saved(g) -> float:
+        return sum(q.nbytes for q in g.regions["block"].saved)
+
+    attention_only = saved(top1) - (saved(top2) - saved(top1))  # the part that does not route
+    assert saved(top2) > saved(top1) > attention_only > 0
+    assert saved(dense2) * 0.95 <= saved(top2) <= saved(dense2) * 1.6
+    assert saved(top2) < 0.6 * saved(dense_all)
