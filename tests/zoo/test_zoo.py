@@ -35,10 +35,8 @@ CASES = [
     pytest.param("hf_llama", "pp2", ("pp",), id="hf_llama-pp2"),
     pytest.param("hf_gpt2", "tp2+sp", ("tp",), id="hf_gpt2-tp2"),
     pytest.param("odd_names_decoder", "tp2+sp", ("tp",), id="odd_names_decoder-tp2"),
-    pytest.param("vit", "pp2", ("pp",), id="vit-pp2", marks=_xfail(
-        "PP of the ViT (blocks in nn.Sequential, bare cls_token/pos_embed) fails: KeyError 'autopar_chunk.blocks.2.norm1.weight'")),
-    pytest.param("resnet", "pp2", ("pp",), id="resnet-pp2", marks=_xfail(
-        "model_spec of a chain model: _chain_spec calls _heads() without flow_heads (TypeError on main 61001d2)")),
+    pytest.param("vit", "pp2", ("pp",), id="vit-pp2"),
+    pytest.param("resnet", "pp2", ("pp",), id="resnet-pp2"),
     pytest.param("torch_encoder", "dp2", (), id="torch_encoder-dp2"),
     pytest.param("autopar_llama", "tp2+sp", ("tp", "sp"), id="autopar_llama-tp2+sp"),
     pytest.param("hf_mixtral", "dp2", (), id="hf_mixtral-dp2"),
