@@ -206,12 +206,18 @@ def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
-def fused_factors(block: nn.Module, tp_plan: Mapping[str, str], known: Mapping[str, int] | None = None) -> dict[str, int]:
+def fused_factors(block: nn.Module, tp_plan: Mapping[str, str], known: Mapping[str, int] | None = None,
+                  *, width_fallback: bool = False) -> dict[str, int]:
     """Block-relative colwise name -> number of fused projections it stacks (1 = not fused).
-    ``known``: the factors the data flow showed (an inferred plan, spec.tp.fused); otherwise a
-    colwise layer k times as wide as its rowwise partner's input is taken to stack k."""
-    if known is not None:
+    ``known``: the factors the data flow showed (an inferred plan, spec.tp.fused) or the model's own
+    plan fixed (a carried plan's plain colwise layers); a name it lacks is 1, or with
+    ``width_fallback`` follows the width rule: a colwise layer k times as wide as its rowwise
+    partner's input is taken to stack k."""
+    if known is not None and not width_fallback:
         return {n: known.get(n, 1) for n, s in tp_plan.items() if s == "colwise"}
+    if known is not None:
+        by_width = fused_factors(block, tp_plan)
+        return {n: known.get(n, k) for n, k in by_width.items()}
     rowwise = [n for n, s in tp_plan.items() if s == "rowwise"]
     out: dict[str, int] = {}
     for name, style in tp_plan.items():
@@ -234,7 +240,13 @@ def _widths(mod: nn.Module) -> tuple[int, int]:
 
 
 def _known_fused(spec: ModelSpec) -> Mapping[str, int] | None:
-    return spec.tp.fused if spec.tp.source == "inferred" else None
+    return spec.tp.fused if spec.tp.source in ("inferred", "model") else None
+
+
+def _fused(block: nn.Module, spec: ModelSpec) -> dict[str, int]:
+    """The fused factors of the spec's plan (fused_factors): an inferred plan's data-flow counts; a
+    carried plan's plain colwise layers as laid out, its packed ones by width; a declared plan by width."""
+    return fused_factors(block, spec.tp_plan, _known_fused(spec), width_fallback=spec.tp.source == "model")
 
 
 def _chunk_permutation(rows: int, k: int, tp: int) -> torch.Tensor:
@@ -255,7 +267,7 @@ def fused_row_permutations(model: nn.Module, spec: ModelSpec, tp: int) -> dict[s
         return {}
     blocks = model.get_submodule(spec.blocks_path)
     perms: dict[str, torch.Tensor] = {}
-    for name, k in fused_factors(blocks[0], spec.tp_plan, _known_fused(spec)).items():
+    for name, k in _fused(blocks[0], spec).items():
         if k == 1:
             continue
         for i, _ in enumerate(blocks):
@@ -371,7 +383,7 @@ def apply_tp(
                 layout[name] = ColwiseParallel()
             else:
                 layout[name] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
-        layout.update(conv1d_layout(block, spec.tp_plan, fused_factors(block, spec.tp_plan, _known_fused(spec)),
+        layout.update(conv1d_layout(block, spec.tp_plan, _fused(block, spec),
                                     sequence_parallel=sequence_parallel))
         if sequence_parallel:
             for name, mod in block.named_modules():

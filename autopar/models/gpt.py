@@ -125,8 +125,10 @@ class GPT(nn.Module):
     carry theirs (model-relative patterns), so a model file needs no ``tp_plan`` line.
     """
 
+    # qkv stacks q, k and v one after another (viewed as (3, heads, head_dim)): packed_colwise, as HF
+    # marks such a layer, so each tp rank gets its slice of all three (executor/tensor_parallel.py).
     _tp_plan = {f"layers.*.{name}": style for name, style in {
-        "attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}.items()}
+        "attn.qkv": "packed_colwise", "attn.proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}.items()}
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -180,7 +182,8 @@ def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
 
 
-GPT_TP_PLAN = {k.removeprefix("layers.*."): v for k, v in GPT._tp_plan.items()}  # block-relative
+# block-relative, as a model file declares it (a declared colwise layer's fusion follows its width)
+GPT_TP_PLAN = {k.removeprefix("layers.*."): v.removeprefix("packed_") for k, v in GPT._tp_plan.items()}
 
 
 def model_file(config: GPTConfig) -> str:

@@ -29,7 +29,7 @@ from autopar.spec.meta import tolerant_meta
 from autopar.spec.moe import MoESpec, moe_of
 from autopar.spec.support import DIMENSIONS, support_of
 from autopar.spec.tp_infer import Inference, infer_tp
-from autopar.spec.tp_plan import TPPlan, model_carried_plan, resolve, root_prefixes
+from autopar.spec.tp_plan import TPPlan, model_carried_plan, packed_names, resolve, root_prefixes
 
 __all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
 
@@ -188,7 +188,11 @@ def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Mod
     if carried is not None:
         styles, notes = resolve(carried, block, blocks_path, prefixes, strict=False, where=where, model_names=names)
         if styles:
-            return TPPlan(styles=styles, source="model", detail=label, dropped=tuple(notes))
+            # As the model's authors wrote it: colwise is sharded as laid out (factor 1), only
+            # packed_colwise layers are de-interleaved by the width rule (spec/tp_plan.packed_names).
+            packed = packed_names(carried, block, blocks_path, prefixes)
+            fused = {n: 1 for n, s in styles.items() if s == "colwise" and n not in packed}
+            return TPPlan(styles=styles, source="model", detail=label, dropped=tuple(notes), fused=fused)
         # HF styles autopar does not run (Phi-3's colwise_gather_output): the data flow may still
         # show pairs it can run.
         inferred = infer().plan

@@ -135,6 +135,17 @@ def resolve(patterns: Mapping[str, Any], block: nn.Module, blocks_path: str, roo
     return styles, notes
 
 
+def packed_names(patterns: Mapping[str, Any], block: nn.Module, blocks_path: str,
+                 root_prefixes: tuple[str, ...]) -> frozenset[str]:
+    """Block-relative names a pattern plan marks ``packed_colwise``: projections stacked one after
+    another on the output dim (Megatron's permutation applies). A plain ``colwise`` of a carried
+    (Hugging Face) plan is sharded as laid out: HF writes ``colwise`` for fused projections that are
+    already interleaved by head (GPT-NeoX's query_key_value, viewed as (heads, 3 * head_dim))."""
+    names = [n for n, _ in block.named_modules() if n]
+    prefixes = tuple(f"{form}.0." for form in strip_prefixes(blocks_path, root_prefixes))
+    return frozenset(n for n, s in _match(patterns, names, prefixes).items() if s == "packed_colwise")
+
+
 def model_carried_plan(model: nn.Module) -> tuple[Mapping[str, Any] | None, str]:
     """The TP plan a model carries itself, with its detail label: ``_tp_plan`` entries that reach
     into the blocks, else ``config.base_model_tp_plan`` (Hugging Face)."""
