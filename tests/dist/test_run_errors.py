@@ -83,8 +83,9 @@ def test_sha256_mismatch_warns_but_runs_preflight() -> None:
         ("gpt", {"tp": 3}, "does not divide the model's 4 attention heads"),
         ("llama", {"tp": 4}, "does not divide the model's 2 key/value heads"),
         ("gpt", {"tp": 2, "cp": 4, "cp_kind": "ulysses"}, "Ulysses"),
-        ("mlp", {"tp": 2}, "no tp_plan"),
-        ("mlp", {"cp": 2}, "attention core"),
+        # the MLP's fc1 -> fc2 pairs are inferred (autopar.spec.tp_infer): tp must divide their width
+        ("mlp", {"tp": 3}, "does not divide the width"),
+        ("mlp", {"cp": 2}, "not a sequence model"),
         ("mlp", {"dp": 2, "recompute": "selective"}, "selective recompute"),
     ],
 )

@@ -22,7 +22,8 @@ from harness import HERE, LR, SEED, STEPS, Case, spawn_cases
 
 pytestmark = pytest.mark.dist
 
-FILES = {"hf-gpt2": HERE / "models" / "hf_gpt2.py", "odd-names": HERE / "models" / "odd_names_decoder.py",
+ZOO = HERE.parents[1] / "examples" / "zoo"  # the model zoo's files at their tiny size
+FILES = {"hf-gpt2": ZOO / "hf_gpt2.py", "odd-names": ZOO / "odd_names_decoder.py",
          "gpt-hf-patterns": HERE / "models" / "tiny_gpt_hf_patterns.py",
          "fused-chunks": HERE / "models" / "fused_chunks.py"}
 LAYERS = {"hf-gpt2": 4, "odd-names": 4, "gpt-hf-patterns": 4, "fused-chunks": 2}

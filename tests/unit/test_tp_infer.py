@@ -24,6 +24,7 @@ from autopar.spec.tp_flow import trace_flow
 from autopar.spec.tp_infer import pairs_of
 
 MODELS = Path(__file__).resolve().parents[1] / "dist" / "models"  # shared with tests/dist/test_tp_foreign.py
+ZOO = Path(__file__).resolve().parents[2] / "examples" / "zoo"
 
 
 def _file(tmp_path: Path, name: str, body: str) -> Path:
@@ -80,7 +81,7 @@ def test_llama_without_tp_plan_infers_the_declared_plan(tmp_path: Path) -> None:
 
 
 def test_unusual_names_with_a_fused_kv_get_tp_and_heads_from_the_data_flow() -> None:
-    spec = _spec(MODELS / "odd_names_decoder.py")
+    spec = _spec(ZOO / "odd_names_decoder.py")
     assert dict(spec.tp.styles) == {"mix.query": "colwise", "mix.keyval": "colwise", "mix.out": "rowwise",
                                     "ffw.gate": "colwise", "ffw.up": "colwise", "ffw.down": "rowwise"}
     # keyval is (kv_heads, 2, head_dim): k and v of a head sit together, so no permutation is needed
@@ -90,7 +91,7 @@ def test_unusual_names_with_a_fused_kv_get_tp_and_heads_from_the_data_flow() -> 
 
 def test_hf_gpt2_conv1d_fused_qkv_and_per_rank_split_size() -> None:
     pytest.importorskip("transformers")
-    spec = _spec(MODELS / "hf_gpt2.py")
+    spec = _spec(ZOO / "hf_gpt2.py")
     assert dict(spec.tp.styles) == {"attn.c_attn": "colwise", "attn.c_proj": "rowwise",
                                     "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
     assert dict(spec.tp.fused) == {"attn.c_attn": 3}
@@ -250,7 +251,7 @@ def test_conv1d_shards_in_the_planner() -> None:
     pytest.importorskip("transformers")
     from autopar.graph.build import one_block_model, shard_for_tp
 
-    mf = load_model_file(MODELS / "hf_gpt2.py")
+    mf = load_model_file(ZOO / "hf_gpt2.py")
     spec = model_spec(mf)
     model = mf.build("meta")
     small = one_block_model(model, spec.blocks_path)
