@@ -261,14 +261,24 @@ def initial_loss_hint(mf) -> str | None:  # noqa: ANN001
     """For a next-token model (token ids in, loss_fn numerically mean next-token cross-entropy, a
     ``config.vocab_size``): the loss an untrained model starts near, ln(vocab), so a user can tell
     it trains. None for any other model, or when it cannot be told cheaply."""
+    import torch
+
+    if mf.loss_fn is None:
+        return None
+    # The model file's code may draw from the global RNG (example_inputs with torch.randint); only
+    # the logging rank runs this, so it must leave the RNG as it found it, or the ranks' random
+    # streams (dropout, data) part ways.
+    with torch.random.fork_rng(devices=[]):
+        return _initial_loss_hint(mf)
+
+
+def _initial_loss_hint(mf) -> str | None:  # noqa: ANN001
     import math
 
     import torch
 
     from autopar.executor.context_parallel import is_next_token_loss
 
-    if mf.loss_fn is None:
-        return None
     try:
         tokens = mf.example_inputs(1, "cpu")
         if not (isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and not tokens.is_floating_point()):
