@@ -30,13 +30,13 @@ from autopar.search.driver import default_global_batch  # noqa: E402
 from autopar.search.search import search  # noqa: E402
 from autopar.search.space import SearchSpace  # noqa: E402
 
-FIXTURES = REPO / "tests" / "dist" / "models"
-MODELS = {"resnet": "chain_resnet.py", "vit": "chain_vit.py", "t5": "chain_t5.py"}
+ZOO = REPO / "examples" / "zoo"
+MODELS = {"resnet": "resnet.py", "vit": "vit.py", "t5": "hf_t5.py"}
 TARGET_S = 60.0
 
 
 def _full_size(name: str, out_dir: Path) -> Path:
-    text = (FIXTURES / MODELS[name]).read_text().replace('SIZE = "tiny"', 'SIZE = "full"')
+    text = (ZOO / MODELS[name]).read_text().replace('SIZE = "tiny"', 'SIZE = "full"')
     path = out_dir / f"{name}_full.py"
     path.write_text(text)
     return path

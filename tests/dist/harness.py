@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from autopar.plan import plan_from_dict
 
 HERE = Path(__file__).resolve().parent
+ZOO = HERE.parents[1] / "examples" / "zoo"  # the model zoo's files, at their tiny size
 MODELS = {
     "gpt": HERE / "models" / "tiny_gpt.py",
     "llama": HERE / "models" / "tiny_llama.py",

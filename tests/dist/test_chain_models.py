@@ -13,14 +13,15 @@ import torch
 
 import harness
 from conftest import reference_for
-from harness import HERE, Case, spawn_cases
+from harness import HERE, ZOO, Case, spawn_cases
 
 pytestmark = pytest.mark.dist
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-MODELS = {"resnet": ("chain_resnet.py", 5, 1), "vit": ("chain_vit.py", 4, 1), "t5": ("chain_t5.py", 8, 32)}
+# the zoo's ViT and T5; a ResNet with 2 blocks in its second stage (a unit kind repeated)
+MODELS = {"resnet": (HERE / "models" / "chain_resnet.py", 5, 1), "vit": (ZOO / "vit.py", 4, 1), "t5": (ZOO / "hf_t5.py", 8, 32)}
 for _name, (_file, _units, _seq) in MODELS.items():  # the harness's tables, in this module and its workers
-    harness.MODELS[_name] = HERE / "models" / _file
+    harness.MODELS[_name] = _file
     harness.BLOCKS[_name] = _units
     harness.SEQ[_name] = _seq
 

@@ -19,20 +19,20 @@ import torch
 
 pytest.importorskip("transformers")
 
-from harness import LR, SEED, STEPS, Case, spawn_cases  # noqa: E402
+from harness import LR, SEED, STEPS, ZOO, Case, spawn_cases  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
 HERE = Path(__file__).resolve().parent / "models"
 # name -> (model file, blocks, sequence length)
 FILES: dict[str, tuple[Path, int, int]] = {
-    "hf-llama": (HERE / "hf" / "llama.py", 4, 32),
-    "hf-mistral": (HERE / "hf" / "mistral.py", 4, 32),  # sliding window 16 < 32 tokens
-    "hf-qwen2": (HERE / "hf" / "qwen2.py", 4, 32),  # dict inputs, loss computed by the model
-    "hf-gpt2": (HERE / "hf" / "gpt2.py", 4, 32),  # Conv1D: no TP here (another helper's issue)
+    "hf-llama": (ZOO / "hf_llama.py", 4, 32),
+    "hf-mistral": (ZOO / "hf_mistral.py", 4, 32),  # sliding window 16 < 32 tokens
+    "hf-qwen2": (ZOO / "hf_qwen2.py", 4, 32),  # dict inputs, loss computed by the model
+    "hf-gpt2": (ZOO / "hf_gpt2.py", 4, 32),  # Conv1D: no TP here (another helper's issue)
     "under-model": (HERE / "under_model.py", 4, 32),  # the network sits in .model
     "bare-vit": (HERE / "bare_params_vit.py", 4, 1),  # bare parameters, tuple-returning blocks
-    "bare-pos-gpt": (HERE / "bare_pos_gpt.py", 4, 32),  # a bare positional parameter, tied head
+    "bare-pos-gpt": (ZOO / "bare_pos_gpt.py", 4, 32),  # a bare positional parameter, tied head
 }
 # Which support key of the model spec each plan dimension needs (to assert the case is offered).
 _DIMS = {"tp": lambda p: p.get("tp", 1) > 1, "sp": lambda p: p.get("sequence_parallel", False),

@@ -18,11 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from harness import HERE, LR, SEED, STEPS, Case, spawn_cases
+from harness import HERE, LR, SEED, STEPS, ZOO, Case, spawn_cases
 
 pytestmark = pytest.mark.dist
 
-ZOO = HERE.parents[1] / "examples" / "zoo"  # the model zoo's files at their tiny size
 FILES = {"hf-gpt2": ZOO / "hf_gpt2.py", "odd-names": ZOO / "odd_names_decoder.py",
          "gpt-hf-patterns": HERE / "models" / "tiny_gpt_hf_patterns.py",
          "fused-chunks": HERE / "models" / "fused_chunks.py"}

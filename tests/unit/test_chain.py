@@ -27,7 +27,8 @@ from autopar.search.space import SearchSpace, enumerate_configs
 from autopar.spec import model_spec
 
 MODELS = Path(__file__).resolve().parents[1] / "dist" / "models"
-RESNET, VIT, T5 = MODELS / "chain_resnet.py", MODELS / "chain_vit.py", MODELS / "chain_t5.py"
+ZOO = Path(__file__).resolve().parents[2] / "examples" / "zoo"
+RESNET, VIT, T5 = MODELS / "chain_resnet.py", ZOO / "vit.py", ZOO / "hf_t5.py"
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
 
 

@@ -15,6 +15,7 @@ from autopar.modelfile import load_model_file
 from autopar.spec import model_spec
 
 MODELS = Path(__file__).resolve().parents[1] / "dist" / "models"
+ZOO = Path(__file__).resolve().parents[2] / "examples" / "zoo"
 
 
 def _run_chunks(path: Path, ranges: list[tuple[int, int]]):
@@ -49,7 +50,7 @@ def test_resnet_chunks_compute_the_full_model(ranges) -> None:
 
 
 def test_vit_chunks_keep_the_class_token_on_the_first_stage() -> None:
-    model, spec, chunks, got, want = _run_chunks(MODELS / "chain_vit.py", [(0, 1), (1, 4)])
+    model, spec, chunks, got, want = _run_chunks(ZOO / "vit.py", [(0, 1), (1, 4)])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     first, second = chunks
     assert isinstance(getattr(first, STAGE_ATTR).cls_token, nn.Parameter) and not getattr(first, STAGE_ATTR).cls_token.is_meta

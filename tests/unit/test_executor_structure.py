@@ -16,6 +16,7 @@ from autopar.modelfile import load_model_file
 from autopar.spec import model_spec
 
 MODELS = Path(__file__).resolve().parents[1] / "dist" / "models"
+ZOO = Path(__file__).resolve().parents[2] / "examples" / "zoo"
 
 
 def _chunks(path: Path, ranges: list[tuple[int, int]]):
@@ -62,7 +63,7 @@ def test_bare_parameters_live_on_the_stages_that_read_them() -> None:
 
 def test_hf_llama_stubs_only_the_embedding_and_runs_rotary_for_real() -> None:
     pytest.importorskip("transformers")
-    _, spec, probe, (_, last) = _chunks(MODELS / "hf" / "llama.py", [(0, 2), (2, 4)])
+    _, spec, probe, (_, last) = _chunks(ZOO / "hf_llama.py", [(0, 2), (2, 4)])
     out, holds = probe.prologue["model.rotary_emb"]
     assert not holds and out.is_tensor == (True, True)  # (cos, sin)
     assert probe.prologue["model.embed_tokens"][1]
@@ -114,10 +115,10 @@ def test_hf_attention_support_and_selective_recompute_route() -> None:
 
     from autopar.executor import hf_attention
 
-    llama = model_spec(load_model_file(MODELS / "hf" / "llama.py"))
+    llama = model_spec(load_model_file(ZOO / "hf_llama.py"))
     assert llama.hf_attention is not None and llama.hf_attention.module == "self_attn"
     assert llama.support_reason("cp") is None and llama.support_reason("selective") is None
-    mistral = model_spec(load_model_file(MODELS / "hf" / "mistral.py"))
+    mistral = model_spec(load_model_file(ZOO / "hf_mistral.py"))
     assert "sliding window" in mistral.support_reason("cp")
     assert mistral.support_reason("selective") is None
 
@@ -128,7 +129,7 @@ def test_hf_attention_support_and_selective_recompute_route() -> None:
         return sdpa_attention_forward(module, *args, **kwargs)
 
     AttentionInterface.register("test_counting", counting)
-    mf = load_model_file(MODELS / "hf" / "llama.py")
+    mf = load_model_file(ZOO / "hf_llama.py")
     torch.manual_seed(0)
     model = mf.build("cpu")
     model.config._attn_implementation = "test_counting"
