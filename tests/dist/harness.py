@@ -9,6 +9,7 @@ cases already finished keep their results and the rest report the error.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import tempfile
@@ -179,3 +180,29 @@ def _spawn_cases_in(world: int, cases: list[Case], out_dir: str) -> dict[str, An
         else:
             results[case.name] = error or "case did not run"
     return results
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model: str, global_batch_size: int, micro_batch_size: int):
+    import torch
+
+    from autopar.executor.train import run_reference
+    from autopar.modelfile import load_model_file
+
+    case = Case(name="ref", model=model, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
+    plan = case.plan()
+    mf = load_model_file(plan.model.file)
+    torch.set_num_threads(2)
+    grads: dict = {}
+
+    def grab(step, model):
+        if step == 0:
+            grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)})
+
+    losses, model_ = run_reference(mf, plan, steps=STEPS, seed=SEED, lr=LR, on_grads=grab)
+    params = {n: p.detach().clone() for n, p in model_.named_parameters(remove_duplicate=False)}
+    return losses, params, grads
+
+
+def reference_for(case: Case):
+    return _reference(case.model, case.global_batch_size, case.micro_batch_size)

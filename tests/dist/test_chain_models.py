@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import harness
-from conftest import reference_for
-from harness import HERE, ZOO, Case, spawn_cases
+from harness import Case, HERE, reference_for, spawn_cases, ZOO
 
 pytestmark = pytest.mark.dist
 

@@ -10,8 +10,7 @@ import functools
 import pytest
 import torch
 
-from conftest import reference_for
-from harness import LR, STEPS, Case, spawn_cases
+from harness import Case, LR, reference_for, spawn_cases, STEPS
 
 pytestmark = pytest.mark.dist
 

@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import reference_for
-from harness import SEED, Case, _free_port, _run_case
+from harness import _free_port, _run_case, Case, reference_for, SEED
 
 pytestmark = pytest.mark.dist
 
