@@ -53,9 +53,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autopar.graph.build import (
-    first_tensor as _first_tensor, one_block_model, shard_for_tp, slice_sequence, vocab_size_of,
-)
+from autopar.graph.build import first_tensor as _first_tensor
+from autopar.graph.build import one_block_model, shard_for_tp, slice_sequence, vocab_size_of
 from autopar.modelfile import ModelFile, call_model
 from autopar.profiler.memory import LiveBytes
 from autopar.profiler.tables import LayerPoint, LayerTable

@@ -24,61 +24,17 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
 from autopar.cluster import Cluster
 from autopar.cost.stage import Config, StageTerms, build_terms
-from autopar.cost.step import Estimate, evaluate
+from autopar.cost.step import evaluate
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import even_stage_ranges
+from autopar.search.candidates import Candidate, SearchResult, TopK
 from autopar.search.ilp import MAX_ENUMERATED_SPLITS, SplitILP, rank_block_capacity, solve_split
 from autopar.search.space import Branch, SearchSpace, enumerate_branches, enumerate_configs
-
-
-@dataclass(frozen=True, kw_only=True)
-class Candidate:
-    """One complete plan the search costed."""
-
-    config: Config
-    chunk_blocks: tuple[int, ...]
-    estimate: Estimate
-    ilp_status: str  # "OPTIMAL" proven (CP-SAT or enumeration), "DIRECT" where there is nothing to split (pp = 1)
-    ilp_objective_s: float
-    ilp_bound_s: float
-    split_method: str = "direct"  # which exact solver gave the split: enumeration, parametric, cp-sat
-
-    @property
-    def step_time_s(self) -> float:
-        return self.estimate.step_time_s
-
-
-@dataclass(frozen=True, kw_only=True)
-class SearchResult:
-    top: tuple[Candidate, ...]
-    num_configs: int
-    num_evaluated: int
-    num_ilp_solved: int
-    rejected: dict[str, int]
-    elapsed_s: float
-    optimal: bool  # every ILP proved optimal and no branch was cut by a time limit
-    min_memory_bytes: float  # smallest peak memory of any costed plan (for "nothing fits" advice)
-    min_memory_config: Config | None = None
-    capacity_bytes: float = 0.0
-
-
-@dataclass
-class _TopK:
-    k: int
-    items: list[Candidate] = field(default_factory=list)
-
-    def threshold(self) -> float:
-        return self.items[-1].step_time_s if len(self.items) >= self.k else math.inf
-
-    def offer(self, cand: Candidate) -> None:
-        self.items.append(cand)
-        self.items.sort(key=lambda c: c.step_time_s)
-        del self.items[self.k:]
 
 
 def search(
@@ -119,7 +75,7 @@ def search(
     bounded.sort(key=lambda x: x[0])
 
     selective_saves = any(q.exps.quadratic for q in graph.regions["block"].saved)
-    top = _TopK(top_k)
+    top = TopK(top_k)
     evaluated = solved = 0
     optimal = True
     min_mem, min_mem_cfg = math.inf, None

@@ -1,4 +1,4 @@
-"""The model spec: the one owner of the facts about a user's model (DESIGN §3c).
+"""The model spec: the one owner of the facts about a user's model (docs/design.md §2).
 
 ``model_spec(model_file)`` builds the model on meta once and reads: where the repeated blocks are
 (``spec.blocks``), what runs before and after them (prologue and epilogue, from one meta forward),

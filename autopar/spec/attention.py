@@ -57,7 +57,7 @@ def hf_attention(model: nn.Module, block: nn.Module) -> HFAttention | None:
         if not name or not isinstance(impl, str) or not _dispatches(mod):
             continue
         # the module's own window where it has one (Qwen2: None on full-attention layers), else the config's
-        window = getattr(mod, "sliding_window") if hasattr(mod, "sliding_window") else getattr(cfg, "sliding_window", None)
+        window = mod.sliding_window if hasattr(mod, "sliding_window") else getattr(cfg, "sliding_window", None)
         rates = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
         dropout = next((float(getattr(cfg, a)) for a in rates if isinstance(getattr(cfg, a, None), (int, float))), 0.0)
         try:

@@ -7,7 +7,8 @@ Real model code asks its tensors for values now and then: Hugging Face's packed-
 forward runs through and its shapes, FLOPs and saved tensors can be measured:
 
 * value reads (``.item()``, ``bool(t)``, ``torch.equal``, and copies of integer and boolean tensors
-  to a real device: ``.cpu()``, ``.tolist()``; activations copied out still fail): 0 / False -- no packed sequences, no padding detected -- except for a count made
+  to a real device: ``.cpu()``, ``.tolist()``; activations copied out still fail): 0 / False -- no
+  packed sequences, no padding detected -- except for a count made
   from a routing tensor (below: ``mask.sum()``, ``bincount(idx)``), which is the expected count
   per expert, or True (``mask.any()``: an expert has tokens).
 * data-dependent shapes (``nonzero``, one-argument ``torch.where``, ``argwhere``,

@@ -12,7 +12,6 @@ from autopar.explain.mesh import axis_groups, format_group, mesh_summary
 from autopar.explain.volume import communication_volume, wire_factor
 
 
-
 def _groups(plan, axis):
     return [list(map(int, g)) for g in axis_groups(plan, axis)]
 

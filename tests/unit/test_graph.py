@@ -163,8 +163,8 @@ def test_llama_gqa_heads_and_parameters(llama, llama_cfg: LlamaConfig) -> None:
     assert llama.params["block"].count == 2 * h * h + 2 * h * kv * d + 3 * h * f + 2 * h
     assert llama.params["block"].tp_sharded == 2 * h * h + 2 * h * kv * d + 3 * h * f
     assert llama.tp_allowed(2) is None
-    assert "kv heads" in llama.tp_allowed(4)  # 8 query heads would split 4 ways, 2 kv heads cannot
-    assert llama.ulysses_allowed(1, 2) is None and "kv heads" in llama.ulysses_allowed(2, 2)
+    assert "key/value heads" in llama.tp_allowed(4)  # 8 query heads would split 4 ways, 2 kv heads cannot
+    assert llama.ulysses_allowed(1, 2) is None and "key/value heads" in llama.ulysses_allowed(2, 2)
 
 
 def test_tp_must_divide_the_heads(data_dir: Path, a100, make_plan) -> None:

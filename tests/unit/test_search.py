@@ -12,10 +12,11 @@ import pytest
 from autopar.cluster import Link, load_cluster
 from autopar.cost.stage import build_terms
 from autopar.cost.step import evaluate
-from autopar.models.gpt import GPTConfig
-from autopar.models.llama import LlamaConfig, model_file as llama_model_file
-from autopar.reference import gpt_graph
 from autopar.graph import build_graph
+from autopar.models.gpt import GPTConfig
+from autopar.models.llama import LlamaConfig
+from autopar.models.llama import model_file as llama_model_file
+from autopar.reference import gpt_graph
 from autopar.search.ilp import deal_chunks, solve_split, valid_split
 from autopar.search.search import search
 from autopar.search.space import SearchSpace, enumerate_configs
