@@ -31,13 +31,7 @@ from autopar.spec.moe import MoESpec, moe_of
 from autopar.spec.short_run import middle_blocks_answered
 from autopar.spec.support import DIMENSIONS, support_of
 from autopar.spec.tp_infer import Inference, infer_tp
-from autopar.spec.tp_plan import (
-    TPPlan,
-    model_carried_plan,
-    packed_names,
-    resolve,
-    root_prefixes,
-)
+from autopar.spec.tp_plan import TPPlan, model_carried_plan, packed_names, resolve, root_prefixes
 
 __all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
 

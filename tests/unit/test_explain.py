@@ -3,7 +3,6 @@ estimate, communication volume by the formulas of ``autopar.explain.volume``, su
 
 from __future__ import annotations
 
-
 import pytest
 
 from autopar.cost.estimate import estimate_plan
