@@ -213,7 +213,7 @@ def ulysses_reason(tp: int, cp: int, num_heads: int | None, num_kv_heads: int | 
     prices it, the key/value heads; pass None where K/V heads are repeated first)."""
     for what, n in (("attention heads", num_heads), ("key/value heads", num_kv_heads)):
         if n is not None and n % (tp * cp):
-            return (f"ulysses needs tp x cp = {tp * cp} to divide the model's {n} {what}; "
+            return (f"Ulysses needs tp x cp = {tp * cp} to divide the model's {n} {what}; "
                     "use cp_kind ring or allgather")
     return None
 

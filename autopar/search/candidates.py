@@ -20,9 +20,10 @@ class Candidate:
     config: Config
     chunk_blocks: tuple[int, ...]
     estimate: Estimate
-    ilp_status: str  # "OPTIMAL" from CP-SAT, or "DIRECT" where there is nothing to split (pp = 1)
+    ilp_status: str  # "OPTIMAL" proven (CP-SAT or enumeration), "DIRECT" where there is nothing to split (pp = 1)
     ilp_objective_s: float
     ilp_bound_s: float
+    split_method: str = "direct"  # which exact solver gave the split: enumeration, parametric, cp-sat
 
     @property
     def step_time_s(self) -> float:
