@@ -15,8 +15,9 @@ The search (search/space.py), the cost model (cost/comm.py), explain (explain/me
 executor's DeviceMesh (executor/mesh.py) all read this one object; the legality rules below are the
 only copy of each rule. Pure Python, no torch: the planner plans 16,384 GPUs on a laptop.
 
-A new degree (expert parallelism, say) is a field here, its name in ``DIMS`` at its place in the
-order, and an entry in ``_SIZES``; strides, coordinates and groups follow from ``DIMS``.
+A new degree (expert parallelism, say) is a field of ``Layout`` and of ``Coords`` and its name in
+``DIMS`` at its place in the order: shape, world size, strides, coordinates and groups all follow
+from ``DIMS``. An axis made of adjacent dimensions (like ``dp_cp``) is named in ``size`` and ``stride``.
 """
 
 from __future__ import annotations
