@@ -15,8 +15,9 @@ The search (search/space.py), the cost model (cost/comm.py), explain (explain/me
 executor's DeviceMesh (executor/mesh.py) all read this one object; the legality rules below are the
 only copy of each rule. Pure Python, no torch: the planner plans 16,384 GPUs on a laptop.
 
-A new degree (expert parallelism, say) is a field here, its name in ``DIMS`` at its place in the
-order, and an entry in ``_SIZES``; strides, coordinates and groups follow from ``DIMS``.
+A new degree (expert parallelism, say) is a field of ``Layout`` and of ``Coords`` and its name in
+``DIMS`` at its place in the order: shape, world size, strides, coordinates and groups all follow
+from ``DIMS``. An axis made of adjacent dimensions (like ``dp_cp``) is named in ``size`` and ``stride``.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ def ulysses_reason(tp: int, cp: int, num_heads: int | None, num_kv_heads: int | 
     prices it, the key/value heads; pass None where K/V heads are repeated first)."""
     for what, n in (("attention heads", num_heads), ("key/value heads", num_kv_heads)):
         if n is not None and n % (tp * cp):
-            return (f"ulysses needs tp x cp = {tp * cp} to divide the model's {n} {what}; "
+            return (f"Ulysses needs tp x cp = {tp * cp} to divide the model's {n} {what}; "
                     "use cp_kind ring or allgather")
     return None
 
