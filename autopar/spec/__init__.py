@@ -27,9 +27,10 @@ from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, pro
 from autopar.spec.chain import Chain, block_list_chain, find_chain
 from autopar.spec.meta import tolerant_meta
 from autopar.spec.moe import MoESpec, moe_of
+from autopar.spec.sp_check import sp_check
 from autopar.spec.support import DIMENSIONS, support_of
 from autopar.spec.tp_infer import Inference, infer_tp
-from autopar.spec.tp_plan import TPPlan, model_carried_plan, packed_names, resolve, root_prefixes
+from autopar.spec.tp_plan import TPPlan, model_carried_plan, packed_names, plan_fused, resolve, root_prefixes
 
 __all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
 
@@ -55,6 +56,7 @@ class ModelSpec:
     tied: tuple[tuple[str, ...], ...] = ()
     probe: Probe | None = None
     sp_parents_keyword: tuple[str, ...] = ()  # colwise parents called with keyword-only input
+    sp_check: str | None = None  # why SP does not run block 0 exactly (spec/sp_check.py), None: it does
     bare_params: tuple[str, ...] = ()  # parameters not inside any module the pipeline places
     inputs_are_tensors: bool = True
     inputs_are_token_batch: bool = False
@@ -265,7 +267,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         if chain is not None:
             return _with_support(_chain_spec(mf, model, chain, inputs))
         mixed = heterogeneous_lists(model)
-        hint = (f" ({', '.join(mixed[:3])} hold blocks of different widths)" if mixed else "")
+        hint = (f" ({', '.join(mixed[:3])} hold blocks whose parameter shapes differ)" if mixed else "")
         raise ModelFileError(
             f"{where}: found no list of repeated blocks (an nn.ModuleList or nn.Sequential of identical "
             f"blocks){hint}; set pipeline_blocks = '<attribute name>'")
@@ -295,6 +297,10 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     tensors_only = isinstance(inputs, torch.Tensor) or (
         isinstance(inputs, tuple) and all(isinstance(v, torch.Tensor) for v in inputs))
     token_batch = isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point()
+    moe = moe_of(model, block, lambda: routing[0] if routing else None)
+    # MoE blocks are refused SP before any check (spec/support.py); a block without TP has none.
+    sp_why = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
+              if tp.styles and moe is None else None)
     spec = ModelSpec(
         blocks_path=blocks_path, num_blocks=len(blocks), blocks_kind=type(blocks).__name__, tp=tp,
         core_name=find_core(block), num_heads=heads, num_kv_heads=kv,
@@ -303,7 +309,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         bare_params=_bare_params(model, blocks_path, probe), inputs_are_tensors=tensors_only and bool(flat),
         inputs_are_token_batch=token_batch, is_sequence_model=mf.seq_len is not None,
         hf_attention=hf_attention(model, block), notes=tp.dropped,
-        moe=moe_of(model, block, lambda: routing[0] if routing else None),
+        moe=moe, sp_check=sp_why,
         chain=_meta_call(where, lambda: block_list_chain(model, blocks_path, run)) if isinstance(blocks, nn.Sequential) else None,
     )
     return _with_support(spec)
@@ -333,9 +339,10 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any) -> M
         params = {}
     tensors_only = isinstance(inputs, torch.Tensor) or (
         isinstance(inputs, tuple) and bool(inputs) and all(isinstance(v, torch.Tensor) for v in inputs))
+    lists = ", ".join(chain.containers[:4]) + (", ..." if len(chain.containers) > 4 else "")
     tp = TPPlan(styles={}, source="none", detail=(
-        f"no repeated block list (a chain of {chain.num_units} units of "
-        f"{len(set(chain.kinds))} kinds); tp plans apply to one repeated block"))
+        f"no single list of identical blocks (a chain of {chain.num_units} units in {lists}, of "
+        f"{len(set(chain.kinds))} different structures); tp plans apply to one repeated block"))
     return ModelSpec(
         blocks_path=first, num_blocks=chain.num_units, blocks_kind="chain", tp=tp, core_name=None,
         num_heads=heads, num_kv_heads=kv, accepts_positions="positions" in params, vocab_embedding=emb,

@@ -105,6 +105,20 @@ def test_topk_moe_spec_reads_top_k_from_the_router_call(tmp_path) -> None:
     assert spec.moe.expert_params == 8 * 2 * 64 * 128
 
 
+def test_top1_argmax_routing_is_a_router(tmp_path) -> None:
+    """Switch-style top-1 routing (scores.argmax(-1), no topk call, no top-k in a config or attribute):
+    the spec finds the experts with top_k 1, and the block counts one expert per token, not none."""
+    d, f, e, s = 64, 128, 4, 32
+    path = _topk(tmp_path, "moe_argmax", d=d, f=f, e=e, k=1, s=s, routing="argmax")
+    spec = model_spec(load_model_file(path))
+    assert spec.moe is not None and (spec.moe.num_experts, spec.moe.top_k) == (e, 1)
+    assert spec.moe.top_k_source == "topk call" and spec.moe.router_name == "moe.router"
+    g = build_graph(str(path), dtype="fp32")
+    attention = 2 * d * 3 * d + 2 * d * d + 4 * s * d
+    expert, router = 2 * d * f + 2 * f * d, 2 * d * e
+    assert _block_fwd_flops(g) / s == pytest.approx(attention + expert + router, rel=0.03)
+
+
 def test_dense_model_has_no_moe(tmp_path) -> None:
     assert model_spec(load_model_file(_topk(tmp_path, "dense_spec", dense=True))).moe is None
 
