@@ -122,6 +122,7 @@ def shard_vocab_edges(part: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> 
     if vocab % tp:
         return [f"vocabulary {vocab} is not divisible by tp = {tp}: embedding and output head kept replicated"]
     tied = emb is not None and head is not None and head.weight is emb.weight
+    sites = _alias_sites(part, [m for m in (emb, head) if m is not None])
     if emb is not None:
         parallelize_module(emb, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if head is not None:
@@ -132,7 +133,25 @@ def shard_vocab_edges(part: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> 
                                                          use_local_output=False))
         if tied:
             assert head.weight is emb.weight
+    for mod, name, owner, pname in sites:  # other attributes tied to an edge's parameter follow it
+        mod.register_parameter(name, getattr(owner, pname))
     return []
+
+
+def _alias_sites(part: nn.Module, edges: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, attribute, edge, edge parameter name) for every other place in ``part`` that holds
+    one of the edges' own parameters (HF BERT: ``cls.predictions.bias`` is the decoder's bias).
+    Sharding the edge replaces its parameters; these sites must then hold the sharded ones, or the
+    tie breaks and the alias keeps a stale, never-trained copy."""
+    owners = {id(p): (edge, pname) for edge in edges for pname, p in edge.named_parameters(recurse=False)}
+    sites = []
+    for mod in part.modules():
+        if any(mod is e for e in edges):
+            continue
+        for name, p in mod.named_parameters(recurse=False):
+            if id(p) in owners:
+                sites.append((mod, name, *owners[id(p)]))
+    return sites
 
 
 def _holds_dtensor(value: Any) -> bool:

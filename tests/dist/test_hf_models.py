@@ -84,7 +84,7 @@ CASES = (
     + _cases("under-model", "dp2", "tp2-sp", "cp2-ring", "pp2-1f1b")
     + _cases("bare-vit", "zero3", "pp2-1f1b", "pp2-interleaved")
     + _cases("bare-pos-gpt", "pp2-1f1b", "tp2")
-    + _cases("hf-bert", "tp2-sp")
+    + _cases("hf-bert", "tp2-sp", "tp2")
     + _cases("scalar-params", "zero1", "zero3")
 )
 # Four ranks: pipeline stages combined with tensor (+ sequence) and context parallelism on HF Llama.

@@ -165,3 +165,18 @@ def test_step_time_scales_with_the_experts_used(tmp_path, make_plan, a100) -> No
     assert saved(top2) > saved(top1) > attention_only > 0
     assert saved(dense2) * 0.95 <= saved(top2) <= saved(dense2) * 1.6
     assert saved(top2) < 0.6 * saved(dense_all)
+
+
+def test_plan_search_says_why_sp_is_left_out_for_moe(tmp_path) -> None:
+    """The plan's ``rejected`` line carries the model spec's SP refusal (not a silent omission)."""
+    from collections import Counter
+
+    from autopar.search.space import SearchSpace, enumerate_branches
+
+    g = build_graph(str(_topk(tmp_path, "moe_rejected")), dtype="fp32")
+    assert g.supports("tp") is None and "mixture of experts" in g.supports("sp")
+    rejected: Counter = Counter()
+    space = SearchSpace(num_gpus=4, gpus_per_node=4, global_batch=8, seq_len=32, micro_batches=(1,))
+    branches = list(enumerate_branches(g, space, rejected))
+    assert branches and not any(b.sequence_parallel for b in branches)
+    assert [k for k in rejected if k.startswith("sp: ")] == [f"sp: {g.supports('sp')}"]
