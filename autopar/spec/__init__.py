@@ -55,7 +55,7 @@ class ModelSpec:
     vocab_head: str | None = None
     tied: tuple[tuple[str, ...], ...] = ()
     probe: Probe | None = None
-    sp_parents_keyword: tuple[str, ...] = ()  # colwise parents called with keyword-only input
+    sp_parents_keyword: tuple[str, ...] = ()  # colwise parents called with keyword-only input (not for MoE)
     sp_check: str | None = None  # why SP does not run block 0 exactly (spec/sp_check.py), None: it does
     bare_params: tuple[str, ...] = ()  # parameters not inside any module the pipeline places
     inputs_are_tensors: bool = True
@@ -209,30 +209,6 @@ def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Mod
                   f"and {inferred.detail}", dropped=inferred.dropped)
 
 
-def _keyword_parents(block: nn.Module, styles: Mapping[str, str], run: Any) -> tuple[str, ...]:
-    """Parents of colwise layers whose forward received no positional tensor (HF attention takes
-    ``hidden_states=``): the SP gather hook reads the first positional input."""
-    parents = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n, s in styles.items() if s == "colwise"})
-    bad: dict[str, bool] = {}
-    handles = []
-    for p in parents:
-        if not p:
-            continue
-        mod = block.get_submodule(p)
-
-        def hook(m: nn.Module, args: tuple, kwargs: dict, name: str = p) -> None:
-            bad.setdefault(name, not (args and isinstance(args[0], torch.Tensor)))
-
-        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        for h in handles:
-            h.remove()
-    return tuple(n for n, b in bad.items() if b)
-
-
 _CACHE: dict[tuple[str, str], ModelSpec] = {}
 
 
@@ -299,13 +275,13 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     token_batch = isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point()
     moe = moe_of(model, block, lambda: routing[0] if routing else None)
     # MoE blocks are refused SP before any check (spec/support.py); a block without TP has none.
-    sp_why = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
-              if tp.styles and moe is None else None)
+    sp_why, keyword_parents = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
+                               if tp.styles and moe is None else (None, ()))
     spec = ModelSpec(
         blocks_path=blocks_path, num_blocks=len(blocks), blocks_kind=type(blocks).__name__, tp=tp,
         core_name=find_core(block), num_heads=heads, num_kv_heads=kv,
         accepts_positions="positions" in params, vocab_embedding=emb, vocab_head=head, tied=_tied(model),
-        probe=probe, sp_parents_keyword=_keyword_parents(block, tp.styles, run) if tp.styles else (),
+        probe=probe, sp_parents_keyword=keyword_parents,
         bare_params=_bare_params(model, blocks_path, probe), inputs_are_tensors=tensors_only and bool(flat),
         inputs_are_token_batch=token_batch, is_sequence_model=mf.seq_len is not None,
         hf_attention=hf_attention(model, block), notes=tp.dropped,

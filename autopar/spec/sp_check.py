@@ -79,32 +79,30 @@ def _stray_parameter(block: nn.Module, styles: Mapping[str, str]) -> str | None:
 
 
 def sp_check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int], local_attrs: tuple[str, ...],
-             run: Callable[[], Any]) -> str | None:
-    """None when SP runs ``block`` (block 0; ``run()`` one meta forward of the model) exactly; else
-    why not (see the module docstring). Never raises: the user's code runs here."""
+             run: Callable[[], Any]) -> tuple[str | None, tuple[str, ...]]:
+    """(None when SP runs ``block`` (block 0; ``run()`` one meta forward of the model) exactly, else
+    why not (see the module docstring); the colwise parents the block calls with their input by
+    keyword only (HF attention: ``hidden_states=``)). Never raises: the user's code runs here."""
+    keyword: list[str] = []
     try:
-        return _check(block, styles, fused, local_attrs, run)
+        return _check(block, styles, fused, local_attrs, run, keyword), tuple(keyword)
     except Exception as exc:  # noqa: BLE001 - the user's block code, on meta and CPU
-        return f"the sequence-parallel check of block 0 failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        why = f"the sequence-parallel check of block 0 failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        return why, tuple(keyword)
 
 
 def _check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int], local_attrs: tuple[str, ...],
-           run: Callable[[], Any]) -> str | None:
-    why = _stray_parameter(block, styles)
-    if why:
-        return why
+           run: Callable[[], Any], keyword: list[str]) -> str | None:
     cols = [n for n, s in styles.items() if s == "colwise"]
-    direct = [c for c in cols if not _parent(c)]
-    if direct:
-        return (f"{direct[0]} sits directly in the block: sequence parallelism all-gathers the input of a "
-                "colwise layer's parent module, and the block itself receives the sequence shard")
-    parents = sorted({_parent(c) for c in cols})
+    parents = sorted({_parent(c) for c in cols if _parent(c)})
     called: dict[str, bool] = {}
     captured: list[tuple[tuple, dict]] = []
     handles = [block.register_forward_pre_hook(
         lambda m, a, k: captured.append((a, dict(k))) if not captured else None, with_kwargs=True)]
     for p in parents:
         def hook(m: nn.Module, a: tuple, k: dict, name: str = p) -> None:
+            if name not in called and not (a and isinstance(a[0], torch.Tensor)):
+                keyword.append(name)
             called[name] = called.get(name, False) or _map_first(m, a, k, lambda t: t) is not None
         handles.append(block.get_submodule(p).register_forward_pre_hook(hook, with_kwargs=True))
     try:
@@ -113,6 +111,13 @@ def _check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int]
     finally:
         for h in handles:
             h.remove()
+    why = _stray_parameter(block, styles)
+    if why:
+        return why
+    direct = [c for c in cols if not _parent(c)]
+    if direct:
+        return (f"{direct[0]} sits directly in the block: sequence parallelism all-gathers the input of a "
+                "colwise layer's parent module, and the block itself receives the sequence shard")
     for p in parents:
         if p not in called:
             of = next(c for c in cols if _parent(c) == p)
