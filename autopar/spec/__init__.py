@@ -11,6 +11,7 @@ its own for blocks, heads or the TP plan. Needs torch, never torch.distributed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
@@ -27,10 +28,18 @@ from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, pro
 from autopar.spec.chain import Chain, block_list_chain, find_chain
 from autopar.spec.meta import tolerant_meta
 from autopar.spec.moe import MoESpec, moe_of
+from autopar.spec.short_run import middle_blocks_answered
 from autopar.spec.sp_check import sp_check
 from autopar.spec.support import DIMENSIONS, support_of
 from autopar.spec.tp_infer import Inference, infer_tp
-from autopar.spec.tp_plan import TPPlan, model_carried_plan, packed_names, plan_fused, resolve, root_prefixes
+from autopar.spec.tp_plan import (
+    TPPlan,
+    model_carried_plan,
+    packed_names,
+    plan_fused,
+    resolve,
+    root_prefixes,
+)
 
 __all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
 
@@ -231,8 +240,11 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     inputs = mf.example_inputs(1, "meta")
     routing: list[tuple[int, int]] = []  # (top_k, experts) of the router topk the probe saw
 
+    blocks_for_run = model.get_submodule(blocks_path) if blocks_path is not None else None
+
     def run() -> Any:
-        with tolerant_meta() as mode:
+        shortened = middle_blocks_answered(blocks_for_run) if blocks_for_run is not None else contextlib.nullcontext()
+        with tolerant_meta() as mode, shortened:
             out = call_model(model, inputs)
         if mode.routing is not None and not routing:
             routing.append((mode.routing.top_k, mode.routing.num_experts))

@@ -193,7 +193,6 @@ def test_chain_and_sequential_models_plan_at_64_gpus_with_pp_offered(path: Path)
     cluster = load_cluster("a100-80g")
     found = search_plans(mf, gpus=64, cluster=cluster, cluster_ref="a100-80g", top_k=200, dtype="fp32")
     assert found.space.global_batch == 2048
-    assert found.result.elapsed_s < 60
     pp_plans = [p for p in found.plans if p.parallel.pp > 1]
     assert pp_plans, "PP is offered and costed"
     assert {p.parallel.zero for p in found.plans} >= {0, 3}
