@@ -180,3 +180,21 @@ def test_plan_search_says_why_sp_is_left_out_for_moe(tmp_path) -> None:
     branches = list(enumerate_branches(g, space, rejected))
     assert branches and not any(b.sequence_parallel for b in branches)
     assert [k for k in rejected if k.startswith("sp: ")] == [f"sp: {g.supports('sp')}"]
+
+
+def test_sliding_window_is_read_only_where_the_layer_uses_one() -> None:
+    """Qwen2-MoE's config carries sliding_window = 0 with use_sliding_window = False and per-layer
+    layer_types; its attention has no window (CP was refused for "a sliding window (0 tokens)")."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from autopar.spec.attention import _window
+
+    bare, windowed = nn.Module(), nn.Module()
+    windowed.sliding_window = 16
+    assert _window(bare, SimpleNamespace(sliding_window=0, use_sliding_window=False)) is None
+    assert _window(bare, SimpleNamespace(sliding_window=4096, layer_types=["full_attention"])) is None
+    assert _window(bare, SimpleNamespace(sliding_window=16)) == 16  # Mistral: the config's window applies
+    assert _window(windowed, SimpleNamespace(sliding_window=None, layer_types=["sliding_attention"])) == 16
+    assert _window(bare, SimpleNamespace(sliding_window=0)) is None
