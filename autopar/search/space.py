@@ -123,6 +123,11 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
     recompute_modes = tuple(rc for rc in space.recompute_modes if rc == "none" or not graph.supports(rc))
     for rc in set(space.recompute_modes) - set(recompute_modes):
         rejected[f"recompute {rc}: {graph.supports(rc)}"] += 1
+    # Dimensions the model spec refuses are said once, with the reason (the plan's "rejected" line).
+    if True in space.sequence_parallel and graph.supports("tp") is None and graph.supports("sp"):
+        rejected[f"sp: {graph.supports('sp')}"] += 1
+    if 3 in space.zero_stages and graph.supports("zero3"):
+        rejected[f"zero3: {graph.supports('zero3')}"] += 1
     for tp in divisors(n):
         if not space.allows("tp_degrees", tp):
             rejected["constraint: tp"] += 1

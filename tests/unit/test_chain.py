@@ -96,7 +96,7 @@ def test_spec_reads_the_resnet_chain_in_forward_order() -> None:
     assert spec.chain.kinds == (0, 1, 2, 3, 4)
     assert spec.chain.prologue == ("conv1", "bn1", "relu", "maxpool") and spec.chain.epilogue == ("avgpool", "fc")
     assert spec.support["pp"] is None and spec.support["zero3"] is None and spec.support["full"] is None
-    assert "no repeated block list" in spec.support["tp"]
+    assert "no single list of identical blocks" in spec.support["tp"] and "layer1, layer2" in spec.support["tp"]
 
 
 def test_spec_cuts_sequential_vit_blocks_with_bare_parameters_on_the_first_stage() -> None:
