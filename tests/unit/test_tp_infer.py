@@ -225,9 +225,9 @@ def test_a_loss_with_the_vocabulary_constant_keeps_tp(tmp_path: Path) -> None:
 def test_hf_style_patterns_resolve_the_same_in_planner_and_executor(tmp_path: Path) -> None:
     """``layers.*.x`` patterns (as HF writes them) become the block-relative plan that the graph
     (planner) shards and the executor's apply_tp / fused permutations read: one source."""
-    from autopar.spec.tp_plan import fused_factors
     from autopar.graph.build import match_tp_style, one_block_model, shard_for_tp
     from autopar.graph.measure import build_graph
+    from autopar.spec.tp_plan import fused_factors
 
     plan = "{" + ", ".join(f"'layers.*.{k}': '{v}'" for k, v in GPT_TP_PLAN.items()) + "}"
     loss = "return output.float().mean()"
