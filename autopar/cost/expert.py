@@ -139,27 +139,21 @@ def zero_exposed_s(cfg: "Config", cluster: "Cluster", cost: ExpertCost, fwd_s: f
 
 def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, float | int | str]:
     """The expert-parallel figures of a plan (``estimate --json``'s ``moe``; ``explain``): per step,
-    the bytes one rank sends in all-to-alls (4 per MoE block per micro-batch, at the busiest rank)
-    and their exposed time, and the time the imbalance factor adds (its extra expert compute and
-    all-to-all volume over balanced routing; 0 at imbalance 1)."""
+    the bytes one rank sends to other ranks in all-to-alls (dispatch and combine per MoE block and
+    micro-batch in forward, backward, and again in a full recompute; at the busiest rank) and
+    their exposed time, and the time the imbalance factor adds over balanced routing (its extra
+    expert compute and all-to-all volume; 0 at imbalance 1)."""
     mb_blocks = num_blocks * cfg.num_microbatches / cfg.pp  # one pipeline rank's blocks x micro-batches
-    a2a_s = (cost.a2a_fwd_s + cost.a2a_bwd_s) * mb_blocks
+    passes = 2 + (1 if cfg.recompute == "full" else 0)  # forward, backward, recomputed forward
+    a2a_s = (cost.a2a_fwd_s * (passes - 1) + cost.a2a_bwd_s) * mb_blocks
     balanced_a2a_s = a2a_s / cost.imbalance  # bandwidth-bound volume scales with the factor (upper estimate)
-    extra = (cost.imbalance_fwd_s + cost.imbalance_bwd_s) * mb_blocks + (a2a_s - balanced_a2a_s)
+    recompute = 1 if cfg.recompute == "full" else 0
+    extra = ((cost.imbalance_fwd_s * (1 + recompute) + cost.imbalance_bwd_s) * mb_blocks
+             + (a2a_s - balanced_a2a_s))
     return {
         "ep": cost.ep, "imbalance": cost.imbalance, "a2a_link": cost.link,
-        "a2a_bytes_per_step": 2 * DISPATCH_COMBINE_PER_PASS * cost.a2a_bytes * mb_blocks,
+        # over the wire: the (ep - 1) / ep of each message that leaves the GPU (explain's "sent")
+        "a2a_bytes_per_step": passes * DISPATCH_COMBINE_PER_PASS * cost.a2a_bytes * mb_blocks * (cost.ep - 1) / cost.ep,
         "a2a_s_per_step": a2a_s, "imbalance_s_per_step": extra,
         "expert_params_per_rank": cost.expert_params * num_blocks / cfg.pp,
     }
-
-
-def a2a_bytes_per_step(graph: "ModelGraph", cfg: "Config") -> float:
-    """Bytes one rank sends in all-to-alls per step: 4 per MoE block per micro-batch (dispatch and
-    combine, forward and backward), its blocks only (num_blocks / pp)."""
-    if cfg.ep == 1 or graph.moe is None:
-        return 0.0
-    s_ratio = (cfg.seq_len / cfg.cp) / graph.seq_len if graph.is_sequence_model else 1.0
-    tokens_bytes = graph.block_input_bytes * cfg.micro_batch * s_ratio
-    per_block = 2 * DISPATCH_COMBINE_PER_PASS * tokens_bytes * graph.moe.top_k * cfg.moe_imbalance
-    return per_block * cfg.num_microbatches * graph.num_blocks / cfg.pp

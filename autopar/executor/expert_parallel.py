@@ -339,8 +339,10 @@ def wrap_experts(state: ExpertParallel, part: nn.Module, *, zero: int, dtype: st
         for m in state.experts:
             fully_shard(m, mesh=state.groups.edp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
             m.set_gradient_divide_factor(float(state.groups.grad_divide))
-            if dist.get_backend(state.groups.edp_mesh.get_group()) == "gloo":
-                m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM: sum, then divide
+            edp_group = state.groups.edp_mesh.get_group()
+            if edp_group.size() > 1 and dist.get_backend(edp_group) == "gloo":
+                # gloo has no PREMUL_SUM: sum, then divide (a 1-rank group reduces nothing)
+                m.set_force_sum_reduction_for_comms(True)
         state.fsdp = True
         return
     experts = {id(p) for p in state.expert_params()}
