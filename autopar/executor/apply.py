@@ -215,7 +215,7 @@ def build_executable(
     if par.ep > 1:
         from autopar.executor import expert_parallel as ep_mod
 
-        expert = ep_mod.apply_expert_parallel(parts[0], spec, ep_mod.expert_groups(plan, spec, device))
+        expert = ep_mod.apply_expert_parallel(parts, spec, ep_mod.expert_groups(plan, spec, device), prefix)
 
     # 4. materialise from the seed-built full model
     reference = reference_model(mf, seed)

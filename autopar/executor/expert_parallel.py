@@ -58,7 +58,7 @@ def check_expert_parallel(plan: Any, spec: Any, where: str) -> None:
                            f"pick an ep that divides {moe.num_experts}")
     if par.tp > 1:
         raise AutoparError("expert parallelism with tp > 1 is not supported by the executor yet; plan with tp = 1 or ep = 1")
-    if par.pp > 1:
+    if par.pp > 1:  # tried with ZeRO-1 at pp2 x dp2 x ep2: the 1F1B run hung on gloo; not offered until found
         raise AutoparError("expert parallelism with pp > 1 is not supported by the executor yet; plan with pp = 1 or ep = 1")
     if moe.experts_kind == "stacked":
         params = [p for p in inspect.signature(_experts_forward_of(spec, plan)).parameters][1:]
@@ -307,14 +307,23 @@ class ExpertParallel:
         return [p for m in self.experts for p in m.parameters()]
 
 
-def apply_expert_parallel(part: nn.Module, spec: Any, groups: ExpertGroups, prefix: str = "") -> ExpertParallel:
-    """Shard the experts of every block of ``part`` (on meta, before materialising) and route their
-    tokens over the ep group."""
-    moe = spec.moe
+def apply_expert_parallel(parts: list[nn.Module], spec: Any, groups: ExpertGroups, prefix: str = "") -> ExpertParallel:
+    """Shard the experts of every block of ``parts`` (this rank's model, or its pipeline chunks
+    whose block lists sit under ``prefix``; on meta, before materialising) and route their tokens
+    over the ep group."""
     state = ExpertParallel(groups=groups, experts=[])
+    for part in parts:
+        _apply_to_part(part, spec, state, prefix)
+    return state
+
+
+def _apply_to_part(part: nn.Module, spec: Any, state: ExpertParallel, prefix: str) -> None:
+    moe, groups = spec.moe, state.groups
     blocks = part.get_submodule(prefix + spec.blocks_path)
-    owner_path, _, leaf = moe.experts_path.rpartition(".")
+    owner_path = moe.experts_path.rpartition(".")[0]
     for idx, block in blocks.named_children():
+        if not idx.isdigit():
+            continue  # a pipeline chunk's input/exit adapters (pipeline_parallel.build_chunk)
         experts = block.get_submodule(moe.experts_path)
         base = f"{spec.blocks_path}.{idx}.{moe.experts_path}."
         if moe.experts_kind == "stacked":
@@ -323,7 +332,6 @@ def apply_expert_parallel(part: nn.Module, spec: Any, groups: ExpertGroups, pref
             _shard_list(block.get_submodule(owner_path) if owner_path else block, experts, groups)
         state.experts.append(experts)
         state.names.extend(base + n for n, _ in experts.named_parameters())
-    return state
 
 
 def wrap_experts(state: ExpertParallel, part: nn.Module, *, zero: int, dtype: str, dp_cp: int) -> None:

@@ -205,3 +205,32 @@ def test_explain_shows_all_to_all_volume_and_the_imbalance_effect() -> None:
     assert ex.estimate.step_time_s == times[2]
     dense = format_explanation(explain_plan(_plan(ep=1), g, cl))
     assert "routing imbalance costs nothing at ep 1" in dense
+
+
+@pytest.mark.parametrize("parallel,needle", [
+    ({"dp": 4, "tp": 2, "ep": 2}, "expert parallelism with tp > 1 is not supported"),
+    ({"dp": 4, "pp": 2, "ep": 2, "zero": 1}, "expert parallelism with pp > 1 is not supported"),
+])
+def test_run_preflight_refuses_what_the_executor_cannot_do(parallel, needle) -> None:
+    from autopar.errors import AutoparError
+    from autopar.executor.checks import preflight
+    from autopar.modelfile import load_model_file
+
+    plan = _plan(**parallel)
+    with pytest.raises(AutoparError) as info:
+        preflight(plan, load_model_file(TORCH_MOE))
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_run_preflight_refuses_ep_on_a_dense_model() -> None:
+    from autopar.errors import AutoparError
+    from autopar.executor.checks import preflight
+    from autopar.modelfile import load_model_file
+
+    mf = load_model_file(ZOO / "bare_pos_gpt.py")
+    data = copy.deepcopy(BASE)
+    data["model"] = {"file": str(mf.path), "num_blocks": 4}
+    data["parallel"] = {"dp": 8, "tp": 1, "pp": 1, "ep": 2}
+    data["training"]["seq_len"] = mf.seq_len
+    with pytest.raises(AutoparError, match="needs a mixture-of-experts model"):
+        preflight(plan_from_dict(data), mf)
