@@ -2,7 +2,8 @@
 expert loop on each rank's rows) and a plain-torch top-k MoE (an ``nn.ModuleList`` of experts under
 the model's own routing code) under ep2 (2 gloo ranks) and ep2 x dp2 (4 ranks), with the router's
 natural uneven routing (asserted), give the single-process losses (rel 1e-4 over 3 steps),
-step-1 gradients and final parameters; ZeRO-1 and ZeRO-3 shard the experts over their edp ranks.
+step-1 gradients and final parameters; ZeRO-1 and ZeRO-3 shard the experts over their edp ranks;
+HF Mixtral also with ep drawn from the cp ranks (cp2 x ep2).
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ def _models() -> list[str]:
 
 
 CASES_2 = [MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2}) for m in _models()] + [
-    MoECase(name=f"{m}-ep2-zero3", model=m, parallel={"dp": 2, "ep": 2, "zero": 3}) for m in _models()]
+    MoECase(name=f"{m}-ep2-zero3", model=m, parallel={"dp": 2, "ep": 2, "zero": 3}) for m in _models()] + [
+    # ep drawn from the cp ranks: each holds half of every sequence (HF attention runs CP; the plain MoE has no core)
+    MoECase(name="hf-mixtral-cp2-ep2", model="hf-mixtral", parallel={"cp": 2, "ep": 2, "cp_kind": "allgather"})
+    for m in _models() if m == "hf-mixtral"]
 CASES_4 = [MoECase(name=f"{m}-ep2xdp2", model=m, parallel={"dp": 4, "ep": 2}) for m in _models()] + [
     MoECase(name=f"{m}-ep2xdp2-zero1", model=m, parallel={"dp": 4, "ep": 2, "zero": 1}) for m in _models()]
 WORLD = {2: CASES_2, 4: CASES_4}
