@@ -234,3 +234,16 @@ def test_run_preflight_refuses_ep_on_a_dense_model() -> None:
     data["training"]["seq_len"] = mf.seq_len
     with pytest.raises(AutoparError, match="needs a mixture-of-experts model"):
         preflight(plan_from_dict(data), mf)
+
+
+def test_run_refuses_checkpoints_of_ep_plans(tmp_path, capsys) -> None:
+    from autopar.cli import main
+
+    data = copy.deepcopy(BASE)
+    data["cluster"]["num_gpus"], data["parallel"] = 2, {"dp": 2, "tp": 1, "pp": 1, "ep": 2}
+    data["training"].update(global_batch_size=4, micro_batch_size=1, dtype="fp32")
+    plan = tmp_path / "ep.yaml"
+    plan.write_text(dump_plan(plan_from_dict(data)))
+    assert main(["run", str(plan), "--steps", "1", "--checkpoint-dir", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoints of expert-parallel plans (ep > 1) are not supported yet" in err and err.count("\n") == 1
