@@ -3,7 +3,8 @@ expert loop on each rank's rows) and a plain-torch top-k MoE (an ``nn.ModuleList
 the model's own routing code) under ep2 (2 gloo ranks) and ep2 x dp2 (4 ranks), with the router's
 natural uneven routing (asserted), give the single-process losses (rel 1e-4 over 3 steps),
 step-1 gradients and final parameters; ZeRO-1 and ZeRO-3 shard the experts over their edp ranks;
-HF Mixtral also with ep drawn from the cp ranks (cp2 x ep2).
+HF Mixtral also with ep drawn from the cp ranks (cp2 x ep2) and with one expert per rank under
+ZeRO-2 (ep4, 4 ranks).
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ CASES_2 = [MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2}) for m 
     MoECase(name="hf-mixtral-cp2-ep2", model="hf-mixtral", parallel={"cp": 2, "ep": 2, "cp_kind": "allgather"})
     for m in _models() if m == "hf-mixtral"]
 CASES_4 = [MoECase(name=f"{m}-ep2xdp2", model=m, parallel={"dp": 4, "ep": 2}) for m in _models()] + [
-    MoECase(name=f"{m}-ep2xdp2-zero1", model=m, parallel={"dp": 4, "ep": 2, "zero": 1}) for m in _models()]
+    MoECase(name=f"{m}-ep2xdp2-zero1", model=m, parallel={"dp": 4, "ep": 2, "zero": 1}) for m in _models()] + [
+    # one expert per rank under ZeRO-2 (what the planner picks for Mixtral-8x7B at 64 A100s)
+    MoECase(name="hf-mixtral-ep4-zero2", model="hf-mixtral", parallel={"dp": 4, "ep": 4, "zero": 2})
+    for m in _models() if m == "hf-mixtral"]
 WORLD = {2: CASES_2, 4: CASES_4}
 ALL = [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4]
 
