@@ -59,6 +59,8 @@ def check_ep(graph: "ModelGraph", ep: int, dp_cp: int) -> str | None:
         return None
     if graph.moe is None:
         return f"ep = {ep} needs a mixture-of-experts model; {graph.name} has dense blocks"
+    if graph.chain:
+        return f"{graph.name} has no repeated block list (a layer chain): expert parallelism is priced per block"
     if graph.moe.num_experts % ep:
         return f"ep = {ep} does not divide the model's {graph.moe.num_experts} experts"
     if dp_cp % ep:
