@@ -114,9 +114,12 @@ class Parallel:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     stages: tuple[tuple[int, int], ...] | None = None
+    # issue 15 (expert parallelism): experts sharded over ep ranks drawn from the dp x cp ranks
+    # (ep innermost); optional, 1 = every rank holds every expert. Written only when > 1.
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "cp", "pp_virtual_stages"):
+        for key in ("dp", "tp", "pp", "cp", "pp_virtual_stages", "ep"):
             _check_int(f"parallel.{key}", getattr(self, key))
         _check_choice("parallel.cp_kind", self.cp_kind, CP_KINDS)
         if not isinstance(self.sequence_parallel, bool):
@@ -137,6 +140,9 @@ class Parallel:
                 f"parallel.pp_virtual_stages must be 1 for {self.pp_schedule}; "
                 "only interleaved-1f1b has virtual stages"
             )
+        if (self.dp * self.cp) % self.ep:  # issue 15: ep ranks are drawn from the dp x cp ranks
+            raise PlanError(f"parallel.ep = {self.ep} does not divide dp x cp = {self.dp * self.cp}; "
+                            "pick an ep that divides it")
         if self.stages is not None:
             object.__setattr__(self, "stages", _normalise_stages(self.stages))
             if len(self.stages) != self.num_stage_chunks:
@@ -276,7 +282,8 @@ _SECTIONS: dict[str, tuple[type, set[str], set[str]]] = {
     "parallel": (
         Parallel,
         {"dp", "tp", "pp"},
-        {"cp", "cp_kind", "sequence_parallel", "zero", "recompute", "pp_schedule", "pp_virtual_stages", "stages"},
+        {"cp", "cp_kind", "sequence_parallel", "zero", "recompute", "pp_schedule", "pp_virtual_stages", "stages",
+         "ep"},
     ),
 }
 _TOP_REQUIRED = {"version", "model", "cluster", "training", "parallel"}
@@ -325,6 +332,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     par["stages"] = [list(r) for r in plan.stage_ranges()] if plan.parallel.stages is not None else None
     if par["stages"] is None:
         del par["stages"]
+    if par["ep"] == 1:  # issue 15: dense plans are written exactly as before ep existed
+        del par["ep"]
     model = dataclasses.asdict(plan.model)
     if model["sha256"] is None:
         del model["sha256"]

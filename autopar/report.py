@@ -54,7 +54,7 @@ def seconds(s: float) -> str:
 def plan_summary(plan: Plan) -> str:
     """One line: the parallel layout of a plan."""
     p, t = plan.parallel, plan.training
-    parts = [f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}"]
+    parts = [f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}" + (f" ep={p.ep}" if p.ep > 1 else "")]  # ep: issue 15
     if p.cp > 1:
         parts.append(f"cp {p.cp_kind}")
     if p.tp > 1:

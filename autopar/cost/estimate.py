@@ -19,15 +19,16 @@ from autopar.layout import ring_balance_reason
 from autopar.plan import Plan
 
 
-def config_from_plan(plan: Plan) -> Config:
+def config_from_plan(plan: Plan, moe_imbalance: float = 1.0) -> Config:
     """The plan as the cost model prices it: as the executor runs it. ZeRO-2 at pp > 1 runs as
-    ZeRO-1 (torch.distributed.pipelining defers an FSDP stage's gradient sync; autopar.cost.zero)."""
+    ZeRO-1 (torch.distributed.pipelining defers an FSDP stage's gradient sync; autopar.cost.zero).
+    ``moe_imbalance``: the busiest expert-parallel rank's load over the mean (autopar.cost.expert)."""
     par, tr = plan.parallel, plan.training
     return Config(
         dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, cp_kind=par.cp_kind, sequence_parallel=par.sequence_parallel,
         zero=executed_zero(par.zero, par.pp), recompute=par.recompute, schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
         micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_len=tr.seq_len,
-        dtype_bytes=tr.dtype_bytes, optimizer=tr.optimizer,
+        dtype_bytes=tr.dtype_bytes, optimizer=tr.optimizer, ep=par.ep, moe_imbalance=moe_imbalance,
     )
 
 
@@ -42,6 +43,12 @@ def check_plan_against_model(plan: Plan, graph: ModelGraph) -> None:
     reason = graph.tp_allowed(par.tp)
     if reason:
         raise PlanError(f"parallel.tp = {par.tp} is not possible: {reason}")
+    if par.ep > 1:  # issue 15
+        from autopar.cost.expert import check_ep
+
+        reason = check_ep(graph, par.ep, par.dp * par.cp)
+        if reason:
+            raise PlanError(f"parallel.ep = {par.ep} is not possible: {reason}; plan with ep = 1")
     if par.cp > 1:
         if graph.cp_reason:
             raise PlanError(f"parallel.cp = {par.cp} is not possible: {graph.cp_reason}")
@@ -54,10 +61,10 @@ def check_plan_against_model(plan: Plan, graph: ModelGraph) -> None:
             raise PlanError(reason)
 
 
-def estimate_plan(plan: Plan, graph: ModelGraph, cluster: Cluster) -> Estimate:
+def estimate_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, moe_imbalance: float = 1.0) -> Estimate:
     """The cost model's prediction for ``plan`` (graph measured at the plan's seq_len)."""
     check_plan_against_model(plan, graph)
-    cfg = config_from_plan(plan)
+    cfg = config_from_plan(plan, moe_imbalance)
     if graph.chain:
         return _estimate_chain(plan, graph, cluster, cfg)
     terms = build_terms(graph, cluster, cfg)
@@ -92,6 +99,7 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "fits": est.fits,
         "bubble_fraction": est.bubble_fraction,
         "time_breakdown_s": dict(est.time_breakdown_s),
+        **({"moe": dict(est.moe)} if est.moe else {}),  # issue 15: only for expert-parallel plans
         "stages": [
             {"rank": r.rank, "num_blocks": r.num_blocks, "microbatch_time_s": r.time_s,
              "peak_memory_bytes": r.peak_bytes, "memory_bytes": dict(r.memory_bytes)}

@@ -20,6 +20,7 @@ collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
@@ -50,6 +51,8 @@ class Config:
     seq_len: int
     dtype_bytes: int
     optimizer: str
+    ep: int = 1  # issue 15: expert parallelism (autopar.cost.expert)
+    moe_imbalance: float = 1.0  # the busiest ep rank's expert load over the mean
 
     @property
     def num_microbatches(self) -> int:
@@ -74,6 +77,7 @@ class Part:
     params: float  # parameters on this rank
     fwd_flops: float
     bwd_flops: float
+    ep_comm_s: float = 0.0  # issue 15: exposed expert-parallel all-to-alls (+ expert grad-sync excess)
 
     @property
     def time_s(self) -> float:
@@ -101,6 +105,7 @@ class StageTerms:
     tied_params: float  # tied embedding copy the last stage also holds (pp > 1)
     reserve_bytes: float
     capacity_bytes: float
+    expert: Any = None  # issue 15: autopar.cost.expert.ExpertCost of one block, None without ep
 
     def inflight(self, rank: int) -> float:
         c = self.config
@@ -128,6 +133,29 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     tp_link, cp_link, dpcp_link = (axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp"))
 
     block = _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes)
+    expert, transient_ep_saving = None, 0.0
+    if cfg.ep > 1:  # issue 15: experts sharded over ep ranks (autopar.cost.expert)
+        from autopar.cost.expert import expert_cost
+
+        expert = expert_cost(graph, cluster, cfg, dense_state_bytes=state.total,
+                             dense_sync_s_per_param=per_step_sync(cfg, dpcp_link, cluster)[0],
+                             tokens_bytes=tokens_bytes, block_fwd_s=block.fwd_s - block.tp_comm_s - block.cp_comm_s,
+                             block_bwd_s=block.bwd_s - block.recompute_s - block.zero_comm_s, block_params=block.params)
+    if expert is not None:
+        if cfg.zero == 3:  # the gathered block holds this rank's E / ep experts, not all E
+            transient_ep_saving = 3 * (graph.moe.expert_params - expert.expert_params) * cfg.dtype_bytes
+        fwd_extra = expert.a2a_fwd_s + expert.imbalance_fwd_s
+        bwd_extra = expert.a2a_bwd_s + expert.imbalance_bwd_s + expert.grad_sync_extra_s
+        recompute_extra = fwd_extra if cfg.recompute == "full" else 0.0  # a recomputed block re-runs its all-to-alls
+        if cfg.zero in (2, 3):  # dense parameters gathered over dp x cp, experts over their edp ranks
+            from autopar.cost.expert import zero_exposed_s
+
+            bwd_plain = block.bwd_s - block.zero_comm_s
+            zero_ep = zero_exposed_s(cfg, cluster, expert, block.fwd_s, bwd_plain, dpcp_link)
+            block = replace(block, bwd_s=bwd_plain + zero_ep, zero_comm_s=zero_ep)
+        block = replace(block, fwd_s=block.fwd_s + fwd_extra, bwd_s=block.bwd_s + bwd_extra + recompute_extra,
+                        recompute_s=block.recompute_s + recompute_extra, params=expert.block_params,
+                        ep_comm_s=expert.a2a_fwd_s + expert.a2a_bwd_s + expert.grad_sync_extra_s)
     table = usable_layer_table(graph, cluster)
     replicated = table is not None and table.edges_replicated
     # An old table (edges measured whole at tp = 1) keeps its replicated pricing; see module docstring.
@@ -152,6 +180,8 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     transient = 0.0
     if cfg.zero == 3:
         transient += 3 * block_params * d  # gathered params of this and the prefetched block + unsharded grads
+        if expert is not None:  # issue 15
+            transient -= transient_ep_saving
     if cfg.recompute == "full":
         transient += graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind).saved_bytes
     elif cfg.recompute == "selective":
@@ -159,6 +189,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     edge_tp = cfg.tp if graph.params["pre"].tp_sharded and not replicated else 1
     tied = graph.tied_params / edge_tp if cfg.pp > 1 else 0.0
     return StageTerms(
+        expert=expert,
         config=cfg, block=block, pre=pre, post=post, p2p_s=p2p,
         state_bytes_per_param=state.total,
         state_split={"params": state.params, "grads": state.grads, "optimizer": state.optimizer},

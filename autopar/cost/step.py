@@ -18,7 +18,7 @@ transient buffers + the framework reserve.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from autopar.cost.stage import StageTerms
 
@@ -53,6 +53,8 @@ class Estimate:
     time_breakdown_s: dict[str, float]
     ranks: tuple[RankCost, ...] = field(default=())
     bubble_fraction: float = 0.0
+    # issue 15: expert parallelism's figures (autopar.cost.expert.moe_summary), None without ep
+    moe: dict[str, Any] | None = None
 
     @property
     def fits(self) -> bool:
@@ -119,6 +121,14 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             "params": params[r] * split["params"],
             "grads": params[r] * split["grads"],
             "optimizer": params[r] * split["optimizer"],
+        }
+        if terms.expert is not None:  # issue 15: the same total, each expert byte under its own kind
+            ex = terms.expert
+            equivalent = blocks[r] * (ex.block_params - ex.dense_params)
+            for kind in ("params", "grads", "optimizer"):
+                memory[kind] += blocks[r] * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
+        memory = {
+            **memory,
             "activations": activations,
             "other": terms.transient_bytes + terms.reserve_bytes,
         }
@@ -132,7 +142,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
     peak_rank = max(ranks, key=lambda rk: rk.peak_bytes)
     n_blocks_total = sum(chunk_blocks)
     per_mb = {
-        "compute": n_blocks_total * (b.time_s - b.recompute_s - b.tp_comm_s - b.cp_comm_s - b.zero_comm_s)
+        "compute": n_blocks_total * (b.time_s - b.recompute_s - b.tp_comm_s - b.cp_comm_s - b.zero_comm_s - b.ep_comm_s)
         + pre.time_s + post.time_s - pre.tp_comm_s - post.tp_comm_s - pre.zero_comm_s - post.zero_comm_s,
         "recompute": n_blocks_total * b.recompute_s,
         "tp_comm": n_blocks_total * b.tp_comm_s + pre.tp_comm_s + post.tp_comm_s,
@@ -140,6 +150,8 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         "zero_comm": n_blocks_total * b.zero_comm_s + pre.zero_comm_s + post.zero_comm_s,
         "pp_comm": terms.p2p_s * 2 * last if pp > 1 else 0.0,
     }
+    if cfg.ep > 1:  # issue 15: the experts' all-to-alls (a key only where ep is used: old outputs unchanged)
+        per_mb["ep_comm"] = n_blocks_total * b.ep_comm_s
     # Each part's share of the step: M micro-batches of work spread over pp ranks; the rest of the
     # pipeline time is bubble (fill/drain and imbalance between stages). The parts sum to the step.
     busy = sum(time)
@@ -158,4 +170,13 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         time_breakdown_s=breakdown,
         ranks=tuple(ranks),
         bubble_fraction=max(0.0, breakdown["bubble"]) / step if step else 0.0,
+        moe=_moe_summary(terms, n_blocks_total),
     )
+
+
+def _moe_summary(terms: StageTerms, num_blocks: int) -> dict[str, Any] | None:
+    if terms.expert is None:
+        return None
+    from autopar.cost.expert import moe_summary
+
+    return moe_summary(terms.expert, terms.config, num_blocks)

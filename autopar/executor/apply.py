@@ -79,6 +79,7 @@ class Executable:
     # full-model parameter name -> canonical name of its tie group (first alias in the full model's
     # named_parameters order); the checkpoint keys of tied weights (checkpoint.py)
     canonical_names: dict[str, str] = field(default_factory=dict)
+    expert: Any = None  # issue 15: expert_parallel.ExpertParallel of this rank's part when ep > 1
 
     def parameter_copies(self) -> dict[str, list[nn.Parameter]]:
         """Full-model name -> every local parameter of that name (one per pipeline chunk)."""
@@ -210,11 +211,20 @@ def build_executable(
                      cp=par.cp, rank=mesh.coords.cp, seq_len=plan.training.seq_len)
         apply_recompute(part, _prefixed(spec, prefix), recompute)
 
+    # 3b. (issue 15) expert parallelism: this rank's experts (on meta), tokens routed over the ep group
+    expert = None
+    if par.ep > 1:
+        from autopar.executor import expert_parallel as ep_mod
+
+        expert = ep_mod.apply_expert_parallel(parts, spec, ep_mod.expert_groups(plan, spec, device), prefix)
+
     # 4. materialise from the seed-built full model
     reference = reference_model(mf, seed)
     for part in parts:
-        materialise(part, reference, device, perms)
+        materialise(part, reference, device, {**perms, **(expert.rows if expert else {})})
     del reference
+    if expert is not None:  # (issue 15) experts reduce over their edp ranks, not dp x cp
+        ep_mod.wrap_experts(expert, parts[0], zero=zero, dtype=plan.training.dtype, dp_cp=par.dp * par.cp)
 
     # 5. ZeRO / FSDP2 / DDP over dp x cp
     dp_mesh = mesh.dp_cp
@@ -231,13 +241,15 @@ def build_executable(
     exe = Executable(
         plan=plan, spec=spec, mesh=mesh, parts=[w.module for w in wrapped], dp=wrapped,
         optimizer=None,  # type: ignore[arg-type]  # set below, needs the wrapped parameters
-        permutations=perms, chunk_ids=chunk_ids, notes=notes, canonical_names=canonical,
+        permutations=perms, chunk_ids=chunk_ids, notes=notes, canonical_names=canonical, expert=expert,
     )
     # every distinct local parameter: an interleaved rank holds a copy of a shared one per chunk
     params = list({id(p): p for part in exe.parts for p in part.parameters()}.values())
     if par.tp > 1:  # embedding gradients come back Replicate; keep them vocab-sharded (tensor_parallel.py)
         keep_grad_placements([p for w in wrapped if w.kind in ("none", "ddp") for p in w.module.parameters()])
     exe.optimizer = build_optimizer(params, plan.training.optimizer, lr, any(w.sharded_optimizer for w in wrapped), dp_mesh)
+    if expert is not None:  # (issue 15) ZeRO 0: expert gradients summed over edp after the step's backward
+        ep_mod.install_grad_sync(expert, wrapped[0].module)
     if par.pp > 1:
         assert loss_fn is not None, "the pipeline's last stage computes the loss"
         row_target = True  # the model file's loss_fn gets each micro-batch's own inputs (StepIO.loss)
@@ -292,4 +304,8 @@ def full_parameters(exe: Executable, *, grads: bool = False) -> dict[str, torch.
         if name in exe.permutations:
             t = t[torch.argsort(exe.permutations[name])]
         out[name] = t
+    if exe.expert is not None:  # (issue 15) the other ep ranks' experts
+        from autopar.executor.expert_parallel import gather_full
+
+        out = gather_full(exe.expert, out)
     return out

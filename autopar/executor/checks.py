@@ -70,6 +70,10 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
     for dim, used, change in _dimensions_used(plan):
         if used and spec.support_reason(dim):
             raise AutoparError(f"{_DIM_NAMES[dim]} cannot run on {where}: {spec.support_reason(dim)}; {change}")
+    if par.ep > 1:  # issue 15: what expert parallelism needs of the model and the other degrees
+        from autopar.executor.expert_parallel import check_expert_parallel
+
+        check_expert_parallel(plan, spec, where)
     if par.tp > 1:
         reason = tp_heads_reason(par.tp, spec.num_heads, spec.num_kv_heads)
         if reason:

@@ -160,6 +160,9 @@ def run_main(args: argparse.Namespace) -> int:
     options = validate_args(args)
     configure(timeout_s=args.timeout)  # the model file's import, build_model and example_inputs too
     plan = load_plan(args.plan)
+    if plan.parallel.ep > 1 and args.checkpoint_dir is not None:  # issue 15: DCP would take ep-sharded experts for replicas
+        raise AutoparError("checkpoints of expert-parallel plans (ep > 1) are not supported yet; "
+                           "run without --checkpoint-dir or plan with ep = 1")
     model = _model_path(args, Path(args.plan), plan.model.file)
     mf = load_model_file(model)
     if not _under_torchrun():

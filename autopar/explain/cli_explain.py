@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png",
                    help="also draw memory per stage (stacked bars) and the step-time breakdown "
                         "(needs matplotlib: pip install 'autopar[plot]')")
+    p.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                   help="mixture of experts: price the plan at this routing imbalance (busiest ep rank's tokens "
+                        "over the mean; default 1.0)")
     p.add_argument("--no-cache", action="store_true",
                    help="trace the model file again instead of reading its graph from the cache (~/.cache/autopar)")
 
@@ -32,6 +35,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.groups < 1:
         raise AutoparError(f"--groups must be >= 1, got {args.groups}")
+    if not 1.0 <= args.moe_imbalance <= 64.0:  # issue 15
+        raise AutoparError(f"--moe-imbalance must be in [1, 64] (1 = balanced routing), got {args.moe_imbalance}")
     if args.plot:
         from autopar.explain.plot import require_matplotlib
 
@@ -49,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     if plan.cluster.gpus_per_node != cluster.gpus_per_node:
         print(f"autopar: warning: plan has {plan.cluster.gpus_per_node} GPUs per node, profile {cluster.name} has "
               f"{cluster.gpus_per_node}; links are costed with the profile's", file=sys.stderr)
-    ex = explain_plan(plan, graph, cluster)
+    ex = explain_plan(plan, graph, cluster, args.moe_imbalance)
     print(format_explanation(ex, max_groups=args.groups))
     if args.plot:
         from autopar.explain.plot import plot_explanation

@@ -19,7 +19,7 @@ from autopar.cost.zero import describe as describe_zero
 from autopar.explain.mesh import AxisSummary, format_group, mesh_summary
 from autopar.explain.trace import chunk_times
 from autopar.explain.volume import StageVolume, communication_volume
-from autopar.graph.model_graph import ModelGraph
+from autopar.graph.model_graph import ModelGraph, MoEFacts
 from autopar.plan import Plan
 from autopar.report import gib, param_count, plan_summary, seconds, table
 
@@ -40,19 +40,29 @@ class Explanation:
     terms: StageTerms
     mesh: tuple[AxisSummary, ...]
     volume: tuple[StageVolume, ...]
+    # issue 15: the blocks' experts (None: dense) and the plan priced at several imbalance factors
+    moe: MoEFacts | None = None
+    imbalance: float = 1.0
+    imbalance_effect: tuple[tuple[float, Estimate], ...] = ()
 
     def axis(self, name: str) -> AxisSummary:
         return next(a for a in self.mesh if a.axis == name)
 
 
-def explain_plan(plan: Plan, graph: ModelGraph, cluster: Cluster) -> Explanation:
+def explain_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, moe_imbalance: float = 1.0) -> Explanation:
     """Gather the explanation of ``plan`` for ``graph`` on ``cluster`` (raises PlanError if the
-    plan does not fit the model, like ``estimate``)."""
-    est = estimate_plan(plan, graph, cluster)
-    terms = build_terms(graph, cluster, config_from_plan(plan))
+    plan does not fit the model, like ``estimate``). ``moe_imbalance``: the expert-parallel
+    imbalance factor the plan is priced at (autopar.cost.expert)."""
+    est = estimate_plan(plan, graph, cluster, moe_imbalance)
+    terms = build_terms(graph, cluster, config_from_plan(plan, moe_imbalance))
+    effect: tuple[tuple[float, Estimate], ...] = ()
+    if graph.moe is not None and plan.parallel.ep > 1:  # issue 15: what routing imbalance would cost
+        factors = sorted({1.0, 1.1, 1.25, 1.5, float(moe_imbalance)})
+        effect = tuple((f, est if f == moe_imbalance else estimate_plan(plan, graph, cluster, f)) for f in factors)
     return Explanation(plan=plan, model_name=graph.name, num_params=graph.num_params, cluster=cluster,
                        estimate=est, terms=terms, mesh=mesh_summary(plan, cluster),
-                       volume=communication_volume(plan, graph, cluster, terms))
+                       volume=communication_volume(plan, graph, cluster, terms), moe=graph.moe,
+                       imbalance=float(moe_imbalance), imbalance_effect=effect)
 
 
 def format_explanation(ex: Explanation, *, max_groups: int = 4) -> str:
@@ -82,6 +92,7 @@ def format_explanation(ex: Explanation, *, max_groups: int = 4) -> str:
         "",
     ]
     out += _comm_section(ex)
+    out += _moe_section(ex)  # issue 15
     out += ["", "== time per step ==", _time_table(est)]
     return "\n".join(out)
 
@@ -188,13 +199,45 @@ def _comm_section(ex: Explanation) -> list[str]:
     lines.append(table(["what", "collective", "axis", "link", "group", "calls", "message", "sent/step",
                         "time alone"], rows, align="lllllrrrr"))
     lines += ["", "sent per GPU per step, by stage and axis:"]
-    axes = [a for a in ("tp", "cp", "dp_cp", "pp") if any(a in v.by_axis() for v in ex.volume)]
+    axes = [a for a in ("tp", "cp", "dp_cp", "pp", "ep", "edp") if any(a in v.by_axis() for v in ex.volume)]
     links = {a.axis: a.link for a in ex.mesh}
+    links.update({i.axis: i.link for v in ex.volume for i in v.items if i.axis not in links})  # ep, edp (issue 15)
     shown = [None if r < 0 else ex.volume[r] for r in elided(len(ex.volume), keep=(busiest.rank,))]
     rows = [("...", *("" for _ in axes), "") if v is None else
             (v.rank, *(_human_bytes(v.by_axis().get(a, 0.0)) for a in axes), _human_bytes(v.sent_bytes_per_step))
             for v in shown]
     lines.append(table(["stage", *(f"{a} ({links[a]})" for a in axes), "total"], rows))
+    return lines
+
+
+def _moe_section(ex: Explanation) -> list[str]:
+    """Issue 15: the experts' layout, the all-to-all volume per step and the imbalance factor's effect."""
+    moe, par = ex.moe, ex.plan.parallel
+    if moe is None:
+        return []
+    lines = ["", f"== experts: {moe.num_experts} per block, top-{moe.top_k}, ep {par.ep} =="]
+    if par.ep == 1 or ex.estimate.moe is None:
+        return lines + [f"every rank holds all {moe.num_experts} experts of its blocks (no all-to-all); "
+                        "routing imbalance costs nothing at ep 1"]
+    m = ex.estimate.moe
+    edp = par.dp * par.cp // par.ep
+    lines += [
+        f"{moe.num_experts // par.ep} of {moe.num_experts} experts per rank "
+        f"({param_count(m['expert_params_per_rank'])} expert parameters), the same on the {edp} rank(s) "
+        "of its edp group (dp x cp / ep), which reduce their gradients and shard their ZeRO states",
+        f"all-to-all over the ep group of {par.ep} ({m['a2a_link']}): "
+        f"{_human_bytes(m['a2a_bytes_per_step'])} sent per GPU per step (dispatch + combine in forward and backward"
+        + (", and again in the full recompute), " if par.recompute == "full" else "), ")
+        + f"{seconds(m['a2a_s_per_step'])} exposed",
+        "",
+        f"routing imbalance (the busiest ep rank's tokens over the mean; this plan priced at {ex.imbalance:g}):",
+    ]
+    base = ex.imbalance_effect[0][1].step_time_s if ex.imbalance_effect else ex.estimate.step_time_s
+    rows = [(f"{f:g}" + (" *" if f == ex.imbalance else ""), seconds(e.step_time_s),
+             f"{(e.step_time_s / base - 1) * 100:+.1f} %", _human_bytes(e.moe["a2a_bytes_per_step"]) if e.moe else "-",
+             f"{e.tokens_per_s:,.0f}")
+            for f, e in ex.imbalance_effect]
+    lines.append(table(["imbalance", "step s", "vs balanced", "all-to-all/step", "tokens/s"], rows, align="lrrrr"))
     return lines
 
 

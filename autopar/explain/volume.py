@@ -115,6 +115,12 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
     terms = terms or build_terms(graph, cluster, cfg)
     layout = Layout.of(cfg)
     links = {axis: axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp", "pp")}
+    expert = terms.expert  # issue 15: experts over the ep group, their gradients over edp
+    if expert is not None:
+        from autopar.cost.comm import group_link
+
+        links["ep"] = group_link(cluster, cfg.ep, cfg.tp)
+        links["edp"] = group_link(cluster, cfg.dp * cfg.cp // cfg.ep, cfg.tp * cfg.ep)
     s_ratio = (cfg.seq_len / cfg.cp) / graph.seq_len if graph.is_sequence_model else 1.0
     kv_ratio = cfg.seq_len / graph.seq_len if graph.is_sequence_model else 1.0
     shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=kv_ratio, t=cfg.tp)  # TP messages: no SP division
@@ -139,6 +145,13 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
 
         _tp_items(add, graph, cfg, shape, blocks * m, x, terms, 0 in local, last in local, m)
         _cp_items(add, graph, cfg, blocks * m, x)
+        if expert is not None:  # issue 15: dense parameters over dp x cp, experts over edp, tokens over ep
+            params -= blocks * (expert.block_params - expert.dense_params)
+            _dp_items(add, cfg, blocks * expert.expert_params * cfg.dtype_bytes, m, axis="edp", label="experts: ")
+            a2a_calls = blocks * m * 2 * (2 if cfg.recompute == "full" else 1)
+            add("EP dispatch + combine (forward" + (", and again in recompute)" if cfg.recompute == "full" else ")"),
+                "all_to_all", "ep", a2a_calls, expert.a2a_bytes)
+            add("EP dispatch + combine (backward)", "all_to_all", "ep", blocks * m * 2, expert.a2a_bytes)
         _dp_items(add, cfg, params * cfg.dtype_bytes, m)
         if cfg.pp > 1:
             sends = m * (sum(c < last for c in local) + sum(c > 0 for c in local))
@@ -200,16 +213,16 @@ def _cp_items(add, graph: ModelGraph, cfg, block_calls: float, x: float) -> None
         add("CP Ulysses K,V all-to-all (backward)", "all_to_all", "cp", block_calls * 2, kv / 2)
 
 
-def _dp_items(add, cfg, state_bytes: float, m: int) -> None:  # noqa: ANN001
+def _dp_items(add, cfg, state_bytes: float, m: int, axis: str = "dp_cp", label: str = "") -> None:  # noqa: ANN001
     if cfg.zero == 0:
-        add("DP gradient all-reduce (bucketed)", "all_reduce", "dp_cp", 1, state_bytes)
+        add(label + "DP gradient all-reduce (bucketed)", "all_reduce", axis, 1, state_bytes)
     elif cfg.zero == 1:
-        add("ZeRO-1 gradient reduce-scatter", "reduce_scatter", "dp_cp", 1, state_bytes)
-        add("ZeRO-1 parameter all-gather", "all_gather", "dp_cp", 1, state_bytes)
+        add(label + "ZeRO-1 gradient reduce-scatter", "reduce_scatter", axis, 1, state_bytes)
+        add(label + "ZeRO-1 parameter all-gather", "all_gather", axis, 1, state_bytes)
     elif cfg.zero == 2:
-        add("ZeRO-2 gradient reduce-scatter (every micro-batch)", "reduce_scatter", "dp_cp", m, state_bytes)
-        add("ZeRO-2 parameter all-gather (every micro-batch)", "all_gather", "dp_cp", m, state_bytes)
+        add(label + "ZeRO-2 gradient reduce-scatter (every micro-batch)", "reduce_scatter", axis, m, state_bytes)
+        add(label + "ZeRO-2 parameter all-gather (every micro-batch)", "all_gather", axis, m, state_bytes)
     else:
-        add("ZeRO-3 parameter all-gather (forward)", "all_gather", "dp_cp", m, state_bytes)
-        add("ZeRO-3 parameter all-gather (backward)", "all_gather", "dp_cp", m, state_bytes)
-        add("ZeRO-3 gradient reduce-scatter", "reduce_scatter", "dp_cp", m, state_bytes)
+        add(label + "ZeRO-3 parameter all-gather (forward)", "all_gather", axis, m, state_bytes)
+        add(label + "ZeRO-3 parameter all-gather (backward)", "all_gather", axis, m, state_bytes)
+        add(label + "ZeRO-3 gradient reduce-scatter", "reduce_scatter", axis, m, state_bytes)

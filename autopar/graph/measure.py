@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.errors import ModelFileError
 from autopar.graph.build import one_block_model, shard_for_tp, slice_sequence, trace_model
-from autopar.graph.model_graph import ModelGraph, RegionParams, _to_networkx
+from autopar.graph.model_graph import ModelGraph, MoEFacts, RegionParams, _to_networkx
 from autopar.graph.scaling import RegionFit, fit_region
 from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit
 from autopar.modelfile import ModelFile, load_model_file
@@ -125,8 +125,15 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         tp_source=spec.tp.describe(), tp_styles=dict(tp_plan or {}),
         regions=regions, params=params, tied_params=tied,
         block_input_bytes=base.block_input_bytes, graph=graph,
-        build_seconds=time.perf_counter() - start,
+        build_seconds=time.perf_counter() - start, moe=_moe_facts(spec.moe),  # issue 15
     )
+
+
+def _moe_facts(moe) -> MoEFacts | None:  # noqa: ANN001 - autopar.spec.moe.MoESpec | None
+    if moe is None:
+        return None
+    return MoEFacts(num_experts=moe.num_experts, top_k=moe.top_k, params_per_expert=moe.params_per_expert,
+                    experts_path=moe.experts_path)
 
 
 def _inputs(mf: ModelFile, micro_batch: int, dtype: torch.dtype) -> Any:

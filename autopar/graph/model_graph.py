@@ -57,6 +57,26 @@ class ChainUnit:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoEFacts:
+    """What the cost model needs of a block's mixture of experts (issue 15; a torch-free copy of
+    autopar.spec.moe.MoESpec's numbers, so a cached graph loads without torch)."""
+
+    num_experts: int
+    top_k: int
+    params_per_expert: int
+    experts_path: str
+
+    def __post_init__(self) -> None:
+        if not (self.num_experts >= 2 and 1 <= self.top_k <= self.num_experts and self.params_per_expert >= 1):
+            raise ValueError(f"not a mixture of experts: {self}")
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of all experts of one block."""
+        return self.num_experts * self.params_per_expert
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelGraph:
     """A model as the planner sees it. Frozen; build with ``build_graph``."""
 
@@ -86,6 +106,9 @@ class ModelGraph:
     # regions["block"] / params["block"] describe unit 0 only; the cost model reads the units
     # (cost/chain.py). Empty: the blocks repeat.
     chain: tuple[ChainUnit, ...] = ()
+    # issue 15: the blocks' mixture of experts (from autopar.spec.moe), None when dense; the cost
+    # model prices expert parallelism from it (autopar.cost.expert)
+    moe: MoEFacts | None = None
 
     def supports(self, dim: str) -> str | None:
         """None if the executor can run dimension ``dim`` on this model, else the reason."""

@@ -86,6 +86,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sp", type=on_off_list, metavar="on|off", help="Megatron sequence parallelism (with tp > 1)")
     g.add_argument("--virtual-stages", type=int_list, metavar="V",
                    help="virtual stages per pipeline rank (1: gpipe/1f1b; >1: interleaved; pipelined plans only)")
+    g.add_argument("--ep", type=int_list, metavar="E",
+                   help="expert-parallel degrees (mixture-of-experts models; ep divides the experts and dp x cp)")
+    p.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                   help="mixture of experts: the busiest expert-parallel rank's token load over the mean "
+                        "(default 1.0, balanced routing; 1.2 = 20%% more), pricing ep > 1")
     from autopar.usercode import add_timeout_argument
 
     add_timeout_argument(p)
@@ -94,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def constraints_of(args: argparse.Namespace) -> dict[str, tuple]:
     """The constraint flags the user gave, in flag order (keys of driver.CONSTRAINTS)."""
     names = ("dp", "tp", "pp", "cp", "zero", "recompute", "schedule", "micro_batch", "cp_kind", "sp",
-             "virtual_stages")
+             "virtual_stages", "ep")
     return {k: tuple(getattr(args, k)) for k in names if getattr(args, k, None) is not None}
 
 
@@ -105,6 +110,8 @@ def main(args: argparse.Namespace) -> int:
     from autopar.usercode import configure
 
     configure(timeout_s=args.timeout)
+    if not 1.0 <= args.moe_imbalance <= 64.0:  # issue 15
+        raise AutoparError(f"--moe-imbalance must be in [1, 64] (1 = balanced routing), got {args.moe_imbalance}")
     cluster = load_cluster_and_profile(args.cluster, args.profile, "a100-80g")
     profile_ref = args.cluster or (args.profile if args.profile else "a100-80g")
     cluster_ref = cluster.name if not Path(profile_ref).suffix else profile_ref
@@ -139,7 +146,7 @@ def main(args: argparse.Namespace) -> int:
             args.model, gpus=n, cluster=cluster, cluster_ref=cluster_ref, gpus_per_node=gpus_per_node,
             global_batch=batch, micro_batches=(1, 2, 4, 8), seq_len=seq, dtype=args.dtype,
             optimizer=args.optimizer, top_k=top, constraints=constraints, progress=progress,
-            use_cache=not args.no_cache,
+            use_cache=not args.no_cache, knobs={"moe_imbalance": args.moe_imbalance},  # issue 15
         )
 
     if not sweep:

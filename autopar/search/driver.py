@@ -28,6 +28,7 @@ CONSTRAINTS: dict[str, str] = {
     "dp": "dp_degrees", "tp": "tp_degrees", "pp": "pp_degrees", "cp": "cp_degrees", "zero": "zero_stages",
     "recompute": "recompute_modes", "schedule": "schedules", "micro_batch": "micro_batches",
     "cp_kind": "cp_kinds", "sp": "sequence_parallel", "virtual_stages": "virtual_stages",
+    "ep": "ep_degrees",  # issue 15
 }
 
 

@@ -35,7 +35,7 @@ def candidate_plan(cand: Candidate, mf: Any, cluster_name: str, gpus_per_node: i
         parallel=Parallel(dp=c.dp, tp=c.tp, pp=c.pp, cp=c.cp, cp_kind=c.cp_kind,
                           sequence_parallel=c.sequence_parallel, zero=c.zero, recompute=c.recompute,
                           pp_schedule=c.schedule, pp_virtual_stages=c.virtual_stages,
-                          stages=tuple(ranges) if c.pp > 1 else None),
+                          stages=tuple(ranges) if c.pp > 1 else None, ep=c.ep),  # ep: issue 15
     )
     prediction = estimate_json(cand.estimate)
     prediction.pop("stages", None)
@@ -65,7 +65,8 @@ def _schedule(c) -> str:  # noqa: ANN001
 
 # Table column of each constraint (plan --tp ...): its header is starred when the user fixed it.
 _COLUMN_OF = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "cp_kind": "cp kind", "sp": "sp", "zero": "zero",
-              "micro_batch": "mb", "schedule": "schedule", "virtual_stages": "schedule", "recompute": "recompute"}
+              "micro_batch": "mb", "schedule": "schedule", "virtual_stages": "schedule", "recompute": "recompute",
+              "ep": "ep"}
 
 
 def constraint_text(fixed: Mapping[str, tuple]) -> str:
@@ -101,9 +102,14 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
         lines.append(f"fixed    {constraint_text(fixed)} (by you; starred columns)")
     headers = ["#", "dp", "tp", "pp", "cp", "cp kind", "sp", "zero", "mb", "schedule", "blocks/rank", "recompute",
                "step s", "tokens/s", "MFU %", "peak GiB", "headroom"]
+    align = "rrrrrllrrlllrrrrr"
+    if graph.moe is not None:  # issue 15: an ep column for mixture-of-experts models (after cp)
+        headers.insert(5, "ep")
+        rows = [r[:5] + (cand.config.ep,) + r[5:] for r, cand in zip(rows, result.top)]
+        align = align[:5] + "r" + align[5:]
     lines += [
         "",
-        table([h + "*" if h in starred else h for h in headers], rows, align="rrrrrllrrlllrrrrr"),
+        table([h + "*" if h in starred else h for h in headers], rows, align=align),
         "",
     ]
     best = result.top[0]

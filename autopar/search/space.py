@@ -5,7 +5,8 @@ A configuration is legal when dp * tp * pp * cp = N, tp stays inside a node and 
 divides the heads), pp * v <= blocks, the global batch divides into dp * micro-batch, and the
 schedule's micro-batch rules hold (interleaved: M a multiple of pp; 1F1B/interleaved: M >= pp).
 The degree rules are autopar/layout.py's (the same ones the plan file, the estimate and the
-executor's preflight apply). Each illegal combination is counted under the reason it was rejected.
+executor's preflight apply). Expert parallelism (issue 15): ep divides the experts and dp * cp, and
+runs at tp = 1 and pp = 1. Each illegal combination is counted under the reason it was rejected.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class SearchSpace:
     cp_degrees: tuple[int, ...] | None = None
     sequence_parallel: tuple[bool, ...] = (False, True)
     virtual_stages: tuple[int, ...] | None = None
+    # issue 15 (expert parallelism): the ep degrees allowed (None = any legal one) and the busiest
+    # ep rank's expert load over the mean that prices them (autopar.cost.expert)
+    ep_degrees: tuple[int, ...] | None = None
+    moe_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         for key in ("num_gpus", "gpus_per_node", "global_batch", "seq_len"):
@@ -51,7 +56,9 @@ class SearchSpace:
                 raise ValueError(f"{key} must be >= 1")
         if not self.micro_batches or min(self.micro_batches) < 1:
             raise ValueError("micro_batches must be positive")
-        for key in ("dp_degrees", "tp_degrees", "pp_degrees", "cp_degrees", "virtual_stages"):
+        if not 1.0 <= self.moe_imbalance <= 64.0:
+            raise ValueError(f"moe_imbalance must be in [1, 64] (1 = balanced routing), got {self.moe_imbalance}")
+        for key in ("dp_degrees", "tp_degrees", "pp_degrees", "cp_degrees", "virtual_stages", "ep_degrees"):
             values = getattr(self, key)
             if values is not None and (not values or min(values) < 1):
                 raise ValueError(f"{key} must be positive integers")
@@ -88,10 +95,11 @@ class Branch:
     schedules: tuple[tuple[str, int], ...]
     zero_stages: tuple[int, ...]
     space: SearchSpace
+    ep: int = 1  # issue 15
 
     @property
     def block_key(self) -> tuple:
-        return (self.tp, self.cp, self.cp_kind, self.sequence_parallel, self.micro_batch, self.recompute)
+        return (self.tp, self.cp, self.cp_kind, self.sequence_parallel, self.micro_batch, self.recompute, self.ep)
 
     @property
     def num_configs(self) -> int:
@@ -107,6 +115,7 @@ class Branch:
             sequence_parallel=self.sequence_parallel, zero=zero, recompute=self.recompute, schedule=schedule,
             virtual_stages=virtual_stages, micro_batch=self.micro_batch, global_batch=self.space.global_batch,
             seq_len=self.space.seq_len, dtype_bytes=self.space.dtype_bytes, optimizer=self.space.optimizer,
+            ep=self.ep, moe_imbalance=self.space.moe_imbalance,
         )
         fields.update(changes)
         return Config(**fields)
@@ -170,18 +179,38 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
                     schedules = tuple(_schedules(space, pp, L, m, rejected))
                     if not schedules:
                         continue
+                    eps = _ep_degrees(graph, space, tp, pp, dp * cp, rejected)  # issue 15
                     for kind in kinds:
                         for sp in (space.sequence_parallel if tp > 1 and not graph.supports("sp") else (False,)):
                             for rc in recompute_modes:
-                                yield Branch(tp=tp, cp=cp, cp_kind=kind, sequence_parallel=sp, micro_batch=mb,
-                                             recompute=rc, pp=pp, dp=dp, schedules=schedules, zero_stages=zeros,
-                                             space=space)
+                                for ep in eps:
+                                    yield Branch(tp=tp, cp=cp, cp_kind=kind, sequence_parallel=sp, micro_batch=mb,
+                                                 recompute=rc, pp=pp, dp=dp, schedules=schedules, zero_stages=zeros,
+                                                 space=space, ep=ep)
 
 
 def enumerate_configs(graph: ModelGraph, space: SearchSpace, rejected: Counter) -> Iterator[Config]:
     """Yield every legal Config (the brute-force oracle walks exactly this space)."""
     for branch in enumerate_branches(graph, space, rejected):
         yield from branch.configs()
+
+
+def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: int, rejected: Counter) -> tuple[int, ...]:
+    """Issue 15: the legal ep degrees (ep divides the experts and dp x cp; the executor runs ep > 1
+    at tp = 1 and pp = 1: executor/expert_parallel.py). 1 is always legal (dense experts)."""
+    if graph.moe is None or graph.chain:  # dense, or a layer chain (priced without ep: cost/expert.py)
+        return (1,) if space.allows("ep_degrees", 1) else ()
+    out = []
+    for ep in divisors(graph.moe.num_experts):
+        if not space.allows("ep_degrees", ep):
+            rejected["constraint: ep"] += 1
+        elif ep > 1 and dp_cp % ep:
+            rejected["ep does not divide dp x cp"] += 1
+        elif ep > 1 and (tp > 1 or pp > 1):
+            rejected["ep > 1 runs at tp = 1 and pp = 1 only"] += 1
+        else:
+            out.append(ep)
+    return tuple(out)
 
 
 def _cp_kinds(graph: ModelGraph, space: SearchSpace, tp: int, cp: int, rejected: Counter) -> tuple[str, ...]:

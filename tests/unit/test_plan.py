@@ -170,7 +170,7 @@ BAD_PLANS = [
     ("empty-file", "", "mapping"),
     ("top-level-list", "- version: 1\n", "mapping"),
     ("unknown-top-key", _with(hints="fast please"), "'hints'"),
-    ("unknown-nested-key", _with(parallel__ep=2), "'parallel.ep'"),
+    ("unknown-nested-key", _with(parallel__etp=2), "'parallel.etp'"),  # (ep is a key since issue 15)
     ("unknown-nested-key-training", _with(training__lr=1e-4), "'training.lr'"),
     ("missing-top-key", _with(cluster=None), "'cluster'"),
     ("missing-nested-key", _with(training__seq_len=None), "'training.seq_len'"),

@@ -1,0 +1,161 @@
+"""The cost of expert parallelism (plan ``parallel.ep``, issue 15), as executor/expert_parallel.py runs it.
+
+FLOPs. The graph already counts each block's experts at the expected tokens per expert (tokens x
+top_k / E, balanced routing; autopar.spec.meta), so a block's FLOPs per token are the attention's
+plus top_k experts' plus the router's: the "top-k dense equivalent" (Mixtral-8x7B: two 14336-wide
+SwiGLU MLPs per token, not eight). ep does not change a rank's expert FLOPs under balanced routing:
+each rank runs E/ep experts on the tokens of ep ranks, tokens x top_k rows in all.
+
+Imbalance. Routing is never balanced; with ep > 1 the step waits for the rank whose experts got the
+most tokens. ``imbalance`` f >= 1 (``autopar plan --moe-imbalance F``; default 1.0, balanced) is
+the busiest rank's load over the mean: its expert GEMMs take f times the balanced time (the extra
+(f - 1) x expert share of the block's compute is added to forward and backward) and it receives f
+times the mean all-to-all volume. At ep = 1 every rank computes its own tokens' experts, so f
+costs nothing there.
+
+All-to-all. Per MoE block and micro-batch a rank sends its tokens x top_k rows of the block's width
+(``dispatch``) and receives as many back (``combine``); backward does both again. Each is an
+all-to-all over the ep group: ep ranks at stride tp in the ``[pp, dp, cp, tp]`` order (ep
+innermost of dp x cp), so on NVLink while tp x ep fits a node and on the network beyond.
+They are on the critical path (the experts wait for their tokens), so they are priced exposed.
+
+Memory and gradients. A rank holds E / ep experts of every block; their states shard over the
+dp x cp / ep ranks that share them (ZeRO), so their bytes per parameter are ``state_bytes_per_param``
+at that shard degree. The stage model has one parameter count per block, so the experts enter it as
+the dense-equivalent count that gives exactly their bytes (``ExpertCost.block_params``); where the
+gradient reduction of the expert parameters over their edp group is slower than the dense rate that
+count is charged (a smaller group spread over more nodes), the difference is added, exposed, to the
+block's backward (never less: an upper estimate). ZeRO-2/3's per-micro-batch gathers and
+reduce-scatters move the block's dense parameters over dp x cp and its E / ep experts over edp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from autopar.cost.comm import collective_time_s, group_link
+from autopar.cost.memory import state_bytes_per_param
+from autopar.cost.zero import gradient_bytes_per_param, per_microbatch_exposed, per_step_sync
+from autopar.errors import PlanError
+
+if TYPE_CHECKING:
+    from autopar.cluster import Cluster
+    from autopar.cost.stage import Config
+    from autopar.graph.model_graph import ModelGraph
+
+DEFAULT_IMBALANCE = 1.0
+DISPATCH_COMBINE_PER_PASS = 2  # dispatch + combine, in forward and again in backward
+
+
+def check_imbalance(imbalance: float) -> None:
+    if not (isinstance(imbalance, (int, float)) and 1.0 <= float(imbalance) <= 64.0):
+        raise PlanError(f"the MoE imbalance factor must be a number in [1, 64] (1 = balanced routing), got {imbalance!r}")
+
+
+def check_ep(graph: "ModelGraph", ep: int, dp_cp: int) -> str | None:
+    """Why ``ep`` is not legal for ``graph`` at dp x cp = ``dp_cp`` (None: it is)."""
+    if ep == 1:
+        return None
+    if graph.moe is None:
+        return f"ep = {ep} needs a mixture-of-experts model; {graph.name} has dense blocks"
+    if graph.chain:
+        return f"{graph.name} has no repeated block list (a layer chain): expert parallelism is priced per block"
+    if graph.moe.num_experts % ep:
+        return f"ep = {ep} does not divide the model's {graph.moe.num_experts} experts"
+    if dp_cp % ep:
+        return f"ep = {ep} does not divide dp x cp = {dp_cp}"
+    return None
+
+
+def expert_flops_per_token(graph: "ModelGraph") -> float:
+    """Forward FLOPs of one block's experts for one token: top_k experts' GEMMs (2 per weight)."""
+    moe = graph.moe
+    return 0.0 if moe is None else 2.0 * moe.top_k * moe.params_per_expert
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertCost:
+    """Expert-parallel terms of one block on one rank, per micro-batch (seconds, bytes)."""
+
+    ep: int
+    imbalance: float
+    link: str  # "nvlink" | "network": where the ep group's all-to-all runs
+    a2a_bytes: float  # what one rank sends in one all-to-all (dispatch or combine), busiest rank
+    a2a_fwd_s: float  # dispatch + combine in forward
+    a2a_bwd_s: float  # their two reverses in backward
+    imbalance_fwd_s: float  # the busiest rank's extra expert compute
+    imbalance_bwd_s: float
+    expert_params: float  # expert parameters of one block on this rank (E / ep experts)
+    dense_params: float  # the block's other parameters on this rank
+    block_params: float  # the dense-equivalent parameter count of the block (module docstring)
+    grad_sync_extra_s: float  # per block per micro-batch, exposed (module docstring)
+    state_split: dict[str, float]  # the experts' params / grads / optimizer bytes per parameter
+
+
+def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense_state_bytes: float,
+                dense_sync_s_per_param: float, tokens_bytes: float, block_fwd_s: float, block_bwd_s: float,
+                block_params: float) -> ExpertCost | None:
+    """The terms of ``cfg`` (``cfg.ep`` > 1 on an MoE graph; None otherwise). ``tokens_bytes``: one
+    rank's block input per micro-batch; ``block_*``: the block's balanced compute and parameters."""
+    ep, moe = cfg.ep, graph.moe
+    if ep == 1 or moe is None:
+        return None
+    f = cfg.moe_imbalance
+    link = group_link(cluster, ep, cfg.tp)
+    a2a_bytes = tokens_bytes * moe.top_k * f
+    # collective_time_s takes the full message: ep ranks' shares of what one rank sends
+    one = collective_time_s("all_to_all", a2a_bytes, link)
+    a2a_fwd = DISPATCH_COMBINE_PER_PASS * one
+    block_flops = sum(op.flops for op in graph.regions["block"].ops if op.phase == "fwd")
+    tokens = graph.seq_len  # the graph's block FLOPs are of one sample at seq_len tokens
+    share = min(1.0, expert_flops_per_token(graph) * tokens / block_flops) if block_flops else 0.0
+    experts = moe.expert_params / ep
+    dense = max(0.0, block_params - moe.expert_params)
+    edp = cfg.dp * cfg.cp // ep
+    state = state_bytes_per_param(zero=cfg.zero, shard_degree=edp, dtype_bytes=cfg.dtype_bytes, optimizer=cfg.optimizer)
+    uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1
+    state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
+    equivalent = dense + experts * state.total / dense_state_bytes
+    edp_link = group_link(cluster, edp, cfg.tp * ep)
+    edp_sync, _, _ = per_step_sync(cfg, edp_link, cluster)
+    extra = max(0.0, experts * edp_sync - (equivalent - dense) * dense_sync_s_per_param) / cfg.num_microbatches
+    return ExpertCost(
+        ep=ep, imbalance=f, link=link.link_name, a2a_bytes=a2a_bytes, a2a_fwd_s=a2a_fwd, a2a_bwd_s=a2a_fwd,
+        imbalance_fwd_s=(f - 1.0) * share * block_fwd_s, imbalance_bwd_s=(f - 1.0) * share * block_bwd_s,
+        expert_params=experts, dense_params=dense, block_params=equivalent, grad_sync_extra_s=extra,
+        state_split={"params": state.params, "grads": state.grads, "optimizer": state.optimizer},
+    )
+
+
+def zero_exposed_s(cfg: "Config", cluster: "Cluster", cost: ExpertCost, fwd_s: float, bwd_s: float,
+                   dpcp_link) -> float:  # noqa: ANN001
+    """ZeRO-2/3 per-micro-batch collectives of one block under ep: its dense parameters over the
+    dp x cp ranks, its E / ep experts over their dp x cp / ep edp ranks (both prefetched behind the
+    block's compute, as autopar.cost.zero prices them)."""
+    edp_link = group_link(cluster, cfg.dp * cfg.cp // cfg.ep, cfg.tp * cfg.ep)
+    frac = cluster.overlap_cost_fraction
+    return (per_microbatch_exposed(cfg, cost.dense_params, fwd_s, bwd_s, dpcp_link, frac)
+            + per_microbatch_exposed(cfg, cost.expert_params, fwd_s, bwd_s, edp_link, frac))
+
+
+def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, float | int | str]:
+    """The expert-parallel figures of a plan (``estimate --json``'s ``moe``; ``explain``): per step,
+    the bytes one rank sends to other ranks in all-to-alls (dispatch and combine per MoE block and
+    micro-batch in forward, backward, and again in a full recompute; at the busiest rank) and
+    their exposed time, and the time the imbalance factor adds over balanced routing (its extra
+    expert compute and all-to-all volume; 0 at imbalance 1)."""
+    mb_blocks = num_blocks * cfg.num_microbatches / cfg.pp  # one pipeline rank's blocks x micro-batches
+    passes = 2 + (1 if cfg.recompute == "full" else 0)  # forward, backward, recomputed forward
+    a2a_s = (cost.a2a_fwd_s * (passes - 1) + cost.a2a_bwd_s) * mb_blocks
+    balanced_a2a_s = a2a_s / cost.imbalance  # bandwidth-bound volume scales with the factor (upper estimate)
+    recompute = 1 if cfg.recompute == "full" else 0
+    extra = ((cost.imbalance_fwd_s * (1 + recompute) + cost.imbalance_bwd_s) * mb_blocks
+             + (a2a_s - balanced_a2a_s))
+    return {
+        "ep": cost.ep, "imbalance": cost.imbalance, "a2a_link": cost.link,
+        # over the wire: the (ep - 1) / ep of each message that leaves the GPU (explain's "sent")
+        "a2a_bytes_per_step": passes * DISPATCH_COMBINE_PER_PASS * cost.a2a_bytes * mb_blocks * (cost.ep - 1) / cost.ep,
+        "a2a_s_per_step": a2a_s, "imbalance_s_per_step": extra,
+        "expert_params_per_rank": cost.expert_params * num_blocks / cfg.pp,
+    }

@@ -1,0 +1,409 @@
+"""Expert parallelism (plan ``parallel.ep``, issue 15): the experts of every MoE block sharded over
+``ep`` ranks, tokens sent to their experts and back with an all-to-all of uneven splits.
+
+Layout (Megatron-Core's and torchtitan's): the ep ranks are drawn from the dp x cp ranks, ep
+innermost. Ranks are ``[pp, dp, cp, tp]``; flattening (dp, cp) to one index f, a rank's ep index is
+f mod ep and its expert-data-parallel (edp) index f div ep. Each ep group holds all E experts, E/ep
+per rank (rank i: experts i*E/ep .. (i+1)*E/ep - 1); the dp*cp/ep ranks with the same ep index hold
+the same experts and reduce their gradients together. Attention, norms and the router stay as the
+other degrees say (replicated over dp x cp).
+
+Gradient scale: every rank's loss is its share of the step (the dp x cp average the non-expert
+gradients get), and the all-to-all's backward brings each expert the gradients of the tokens of
+its whole ep group, so an expert's gradient is the *sum* over its edp ranks divided by dp*cp
+(FSDP2's ``set_gradient_divide_factor(dp*cp)`` at ZeRO >= 1; the optimizer's step pre-hook at ZeRO 0,
+where DDP is told to leave the expert parameters alone).
+
+Two kinds of experts (``autopar.spec.moe``):
+
+* stacked (Hugging Face 5 ``MixtralExperts``, ``Qwen2MoeExperts``: 3-D parameters, expert first,
+  ``forward(hidden_states, top_k_index, top_k_weights)``): the module keeps its own rows of the
+  stacks and its forward becomes dispatch -> the model's own expert code on the received rows (top-1
+  to a local expert, weight 1) -> combine; the routing weights are applied on the sending rank.
+* an ``nn.ModuleList`` of expert modules called by the MoE module's own routing code: that code is
+  opaque, so the MoE module runs twice per forward. The first run records which expert is called
+  on which rows (experts answer zeros); the recorded rows are dispatched at once, the local experts
+  run, the results come back, and the second run replays the same calls with the real outputs, so
+  the module's own weighting and scatter build the output (and its autograd graph). This needs a
+  deterministic router (no jitter in training) and experts mapping the width to itself; the router
+  and the glue run twice, the experts once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.errors import AutoparError
+
+_HF_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def check_expert_parallel(plan: Any, spec: Any, where: str) -> None:
+    """Preflight: the one-line reason ``plan``'s ep cannot run on the model of ``spec``, if any."""
+    par = plan.parallel
+    if par.ep == 1:
+        return
+    moe = spec.moe
+    if moe is None:
+        raise AutoparError(f"ep = {par.ep} needs a mixture-of-experts model but {where} has dense blocks; plan with ep = 1")
+    if moe.num_experts % par.ep:
+        raise AutoparError(f"ep = {par.ep} does not divide the {moe.num_experts} experts of {where}; "
+                           f"pick an ep that divides {moe.num_experts}")
+    if par.tp > 1:
+        raise AutoparError("expert parallelism with tp > 1 is not supported by the executor yet; plan with tp = 1 or ep = 1")
+    if par.pp > 1:  # tried with ZeRO-1 at pp2 x dp2 x ep2: the 1F1B run hung on gloo; not offered until found
+        raise AutoparError("expert parallelism with pp > 1 is not supported by the executor yet; plan with pp = 1 or ep = 1")
+    if moe.experts_kind == "stacked":
+        params = [p for p in inspect.signature(_experts_forward_of(spec, plan)).parameters][1:]
+        if tuple(params[:3]) != _HF_ARGS:
+            raise AutoparError(f"{where}: stacked experts whose forward is not (hidden_states, top_k_index, "
+                               f"top_k_weights) cannot be expert-parallel yet (found {tuple(params)}); plan with ep = 1")
+
+
+def _experts_forward_of(spec: Any, plan: Any) -> Callable:
+    from autopar.modelfile import load_model_file
+
+    model = load_model_file(plan.model.file).build("meta")
+    block = model.get_submodule(spec.blocks_path)[0]
+    return type(block.get_submodule(spec.moe.experts_path)).forward
+
+
+# ---------------------------------------------------------------- groups
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertGroups:
+    """The ep and edp groups of this rank, from a DeviceMesh ``[pp, edp, ep, tp]`` (the plan's
+    ``[pp, dp, cp, tp]`` with dp x cp refactored as edp x ep, ep innermost)."""
+
+    mesh: Any  # DeviceMesh with dims pp, edp, ep, tp
+    ep: int
+    num_experts: int
+    grad_divide: int  # dp * cp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.mesh["ep"].get_local_rank()
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.mesh["ep"].get_group()
+
+    @property
+    def edp_mesh(self) -> Any:
+        return self.mesh["edp"]
+
+    @property
+    def local_experts(self) -> range:
+        per = self.num_experts // self.ep
+        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+
+
+def expert_groups(plan: Any, spec: Any, device: torch.device) -> ExpertGroups:
+    """Collective: every rank must call it (DeviceMesh makes the groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    par = plan.parallel
+    edp = par.dp * par.cp // par.ep
+    mesh = init_device_mesh(device.type, (par.pp, edp, par.ep, par.tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
+    return ExpertGroups(mesh=mesh, ep=par.ep, num_experts=spec.moe.num_experts, grad_divide=par.dp * par.cp)
+
+
+# ---------------------------------------------------------------- dispatch and combine
+
+
+def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """All-to-all of uneven splits with autograd (its backward is the reverse all-to-all)."""
+    from torch.distributed import _functional_collectives as fc
+
+    return fc.wait_tensor(fc.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group))
+
+
+def exchange(rows: torch.Tensor, counts: torch.Tensor, groups: ExpertGroups,
+             compute: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
+    """Send ``rows`` (sorted by expert id; ``counts[e]`` rows for expert e, all E) to the ranks
+    owning their experts, run ``compute(rows grouped by local expert, rows per local expert)`` there,
+    and return the results in the order of ``rows``. Collective over the ep group."""
+    ep, per, group = groups.ep, groups.num_experts // groups.ep, groups.ep_group
+    send_counts = counts.to(torch.int64).reshape(ep, per)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)  # (source rank, local expert)
+    send_splits = send_counts.sum(1).tolist()
+    recv_splits = recv_counts.sum(1).tolist()
+    received = _a2a(rows, recv_splits, send_splits, group)
+    # received rows come by source rank, each source's by local expert: regroup by local expert
+    local_ids = torch.repeat_interleave(torch.arange(per, device=rows.device).repeat(ep),
+                                        recv_counts.flatten().to(rows.device))
+    order = torch.argsort(local_ids, stable=True)
+    out_grouped = compute(received[order], recv_counts.sum(0).tolist())
+    out = torch.empty_like(out_grouped).index_copy(0, order, out_grouped) if order.numel() else out_grouped
+    return _a2a(out, send_splits, recv_splits, group)
+
+
+def _touch(y: torch.Tensor, params: list[nn.Parameter]) -> torch.Tensor:
+    """``y`` plus a zero that depends on ``params``: every local expert parameter gets a gradient
+    (zeros where no token came), so the ranks sharing an expert reduce the same set of tensors."""
+    if not params:
+        return y
+    return y + sum(p.reshape(-1)[0] for p in params) * 0.0
+
+
+# ---------------------------------------------------------------- stacked experts (HF 5)
+
+
+def _stacked_forward(groups: ExpertGroups, original: Callable) -> Callable:
+    def forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = torch.arange(tokens, device=flat.device).repeat_interleave(k)[order]
+        counts = torch.bincount(flat, minlength=groups.num_experts)
+
+        def compute(rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+            ids = torch.repeat_interleave(torch.arange(len(per_expert), device=rows.device),
+                                          torch.tensor(per_expert, device=rows.device))[:, None]
+            y = original(self, rows, ids, torch.ones(ids.shape, dtype=rows.dtype, device=rows.device))
+            return _touch(y, list(self.parameters(recurse=False)))
+
+        y = exchange(hidden_states[token_of], counts, groups, compute)
+        y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, token_of, y.to(hidden_states.dtype))
+    return forward
+
+
+def _shard_stacked(experts: nn.Module, groups: ExpertGroups, prefix: str, rows: dict[str, torch.Tensor]) -> None:
+    """Keep this rank's rows of every stacked parameter (on meta: materialise copies them in)."""
+    local = groups.local_experts
+    for name, p in list(experts.named_parameters(recurse=False)):
+        setattr(experts, name, nn.Parameter(torch.empty((len(local),) + tuple(p.shape[1:]), dtype=p.dtype,
+                                                        device=p.device), requires_grad=p.requires_grad))
+        rows[f"{prefix}{name}"] = torch.arange(local.start, local.stop)
+    if hasattr(experts, "num_experts"):
+        experts.num_experts = len(local)  # the model's own expert loop runs over the local experts
+    cls = type(experts)
+    experts.__class__ = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _stacked_forward(groups, cls.forward)})
+
+
+# ---------------------------------------------------------------- a ModuleList of experts
+
+
+class _RemoteExpert(nn.Module):
+    """The place of an expert another ep rank holds (no parameters)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+
+class _Replay:
+    """Record / replay of one MoE module's expert calls (see the module docstring)."""
+
+    def __init__(self, moe: nn.Module, experts: nn.ModuleList, groups: ExpertGroups) -> None:
+        self.groups, self.experts, self.mode = groups, experts, ""
+        self.calls: list[tuple[int, torch.Tensor]] = []
+        self.results: deque[tuple[int, torch.Tensor]] = deque()
+        self.original = type(moe).forward.__get__(moe)
+
+    def slot(self, index: int) -> Callable:
+        def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if args or kwargs:
+                raise AutoparError("expert parallelism needs experts called with one tensor of rows")
+            if self.mode == "record":
+                self.calls.append((index, x))
+                return torch.zeros_like(x)
+            if self.mode == "replay":
+                if not self.results or self.results[0][0] != index or self.results[0][1].shape[0] != x.shape[0]:
+                    raise AutoparError("the MoE module called its experts differently on replay; expert "
+                                       "parallelism needs a deterministic router (no jitter in training)")
+                return self.results.popleft()[1]
+            raise AutoparError("an expert was called outside its MoE module; expert parallelism cannot follow that")
+        return call
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.mode, self.calls = "record", []
+        try:
+            self.original(*args, **kwargs)
+        finally:
+            self.mode = ""
+        order = sorted(range(len(self.calls)), key=lambda i: self.calls[i][0])  # stable: by expert
+        counts = torch.zeros(self.groups.num_experts, dtype=torch.int64)
+        for i in order:
+            counts[self.calls[i][0]] += self.calls[i][1].shape[0]
+        if order:
+            rows = torch.cat([self.calls[i][1] for i in order])
+        else:  # no expert called here: this rank still takes part in its ep group's exchange
+            x = next(a for a in args if isinstance(a, torch.Tensor))
+            rows = x.new_zeros((0, x.shape[-1]))
+        # through __call__ of the expert list: FSDP2's hooks gather its shard (ZeRO >= 1)
+        y = exchange(rows, counts.to(rows.device), self.groups, self.experts)
+        outs = dict(zip(order, torch.split(y, [self.calls[i][1].shape[0] for i in order])))
+        self.results = deque((self.calls[i][0], outs[i]) for i in range(len(self.calls)))
+        self.mode, self.calls = "replay", []
+        try:
+            result = self.original(*args, **kwargs)
+        finally:
+            self.mode = ""
+        if self.results:
+            self.results.clear()
+            raise AutoparError("the MoE module called fewer experts on replay; expert parallelism needs a "
+                               "deterministic router (no jitter in training)")
+        return result
+
+
+def _local_list_forward(self: nn.ModuleList, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+    """The local experts on their rows (grouped by local expert, ``per_expert`` rows each)."""
+    local = [m for m in self if not isinstance(m, _RemoteExpert)]
+    outs, unused = [], []
+    for m, chunk in zip(local, torch.split(rows, per_expert)):
+        if chunk.shape[0]:
+            outs.append(type(m).forward(m, chunk))
+        else:
+            unused.extend(m.parameters())
+    y = torch.cat(outs) if outs else rows.new_zeros((0, rows.shape[-1]))
+    return _touch(y, unused)
+
+
+class ExpertParallelList(nn.ModuleList):
+    """An experts ``nn.ModuleList`` under expert parallelism: the same entries (another rank's
+    experts are ``_RemoteExpert`` places), callable on rows grouped by local expert."""
+
+    forward = _local_list_forward
+
+
+def _shard_list(moe: nn.Module, experts: nn.ModuleList, groups: ExpertGroups) -> None:
+    local = groups.local_experts
+    for e in range(len(experts)):
+        if e not in local:
+            experts[e] = _RemoteExpert(e)
+    replay = _Replay(moe, experts, groups)
+    for e, m in enumerate(experts):
+        m.forward = replay.slot(e)  # the MoE module's own call of expert e goes to the record/replay
+    experts.__class__ = ExpertParallelList
+    moe.forward = replay.forward
+
+
+# ---------------------------------------------------------------- applying it
+
+
+@dataclass(kw_only=True)
+class ExpertParallel:
+    """What ``apply_expert_parallel`` did to one rank's part, for the later executor steps."""
+
+    groups: ExpertGroups
+    experts: list[nn.Module]  # every block's (sharded) experts module
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)  # stacked param name -> the full rows it holds
+    names: list[str] = field(default_factory=list)  # full-model names of the expert parameters
+    fsdp: bool = False  # True: FSDP2 reduces the expert gradients (ZeRO >= 1)
+
+    def expert_params(self) -> list[nn.Parameter]:
+        return [p for m in self.experts for p in m.parameters()]
+
+
+def apply_expert_parallel(parts: list[nn.Module], spec: Any, groups: ExpertGroups, prefix: str = "") -> ExpertParallel:
+    """Shard the experts of every block of ``parts`` (this rank's model, or its pipeline chunks
+    whose block lists sit under ``prefix``; on meta, before materialising) and route their tokens
+    over the ep group."""
+    state = ExpertParallel(groups=groups, experts=[])
+    for part in parts:
+        _apply_to_part(part, spec, state, prefix)
+    return state
+
+
+def _apply_to_part(part: nn.Module, spec: Any, state: ExpertParallel, prefix: str) -> None:
+    moe, groups = spec.moe, state.groups
+    blocks = part.get_submodule(prefix + spec.blocks_path)
+    owner_path = moe.experts_path.rpartition(".")[0]
+    for idx, block in blocks.named_children():
+        if not idx.isdigit():
+            continue  # a pipeline chunk's input/exit adapters (pipeline_parallel.build_chunk)
+        experts = block.get_submodule(moe.experts_path)
+        base = f"{spec.blocks_path}.{idx}.{moe.experts_path}."
+        if moe.experts_kind == "stacked":
+            _shard_stacked(experts, groups, base, state.rows)
+        else:
+            _shard_list(block.get_submodule(owner_path) if owner_path else block, experts, groups)
+        state.experts.append(experts)
+        state.names.extend(base + n for n, _ in experts.named_parameters())
+
+
+def wrap_experts(state: ExpertParallel, part: nn.Module, *, zero: int, dtype: str, dp_cp: int) -> None:
+    """Before the data-parallel wrap of ``part``: ZeRO >= 1 shards each experts module over its
+    edp ranks with FSDP2 (the outer ``fully_shard`` calls then leave them alone), gradients divided
+    by dp*cp; ZeRO 0 tells DDP to skip them (``install_grad_sync`` reduces them)."""
+    if zero >= 2 or (zero == 1 and dp_cp > 1):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from autopar.executor.data_parallel import DTYPES
+
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32) if dtype != "fp32" else MixedPrecisionPolicy()
+        for m in state.experts:
+            fully_shard(m, mesh=state.groups.edp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
+            m.set_gradient_divide_factor(float(state.groups.grad_divide))
+            edp_group = state.groups.edp_mesh.get_group()
+            if edp_group.size() > 1 and dist.get_backend(edp_group) == "gloo":
+                # gloo has no PREMUL_SUM: sum, then divide (a 1-rank group reduces nothing)
+                m.set_force_sum_reduction_for_comms(True)
+        state.fsdp = True
+        return
+    experts = {id(p) for p in state.expert_params()}
+    ignore = [n for n, p in part.named_parameters() if id(p) in experts]
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(part, ignore)
+
+
+def install_grad_sync(state: ExpertParallel, ddp: nn.Module) -> None:
+    """ZeRO 0: at the end of every backward in which DDP syncs (the last micro-batch of a step),
+    each expert gradient becomes the sum over its edp ranks divided by dp*cp -- DDP's own moment,
+    so whoever reads the gradients after backward (the training loop's ``on_grads``, the
+    optimizer) sees them final."""
+    if state.fsdp:
+        return
+    params, groups = state.expert_params(), state.groups
+    queued = [False]
+
+    def finish() -> None:
+        queued[0] = False
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if groups.grad_divide // groups.ep > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=groups.edp_mesh.get_group())
+            for p, g in zip(params, torch.split(flat, [p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p.grad))
+        for p in params:
+            p.grad.div_(groups.grad_divide)
+
+    def on_grad(_p: torch.Tensor) -> None:
+        if queued[0] or not getattr(ddp, "require_backward_grad_sync", True):
+            return  # inside DDP's no_sync (not the step's last micro-batch), or already queued
+        queued[0] = True
+        torch.autograd.Variable._execution_engine.queue_callback(finish)  # as DDP queues its own
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(on_grad)
+
+
+def gather_full(state: ExpertParallel, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``local`` (name -> full-over-edp CPU tensor, this rank's experts) completed with the other ep
+    ranks' experts: stacked rows concatenated in expert order, listed experts by name. Collective
+    over the ep group."""
+    mine = {n: t for n, t in local.items() if n in set(state.names)}
+    everyone: list[Any] = [None] * state.groups.ep
+    dist.all_gather_object(everyone, mine, group=state.groups.ep_group)
+    out = dict(local)
+    for name in mine:
+        if name in state.rows:
+            out[name] = torch.cat([d[name] for d in everyone])
+    for d in everyone:
+        for name, t in d.items():
+            if name not in state.rows:
+                out[name] = t
+    return out

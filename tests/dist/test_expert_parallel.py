@@ -1,0 +1,135 @@
+"""Issue 15: expert parallelism trains like one rank. HF Mixtral (stacked experts, the model's own
+expert loop on each rank's rows) and a plain-torch top-k MoE (an ``nn.ModuleList`` of experts under
+the model's own routing code) under ep2 (2 gloo ranks) and ep2 x dp2 (4 ranks), with the router's
+natural uneven routing (asserted), give the single-process losses (rel 1e-4 over 3 steps),
+step-1 gradients and final parameters; ZeRO-1 and ZeRO-3 shard the experts over their edp ranks;
+HF Mixtral also with ep drawn from the cp ranks (cp2 x ep2) and with one expert per rank under
+ZeRO-2 (ep4, 4 ranks).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from harness import LR, SEED, STEPS, ZOO, Case, spawn_cases
+
+pytestmark = pytest.mark.dist
+
+# name -> (model file, blocks, sequence length, needs transformers)
+FILES = {
+    "torch-moe": (ZOO / "torch_moe.py", 4, 32, False),
+    "hf-mixtral": (ZOO / "hf_mixtral.py", 4, 32, True),
+}
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoECase(Case):
+    """A harness Case whose model is one of FILES (picklable: spawned workers import this module)."""
+
+    def plan_dict(self) -> dict[str, Any]:
+        path, blocks, seq, _ = FILES[self.model]
+        par = {"dp": 1, "tp": 1, "pp": 1, **self.parallel}
+        n = par["dp"] * par["tp"] * par["pp"] * par.get("cp", 1)
+        return {
+            "version": 1,
+            "model": {"file": str(path), "num_blocks": blocks},
+            "cluster": {"profile": "a100-80g", "num_gpus": n, "gpus_per_node": 8},
+            "training": {"global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size,
+                         "seq_len": seq, "dtype": "fp32", "optimizer": "adamw"},
+            "parallel": par,
+        }
+
+
+def _models() -> list[str]:
+    return [m for m, (*_, hf) in FILES.items() if not hf or _has_transformers()]
+
+
+CASES_2 = [MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2}) for m in _models()] + [
+    MoECase(name=f"{m}-ep2-zero3", model=m, parallel={"dp": 2, "ep": 2, "zero": 3}) for m in _models()] + [
+    # ep drawn from the cp ranks: each holds half of every sequence (HF attention runs CP; the plain MoE has no core)
+    MoECase(name="hf-mixtral-cp2-ep2", model="hf-mixtral", parallel={"cp": 2, "ep": 2, "cp_kind": "allgather"})
+    for m in _models() if m == "hf-mixtral"]
+CASES_4 = [MoECase(name=f"{m}-ep2xdp2", model=m, parallel={"dp": 4, "ep": 2}) for m in _models()] + [
+    MoECase(name=f"{m}-ep2xdp2-zero1", model=m, parallel={"dp": 4, "ep": 2, "zero": 1}) for m in _models()] + [
+    # one expert per rank under ZeRO-2 (what the planner picks for Mixtral-8x7B at 64 A100s)
+    MoECase(name="hf-mixtral-ep4-zero2", model="hf-mixtral", parallel={"dp": 4, "ep": 4, "zero": 2})
+    for m in _models() if m == "hf-mixtral"]
+WORLD = {2: CASES_2, 4: CASES_4}
+ALL = [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4]
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int) -> dict:
+    return spawn_cases(world, WORLD[world])
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model: str):
+    from autopar.executor.train import run_reference
+    from autopar.modelfile import load_model_file
+
+    plan = MoECase(name="ref", model=model).plan()
+    mf = load_model_file(plan.model.file)
+    torch.set_num_threads(2)
+    grads: dict = {}
+
+    def grab(step, m):
+        if step == 0:
+            grads.update({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+
+    losses, model_ = run_reference(mf, plan, steps=STEPS, seed=SEED, lr=LR, on_grads=grab)
+    return losses, {n: p.detach().clone() for n, p in model_.named_parameters()}, grads
+
+
+def _routing_is_uneven(model: str) -> bool:
+    """The first block's router on the first step's batch sends different numbers of tokens to
+    the experts (so the all-to-all's splits are uneven)."""
+    from autopar.executor.train import global_batch
+    from autopar.modelfile import load_model_file
+    from autopar.spec import model_spec
+
+    plan = MoECase(name="ref", model=model).plan()
+    mf = load_model_file(plan.model.file)
+    torch.manual_seed(SEED)
+    m = mf.build("cpu")
+    spec = model_spec(mf)
+    block = m.get_submodule(spec.blocks_path)[0]
+    seen: list[torch.Tensor] = []
+    hook = block.get_submodule(spec.moe.router_name).register_forward_hook(lambda _m, _i, o: seen.append(o))
+    with torch.no_grad():
+        m(global_batch(mf, plan.training.global_batch_size, 0, SEED))
+    hook.remove()
+    out = seen[0][0] if isinstance(seen[0], tuple) else seen[0]
+    idx = out.topk(spec.moe.top_k, dim=-1).indices
+    counts = torch.bincount(idx.flatten(), minlength=spec.moe.num_experts)
+    return int(counts.max()) > int(counts.min())
+
+
+@pytest.mark.parametrize("world,case", ALL, ids=lambda x: x.name if isinstance(x, Case) else f"{x}ranks")
+def test_expert_parallel_trains_like_one_rank(world: int, case: MoECase) -> None:
+    assert _routing_is_uneven(case.model), "the test needs uneven routing"
+    got = _results(world)[case.name]
+    assert isinstance(got, dict), f"{case.name} failed:\n{got}"
+    ref_losses, ref_params, ref_grads = _reference(case.model)
+    assert len(got["losses"]) == STEPS
+    for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
+        assert a == pytest.approx(b, rel=1e-4), f"step {step}: loss {a} vs reference {b}"
+    assert set(got["params"]) == set(ref_params), "expert parameters missing from the gathered model"
+    for name, ref in ref_grads.items():
+        tol = 1e-4 * float(ref.abs().max()) + 1e-7
+        torch.testing.assert_close(got["grads"][name], ref, rtol=1e-3, atol=tol, msg=lambda m: f"grad {name}: {m}")
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(got["params"][name], ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
