@@ -116,6 +116,19 @@ class _Exit(nn.Module):
         raise _StageExit(args[0] if args else kwargs[self.first_param])
 
 
+class _ChunkBlocks(nn.ModuleList):
+    """A chunk's block list when the model keeps its blocks in an nn.ModuleList: the markers and the
+    chunk's blocks under their original keys. Iteration and ``len`` see every child (the model's
+    loop must run the markers), an integer index is the chunk's i-th *block*: code that reads one
+    block for its settings (``nn.TransformerEncoder`` reads ``self.layers[0]`` for its fast-path
+    checks) gets a block, not a marker or a missing key."""
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, int):
+            return [m for k, m in self._modules.items() if k.isdigit()][idx]
+        return super().__getitem__(idx)
+
+
 class _ZeroStub(nn.Module):
     """Stands in for a parameter-holding prologue module on later stages: real zeros of the
     recorded structure (the value is discarded: the received activation replaces it)."""
@@ -239,7 +252,7 @@ def build_chunk(
     is_first, is_last = index == 0, index == num_chunks - 1
     chunk = copy.deepcopy(model)
     old = chunk.get_submodule(spec.blocks_path)
-    blocks = nn.Sequential() if isinstance(old, nn.Sequential) else nn.ModuleList()
+    blocks = nn.Sequential() if isinstance(old, nn.Sequential) else _ChunkBlocks()
     inject = None
     if not is_first:
         inject = _Inject(probe.block_out)

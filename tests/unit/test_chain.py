@@ -215,3 +215,21 @@ def test_pareto_front_equals_the_quadratic_definition(seed: int) -> None:
     want = [x for k, x in enumerate(items) if not any(
         (y[0] <= x[0] and y[1] <= x[1] and y[2] <= x[2]) and (y[:3] != x[:3] or j < k) for j, y in enumerate(items) if j != k)]
     assert sorted(x[:3] for x in got) == sorted(x[:3] for x in want)
+
+
+def test_a_pipeline_chunks_block_list_indexes_its_own_blocks() -> None:
+    """nn.TransformerEncoder reads self.layers[0] (fast-path checks) on every stage: on a later
+    stage's chunk the integer index must give the chunk's first block, not a missing key '0' or a
+    marker, while iteration still runs the markers."""
+    from torch import nn
+
+    from autopar.executor.pipeline_parallel import _ChunkBlocks
+
+    blocks = _ChunkBlocks()
+    marker, b2, b3 = nn.Identity(), nn.Linear(2, 2), nn.Linear(2, 2)
+    blocks.add_module("inject", marker)
+    blocks.add_module("2", b2)
+    blocks.add_module("3", b3)
+    assert blocks[0] is b2 and blocks[-1] is b3
+    assert list(blocks) == [marker, b2, b3] and len(blocks) == 3
+    assert list(blocks[1:]) == [b2, b3]  # slices keep every child (HF: self.layers[:num_hidden_layers])
