@@ -58,7 +58,7 @@ from autopar.graph.build import (
 )
 from autopar.modelfile import ModelFile, call_model
 from autopar.profiler.memory import LiveBytes
-from autopar.profiler.tables import LayerPoint, LayerTable
+from autopar.profile_tables import LayerPoint, LayerTable
 from autopar.spec import find_core as _find_core  # the executor's own rule for the attention core
 from autopar.spec import model_spec
 

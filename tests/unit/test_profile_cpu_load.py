@@ -8,16 +8,16 @@ import time
 import pytest
 
 from autopar.cluster import cluster_from_dict
-from autopar.profiler import cli_profile
+from autopar.profiler import profile_file
 from autopar.profiler.load import start_load, stop_load
 
 
 def _spec(monkeypatch, cores: int, load_ranks: int, comm_ranks: int) -> dict:
-    monkeypatch.setattr(cli_profile.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(profile_file.os, "cpu_count", lambda: cores)
     info = {"name": "cpu-x", "type": "cpu", "threads": 1, "load_ranks": load_ranks}
     measured = {"comm": {"ranks": comm_ranks, "link": "intra_node", "collectives": {}}} if comm_ranks else {}
     data: dict = {}
-    cli_profile._derived_spec(data, "p", info, measured, None)
+    profile_file.derived_spec(data, "p", info, measured, None)
     return data
 
 
@@ -35,8 +35,8 @@ def test_overlap_is_free_only_with_an_idle_core(monkeypatch, cores, load_ranks, 
 def test_a_busy_profile_re_derived_on_a_quiet_setting_drops_the_override(monkeypatch) -> None:
     data = _spec(monkeypatch, 2, 4, 0)
     info = {"name": "cpu-x", "type": "cpu", "threads": 1, "load_ranks": 1}
-    monkeypatch.setattr(cli_profile.os, "cpu_count", lambda: 8)
-    cli_profile._derived_spec(data, "p", info, {}, None)
+    monkeypatch.setattr(profile_file.os, "cpu_count", lambda: 8)
+    profile_file.derived_spec(data, "p", info, {}, None)
     assert data["software"]["overlap_grad_reduce"] is True and "overlap_cost_fraction" not in data["efficiency"]
 
 
