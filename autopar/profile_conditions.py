@@ -13,12 +13,13 @@ prediction would be meaningless. The rules (docs/profiles.md, "Conditions"):
   dtype by default, so the error needs an explicit ``--dtype``.
 * **device type** differs (validate on cuda with a cpu profile): an **error**.
 * **concurrent ranks** (CPU profiles, where the ranks of one run share the cores): the run's ranks
-  on this machine R against the profile's R_p. Single-threaded ranks beyond the cores time-share
-  them, so each rank's compute takes max(1, R / cores) times as long -- the rule the profiler's
-  own clock uses under ``--load-ranks`` (autopar.profiler.layers). When R differs from R_p the
-  profile's compute is rescaled by max(1, R / cores) / max(1, R_p / cores) and its collectives by
-  the same rule against their own ranks, and a **warning** says so with the command that measures
-  R itself (the cache and memory-bandwidth contention below the cores is not rescaled).
+  on this machine R against the profile's R_p (``--load-ranks``, default one per core). The
+  profile's compute is rescaled by slowdown(R) / slowdown(R_p) and its collectives by
+  slowdown(R) / slowdown(R_comm): ``slowdown`` is the profile's measured contention curve (a
+  reference block timed beside 0, 1, 3, ... other ranks: autopar.profiler.contention), and beyond
+  it, or for a profile without one, the cores' share max(1, R / cores) -- single-threaded ranks
+  beyond the cores time-share them, the rule the profiler's own clock uses. R on the curve: priced
+  silently; off it (or no curve): a **warning** that says so and gives the command that measures R.
 * **threads per rank**, **device name**, **torch version** (validate: what it runs on now):
   **warnings**.
 * A CPU profile describes runs on one machine: the cluster's ``gpus_per_node`` is raised to R so
@@ -30,6 +31,7 @@ Pure Python (no torch): the planner imports it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +91,25 @@ def _share(ranks: int, cores: int) -> float:
     return max(1.0, ranks / cores)
 
 
+def slowdown(cond: MeasuredConditions, ranks: int) -> float:
+    """How long a rank's compute takes with ``ranks`` ranks on the profiled machine, in units that
+    only matter as ratios: the measured contention curve, log-log interpolated between its points
+    and beyond its last one times the core share (max(1, R / cores)); without a curve the core
+    share alone (1 without a record of the cores)."""
+    cores = cond.cores
+    curve = cond.contention
+    if not curve:
+        return _share(ranks, cores) if cores else 1.0
+    if ranks <= curve[0][0]:
+        return curve[0][1]
+    for (r0, t0), (r1, t1) in zip(curve, curve[1:]):
+        if r0 <= ranks <= r1:
+            w = math.log(ranks / r0) / math.log(r1 / r0)
+            return math.exp((1 - w) * math.log(t0) + w * math.log(t1))
+    r_last, t_last = curve[-1]
+    return t_last * (_share(ranks, cores) / _share(r_last, cores) if cores else 1.0)
+
+
 def _scaled_table(t: LayerTable, f: float) -> LayerTable:
     def pt(p: LayerPoint) -> LayerPoint:
         return dataclasses.replace(p, fwd_s=p.fwd_s * f, bwd_s=p.bwd_s * f,
@@ -133,14 +154,16 @@ def price_for_run(cluster: Cluster, run: RunConditions, *, profile_label: str, m
             changes["gpus_per_node"] = R
         cores = cond.cores
         if cond.measures_compute and cond.concurrent_ranks is not None and R != cond.concurrent_ranks:
-            f = _share(R, cores) / _share(cond.concurrent_ranks, cores) if cores else 1.0
-            what = (f"compute times scaled by {f:.2f} for the time-shared cores" if f != 1.0
-                    else "its times are used as measured")
-            warnings.append(
-                f"{profile_label} was measured with {cond.concurrent_ranks} rank(s) sharing "
-                f"{cores or 'its'} cores, the plan runs {R} on this machine: {what}; for measured figures "
-                f"re-profile: " + _reprofile(cond, profile_label, model_label, load_ranks=R))
-            if f != 1.0:
+            f = slowdown(cond, R) / slowdown(cond, cond.concurrent_ranks)
+            covered = bool(cond.contention) and cond.contention[0][0] <= R <= cond.contention[-1][0]
+            if not covered:  # measured on the curve: priced as measured, nothing to say
+                what = (f"compute times scaled by {f:.2f} (the cores' share)" if abs(f - 1.0) > 1e-9
+                        else "its times are used as measured")
+                warnings.append(
+                    f"{profile_label} was measured with {cond.concurrent_ranks} rank(s) sharing "
+                    f"{cores or 'its'} cores, the plan runs {R} on this machine: {what}; for measured figures "
+                    f"re-profile: " + _reprofile(cond, profile_label, model_label, load_ranks=R))
+            if abs(f - 1.0) > 1e-9:
                 m = cluster.measured
                 assert m is not None
                 if m.layers is not None:
@@ -149,8 +172,8 @@ def price_for_run(cluster: Cluster, run: RunConditions, *, profile_label: str, m
                                memory_bandwidth_bytes_per_s=cluster.memory_bandwidth_bytes_per_s / f,
                                kernel_overhead_s=cluster.kernel_overhead_s * f)
         if cond.comm_ranks and cores and R > 1 and R != cond.comm_ranks:
-            fc = _share(R, cores) / _share(cond.comm_ranks, cores)
-            if fc != 1.0:
+            fc = slowdown(cond, R) / slowdown(cond, cond.comm_ranks)
+            if abs(fc - 1.0) > 1e-9:
                 link = cluster.measured.comm_link if cluster.measured is not None else "intra_node"
                 changes[link] = _scaled_link(getattr(cluster, link), fc)
         if not cond.comm_ranks and R > 1:

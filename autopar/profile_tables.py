@@ -6,7 +6,8 @@ but the errors, so ``cluster`` -> ``profile_tables`` is one-way. The YAML lives 
 key of a cluster profile (docs/profiles.md); every part of it is optional:
 
     measured:
-      device: {name, type, threads, torch, date, host, [dtype, concurrent_ranks, load_ranks, cores]}
+      device: {name, type, threads, torch, date, host, [dtype, concurrent_ranks, load_ranks, cores,
+               contention: [[ranks, seconds], ...]]}
       model: {name, sha256, dtype, seq_len, edges_replicated}
       layers: {pre|block|post|loss: [{b, s, tp, [cp, cp_kind,] fwd_s, bwd_s, saved_bytes, peak_bytes,
                                       [core_fwd_s]}, ...]}
@@ -214,6 +215,8 @@ class MeasuredConditions:
     torch_version: str | None = None
     comm_ranks: int = 0
     measures_compute: bool = False  # layer tables or fitted kernel figures: times that depend on the above
+    # ((ranks, seconds), ...): a reference block's time beside ranks - 1 others (autopar.profiler.contention)
+    contention: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("threads_per_rank", "concurrent_ranks", "cores"):
@@ -245,7 +248,24 @@ def conditions_of(m: MeasuredProfile) -> MeasuredConditions:
         torch_version=None if d.get("torch") is None else str(d["torch"]),
         comm_ranks=m.comm_ranks if m.comm else 0,
         measures_compute=m.layers is not None or bool(m.fitted),
+        contention=_curve(d.get("contention"), "measured.device.contention"),
     )
+
+
+def _curve(value: Any, where: str) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ClusterError(f"{where} must be a list of [ranks, seconds]")
+    out = []
+    for row in value:
+        if not isinstance(row, (list, tuple)) or len(row) != 2:
+            raise ClusterError(f"{where} must be a list of [ranks, seconds], got {row!r}")
+        ranks, secs = _opt_int(row[0], where), parse_number(row[1], where)
+        if ranks is None or ranks < 1 or secs <= 0:
+            raise ClusterError(f"{where}: ranks must be >= 1 and seconds > 0, got {row!r}")
+        out.append((ranks, secs))
+    return tuple(sorted(out))
 
 
 FITTED_KEYS = ("peak_flops", "gemm_max", "gemm_half_dim", "memory_bandwidth_bytes_per_s", "memory_efficiency",

@@ -21,12 +21,12 @@ this call are replaced, everything else is kept. A new file also gets ``gpu``, `
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from autopar.cliargs import int_list
 from autopar.errors import AutoparError
+from autopar.profiler.load import usable_cores
 
 
 def _kind_list(text: str) -> tuple[str, ...]:
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-ranks", type=int, metavar="N",
                    help="measure as one of N ranks sharing this machine: N-1 helper processes train the same "
                         "block alongside, as the other ranks of a CPU run do (default on cpu: one rank per core, "
-                        f"here {os.cpu_count() or 1}; on cuda 1)")
+                        f"here {usable_cores()}; on cuda 1)")
     p.add_argument("--no-comm", action="store_true",
                    help="cpu: do not also measure the collectives on --load-ranks ranks (done by default)")
     p.add_argument("--comm", action="store_true", help="profile collectives on N ranks instead of layers")
@@ -89,7 +89,7 @@ def _layers_main(args: argparse.Namespace) -> int:
     from autopar.modelfile import load_model_file
     from autopar.profiler.kernels import profile_kernels
     from autopar.profiler.layers import LayerProfileConfig, profile_layers
-    from autopar.profiler.load import start_load, stop_load
+    from autopar.profiler.load import start_load, stop_load, wait_ready
     from autopar.profile_tables import layer_table_to_dict
     from autopar.profiler.profile_file import derived_spec, device_info, read_profile, write_profile
 
@@ -104,7 +104,7 @@ def _layers_main(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.warmup < 0:
         raise AutoparError("--repeats must be >= 1 and --warmup >= 0")
     # A CPU run puts its single-threaded ranks on these cores: measure as one of them (one per core)
-    load_ranks = args.load_ranks or ((os.cpu_count() or 1) if device.type == "cpu" else 1)
+    load_ranks = args.load_ranks or (usable_cores() if device.type == "cpu" else 1)
     if load_ranks < 1:
         raise AutoparError(f"--load-ranks must be >= 1, got {load_ranks}")
     mf = load_model_file(args.model)
@@ -121,16 +121,22 @@ def _layers_main(args: argparse.Namespace) -> int:
                              ranks_per_machine=load_ranks,
                              warmup=args.warmup, repeats=args.repeats)
     if load_ranks > 1 and device.type == "cpu":
-        log(f"timing as one of {load_ranks} ranks on {os.cpu_count() or 1} cores ({load_ranks - 1} helper(s) "
+        log(f"timing as one of {load_ranks} ranks on {usable_cores()} cores ({load_ranks - 1} helper(s) "
             "train the block alongside)")
     helpers = start_load(load_ranks - 1, device.type, args.model, max(args.micro_batch))
     try:
+        wait_ready(helpers)
         table = profile_layers(mf, device, cfg, log=log)
         kernels = None if args.no_kernels else profile_kernels(device, dtype)
     except ValueError as exc:
         raise AutoparError(str(exc)) from None
     finally:
         stop_load(helpers)
+    if device.type == "cpu":  # the ranks of other runs: how the compute scales with them
+        from autopar.profiler.contention import curve_ranks, measure_contention
+
+        info["contention"] = measure_contention(mf, max(args.micro_batch), curve_ranks(usable_cores(), load_ranks),
+                                                dtype=dtype, repeats=args.repeats, log=log)
     measured["device"] = info
     measured["model"], measured["layers"] = layer_table_to_dict(table)
     if kernels is not None:

@@ -41,6 +41,7 @@ from typing import Any
 
 from autopar.errors import AutoparError
 from autopar.launch.local import under_launcher
+from autopar.profiler.load import usable_cores
 
 DEFAULT_STEPS = 6
 _SAID = "AUTOPAR_VALIDATE_CONDITIONS_SAID"  # the launcher already printed the condition warnings
@@ -123,7 +124,7 @@ def _launch(args: argparse.Namespace, model: str, nproc: int, prediction: dict[s
             cmd += [f"--{flag}", str(getattr(args, flag))]
     guess = prediction["step_time_s"] * (args.steps + 1)  # + the untimed memory step on CPU
     _say(f"starting {nproc} ranks on this host; predicted {prediction['step_time_s']:.3g} s a step, "
-         f"~{guess:.0f} s for {args.steps} steps after start-up")
+         f"~{max(guess, 1.0):.0f} s for {args.steps} steps after start-up")
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), _SAID: "1"}
     return run_local(LocalJob(argv=tuple(cmd), nproc=nproc, env=env))
 
@@ -218,7 +219,7 @@ def machine_load(before: float | None, after: float | None, world: int, device_t
     """Whether other work shared the cores while this run measured: the 1-minute load average
     (before and after training) against the cores, less this run's own ranks (one busy core each
     on CPU). ``loaded`` is true when the rest exceeds a quarter of the cores (at least one)."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     own = world if device_type == "cpu" else 0
     seen = max((v for v in (before, after) if v is not None), default=None)
     other = None if seen is None else max(0.0, seen - own)

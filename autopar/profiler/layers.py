@@ -57,6 +57,7 @@ from autopar.graph.build import (
     first_tensor as _first_tensor, one_block_model, shard_for_tp, slice_sequence, vocab_size_of,
 )
 from autopar.modelfile import ModelFile, call_model
+from autopar.profiler.load import usable_cores
 from autopar.profiler.memory import LiveBytes
 from autopar.profile_tables import LayerPoint, LayerTable
 from autopar.spec import find_core as _find_core  # the executor's own rule for the attention core
@@ -204,9 +205,8 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
                    log: Callable[[str], None] | None = None) -> LayerTable:
     """Measure every region of ``mf`` at every (b, s, tp) of ``cfg`` as one tp rank runs it (see the
     module docstring)."""
-    import os
 
-    _CPU_SHARE[0] = max(1.0, cfg.ranks_per_machine / (os.cpu_count() or 1)) if device.type == "cpu" else 1.0
+    _CPU_SHARE[0] = max(1.0, cfg.ranks_per_machine / usable_cores()) if device.type == "cpu" else 1.0
     meta = mf.build("meta")
     spec = model_spec(mf, meta)
     blocks_attr, tp_plan = spec.blocks_path, dict(spec.tp_plan or {})

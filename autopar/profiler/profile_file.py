@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.profiler.load import usable_cores
 
 
 def device_name(device: Any) -> str:
@@ -42,7 +43,7 @@ def device_info(device: Any, threads: int, *, dtype: str | None = None, concurre
     info: dict[str, Any] = {"name": device_name(device), "type": device.type, "threads": threads,
                             "torch": str(torch.__version__),
                             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                            "host": platform.node(), "cores": os.cpu_count() or 1}
+                            "host": platform.node(), "cores": usable_cores()}
     if dtype is not None:
         info["dtype"] = dtype
     info["load_ranks"] = info["concurrent_ranks"] = concurrent_ranks
@@ -80,7 +81,7 @@ def derived_spec(data: dict[str, Any], name: str, info: dict[str, Any], measured
         link = {"bandwidth_bytes_per_s": ar["bandwidth_bytes_per_s"], "latency_s": ar["latency_s"]}
         ranks = gpus_per_node or measured.get("comm", {}).get("ranks", 1) or 1
         if info.get("type") == "cpu" and not gpus_per_node:
-            ranks = max(ranks, int(info.get("cores") or os.cpu_count() or 1))
+            ranks = max(ranks, int(info.get("cores") or usable_cores()))
         data["network"] = {"gpus_per_node": ranks,
                            "intra_node": dict(link), "inter_node": dict(link)}
     elif data["gpu"].get("name") == info.get("name"):  # a profile of this device: keep it in step with the fits
@@ -107,7 +108,7 @@ def _cpu_overlap(data: dict[str, Any], info: dict[str, Any], measured: dict[str,
     comm = measured.get("comm") or {}
     ranks = max(int(comm.get("ranks", 0)) if comm.get("link", "intra_node") == "intra_node" else 0,
                 int(info.get("load_ranks", 1)))
-    busy = ranks >= (os.cpu_count() or 1)
+    busy = ranks >= usable_cores()
     data.setdefault("software", {})["overlap_grad_reduce"] = not busy
     eff = data.setdefault("efficiency", {})
     if busy:

@@ -13,7 +13,7 @@ from autopar.profiler.load import start_load, stop_load
 
 
 def _spec(monkeypatch, cores: int, load_ranks: int, comm_ranks: int) -> dict:
-    monkeypatch.setattr(profile_file.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(profile_file, "usable_cores", lambda: cores)
     info = {"name": "cpu-x", "type": "cpu", "threads": 1, "load_ranks": load_ranks}
     measured = {"comm": {"ranks": comm_ranks, "link": "intra_node", "collectives": {}}} if comm_ranks else {}
     data: dict = {}
@@ -35,7 +35,7 @@ def test_overlap_is_free_only_with_an_idle_core(monkeypatch, cores, load_ranks, 
 def test_a_busy_profile_re_derived_on_a_quiet_setting_drops_the_override(monkeypatch) -> None:
     data = _spec(monkeypatch, 2, 4, 0)
     info = {"name": "cpu-x", "type": "cpu", "threads": 1, "load_ranks": 1}
-    monkeypatch.setattr(profile_file.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(profile_file, "usable_cores", lambda: 8)
     profile_file.derived_spec(data, "p", info, {}, None)
     assert data["software"]["overlap_grad_reduce"] is True and "overlap_cost_fraction" not in data["efficiency"]
 
