@@ -244,6 +244,8 @@ def _time_left(times: list[float], remaining: int) -> str:
     if remaining <= 0 or not times:
         return ""
     left = remaining * statistics.median(times[1:] or times)
+    if left < 1:
+        return "  <1 s left"
     return f"  ~{left:.0f} s left" if left < 120 else f"  ~{left / 60:.1f} min left"
 
 
