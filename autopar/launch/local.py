@@ -324,11 +324,13 @@ def under_launcher() -> bool:
 def join_process_group(backend: str, timeout: timedelta) -> None:
     """Rank side: ``init_process_group`` for a rank of ``run_local`` -- rank 0 serves the TCPStore
     on the socket the launcher bound to 127.0.0.1 (``AUTOPAR_STORE_FD``), the others connect to it;
-    a world of one without a launcher uses an in-process HashStore -- and the default env://
-    rendezvous under torchrun. Nothing of ours listens beyond loopback."""
+    a world of one without a launcher (or with ``AUTOPAR_LOCAL_WORLD=1``) uses an in-process
+    HashStore -- and the default env:// rendezvous under torchrun. Nothing of ours listens beyond
+    loopback."""
     import torch.distributed as dist
 
-    if os.environ.get("AUTOPAR_LOOPBACK_STORE") != "1" and under_launcher():
+    ours = os.environ.get("AUTOPAR_LOOPBACK_STORE") == "1" or os.environ.get("AUTOPAR_LOCAL_WORLD") == "1"
+    if not ours and under_launcher():
         dist.init_process_group(backend, timeout=timeout)
         return
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
