@@ -9,7 +9,7 @@ import pytest
 
 from autopar.cluster import cluster_from_dict
 from autopar.profiler import profile_file
-from autopar.profiler.load import start_load, stop_load
+from autopar.profiler.load import start_load, stop_load, wait_ready
 
 
 def _spec(monkeypatch, cores: int, load_ranks: int, comm_ranks: int) -> dict:
@@ -50,9 +50,13 @@ def test_load_helpers_keep_a_core_busy_until_stopped() -> None:
     procs = start_load(1, "cpu", "examples/gpt_small.py", 1)
     try:
         assert len(procs) == 1
-        time.sleep(6)
+        wait_ready(procs, timeout_s=120)  # its "ready" line: the loop has started
+        start = _cpu_seconds(procs[0].pid)
+        deadline = time.monotonic() + 60  # a shared machine may give it a small share of a core
+        while _cpu_seconds(procs[0].pid) < start + 1.0 and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert procs[0].poll() is None  # still running: the model loop does not exit on its own
-        assert _cpu_seconds(procs[0].pid) > 1.0
+        assert _cpu_seconds(procs[0].pid) >= start + 1.0  # and it keeps computing
     finally:
         stop_load(procs)
     assert procs[0].poll() is not None
