@@ -6,7 +6,7 @@
     print(autopar.explain(plan))                                           # the explain tables
     exe = autopar.apply_plan("examples/gpt.py", plan)                      # inside torchrun only
 
-``model`` is a model file (a path, or a loaded ``autopar.modelfile.ModelFile``) as DESIGN §4
+``model`` is a model file (a path, or a loaded ``autopar.modelfile.ModelFile``) as docs/design.md §3
 defines it: a plan records the file it was made for, and ``autopar run`` rebuilds the model from
 it on every rank, so an in-memory ``nn.Module`` cannot be planned or run (it is refused with a
 one-line error saying so). ``plan`` arguments may be a ``Plan`` or a path to a plan YAML.

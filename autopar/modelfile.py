@@ -1,4 +1,4 @@
-"""Load a user's model file (DESIGN §4, a CONTRACT) and build the model on the meta device.
+"""Load a user's model file (docs/design.md §3, a contract) and build the model on the meta device.
 
 A model file defines ``build_model()`` and ``example_inputs(micro_batch_size)``, optionally
 ``loss_fn(output, inputs)``, ``SEQ_LEN``, ``tp_plan`` and ``pipeline_blocks``. ``example_inputs``

@@ -1,4 +1,4 @@
-"""The plan file, version 1 (DESIGN §5, a CONTRACT): frozen dataclasses and strict YAML load/save.
+"""The plan file, version 1 (docs/design.md §3, a contract): frozen dataclasses and strict YAML load/save.
 
 Loading uses ``yaml.safe_load`` only, so no tag can construct Python objects. Every unknown key,
 missing required key, wrong type and impossible value is a ``PlanError`` that names the key.
@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import sys
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -19,6 +17,7 @@ from typing import Any, Mapping
 import yaml
 
 from autopar.errors import PlanError
+from autopar.layout import Layout, cp_seq_reason, tp_node_reason, world_size_reason
 
 PLAN_VERSION = 1
 CP_KINDS = ("ring", "allgather", "ulysses")
@@ -102,7 +101,7 @@ class Training:
 
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
-    """Parallel degrees and strategies. Ranks are laid out [pp, dp, cp, tp], tp innermost."""
+    """Parallel degrees and strategies. Ranks are laid out [pp, dp, cp, tp], tp innermost (``layout``)."""
 
     dp: int = 1
     tp: int = 1
@@ -147,13 +146,18 @@ class Parallel:
                 )
 
     @property
+    def layout(self) -> Layout:
+        """The rank layout of these degrees (autopar/layout.py)."""
+        return Layout.of(self)
+
+    @property
     def num_stage_chunks(self) -> int:
         """Number of model chunks: pp ranks times virtual stages per rank."""
         return self.pp * self.pp_virtual_stages
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.layout.world_size
 
 
 def _normalise_stages(stages: Any) -> tuple[tuple[int, int], ...]:
@@ -216,16 +220,9 @@ class Plan:
         if self.version != PLAN_VERSION:
             raise PlanError(f"version must be {PLAN_VERSION}, got {self.version!r}")
         par, n = self.parallel, self.cluster.num_gpus
-        if par.world_size != n:
-            raise PlanError(
-                f"dp x tp x pp x cp = {par.dp}x{par.tp}x{par.pp}x{par.cp} = {par.world_size} "
-                f"but cluster.num_gpus = {n}; the degrees must multiply to the number of GPUs"
-            )
-        if par.tp > self.cluster.gpus_per_node:
-            raise PlanError(
-                f"parallel.tp = {par.tp} exceeds cluster.gpus_per_node = {self.cluster.gpus_per_node}; "
-                "tensor parallelism must stay inside one node"
-            )
+        reason = world_size_reason(par.layout, n) or tp_node_reason(par.tp, self.cluster.gpus_per_node)
+        if reason:
+            raise PlanError(reason)
         gbs, mbs = self.training.global_batch_size, self.training.micro_batch_size
         if gbs % (mbs * par.dp):
             raise PlanError(
@@ -242,8 +239,9 @@ class Plan:
                 f"{par.pp_schedule} with pp = {par.pp} needs at least {par.pp} micro-batches per step, "
                 f"got {m}; raise the global batch or lower micro_batch_size"
             )
-        if self.training.seq_len % par.cp:
-            raise PlanError(f"training.seq_len = {self.training.seq_len} is not divisible by cp = {par.cp}")
+        reason = cp_seq_reason(par.cp, self.training.seq_len)
+        if reason:
+            raise PlanError(reason)
         if par.num_stage_chunks > self.model.num_blocks:
             raise PlanError(
                 f"pp x pp_virtual_stages = {par.num_stage_chunks} exceeds the model's "
@@ -413,23 +411,3 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     from autopar.outputs import write_text_atomic as write
 
     return write(path, text)
-
-
-# ``autopar.plan`` names two things: this module (``from autopar.plan import Plan, load_plan``
-# everywhere) and the notebook API ``autopar.plan(model, gpus=...) -> Plan`` (autopar/api.py).
-# Importing a submodule always sets the package attribute to the module, so a function of that
-# name defined in autopar/__init__ would be silently replaced by this module whenever anything
-# imports it. Renaming the module would break every import and the plan-file contract's home.
-# Instead the module object itself is callable: its class becomes a ModuleType subclass (allowed
-# since Python 3.5) whose ``__call__`` delegates to ``autopar.api.plan``. Attribute access,
-# ``import autopar.plan``, pickling of Plan objects and ``from autopar.plan import ...`` are unchanged.
-class _CallableModule(types.ModuleType):
-    """The ``autopar.plan`` module, callable as ``autopar.api.plan`` (see the comment above)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Plan:
-        from autopar.api import plan as search_plan
-
-        return search_plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

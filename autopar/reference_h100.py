@@ -78,7 +78,7 @@ class NemotronConfig(llama.LlamaConfig):
 
 
 def nemotron_model_file(cfg: NemotronConfig) -> str:
-    """A model file (DESIGN §4) for a Nemotron-4 architecture."""
+    """A model file (docs/design.md §3) for a Nemotron-4 architecture."""
     base = llama.LlamaConfig(**{f: getattr(cfg, f) for f in llama.LlamaConfig.__dataclass_fields__})
     return f'''"""Nemotron-4 (LayerNorm, squared-ReLU MLP, GQA, RoPE): {cfg!r}"""
 import torch.nn.functional as F

@@ -22,16 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autopar.cluster import load_cluster  # noqa: E402
-from autopar.cost.estimate import estimate_plan  # noqa: E402
-from autopar.cost.memory import state_bytes_per_param  # noqa: E402
-from autopar.cost.stage import Config, build_terms  # noqa: E402
-from autopar.models.gpt import GPTConfig  # noqa: E402
-from autopar.reference_h100 import public_runs, public_plan, run_graph, software_cluster  # noqa: E402
-from autopar.reference import (  # noqa: E402
-    KORTHIKANTI_22B, TABLE4_MODES, gpt_graph, load_calibration, megatron_plan, megatron_rows,
-)
-from autopar.report import table  # noqa: E402
+from autopar.cluster import load_cluster
+from autopar.cost.estimate import estimate_plan
+from autopar.cost.memory import state_bytes_per_param
+from autopar.cost.stage import Config, build_terms
+from autopar.models.gpt import GPTConfig
+from autopar.reference import KORTHIKANTI_22B, TABLE4_MODES, gpt_graph, load_calibration, megatron_plan, megatron_rows
+from autopar.reference_h100 import public_plan, public_runs, run_graph, software_cluster
+from autopar.report import table
 
 FAILURES: list[str] = []
 

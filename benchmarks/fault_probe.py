@@ -5,7 +5,8 @@
 Every probe runs ``autopar run PLAN --nproc-per-node N`` as a user would (the tiny GPT of the
 distributed tests, gloo on CPU) and records the exit code, the number of ``autopar: error:`` lines,
 whether a traceback was printed, and the seconds from the fault (the test hook's line, or the
-signal) to the exit; for the checkpoint probes, the seconds of the whole resumed run. The contract: a killed rank exits 4 with one line within 10 s, a stopped rank
+signal) to the exit; for the checkpoint probes, the seconds of the whole resumed run. The contract:
+a killed rank exits 4 with one line within 10 s, a stopped rank
 under ``--timeout 10`` within 20 s; a damaged checkpoint falls back with one warning; a crafted
 one never runs code; SIGTERM stops every rank; no socket listens beyond loopback.
 Timings are only meaningful on an otherwise idle machine.

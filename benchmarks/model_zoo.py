@@ -29,9 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from zoo_lib import RUNS, SUPPORT_KEYS, ZOO_DIR, Cell, ModelResult, evaluate, zoo_models  # noqa: E402
-
-
+from zoo_lib import RUNS, SUPPORT_KEYS, ZOO_DIR, Cell, ModelResult, evaluate, zoo_models
 
 PLAN_GOAL_S = 60.0  # issue 11: planning any zoo model ends in under 60 s (the cell's time limit is 90 s)
 
@@ -67,7 +65,8 @@ def format_table(results: list[ModelResult], dims: list[str]) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in rows]
-    lines += ["", f"columns: plan64 = autopar plan of the full size at 64 GPUs (s; '!' = over the {PLAN_GOAL_S:.0f} s goal); tp? .. zero3? = offered by "
+    lines += ["", f"columns: plan64 = autopar plan of the full size at 64 GPUs (s; '!' = over the {PLAN_GOAL_S:.0f} s goal); "
+              "tp? .. zero3? = offered by "
               "autopar; dp2 .. zero3 = 2 CPU ranks vs 1 rank, 3 steps, losses within 1e-4; n/a* = not offered "
               "although issue 11 expects it (zoo_lib.expected_offers)", ""]
     lines += notes

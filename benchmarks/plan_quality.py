@@ -21,14 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autopar.cluster import load_cluster  # noqa: E402
-from autopar.cost.estimate import estimate_plan  # noqa: E402
-from autopar.cost.estimate import config_from_plan  # noqa: E402
-from autopar.reference import gpt_graph, megatron_plan, megatron_rows  # noqa: E402
-from autopar.reference_h100 import public_plan, public_runs, run_graph, software_cluster  # noqa: E402
-from autopar.report import table  # noqa: E402
-from autopar.search.search import search  # noqa: E402
-from autopar.search.space import SearchSpace  # noqa: E402
+from autopar.cluster import load_cluster
+from autopar.cost.estimate import config_from_plan, estimate_plan
+from autopar.reference import gpt_graph, megatron_plan, megatron_rows
+from autopar.reference_h100 import public_plan, public_runs, run_graph, software_cluster
+from autopar.report import table
+from autopar.search.search import search
+from autopar.search.space import SearchSpace
 
 
 def _describe(c) -> str:  # noqa: ANN001

@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from autopar.cluster import Cluster
-from autopar.cost.comm import Mesh, collective_time_s
+from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time
 from autopar.cost.stage import Config, Part, StageTerms, build_terms
-from autopar.cost.zero import per_microbatch_exposed
 from autopar.cost.step import Estimate, RankCost
+from autopar.cost.zero import per_microbatch_exposed
 from autopar.graph.model_graph import ModelGraph
 from autopar.graph.scaling import Shape
+from autopar.layout import Layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +65,8 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
     base = build_terms(graph, cluster, cfg)
     s_ratio = cfg.seq_len / graph.seq_len if graph.is_sequence_model else 1.0
     shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=s_ratio, t=1, sp=1.0)
-    mesh = Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
-    pp_link, dpcp_link = mesh.link(cluster, "pp"), mesh.link(cluster, "dp_cp")
+    layout = Layout.of(cfg)
+    pp_link, dpcp_link = axis_link(cluster, layout, "pp"), axis_link(cluster, layout, "dp_cp")
     parts, cuts, transient = [], [], []
     for i, unit in enumerate(graph.chain):
         rt = graph_region_time(graph, unit.region, cluster, shape)

@@ -1,9 +1,9 @@
 """Alpha-beta cost of collectives on a mesh axis, on the link that axis really uses.
 
-Ranks are laid out [pp, dp, cp, tp], outermost to innermost. A group of ``n`` ranks at ``stride``
-(the product of the inner axes) has ``k = min(n, gpus_per_node // stride)`` members per node. A group
-inside one node runs on NVSwitch; a group spanning nodes runs ring algorithms whose inter-node hops
-each ride one NIC rail, so it gets k rails: bandwidth ``min(intra, k * inter)``.
+Ranks are laid out [pp, dp, cp, tp], outermost to innermost (autopar/layout.py: which ranks form a
+group, and how its ``n`` members at ``stride`` sit on nodes, ``k = min(n, gpus_per_node // stride)``
+per node). A group inside one node runs on NVSwitch; a group spanning nodes runs ring algorithms
+whose inter-node hops each ride one NIC rail, so it gets k rails: bandwidth ``min(intra, k * inter)``.
 
 Times use the bus-bandwidth convention of nccl-tests, with ``M`` the full tensor size in bytes:
 
@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster, Link
+from autopar.layout import Layout, Placement, place
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
@@ -47,18 +48,27 @@ class GroupLink:
         return "nvlink" if self.intra_node else "network"
 
 
+def placement_link(cluster: Cluster, where: Placement) -> GroupLink:
+    """The link a group placed as ``where`` uses on ``cluster`` (module docstring)."""
+    if where.intra_node:
+        return GroupLink(size=where.size, members_per_node=where.members_per_node, intra_node=True,
+                         bandwidth_bytes_per_s=cluster.intra_node.bandwidth_bytes_per_s, link=cluster.intra_node)
+    k = where.members_per_node
+    bw = min(cluster.intra_node.bandwidth_bytes_per_s, k * cluster.inter_node.bandwidth_bytes_per_s)
+    return GroupLink(size=where.size, members_per_node=k, intra_node=False, bandwidth_bytes_per_s=bw,
+                     link=cluster.inter_node)
+
+
 def group_link(cluster: Cluster, size: int, stride: int) -> GroupLink:
     """The link used by a group of ``size`` ranks spaced ``stride`` apart in the rank order."""
+    return placement_link(cluster, place(size, stride, cluster.gpus_per_node))
+
+
+def axis_link(cluster: Cluster, layout: Layout, axis: str) -> GroupLink:
+    """The link of the groups of ``axis`` (``layout.AXES``; ``dp_cp`` is the ZeRO/gradient group).
+    For ``pp`` it is the link between neighbouring stages, which is what a P2P send crosses."""
     g = cluster.gpus_per_node
-    if size <= 1:
-        return GroupLink(size=1, members_per_node=1, intra_node=True,
-                         bandwidth_bytes_per_s=cluster.intra_node.bandwidth_bytes_per_s, link=cluster.intra_node)
-    if stride * size <= g:
-        return GroupLink(size=size, members_per_node=size, intra_node=True,
-                         bandwidth_bytes_per_s=cluster.intra_node.bandwidth_bytes_per_s, link=cluster.intra_node)
-    k = max(1, min(size, g // max(1, stride)))
-    bw = min(cluster.intra_node.bandwidth_bytes_per_s, k * cluster.inter_node.bandwidth_bytes_per_s)
-    return GroupLink(size=size, members_per_node=k, intra_node=False, bandwidth_bytes_per_s=bw, link=cluster.inter_node)
+    return placement_link(cluster, layout.p2p_placement(g) if axis == "pp" else layout.placement(axis, g))
 
 
 def collective_time_s(kind: str, message_bytes: float, group: GroupLink) -> float:
@@ -103,26 +113,3 @@ def _tree_all_reduce_s(message_bytes: float, group: GroupLink) -> float:
     bw = group.bandwidth_bytes_per_s * group.link.efficiency(message_bytes / max(1, k))
     hops = 2 * math.ceil(math.log2(nodes)) + 2 * (k - 1)
     return 2.0 * message_bytes / bw + hops * group.link.latency_s + group.link.rendezvous_s
-
-
-@dataclass(frozen=True, kw_only=True)
-class Mesh:
-    """The [pp, dp, cp, tp] rank layout and the link of each axis's groups."""
-
-    pp: int
-    dp: int
-    cp: int
-    tp: int
-
-    def stride(self, axis: str) -> int:
-        return {"tp": 1, "cp": self.tp, "dp": self.tp * self.cp, "dp_cp": self.tp, "pp": self.tp * self.cp * self.dp}[axis]
-
-    def size(self, axis: str) -> int:
-        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "dp_cp": self.dp * self.cp, "pp": self.pp}[axis]
-
-    def link(self, cluster: Cluster, axis: str) -> GroupLink:
-        """``dp_cp`` is the ZeRO/gradient group: dp and cp together (cp ranks hold the same weights)."""
-        if axis == "pp":
-            # Neighbouring stages: a pair of ranks ``stride`` apart.
-            return group_link(cluster, 2 if self.pp > 1 else 1, self.stride("pp"))
-        return group_link(cluster, self.size(axis), self.stride(axis))

@@ -1,6 +1,6 @@
 """Estimate a plan: check it against the model, build the stage terms, cost its split.
 
-``estimate_json`` is the CONTRACT object of ``autopar estimate --json`` (DESIGN §5): at least
+``estimate_json`` is the CONTRACT object of ``autopar estimate --json`` (docs/design.md §3): at least
 step_time_s, tokens_per_s, mfu, peak_memory_bytes and memory_bytes {params, grads, optimizer,
 activations, other} of the peak rank; more keys may be added, none removed.
 """
@@ -15,6 +15,7 @@ from autopar.cost.step import Estimate, evaluate
 from autopar.cost.zero import executed_zero
 from autopar.errors import PlanError
 from autopar.graph.model_graph import ModelGraph
+from autopar.layout import ring_balance_reason
 from autopar.plan import Plan
 
 
@@ -48,11 +49,9 @@ def check_plan_against_model(plan: Plan, graph: ModelGraph) -> None:
             reason = graph.ulysses_allowed(par.tp, par.cp)
             if reason:
                 raise PlanError(f"parallel.cp_kind ulysses is not possible: {reason}")
-        if par.cp_kind == "ring" and plan.training.seq_len % (2 * par.cp):
-            raise PlanError(
-                f"ring attention balances causal work with 2 x cp chunks: seq_len {plan.training.seq_len} "
-                f"must be divisible by {2 * par.cp}"
-            )
+        reason = ring_balance_reason(par.cp, plan.training.seq_len) if par.cp_kind == "ring" else None
+        if reason:
+            raise PlanError(reason)
 
 
 def estimate_plan(plan: Plan, graph: ModelGraph, cluster: Cluster) -> Estimate:

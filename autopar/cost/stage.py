@@ -22,12 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.cluster import Cluster
-from autopar.cost.comm import Mesh, collective_time_s
+from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time, usable_layer_table
 from autopar.cost.memory import inflight_microbatches, state_bytes_per_param
 from autopar.cost.zero import gradient_bytes_per_param, overlapped, per_microbatch_exposed, per_step_sync
 from autopar.graph.model_graph import ModelGraph
 from autopar.graph.scaling import Shape
+from autopar.layout import Layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +109,7 @@ class StageTerms:
 
 def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     """Coefficients of the step-time and memory model for ``cfg`` (see module docstring)."""
-    mesh = Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
+    layout = Layout.of(cfg)
     S = graph.seq_len
     s_ratio = (cfg.seq_len / cfg.cp) / S if graph.is_sequence_model else 1.0
     kv_ratio = cfg.seq_len / S if graph.is_sequence_model else 1.0
@@ -124,7 +125,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1  # else FSDP2 replicate
     state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
     tokens_bytes = graph.block_input_bytes * cfg.micro_batch * s_ratio  # one rank's block input, full width
-    tp_link, cp_link, dpcp_link = mesh.link(cluster, "tp"), mesh.link(cluster, "cp"), mesh.link(cluster, "dp_cp")
+    tp_link, cp_link, dpcp_link = (axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp"))
 
     block = _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes)
     table = usable_layer_table(graph, cluster)
@@ -137,10 +138,10 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     if cfg.pp > 1:
         if cluster.pipeline_scatter_gather and sp == 1.0 and cfg.tp > 1:
             # Each tp rank sends 1/tp of the activation on its own rail, then the receivers all-gather it.
-            p2p = collective_time_s("p2p", tokens_bytes / cfg.tp, mesh.link(cluster, "pp")) + \
+            p2p = collective_time_s("p2p", tokens_bytes / cfg.tp, axis_link(cluster, layout, "pp")) + \
                 collective_time_s("all_gather", tokens_bytes, tp_link)
         else:
-            p2p = collective_time_s("p2p", tokens_bytes / sp, mesh.link(cluster, "pp"))
+            p2p = collective_time_s("p2p", tokens_bytes / sp, axis_link(cluster, layout, "pp"))
 
     d = cfg.dtype_bytes
     n_shard = cfg.dp * cfg.cp

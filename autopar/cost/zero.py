@@ -26,7 +26,7 @@ accumulates unsharded gradients in its reduce dtype, Megatron in its fp32 main-g
 At pp > 1 torch.distributed.pipelining's stage defers an FSDP module's gradient sync to the step's
 last backward and keeps its parameters gathered between micro-batches (``set_requires_gradient_sync``
 and ``set_reshard_after_backward`` in PipelineStage), so ZeRO-2 runs as ZeRO-1 there
-(``executed_zero``): priced, explained and searched as ZeRO-1.
+(``autopar.layout.executed_zero``, the one copy of the rule): priced, explained and searched as ZeRO-1.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autopar.cost.comm import GroupLink, collective_time_s
+from autopar.layout import executed_zero  # noqa: F401  (re-exported: the rule's old home)
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
@@ -41,11 +42,6 @@ if TYPE_CHECKING:
 
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket: the last one cannot overlap backward
 FP32_BYTES = 4
-
-
-def executed_zero(zero: int, pp: int) -> int:
-    """The ZeRO stage the executor runs for ``zero`` at pipeline depth ``pp`` (module docstring)."""
-    return 1 if zero == 2 and pp > 1 else zero
 
 
 def overlapped(comm_s: float, window_s: float, cost_fraction: float) -> float:

@@ -3,7 +3,8 @@
 One concern per module; ``apply.py`` is the only place that fixes the order:
 
 =====================  ==========================================================================
-mesh.py                DeviceMesh ``[pp, dp, cp, tp]`` (tp innermost) and this rank's coordinates
+mesh.py                DeviceMesh ``[pp, dp, cp, tp]`` (tp innermost; autopar/layout.py) and this rank's
+                       coordinates
 introspect.py/checks   what the model offers (blocks, tp_plan, attention core, heads); pre-flight
                        checks that turn every impossible plan into a one-line AutoparError
 pipeline_parallel.py   cut into stage chunks (uneven ranges, virtual stages), PipelineStage and
@@ -14,12 +15,16 @@ recompute.py           full and selective activation checkpointing
 data_parallel.py       DDP, ZeRO-1/2/3 (FSDP2; ZeRO-1 syncs gradients once per step)
 apply.py               meta build -> PP split -> TP -> CP -> recompute -> materialise -> ZeRO/DP
 train.py               data, micro-batches, optimizer steps, metrics, single-process reference
+batch.py               a batch's rows and device (shared by train.py and pipeline_parallel.py)
 checkpoint.py          sharded DCP checkpoints keyed by full-model names (resume under any plan),
                        atomic step-N.tmp -> step-N rename and ``latest`` pointer
+checkpoint_meta.py     ``meta.json``, the checkpoint's record (no torch); integrity.py checks it
 faults.py              per-group timeouts, flight-recorder failure messages (rank + collective),
                        watchdog, test fault injection
 tracing.py             ``--trace``: measured torch.profiler trace (Chrome format)
 rank_main.py           what each rank does: init, build, resume, train with hooks, report
-cli_run.py             ``autopar run`` arguments and their validation, torchrun re-launch, report
+run_options.py         ``RunOptions``: the validated options of one run, handed to every rank
+run_report.py          the run's JSON report and measured-vs-predicted table
+cli_run.py             ``autopar run`` arguments and their validation, torchrun re-launch
 =====================  ==========================================================================
 """

@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.executor import chain_pipeline as chain_pipe
-from autopar.executor import pipeline_parallel as pipe
 from autopar.executor import hf_attention
+from autopar.executor import pipeline_parallel as pipe
 from autopar.executor.context_parallel import ContextParallelAttention, apply_cp, position_kwargs
 from autopar.executor.data_parallel import DataParallelResult, apply_data_parallel, build_optimizer
 from autopar.executor.introspect import ModelSpec
@@ -37,6 +37,7 @@ from autopar.executor.recompute import apply_recompute
 from autopar.executor.tensor_parallel import apply_tp, fused_row_permutations, keep_grad_placements
 from autopar.modelfile import ModelFile
 from autopar.plan import Plan
+
 
 def original_name(name: str, part: nn.Module) -> str:
     """Full-model name of the parameter or buffer ``name`` of ``part`` (one of ``Executable.parts``,
@@ -198,7 +199,7 @@ def build_executable(
         recompute = par.recompute
         if spec.core_name is None and spec.hf_attention is not None and (par.cp > 1 or recompute == "selective"):
             # transformers attention: a registered implementation does CP and/or selective recompute
-            make_cp = (lambda: ContextParallelAttention(par.cp_kind, mesh.cp_group, par.cp, mesh.coords.cp,  # noqa: E731
+            make_cp = (lambda: ContextParallelAttention(par.cp_kind, mesh.cp_group, par.cp, mesh.coords.cp,
                                                         plan.training.seq_len)) if par.cp > 1 else None
             hf_attention.install(part, prefix + spec.blocks_path, spec.hf_attention.module,
                                  recompute=recompute == "selective", make_cp=make_cp)

@@ -41,11 +41,10 @@ flat FQN-keyed state dict (``model/<fqn>``, ``optim/<fqn>/<state>``) itself and 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,54 +54,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.errors import AutoparError
 from autopar.executor.apply import Executable, original_name
+from autopar.executor.checkpoint_meta import FORMAT, LATEST, MAX_META_BYTES, META, CheckpointError, CheckpointMeta  # noqa: F401  (re-exported: the checkpoint's names)
 
-FORMAT = 1
-LATEST = "latest"
-META = "meta.json"
-MAX_META_BYTES = 256 * 2**20  # the loss history of ten million steps fits
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(AutoparError):
-    """A checkpoint directory that cannot be resumed from (missing, incomplete, another model)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointMeta:
-    """What ``meta.json`` records next to the shards (written by rank 0, last)."""
-
-    step: int  # optimizer steps completed = index of the next step (the data position)
-    seed: int
-    lr: float
-    world_size: int
-    parallel: dict[str, Any]
-    global_batch_size: int
-    num_blocks: int
-    losses: tuple[float, ...]  # loss of every step so far, across resumes
-    format: int = FORMAT
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {size, sha256}, all but meta.json
-
-    def to_json(self) -> str:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["losses"] = list(self.losses)
-        return json.dumps(d, indent=1) + "\n"
-
-    @staticmethod
-    def from_file(path: Path) -> "CheckpointMeta":
-        try:
-            if path.stat().st_size > MAX_META_BYTES:
-                raise CheckpointError(f"{path} is larger than {MAX_META_BYTES // 2**20} MiB; not an autopar checkpoint record")
-            d = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(d, dict) or not isinstance(d.get("files", {}), dict):
-                raise ValueError("not a JSON object")
-            if d.get("format") != FORMAT:
-                raise CheckpointError(f"{path}: checkpoint format {d.get('format')!r}, this autopar reads {FORMAT}")
-            d["losses"] = tuple(float(x) for x in d["losses"])
-            return CheckpointMeta(**d)
-        except CheckpointError:
-            raise
-        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-            raise CheckpointError(f"{path} is not a readable autopar checkpoint record ({type(exc).__name__})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +176,18 @@ class _Gathered:
     perm: torch.Tensor
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Alias:
+    """Another local copy of a shared parameter (or of its optimizer state): an interleaved pipeline
+    rank holds one per chunk under the same name. DCP loads the first copy (``source``); this one
+    is copied from it after the load (the copies are equal by construction: their gradients are
+    summed, pipeline_parallel.sync_tied_grads)."""
+
+    key: str
+    source: torch.Tensor
+    target: torch.Tensor
+
+
 def _optimizer_state(exe: Executable, p: torch.Tensor) -> dict[str, Any] | None:
     opt = exe.optimizer
     inner = getattr(opt, "optim", None)  # ZeroRedundancyOptimizer: this rank's shard only
@@ -248,16 +214,24 @@ def _full_unpermuted(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return full.detach()[torch.argsort(perm.to(full.device))].clone()
 
 
-def build_state(exe: Executable, *, rng: bool, for_load: bool) -> tuple[dict[str, Any], list[_Gathered]]:
+def build_state(exe: Executable, *, rng: bool, for_load: bool) -> tuple[dict[str, Any], list[_Gathered | _Alias]]:
     """The flat DCP state dict of this rank (collective when fused-QKV tensors are gathered).
 
     Keys: ``model/<fqn>``, ``buffer/<fqn>``, ``optim/<fqn>/<name>``, ``rng/rank<r>/cpu``.
-    ``for_load``: permuted entries are empty full-size placeholders, returned as fix-ups.
+    ``for_load``: permuted entries are empty full-size placeholders, returned as fix-ups; a second
+    local copy of a key (an interleaved rank's shared parameter) is an ``_Alias`` fix-up (saving
+    writes the first copy once).
     """
     state: dict[str, Any] = {}
-    fixups: list[_Gathered] = []
+    fixups: list[_Gathered | _Alias] = []
+    first: dict[str, torch.Tensor] = {}  # key -> the live tensor of its first local copy
 
     def put(key: str, value: torch.Tensor, perm: torch.Tensor | None) -> None:
+        if key in first:
+            if for_load and first[key] is not value:
+                fixups.append(_Alias(key=key, source=first[key], target=value))
+            return
+        first[key] = value
         if perm is None:
             state[key] = value
             return
@@ -282,7 +256,7 @@ def build_state(exe: Executable, *, rng: bool, for_load: bool) -> tuple[dict[str
             module = part.get_submodule(owner) if owner else part
             if leaf not in module._non_persistent_buffers_set:
                 orig = original_name(name, part)
-                state.setdefault(f"buffer/{exe.canonical_names.get(orig, orig)}", buf)
+                put(f"buffer/{exe.canonical_names.get(orig, orig)}", buf, None)
     if rng:
         r = dist.get_rank()
         state[f"rng/rank{r}/cpu"] = torch.empty_like(torch.get_rng_state()) if for_load else torch.get_rng_state()
@@ -290,6 +264,17 @@ def build_state(exe: Executable, *, rng: bool, for_load: bool) -> tuple[dict[str
             cur = torch.cuda.get_rng_state(exe.mesh.device)
             state[f"rng/rank{r}/cuda"] = torch.empty_like(cur) if for_load else cur
     return state, fixups
+
+
+def _apply_alias(fix: _Alias) -> None:
+    src, dst = fix.source, fix.target
+    with torch.no_grad():
+        if isinstance(dst, DTensor):
+            if not isinstance(src, DTensor) or tuple(src.placements) != tuple(dst.placements):
+                raise CheckpointError(f"cannot restore the second local copy of {fix.key}: its layout differs from the first's")
+            dst.to_local().copy_(src.to_local())
+        else:
+            dst.copy_(src.full_tensor() if isinstance(src, DTensor) else src)
 
 
 def _apply_fixup(fix: _Gathered, loaded: torch.Tensor) -> None:
@@ -426,8 +411,12 @@ def load(exe: Executable, path: Path) -> tuple[CheckpointMeta, list[str]]:
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         first = str(exc).strip().splitlines()
         raise CheckpointError(f"cannot load {path}: {first[0] if first else type(exc).__name__}"[:600]) from None
+    for fix in fixups:  # un-permute first: an alias may copy from a permuted tensor's live target
+        if isinstance(fix, _Gathered):
+            _apply_fixup(fix, state[fix.key])
     for fix in fixups:
-        _apply_fixup(fix, state[fix.key])
+        if isinstance(fix, _Alias):
+            _apply_alias(fix)
     r = dist.get_rank()
     if same_layout:
         torch.set_rng_state(state[f"rng/rank{r}/cpu"])

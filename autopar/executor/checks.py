@@ -8,6 +8,7 @@ from torch import nn
 
 from autopar.errors import AutoparError
 from autopar.executor.introspect import ModelSpec, example_shape_check, inspect_model
+from autopar.layout import tp_heads_reason, ulysses_reason
 from autopar.modelfile import ModelFile
 from autopar.plan import Plan
 
@@ -44,7 +45,7 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
     """Validate the plan against the model file; returns the ModelSpec and warnings to print.
 
     Errors (AutoparError): wrong world size, block count mismatch, TP/CP/recompute the model cannot
-    do, tp not dividing the heads. Warnings: sha256 mismatch (DESIGN §5: another file version warns).
+    do, tp not dividing the heads. Warnings: sha256 mismatch (docs/design.md §3: another file version warns).
     """
     warnings: list[str] = []
     if world_size is not None:
@@ -70,9 +71,9 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
         if used and spec.support_reason(dim):
             raise AutoparError(f"{_DIM_NAMES[dim]} cannot run on {where}: {spec.support_reason(dim)}; {change}")
     if par.tp > 1:
-        for name, heads in (("attention heads", spec.num_heads), ("key/value heads", spec.num_kv_heads)):
-            if heads is not None and heads % par.tp:
-                raise AutoparError(f"tp = {par.tp} does not divide the model's {heads} {name}; pick a tp that divides {heads}")
+        reason = tp_heads_reason(par.tp, spec.num_heads, spec.num_kv_heads)
+        if reason:
+            raise AutoparError(reason)
         block = model.get_submodule(spec.blocks_path)[0]
         for name, style in spec.tp_plan.items():
             lin = block.get_submodule(name)
@@ -83,11 +84,10 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
                 raise AutoparError(f"tp = {par.tp} does not divide the width {width} of {name}; pick another tp")
     if par.cp > 1:
         example_shape_check(mf.example_inputs(1), where, need_sequence=True)
-        if par.cp_kind == "ulysses" and spec.num_heads is not None and (spec.num_heads // par.tp) % par.cp:
-            raise AutoparError(
-                f"Ulysses cp = {par.cp} must divide the heads per tensor-parallel rank ({spec.num_heads // par.tp}); "
-                "use cp_kind ring or allgather"
-            )
+        # The executor repeats K/V heads to the query heads before the all-to-all: only heads count.
+        reason = ulysses_reason(par.tp, par.cp, spec.num_heads, None) if par.cp_kind == "ulysses" else None
+        if reason:
+            raise AutoparError(reason)
     if plan.training.dtype == "fp16" and par.pp > 1:
         raise AutoparError("fp16 needs loss scaling, which this executor does not do under pp; use bf16 or fp32")
     return spec, warnings

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.executor.run_options import DEFAULT_LR, DEFAULT_SEED, DEFAULT_STEPS, RunOptions
+from autopar.executor.run_report import read_prediction  # noqa: F401  (autopar validate reads the plan's prediction)
 
-DEFAULT_STEPS, DEFAULT_LR, DEFAULT_SEED = 3, 1e-3, 0
 _LOCKS: list[Any] = []  # checkpoint-directory locks of this process (checkpoint.lock_directory)
 
 
@@ -90,31 +91,18 @@ def _relaunch(args: argparse.Namespace, model: str) -> int:
     return run_local(LocalJob(argv=tuple(cmd), nproc=args.nproc_per_node, max_restarts=args.max_restarts, env=env))
 
 
-def validate_args(args: argparse.Namespace) -> None:
+def validate_args(args: argparse.Namespace) -> RunOptions:
     """Every argument of ``autopar run`` checked before any work (one-line AutoparError), every
     output location included: ``--report``, ``--trace`` and ``--checkpoint-dir`` must be writable
-    regular files / a directory now, not after training."""
-    import math
-
+    regular files / a directory now, not after training. Returns the ranks' options."""
     from autopar.outputs import check_output_dir, check_output_file
 
-    if args.steps < 1:
-        raise AutoparError(f"--steps must be >= 1, got {args.steps}")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise AutoparError(f"--lr must be a positive number, got {args.lr}")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise AutoparError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    options = RunOptions.from_args(args)  # --steps, --lr, --timeout and the checkpoint/trace counts
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise AutoparError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-    for flag, value, low in (("--checkpoint-every", args.checkpoint_every, 0), ("--keep-checkpoints", args.keep_checkpoints, 0),
-                             ("--max-restarts", args.max_restarts, 0), ("--trace-steps", args.trace_steps, 1)):
-        if value < low:
-            raise AutoparError(f"{flag} must be >= {low}, got {value}")
-    if args.checkpoint_dir is None:
-        for flag, on in (("--resume", args.resume), ("--checkpoint-every", args.checkpoint_every > 0)):
-            if on:
-                raise AutoparError(f"{flag} needs --checkpoint-dir DIR")
-    else:
+    if args.max_restarts < 0:
+        raise AutoparError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.checkpoint_dir is not None:
         check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
     for flag, value in (("--report", args.report), ("--trace", args.trace)):
         if value is not None:
@@ -124,11 +112,12 @@ def validate_args(args: argparse.Namespace) -> None:
 
         for r in range(args.nproc_per_node or 1):
             check_output_file(trace_path(args.trace, r, True), "--trace", create_parent=False)
+    return options
 
 
 def _check_resume(args: argparse.Namespace, plan) -> list[str]:
     """--resume needs a complete checkpoint of a compatible model (found before launch)."""
-    from autopar.executor.checkpoint import META, CheckpointError, CheckpointMeta
+    from autopar.executor.checkpoint_meta import META, CheckpointError, CheckpointMeta
     from autopar.executor.integrity import candidates
 
     if args.checkpoint_dir is None or not Path(args.checkpoint_dir).is_dir():
@@ -163,13 +152,12 @@ def _check_resume(args: argparse.Namespace, plan) -> list[str]:
 def run_main(args: argparse.Namespace) -> int:
     """Entry point of ``autopar run`` (see the module docstring). Returns the exit code."""
     from autopar.executor.checks import check_world_size, preflight
+    from autopar.modelcheck import check_example_inputs
     from autopar.modelfile import load_model_file
     from autopar.plan import load_plan
-
-    from autopar.modelcheck import check_example_inputs
     from autopar.usercode import configure
 
-    validate_args(args)
+    options = validate_args(args)
     configure(timeout_s=args.timeout)  # the model file's import, build_model and example_inputs too
     plan = load_plan(args.plan)
     model = _model_path(args, Path(args.plan), plan.model.file)
@@ -198,82 +186,7 @@ def run_main(args: argparse.Namespace) -> int:
     spec, warnings = preflight(plan, mf, world)
     from autopar.executor.rank_main import run_rank
 
-    return run_rank(args, plan, mf, spec, warnings + resume_warnings, world, build_report, format_comparison)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _error_pct(measured: float, predicted: Any) -> float | None:
-    if not isinstance(predicted, (int, float)) or isinstance(predicted, bool) or predicted == 0:
-        return None
-    return 100.0 * (measured - predicted) / predicted
-
-
-def read_prediction(plan_path: str) -> dict[str, Any]:
-    """The plan file's ``prediction`` mapping (load_plan ignores it by contract, so read it here)."""
-    import yaml
-
-    from autopar.yamlload import load_yaml
-
-    try:
-        data = load_yaml(Path(plan_path).read_text(encoding="utf-8"), plan_path)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, AutoparError, RecursionError):
-        return {}
-    pred = data.get("prediction") if isinstance(data, dict) else None
-    return dict(pred) if isinstance(pred, dict) else {}
-
-
-def build_report(plan, model_path: str, result, world: int, args: argparse.Namespace, warnings: list[str]) -> dict[str, Any]:
-    """The JSON report (rank 0): what ran, what was measured, the prediction and the errors in %."""
-    import math
-
-    pred = dict(plan.prediction or {}) or read_prediction(args.plan)
-    # ``prediction`` is ignored on load by contract, so anything may be in it: keep finite numbers only.
-    pred = {k: float(v) for k, v in pred.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-    measured = {
-        "step_time_s": result.step_time_s,
-        "tokens_per_s": result.tokens_per_s,
-        "peak_memory_bytes": max(result.peak_memory_bytes),
-    }
-    return {
-        "plan": str(args.plan),
-        "model": model_path,
-        "world_size": world,
-        "steps": args.steps,
-        "seed": args.seed,
-        "lr": args.lr,
-        "parallel": {k: getattr(plan.parallel, k) for k in ("dp", "tp", "pp", "cp", "zero", "recompute", "pp_schedule")},
-        "losses": list(result.losses),
-        "step_times_s": list(result.step_times_s),
-        "measured": measured,
-        "peak_memory_bytes_per_rank": list(result.peak_memory_bytes),
-        "memory_measure": result.memory_measure,
-        "predicted": {k: pred[k] for k in measured if k in pred},
-        "error_pct": {k: _error_pct(v, pred.get(k)) for k, v in measured.items() if k in pred},
-        "notes": list(result.notes),
-        "warnings": warnings,
-    }
-
-
-def format_comparison(report: dict[str, Any]) -> str:
-    m, p, e = report["measured"], report["predicted"], report["error_pct"]
-    units = {"step_time_s": ("step time", lambda v: f"{v:.4f} s"),
-             "tokens_per_s": ("tokens/s", lambda v: f"{v:,.0f}"),
-             "peak_memory_bytes": ("peak memory", lambda v: f"{v / 2**20:,.1f} MiB")}
-    lines = ["measured vs predicted:", f"  {'':12s} {'measured':>16s} {'predicted':>16s} {'error':>9s}"]
-    for key, (label, fmt) in units.items():
-        pv = fmt(p[key]) if key in p else "-"
-        ev = f"{e[key]:+.1f}%" if e.get(key) is not None else "-"
-        lines.append(f"  {label:12s} {fmt(m[key]):>16s} {pv:>16s} {ev:>9s}")
-    lines.append(f"  (memory: {report['memory_measure']}, max over ranks; step time: mean after the first step)")
-    return "\n".join(lines)
+    return run_rank(options, plan, mf, spec, warnings + resume_warnings, world)
 
 
 def standalone_main(argv: list[str] | None = None) -> int:

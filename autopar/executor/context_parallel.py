@@ -1,6 +1,6 @@
 """Context parallelism: the sequence is split over the cp ranks and attention is made exact again.
 
-torch's own ``context_parallel()`` is CUDA-only (DESIGN §8), so the three kinds are written here with
+torch's own ``context_parallel()`` is CUDA-only (docs/design.md §7), so the three kinds are written here with
 autograd over torch.distributed collectives:
 
 * ``ring``: K/V blocks travel around the ring by P2P (``_RingShift``, an autograd.Function whose
@@ -203,7 +203,8 @@ class ContextParallelAttention(nn.Module):
         return back.view(h, b, s_l, d).permute(1, 0, 2, 3)
 
 
-def apply_cp(part: nn.Module, blocks_path: str, core_name: str, *, kind: str, group: dist.ProcessGroup, cp: int, rank: int, seq_len: int) -> None:
+def apply_cp(part: nn.Module, blocks_path: str, core_name: str, *, kind: str, group: dist.ProcessGroup, cp: int,
+             rank: int, seq_len: int) -> None:
     """Replace the attention core of every block of ``part`` by a ContextParallelAttention."""
     blocks = part.get_submodule(blocks_path)
     for key, block in blocks.named_children():

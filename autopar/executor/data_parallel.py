@@ -25,6 +25,11 @@ zero    mechanism
         re-gathered for backward).
 ======  =============================================================================================
 
+0-d parameters (a learnable scalar gate or temperature): FSDP2 cannot shard them (it refuses to
+wrap a module holding one), so they are left out of FSDP2 (``ignored_params``), stay whole on every
+rank and get their gradients averaged over the mesh by a hook (``_average_grads_of``): a few bytes
+each, so ZeRO's savings are unchanged.
+
 Mixed precision: FSDP2 gets ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``; the other
 paths run forward under ``torch.autocast`` (see train.py). fp32 keeps everything in fp32.
 """
@@ -77,11 +82,13 @@ def apply_data_parallel(
 
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32) if dtype != "fp32" else MixedPrecisionPolicy()
         reshard = zero == 3
+        scalars = _average_grads_of([p for p in part.parameters() if p.dim() == 0], mesh)
+        ignored = {"ignored_params": set(scalars)} if scalars else {}
         for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, **ignored)
         # Root: FSDP2's default (None) keeps the root's parameters gathered from forward to backward,
         # which comes right after -- re-gathering them would only add an all-gather.
-        fully_shard(part, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=mp)
+        fully_shard(part, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=mp, **ignored)
         return DataParallelResult(module=part, kind="fsdp", sharded_optimizer=False, zero1=zero == 1)
     if mesh.size() == 1:
         return DataParallelResult(module=part, kind="none", sharded_optimizer=False)
@@ -99,6 +106,25 @@ def apply_data_parallel(
         gradient_as_bucket_view=False,
     )
     return DataParallelResult(module=ddp, kind="ddp", sharded_optimizer=False)
+
+
+def _average_grads_of(params: list[nn.Parameter], mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Average each parameter's gradient over ``mesh`` as soon as it is accumulated (the parameters
+    FSDP2 leaves out). Averaging after every micro-batch is exact: what earlier micro-batches left in
+    ``.grad`` is already equal on every rank, so averaging it again keeps it."""
+    import torch.distributed as dist
+
+    group, n = mesh.get_group(), mesh.size()
+
+    def hook(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(n)
+
+    trainable = [p for p in params if p.requires_grad]
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(hook)
+    return list(params)
 
 
 def zero1_microbatch(module: nn.Module, last: bool) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from torch.distributed.checkpoint import FileSystemReader
 
 from autopar.errors import AutoparError
+from autopar.executor.checkpoint_meta import LATEST, META, CheckpointError, CheckpointMeta
 
 _CHUNK = 1 << 20
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -120,8 +121,6 @@ def file_record(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, dic
 
 def damage(path: Path, share: int = 0, of: int = 1) -> str | None:
     """Why the checkpoint at ``path`` is damaged (this rank's share of the files), None if intact."""
-    from autopar.executor.checkpoint import META, CheckpointError, CheckpointMeta
-
     if not (path / META).is_file():
         return f"{META} is missing"
     try:
@@ -150,8 +149,6 @@ def damage(path: Path, share: int = 0, of: int = 1) -> str | None:
 
 def candidates(directory: Path) -> list[Path]:
     """Checkpoint directories, newest first: the one ``latest`` names, then ``step-N`` by N."""
-    from autopar.executor.checkpoint import LATEST
-
     out: list[Path] = []
     try:
         name = (directory / LATEST).read_text(encoding="utf-8").strip()
@@ -172,8 +169,6 @@ def choose(directory: str | os.PathLike[str], warn: Callable[[str], None] | None
     Damaged newer ones are passed to ``warn`` (one line each). When every checkpoint is damaged,
     raises CheckpointError. ``gather`` (collective: every rank's verdict on its share) makes the
     ranks hash ``1/of`` of the files each and agree."""
-    from autopar.executor.checkpoint import CheckpointError
-
     d = Path(directory)
     if not d.is_dir():
         return None
@@ -197,8 +192,6 @@ def choose(directory: str | os.PathLike[str], warn: Callable[[str], None] | None
 def check_shapes(path: Path, metadata: Any, state: dict[str, Any]) -> None:
     """Every tensor of this rank's state dict that the checkpoint holds has the checkpoint's shape."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from autopar.executor.checkpoint import CheckpointError
 
     held = metadata.state_dict_metadata
     for key, value in state.items():

@@ -1,4 +1,4 @@
-"""The device mesh of a plan: ranks laid out ``[pp, dp, cp, tp]``, tp innermost (DESIGN §3).
+"""The device mesh of a plan: ranks laid out ``[pp, dp, cp, tp]``, tp innermost (autopar/layout.py).
 
 ``build_mesh`` must be called by every rank (DeviceMesh creates the sub-groups collectively). All
 groups the executor uses come from this one mesh, so DTensor TP, FSDP2 sharding and the pipeline's
@@ -13,29 +13,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar.layout import DIMS, Coords
 from autopar.plan import Plan
 
-MESH_DIMS = ("pp", "dp", "cp", "tp")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Coords:
-    """This rank's coordinate on each mesh axis (pure function of the global rank)."""
-
-    pp: int
-    dp: int
-    cp: int
-    tp: int
+MESH_DIMS = DIMS  # the DeviceMesh's dimension names, outermost first
 
 
 def rank_coords(rank: int, plan: Plan) -> Coords:
     """Coordinates of global ``rank`` in the row-major ``[pp, dp, cp, tp]`` layout."""
-    par = plan.parallel
-    tp = rank % par.tp
-    cp = (rank // par.tp) % par.cp
-    dp = (rank // (par.tp * par.cp)) % par.dp
-    pp = rank // (par.tp * par.cp * par.dp)
-    return Coords(pp=pp, dp=dp, cp=cp, tp=tp)
+    return plan.parallel.layout.coords(rank)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,8 +29,8 @@ class ParallelMesh:
     """The world mesh plus the sub-meshes and groups each parallelism uses.
 
     ``dp_cp`` is the mesh that gradients are averaged / ZeRO-sharded over: data parallelism and
-    context parallelism both split the tokens of one step, so both take part (DESIGN §5: "zero ...
-    sharded over dp (x cp)").
+    context parallelism both split the tokens of one step, so both take part (docs/design.md §5:
+    model states are sharded over ``N = dp · cp``).
     """
 
     world: DeviceMesh
@@ -110,8 +96,7 @@ def build_mesh(plan: Plan, device: torch.device) -> ParallelMesh:
     Meshes are cached per (shape, device type, default group): every DeviceMesh creates one process
     group per axis, and a process that runs many plans (the tests) should not pile up hundreds.
     """
-    par = plan.parallel
-    shape = (par.pp, par.dp, par.cp, par.tp)
+    shape = plan.parallel.layout.shape
     key = (shape, device.type, id(dist.distributed_c10d._get_default_group()))
     world = _MESHES.get(key)
     if world is None:

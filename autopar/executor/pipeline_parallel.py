@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.executor.batch import rows
 from autopar.executor.introspect import ModelSpec
 from autopar.executor.pipeline_probe import Probe, Template, bare_holders, probe_structure, tensors_of
 from autopar.modelfile import call_model
@@ -188,8 +189,6 @@ class StepIO:
     def loss(self, loss_fn: Callable[[Any, Any], torch.Tensor], *, row_target: bool) -> Callable:
         """The schedule's loss_fn: the model file's ``loss_fn`` on the rebuilt output and, with
         ``row_target``, the micro-batch's own inputs (else the schedule's target as it is)."""
-        from autopar.executor.train import rows
-
         def fn(output: Any, target: torch.Tensor) -> torch.Tensor:
             if row_target:
                 target = rows(self.batch, int(target[0]), int(target[-1]) + 1)

@@ -7,7 +7,6 @@ hooks -> report (rank 0) -> destroy_process_group (always).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -15,9 +14,10 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
 
 from autopar.errors import AutoparError
+from autopar.executor.run_options import RunOptions
+from autopar.executor.run_report import build_report, format_comparison
 
 
 class NonFiniteLoss(AutoparError):
@@ -86,6 +86,14 @@ def _init_loopback(backend: str, timeout: timedelta) -> None:
     join_process_group(backend, timeout)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _die_with(line: str, code: int) -> None:
     """Print the one-line error and leave now: with a peer dead or stopped, destroying the process
     group (or any other collective) could block forever, and the launcher is waiting for the line."""
@@ -97,24 +105,29 @@ def _die_with(line: str, code: int) -> None:
     os._exit(code)
 
 
-def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], world: int,
-             build_report: Callable[..., dict[str, Any]], format_comparison: Callable[[dict[str, Any]], str]) -> int:
+def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: int) -> int:  # noqa: ANN001
+    """Run ``plan`` on this rank (module docstring); 0 on success. ``plan``, ``mf`` (the model file)
+    and ``spec`` (its model spec) come checked from cli_run's preflight; ``warnings`` are printed by rank 0."""
     import torch
     import torch.distributed as dist
 
     from autopar.executor.apply import build_executable
     from autopar.executor.checkpoint import Checkpointer, load
-    from autopar.executor.faults import (Watchdog, enable_flight_recorder, inject_fault, inject_save_fault, poison_loss,
-                                         set_group_timeouts)
+    from autopar.executor.faults import (
+        Watchdog,
+        enable_flight_recorder,
+        inject_fault,
+        inject_save_fault,
+        poison_loss,
+        set_group_timeouts,
+    )
     from autopar.executor.mesh import backend_for, build_mesh, device_for_rank
     from autopar.executor.tracing import make_tracer
-    from autopar.launch.local import write_status
     from autopar.executor.train import StepHooks, train
+    from autopar.launch.local import write_status
 
     device = device_for_rank()
     if world == 1 and "RANK" not in os.environ:
-        from autopar.executor.cli_run import _free_port
-
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
@@ -133,15 +146,15 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
     _warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     enable_flight_recorder()
     try:
-        _init_process_group(backend_for(device), timedelta(seconds=args.timeout))
+        _init_process_group(backend_for(device), timedelta(seconds=options.timeout_s))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - a peer that never arrived: a fault, not a bug
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         _die_with(f"rank {os.environ.get('RANK', '0')} could not join the process group within --timeout "
-                  f"{args.timeout:g} s ({first}); another rank died or hung at start-up (see its log)", 4)
+                  f"{options.timeout_s:g} s ({first}); another rank died or hung at start-up (see its log)", 4)
     rank = dist.get_rank()
-    watchdog = Watchdog(rank, limit_s=2 * args.timeout + 60, timeout_s=args.timeout)
+    watchdog = Watchdog(rank, limit_s=2 * options.timeout_s + 60, timeout_s=options.timeout_s)
     tracer = None
     report_error: str | None = None
     try:
@@ -152,9 +165,9 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
                 print(f"autopar: {w}", file=sys.stderr)
         with watchdog.guard("setup"):
             mesh = build_mesh(plan, device)
-            set_group_timeouts(args.timeout)
-            exe = build_executable(plan, mf, spec, mesh, seed=args.seed, lr=args.lr, loss_fn=mf.loss_fn)
-            set_group_timeouts(args.timeout)
+            set_group_timeouts(options.timeout_s)
+            exe = build_executable(plan, mf, spec, mesh, seed=options.seed, lr=options.lr, loss_fn=mf.loss_fn)
+            set_group_timeouts(options.timeout_s)
         if log:
             for note in exe.notes:
                 log(f"note: {note}")
@@ -168,21 +181,21 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
             return every
 
         with watchdog.guard("checking checkpoints"):
-            decision = resume_decision(args.checkpoint_dir, args.resume, warn=say, gather=gather, share=rank,
+            decision = resume_decision(options.checkpoint_dir, options.resume, warn=say, gather=gather, share=rank,
                                        of=dist.get_world_size())
-        start, history, seed = 0, [], args.seed
+        start, history, seed = 0, [], options.seed
         if decision.path is not None:
             with watchdog.guard(f"resume from {decision.path}"):
                 meta, notes = load(exe, decision.path)
             start, history, seed = meta.step, list(meta.losses), meta.seed
             if log:
                 log(f"resumed from {decision.path} ({decision.reason}): {start} steps done")
-                for n in notes + ([f"data seed {seed} from the checkpoint (not --seed {args.seed})"] if seed != args.seed else []):
+                for n in notes + ([f"data seed {seed} from the checkpoint (not --seed {options.seed})"] if seed != options.seed else []):
                     log(f"note: {n}")
         ck = None
-        if args.checkpoint_dir is not None:
-            ck = Checkpointer(directory=Path(args.checkpoint_dir), every=args.checkpoint_every, keep=args.keep_checkpoints,
-                              seed=seed, lr=args.lr)
+        if options.checkpoint_dir is not None:
+            ck = Checkpointer(directory=Path(options.checkpoint_dir), every=options.checkpoint_every, keep=options.keep_checkpoints,
+                              seed=seed, lr=options.lr)
 
         last_saved: list[Path | None] = [decision.path]
 
@@ -193,13 +206,13 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
                 raise NonFiniteLoss(f"the loss of step {done} is {loss}; training stopped before saving it and {kept}; "
                                     "lower --lr, or check the model's numerics and data")
             history.append(loss)
-            if ck is not None and ck.due(done, args.steps):
+            if ck is not None and ck.due(done, options.steps):
                 last_saved[0] = ck.save(exe, done, history, before_publish=lambda: inject_save_fault(rank))
                 if log:
                     log(f"checkpoint {last_saved[0]}")
 
-        tracer = make_tracer(args.trace, rank, all_ranks=args.trace_all_ranks, steps_to_run=args.steps - start,
-                             trace_steps=args.trace_steps)
+        tracer = make_tracer(options.trace_path, rank, all_ranks=options.trace_all_ranks, steps_to_run=options.steps - start,
+                             trace_steps=options.trace_steps)
         def before_step(step: int) -> None:
             write_status(f"step {step + 1}")  # a rank killed between phases is reported at the right step
             inject_fault(step, rank)
@@ -210,24 +223,24 @@ def run_rank(args: argparse.Namespace, plan, mf, spec, warnings: list[str], worl
             hint = initial_loss_hint(mf)
             if hint:
                 log(f"note: {hint}")
-        if log and start >= args.steps:
-            log(f"the checkpoint already has {start} >= --steps {args.steps} steps; nothing to train")
-        result = train(exe, mf, steps=args.steps, seed=seed, log=log, start_step=start, hooks=hooks)
+        if log and start >= options.steps:
+            log(f"the checkpoint already has {start} >= --steps {options.steps} steps; nothing to train")
+        result = train(exe, mf, steps=options.steps, seed=seed, log=log, start_step=start, hooks=hooks)
         if tracer is not None:
             if tracer.close() and log:
                 log(f"trace written to {tracer.path}")
             tracer = None
         if rank0:
-            report = build_report(plan, str(mf.path), result, world, args, warnings)
+            report = build_report(plan, str(mf.path), result, world, options, warnings)
             report["start_step"] = result.start_step
             report["resumed_from"] = str(decision.path) if decision.path else None
-            report["loss_history"] = list(history) if args.checkpoint_dir else list(result.losses)
+            report["loss_history"] = list(history) if options.checkpoint_dir else list(result.losses)
             print(format_comparison(report), flush=True)
-            if args.report:
+            if options.report_path:
                 from autopar.outputs import write_text_atomic
 
                 try:  # never leave the other ranks waiting in the barrier for a failed write
-                    write_text_atomic(args.report, json.dumps(report, indent=2, allow_nan=False) + "\n", "--report")
+                    write_text_atomic(options.report_path, json.dumps(report, indent=2, allow_nan=False) + "\n", "--report")
                 except (AutoparError, ValueError) as exc:
                     print(json.dumps(report, indent=2), flush=True)  # not lost: on stdout instead
                     report_error = f"{exc}; the JSON report is printed on stdout instead"

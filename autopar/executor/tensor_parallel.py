@@ -61,7 +61,7 @@ from __future__ import annotations
 import functools
 import inspect
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -78,7 +78,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.executor.introspect import ModelSpec
 from autopar.executor.tp_conv1d import conv1d_layout, is_conv1d
-from autopar.spec.tp_plan import set_local_attrs
+from autopar.spec.sp_check import is_norm
+from autopar.spec.tp_plan import plan_fused, set_local_attrs
 
 
 class _SharedColwise(ColwiseParallel):
@@ -121,6 +122,7 @@ def shard_vocab_edges(part: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> 
     if vocab % tp:
         return [f"vocabulary {vocab} is not divisible by tp = {tp}: embedding and output head kept replicated"]
     tied = emb is not None and head is not None and head.weight is emb.weight
+    sites = _alias_sites(part, [m for m in (emb, head) if m is not None])
     if emb is not None:
         parallelize_module(emb, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if head is not None:
@@ -131,7 +133,25 @@ def shard_vocab_edges(part: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> 
                                                          use_local_output=False))
         if tied:
             assert head.weight is emb.weight
+    for mod, name, owner, pname in sites:  # other attributes tied to an edge's parameter follow it
+        mod.register_parameter(name, getattr(owner, pname))
     return []
+
+
+def _alias_sites(part: nn.Module, edges: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, attribute, edge, edge parameter name) for every other place in ``part`` that holds
+    one of the edges' own parameters (HF BERT: ``cls.predictions.bias`` is the decoder's bias).
+    Sharding the edge replaces its parameters; these sites must then hold the sharded ones, or the
+    tie breaks and the alias keeps a stale, never-trained copy."""
+    owners = {id(p): (edge, pname) for edge in edges for pname, p in edge.named_parameters(recurse=False)}
+    sites = []
+    for mod in part.modules():
+        if any(mod is e for e in edges):
+            continue
+        for name, p in mod.named_parameters(recurse=False):
+            if id(p) in owners:
+                sites.append((mod, name, *owners[id(p)]))
+    return sites
 
 
 def _holds_dtensor(value: Any) -> bool:
@@ -206,49 +226,6 @@ def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
-def fused_factors(block: nn.Module, tp_plan: Mapping[str, str], known: Mapping[str, int] | None = None,
-                  *, width_fallback: bool = False) -> dict[str, int]:
-    """Block-relative colwise name -> number of fused projections it stacks (1 = not fused).
-    ``known``: the factors the data flow showed (an inferred plan, spec.tp.fused) or the model's own
-    plan fixed (a carried plan's plain colwise layers); a name it lacks is 1, or with
-    ``width_fallback`` follows the width rule: a colwise layer k times as wide as its rowwise
-    partner's input is taken to stack k."""
-    if known is not None and not width_fallback:
-        return {n: known.get(n, 1) for n, s in tp_plan.items() if s == "colwise"}
-    if known is not None:
-        by_width = fused_factors(block, tp_plan)
-        return {n: known.get(n, k) for n, k in by_width.items()}
-    rowwise = [n for n, s in tp_plan.items() if s == "rowwise"]
-    out: dict[str, int] = {}
-    for name, style in tp_plan.items():
-        if style != "colwise":
-            continue
-        width = _widths(block.get_submodule(name))[1]
-        partners = [r for r in rowwise if _parent(r) == _parent(name)] or rowwise
-        k = 1
-        if partners:
-            partner_in = _widths(block.get_submodule(partners[0]))[0]
-            if width > partner_in and width % partner_in == 0:
-                k = width // partner_in
-        out[name] = k
-    return out
-
-
-def _widths(mod: nn.Module) -> tuple[int, int]:
-    """(in, out) features of an nn.Linear or an HF Conv1D (weight (in, out))."""
-    return (mod.in_features, mod.out_features) if isinstance(mod, nn.Linear) else tuple(mod.weight.shape)
-
-
-def _known_fused(spec: ModelSpec) -> Mapping[str, int] | None:
-    return spec.tp.fused if spec.tp.source in ("inferred", "model") else None
-
-
-def _fused(block: nn.Module, spec: ModelSpec) -> dict[str, int]:
-    """The fused factors of the spec's plan (fused_factors): an inferred plan's data-flow counts; a
-    carried plan's plain colwise layers as laid out, its packed ones by width; a declared plan by width."""
-    return fused_factors(block, spec.tp_plan, _known_fused(spec), width_fallback=spec.tp.source == "model")
-
-
 def _chunk_permutation(rows: int, k: int, tp: int) -> torch.Tensor:
     """Row order that makes Shard(0) over ``tp`` ranks give each rank its slice of all k chunks."""
     n = rows // k
@@ -267,7 +244,7 @@ def fused_row_permutations(model: nn.Module, spec: ModelSpec, tp: int) -> dict[s
         return {}
     blocks = model.get_submodule(spec.blocks_path)
     perms: dict[str, torch.Tensor] = {}
-    for name, k in _fused(blocks[0], spec).items():
+    for name, k in plan_fused(blocks[0], spec.tp).items():
         if k == 1:
             continue
         for i, _ in enumerate(blocks):
@@ -357,10 +334,6 @@ def _gather_sequence_post_hook(mesh: DeviceMesh):
     return hook
 
 
-def _is_norm(mod: nn.Module) -> bool:
-    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith("Norm")
-
-
 def apply_tp(
     part: nn.Module,
     spec: ModelSpec,
@@ -383,12 +356,14 @@ def apply_tp(
                 layout[name] = ColwiseParallel()
             else:
                 layout[name] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
-        layout.update(conv1d_layout(block, spec.tp_plan, _fused(block, spec),
+        layout.update(conv1d_layout(block, spec.tp_plan, plan_fused(block, spec.tp),
                                     sequence_parallel=sequence_parallel))
         if sequence_parallel:
             for name, mod in block.named_modules():
-                if name and _is_norm(mod):
-                    layout[name] = SequenceParallel()
+                if name and is_norm(mod):
+                    # A plain local shard out, as the rowwise layers' reduce-scatter gives: post-LN
+                    # blocks (BERT) add a norm's output to a rowwise output.
+                    layout[name] = SequenceParallel(use_local_output=True)
         parallelize_module(block, tp_mesh, layout)
         set_local_attrs(block, spec.tp.local_attrs, tp_mesh.size())  # widths the block's code splits by
         if sequence_parallel:

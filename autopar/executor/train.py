@@ -36,8 +36,13 @@ from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
 from autopar.executor.apply import Executable, reference_model
+from autopar.executor.batch import rows, to_device
 from autopar.executor.context_parallel import (
-    cp_next_token_loss, is_next_token_loss, logits_of, position_kwargs, shard_batch,
+    cp_next_token_loss,
+    is_next_token_loss,
+    logits_of,
+    position_kwargs,
+    shard_batch,
 )
 from autopar.executor.data_parallel import DTYPES, build_optimizer, zero1_microbatch
 from autopar.executor.pipeline_parallel import run_schedule, sync_tied_grads
@@ -101,32 +106,11 @@ def global_batch(mf: ModelFile, size: int, step: int, seed: int) -> Any:
     return _redraw(mf.example_inputs(size, "cpu"), g)
 
 
-def rows(x: Any, start: int, end: int) -> Any:
-    """Rows [start, end) of every tensor in a batch (dim 0 is the sample dimension)."""
-    if isinstance(x, torch.Tensor):
-        return x[start:end]
-    if isinstance(x, (tuple, list)):
-        return type(x)(rows(v, start, end) for v in x)
-    if isinstance(x, dict):
-        return {k: rows(v, start, end) for k, v in x.items()}
-    return x
-
-
 def rank_batch(exe: Executable, mf: ModelFile, step: int, seed: int) -> Any:
     """This rank's data-parallel rows of global batch ``step`` of ``seed``, on its device."""
     g = exe.plan.training.global_batch_size
     per_dp, d = g // exe.plan.parallel.dp, exe.mesh.coords.dp
     return to_device(rows(global_batch(mf, g, step, seed), d * per_dp, (d + 1) * per_dp), exe.mesh.device)
-
-
-def to_device(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, (tuple, list)):
-        return type(x)(to_device(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: to_device(v, device) for k, v in x.items()}
-    return x
 
 
 def _autocast(plan: Plan, device: torch.device, fsdp: bool):

@@ -42,12 +42,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
-from autopar.cost.comm import Mesh, collective_time_s
+from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.estimate import config_from_plan
 from autopar.cost.stage import StageTerms, build_terms
 from autopar.cost.step import chunk_rank, evaluate
 from autopar.graph.model_graph import ModelGraph
 from autopar.graph.scaling import Shape
+from autopar.layout import Layout
 from autopar.plan import Plan
 
 
@@ -112,8 +113,8 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
     """Per pipeline rank, the collectives of one step (formulas in the module docstring)."""
     cfg = config_from_plan(plan)
     terms = terms or build_terms(graph, cluster, cfg)
-    mesh = Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp)
-    links = {axis: mesh.link(cluster, axis) for axis in ("tp", "cp", "dp_cp", "pp")}
+    layout = Layout.of(cfg)
+    links = {axis: axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp", "pp")}
     s_ratio = (cfg.seq_len / cfg.cp) / graph.seq_len if graph.is_sequence_model else 1.0
     kv_ratio = cfg.seq_len / graph.seq_len if graph.is_sequence_model else 1.0
     shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=kv_ratio, t=cfg.tp)  # TP messages: no SP division

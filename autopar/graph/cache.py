@@ -114,7 +114,7 @@ def schema_fingerprint(tp: Any = ModelGraph) -> str:
 
 def graph_key(*, file_sha256: str, name: str, seq_len: int | None, dtype: str) -> dict[str, Any]:
     """Everything a cached graph depends on (see the module docstring)."""
-    from autopar import __version__
+    from autopar.version import __version__
 
     return {
         "schema": SCHEMA_VERSION, "model_sha256": file_sha256, "model_name": name, "seq_len": seq_len,
@@ -316,9 +316,8 @@ def cached_graph(model: Any, *, seq_len: int | None, dtype: str, use_cache: bool
     if on_miss:
         on_miss()
     from autopar.graph.measure import build_graph
-    from autopar.modelfile import load_model_file
-
     from autopar.modelcheck import check_example_inputs
+    from autopar.modelfile import load_model_file
 
     mf = mf or load_model_file(path)
     check_example_inputs(mf)  # the contract check; a hit's bytes passed it when they were traced

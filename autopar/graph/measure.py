@@ -10,9 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autopar.errors import ModelFileError
-from autopar.graph.build import (
-    one_block_model, shard_for_tp, slice_sequence, trace_model,
-)
+from autopar.graph.build import one_block_model, shard_for_tp, slice_sequence, trace_model
 from autopar.graph.model_graph import ModelGraph, RegionParams, _to_networkx
 from autopar.graph.scaling import RegionFit, fit_region
 from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit

@@ -22,6 +22,7 @@ from typing import Mapping
 import networkx as nx
 
 from autopar.graph.scaling import RegionFit, Shape
+from autopar.layout import tp_heads_reason, ulysses_reason
 from autopar.plan import DTYPE_BYTES
 
 
@@ -110,17 +111,11 @@ class ModelGraph:
             return None
         if self.tp_reason:
             return self.tp_reason
-        for what, n in (("heads", self.num_heads), ("kv heads", self.num_kv_heads)):
-            if n is not None and n % tp:
-                return f"tp={tp} does not divide the {n} {what}"
-        return None
+        return tp_heads_reason(tp, self.num_heads, self.num_kv_heads)
 
     def ulysses_allowed(self, tp: int, cp: int) -> str | None:
-        if self.num_heads is not None and self.num_heads % (tp * cp):
-            return f"ulysses needs tp x cp = {tp * cp} to divide the {self.num_heads} heads"
-        if self.num_kv_heads is not None and self.num_kv_heads % (tp * cp):
-            return f"ulysses needs tp x cp = {tp * cp} to divide the {self.num_kv_heads} kv heads"
-        return None
+        """None if Ulysses context parallelism at (tp, cp) is legal for this model, else the reason."""
+        return ulysses_reason(tp, cp, self.num_heads, self.num_kv_heads)
 
 
 def region_totals(fit: RegionFit, shape: Shape) -> dict[str, float]:

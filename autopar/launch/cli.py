@@ -22,8 +22,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from autopar.launch.commands import (Launch, check_safe_text, check_slurm_time, check_world_size, sbatch_script,
-                                         torchrun_lines)
+    from autopar.launch.commands import (
+        Launch,
+        check_safe_text,
+        check_slurm_time,
+        check_world_size,
+        sbatch_script,
+        torchrun_lines,
+    )
     from autopar.plan import load_plan
 
     check_safe_text("plan path", args.plan)  # before anything reads it: a newline would inject a script line

@@ -1,1 +1,1 @@
-"""Reference models (DESIGN §6, a CONTRACT): Megatron GPT and Llama-3."""
+"""Reference models (docs/design.md §3, a contract): Megatron GPT and Llama-3."""

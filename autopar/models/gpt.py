@@ -1,4 +1,4 @@
-"""Megatron GPT exactly as benchmarked in the Megatron-LM papers (DESIGN §6, a CONTRACT).
+"""Megatron GPT exactly as benchmarked in the Megatron-LM papers (docs/design.md §3, a contract).
 
 Learned absolute positions, pre-LayerNorm blocks, explicit attention (QK^T, scaled causal softmax,
 attention dropout, @V), dropout after attention and after the MLP, GELU MLP of width 4h, final
@@ -187,7 +187,7 @@ GPT_TP_PLAN = {k.removeprefix("layers.*."): v.removeprefix("packed_") for k, v i
 
 
 def model_file(config: GPTConfig) -> str:
-    """The source of a model file (DESIGN §4) for this config, e.g. to write next to a plan."""
+    """The source of a model file (docs/design.md §3) for this config, e.g. to write next to a plan."""
     return f'''"""Megatron GPT: {config!r}"""
 from autopar.models.gpt import GPT, GPT_TP_PLAN, GPTConfig, example_tokens, next_token_loss
 

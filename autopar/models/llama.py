@@ -1,4 +1,4 @@
-"""Reference Llama-3 (DESIGN §6, a CONTRACT): RMSNorm, SwiGLU MLP, RoPE, grouped-query attention.
+"""Reference Llama-3 (docs/design.md §3, a contract): RMSNorm, SwiGLU MLP, RoPE, grouped-query attention.
 
 Attention uses ``scaled_dot_product_attention`` with a causal mask (no attention dropout, as in
 Llama). Heads are recovered from projection widths (``view(b, s, -1, head_dim)``), so blocks whose
@@ -174,7 +174,7 @@ LLAMA_TP_PLAN = {k.removeprefix("layers.*."): v for k, v in Llama._tp_plan.items
 
 
 def model_file(config: LlamaConfig) -> str:
-    """The source of a model file (DESIGN §4) for this config."""
+    """The source of a model file (docs/design.md §3) for this config."""
     return f'''"""Llama-3: {config!r}"""
 from autopar.models.gpt import example_tokens, next_token_loss
 from autopar.models.llama import LLAMA_TP_PLAN, Llama, LlamaConfig

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from autopar.cliargs import int_list
 from autopar.errors import AutoparError
-from autopar.profiler.load import usable_cores
+from autopar.profiler.cores import usable_cores
 
 
 def _kind_list(text: str) -> tuple[str, ...]:
@@ -87,10 +87,10 @@ def _layers_main(args: argparse.Namespace) -> int:
     import torch
 
     from autopar.modelfile import load_model_file
+    from autopar.profile_tables import layer_table_to_dict
     from autopar.profiler.kernels import profile_kernels
     from autopar.profiler.layers import LayerProfileConfig, profile_layers
     from autopar.profiler.load import start_load, stop_load, wait_ready
-    from autopar.profile_tables import layer_table_to_dict
     from autopar.profiler.profile_file import derived_spec, device_info, read_profile, write_profile
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -41,7 +41,7 @@ from typing import Any
 
 from autopar.errors import AutoparError
 from autopar.launch.local import under_launcher
-from autopar.profiler.load import usable_cores
+from autopar.profiler.cores import usable_cores
 
 DEFAULT_STEPS = 6
 _SAID = "AUTOPAR_VALIDATE_CONDITIONS_SAID"  # the launcher already printed the condition warnings

@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 
 from autopar.modelfile import ModelFile, call_model
-from autopar.profiler.load import start_load, stop_load, usable_cores, wait_ready
+from autopar.profiler.cores import usable_cores
+from autopar.profiler.load import start_load, stop_load, wait_ready
 
 MAX_RANKS = 16
 

@@ -22,17 +22,6 @@ import time
 READY = "ready"
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity: taskset, a container's cpuset), which
-    ``os.cpu_count`` -- every core of the host -- is not."""
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def start_load(n: int, device_type: str, model_path: str, micro_batch: int) -> list[subprocess.Popen]:
     """``n`` single-threaded helper processes (CPU only): the other ranks a run would have."""
     if n <= 0 or device_type != "cpu":

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.profiler.load import usable_cores
+from autopar.profiler.cores import usable_cores
 
 
 def device_name(device: Any) -> str:

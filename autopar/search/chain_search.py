@@ -21,8 +21,8 @@ from autopar.cluster import Cluster
 from autopar.cost.chain import ChainTerms, build_chain_terms, evaluate_chain
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import even_stage_ranges
+from autopar.search.candidates import Candidate, SearchResult, TopK
 from autopar.search.partition import optimal_partition
-from autopar.search.search import Candidate, SearchResult, _TopK
 from autopar.search.space import SearchSpace, enumerate_configs
 
 
@@ -101,7 +101,7 @@ def search_chain(graph: ModelGraph, cluster: Cluster, space: SearchSpace, *, top
         work = sum(u.time_s for u in terms.units) + terms.base.pre.time_s + terms.base.post.time_s
         bounded.append((max(flop_lb, cfg.num_microbatches * work / cfg.pp), len(bounded), terms))
     bounded.sort(key=lambda x: (x[0], x[1]))
-    top = _TopK(top_k)
+    top = TopK(top_k)
     evaluated = solved = 0
     for k, (lb, _, terms) in enumerate(bounded):
         if progress and k % 200 == 0:

@@ -2,8 +2,9 @@
 
 Each candidate remedy is evaluated with ``search.smallest_memory`` (the least peak memory of any
 legal configuration at its most frugal settings): dropping the user's constraints, more GPUs (the
-power-of-two multiples around the memory ratio: the first that fits is named), a profile with more memory per GPU (among those ``autopar profiles`` lists), a shorter
-sequence (sequence models). A remedy whose frugal plan does not fit is not named.
+power-of-two multiples around the memory ratio: the first that fits is named), a profile with more
+memory per GPU (among those ``autopar profiles`` lists), a shorter sequence (sequence models). A
+remedy whose frugal plan does not fit is not named.
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ two maxima, which the epigraph variables T and Z represent exactly because they 
 (c: the share of a hidden collective that contention still costs). Without overlap of the gradient
 sync, c is not charged and the second family becomes Z >= (sync + gather + opt) P_r.
 
-Integers: times are scaled so that one micro-batch of the whole model (every block, embedding and
-head) is 1e6 units (TIME_UNITS), a resolution of one part in 1e6 whatever the model size, with coefficients far
-from int64 overflow; bytes stay bytes (coefficients rounded up, capacity rounded down, so a split
+Integers: times are scaled so that one micro-batch of the whole model -- every block, the embedding
+and head, and the 2 C point-to-point transfers of its C chunks -- is 1e6 units (TIME_UNITS, in
+``SplitILP.ns`` units per second), a resolution of one part in 1e6 whatever the model size, with
+coefficients far from int64 overflow; bytes stay bytes (coefficients rounded up, capacity rounded down, so a split
 the ILP accepts always fits). The reported step time is the float ``evaluate`` of the split the
 solver returns. T and Z get the tightest upper bounds known (all blocks on one rank).
 
@@ -228,7 +229,8 @@ class SplitILP:
         The walk starts from the greedy split's objective, carries the running maxima of the T and
         Z families down the ranks, and drops a prefix once a lower bound of its objective -- those
         maxima, T raised to the fewest blocks the busiest remaining rank must take and to every
-        later rank's least t, Z to every later rank's least z -- reaches the best found: nothing below it can be better, so the walk stays exhaustive. With
+        later rank's least t, Z to every later rank's least z -- reaches the best found: nothing below
+        it can be better, so the walk stays exhaustive. With
         ``node_budget`` it gives up (returns None) after visiting that many prefixes."""
         bounds = self._bounds()
         k = len(bounds)

@@ -1,7 +1,7 @@
 r"""The optimal contiguous partition of a layer chain over pipeline ranks: an exact dynamic program.
 
 A chain model (no repeated block; graph.chain) has L units that differ in time, parameters and
-activations, so the block-count ILP of search/ilp.py does not apply; DESIGN §3b's fallback is a
+activations, so the block-count ILP of search/ilp.py does not apply; the fallback (docs/design.md §6) is a
 contiguous partition of the chain. With P ranks, rank r holding units [s_r, s_{r+1})
 (0 = s_0 < s_1 < ... < s_P = L), a stage's cost depends only on (s_r, s_{r+1}, r):
 

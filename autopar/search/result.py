@@ -9,7 +9,7 @@ from autopar.cost.estimate import estimate_json
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import ClusterRef, ModelRef, Parallel, Plan, Training
 from autopar.report import gib, param_count, seconds, table
-from autopar.search.search import Candidate, SearchResult
+from autopar.search.candidates import Candidate, SearchResult
 from autopar.search.space import SearchSpace
 
 _DTYPE_NAMES = {2: "bf16", 4: "fp32"}

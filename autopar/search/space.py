@@ -4,7 +4,8 @@ A configuration is legal when dp * tp * pp * cp = N, tp stays inside a node and 
 (and kv heads), cp divides the sequence (ring: into 2 cp chunks for causal load balance; Ulysses: tp*cp
 divides the heads), pp * v <= blocks, the global batch divides into dp * micro-batch, and the
 schedule's micro-batch rules hold (interleaved: M a multiple of pp; 1F1B/interleaved: M >= pp).
-Each illegal combination is counted under the reason it was rejected.
+The degree rules are autopar/layout.py's (the same ones the plan file, the estimate and the
+executor's preflight apply). Each illegal combination is counted under the reason it was rejected.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Iterator
 
 from autopar.cost.stage import Config
 from autopar.graph.model_graph import ModelGraph
+from autopar.layout import cp_seq_reason, executed_zero, ring_balance_reason, tp_node_reason
 from autopar.plan import CP_KINDS, RECOMPUTE_MODES
 
 
@@ -121,11 +123,16 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
     recompute_modes = tuple(rc for rc in space.recompute_modes if rc == "none" or not graph.supports(rc))
     for rc in set(space.recompute_modes) - set(recompute_modes):
         rejected[f"recompute {rc}: {graph.supports(rc)}"] += 1
+    # Dimensions the model spec refuses are said once, with the reason (the plan's "rejected" line).
+    if True in space.sequence_parallel and graph.supports("tp") is None and graph.supports("sp"):
+        rejected[f"sp: {graph.supports('sp')}"] += 1
+    if 3 in space.zero_stages and graph.supports("zero3"):
+        rejected[f"zero3: {graph.supports('zero3')}"] += 1
     for tp in divisors(n):
         if not space.allows("tp_degrees", tp):
             rejected["constraint: tp"] += 1
             continue
-        if tp > space.gpus_per_node:
+        if tp_node_reason(tp, space.gpus_per_node):
             rejected["tp > GPUs per node"] += 1
             continue
         reason = graph.tp_allowed(tp)
@@ -153,8 +160,8 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
                 zeros = space.zero_stages if dp * cp > 1 else (0,)
                 if 3 in zeros and graph.supports("zero3"):
                     zeros = tuple(z for z in zeros if z != 3)
-                if pp > 1 and 1 in zeros:  # ZeRO-2 at pp > 1 runs as ZeRO-1 (cost.zero.executed_zero)
-                    zeros = tuple(z for z in zeros if z != 2)
+                # A stage that runs as another allowed one (ZeRO-2 at pp > 1 runs as ZeRO-1) is that one.
+                zeros = tuple(z for z in zeros if executed_zero(z, pp) == z or executed_zero(z, pp) not in zeros)
                 for mb in space.micro_batches:
                     if space.global_batch % (dp * mb):
                         rejected["global batch not divisible by dp x micro-batch"] += 1
@@ -185,9 +192,9 @@ def _cp_kinds(graph: ModelGraph, space: SearchSpace, tp: int, cp: int, rejected:
         return ()
     kinds = []
     for kind in space.cp_kinds:
-        if kind == "ring" and space.seq_len % (2 * cp):
+        if kind == "ring" and ring_balance_reason(cp, space.seq_len):
             rejected["cp ring: seq not divisible by 2 x cp"] += 1
-        elif kind != "ring" and space.seq_len % cp:
+        elif kind != "ring" and cp_seq_reason(cp, space.seq_len):
             rejected["cp: seq not divisible by cp"] += 1
         elif kind == "ulysses" and graph.ulysses_allowed(tp, cp):
             rejected["cp ulysses: tp x cp does not divide heads"] += 1

@@ -1,4 +1,4 @@
-"""The model spec: the one owner of the facts about a user's model (DESIGN §3c).
+"""The model spec: the one owner of the facts about a user's model (docs/design.md §2).
 
 ``model_spec(model_file)`` builds the model on meta once and reads: where the repeated blocks are
 (``spec.blocks``), what runs before and after them (prologue and epilogue, from one meta forward),
@@ -11,6 +11,7 @@ its own for blocks, heads or the TP plan. Needs torch, never torch.distributed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
@@ -27,9 +28,11 @@ from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, pro
 from autopar.spec.chain import Chain, block_list_chain, find_chain
 from autopar.spec.meta import tolerant_meta
 from autopar.spec.moe import MoESpec, moe_of
+from autopar.spec.short_run import middle_blocks_answered
+from autopar.spec.sp_check import sp_check
 from autopar.spec.support import DIMENSIONS, support_of
 from autopar.spec.tp_infer import Inference, infer_tp
-from autopar.spec.tp_plan import TPPlan, model_carried_plan, packed_names, resolve, root_prefixes
+from autopar.spec.tp_plan import TPPlan, model_carried_plan, packed_names, plan_fused, resolve, root_prefixes
 
 __all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
 
@@ -54,7 +57,8 @@ class ModelSpec:
     vocab_head: str | None = None
     tied: tuple[tuple[str, ...], ...] = ()
     probe: Probe | None = None
-    sp_parents_keyword: tuple[str, ...] = ()  # colwise parents called with keyword-only input
+    sp_parents_keyword: tuple[str, ...] = ()  # colwise parents called with keyword-only input (not for MoE)
+    sp_check: str | None = None  # why SP does not run block 0 exactly (spec/sp_check.py), None: it does
     bare_params: tuple[str, ...] = ()  # parameters not inside any module the pipeline places
     inputs_are_tensors: bool = True
     inputs_are_token_batch: bool = False
@@ -207,30 +211,6 @@ def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Mod
                   f"and {inferred.detail}", dropped=inferred.dropped)
 
 
-def _keyword_parents(block: nn.Module, styles: Mapping[str, str], run: Any) -> tuple[str, ...]:
-    """Parents of colwise layers whose forward received no positional tensor (HF attention takes
-    ``hidden_states=``): the SP gather hook reads the first positional input."""
-    parents = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n, s in styles.items() if s == "colwise"})
-    bad: dict[str, bool] = {}
-    handles = []
-    for p in parents:
-        if not p:
-            continue
-        mod = block.get_submodule(p)
-
-        def hook(m: nn.Module, args: tuple, kwargs: dict, name: str = p) -> None:
-            bad.setdefault(name, not (args and isinstance(args[0], torch.Tensor)))
-
-        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        for h in handles:
-            h.remove()
-    return tuple(n for n, b in bad.items() if b)
-
-
 _CACHE: dict[tuple[str, str], ModelSpec] = {}
 
 
@@ -253,8 +233,11 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     inputs = mf.example_inputs(1, "meta")
     routing: list[tuple[int, int]] = []  # (top_k, experts) of the router topk the probe saw
 
+    blocks_for_run = model.get_submodule(blocks_path) if blocks_path is not None else None
+
     def run() -> Any:
-        with tolerant_meta() as mode:
+        shortened = middle_blocks_answered(blocks_for_run) if blocks_for_run is not None else contextlib.nullcontext()
+        with tolerant_meta() as mode, shortened:
             out = call_model(model, inputs)
         if mode.routing is not None and not routing:
             routing.append((mode.routing.top_k, mode.routing.num_experts))
@@ -265,7 +248,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         if chain is not None:
             return _with_support(_chain_spec(mf, model, chain, inputs))
         mixed = heterogeneous_lists(model)
-        hint = (f" ({', '.join(mixed[:3])} hold blocks of different widths)" if mixed else "")
+        hint = (f" ({', '.join(mixed[:3])} hold blocks whose parameter shapes differ)" if mixed else "")
         raise ModelFileError(
             f"{where}: found no list of repeated blocks (an nn.ModuleList or nn.Sequential of identical "
             f"blocks){hint}; set pipeline_blocks = '<attribute name>'")
@@ -295,15 +278,19 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     tensors_only = isinstance(inputs, torch.Tensor) or (
         isinstance(inputs, tuple) and all(isinstance(v, torch.Tensor) for v in inputs))
     token_batch = isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point()
+    moe = moe_of(model, block, lambda: routing[0] if routing else None)
+    # MoE blocks are refused SP before any check (spec/support.py); a block without TP has none.
+    sp_why, keyword_parents = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
+                               if tp.styles and moe is None else (None, ()))
     spec = ModelSpec(
         blocks_path=blocks_path, num_blocks=len(blocks), blocks_kind=type(blocks).__name__, tp=tp,
         core_name=find_core(block), num_heads=heads, num_kv_heads=kv,
         accepts_positions="positions" in params, vocab_embedding=emb, vocab_head=head, tied=_tied(model),
-        probe=probe, sp_parents_keyword=_keyword_parents(block, tp.styles, run) if tp.styles else (),
+        probe=probe, sp_parents_keyword=keyword_parents,
         bare_params=_bare_params(model, blocks_path, probe), inputs_are_tensors=tensors_only and bool(flat),
         inputs_are_token_batch=token_batch, is_sequence_model=mf.seq_len is not None,
         hf_attention=hf_attention(model, block), notes=tp.dropped,
-        moe=moe_of(model, block, lambda: routing[0] if routing else None),
+        moe=moe, sp_check=sp_why,
         chain=_meta_call(where, lambda: block_list_chain(model, blocks_path, run)) if isinstance(blocks, nn.Sequential) else None,
     )
     return _with_support(spec)
@@ -333,9 +320,10 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any) -> M
         params = {}
     tensors_only = isinstance(inputs, torch.Tensor) or (
         isinstance(inputs, tuple) and bool(inputs) and all(isinstance(v, torch.Tensor) for v in inputs))
+    lists = ", ".join(chain.containers[:4]) + (", ..." if len(chain.containers) > 4 else "")
     tp = TPPlan(styles={}, source="none", detail=(
-        f"no repeated block list (a chain of {chain.num_units} units of "
-        f"{len(set(chain.kinds))} kinds); tp plans apply to one repeated block"))
+        f"no single list of identical blocks (a chain of {chain.num_units} units in {lists}, of "
+        f"{len(set(chain.kinds))} different structures); tp plans apply to one repeated block"))
     return ModelSpec(
         blocks_path=first, num_blocks=chain.num_units, blocks_kind="chain", tp=tp, core_name=None,
         num_heads=heads, num_kv_heads=kv, accepts_positions="positions" in params, vocab_embedding=emb,

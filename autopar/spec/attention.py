@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -49,6 +50,21 @@ def _dispatches(mod: nn.Module) -> bool:
             and "ALL_ATTENTION_FUNCTIONS" in vars(source))
 
 
+def _window(mod: nn.Module, cfg: Any) -> int | None:
+    """The attention's sliding window in tokens, None when it attends to the whole prefix. The module's
+    own attribute where it has one (Qwen2: None on full-attention layers); else the config's, unless
+    the config says the window is off (``use_sliding_window=False``) or assigns windows per layer
+    (``layer_types``: a layer without the attribute is a full-attention layer, Qwen2-MoE). A window
+    of 0 or less is no window."""
+    if hasattr(mod, "sliding_window"):
+        window = mod.sliding_window
+    elif getattr(cfg, "use_sliding_window", True) is False or getattr(cfg, "layer_types", None):
+        window = None
+    else:
+        window = getattr(cfg, "sliding_window", None)
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+
+
 def hf_attention(model: nn.Module, block: nn.Module) -> HFAttention | None:
     """The block's interface-dispatched attention (the outermost one), or None."""
     for name, mod in block.named_modules():
@@ -56,8 +72,7 @@ def hf_attention(model: nn.Module, block: nn.Module) -> HFAttention | None:
         impl = getattr(cfg, "_attn_implementation", None)
         if not name or not isinstance(impl, str) or not _dispatches(mod):
             continue
-        # the module's own window where it has one (Qwen2: None on full-attention layers), else the config's
-        window = getattr(mod, "sliding_window") if hasattr(mod, "sliding_window") else getattr(cfg, "sliding_window", None)
+        window = _window(mod, cfg)
         rates = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
         dropout = next((float(getattr(cfg, a)) for a in rates if isinstance(getattr(cfg, a, None), (int, float))), 0.0)
         try:

@@ -7,7 +7,8 @@ Real model code asks its tensors for values now and then: Hugging Face's packed-
 forward runs through and its shapes, FLOPs and saved tensors can be measured:
 
 * value reads (``.item()``, ``bool(t)``, ``torch.equal``, and copies of integer and boolean tensors
-  to a real device: ``.cpu()``, ``.tolist()``; activations copied out still fail): 0 / False -- no packed sequences, no padding detected -- except for a count made
+  to a real device: ``.cpu()``, ``.tolist()``; activations copied out still fail): 0 / False -- no
+  packed sequences, no padding detected -- except for a count made
   from a routing tensor (below: ``mask.sum()``, ``bincount(idx)``), which is the expected count
   per expert, or True (``mask.any()``: an expert has tokens).
 * data-dependent shapes (``nonzero``, one-argument ``torch.where``, ``argwhere``,
@@ -17,7 +18,8 @@ forward runs through and its shapes, FLOPs and saved tensors can be measured:
 * ``torch._grouped_mm`` in a dtype its meta kernel refuses (it takes bf16 only): the output's
   shape and dtype, as a GPU kernel of that dtype would give.
 
-Routing. A ``topk`` over the last dimension of a (tokens, experts) score tensor is a router: its
+Routing. A ``topk`` over the last dimension of a (tokens, experts) score tensor is a router (so is
+a top-1 ``argmax`` / ``max`` over at most 1024 scores, Switch-style, while no top-k is known): its
 indices, and the integer or boolean tensors computed from them, are routing tensors. Routing is
 taken as balanced, the expected load of a trained router with a balancing loss: each of the E
 experts receives tokens x top_k / E (token, slot) pairs. So a routing mask with tokens or
@@ -220,6 +222,8 @@ class _TolerantMeta(TorchDispatchMode):
                     raise
         if name == "topk" and _is_meta(args):
             self._note_router(args, kwargs, out)
+        elif name in ("argmax", "max") and _is_meta(args) and self._note_top1(name, args, kwargs, out):
+            pass
         elif self.routed and name != "_unique2":  # unique labels its own outputs (values, counts)
             inputs = tree_flatten((args, kwargs))[0]
             if any(self._is_routed(a) for a in inputs):
@@ -233,6 +237,22 @@ class _TolerantMeta(TorchDispatchMode):
         value = self.routing.per_expert if self._counts(t) and t.dtype != torch.bool else (
             True if self._counts(t) else 0)
         return torch.full(t.shape, value, dtype=dtype, device=kwargs["device"])
+
+    def _note_top1(self, name: str, args: tuple, kwargs: dict, out: Any) -> bool:
+        """A top-1 router (Switch-style): ``scores.argmax(-1)`` or ``scores.max(-1)`` over E <= 1024
+        scores of a float tensor that is not itself routed, while no top-k routing is known (a
+        vocabulary argmax is wider; an expert-id max is a routed tensor's). True when noted."""
+        scores = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if (self.routing is not None or dim is None or not scores.is_floating_point() or scores.dim() < 2
+                or int(dim) not in (-1, scores.dim() - 1) or not 2 <= scores.shape[-1] <= 1024):
+            return False
+        indices = out if name == "argmax" else (out[1] if isinstance(out, (tuple, list)) and len(out) == 2 else None)
+        if not isinstance(indices, torch.Tensor):
+            return False
+        self.routing = Routing(tokens=scores.numel() // scores.shape[-1], top_k=1, num_experts=scores.shape[-1])
+        self._mark(indices, "topk")
+        return True
 
     def _note_router(self, args: tuple, kwargs: dict, out: Any) -> None:
         scores, k = args[0], int(args[1] if len(args) > 1 else kwargs.get("k", 1))

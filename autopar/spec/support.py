@@ -39,7 +39,8 @@ def sp_support(spec: "ModelSpec") -> str | None:
     call = spec.probe.block_call
     if not call.first_arg_is_tensor and call.num_args == 0 and not call.kwargs:
         return "the blocks are called without a hidden-state input to split over the sequence"
-    return None
+    # Block 0 run the way the executor's SP hooks run it (spec/sp_check.py): parameters, calls, numbers.
+    return spec.sp_check
 
 
 def pp_support(spec: "ModelSpec") -> str | None:

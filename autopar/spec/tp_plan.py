@@ -185,3 +185,44 @@ def set_local_attrs(block: nn.Module, local_attrs: tuple[str, ...], tp: int) -> 
         owner_name, _, attr = path.rpartition(".")
         owner = block.get_submodule(owner_name) if owner_name else block
         setattr(owner, attr, getattr(owner, attr) // tp)
+
+
+def fused_factors(block: nn.Module, tp_plan: Mapping[str, str], known: Mapping[str, int] | None = None,
+                  *, width_fallback: bool = False) -> dict[str, int]:
+    """Block-relative colwise name -> number of fused projections it stacks (1 = not fused).
+    ``known``: the factors the data flow showed (an inferred plan, TPPlan.fused) or the model's own
+    plan fixed (a carried plan's plain colwise layers); a name it lacks is 1, or with
+    ``width_fallback`` follows the width rule: a colwise layer k times as wide as its rowwise
+    partner's input is taken to stack k."""
+    if known is not None and not width_fallback:
+        return {n: known.get(n, 1) for n, s in tp_plan.items() if s == "colwise"}
+    if known is not None:
+        by_width = fused_factors(block, tp_plan)
+        return {n: known.get(n, k) for n, k in by_width.items()}
+    rowwise = [n for n, s in tp_plan.items() if s == "rowwise"]
+    out: dict[str, int] = {}
+    for name, style in tp_plan.items():
+        if style != "colwise":
+            continue
+        width = _widths(block.get_submodule(name))[1]
+        partners = [r for r in rowwise if _parent(r) == _parent(name)] or rowwise
+        k = 1
+        if partners:
+            partner_in = _widths(block.get_submodule(partners[0]))[0]
+            if width > partner_in and width % partner_in == 0:
+                k = width // partner_in
+        out[name] = k
+    return out
+
+
+def _widths(mod: nn.Module) -> tuple[int, int]:
+    """(in, out) features of an nn.Linear or an HF Conv1D (weight (in, out))."""
+    return (mod.in_features, mod.out_features) if isinstance(mod, nn.Linear) else tuple(mod.weight.shape)
+
+
+def plan_fused(block: nn.Module, plan: TPPlan) -> dict[str, int]:
+    """The fused factors the executor shards ``plan`` with (fused_factors): an inferred plan's
+    data-flow counts; a carried plan's plain colwise layers as laid out, its packed ones by width;
+    a declared plan by width."""
+    known = plan.fused if plan.source in ("inferred", "model") else None
+    return fused_factors(block, plan.styles, known, width_fallback=plan.source == "model")

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from plan_data import GOOD, GPT12, MODELS
 
 
@@ -50,7 +49,7 @@ CASES = [
      ["python/object"]),
     ("degrees-do-not-multiply", lambda t: ["estimate", GPT12, _plan(t, parallel={"dp": 4})], ["cluster.num_gpus"]),
     ("tp-does-not-divide-heads",
-     lambda t: ["estimate", GPT12, _plan(t, parallel={"dp": 1, "tp": 8})], ["parallel.tp", "12 heads"]),
+     lambda t: ["estimate", GPT12, _plan(t, parallel={"dp": 1, "tp": 8})], ["parallel.tp", "12 attention heads"]),
     ("block-count-differs", lambda t: ["estimate", GPT12, _plan(t, model={"num_blocks": 6})], ["6 blocks", "4"]),
     ("missing-model-file", lambda t: ["estimate", t / "nomodel.py", _plan(t)], ["nomodel.py", "does not exist"]),
     ("model-import-error", lambda t: ["estimate", MODELS / "import_error.py", _plan(t)],

@@ -1,6 +1,7 @@
 """Issue 6: a table of bad inputs across ``plan``, ``estimate``, ``run`` and ``profile``.
 
-Every row: the expected exit code (2 = bad input, an infeasible search included), exactly one line on stderr naming the problem, no traceback, nothing
+Every row: the expected exit code (2 = bad input, an infeasible search included), exactly one line on
+stderr naming the problem, no traceback, nothing
 on stdout, and no output file at the ``-o`` / ``--report`` / ``--trace`` path. ``run`` rows never
 start torchrun: they are all caught before launch.
 """
@@ -13,7 +14,6 @@ from typing import Callable
 
 import pytest
 import yaml
-
 from plan_data import GOOD, GPT12, MODELS, REPO
 
 TINY = REPO / "tests" / "dist" / "models" / "tiny_gpt.py"  # 4 blocks, 4 heads, seq 32
@@ -76,7 +76,7 @@ CASES: list[Row] = [
     ("estimate-zero-size", lambda t: ["estimate", GPT12, _plan(t, parallel={"dp": 0})], 2, ["parallel.dp"]),
     ("estimate-degrees-vs-gpus", lambda t: ["estimate", GPT12, _plan(t, parallel={"dp": 4})], 2, ["cluster.num_gpus"]),
     ("estimate-heads-not-divisible", lambda t: ["estimate", GPT12, _plan(t, parallel={"dp": 1, "tp": 8})], 2,
-     ["12 heads"]),
+     ["12 attention heads"]),
     ("estimate-python-tag", lambda t: ["estimate", GPT12, _write(t, "tag.yaml", "!!python/object/apply:os.system ['echo pwned']\n")],
      2, ["python/object"]),
     ("estimate-missing-plan", lambda t: ["estimate", GPT12, t / "none.yaml"], 2, ["none.yaml"]),

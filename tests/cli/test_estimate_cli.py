@@ -1,4 +1,4 @@
-"""``autopar estimate`` (text and the --json CONTRACT of DESIGN §5), ``autopar profiles`` and the help texts."""
+"""``autopar estimate`` (text and the --json contract of docs/design.md §3), ``autopar profiles`` and the help texts."""
 
 from __future__ import annotations
 

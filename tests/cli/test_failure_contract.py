@@ -23,7 +23,6 @@ from typing import Callable
 
 import pytest
 import yaml
-
 from plan_data import REPO
 
 TINY = REPO / "tests" / "dist" / "models" / "tiny_gpt.py"
@@ -237,8 +236,8 @@ ROWS = [
         absent=("out.yaml",), max_wall_s=150),
     Row(finding=8, name="hang in build_model, estimate --timeout 8", setup=_hang_build, code=2,
         says="build_model() did not finish within --timeout 8 s", max_wall_s=150),
-    Row(finding=8, name="hang at import, run --timeout 8", setup=_run_hang_import, code=2, says="import did not finish within --timeout 8 s",
-        max_wall_s=150),
+    Row(finding=8, name="hang at import, run --timeout 8", setup=_run_hang_import, code=2,
+        says="import did not finish within --timeout 8 s", max_wall_s=150),
     Row(finding=8, name="a model that prints, estimate --json", setup=_prints, code=0, stderr_lines=None,
         check=_json_clean),
     Row(finding=8, name="wrong-shape example_inputs", setup=_wrong_shape, code=2, says="dim 0 must be the micro-batch",

@@ -1,6 +1,6 @@
 """Spawn helpers for the distributed equivalence tests (gloo on CPU).
 
-One spawn per world size runs many plan cases in sequence (process start costs seconds, DESIGN §8).
+One spawn per world size runs many plan cases in sequence (process start costs seconds, docs/design.md §9).
 Rank 0 of each case saves ``{case}.pt`` = {"losses": [...], "params": {name: full tensor}} into a
 result directory; the test process compares them with ``run_reference`` of the same seed and data.
 A case that raises aborts the whole spawn (its peers would otherwise wait in a collective); the

@@ -1,7 +1,7 @@
 """Issue 11, build point 3: the executor runs real module code -- Hugging Face ``*ForCausalLM`` models
 (keyword block arguments, rotary tuples from the prologue, ``ModelOutput`` results, dict inputs with
 the loss inside the model), a network under an attribute named ``model``, bare ``nn.Parameter``s and
-tuple-returning blocks -- under every dimension the planner offers, training like one rank (fp32,
+tuple-returning blocks, post-LN blocks under SP (BERT), 0-d parameters under ZeRO -- under every dimension the planner offers, training like one rank (fp32,
 losses rel 1e-4 over 3 steps, step-1 gradients and final parameters).
 
 One spawn per world size (2 and 4 gloo ranks) runs its cases in sequence (tests/dist/harness.py).
@@ -33,6 +33,8 @@ FILES: dict[str, tuple[Path, int, int]] = {
     "under-model": (HERE / "under_model.py", 4, 32),  # the network sits in .model
     "bare-vit": (HERE / "bare_params_vit.py", 4, 1),  # bare parameters, tuple-returning blocks
     "bare-pos-gpt": (ZOO / "bare_pos_gpt.py", 4, 32),  # a bare positional parameter, tied head
+    "hf-bert": (ZOO / "hf_bert.py", 4, 32),  # post-LN: a norm's output meets a rowwise output under SP
+    "scalar-params": (HERE / "scalar_params.py", 4, 1),  # 0-d parameters, which FSDP2 cannot shard
 }
 # Which support key of the model spec each plan dimension needs (to assert the case is offered).
 _DIMS = {"tp": lambda p: p.get("tp", 1) > 1, "sp": lambda p: p.get("sequence_parallel", False),
@@ -81,7 +83,9 @@ CASES = (
     + _cases("hf-gpt2", "zero3", "pp2-1f1b", "cp2-allgather")
     + _cases("under-model", "dp2", "tp2-sp", "cp2-ring", "pp2-1f1b")
     + _cases("bare-vit", "zero3", "pp2-1f1b", "pp2-interleaved")
-    + _cases("bare-pos-gpt", "pp2-1f1b")
+    + _cases("bare-pos-gpt", "pp2-1f1b", "tp2")
+    + _cases("hf-bert", "tp2-sp", "tp2")
+    + _cases("scalar-params", "zero1", "zero3")
 )
 # Four ranks: pipeline stages combined with tensor (+ sequence) and context parallelism on HF Llama.
 CASES_4 = [

@@ -14,9 +14,7 @@ import pytest
 from autopar.cost.estimate import estimate_plan
 from autopar.cost.stage import build_terms
 from autopar.models.gpt import GPTConfig
-from autopar.reference import (
-    KORTHIKANTI_22B, TABLE4_MODES, gpt_graph, load_calibration, megatron_plan, megatron_rows,
-)
+from autopar.reference import KORTHIKANTI_22B, TABLE4_MODES, gpt_graph, load_calibration, megatron_plan, megatron_rows
 
 KORTHIKANTI = load_calibration("korthikanti_2022.yaml")
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from autopar.cluster import load_cluster, list_profiles
+from autopar.cluster import list_profiles, load_cluster
 from autopar.cost.comm import GroupLink, collective_time_s
 from autopar.cost.estimate import estimate_plan
 from autopar.errors import ClusterError
-from autopar.reference_h100 import (
-    megatron_core_flops_per_step, public_plan, public_runs, run_graph, software_cluster,
-)
+from autopar.reference_h100 import megatron_core_flops_per_step, public_plan, public_runs, run_graph, software_cluster
 
 CONTRACT_NAMES = ("a100-80g", "h100-80g", "h200-141g", "cpu-local-2", "cpu-local-4")
 HARDWARE = ("peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s", "memory_efficiency", "gemm",

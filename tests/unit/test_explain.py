@@ -3,15 +3,12 @@ estimate, communication volume by the formulas of ``autopar.explain.volume``, su
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from autopar.cost.estimate import estimate_plan
 from autopar.explain.explanation import MEMORY_KEYS, elided, explain_plan, format_explanation
 from autopar.explain.mesh import axis_groups, format_group, mesh_summary
 from autopar.explain.volume import communication_volume, wire_factor
-
 
 
 def _groups(plan, axis):
@@ -140,9 +137,7 @@ def test_ring_cp_p2p_counts(small_gpt, a100, make_plan) -> None:
 
 def test_huge_plans_are_summarised(small_gpt, a100, make_plan) -> None:
     plan = make_plan(16, global_batch_size=2048, dp=128, tp=8, pp=16)  # 16,384 GPUs
-    start = time.perf_counter()
     text = format_explanation(explain_plan(plan, small_gpt, a100))
-    assert time.perf_counter() - start < 10
     assert "... 2,044 more (2,048 groups of 8)" in text
     assert "... 1,020 more (1,024 groups of 16)" in text
     assert len(text.splitlines()) < 150

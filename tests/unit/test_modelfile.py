@@ -1,4 +1,4 @@
-"""Model files (DESIGN §4, a CONTRACT): loading on meta, declarations, and one-line errors naming the file."""
+"""Model files (docs/design.md §3, a contract): loading on meta, declarations, and one-line errors naming the file."""
 
 from __future__ import annotations
 

@@ -105,6 +105,20 @@ def test_topk_moe_spec_reads_top_k_from_the_router_call(tmp_path) -> None:
     assert spec.moe.expert_params == 8 * 2 * 64 * 128
 
 
+def test_top1_argmax_routing_is_a_router(tmp_path) -> None:
+    """Switch-style top-1 routing (scores.argmax(-1), no topk call, no top-k in a config or attribute):
+    the spec finds the experts with top_k 1, and the block counts one expert per token, not none."""
+    d, f, e, s = 64, 128, 4, 32
+    path = _topk(tmp_path, "moe_argmax", d=d, f=f, e=e, k=1, s=s, routing="argmax")
+    spec = model_spec(load_model_file(path))
+    assert spec.moe is not None and (spec.moe.num_experts, spec.moe.top_k) == (e, 1)
+    assert spec.moe.top_k_source == "topk call" and spec.moe.router_name == "moe.router"
+    g = build_graph(str(path), dtype="fp32")
+    attention = 2 * d * 3 * d + 2 * d * d + 4 * s * d
+    expert, router = 2 * d * f + 2 * f * d, 2 * d * e
+    assert _block_fwd_flops(g) / s == pytest.approx(attention + expert + router, rel=0.03)
+
+
 def test_dense_model_has_no_moe(tmp_path) -> None:
     assert model_spec(load_model_file(_topk(tmp_path, "dense_spec", dense=True))).moe is None
 
@@ -151,3 +165,36 @@ def test_step_time_scales_with_the_experts_used(tmp_path, make_plan, a100) -> No
     assert saved(top2) > saved(top1) > attention_only > 0
     assert saved(dense2) * 0.95 <= saved(top2) <= saved(dense2) * 1.6
     assert saved(top2) < 0.6 * saved(dense_all)
+
+
+def test_plan_search_says_why_sp_is_left_out_for_moe(tmp_path) -> None:
+    """The plan's ``rejected`` line carries the model spec's SP refusal (not a silent omission)."""
+    from collections import Counter
+
+    from autopar.search.space import SearchSpace, enumerate_branches
+
+    g = build_graph(str(_topk(tmp_path, "moe_rejected")), dtype="fp32")
+    assert g.supports("tp") is None and "mixture of experts" in g.supports("sp")
+    rejected: Counter = Counter()
+    space = SearchSpace(num_gpus=4, gpus_per_node=4, global_batch=8, seq_len=32, micro_batches=(1,))
+    branches = list(enumerate_branches(g, space, rejected))
+    assert branches and not any(b.sequence_parallel for b in branches)
+    assert [k for k in rejected if k.startswith("sp: ")] == [f"sp: {g.supports('sp')}"]
+
+
+def test_sliding_window_is_read_only_where_the_layer_uses_one() -> None:
+    """Qwen2-MoE's config carries sliding_window = 0 with use_sliding_window = False and per-layer
+    layer_types; its attention has no window (CP was refused for "a sliding window (0 tokens)")."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from autopar.spec.attention import _window
+
+    bare, windowed = nn.Module(), nn.Module()
+    windowed.sliding_window = 16
+    assert _window(bare, SimpleNamespace(sliding_window=0, use_sliding_window=False)) is None
+    assert _window(bare, SimpleNamespace(sliding_window=4096, layer_types=["full_attention"])) is None
+    assert _window(bare, SimpleNamespace(sliding_window=16)) == 16  # Mistral: the config's window applies
+    assert _window(windowed, SimpleNamespace(sliding_window=None, layer_types=["sliding_attention"])) == 16
+    assert _window(bare, SimpleNamespace(sliding_window=0)) is None

@@ -1,4 +1,4 @@
-"""Plan file v1 (DESIGN §5, a CONTRACT): strict load/save, stage ranges, and one-line errors naming the key."""
+"""Plan file v1 (docs/design.md §3, a contract): strict load/save, stage ranges, and one-line errors naming the key."""
 
 from __future__ import annotations
 
@@ -12,8 +12,17 @@ from hypothesis import strategies as st
 
 from autopar.errors import PlanError
 from autopar.plan import (
-    ClusterRef, ModelRef, Parallel, Plan, Training, dump_plan, even_stage_ranges, load_plan, parse_plan,
-    plan_from_dict, save_plan,
+    ClusterRef,
+    ModelRef,
+    Parallel,
+    Plan,
+    Training,
+    dump_plan,
+    even_stage_ranges,
+    load_plan,
+    parse_plan,
+    plan_from_dict,
+    save_plan,
 )
 
 BASE = {

@@ -108,9 +108,9 @@ def test_first_loss_of_a_next_token_model_is_ln_vocab() -> None:
 
 
 def test_validate_says_when_the_machine_was_loaded() -> None:
-    from autopar.profiler.cli_validate import machine_load
-
     import os
+
+    from autopar.profiler.cli_validate import machine_load
 
     cores = os.cpu_count() or 1
     idle = machine_load(2.0, 2.1, world=2, device_type="cpu")

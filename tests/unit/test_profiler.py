@@ -13,10 +13,10 @@ import yaml
 from autopar.cluster import cluster_from_dict, load_cluster, load_cluster_and_profile, with_measured
 from autopar.cost.comm import GroupLink, collective_time_s
 from autopar.errors import ClusterError
+from autopar.profile_tables import LayerPoint, LayerTable, MeasuredProfile, layer_table_to_dict, measured_from_dict
 from autopar.profiler.comm import fit_collective, hops_and_volume
 from autopar.profiler.kernels import fit_gemm
 from autopar.profiler.memory import LiveBytes
-from autopar.profile_tables import LayerPoint, LayerTable, MeasuredProfile, layer_table_to_dict, measured_from_dict
 
 TINY_GPT = "tests/dist/models/tiny_gpt.py"
 

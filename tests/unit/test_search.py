@@ -12,10 +12,11 @@ import pytest
 from autopar.cluster import Link, load_cluster
 from autopar.cost.stage import build_terms
 from autopar.cost.step import evaluate
-from autopar.models.gpt import GPTConfig
-from autopar.models.llama import LlamaConfig, model_file as llama_model_file
-from autopar.reference import gpt_graph
 from autopar.graph import build_graph
+from autopar.models.gpt import GPTConfig
+from autopar.models.llama import LlamaConfig
+from autopar.models.llama import model_file as llama_model_file
+from autopar.reference import gpt_graph
 from autopar.search.ilp import deal_chunks, solve_split, valid_split
 from autopar.search.search import search
 from autopar.search.space import SearchSpace, enumerate_configs
@@ -198,3 +199,24 @@ def test_zero1_and_zero2_are_searched_at_every_tp_and_zero2_not_twice_with_pp() 
     # ZeRO-2 at pp > 1 runs as ZeRO-1 (cost.zero.executed_zero): the same plan would be searched twice
     assert not [c for c in configs if c.pp > 1 and c.zero == 2]
     assert [c for c in configs if c.pp > 1 and c.tp > 1 and c.zero == 1]
+
+
+def test_parametric_screen_gives_the_plans_cp_sat_alone_gives(monkeypatch) -> None:
+    """Split programs too large to enumerate (48 blocks over up to 16 ranks) are screened by the
+    exact parametric method and only the top K go to CP-SAT: the plans, splits' step times and
+    ranking equal those of CP-SAT solving every program, and the reported splits are CP-SAT's."""
+    import autopar.search.ilp as ilp
+
+    graph = gpt_graph(GPTConfig(num_layers=48, hidden_size=128, num_heads=4, seq_len=64, vocab_size=256))
+    cluster = _tiny_cluster(24 * 2**20, 8)
+    space = SearchSpace(num_gpus=16, gpus_per_node=8, global_batch=32, seq_len=64, micro_batches=(1, 2),
+                        max_virtual_stages=2)
+    screened = search(graph, cluster, space, top_k=4)
+    assert any(c.config.pp >= 4 for c in screened.top), "the case must exercise large split programs"
+    assert all(c.split_method in ("cp-sat", "enumeration", "direct") for c in screened.top)
+    assert any(c.split_method == "cp-sat" for c in screened.top)
+    monkeypatch.setattr(ilp.SplitILP, "parametric", lambda self: None)
+    plain = search(graph, cluster, space, top_k=4)
+    assert [c.step_time_s for c in screened.top] == pytest.approx([c.step_time_s for c in plain.top], rel=1e-9)
+    assert [c.config for c in screened.top] == [c.config for c in plain.top]
+    assert screened.num_ilp_solved <= plain.num_ilp_solved

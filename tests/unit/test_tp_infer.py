@@ -225,9 +225,9 @@ def test_a_loss_with_the_vocabulary_constant_keeps_tp(tmp_path: Path) -> None:
 def test_hf_style_patterns_resolve_the_same_in_planner_and_executor(tmp_path: Path) -> None:
     """``layers.*.x`` patterns (as HF writes them) become the block-relative plan that the graph
     (planner) shards and the executor's apply_tp / fused permutations read: one source."""
-    from autopar.executor.tensor_parallel import fused_factors
     from autopar.graph.build import match_tp_style, one_block_model, shard_for_tp
     from autopar.graph.measure import build_graph
+    from autopar.spec.tp_plan import fused_factors
 
     plan = "{" + ", ".join(f"'layers.*.{k}': '{v}'" for k, v in GPT_TP_PLAN.items()) + "}"
     loss = "return output.float().mean()"
@@ -310,7 +310,7 @@ def test_transformer_encoder_shards_its_mlp_and_says_why_not_its_attention(tmp_p
 
 
 def test_fused_counts_come_from_the_data_flow_not_widths() -> None:
-    from autopar.executor.tensor_parallel import fused_factors
+    from autopar.spec.tp_plan import fused_factors
 
     mf = load_model_file(MODELS / "fused_chunks.py")
     spec = _spec(MODELS / "fused_chunks.py")
@@ -330,3 +330,92 @@ def test_inference_never_breaks_the_spec() -> None:
 
     got = infer_tp(block, block, run)
     assert got.plan.styles == {} and "could not be read (RuntimeError: the user's forward broke)" in got.plan.detail
+
+
+# ---- sequence parallelism: offered only where the executor's SP hooks run block 0 exactly (spec/sp_check.py)
+_SP_MODEL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+W, H, V, S = 32, 4, 64, 16
+SEQ_LEN = S
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(W, W) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, W // H).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n1, self.attn = nn.LayerNorm(W), Attn()
+
+    def forward(self, x):
+        x = x + self.attn(self.n1(x))
+        return MIX
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, W)
+        self.cells = nn.ModuleList(Block() for _ in range(2))
+        self.out = nn.Linear(W, V, bias=False)
+
+    def forward(self, t):
+        h = self.emb(t)
+        for c in self.cells:
+            h = c(h)
+        return self.out(h)
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(micro_batch_size):
+    return torch.zeros(micro_batch_size, S, dtype=torch.long)
+
+
+def loss_fn(output, inputs):
+    return F.cross_entropy(output.flatten(0, 1), inputs.flatten())
+'''
+
+
+def test_sp_offered_where_the_hooks_run_the_block_exactly(tmp_path) -> None:
+    spec = _spec(_file(tmp_path, "sp_ok", _SP_MODEL.replace("MIX", "x")))
+    assert spec.tp.source == "inferred" and spec.tp_plan == {"attn.q": "colwise", "attn.k": "colwise",
+                                                             "attn.v": "colwise", "attn.o": "rowwise"}
+    assert spec.support["sp"] is None
+    assert _spec(ZOO / "odd_names_decoder.py").support["sp"] is None
+
+
+def test_sp_refused_for_token_mixing_outside_the_gathered_parents(tmp_path) -> None:
+    # a parameter-free mean over the sequence at block level: TP is exact, SP (each rank its shard) is not
+    spec = _spec(_file(tmp_path, "sp_mix", _SP_MODEL.replace("MIX", "x - x.mean(dim=1, keepdim=True)")))
+    assert spec.support["tp"] is None
+    assert "simulated sequence-parallel block differs" in spec.support["sp"]
+
+
+def test_sp_refused_for_an_unsharded_attention() -> None:
+    # bare_pos_gpt's attention reshapes by the input's width, so only its MLP pair is sharded; under
+    # SP its attention would run on each rank's sequence shard (and its weights meet DTensors)
+    spec = _spec(ZOO / "bare_pos_gpt.py")
+    assert spec.tp_plan == {"mlp.0": "colwise", "mlp.2": "rowwise"} and spec.support["tp"] is None
+    assert spec.support["sp"].startswith("attn.c_attn.weight is in neither a tensor-parallel layer nor a norm")
+
+
+def test_sp_refused_when_the_colwise_parent_is_never_called() -> None:
+    # fused_chunks calls self.qkv.proj(...) directly: the SP gather hook on qkv would never run
+    spec = _spec(MODELS / "fused_chunks.py")
+    assert spec.support["tp"] is None
+    assert "is never called" in spec.support["sp"] and "(the parent of colwise" in spec.support["sp"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from autopar.errors import AutoparError, ModelFileError
 from autopar.graph.measure import build_graph
 from autopar.graph.time_limit import ENV_VAR, measure_time_limit

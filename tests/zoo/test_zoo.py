@@ -40,6 +40,7 @@ CASES = [
     pytest.param("torch_encoder", "dp2", (), id="torch_encoder-dp2"),
     pytest.param("autopar_llama", "tp2+sp", ("tp", "sp"), id="autopar_llama-tp2+sp"),
     pytest.param("hf_mixtral", "dp2", (), id="hf_mixtral-dp2"),
+    pytest.param("hf_bert", "tp2+sp", ("tp", "sp"), id="hf_bert-tp2+sp"),  # post-LN under SP, a tied bias
 ]
 
 

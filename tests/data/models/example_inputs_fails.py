@@ -1,6 +1,5 @@
 """Bad model file: example_inputs raises."""
 
-import torch
 from torch import nn
 
 

@@ -13,7 +13,8 @@ from torch import nn
 D, F_EXPERT, E, K, H, L, V = 64, 128, 4, 2, 4, 2, 256
 SEQ_LEN = 32
 DENSE = False  # True: a dense MLP of width K x F_EXPERT instead (the same FLOPs per token, no router)
-ROUTING = "where"  # "where": per expert torch.where(idx == e); "sorted": tokens sorted by expert, counts .tolist()
+ROUTING = "where"  # "where": per expert torch.where(idx == e); "sorted": tokens sorted by expert, counts .tolist();
+# "argmax": top-1 (Switch-style) scores.argmax(-1), then as "where" (needs K = 1)
 
 
 class Expert(nn.Module):
@@ -45,7 +46,12 @@ class TopKMoE(nn.Module):
     def forward(self, x):
         b, s, d = x.shape
         x = x.reshape(-1, d)
-        weights, idx = torch.topk(self.router(x).softmax(-1), K, dim=-1)
+        if ROUTING == "argmax":
+            probs = self.router(x).softmax(-1)
+            idx = probs.argmax(-1, keepdim=True)
+            weights = probs.gather(-1, idx)
+        else:
+            weights, idx = torch.topk(self.router(x).softmax(-1), K, dim=-1)
         if ROUTING == "sorted":
             return self._sorted(x, weights, idx).view(b, s, d)
         out = torch.zeros_like(x)

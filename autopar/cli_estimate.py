@@ -1,0 +1,124 @@
+"""``autopar estimate [MODEL.py] PLAN.yaml``: the cost model's prediction for a plan, and where it
+ranks among the plans ``autopar plan`` searches for the same request (``--json``: the contract object).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from autopar.errors import AutoparError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from autopar.usercode import add_timeout_argument
+
+    p.add_argument("model", metavar="MODEL.py", nargs="?", help="model file (default: the plan's model.file)")
+    p.add_argument("plan", metavar="PLAN.yaml", help="plan file (YAML v1)")
+    p.add_argument("--cluster", metavar="NAME|PATH", help="cluster profile (default: the plan's cluster.profile)")
+    p.add_argument("--profile", metavar="PATH",
+                   help="measured profile (autopar profile) layered over the cluster profile, or a full one")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the estimate --json contract)")
+    p.add_argument("--no-rank", action="store_true",
+                   help="do not search for where the plan ranks among autopar's plans (text output only)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="trace the model file again instead of reading its graph from the cache (~/.cache/autopar)")
+    add_timeout_argument(p)
+
+
+def _warn(message: str) -> None:
+    print(f"autopar: warning: {message}", file=sys.stderr)
+
+
+RANK_TOP_K = 20  # estimate ranks a hand plan among this many of the fastest searched plans
+
+
+def main(args: argparse.Namespace) -> int:
+    from autopar.cost.estimate import estimate_json
+    from autopar.report import estimate_report
+    from autopar.usercode import configure, stdout_to_stderr
+
+    if args.model and args.model.endswith((".yaml", ".yml")) and args.plan.endswith(".py"):
+        # PLAN.yaml MODEL.py, the order of run / validate / explain: take it as meant
+        args.model, args.plan = args.plan, args.model
+    configure(timeout_s=args.timeout)
+    if args.json:  # nothing but the JSON object on stdout, whatever the model file prints
+        with stdout_to_stderr():
+            est, plan, graph, cluster, _ = _estimate(args)
+        print(json.dumps(estimate_json(est), indent=2))
+        return 0
+    est, plan, graph, cluster, model = _estimate(args)
+    print(estimate_report(plan, est, graph.name, graph.num_params, cluster.name))
+    if not args.no_rank:
+        print("")
+        print(_rank_text(plan, est, model, cluster, args))
+    return 0
+
+
+def _estimate(args: argparse.Namespace):  # noqa: ANN202
+    """(estimate, plan, graph, cluster, model path); the graph through the cache (model code, and
+    its example_inputs check, run only on a miss: graph/cache.py)."""
+    from autopar.api import plan_model_path
+    from autopar.cluster import load_cluster_and_profile
+    from autopar.cost.compute import measured_table_warning
+    from autopar.cost.estimate import estimate_plan
+    from autopar.plan import load_plan
+    from autopar.search.driver import load_graph
+
+    plan = load_plan(args.plan)
+    cluster = load_cluster_and_profile(args.cluster, args.profile, plan.cluster.profile)
+    from autopar.profile_conditions import RunConditions, price_for_run, ranks_on_host
+
+    run = RunConditions(dtype=plan.training.dtype, ranks_on_host=ranks_on_host(
+        cluster, plan.cluster.num_gpus, plan.cluster.gpus_per_node))
+    priced = price_for_run(cluster, run, profile_label=args.profile or args.cluster or plan.cluster.profile,
+                           model_label=args.model or plan.model.file)
+    for w in priced.warnings:
+        _warn(w)
+    cluster = priced.cluster
+    if args.cluster is None and args.profile is None and plan.cluster.gpus_per_node != cluster.gpus_per_node:
+        _warn(f"plan has {plan.cluster.gpus_per_node} GPUs per node, profile {cluster.name} has {cluster.gpus_per_node}")
+    model = args.model or plan_model_path(plan, args.plan)
+    graph, source = load_graph(model, seq_len=plan.training.seq_len, dtype=plan.training.dtype,
+                               use_cache=not args.no_cache)
+    if plan.model.sha256 and plan.model.sha256 != source.sha256:
+        _warn(f"{source.path} changed since the plan was made (sha256 differs); the estimate is for the file as it is now")
+    note = measured_table_warning(graph, cluster)
+    if note:
+        _warn(note)
+    return estimate_plan(plan, graph, cluster), plan, graph, cluster, model
+
+
+def _rank_text(plan, est, model, cluster, args: argparse.Namespace) -> str:  # noqa: ANN001
+    """Where ``plan`` ranks among the plans ``autopar plan`` searches for the same request
+    (GPUs, GPUs per node, global batch, sequence, dtype, optimizer) and how far it is from the best."""
+    from autopar.errors import InfeasibleError
+    from autopar.search.driver import search_plans
+    from autopar.search.sweep import plan_text
+
+    t = plan.training
+    try:
+        found = search_plans(model, gpus=plan.cluster.num_gpus, cluster=cluster, cluster_ref=cluster.name,
+                             gpus_per_node=plan.cluster.gpus_per_node, global_batch=t.global_batch_size,
+                             seq_len=t.seq_len, dtype=t.dtype, optimizer=t.optimizer, top_k=RANK_TOP_K,
+                             use_cache=not args.no_cache)
+    except InfeasibleError:
+        return "ranking: no searched plan fits memory for this request either"
+    except AutoparError as exc:
+        return f"ranking: not available ({exc})"
+    top = found.result.top
+    best = top[0]
+    mine = est.step_time_s
+    faster = [c for c in top if c.step_time_s < mine * (1 - 1e-9)]
+    searched = f"{found.result.num_configs:,} configurations searched in {found.result.elapsed_s:.2f} s"
+    layout = f"{plan_text(found)} ({best.step_time_s:,.3f} s, {best.estimate.mfu * 100:.1f} % MFU)"
+    if not est.fits:
+        return f"ranking: this plan does not fit memory; the best searched plan is {layout} [{searched}]"
+    if not faster:
+        return f"ranking: #1 -- no searched plan is faster (the best searched is {layout}) [{searched}]"
+    gap = (mine / best.step_time_s - 1) * 100
+    where = (f"#{len(faster) + 1} of the searched plans ({len(faster)} faster)" if len(faster) < len(top)
+             else f"below the {len(top)} fastest searched plans")
+    return (f"ranking: {where}; the best, {layout}, is {gap:,.1f} % faster "
+            f"(this plan takes {mine / best.step_time_s:,.2f}x its step time) [{searched}]")

@@ -1,0 +1,59 @@
+"""What ``autopar run`` asks of every rank: the options ``cli_run`` validated, as one frozen value.
+
+``rank_main.run_rank`` receives this, not the argparse namespace, so the executor's entry point has
+a typed contract (the launcher, a test or a notebook can build one without a parser). The checks
+are the command's own: each names the flag to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from autopar.errors import AutoparError
+
+DEFAULT_STEPS, DEFAULT_LR, DEFAULT_SEED = 3, 1e-3, 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """One ``autopar run``: what to train, for how long, and where results and checkpoints go."""
+
+    plan_path: str
+    steps: int = DEFAULT_STEPS  # total optimizer steps, also when resuming
+    lr: float = DEFAULT_LR
+    seed: int = DEFAULT_SEED
+    timeout_s: float = 600.0  # collective timeout, and the limit of each call into the model file
+    report_path: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # 0: only after the last step
+    keep_checkpoints: int = 2  # 0 keeps all
+    resume: bool = False
+    trace_path: str | None = None
+    trace_steps: int = 2
+    trace_all_ranks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise AutoparError(f"--steps must be >= 1, got {self.steps}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise AutoparError(f"--lr must be a positive number, got {self.lr}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise AutoparError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
+        for flag, value, low in (("--checkpoint-every", self.checkpoint_every, 0),
+                                 ("--keep-checkpoints", self.keep_checkpoints, 0), ("--trace-steps", self.trace_steps, 1)):
+            if value < low:
+                raise AutoparError(f"{flag} must be >= {low}, got {value}")
+        if self.checkpoint_dir is None:
+            for flag, on in (("--resume", self.resume), ("--checkpoint-every", self.checkpoint_every > 0)):
+                if on:
+                    raise AutoparError(f"{flag} needs --checkpoint-dir DIR")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunOptions:
+        """The options of ``autopar run``'s parsed arguments (cli_run.add_arguments)."""
+        return cls(plan_path=args.plan, steps=args.steps, lr=args.lr, seed=args.seed,
+                   timeout_s=args.timeout, report_path=args.report, checkpoint_dir=args.checkpoint_dir,
+                   checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
+                   trace_path=args.trace, trace_steps=args.trace_steps, trace_all_ranks=args.trace_all_ranks)

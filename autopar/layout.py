@@ -1,0 +1,243 @@
+"""The rank layout of a plan: its degrees, where each rank sits, the groups of each axis, the link
+each group uses, and the rules that make degrees legal (the role torchtitan's ``ParallelDims`` plays).
+
+Ranks are laid out row-major over ``DIMS = (pp, dp, cp, tp)``, tp innermost::
+
+    rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i          node = rank // gpus_per_node
+
+A group of an axis is the set of ranks whose other coordinates are equal; its members are
+``stride`` apart, the product of the degrees inside it. ``dp_cp`` is the group gradients are
+averaged and ZeRO-sharded over: data and context parallelism both split the tokens of a step, so
+cp ranks hold the same weights as dp ranks. dp and cp are adjacent in ``DIMS``, so ``dp_cp`` is
+one axis of ``dp * cp`` ranks at stride ``tp``.
+
+The search (search/space.py), the cost model (cost/comm.py), explain (explain/mesh.py) and the
+executor's DeviceMesh (executor/mesh.py) all read this one object; the legality rules below are the
+only copy of each rule. Pure Python, no torch: the planner plans 16,384 GPUs on a laptop.
+
+A new degree (expert parallelism, say) is a field of ``Layout`` and of ``Coords`` and its name in
+``DIMS`` at its place in the order: shape, world size, strides, coordinates and groups all follow
+from ``DIMS``. An axis made of adjacent dimensions (like ``dp_cp``) is named in ``size`` and ``stride``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DIMS = ("pp", "dp", "cp", "tp")  # outermost to innermost: the DeviceMesh's dimension order
+AXES = ("tp", "cp", "dp", "dp_cp", "pp")  # every axis a group runs on, innermost first (explain's order)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Coords:
+    """One rank's coordinate on each mesh dimension."""
+
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where the groups of one axis sit on nodes of ``gpus_per_node`` GPUs.
+
+    ``members_per_node`` and ``intra_node`` follow the cost model's rule: a group whose span
+    (``stride * size`` consecutive ranks) fits in a node runs inside one, otherwise it has
+    ``min(size, gpus_per_node // stride)`` members in each node it spans (exact whenever the span
+    and the node size divide one another, as with power-of-two degrees). ``nodes_per_group`` is
+    counted on the first group."""
+
+    size: int  # ranks per group
+    stride: int  # distance between neighbouring members in the rank order
+    members_per_node: int
+    nodes_per_group: int
+    intra_node: bool
+
+    def __post_init__(self) -> None:
+        if min(self.size, self.stride, self.members_per_node, self.nodes_per_group) < 1:
+            raise ValueError(f"a placement's counts must be >= 1: {self}")
+
+    @property
+    def link_name(self) -> str:
+        """``nvlink`` inside a node (NVLink / NVSwitch), ``network`` across nodes."""
+        return "nvlink" if self.intra_node else "network"
+
+
+def place(size: int, stride: int, gpus_per_node: int) -> Placement:
+    """The placement of groups of ``size`` ranks ``stride`` apart (see ``Placement``)."""
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    # Nodes the first group touches: a step shorter than a node visits every node on the way.
+    nodes = size if stride >= gpus_per_node else ((size - 1) * stride) // gpus_per_node + 1
+    if size <= 1:
+        return Placement(size=1, stride=max(1, stride), members_per_node=1, nodes_per_group=1, intra_node=True)
+    if stride * size <= gpus_per_node:
+        return Placement(size=size, stride=stride, members_per_node=size, nodes_per_group=nodes, intra_node=True)
+    members = max(1, min(size, gpus_per_node // max(1, stride)))
+    return Placement(size=size, stride=stride, members_per_node=members, nodes_per_group=nodes, intra_node=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """The degrees of a plan and the ``[pp, dp, cp, tp]`` rank layout they make (module docstring)."""
+
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the {f.name} degree must be a positive integer, got {value!r}")
+
+    @classmethod
+    def of(cls, degrees: object) -> Layout:
+        """The layout of anything with ``pp``, ``dp``, ``cp`` and ``tp`` attributes (a plan's
+        ``parallel`` section, the cost model's ``Config``)."""
+        return cls(**{d: getattr(degrees, d) for d in DIMS})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The degrees in ``DIMS`` order (the DeviceMesh's shape)."""
+        return tuple(getattr(self, d) for d in DIMS)
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def size(self, axis: str) -> int:
+        """Ranks in one group of ``axis`` (one of ``AXES``)."""
+        if axis == "dp_cp":
+            return self.dp * self.cp
+        _check_axis(axis)
+        return getattr(self, axis)
+
+    def stride(self, axis: str) -> int:
+        """Distance in the rank order between neighbouring members of a group of ``axis``."""
+        inner = DIMS[DIMS.index("cp" if axis == "dp_cp" else _check_axis(axis)) + 1:]
+        out = 1
+        for d in inner:
+            out *= getattr(self, d)
+        return out
+
+    def coords(self, rank: int) -> Coords:
+        """Coordinates of global ``rank`` (row-major over ``DIMS``)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        out = {}
+        for d in reversed(DIMS):
+            rank, out[d] = divmod(rank, getattr(self, d))
+        return Coords(**out)
+
+    def rank(self, coords: Coords) -> int:
+        """The global rank at ``coords`` (inverse of ``coords``)."""
+        out = 0
+        for d in DIMS:
+            c, n = getattr(coords, d), getattr(self, d)
+            if not 0 <= c < n:
+                raise ValueError(f"coordinate {d} = {c} is outside the degree {n}")
+            out = out * n + c
+        return out
+
+    def group(self, axis: str, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s group along ``axis``, ascending."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        size, stride = self.size(axis), self.stride(axis)
+        span = size * stride  # the group's members lie inside one block of ``span`` consecutive ranks
+        first = rank - rank % span + rank % stride
+        return tuple(first + i * stride for i in range(size))
+
+    def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
+        """Every group of ``axis``, each ascending, ordered by their smallest rank."""
+        size, stride = self.size(axis), self.stride(axis)
+        span = size * stride
+        return tuple(tuple(block + offset + i * stride for i in range(size))
+                     for block in range(0, self.world_size, span) for offset in range(stride))
+
+    def placement(self, axis: str, gpus_per_node: int) -> Placement:
+        """Where the groups of ``axis`` sit on nodes of ``gpus_per_node`` GPUs."""
+        return place(self.size(axis), self.stride(axis), gpus_per_node)
+
+    def p2p_placement(self, gpus_per_node: int) -> Placement:
+        """The pair of neighbouring pipeline stages a point-to-point send runs between (a group of
+        one rank when there is no pipeline)."""
+        return place(2 if self.pp > 1 else 1, self.stride("pp"), gpus_per_node)
+
+
+def _check_axis(axis: str) -> str:
+    if axis not in DIMS:
+        raise ValueError(f"unknown mesh axis {axis!r}; one of {', '.join(AXES)}")
+    return axis
+
+
+# ---------------------------------------------------------------------------------------------
+# Legality: each rule once, as the reason a choice is illegal (None when it is legal). The plan
+# file's checks (plan.py), the search's space (search/space.py), the estimate (cost/estimate.py),
+# the model graph (graph/model_graph.py) and the executor's preflight (executor/checks.py) call these.
+
+
+def world_size_reason(layout: Layout, num_gpus: int) -> str | None:
+    """The degrees multiply to the number of GPUs."""
+    if layout.world_size == num_gpus:
+        return None
+    return (f"dp x tp x pp x cp = {layout.dp}x{layout.tp}x{layout.pp}x{layout.cp} = {layout.world_size} "
+            f"but cluster.num_gpus = {num_gpus}; the degrees must multiply to the number of GPUs")
+
+
+def tp_node_reason(tp: int, gpus_per_node: int) -> str | None:
+    """Tensor parallelism stays inside a node (its collectives run every layer, on NVLink)."""
+    if tp <= gpus_per_node:
+        return None
+    return (f"parallel.tp = {tp} exceeds cluster.gpus_per_node = {gpus_per_node}; "
+            "tensor parallelism must stay inside one node")
+
+
+def tp_heads_reason(tp: int, num_heads: int | None, num_kv_heads: int | None) -> str | None:
+    """tp divides the attention heads and the key/value heads (each rank holds whole heads)."""
+    if tp == 1:
+        return None
+    for what, n in (("attention heads", num_heads), ("key/value heads", num_kv_heads)):
+        if n is not None and n % tp:
+            return f"tp = {tp} does not divide the model's {n} {what}; pick a tp that divides {n}"
+    return None
+
+
+def ulysses_reason(tp: int, cp: int, num_heads: int | None, num_kv_heads: int | None) -> str | None:
+    """Ulysses trades the sequence for heads: tp x cp divides the heads (and, as the cost model
+    prices it, the key/value heads; pass None where K/V heads are repeated first)."""
+    for what, n in (("attention heads", num_heads), ("key/value heads", num_kv_heads)):
+        if n is not None and n % (tp * cp):
+            return (f"Ulysses needs tp x cp = {tp * cp} to divide the model's {n} {what}; "
+                    "use cp_kind ring or allgather")
+    return None
+
+
+def cp_seq_reason(cp: int, seq_len: int) -> str | None:
+    """Context parallelism splits the sequence into cp equal shards."""
+    if seq_len % cp:
+        return f"training.seq_len = {seq_len} is not divisible by cp = {cp}"
+    return None
+
+
+def ring_balance_reason(cp: int, seq_len: int) -> str | None:
+    """Ring attention as the cost model prices it splits the sequence into 2 x cp chunks, each rank
+    holding one early and one late chunk (causal load balance; executor/context_parallel.py)."""
+    if cp > 1 and seq_len % (2 * cp):
+        return (f"ring attention balances causal work with 2 x cp chunks: seq_len {seq_len} "
+                f"must be divisible by {2 * cp}")
+    return None
+
+
+def executed_zero(zero: int, pp: int) -> int:
+    """The ZeRO stage the executor runs for ``zero`` at pipeline depth ``pp``: ZeRO-2 at pp > 1 runs
+    as ZeRO-1 (torch.distributed.pipelining's stage defers an FSDP module's gradient sync to the
+    step's last backward and keeps its parameters gathered; cost/zero.py). It is priced, explained
+    and searched as what runs."""
+    return 1 if zero == 2 and pp > 1 else zero
