@@ -68,6 +68,15 @@ def _estimate(args: argparse.Namespace):  # noqa: ANN202
 
     plan = load_plan(args.plan)
     cluster = load_cluster_and_profile(args.cluster, args.profile, plan.cluster.profile)
+    from autopar.profile_conditions import RunConditions, price_for_run, ranks_on_host
+
+    run = RunConditions(dtype=plan.training.dtype, ranks_on_host=ranks_on_host(
+        cluster, plan.cluster.num_gpus, plan.cluster.gpus_per_node))
+    priced = price_for_run(cluster, run, profile_label=args.profile or args.cluster or plan.cluster.profile,
+                           model_label=args.model or plan.model.file)
+    for w in priced.warnings:
+        _warn(w)
+    cluster = priced.cluster
     if args.cluster is None and args.profile is None and plan.cluster.gpus_per_node != cluster.gpus_per_node:
         _warn(f"plan has {plan.cluster.gpus_per_node} GPUs per node, profile {cluster.name} has {cluster.gpus_per_node}")
     model = args.model or plan_model_path(plan, args.plan)

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import yaml
 
 from autopar.errors import ClusterError
-from autopar.profiler.tables import MeasuredProfile, measured_from_dict
+from autopar.profile_tables import MeasuredProfile, measured_from_dict, parse_number
 
 # The shipped profiles: the repository's profiles/ (editable install, source checkout), or the copy
 # a regular install puts under <prefix>/share/autopar/profiles (pyproject data-files).
@@ -149,19 +149,6 @@ def _num(data: Mapping[str, Any], key: str, where: str, default: float | None = 
     if default is not None and (not isinstance(data, Mapping) or key not in data):
         return float(default)
     return parse_number(_get(data, key, where), f"{where}: '{key}'")
-
-
-def parse_number(value: Any, where: str) -> float:
-    """A profile number. YAML 1.1 reads "312.0e12" (no sign after e) as a string, so strings that
-    float() accepts are numbers too; anything else (bools included) is a ClusterError."""
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ClusterError(f"{where} must be a number, got {value!r}")
-    return float(value)
 
 
 def _link(data: Any, where: str) -> Link:

@@ -18,7 +18,7 @@ for heads/(tp*cp) heads.
 
 Measured tables (``graph_region_time``): when the cluster carries a layer table measured for this
 model file (same sha256) and dtype, a region's forward/backward time and saved bytes are the
-measured ones at the nearest measured shape (interpolated, autopar.profiler.tables), times the
+measured ones at the nearest measured shape (interpolated, autopar.profile_tables), times the
 roofline ratio of the asked shape to that measured shape. The ratio is exactly 1 at a measured
 (b, s, tp) without CP or SP, so measured points are reproduced exactly; it carries what one
 device cannot measure (a CP rank's queries against all keys, SP-divided norms, shapes outside the
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
 from autopar.graph.scaling import FitOp, RegionFit, Shape
-from autopar.profiler.tables import LayerTable
+from autopar.profile_tables import LayerTable
 
 if TYPE_CHECKING:
     from autopar.graph.model_graph import ModelGraph

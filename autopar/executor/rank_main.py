@@ -79,20 +79,11 @@ def _init_process_group(backend: str, timeout: timedelta) -> None:
 
 
 def _init_loopback(backend: str, timeout: timedelta) -> None:
-    """The store of autopar's own launcher (launch/local.py): rank 0 serves the TCPStore on the
-    socket the launcher bound to 127.0.0.1 (``AUTOPAR_STORE_FD``), the others connect to it; a
-    world of one uses an in-process HashStore. Nothing listens beyond loopback."""
-    import torch.distributed as dist
+    """The store of autopar's own launcher (launch/local.py), the rank side it shares with
+    ``validate`` and ``profile --comm``: nothing listens beyond loopback."""
+    from autopar.launch.local import join_process_group
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world == 1 and "AUTOPAR_STORE_FD" not in os.environ:
-        store = dist.HashStore()
-    elif rank == 0:
-        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, True, timeout,
-                              master_listen_fd=int(os.environ["AUTOPAR_STORE_FD"]), use_libuv=False)
-    else:
-        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, False, timeout, use_libuv=False)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    join_process_group(backend, timeout)
 
 
 def _free_port() -> int:

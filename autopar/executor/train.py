@@ -23,6 +23,7 @@ when the run started -- includes allocator slack and the full-model copy used fo
 from __future__ import annotations
 
 import resource
+import statistics
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -221,6 +222,17 @@ class _Trainer:
         return torch.zeros((), device=exe.mesh.device)
 
 
+def _time_left(times: list[float], remaining: int) -> str:
+    """``  ~12 s left``: the remaining steps at the median step time so far (the first step, the
+    warm-up, only while it is the only one); empty after the last step."""
+    if remaining <= 0 or not times:
+        return ""
+    left = remaining * statistics.median(times[1:] or times)
+    if left < 1:
+        return "  <1 s left"
+    return f"  ~{left:.0f} s left" if left < 120 else f"  ~{left / 60:.1f} min left"
+
+
 def train(
     exe: Executable, mf: ModelFile, *, steps: int, seed: int, log: Callable[[str], None] | None = None,
     on_grads: Callable[[int], None] | None = None, start_step: int = 0, hooks: StepHooks | None = None,
@@ -259,7 +271,7 @@ def train(
         times.append(float(stats[1]))
         if log is not None:
             log(f"step {step + 1}/{steps}  loss {loss:.6f}  time {times[-1] * 1e3:.1f} ms  "
-                f"tokens/s {g * plan.training.seq_len / times[-1]:.0f}")
+                f"tokens/s {g * plan.training.seq_len / times[-1]:.0f}" + _time_left(times, steps - step - 1))
         if hooks.profile_step is not None:
             hooks.profile_step()
         if hooks.after_step is not None:

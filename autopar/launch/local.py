@@ -1,4 +1,5 @@
-"""The single-node launcher of ``autopar run --nproc-per-node N``: start, watch and stop the ranks.
+"""The single-node launcher of ``autopar run``, ``autopar validate`` and ``autopar profile --comm``:
+start, watch and stop the ranks (``run_local``), and the rank side of it (``join_process_group``).
 
 Why not ``torchrun --standalone``: its rendezvous store listens on every interface of the host,
 a rank death comes back as torchrun's own exit code 1 with a 41-line traceback, and a SIGTERM to
@@ -39,6 +40,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -312,6 +314,34 @@ def run_local(job: LocalJob) -> int:
             if result.line is not None:
                 print(f"{ERROR_PREFIX}{result.line}", file=sys.stderr, flush=True)
             return result.code
+
+
+def under_launcher() -> bool:
+    """Whether this process is one rank of a job (this launcher's or torchrun's)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def join_process_group(backend: str, timeout: timedelta) -> None:
+    """Rank side: ``init_process_group`` for a rank of ``run_local`` -- rank 0 serves the TCPStore
+    on the socket the launcher bound to 127.0.0.1 (``AUTOPAR_STORE_FD``), the others connect to it;
+    a world of one without a launcher (or with ``AUTOPAR_LOCAL_WORLD=1``) uses an in-process
+    HashStore -- and the default env:// rendezvous under torchrun. Nothing of ours listens beyond
+    loopback."""
+    import torch.distributed as dist
+
+    ours = os.environ.get("AUTOPAR_LOOPBACK_STORE") == "1" or os.environ.get("AUTOPAR_LOCAL_WORLD") == "1"
+    if not ours and under_launcher():
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and "AUTOPAR_STORE_FD" not in os.environ:
+        store = dist.HashStore()
+    elif rank == 0:
+        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, True, timeout,
+                              master_listen_fd=int(os.environ["AUTOPAR_STORE_FD"]), use_libuv=False)
+    else:
+        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, False, timeout, use_libuv=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def write_status(phase: str) -> None:

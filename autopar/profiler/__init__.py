@@ -1,10 +1,14 @@
 """The profiler: measured per-layer compute/memory tables, kernel curves and collective fits.
 
-* ``tables``  -- the measured-profile data (frozen dataclasses), YAML (de)serialisation and the
-  interpolation the cost model uses. Pure Python: the planner imports it, never torch.
 * ``layers`` / ``kernels`` -- time and measure regions and kernels on the local device (torch).
-* ``comm``    -- collectives over message sizes under torchrun, fitted to latency + bandwidth.
-* ``cli_profile`` / ``cli_validate`` -- ``autopar profile`` and ``autopar validate``.
+* ``load`` / ``contention`` -- the other ranks of a CPU run as helper processes, and how a rank's
+  compute slows down with their number (the contention curve).
+* ``comm``    -- collectives over message sizes on N ranks, fitted to latency + bandwidth.
+* ``profile_file`` -- the profile YAML: read, derive its cluster sections, write.
+* ``cli_profile`` / ``cli_comm`` / ``cli_validate`` -- ``autopar profile [--comm]`` and
+  ``autopar validate``.
 
-This package's ``__init__`` imports nothing, so ``autopar.cluster`` can load ``tables`` cheaply.
+The data these write -- frozen dataclasses, YAML (de)serialisation, interpolation -- is planner
+data and lives beside the cluster profiles: ``autopar.profile_tables``; the check of a run against
+the conditions a profile was measured in is ``autopar.profile_conditions``.
 """

@@ -1,9 +1,11 @@
-"""``autopar profile --comm``: collectives on the torchrun ranks, written into a profile (rank 0).
+"""``autopar profile --comm``: collectives on N ranks, written into a profile (rank 0).
 
-Under torchrun every rank measures (autopar.profiler.comm) and rank 0 merges the fits into the
-profile's ``measured.comm`` section (a new profile also gets gpu/network/efficiency sections). With
-``--nproc-per-node N`` outside torchrun it launches ``torchrun --standalone`` itself. The process
-group is always destroyed, also on error.
+Every rank measures (autopar.profiler.comm) and rank 0 merges the fits into the profile's
+``measured.comm`` section (a new profile also gets gpu/network/efficiency sections). With
+``--nproc-per-node N`` outside torchrun the ranks are started by autopar's own single-node launcher
+(autopar.launch.local, as ``autopar run`` and ``autopar validate`` do: loopback only, one line for
+a rank that dies); under your own ``torchrun`` every rank measures as started. The process group is
+always destroyed, also on error.
 """
 
 from __future__ import annotations
@@ -15,32 +17,44 @@ from datetime import timedelta
 from pathlib import Path
 
 from autopar.errors import AutoparError
-
-
-def _under_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+from autopar.launch.local import under_launcher
 
 
 def comm_main(args: argparse.Namespace) -> int:
-    from autopar.profiler.cli_profile import relaunch_comm
-
     if args.model:
         raise AutoparError("--comm profiles collectives only; run 'autopar profile MODEL.py' separately for layers")
-    if not _under_torchrun():
+    if not under_launcher():
         if not args.nproc_per_node or args.nproc_per_node < 2:
             raise AutoparError("--comm needs at least 2 ranks: run it under torchrun or give --nproc-per-node N (N >= 2)")
-        return relaunch_comm(args)
+        return launch_comm(args.output, args.nproc_per_node, repeats=args.repeats, device=args.device,
+                           gpus_per_node=args.gpus_per_node)
     return _measure(args)
+
+
+def launch_comm(output: str | Path, nproc: int, *, repeats: int, device: str | None = None,
+                gpus_per_node: int | None = None) -> int:
+    """Start ``nproc`` ranks of ``autopar profile --comm`` on this host (launch/local.py)."""
+    from autopar.launch.local import LocalJob, run_local
+
+    cmd = ["-m", "autopar", "profile", "--comm", "-o", str(output), "--repeats", str(repeats)]
+    if gpus_per_node:
+        cmd += ["--gpus-per-node", str(gpus_per_node)]
+    if device:
+        cmd += ["--device", device]
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return run_local(LocalJob(argv=tuple(cmd), nproc=nproc, env=env))
 
 
 def _measure(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from autopar.profiler.cli_profile import _derived_spec, _device_info, read_profile, write_profile
+    from autopar.launch.local import arm_parent_death_signal, join_process_group
+    from autopar.profile_tables import comm_to_dict
     from autopar.profiler.comm import profile_comm
-    from autopar.profiler.tables import comm_to_dict
+    from autopar.profiler.profile_file import derived_spec, device_info, read_profile, write_profile
 
+    arm_parent_death_signal()
     if int(os.environ["WORLD_SIZE"]) < 2:
         raise AutoparError("--comm needs at least 2 ranks (torchrun --nproc-per-node N, N >= 2)")
     use_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
@@ -54,7 +68,7 @@ def _measure(args: argparse.Namespace) -> int:
         import autopar.executor.apply  # noqa: F401
     except ImportError:
         pass
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=300))
+    join_process_group("nccl" if use_cuda else "gloo", timedelta(seconds=300))
     try:
         rank0 = dist.get_rank() == 0
         log = (lambda s: print(f"autopar profile --comm: {s}", file=sys.stderr, flush=True)) if rank0 else None
@@ -66,9 +80,11 @@ def _measure(args: argparse.Namespace) -> int:
             measured["comm"] = comm_to_dict(result["fits"], result["ranks"], result["link"], result["rendezvous_s"])
             if device.type == "cpu":
                 measured["memory_baseline_bytes"] = result["memory_baseline_bytes"]
-            measured.setdefault("device", _device_info(device, torch.get_num_threads()))
+            measured.setdefault("device", device_info(device, torch.get_num_threads(),
+                                                      concurrent_ranks=int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                                          result["ranks"]))))
             data["measured"] = measured
-            _derived_spec(data, out.stem, measured["device"], measured, args.gpus_per_node or result["ranks"])
+            derived_spec(data, out.stem, measured["device"], measured, args.gpus_per_node or result["ranks"])
             write_profile(out, data)
             print(f"collective profile of {result['ranks']} ranks written to {out}")
         dist.barrier()

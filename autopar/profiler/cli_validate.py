@@ -1,12 +1,18 @@
 """``autopar validate PLAN.yaml [MODEL.py]``: run a plan briefly, compare with its prediction.
 
-Launch is like ``autopar run``: under torchrun every rank runs; ``--nproc-per-node N`` outside
-torchrun re-launches this module with ``torchrun --standalone``; a 1-rank plan runs in-process.
-The plan is applied with the executor's public functions (checks.preflight, mesh.build_mesh,
-apply.build_executable, train.train) for ``--steps`` steps.
+Launch is like ``autopar run``: outside torchrun, a plan of N > 1 ranks starts its N ranks on this
+host with autopar's own launcher (autopar.launch.local: loopback only, one line for a rank that
+dies or hangs, signals forwarded); ``--nproc-per-node`` may say N, and must agree with the plan. A
+1-rank plan runs in-process; under your own torchrun every rank runs as started. The plan is
+applied with the executor's public functions (checks.preflight, mesh.build_mesh,
+apply.build_executable, train.train) for ``--steps`` steps; rank 0 reports progress on stderr, one
+line per step with the time left.
 
 Prediction: re-estimated with ``--profile`` / ``--cluster`` when given, else the plan's
 ``prediction`` mapping (step time and the peak-rank memory; per-rank memory needs a re-estimate).
+Either way the run is checked against the conditions the measured profile was taken in (dtype,
+device, ranks on this host, threads per rank, torch: autopar.profile_conditions): a one-line
+warning for a soft difference, an error where the comparison would be meaningless.
 
 Measured, per rank:
 * step time: median over the steps after the first (warm-up) of the slowest rank's step time;
@@ -28,38 +34,69 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.launch.local import under_launcher
+from autopar.profiler.cores import usable_cores
+
+DEFAULT_STEPS = 6
+_SAID = "AUTOPAR_VALIDATE_CONDITIONS_SAID"  # the launcher already printed the condition warnings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", metavar="PLAN.yaml", help="plan file (YAML v1)")
     p.add_argument("model", metavar="MODEL.py", nargs="?", help="model file (default: the plan's model.file)")
-    p.add_argument("--steps", type=int, default=6, help="training steps; the first is warm-up (default 6)")
-    p.add_argument("--nproc-per-node", type=int, metavar="N", help="start N ranks with torchrun")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"training steps; the first is warm-up (default {DEFAULT_STEPS})")
+    p.add_argument("--nproc-per-node", type=int, metavar="N",
+                   help="ranks to start on this host (default: the plan's world size)")
     p.add_argument("--cluster", metavar="NAME|PATH", help="re-estimate with this cluster profile")
     p.add_argument("--profile", metavar="PATH", help="re-estimate with this measured profile")
     p.add_argument("--report", metavar="PATH", help="write the JSON comparison here (rank 0)")
     p.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
 
 
-def _under_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+def _say(line: str) -> None:
+    print(f"autopar validate: {line}", file=sys.stderr, flush=True)
 
 
-def predict(plan_path: str, model: str, cluster: str | None, profile: str | None) -> dict[str, Any]:
+def run_conditions(plan, device_type: str | None = None):  # noqa: ANN001, ANN201
+    """The conditions this validate runs the plan under (autopar.profile_conditions.RunConditions)."""
+    import torch
+
+    from autopar.profile_conditions import RunConditions
+    from autopar.profiler.profile_file import device_name
+
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    world = plan.parallel.world_size
+    return RunConditions(dtype=plan.training.dtype, ranks_on_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                         device_type=device_type, device_name=device_name(torch.device(device_type)),
+                         threads_per_rank=1 if device_type == "cpu" else None, torch_version=str(torch.__version__))
+
+
+def predict(plan_path: str, model: str, cluster: str | None, profile: str | None,
+            device_type: str | None = None, warn: bool = True) -> dict[str, Any]:
     """{step_time_s, peak_memory_bytes, stage_memory_bytes (None without re-estimate),
-    reserve_bytes (the cluster's framework reserve, inside the predicted peak), source}."""
+    reserve_bytes (the cluster's framework reserve, inside the predicted peak), source}. Checks the
+    run's conditions against the measured profile (ClusterError on a hard mismatch; the warnings
+    printed when ``warn``)."""
     from autopar.cluster import load_cluster_and_profile
     from autopar.executor.cli_run import read_prediction
     from autopar.plan import load_plan
+    from autopar.profile_conditions import price_for_run
 
     plan = load_plan(plan_path)
     c = load_cluster_and_profile(cluster, profile, plan.cluster.profile)
+    priced = price_for_run(c, run_conditions(plan, device_type), profile_label=profile or cluster or plan.cluster.profile,
+                           model_label=model)
+    if warn:
+        for w in priced.warnings:
+            print(f"autopar: warning: {w}", file=sys.stderr, flush=True)
+    c = priced.cluster
     if cluster is None and profile is None:
         pred = read_prediction(plan_path)
         if "step_time_s" not in pred:
@@ -77,14 +114,19 @@ def predict(plan_path: str, model: str, cluster: str | None, profile: str | None
             "stage_memory_bytes": [r.peak_bytes for r in est.ranks], "source": f"estimate ({profile or cluster})"}
 
 
-def _relaunch(args: argparse.Namespace, model: str) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
-           "-m", "autopar", "validate", args.plan, model, "--steps", str(args.steps), "--seed", str(args.seed)]
+def _launch(args: argparse.Namespace, model: str, nproc: int, prediction: dict[str, Any]) -> int:
+    """Start the plan's ``nproc`` ranks on this host (launch/local.py) and wait for them."""
+    from autopar.launch.local import LocalJob, run_local
+
+    cmd = ["-m", "autopar", "validate", args.plan, model, "--steps", str(args.steps), "--seed", str(args.seed)]
     for flag in ("cluster", "profile", "report"):
         if getattr(args, flag):
             cmd += [f"--{flag}", str(getattr(args, flag))]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.call(cmd, env=env)
+    guess = prediction["step_time_s"] * (args.steps + 1)  # + the untimed memory step on CPU
+    _say(f"starting {nproc} ranks on this host; predicted {prediction['step_time_s']:.3g} s a step, "
+         f"~{max(guess, 1.0):.0f} s for {args.steps} steps after start-up")
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), _SAID: "1"}
+    return run_local(LocalJob(argv=tuple(cmd), nproc=nproc, env=env))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -97,15 +139,22 @@ def main(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     model = args.model or plan.model.file
     mf = load_model_file(model)
-    if not _under_torchrun() and (args.nproc_per_node or 1) > 1:
-        check_world_size(plan, args.nproc_per_node)
-        preflight(plan, mf, args.nproc_per_node)
-        predict(args.plan, model, args.cluster, args.profile)  # fail early, before starting ranks
-        return _relaunch(args, model)
+    if not under_launcher():
+        nproc = args.nproc_per_node or plan.parallel.world_size
+        check_world_size(plan, nproc)
+        if nproc > 1:
+            preflight(plan, mf, nproc)
+            prediction = predict(args.plan, model, args.cluster, args.profile)  # fail early, before starting ranks
+            return _launch(args, model, nproc, prediction)
+    else:
+        from autopar.launch.local import arm_parent_death_signal
+
+        arm_parent_death_signal()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_world_size(plan, world)
     spec, _ = preflight(plan, mf, world)
-    prediction = predict(args.plan, model, args.cluster, args.profile)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    prediction = predict(args.plan, model, args.cluster, args.profile, warn=rank0 and not os.environ.get(_SAID))
     return _run(args, plan, mf, spec, world, prediction)
 
 
@@ -116,29 +165,29 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
     from autopar.executor.apply import build_executable
     from autopar.executor.mesh import backend_for, build_mesh, device_for_rank
     from autopar.executor.train import train
+    from autopar.launch.local import join_process_group
 
-    if not _under_torchrun():
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"})
+    t0 = time.monotonic()
     device = device_for_rank()
     if device.type == "cpu":
         torch.set_num_threads(1)
-    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=600))
+    join_process_group(backend_for(device), timedelta(seconds=600))
     try:
         rank = dist.get_rank()
+        log = (lambda s: _say(s)) if rank == 0 else None
         baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         load_before = _load_average()
         mesh = build_mesh(plan, device)
         exe = build_executable(plan, mf, spec, mesh, seed=args.seed, lr=1e-3, loss_fn=mf.loss_fn)
-        result = train(exe, mf, steps=args.steps, seed=args.seed)
+        if log:
+            log(f"plan applied on {world} rank(s) in {time.monotonic() - t0:.1f} s; training {args.steps} steps")
+        result = train(exe, mf, steps=args.steps, seed=args.seed, log=log)
         load_after = _load_average()
         if device.type == "cuda":
             allocated = float(torch.cuda.max_memory_allocated(device))
         else:
+            if log:
+                log("measuring one more step's memory")
             allocated = float(sum(_cpu_step_allocated(exe, mf, args.steps, args.seed)))
         peak = allocated + prediction["reserve_bytes"]
         rss = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -170,7 +219,7 @@ def machine_load(before: float | None, after: float | None, world: int, device_t
     """Whether other work shared the cores while this run measured: the 1-minute load average
     (before and after training) against the cores, less this run's own ranks (one busy core each
     on CPU). ``loaded`` is true when the rest exceeds a quarter of the cores (at least one)."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     own = world if device_type == "cpu" else 0
     seen = max((v for v in (before, after) if v is not None), default=None)
     other = None if seen is None else max(0.0, seen - own)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from autopar.profiler.tables import COLLECTIVES, CollectiveFit
+from autopar.profile_tables import COLLECTIVES, CollectiveFit
 
 DEFAULT_SIZES = tuple(2**p for p in range(10, 25, 2))  # 1 KiB .. 16 MiB
 

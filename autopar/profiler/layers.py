@@ -31,10 +31,14 @@ for Ulysses full-sequence attention on heads/cp -- not ordinary attention over s
 transfers themselves are the cost model's (measured collective fits). Points carry ``cp`` and
 ``cp_kind``; only the block has them (the edges of a cp rank are the plain s/cp ones).
 
-Clock: wall time (after a device sync on GPU). On CPU with more ranks than cores
-(``ranks_per_machine`` > cores, ``--load-ranks``), the profiling thread's CPU time times
-ranks / cores: each single-threaded rank gets that share of a core, and CPU time, unlike wall time
-under helper load, does not depend on when the scheduler happened to switch.
+Clock: wall time after a device sync on GPU. On CPU with one thread per rank, the profiling
+thread's CPU time times max(1, ranks / cores) (``ranks_per_machine``, ``--load-ranks``): beyond the
+cores each single-threaded rank gets that share of a core, and CPU time, unlike wall time, does
+not depend on when the scheduler happened to switch, nor on other work of a shared machine (the
+helpers' cache and memory-bandwidth contention stays in it: stalled cycles are the thread's). A
+profile taken at load average 5-7 on 2 cores predicted the zoo decoder's dp2 steps 14-35 % above
+what validate measured minutes later, with wall time. CPU with several threads per rank: wall time
+(the calling thread's CPU time would miss its workers') unless ranks exceed the cores.
 
 Memory: ``LiveBytes`` (allocator-level, see autopar.profiler.memory) -- ``saved_bytes`` is what
 a region's forward leaves allocated for backward (for the block: its activations per micro-batch);
@@ -56,8 +60,9 @@ from torch.utils._pytree import tree_map
 from autopar.graph.build import first_tensor as _first_tensor
 from autopar.graph.build import one_block_model, shard_for_tp, slice_sequence, vocab_size_of
 from autopar.modelfile import ModelFile, call_model
+from autopar.profile_tables import LayerPoint, LayerTable
+from autopar.profiler.cores import usable_cores
 from autopar.profiler.memory import LiveBytes
-from autopar.profiler.tables import LayerPoint, LayerTable
 from autopar.spec import find_core as _find_core  # the executor's own rule for the attention core
 from autopar.spec import model_spec
 
@@ -117,7 +122,7 @@ def _clamp_tokens(inputs: Any, high: int | None) -> Any:
                     and v.dtype != torch.bool else v, inputs)
 
 
-_CPU_SHARE = [1.0]  # ranks / cores on CPU when > 1 (then CPU time x share), else wall time; set by profile_layers
+_CPU_SHARE = [0.0]  # > 0: CPU time x this (max(1, ranks / cores)); 0: wall time. Set by profile_layers
 
 
 class _Clock:
@@ -133,7 +138,7 @@ class _Clock:
         # (each rank's fair share of a core). Wall time under load samples the scheduler instead
         # (a ~10 ms region measured 3-15 ms at 4 ranks on 2 cores); CPU time does not.
         share = _CPU_SHARE[0]
-        self.marks[name] = time.thread_time() * share if share > 1.0 and self.device.type == "cpu" else time.perf_counter()
+        self.marks[name] = time.thread_time() * share if share > 0 and self.device.type == "cpu" else time.perf_counter()
 
 
 def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable | None, device: torch.device,
@@ -203,9 +208,13 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
                    log: Callable[[str], None] | None = None) -> LayerTable:
     """Measure every region of ``mf`` at every (b, s, tp) of ``cfg`` as one tp rank runs it (see the
     module docstring)."""
-    import os
 
-    _CPU_SHARE[0] = max(1.0, cfg.ranks_per_machine / (os.cpu_count() or 1)) if device.type == "cpu" else 1.0
+    share = max(1.0, cfg.ranks_per_machine / usable_cores())
+    # One thread per rank: its CPU time, which holds the cache and memory-bandwidth contention of
+    # the helpers but not the waits for other work of a shared machine. Several threads: the
+    # calling thread's CPU time misses its workers', so wall time (unless time-sharing cores).
+    single = torch.get_num_threads() == 1
+    _CPU_SHARE[0] = share if device.type == "cpu" and (single or share > 1.0) else 0.0
     meta = mf.build("meta")
     spec = model_spec(mf, meta)
     blocks_attr, tp_plan = spec.blocks_path, dict(spec.tp_plan or {})

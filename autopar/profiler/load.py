@@ -8,13 +8,18 @@ the largest profiled micro-batch, on one thread, until stopped. A helper that ca
 model falls back to a GEMM loop of similar size, so the cores are never left idle.
 
 Run as ``python -m autopar.profiler.load MODEL.py MICRO_BATCH``; ``start_load`` / ``stop_load``
-manage them.
+manage them. A helper prints one line (``READY``) when its loop starts; ``wait_ready`` waits for it,
+so that what is timed next runs beside helpers that train, not beside helpers importing torch.
 """
 
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
+import time
+
+READY = "ready"
 
 
 def start_load(n: int, device_type: str, model_path: str, micro_batch: int) -> list[subprocess.Popen]:
@@ -22,7 +27,18 @@ def start_load(n: int, device_type: str, model_path: str, micro_batch: int) -> l
     if n <= 0 or device_type != "cpu":
         return []
     cmd = [sys.executable, "-m", "autopar.profiler.load", str(model_path), str(micro_batch)]
-    return [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(n)]
+    return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(n)]
+
+
+def wait_ready(procs: list[subprocess.Popen], timeout_s: float = 120.0) -> None:
+    """Wait until every helper has started its loop (or died, or ``timeout_s`` passed)."""
+    deadline = time.monotonic() + timeout_s
+    waiting = [p for p in procs if p.stdout is not None]
+    while waiting and time.monotonic() < deadline:
+        ready, _, _ = select.select([p.stdout for p in waiting], [], [], max(0.0, deadline - time.monotonic()))
+        for p in [q for q in waiting if q.stdout in ready]:
+            p.stdout.readline()  # the READY line, or "" when it died
+            waiting.remove(p)
 
 
 def stop_load(procs: list[subprocess.Popen]) -> None:
@@ -39,6 +55,7 @@ def _gemm_loop() -> None:
     import torch
 
     x, w = torch.randn(4, 128, 256), torch.randn(256, 1024)
+    _ready()
     while True:
         torch.nn.functional.gelu(x @ w).sum()
 
@@ -61,11 +78,20 @@ def _model_loop(model_path: str, micro_batch: int) -> None:
     model = materialise(one_block_model(meta, blocks_path) if blocks_path else meta, torch.device("cpu"))
     model.train()
     inputs = mf.example_inputs(micro_batch, "cpu")
+    _ready()
     while True:
         out = call_model(model, inputs)
         loss = mf.loss_fn(out, inputs) if mf.loss_fn is not None else out.float().mean()
         loss.backward()
         model.zero_grad(set_to_none=True)
+
+
+def _ready() -> None:
+    try:
+        print(READY, flush=True)
+        sys.stdout.close()  # nobody reads further; a full pipe must never block the loop
+    except (OSError, ValueError):
+        pass
 
 
 def main(argv: list[str]) -> None:

@@ -55,10 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measured profile (autopar profile): layered over --cluster, or the cluster itself when full")
     p.add_argument("--global-batch", type=int_list, metavar="B[,B...]",
                    help="samples per optimizer step (default: the multiple of N nearest 4M tokens; 32 x N for a "
-                        "model without SEQ_LEN); a list sweeps")
+                        "model without SEQ_LEN; with a CPU profile 8 x N, seconds a step); a list sweeps")
     p.add_argument("--seq-len", type=int_list, metavar="S[,S...]",
                    help="tokens per sample (default: the model file's SEQ_LEN); a list sweeps")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="training dtype (default bf16)")
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="training dtype (default: the measured profile's, else bf16)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="optimizer (default adam)")
     p.add_argument("--top", type=positive_int, default=5, metavar="K", help="how many plans to rank (default 5)")
     p.add_argument("-o", "--output", metavar="PLAN.yaml",
@@ -112,7 +113,10 @@ def main(args: argparse.Namespace) -> int:
     configure(timeout_s=args.timeout)
     if not 1.0 <= args.moe_imbalance <= 64.0:  # issue 15
         raise AutoparError(f"--moe-imbalance must be in [1, 64] (1 = balanced routing), got {args.moe_imbalance}")
+    from autopar.profile_conditions import default_dtype
+
     cluster = load_cluster_and_profile(args.cluster, args.profile, "a100-80g")
+    dtype = args.dtype or default_dtype(cluster)
     profile_ref = args.cluster or (args.profile if args.profile else "a100-80g")
     cluster_ref = cluster.name if not Path(profile_ref).suffix else profile_ref
     gpus_per_node, top = args.gpus_per_node, args.top
@@ -142,9 +146,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"\rsearching: {done}/{total} branches, {elapsed:.1f} s", end=end, file=sys.stderr, flush=True)
 
     def plan_point(n: int, batch: int | None, seq: int | None):  # noqa: ANN202
+        priced = _priced(cluster, n, gpus_per_node, dtype, args)
+        if batch is None and is_cpu_profile(cluster):
+            batch = CPU_SAMPLES_PER_RANK * n
         return search_plans(
-            args.model, gpus=n, cluster=cluster, cluster_ref=cluster_ref, gpus_per_node=gpus_per_node,
-            global_batch=batch, micro_batches=(1, 2, 4, 8), seq_len=seq, dtype=args.dtype,
+            args.model, gpus=n, cluster=priced, cluster_ref=cluster_ref, gpus_per_node=gpus_per_node,
+            global_batch=batch, micro_batches=(1, 2, 4, 8), seq_len=seq, dtype=dtype,
             optimizer=args.optimizer, top_k=top, constraints=constraints, progress=progress,
             use_cache=not args.no_cache, knobs={"moe_imbalance": args.moe_imbalance},  # issue 15
         )
@@ -160,6 +167,31 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nbest plan written to {output}")
         return 0
     return _sweep(args, plan_point, batches, seqs, plotting)
+
+
+# A CPU profile's default global batch: 8 samples per rank -- seconds a step for the small models a
+# CPU trains, so that `autopar validate` of the plan finishes in about a minute (4M tokens, the GPU
+# default, took a CPU validate twelve minutes).
+CPU_SAMPLES_PER_RANK = 8
+
+
+def is_cpu_profile(cluster: Any) -> bool:
+    from autopar.profile_conditions import is_cpu_profile as cpu
+
+    return cpu(cluster)
+
+
+def _priced(cluster: Any, n: int, gpus_per_node: int | None, dtype: str, args: argparse.Namespace) -> Any:
+    """``cluster`` priced for ``n`` ranks in ``dtype`` (autopar.profile_conditions): a one-line error
+    for a dtype the profile was not measured in, a warning line for each soft difference."""
+    from autopar.profile_conditions import RunConditions, price_for_run, ranks_on_host
+
+    ranks = ranks_on_host(cluster, n, gpus_per_node or cluster.gpus_per_node)
+    priced = price_for_run(cluster, RunConditions(dtype=dtype, ranks_on_host=ranks),
+                           profile_label=args.profile or args.cluster or "a100-80g", model_label=args.model)
+    for w in priced.warnings:
+        print(f"autopar: warning: {w}", file=sys.stderr)
+    return priced.cluster
 
 
 def _save(plan: Any, output: Path) -> None:

@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_two_rank_gloo_comm_profile_fits_every_collective() -> None:
-    from autopar.profiler.tables import COLLECTIVES
+    from autopar.profile_tables import COLLECTIVES
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "comm.pt")

@@ -8,16 +8,16 @@ import time
 import pytest
 
 from autopar.cluster import cluster_from_dict
-from autopar.profiler import cli_profile
-from autopar.profiler.load import start_load, stop_load
+from autopar.profiler import profile_file
+from autopar.profiler.load import start_load, stop_load, wait_ready
 
 
 def _spec(monkeypatch, cores: int, load_ranks: int, comm_ranks: int) -> dict:
-    monkeypatch.setattr(cli_profile.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(profile_file, "usable_cores", lambda: cores)
     info = {"name": "cpu-x", "type": "cpu", "threads": 1, "load_ranks": load_ranks}
     measured = {"comm": {"ranks": comm_ranks, "link": "intra_node", "collectives": {}}} if comm_ranks else {}
     data: dict = {}
-    cli_profile._derived_spec(data, "p", info, measured, None)
+    profile_file.derived_spec(data, "p", info, measured, None)
     return data
 
 
@@ -35,8 +35,8 @@ def test_overlap_is_free_only_with_an_idle_core(monkeypatch, cores, load_ranks, 
 def test_a_busy_profile_re_derived_on_a_quiet_setting_drops_the_override(monkeypatch) -> None:
     data = _spec(monkeypatch, 2, 4, 0)
     info = {"name": "cpu-x", "type": "cpu", "threads": 1, "load_ranks": 1}
-    monkeypatch.setattr(cli_profile.os, "cpu_count", lambda: 8)
-    cli_profile._derived_spec(data, "p", info, {}, None)
+    monkeypatch.setattr(profile_file, "usable_cores", lambda: 8)
+    profile_file.derived_spec(data, "p", info, {}, None)
     assert data["software"]["overlap_grad_reduce"] is True and "overlap_cost_fraction" not in data["efficiency"]
 
 
@@ -50,9 +50,13 @@ def test_load_helpers_keep_a_core_busy_until_stopped() -> None:
     procs = start_load(1, "cpu", "examples/gpt_small.py", 1)
     try:
         assert len(procs) == 1
-        time.sleep(6)
+        wait_ready(procs, timeout_s=120)  # its "ready" line: the loop has started
+        start = _cpu_seconds(procs[0].pid)
+        deadline = time.monotonic() + 60  # a shared machine may give it a small share of a core
+        while _cpu_seconds(procs[0].pid) < start + 1.0 and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert procs[0].poll() is None  # still running: the model loop does not exit on its own
-        assert _cpu_seconds(procs[0].pid) > 1.0
+        assert _cpu_seconds(procs[0].pid) >= start + 1.0  # and it keeps computing
     finally:
         stop_load(procs)
     assert procs[0].poll() is not None

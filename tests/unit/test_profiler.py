@@ -13,10 +13,10 @@ import yaml
 from autopar.cluster import cluster_from_dict, load_cluster, load_cluster_and_profile, with_measured
 from autopar.cost.comm import GroupLink, collective_time_s
 from autopar.errors import ClusterError
+from autopar.profile_tables import LayerPoint, LayerTable, MeasuredProfile, layer_table_to_dict, measured_from_dict
 from autopar.profiler.comm import fit_collective, hops_and_volume
 from autopar.profiler.kernels import fit_gemm
 from autopar.profiler.memory import LiveBytes
-from autopar.profiler.tables import LayerPoint, LayerTable, MeasuredProfile, layer_table_to_dict, measured_from_dict
 
 TINY_GPT = "tests/dist/models/tiny_gpt.py"
 
@@ -118,7 +118,7 @@ def test_layer_profile_schema_and_written_profile_loads(tmp_path) -> None:
     out = tmp_path / "cpu-test.yaml"
     args = argparse.Namespace(model=TINY_GPT, output=str(out), device="cpu", micro_batch=(1, 2), tp=(1, 2), cp=(1, 2),
                               dtype=None, threads=1, repeats=1, warmup=0, no_kernels=True, comm=False,
-                              nproc_per_node=None, gpus_per_node=2, load_ranks=1, timeout=300.0)
+                              nproc_per_node=None, gpus_per_node=2, load_ranks=1, no_comm=True, timeout=300.0)
     assert main(args) == 0
     data = yaml.safe_load(out.read_text())
     m = data["measured"]

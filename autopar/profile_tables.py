@@ -1,10 +1,13 @@
 """Measured profile data: what ``autopar profile`` writes and the cost model reads.
 
-Pure Python (no torch): the planner imports this. The YAML lives under the optional ``measured:``
+Planner data beside ``autopar.cluster`` (which layers it over a cluster profile), not in the
+profiler's package: pure Python (no torch), imported by the planner; it imports nothing of autopar
+but the errors, so ``cluster`` -> ``profile_tables`` is one-way. The YAML lives under the optional ``measured:``
 key of a cluster profile (docs/profiles.md); every part of it is optional:
 
     measured:
-      device: {name, type, threads, torch, date, host}
+      device: {name, type, threads, torch, date, host, [dtype, concurrent_ranks, load_ranks, cores,
+               contention: [[ranks, seconds], ...]]}
       model: {name, sha256, dtype, seq_len, edges_replicated}
       layers: {pre|block|post|loss: [{b, s, tp, [cp, cp_kind,] fwd_s, bwd_s, saved_bytes, peak_bytes,
                                       [core_fwd_s]}, ...]}
@@ -195,14 +198,94 @@ class MeasuredProfile:
     comm_rendezvous_s: float = 0.0  # extra per blocking collective between compute (autopar.profiler.comm)
 
 
+@dataclass(frozen=True, kw_only=True)
+class MeasuredConditions:
+    """What a measured profile's figures hold for (``measured.device``; None: not recorded, as in
+    files written before the key was). ``dtype``: the training dtype the layer tables and kernel
+    curves were measured in. ``concurrent_ranks``: how many single-threaded ranks shared the
+    machine while the layers were timed (``--load-ranks``; older files: ``load_ranks``).
+    ``comm_ranks``: the ranks the collectives were fitted on (0: none measured)."""
+
+    device_type: str | None = None
+    device_name: str | None = None
+    dtype: str | None = None
+    threads_per_rank: int | None = None
+    concurrent_ranks: int | None = None
+    cores: int | None = None
+    torch_version: str | None = None
+    comm_ranks: int = 0
+    measures_compute: bool = False  # layer tables or fitted kernel figures: times that depend on the above
+    # ((ranks, seconds), ...): a reference block's time beside ranks - 1 others (autopar.profiler.contention)
+    contention: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for key in ("threads_per_rank", "concurrent_ranks", "cores"):
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise ClusterError(f"measured.device: {key} must be >= 1, got {v}")
+
+
+def _opt_int(value: Any, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ClusterError(f"{where} must be an integer, got {value!r}")
+    return value
+
+
+def conditions_of(m: MeasuredProfile) -> MeasuredConditions:
+    """The conditions recorded in ``m`` (see MeasuredConditions)."""
+    d = m.device
+    dtype = d.get("dtype") or (m.layers.dtype if m.layers is not None else None)
+    ranks = d.get("concurrent_ranks", d.get("load_ranks"))
+    return MeasuredConditions(
+        device_type=None if d.get("type") is None else str(d["type"]),
+        device_name=None if d.get("name") is None else str(d["name"]),
+        dtype=None if dtype is None else str(dtype),
+        threads_per_rank=_opt_int(d.get("threads"), "measured.device.threads"),
+        concurrent_ranks=_opt_int(ranks, "measured.device.concurrent_ranks"),
+        cores=_opt_int(d.get("cores"), "measured.device.cores"),
+        torch_version=None if d.get("torch") is None else str(d["torch"]),
+        comm_ranks=m.comm_ranks if m.comm else 0,
+        measures_compute=m.layers is not None or bool(m.fitted),
+        contention=_curve(d.get("contention"), "measured.device.contention"),
+    )
+
+
+def _curve(value: Any, where: str) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ClusterError(f"{where} must be a list of [ranks, seconds]")
+    out = []
+    for row in value:
+        if not isinstance(row, (list, tuple)) or len(row) != 2:
+            raise ClusterError(f"{where} must be a list of [ranks, seconds], got {row!r}")
+        ranks, secs = _opt_int(row[0], where), parse_number(row[1], where)
+        if ranks is None or ranks < 1 or secs <= 0:
+            raise ClusterError(f"{where}: ranks must be >= 1 and seconds > 0, got {row!r}")
+        out.append((ranks, secs))
+    return tuple(sorted(out))
+
+
 FITTED_KEYS = ("peak_flops", "gemm_max", "gemm_half_dim", "memory_bandwidth_bytes_per_s", "memory_efficiency",
                "kernel_overhead_s", "attention_efficiency", "optimizer_bytes_per_param")
 
 
-def _number(value: Any, where: str) -> float:
-    from autopar.cluster import parse_number  # cluster imports this module: import at call time
+def parse_number(value: Any, where: str) -> float:
+    """A profile number. YAML 1.1 reads "312.0e12" (no sign after e) as a string, so strings that
+    float() accepts are numbers too; anything else (bools included) is a ClusterError."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ClusterError(f"{where} must be a number, got {value!r}")
+    return float(value)
 
-    return parse_number(value, where)
+
+_number = parse_number
 
 
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:
