@@ -3,8 +3,8 @@
 Launch modes:
 
 * under ``torchrun`` (``WORLD_SIZE``/``RANK`` set): every rank runs the plan;
-* ``--nproc-per-node N`` outside torchrun: checks the plan here, then re-launches itself with
-  ``python -m torch.distributed.run --standalone --nproc-per-node N -m autopar.executor.cli_run``;
+* ``--nproc-per-node N`` outside torchrun: checks the plan here, then starts N ranks of
+  ``-m autopar.executor.cli_run`` with autopar's loopback launcher (launch/local.py);
 * a 1-GPU plan with neither: runs in this process (a world of one).
 
 Checkpoints (``--checkpoint-dir``, ``--checkpoint-every``, ``--resume``), restarts
@@ -39,7 +39,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"AdamW learning rate (default {DEFAULT_LR})")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weights and synthetic data seed (default 0)")
     parser.add_argument("--nproc-per-node", type=int, metavar="N",
-                        help="start N processes with torchrun (when not already under torchrun)")
+                        help="start N rank processes on this node (autopar's loopback launcher; not needed under torchrun)")
     parser.add_argument("--report", metavar="PATH", help="write the JSON run report here (rank 0)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="collective timeout in seconds (default 600): a hang becomes an error naming the rank "
@@ -52,9 +52,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                    help="keep the N newest checkpoints (default 2; 0 keeps all)")
     g.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint in --checkpoint-dir (any plan: reshards); "
-                        "--steps is the total step count. After a torchrun restart this happens automatically")
+                        "--steps is the total step count. After a restart (--max-restarts) this happens automatically")
     g.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                   help="with --nproc-per-node: let torchrun restart the job R times after a rank fails")
+                   help="with --nproc-per-node: restart the job R times after a rank fails (resuming from the latest checkpoint)")
     g = parser.add_argument_group("tracing")
     g.add_argument("--trace", metavar="OUT.json", help="write rank 0's measured torch.profiler trace (Chrome format)")
     g.add_argument("--trace-steps", type=int, default=2, metavar="K", help="steps to trace after one warm-up (default 2)")
