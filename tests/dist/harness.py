@@ -183,13 +183,13 @@ def _spawn_cases_in(world: int, cases: list[Case], out_dir: str) -> dict[str, An
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(model: str, global_batch_size: int, micro_batch_size: int):
+def _reference(case_type: type, model: str, global_batch_size: int, micro_batch_size: int):
     import torch
 
     from autopar.executor.train import run_reference
     from autopar.modelfile import load_model_file
 
-    case = Case(name="ref", model=model, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
+    case = case_type(name="ref", model=model, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
     plan = case.plan()
     mf = load_model_file(plan.model.file)
     torch.set_num_threads(2)
@@ -197,7 +197,8 @@ def _reference(model: str, global_batch_size: int, micro_batch_size: int):
 
     def grab(step, model):
         if step == 0:
-            grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)})
+            grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
+                          if p.grad is not None})
 
     losses, model_ = run_reference(mf, plan, steps=STEPS, seed=SEED, lr=LR, on_grads=grab)
     params = {n: p.detach().clone() for n, p in model_.named_parameters(remove_duplicate=False)}
@@ -205,4 +206,6 @@ def _reference(model: str, global_batch_size: int, micro_batch_size: int):
 
 
 def reference_for(case: Case):
-    return _reference(case.model, case.global_batch_size, case.micro_batch_size)
+    """(losses, parameters after the steps, first-step gradients) of ``case``'s model trained as one
+    process (its Case subclass says where the model file is), computed once per model and batch."""
+    return _reference(type(case), case.model, case.global_batch_size, case.micro_batch_size)

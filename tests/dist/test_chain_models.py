@@ -8,11 +8,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+import harness
 import pytest
 import torch
-
-import harness
-from harness import Case, HERE, reference_for, spawn_cases, ZOO
+from harness import HERE, ZOO, Case, reference_for, spawn_cases
 
 pytestmark = pytest.mark.dist
 

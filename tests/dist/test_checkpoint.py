@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from harness import LR, SEED, Case, _free_port
 
 pytestmark = pytest.mark.dist

@@ -9,8 +9,7 @@ import functools
 
 import pytest
 import torch
-
-from harness import Case, LR, reference_for, spawn_cases, STEPS
+from harness import LR, STEPS, Case, reference_for, spawn_cases
 
 pytestmark = pytest.mark.dist
 

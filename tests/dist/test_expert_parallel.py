@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-
-from harness import LR, SEED, STEPS, ZOO, Case, spawn_cases
+from harness import SEED, STEPS, ZOO, Case, reference_for, spawn_cases
 
 pytestmark = pytest.mark.dist
 
@@ -76,24 +75,6 @@ def _results(world: int) -> dict:
     return spawn_cases(world, WORLD[world])
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(model: str):
-    from autopar.executor.train import run_reference
-    from autopar.modelfile import load_model_file
-
-    plan = MoECase(name="ref", model=model).plan()
-    mf = load_model_file(plan.model.file)
-    torch.set_num_threads(2)
-    grads: dict = {}
-
-    def grab(step, m):
-        if step == 0:
-            grads.update({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
-
-    losses, model_ = run_reference(mf, plan, steps=STEPS, seed=SEED, lr=LR, on_grads=grab)
-    return losses, {n: p.detach().clone() for n, p in model_.named_parameters()}, grads
-
-
 def _routing_is_uneven(model: str) -> bool:
     """The first block's router on the first step's batch sends different numbers of tokens to
     the experts (so the all-to-all's splits are uneven)."""
@@ -123,7 +104,7 @@ def test_expert_parallel_trains_like_one_rank(world: int, case: MoECase) -> None
     assert _routing_is_uneven(case.model), "the test needs uneven routing"
     got = _results(world)[case.name]
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
-    ref_losses, ref_params, ref_grads = _reference(case.model)
+    ref_losses, ref_params, ref_grads = reference_for(case)
     assert len(got["losses"]) == STEPS
     for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
         assert a == pytest.approx(b, rel=1e-4), f"step {step}: loss {a} vs reference {b}"

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import MODELS, Case
 
 pytestmark = pytest.mark.dist

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from harness import LR, SEED, STEPS, ZOO, Case, spawn_cases  # noqa: E402
+from harness import ZOO, Case, reference_for, spawn_cases  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -102,25 +102,6 @@ def _results(world: int) -> dict:
     return spawn_cases(world, WORLD[world])
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(model: str):
-    from autopar.executor.train import run_reference
-    from autopar.modelfile import load_model_file
-
-    plan = FileCase(name="ref", model=model).plan()
-    mf = load_model_file(plan.model.file)
-    torch.set_num_threads(2)
-    grads: dict = {}
-
-    def grab(step, m):
-        if step == 0:
-            grads.update({n: p.grad.detach().clone() for n, p in m.named_parameters(remove_duplicate=False)
-                          if p.grad is not None})
-
-    losses, model_ = run_reference(mf, plan, steps=STEPS, seed=SEED, lr=LR, on_grads=grab)
-    return losses, {n: p.detach().clone() for n, p in model_.named_parameters(remove_duplicate=False)}, grads
-
-
 def _check(world: int, case: FileCase) -> None:
     from autopar.modelfile import load_model_file
     from autopar.spec import model_spec
@@ -131,7 +112,7 @@ def _check(world: int, case: FileCase) -> None:
             assert spec.support_reason(dim) is None, f"{dim} is not offered: {spec.support_reason(dim)}"
     got = _results(world)[case.name]
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
-    ref_losses, ref_params, ref_grads = _reference(case.model)
+    ref_losses, ref_params, ref_grads = reference_for(case)
     assert len(got["losses"]) == len(ref_losses)
     for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
         assert a == pytest.approx(b, rel=1e-4), f"step {step}: loss {a} vs reference {b}"

@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import MODELS, Case
 
 from autopar.errors import AutoparError
 from autopar.executor.checks import preflight
 from autopar.executor.cli_run import add_run_arguments, run_main
 from autopar.modelfile import load_model_file
 from autopar.plan import plan_from_dict, save_plan
-from harness import MODELS, Case
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-
-from harness import HERE, LR, SEED, STEPS, ZOO, Case, spawn_cases
+from harness import HERE, ZOO, Case, reference_for, spawn_cases
 
 pytestmark = pytest.mark.dist
 
@@ -67,27 +66,11 @@ def _results() -> dict:
     return spawn_cases(2, CASES)
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(model: str):
-    from autopar.executor.train import run_reference
-    from autopar.modelfile import load_model_file
-
-    plan = ForeignCase(name="ref", model=model).plan()
-    grads: dict = {}
-
-    def grab(step, m):
-        if step == 0:
-            grads.update({n: p.grad.detach().clone() for n, p in m.named_parameters(remove_duplicate=False)})
-
-    losses, m = run_reference(load_model_file(plan.model.file), plan, steps=STEPS, seed=SEED, lr=LR, on_grads=grab)
-    return losses, {n: p.detach().clone() for n, p in m.named_parameters(remove_duplicate=False)}, grads
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_foreign_model_tp2_matches_one_rank(case: ForeignCase) -> None:
     got = _results()[case.name]
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
-    ref_losses, ref_params, ref_grads = _reference(case.model)
+    ref_losses, ref_params, ref_grads = reference_for(case)
     for step, (a, b) in enumerate(zip(got["losses"], ref_losses, strict=True)):
         assert a == pytest.approx(b, rel=1e-4), f"step {step}: loss {a} vs reference {b}"
     assert got["vocab_sharded"], "the vocabulary edges should be sharded at tp = 2"

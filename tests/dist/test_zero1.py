@@ -17,8 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from harness import _free_port, _run_case, Case, reference_for, SEED
+from harness import SEED, Case, _free_port, _run_case, reference_for
 
 pytestmark = pytest.mark.dist
 
