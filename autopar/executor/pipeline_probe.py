@@ -22,6 +22,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from autopar.executor.introspect import ModelSpec
 from autopar.modelfile import call_model
+from autopar.spec.blocks import siblings as module_siblings
 
 
 @dataclass(frozen=True)
@@ -67,18 +68,6 @@ class Probe:
     bare: dict[str, frozenset[str]]
     shared: tuple[str, ...]  # prologue modules kept real on every stage (probe_structure)
     output: Template  # what the whole model returns
-
-
-def _siblings(model: nn.Module, blocks_path: str) -> dict[str, nn.Module]:
-    path = blocks_path.split(".")
-    out: dict[str, nn.Module] = {}
-    for depth in range(len(path)):
-        prefix = ".".join(path[:depth])
-        parent = model.get_submodule(prefix) if prefix else model
-        for name, child in parent.named_children():
-            if name != path[depth]:
-                out[f"{prefix}.{name}" if prefix else name] = child
-    return out
 
 
 def _bare_parameters(model: nn.Module, blocks_path: str) -> dict[str, nn.Parameter]:
@@ -157,7 +146,7 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
 
     events: list[tuple[str, str, Any]] = []
     handles = []
-    siblings = _siblings(model, spec.blocks_path)
+    siblings = module_siblings(model, spec.blocks_path)
     blocks = model.get_submodule(spec.blocks_path)
     first_param = _first_param(blocks[0])
     watched = dict(_bare_parameters(model, spec.blocks_path))

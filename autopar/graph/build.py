@@ -143,23 +143,12 @@ def trace_model(
     blocks_attr: str | None,
 ) -> TracedRun:
     """One forward+backward of ``model`` on meta, attributed to pre / block / post / loss."""
-    handles = []
+    regions = ParamRegions(model)
+    handles = regions.handles
     io: dict[str, float] = {"in": 0.0}
-    current = {"region": "pre"}
-    param_regions: dict[int, set[str]] = {}
-
-    def note_params(mod: nn.Module, args: tuple) -> None:
-        for p in mod.parameters(recurse=False):
-            param_regions.setdefault(id(p), set()).add(current["region"])
-
-    for mod in model.modules():
-        handles.append(mod.register_forward_pre_hook(note_params))
 
     def run(set_region_raw: Callable[[str], None]) -> None:
-        def set_region(name: str) -> None:
-            if not name.startswith("bwd:"):
-                current["region"] = name
-            set_region_raw(name)
+        set_region = regions.setter(set_region_raw)
 
         if block is not None:
             def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -184,7 +173,7 @@ def trace_model(
         with tolerant_meta():  # value reads of meta tensors (HF's .item() checks) get a default
             out = call_model(model, inputs)
         set_region("loss")
-        loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
+        loss = loss_fn(out, inputs) if loss_fn is not None else default_loss(out)
         y = first_tensor(out)
         if y is not None and y.requires_grad:
             y.register_hook(lambda g: set_region("bwd:post"))
@@ -197,11 +186,36 @@ def trace_model(
     finally:
         for h in handles:
             h.remove()
-    return TracedRun(trace=trace, param_regions=param_regions,
+    return TracedRun(trace=trace, param_regions=regions.by_param,
                      block_input_bytes=io["in"])
 
 
-def _default_loss(out: Any) -> torch.Tensor:
+class ParamRegions:
+    """Which regions' modules use each parameter during one traced forward: a forward pre-hook on
+    every module of ``model`` notes the region the forward is in when the module runs. ``setter``
+    wraps the tracer's region switch so that forward regions move ``current`` (backward ones,
+    ``bwd:*``, leave it). ``handles`` are the hooks to remove after the trace (callers add theirs)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.current = "pre"
+        self.by_param: dict[int, set[str]] = {}  # id(parameter) -> regions whose modules used it
+        self.handles: list = [mod.register_forward_pre_hook(self._note) for mod in model.modules()]
+
+    def _note(self, mod: nn.Module, args: tuple) -> None:
+        for p in mod.parameters(recurse=False):
+            self.by_param.setdefault(id(p), set()).add(self.current)
+
+    def setter(self, set_region_raw: Callable[[str], None]) -> Callable[[str], None]:
+        def set_region(name: str) -> None:
+            if not name.startswith("bwd:"):
+                self.current = name
+            set_region_raw(name)
+
+        return set_region
+
+
+def default_loss(out: Any) -> torch.Tensor:
+    """The loss of a model file without ``loss_fn``: the mean of its output's first tensor."""
     y = first_tensor(out)
     if y is None:
         raise ModelFileError("the model's output holds no tensor to train on; define loss_fn(output, inputs)")

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from autopar.errors import ModelFileError
-from autopar.graph.build import TracedRun, first_tensor, slice_sequence
+from autopar.graph.build import ParamRegions, TracedRun, default_loss, first_tensor, slice_sequence
 from autopar.graph.model_graph import ChainUnit, ModelGraph, RegionParams, region_totals, saved_split
 from autopar.graph.scaling import RegionFit, Shape, fit_region
 from autopar.graph.trace import Trace, run_and_trace
@@ -92,23 +92,12 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
     """One forward+backward of ``model`` on meta attributed to pre / unit.i / post / loss (i: the
     position in ``unit_mods``, the units the forward runs, in order), and the bytes of the tensor
     each of them received."""
-    handles = []
-    current = {"region": "pre"}
-    param_regions: dict[int, set[str]] = {}
+    regions = ParamRegions(model)
+    handles = regions.handles
     in_bytes = [0.0] * len(unit_mods)
 
-    def note_params(mod: nn.Module, args: tuple) -> None:
-        for p in mod.parameters(recurse=False):
-            param_regions.setdefault(id(p), set()).add(current["region"])
-
-    for mod in model.modules():
-        handles.append(mod.register_forward_pre_hook(note_params))
-
     def run(set_region_raw: Callable[[str], None]) -> None:
-        def set_region(name: str) -> None:
-            if not name.startswith("bwd:"):
-                current["region"] = name
-            set_region_raw(name)
+        set_region = regions.setter(set_region_raw)
 
         last = len(unit_mods) - 1
         for i, mod in enumerate(unit_mods):
@@ -134,13 +123,7 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
         with tolerant_meta():
             out = call_model(model, inputs)
         set_region("loss")
-        if loss_fn is not None:
-            loss = loss_fn(out, inputs)
-        else:
-            y = first_tensor(out)
-            if y is None:
-                raise ModelFileError("the model's output holds no tensor to train on; define loss_fn(output, inputs)")
-            loss = y.float().mean()
+        loss = loss_fn(out, inputs) if loss_fn is not None else default_loss(out)
         y = first_tensor(out)
         if y is not None and y.requires_grad:
             y.register_hook(lambda g: set_region("bwd:post"))
@@ -153,7 +136,7 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
     finally:
         for h in handles:
             h.remove()
-    return TracedRun(trace=trace, param_regions=param_regions, block_input_bytes=in_bytes[0]), in_bytes
+    return TracedRun(trace=trace, param_regions=regions.by_param, block_input_bytes=in_bytes[0]), in_bytes
 
 
 def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len: int | None, dtype: str,

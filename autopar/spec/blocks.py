@@ -102,7 +102,7 @@ class Probe:
     block_output: str
 
 
-def _siblings(model: nn.Module, blocks_path: str) -> dict[str, nn.Module]:
+def siblings(model: nn.Module, blocks_path: str) -> dict[str, nn.Module]:
     """Every module beside the block list on its path from the root (the candidates for the
     prologue and epilogue)."""
     path = blocks_path.split(".")
@@ -124,7 +124,7 @@ def probe_calls(model: nn.Module, blocks_path: str, run: Any) -> Probe:
     """Run ``run()`` (one meta forward of ``model``) and classify the modules around the blocks."""
     events: list[tuple[str, str, Any]] = []
     handles = []
-    for name, mod in _siblings(model, blocks_path).items():
+    for name, mod in siblings(model, blocks_path).items():
         handles.append(mod.register_forward_hook(lambda m, a, o, n=name: events.append(("mod", n, _type_name(o)))))
     blocks = model.get_submodule(blocks_path)
     first, last = blocks[0], blocks[len(blocks) - 1]
