@@ -1,0 +1,320 @@
+r"""The split program with a per-rank recompute mix (issue 14; DESIGN §3b): blocks per rank and mode.
+
+The terms of a "mixed" config (``cost.stage.build_terms``) price one block under each recompute
+mode m in {none, selective, full}: tau_m (forward+backward time of one micro-batch), beta_m (its
+backward part), alpha_m (activation bytes per in-flight micro-batch) and w_m (the working set held
+while a block of mode m re-runs). Parameters do not depend on the mode (pi, sigma as in
+``search.ilp``). With the rest as in ``search.ilp`` (f_r, g_r, p_r, a_r, I_r, M, v):
+
+    variables   n_{r,m} in {0..L}  (blocks of rank r under mode m),  N_r = sum_m n_{r,m} in {v..L},
+                u_{r,m} in {0, 1}  (rank r uses mode m),  W_r >= 0,  T >= 0,  Z >= 0
+
+    minimise    (M v - 1) T + sum_r t_r + v Z        (v times the step time; sum_r t_r is no
+                                                      longer a constant: recompute costs time)
+
+    where       t_r = sum_m tau_m  n_{r,m} + f_r
+                b_r = sum_m beta_m n_{r,m} + g_r
+                P_r = pi N_r + p_r
+
+    subject to  sum_r N_r = L                                                  (blocks)
+                T >= t_r                                          for all r    (slowest stage)
+                Z >= floor + (c sync + gather + opt) P_r                 for all r    (tail)
+                Z >= ((1 + c) sync + gather + opt) P_r - b_r      for all r    (unhidden sync)
+                n_{r,m} <= L u_{r,m},   W_r >= w_m u_{r,m}        for all r, m (working set)
+                sigma P_r + I_r (sum_m alpha_m n_{r,m} + a_r) + W_r + other <= capacity  (memory)
+
+which is exactly ``cost.step.evaluate`` with ``recompute_blocks`` (the tests check it against a
+walk of every split and every mix). Integer scaling as in ``search.ilp``: time in TIME_UNITS of one
+micro-batch of the whole model without recompute, bytes as bytes (coefficients rounded up, capacity
+down). Modes outside ``modes`` (the ones the model's executor cannot run, or selective where it
+saves nothing) are fixed to 0.
+
+Two exact solvers of the one program:
+
+- ``enumerate`` -- for each rank and block count N the mixes that fit memory, reduced to the
+  (t_r, z_r) Pareto front (the objective grows with every t_r and z_r, so a mix no better in both
+  than another of the same N is never needed), then every split walked over those fronts, from the
+  lowest objective found so far, dropping a prefix whose running maxima already reach it. Used when
+  the fronts give at most MAX_ENUMERATED_MIXES combinations: milliseconds, and it cannot stall.
+- CP-SAT (OR-Tools) with one worker (issue 17 measured the 2-worker portfolio stalling for seconds
+  on small programs) and its time limit; OPTIMAL only when proven.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.cost.stage import StageTerms
+from autopar.plan import RECOMPUTE_MODES
+from autopar.search.ilp import SplitILP, deal_chunks
+
+SOLVER_PARAMETERS: dict[str, object] = {"num_workers": 1}
+MAX_ENUMERATED_MIXES = 200_000  # split x front combinations walked by ``enumerate``
+MAX_MIX_EVALUATIONS = 50_000  # (rank, mix) pairs priced to build the fronts
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixSolution:
+    """The mixed split program's answer: chunk sizes and, per rank, (none, selective, full) counts."""
+
+    chunk_blocks: tuple[int, ...] | None  # None: no split and mix fits memory
+    recompute_blocks: tuple[tuple[int, int, int], ...] | None
+    status: str  # OPTIMAL | FEASIBLE | INFEASIBLE | UNKNOWN
+    objective_s: float
+    bound_s: float
+    method: str  # "enumeration" or "cp-sat"
+
+
+class MixedSplitILP:
+    """The program of the module docstring; coefficients once, then ``enumerate`` or CP-SAT."""
+
+    def __init__(self, terms: StageTerms, num_blocks: int, modes: tuple[str, ...] = RECOMPUTE_MODES) -> None:
+        if terms.recompute_parts is None:
+            raise ValueError("MixedSplitILP needs the terms of a 'mixed' recompute config")
+        self.terms, self.L, self.cfg = terms, num_blocks, terms.config
+        self.modes = tuple(m for m in RECOMPUTE_MODES if m in modes)
+        self.base = SplitILP(terms, num_blocks)  # the single-mode coefficients: fixed terms, scaling, tail
+        ns, t = self.base.ns, terms
+        self.ranks = range(self.cfg.pp)
+        parts = {m: t.recompute_parts[m] for m in self.modes}
+        self.tau = {m: round(p.time_s * ns) for m, p in parts.items()}
+        self.beta = {m: round(p.bwd_s * ns) for m, p in parts.items()}
+        self.fixed_ns = self.base.fixed_ns
+        self.fixed_bwd_ns = [round(self.base._fixed_bwd_s(r) * ns) for r in self.ranks]
+        self.tail = [self._tail_rows(r) for r in self.ranks]  # per rank: (c1, k1, c2, k2): see _z
+        self.mem_coeff = [{m: math.ceil(t.state_bytes_per_param * t.block.params + t.inflight(r) * p.act_bytes)
+                           for m, p in parts.items()} for r in self.ranks]
+        self.work = {m: math.ceil(t.recompute_working_bytes[m]) for m in self.modes}
+        self.room = [self._room(r) for r in self.ranks]
+        m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
+        self.t_weight, self.z_weight, self.v = m * v - 1, v, v
+
+    # -- coefficients ------------------------------------------------------------------------
+    def _tail_rows(self, r: int) -> tuple[int, int, int, int]:
+        """Z >= c1 + k1 N_r and Z >= c2 + k2 N_r - (sum_m beta_m n_{r,m} + g_r) [overlap], or
+        Z >= c2 + k2 N_r [no overlap: the b_r term is dropped]."""
+        t, ns = self.terms, self.base.ns
+        sync_ns = t.grad_sync_s_per_param * ns
+        per_param_ns = (t.param_gather_s_per_param + t.optimizer_s_per_param) * ns
+        if t.grad_sync_overlaps:
+            per_param_ns += t.overlap_cost_fraction * sync_ns
+        fixed_p = self.base._fixed_params(r)
+        c1 = round(t.grad_sync_floor_s * ns + per_param_ns * fixed_p)
+        k1 = round(per_param_ns * t.block.params)
+        c2 = round((sync_ns + per_param_ns) * fixed_p)
+        k2 = round((sync_ns + per_param_ns) * t.block.params)
+        return c1, k1, c2, k2
+
+    def _room(self, r: int) -> int:
+        """Capacity less everything that does not depend on the counts (rounded down)."""
+        t, base = self.terms, self.base
+        fixed = t.state_bytes_per_param * base._fixed_params(r) + t.transient_bytes + t.reserve_bytes
+        if r == 0:
+            fixed += t.inflight(r) * t.pre.act_bytes
+        if r == base.last_rank:
+            fixed += t.inflight(r) * t.post.act_bytes
+        return math.floor(t.capacity_bytes - fixed)
+
+    def _t(self, r: int, counts: dict[str, int]) -> int:
+        return sum(self.tau[m] * k for m, k in counts.items()) + self.fixed_ns[r]
+
+    def _z(self, r: int, counts: dict[str, int]) -> int:
+        c1, k1, c2, k2 = self.tail[r]
+        n = sum(counts.values())
+        second = c2 + k2 * n
+        if self.terms.grad_sync_overlaps:
+            second -= sum(self.beta[m] * k for m, k in counts.items()) + self.fixed_bwd_ns[r]
+        return max(0, c1 + k1 * n, second)
+
+    def _fits(self, r: int, counts: dict[str, int]) -> bool:
+        used = sum(self.mem_coeff[r][m] * k for m, k in counts.items())
+        used += max((self.work[m] for m, k in counts.items() if k > 0), default=0)
+        return used <= self.room[r]
+
+    def capacity(self) -> list[int]:
+        """The most blocks each rank can hold, every block under its most frugal allowed mode: an
+        upper bound on N_r (what the search checks before solving)."""
+        caps = []
+        for r in self.ranks:
+            best = -1
+            for m in self.modes:
+                per, room = self.mem_coeff[r][m], self.room[r] - self.work[m]
+                best = max(best, room // per if per > 0 else (10**9 if room >= 0 else -1))
+            caps.append(best)
+        return caps
+
+    # -- enumeration ---------------------------------------------------------------------------
+    def _num_mixes(self) -> int:
+        v, k = self.cfg.virtual_stages, len(self.modes)
+        top = self.L - (self.cfg.pp - 1) * v
+        return sum(math.comb(n + k - 1, k - 1) for cap in self.capacity() for n in range(v, min(top, cap) + 1))
+
+    def _mixes(self, n: int):  # noqa: ANN202 -- yields {mode: count} with the counts summing to n
+        def walk(i: int, left: int, acc: dict[str, int]):  # noqa: ANN202
+            if i == len(self.modes) - 1:
+                yield {**acc, self.modes[i]: left}
+                return
+            for k in range(left + 1):
+                yield from walk(i + 1, left - k, {**acc, self.modes[i]: k})
+
+        yield from walk(0, n, {})
+
+    def fronts(self) -> list[dict[int, list[tuple[int, int, dict[str, int]]]]]:
+        """Per rank: block count -> the (t_r, z_r, mix) Pareto front of the mixes that fit."""
+        v = self.cfg.virtual_stages
+        top = self.L - (self.cfg.pp - 1) * v
+        caps = self.capacity()
+        out = []
+        for r in self.ranks:
+            per_n: dict[int, list[tuple[int, int, dict[str, int]]]] = {}
+            for n in range(v, min(top, caps[r]) + 1):
+                opts = sorted({(self._t(r, c), self._z(r, c)): c for c in self._mixes(n) if self._fits(r, c)}.items())
+                front, best_z = [], math.inf
+                for (t, z), c in opts:  # increasing t: keep a mix only if its z is lower than all before
+                    if z < best_z:
+                        front.append((t, z, c))
+                        best_z = z
+                if front:
+                    per_n[n] = front
+            out.append(per_n)
+        return out
+
+    def enumerate(self, limit: int | None = MAX_ENUMERATED_MIXES) -> MixSolution | None:
+        """Every split over the Pareto fronts, exactly; None when there are more than ``limit``
+        combinations (the walk is then left to CP-SAT)."""
+        if limit is not None and self._num_mixes() > MAX_MIX_EVALUATIONS:
+            return None
+        fronts = self.fronts()
+        if limit is not None and _count(fronts, self.L, limit) > limit:
+            return None
+        v, k = self.cfg.virtual_stages, len(fronts)
+        wt, wz = self.t_weight, self.z_weight
+        best: list = [math.inf, None]
+        chosen: list = [None] * len(fronts)
+
+        def walk(r: int, left: int, t_max: int, z_max: int, t_sum: int) -> None:
+            if wt * t_max + wz * z_max + t_sum >= best[0]:
+                return  # every term only grows down the walk
+            if r == len(fronts):
+                if left == 0:
+                    best[0], best[1] = wt * t_max + wz * z_max + t_sum, list(chosen)
+                return
+            for n, front in fronts[r].items():
+                if n > left - v * (k - r - 1):  # every later rank needs its v chunks
+                    break
+                for t, z, c in front:
+                    chosen[r] = c
+                    walk(r + 1, left - n, max(t_max, t), max(z_max, z), t_sum + t)
+
+        walk(0, self.L, 0, 0, 0)
+        if best[1] is None:
+            return MixSolution(chunk_blocks=None, recompute_blocks=None, status="INFEASIBLE", objective_s=math.inf,
+                               bound_s=math.inf, method="enumeration")
+        value_s = best[0] / (self.base.ns * self.v)
+        return self._solution(best[1], "OPTIMAL", value_s, value_s, "enumeration")
+
+    def _solution(self, mixes: list[dict[str, int]], status: str, objective_s: float, bound_s: float,
+                  method: str) -> MixSolution:
+        counts = tuple(tuple(c.get(m, 0) for m in RECOMPUTE_MODES) for c in mixes)
+        return MixSolution(chunk_blocks=deal_chunks([sum(c) for c in counts], self.cfg.virtual_stages),
+                           recompute_blocks=counts, status=status, objective_s=objective_s, bound_s=bound_s,
+                           method=method)
+
+    # -- CP-SAT ----------------------------------------------------------------------------------
+    def _build_model(self) -> None:
+        from ortools.sat.python import cp_model  # imported only when a program is too large to enumerate
+
+        self.model = cp_model.CpModel()
+        L, v = self.L, self.cfg.virtual_stages
+        self.n = [{m: self.model.NewIntVar(0, L, f"n_{r}_{m}") for m in self.modes} for r in self.ranks]
+        self.N = [sum(row.values()) for row in self.n]
+        slowest = max(self.tau.values())
+        self.T = self.model.NewIntVar(0, slowest * L + max(self.fixed_ns) + 1, "T")
+        z_top = max(max(c1 + k1 * L, c2 + k2 * L) for c1, k1, c2, k2 in self.tail) + 1
+        self.Z = self.model.NewIntVar(0, max(0, z_top), "Z")
+        self._add_block_count_constraints(v)
+        self._add_slowest_stage_constraints()
+        self._add_tail_constraints()
+        self._add_memory_constraints()
+        self.t_ranks = [sum(self.tau[m] * x for m, x in row.items()) + self.fixed_ns[r] for r, row in enumerate(self.n)]
+        self.model.Minimize(self.t_weight * self.T + sum(self.t_ranks) + self.z_weight * self.Z)
+
+    def _add_block_count_constraints(self, v: int) -> None:
+        self.model.Add(sum(self.N) == self.L)
+        for n_r in self.N:
+            self.model.Add(n_r >= v)
+
+    def _add_slowest_stage_constraints(self) -> None:
+        for r, row in enumerate(self.n):
+            self.model.Add(self.T >= sum(self.tau[m] * x for m, x in row.items()) + self.fixed_ns[r])
+
+    def _add_tail_constraints(self) -> None:
+        for r, row in enumerate(self.n):
+            c1, k1, c2, k2 = self.tail[r]
+            self.model.Add(self.Z >= c1 + k1 * self.N[r])
+            if self.terms.grad_sync_overlaps:
+                b_r = sum(self.beta[m] * x for m, x in row.items()) + self.fixed_bwd_ns[r]
+                self.model.Add(self.Z >= c2 + k2 * self.N[r] - b_r)
+            else:
+                self.model.Add(self.Z >= c2 + k2 * self.N[r])
+
+    def _add_memory_constraints(self) -> None:
+        top = max(self.work.values(), default=0)
+        for r, row in enumerate(self.n):
+            w_r = self.model.NewIntVar(0, top, f"W_{r}")
+            for m, x in row.items():
+                if self.work[m] > 0:
+                    u = self.model.NewBoolVar(f"u_{r}_{m}")
+                    self.model.Add(x <= self.L * u)
+                    self.model.Add(w_r >= self.work[m] * u)
+            self.model.Add(sum(self.mem_coeff[r][m] * x for m, x in row.items()) + w_r <= self.room[r])
+
+    def solve(self, time_limit_s: float = 10.0, method: str = "auto") -> MixSolution:
+        """``method``: "auto" (enumeration when small enough, else CP-SAT), "enumeration", "cp-sat"."""
+        if method not in ("auto", "enumeration", "cp-sat"):
+            raise ValueError(f"unknown mixed split method {method!r}")
+        if method != "cp-sat":
+            sol = self.enumerate(None if method == "enumeration" else MAX_ENUMERATED_MIXES)
+            if sol is not None:
+                return sol
+        from ortools.sat.python import cp_model
+
+        self._build_model()
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = time_limit_s
+        for key, value in SOLVER_PARAMETERS.items():
+            setattr(solver.parameters, key, value)
+        status = solver.Solve(self.model)
+        name = solver.StatusName(status)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return MixSolution(chunk_blocks=None, recompute_blocks=None, status=name, objective_s=math.inf,
+                               bound_s=math.inf, method="cp-sat")
+        mixes = [{m: int(solver.Value(x)) for m, x in row.items()} for row in self.n]
+        scale = self.base.ns * self.v
+        return self._solution(mixes, name, solver.ObjectiveValue() / scale, solver.BestObjectiveBound() / scale,
+                              "cp-sat")
+
+
+def _count(fronts: list[dict[int, list]], total: int, limit: int) -> int:
+    """Split x front combinations summing to ``total`` (counting stops past ``limit``)."""
+    ways = {0: 1}
+    for per_n in fronts:
+        nxt: dict[int, int] = {}
+        for used, w in ways.items():
+            for n, front in per_n.items():
+                if used + n <= total:
+                    nxt[used + n] = min(limit + 1, nxt.get(used + n, 0) + w * len(front))
+        ways = nxt
+    return ways.get(total, 0)
+
+
+def solve_mixed_split(terms: StageTerms, num_blocks: int, modes: tuple[str, ...] = RECOMPUTE_MODES,
+                      time_limit_s: float = 10.0, method: str = "auto") -> MixSolution:
+    """Optimal split and per-rank recompute counts of ``num_blocks`` blocks for a "mixed" config."""
+    return MixedSplitILP(terms, num_blocks, modes).solve(time_limit_s, method)
+
+
+def mixed_block_capacity(terms: StageTerms, modes: tuple[str, ...] = RECOMPUTE_MODES) -> list[int]:
+    """``MixedSplitILP.capacity`` of ``terms``: each rank's most blocks under its most frugal mode."""
+    return MixedSplitILP(terms, 1, modes).capacity()
