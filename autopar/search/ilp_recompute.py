@@ -20,6 +20,7 @@ while a block of mode m re-runs). Parameters do not depend on the mode (pi, sigm
                 T >= t_r                                          for all r    (slowest stage)
                 Z >= floor + (c sync + gather + opt) P_r                 for all r    (tail)
                 Z >= ((1 + c) sync + gather + opt) P_r - b_r      for all r    (unhidden sync)
+                (without overlap of the sync: Z >= (sync + gather + opt) P_r alone, as in search.ilp)
                 n_{r,m} <= L u_{r,m},   W_r >= w_m u_{r,m}        for all r, m (working set)
                 sigma P_r + I_r (sum_m alpha_m n_{r,m} + a_r) + W_r + other <= capacity  (memory)
 
@@ -104,6 +105,8 @@ class MixedSplitILP:
         k1 = round(per_param_ns * t.block.params)
         c2 = round((sync_ns + per_param_ns) * fixed_p)
         k2 = round((sync_ns + per_param_ns) * t.block.params)
+        if not t.grad_sync_overlaps:  # one family: the whole sync after backward, no floor of its own
+            c1, k1 = c2, k2
         return c1, k1, c2, k2
 
     def _room(self, r: int) -> int:
