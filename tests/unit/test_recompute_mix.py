@@ -271,3 +271,33 @@ def test_bad_recompute_blocks_is_a_one_line_error_naming_the_key(value, needle) 
     with pytest.raises(PlanError, match=needle) as err:
         parse_plan(text)
     assert "parallel.recompute_blocks" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_estimate_and_explain_price_and_show_the_counts(tiny) -> None:
+    from autopar.cost.estimate import estimate_json, estimate_plan
+    from autopar.explain.explanation import explain_plan, format_explanation
+
+    cluster = _cluster(64)
+    data = {"version": 1, "model": {"file": "m.py", "num_blocks": 6},
+            "cluster": {"profile": "a100-80g", "num_gpus": 2, "gpus_per_node": 8},
+            "training": {"global_batch_size": 16, "micro_batch_size": 2, "seq_len": 64},
+            "parallel": {"dp": 1, "tp": 1, "pp": 2, "recompute": "full", "stages": [[0, 4], [4, 6]],
+                         "recompute_blocks": [{"none": 1, "selective": 1, "full": 2}, {"none": 2}]}}
+    plan = plan_from_dict(data)
+    est = estimate_plan(plan, tiny, cluster)
+    terms = build_terms(tiny, cluster, _cfg("mixed", 2))
+    assert est.step_time_s == evaluate(terms, [4, 2], 1.0, 1.0, 1.0,
+                                       recompute_blocks=[(1, 1, 2), (2, 0, 0)]).step_time_s
+    single = {m: estimate_plan(plan_from_dict({**data, "parallel": {**data["parallel"], "recompute": m,
+                                                                   "recompute_blocks": None}}), tiny, cluster)
+              for m in MODES}
+    # the mix costs between no recompute and full recompute, and its ranks differ in memory
+    assert single["none"].step_time_s < est.step_time_s < single["full"].step_time_s
+    assert est.ranks[0].memory_bytes["activations"] < single["none"].ranks[0].memory_bytes["activations"]
+    assert est.ranks[1].memory_bytes["activations"] == pytest.approx(single["none"].ranks[1].memory_bytes["activations"])
+    assert estimate_json(est)["step_time_s"] == est.step_time_s
+    text = format_explanation(explain_plan(plan, tiny, cluster))
+    assert "recompute per stage (none 3, selective 1, full 2 blocks)" in text
+    stage_lines = [line for line in text.splitlines() if "recompute full 2 selective 1 none 1" in line]
+    assert len(stage_lines) == 1 and "embedding" in stage_lines[0]
+    assert any("recompute none 2" in line and "head+loss" in line for line in text.splitlines())
