@@ -30,15 +30,20 @@ micro-batch of the whole model without recompute, bytes as bytes (coefficients r
 down). Modes outside ``modes`` (the ones the model's executor cannot run, or selective where it
 saves nothing) are fixed to 0.
 
-Two exact solvers of the one program:
+Three exact solvers of the one program, tried in this order by ``solve``:
 
 - ``enumerate`` -- for each rank and block count N the mixes that fit memory, reduced to the
   (t_r, z_r) Pareto front (the objective grows with every t_r and z_r, so a mix no better in both
   than another of the same N is never needed), then every split walked over those fronts, from the
   lowest objective found so far, dropping a prefix whose running maxima already reach it. Used when
   the fronts give at most MAX_ENUMERATED_MIXES combinations: milliseconds, and it cannot stall.
-- CP-SAT (OR-Tools) with one worker (issue 17 measured the 2-worker portfolio stalling for seconds
-  on small programs) and its time limit; OPTIMAL only when proven.
+- ``parametric`` -- the same fronts; for fixed caps T and Z the least sum_r t_r is a min-plus
+  knapsack over the ranks (pp x L x L steps), and the optimum is found by walking Z and T upwards
+  over the fronts' values with bounds that stop both walks (the method's docstring). Polynomial:
+  well under a second for GPT-3 175B on 8 pipeline ranks, where CP-SAT (either worker count) was
+  measured stopping at its time limit without a proof on a third of the configurations.
+- CP-SAT (OR-Tools) with one worker, when the fronts are too large to build (more than
+  MAX_MIX_EVALUATIONS_PARAMETRIC mixes); OPTIMAL only when proven, else FEASIBLE at its time limit.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from autopar.search.ilp import SplitILP, deal_chunks
 SOLVER_PARAMETERS: dict[str, object] = {"num_workers": 1}
 MAX_ENUMERATED_MIXES = 200_000  # split x front combinations walked by ``enumerate``
 MAX_MIX_EVALUATIONS = 50_000  # (rank, mix) pairs priced to build the fronts
+MAX_MIX_EVALUATIONS_PARAMETRIC = 400_000  # the same for ``parametric``, which needs the fronts too
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +70,7 @@ class MixSolution:
     status: str  # OPTIMAL | FEASIBLE | INFEASIBLE | UNKNOWN
     objective_s: float
     bound_s: float
-    method: str  # "enumeration" or "cp-sat"
+    method: str  # "enumeration", "parametric" or "cp-sat"
 
 
 class MixedSplitILP:
@@ -224,6 +230,102 @@ class MixedSplitILP:
                            recompute_blocks=counts, status=status, objective_s=objective_s, bound_s=bound_s,
                            method=method)
 
+    # -- parametric search -----------------------------------------------------------------------
+    def parametric(self) -> MixSolution | None:
+        """The exact optimum by parametric search on the two maxima T and Z; None when the fronts
+        are too large to build (more than MAX_MIX_EVALUATIONS_PARAMETRIC mixes).
+
+        For fixed caps T and Z, rank r's best use of N blocks is the first mix of its front (t
+        increasing, z decreasing) with z <= Z, if its t <= T; the least sum_r t_r with sum_r N_r
+        = L is then a min-plus knapsack over the ranks (``_least_sum``), and wT T + wZ Z + that sum
+        bounds the objective of every split within the caps, with equality at the optimum's own
+        maxima. Z is walked upwards over the z values of the fronts, and for each Z, T upwards
+        from the least feasible T (bisection: feasibility grows with T) until wT T + wZ Z plus the
+        least sum at no T cap reaches the best found; the Z walk stops once wZ Z plus the least
+        wT T + sum of any Z does."""
+        if self._num_mixes() > MAX_MIX_EVALUATIONS_PARAMETRIC:
+            return None
+        fronts = self.fronts()
+        if any(not per_n for per_n in fronts):
+            return MixSolution(chunk_blocks=None, recompute_blocks=None, status="INFEASIBLE", objective_s=math.inf,
+                               bound_s=math.inf, method="parametric")
+        t_values = sorted({t for per_n in fronts for front in per_n.values() for t, _, _ in front})
+        z_values = sorted({z for per_n in fronts for front in per_n.values() for _, z, _ in front})
+        wt, wz = self.t_weight, self.z_weight
+
+        def least_t(z: int) -> int | None:
+            """The least T cap with a feasible split under Z cap z (None: none at any T)."""
+            if self._least_sum(fronts, t_values[-1], z) is None:
+                return None
+            a, b = 0, len(t_values) - 1
+            while a < b:
+                mid = (a + b) // 2
+                if self._least_sum(fronts, t_values[mid], z) is None:
+                    a = mid + 1
+                else:
+                    b = mid
+            return a
+
+        top = least_t(z_values[-1])
+        if top is None:
+            return MixSolution(chunk_blocks=None, recompute_blocks=None, status="INFEASIBLE", objective_s=math.inf,
+                               bound_s=math.inf, method="parametric")
+        floor_t = wt * t_values[top] + self._least_sum(fronts, math.inf, z_values[-1])  # least wT T + sum, any Z
+        best: tuple[int, int, int] | None = None  # value, T, Z
+        for z in z_values:
+            if best is not None and wz * z + floor_t >= best[0]:
+                break
+            k = least_t(z)
+            if k is None:
+                continue
+            sum_floor = self._least_sum(fronts, math.inf, z)
+            for t in t_values[k:]:
+                if best is not None and wt * t + wz * z + sum_floor >= best[0]:
+                    break
+                total = self._least_sum(fronts, t, z)
+                if total is not None and (best is None or wt * t + wz * z + total < best[0]):
+                    best = (wt * t + wz * z + total, t, z)
+        assert best is not None  # z_values[-1] is feasible
+        mixes = self._least_sum(fronts, best[1], best[2], split=True)
+        value_s = best[0] / (self.base.ns * self.v)
+        return self._solution(mixes, "OPTIMAL", value_s, value_s, "parametric")
+
+    def _least_sum(self, fronts: list, t_cap: float, z_cap: float, split: bool = False):  # noqa: ANN202
+        """min sum_r t_r over splits with every t_r <= t_cap and z_r <= z_cap (None: no split);
+        with ``split``, the mixes of a split that attains it."""
+        inf = math.inf
+        table = [0] + [inf] * self.L  # least sum of t over the ranks so far, by blocks used
+        choices = []
+        for per_n in fronts:
+            nxt = [inf] * (self.L + 1)
+            pick: dict[int, tuple[int, dict[str, int]]] = {}
+            options = []
+            for n, front in per_n.items():
+                for t, z, c in front:  # increasing t, decreasing z: the first within z_cap is the best
+                    if z <= z_cap:
+                        if t <= t_cap:
+                            options.append((n, t, c))
+                        break
+            for used, have in enumerate(table):
+                if have == inf:
+                    continue
+                for n, t, c in options:
+                    if used + n <= self.L and have + t < nxt[used + n]:
+                        nxt[used + n] = have + t
+                        if split:
+                            pick[used + n] = (used, c)
+            table = nxt
+            choices.append(pick)
+        if table[self.L] == inf:
+            return None
+        if not split:
+            return table[self.L]
+        mixes, used = [], self.L
+        for pick in reversed(choices):
+            used, c = pick[used]
+            mixes.append(c)
+        return mixes[::-1]
+
     # -- CP-SAT ----------------------------------------------------------------------------------
     def _build_model(self) -> None:
         from ortools.sat.python import cp_model  # imported only when a program is too large to enumerate
@@ -274,12 +376,17 @@ class MixedSplitILP:
             self.model.Add(sum(self.mem_coeff[r][m] * x for m, x in row.items()) + w_r <= self.room[r])
 
     def solve(self, time_limit_s: float = 10.0, method: str = "auto") -> MixSolution:
-        """``method``: "auto" (enumeration when small enough, else CP-SAT), "enumeration", "cp-sat"."""
-        if method not in ("auto", "enumeration", "cp-sat"):
+        """``method``: "auto" (enumeration when small enough, else the parametric search, else
+        CP-SAT), "enumeration", "parametric" or "cp-sat"."""
+        if method not in ("auto", "enumeration", "parametric", "cp-sat"):
             raise ValueError(f"unknown mixed split method {method!r}")
-        if method != "cp-sat":
+        if method in ("auto", "enumeration"):
             sol = self.enumerate(None if method == "enumeration" else MAX_ENUMERATED_MIXES)
             if sol is not None:
+                return sol
+        if method in ("auto", "parametric"):
+            sol = self.parametric()
+            if sol is not None or method == "parametric":
                 return sol
         from ortools.sat.python import cp_model
 

@@ -280,7 +280,7 @@ def _confirm_with_cp_sat(cand: Candidate, graph: ModelGraph, cluster: Cluster, m
     """A top-K candidate whose split the parametric method found, solved again by CP-SAT; the
     better split of the two (they are equal unless CP-SAT stopped at its time limit) is reported
     with CP-SAT's status and bound."""
-    if cand.split_method != "parametric":
+    if cand.split_method != "parametric" or cand.recompute_blocks is not None:  # a mix's parametric is its own
         return cand
     terms = build_terms(graph, cluster, cand.config)
     sol = solve_split(terms, graph.num_blocks, time_limit_s, method="cp-sat")

@@ -121,7 +121,7 @@ def test_mixed_program_equals_brute_force(tiny, mem, pp, schedule, v, dp, zero) 
     cluster = _cluster(mem)
     terms = build_terms(tiny, cluster, _cfg("mixed", pp, schedule, v, dp, zero))
     expected = _brute_force(terms, tiny.num_blocks)
-    for method in ("enumeration", "cp-sat"):
+    for method in ("enumeration", "parametric", "cp-sat"):
         sol = MixedSplitILP(terms, tiny.num_blocks).solve(method=method)
         if math.isinf(expected):
             assert sol.chunk_blocks is None, method
