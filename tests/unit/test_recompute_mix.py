@@ -301,3 +301,36 @@ def test_estimate_and_explain_price_and_show_the_counts(tiny) -> None:
     stage_lines = [line for line in text.splitlines() if "recompute full 2 selective 1 none 1" in line]
     assert len(stage_lines) == 1 and "embedding" in stage_lines[0]
     assert any("recompute none 2" in line and "head+loss" in line for line in text.splitlines())
+
+
+def test_hf_attention_recomputes_only_the_selective_blocks_of_a_mix() -> None:
+    """transformers attention under a mix: every layer is routed (their config is shared), only
+    the selective ones (``recompute_keys``) re-run their attention in backward."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    import torch
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from autopar.executor import hf_attention
+    from autopar.modelfile import load_model_file
+
+    calls = []
+
+    def counting(module, *args, **kwargs):
+        calls.append(module.layer_idx)
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register("test_counting_mix", counting)
+    mf = load_model_file(Path(__file__).resolve().parents[2] / "examples" / "zoo" / "hf_llama.py")
+    torch.manual_seed(0)
+    model = mf.build("cpu")
+    model.config._attn_implementation = "test_counting_mix"
+    tokens = mf.example_inputs(2, "cpu")
+    assert hf_attention.install(model, "model.layers", "self_attn", recompute=True, recompute_keys={"0", "2"}) == 4
+    loss = mf.loss_fn(model(tokens), tokens)
+    assert sorted(calls) == [0, 1, 2, 3]
+    calls.clear()
+    loss.backward()
+    assert sorted(calls) == [0, 2]  # backward re-ran the selective layers' attention only
