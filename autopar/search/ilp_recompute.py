@@ -48,6 +48,7 @@ Three exact solvers of the one program, tried in this order by ``solve``:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -96,6 +97,7 @@ class MixedSplitILP:
         self.room = [self._room(r) for r in self.ranks]
         m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
         self.t_weight, self.z_weight, self.v = m * v - 1, v, v
+        self._fronts: list | None = None
 
     # -- coefficients ------------------------------------------------------------------------
     def _tail_rows(self, r: int) -> tuple[int, int, int, int]:
@@ -125,22 +127,6 @@ class MixedSplitILP:
             fixed += t.inflight(r) * t.post.act_bytes
         return math.floor(t.capacity_bytes - fixed)
 
-    def _t(self, r: int, counts: dict[str, int]) -> int:
-        return sum(self.tau[m] * k for m, k in counts.items()) + self.fixed_ns[r]
-
-    def _z(self, r: int, counts: dict[str, int]) -> int:
-        c1, k1, c2, k2 = self.tail[r]
-        n = sum(counts.values())
-        second = c2 + k2 * n
-        if self.terms.grad_sync_overlaps:
-            second -= sum(self.beta[m] * k for m, k in counts.items()) + self.fixed_bwd_ns[r]
-        return max(0, c1 + k1 * n, second)
-
-    def _fits(self, r: int, counts: dict[str, int]) -> bool:
-        used = sum(self.mem_coeff[r][m] * k for m, k in counts.items())
-        used += max((self.work[m] for m, k in counts.items() if k > 0), default=0)
-        return used <= self.room[r]
-
     def capacity(self) -> list[int]:
         """The most blocks each rank can hold, every block under its most frugal allowed mode: an
         upper bound on N_r (what the search checks before solving)."""
@@ -159,34 +145,49 @@ class MixedSplitILP:
         top = self.L - (self.cfg.pp - 1) * v
         return sum(math.comb(n + k - 1, k - 1) for cap in self.capacity() for n in range(v, min(top, cap) + 1))
 
-    def _mixes(self, n: int):  # noqa: ANN202 -- yields {mode: count} with the counts summing to n
-        def walk(i: int, left: int, acc: dict[str, int]):  # noqa: ANN202
-            if i == len(self.modes) - 1:
-                yield {**acc, self.modes[i]: left}
-                return
-            for k in range(left + 1):
-                yield from walk(i + 1, left - k, {**acc, self.modes[i]: k})
-
-        yield from walk(0, n, {})
+    def _mixes(self, n: int):  # noqa: ANN202 -- yields count tuples over self.modes summing to n
+        k = len(self.modes)
+        for cuts in itertools.combinations_with_replacement(range(n + 1), k - 1):
+            bounds = (0, *cuts, n)
+            yield tuple(bounds[i + 1] - bounds[i] for i in range(k))
 
     def fronts(self) -> list[dict[int, list[tuple[int, int, dict[str, int]]]]]:
-        """Per rank: block count -> the (t_r, z_r, mix) Pareto front of the mixes that fit."""
-        v = self.cfg.virtual_stages
+        """Per rank: block count -> the (t_r, z_r, mix) Pareto front of the mixes that fit, in
+        increasing t (so decreasing z). Built once per program (the two walks share it)."""
+        if self._fronts is not None:
+            return self._fronts
+        v, modes = self.cfg.virtual_stages, self.modes
         top = self.L - (self.cfg.pp - 1) * v
         caps = self.capacity()
+        tau = [self.tau[m] for m in modes]
+        beta = [self.beta[m] for m in modes]
+        work = [self.work[m] for m in modes]
+        overlap = self.terms.grad_sync_overlaps
         out = []
         for r in self.ranks:
+            mem = [self.mem_coeff[r][m] for m in modes]
+            room, f, g = self.room[r], self.fixed_ns[r], self.fixed_bwd_ns[r]
+            c1, k1, c2, k2 = self.tail[r]
             per_n: dict[int, list[tuple[int, int, dict[str, int]]]] = {}
             for n in range(v, min(top, caps[r]) + 1):
-                opts = sorted({(self._t(r, c), self._z(r, c)): c for c in self._mixes(n) if self._fits(r, c)}.items())
+                base_z = max(0, c1 + k1 * n)
+                opts: dict[tuple[int, int], tuple[int, ...]] = {}
+                for c in self._mixes(n):
+                    used = sum(a * b for a, b in zip(mem, c)) + max((w for w, k in zip(work, c) if k), default=0)
+                    if used > room:
+                        continue
+                    t = sum(a * b for a, b in zip(tau, c)) + f
+                    z = max(base_z, c2 + k2 * n - sum(a * b for a, b in zip(beta, c)) - g) if overlap else base_z
+                    opts.setdefault((t, z), c)
                 front, best_z = [], math.inf
-                for (t, z), c in opts:  # increasing t: keep a mix only if its z is lower than all before
+                for (t, z), c in sorted(opts.items()):  # increasing t: keep a mix only if its z is lower
                     if z < best_z:
-                        front.append((t, z, c))
+                        front.append((t, z, dict(zip(modes, c))))
                         best_z = z
                 if front:
                     per_n[n] = front
             out.append(per_n)
+        self._fronts = out
         return out
 
     def enumerate(self, limit: int | None = MAX_ENUMERATED_MIXES) -> MixSolution | None:
@@ -294,6 +295,8 @@ class MixedSplitILP:
         """min sum_r t_r over splits with every t_r <= t_cap and z_r <= z_cap (None: no split);
         with ``split``, the mixes of a split that attains it."""
         inf = math.inf
+        if not split:
+            return self._least_sum_value(fronts, t_cap, z_cap)
         table = [0] + [inf] * self.L  # least sum of t over the ranks so far, by blocks used
         choices = []
         for per_n in fronts:
@@ -325,6 +328,24 @@ class MixedSplitILP:
             used, c = pick[used]
             mixes.append(c)
         return mixes[::-1]
+
+    def _least_sum_value(self, fronts: list, t_cap: float, z_cap: float) -> int | None:
+        """``_least_sum``'s value alone, the knapsack as numpy array minima (float64 holds these
+        integer sums exactly: they are below 2**53). numpy comes with ortools, which depends on it."""
+        import numpy as np
+
+        table = np.full(self.L + 1, np.inf)
+        table[0] = 0.0
+        for per_n in fronts:
+            nxt = np.full(self.L + 1, np.inf)
+            for n, front in per_n.items():
+                for t, z, _ in front:
+                    if z <= z_cap:
+                        if t <= t_cap and n <= self.L:
+                            np.minimum(nxt[n:], table[: self.L + 1 - n] + t, out=nxt[n:])
+                        break
+            table = nxt
+        return None if math.isinf(table[self.L]) else int(table[self.L])
 
     # -- CP-SAT ----------------------------------------------------------------------------------
     def _build_model(self) -> None:
