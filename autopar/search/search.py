@@ -17,6 +17,9 @@
    CP-SAT, whose proven optimum is the split reported (the two agree: they solve the same integer
    program; the better of the two is kept should CP-SAT stop at its time limit). CP-SAT used to
    run for every surviving config: 188 solves of ~50 ms for Llama-3 70B at 4,096 GPUs.
+5. A "mixed" recompute config (issue 14, on request) is solved by its own program
+   (``search.ilp_recompute``: blocks per rank and recompute mode). Its bounds are the "none"
+   block's (the fastest) and the most frugal mode's memory, so they stay true lower bounds.
 """
 
 from __future__ import annotations
