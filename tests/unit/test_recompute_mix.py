@@ -33,9 +33,11 @@ def tiny():
     return gpt_graph(GPTConfig(num_layers=6, hidden_size=128, num_heads=4, seq_len=64, vocab_size=256))
 
 
-def _cluster(mem_mib: float):
+def _cluster(mem_mib: float, overlap: bool = False):
+    """a100-80g with little memory; ``overlap``: the gradient sync hides behind backward, so a
+    rank's tail depends on its backward time and hence on its mix (the second tail family)."""
     return dataclasses.replace(load_cluster("a100-80g"), memory_bytes=mem_mib * 2**20, framework_reserve_bytes=0.0,
-                               name=f"tiny-{mem_mib}")
+                               overlap_grad_reduce=overlap, name=f"tiny-{mem_mib}")
 
 
 def _cfg(recompute: str, pp: int, schedule: str = "1f1b", v: int = 1, dp: int = 1, zero: int = 0) -> Config:
@@ -104,21 +106,25 @@ def test_mixed_terms_need_counts_that_split_each_rank(tiny) -> None:
 
 # ----------------------------------------------------------------------------- the program
 
-# (memory MiB, pp, schedule, v, dp, zero): memory binds at 8-12 MiB (no single mode fits some)
+# (memory MiB, pp, schedule, v, dp, zero, sync overlaps): memory binds at 8-12 MiB (no single mode
+# fits some); with dp > 1 and overlap the tail's second family reads each rank's backward
 CASES = [
-    (8, 3, "1f1b", 1, 1, 0),
-    (10, 3, "1f1b", 1, 1, 0),
-    (12, 2, "1f1b", 1, 1, 0),
-    (12, 2, "interleaved-1f1b", 2, 1, 0),
-    (16, 2, "1f1b", 1, 1, 0),
-    (10, 2, "1f1b", 1, 2, 1),  # data parallel: the tail's overlap row reads each rank's backward
-    (9, 3, "gpipe", 1, 2, 0),
+    (8, 3, "1f1b", 1, 1, 0, False),
+    (10, 3, "1f1b", 1, 1, 0, False),
+    (12, 2, "1f1b", 1, 1, 0, False),
+    (12, 2, "interleaved-1f1b", 2, 1, 0, False),
+    (16, 2, "1f1b", 1, 1, 0, False),
+    (10, 2, "1f1b", 1, 2, 1, False),
+    (9, 3, "gpipe", 1, 2, 0, False),
+    (10, 2, "1f1b", 1, 2, 0, True),
+    (12, 2, "interleaved-1f1b", 2, 2, 1, True),
+    (10, 3, "1f1b", 1, 2, 1, True),
 ]
 
 
-@pytest.mark.parametrize("mem,pp,schedule,v,dp,zero", CASES)
-def test_mixed_program_equals_brute_force(tiny, mem, pp, schedule, v, dp, zero) -> None:
-    cluster = _cluster(mem)
+@pytest.mark.parametrize("mem,pp,schedule,v,dp,zero,overlap", CASES)
+def test_mixed_program_equals_brute_force(tiny, mem, pp, schedule, v, dp, zero, overlap) -> None:
+    cluster = _cluster(mem, overlap)
     terms = build_terms(tiny, cluster, _cfg("mixed", pp, schedule, v, dp, zero))
     expected = _brute_force(terms, tiny.num_blocks)
     for method in ("enumeration", "parametric", "cp-sat"):
@@ -133,11 +139,44 @@ def test_mixed_program_equals_brute_force(tiny, mem, pp, schedule, v, dp, zero) 
         assert sol.objective_s == pytest.approx(est.step_time_s, rel=1e-5), method
 
 
+@pytest.fixture(scope="module")
+def wide():
+    return gpt_graph(GPTConfig(num_layers=6, hidden_size=1024, num_heads=8, seq_len=256, vocab_size=256))
+
+
+# (memory MiB, dp link bytes/s, pp, schedule, v): the gradient sync outlasts the last backward, so
+# recompute (a longer backward) hides more of it -- each rank's front has many (t, z) mixes
+OVERLAP_CASES = [
+    (700, 1e10, 2, "1f1b", 1),
+    (700, 1e10, 2, "interleaved-1f1b", 2),
+    (1200, 1e9, 2, "1f1b", 1),
+    (900, 1e9, 3, "1f1b", 1),
+]
+
+
+@pytest.mark.parametrize("mem,bw,pp,schedule,v", OVERLAP_CASES)
+def test_mixed_program_equals_brute_force_when_recompute_hides_the_sync(wide, mem, bw, pp, schedule, v) -> None:
+    from autopar.cluster import Link
+
+    cluster = dataclasses.replace(_cluster(mem, overlap=True), gpus_per_node=1,
+                                  inter_node=Link(bandwidth_bytes_per_s=bw, latency_s=2e-5))
+    cfg = dataclasses.replace(_cfg("mixed", pp, schedule, v, dp=2), seq_len=256, global_batch=4 * 2 * pp)
+    terms = build_terms(wide, cluster, cfg)
+    ilp = MixedSplitILP(terms, wide.num_blocks)
+    assert max(len(f) for per_n in ilp.fronts() for f in per_n.values()) > 1  # the tail depends on the mix
+    expected = _brute_force(terms, wide.num_blocks)
+    for method in ("enumeration", "parametric", "cp-sat"):
+        sol = MixedSplitILP(terms, wide.num_blocks).solve(method=method)
+        est = evaluate(terms, list(sol.chunk_blocks), 1.0, 1.0, 1.0, recompute_blocks=sol.recompute_blocks)
+        assert sol.status == "OPTIMAL" and est.fits, method
+        assert est.step_time_s == pytest.approx(expected, rel=1e-6), method
+
+
 def test_the_grid_has_cases_where_only_a_mix_is_best(tiny) -> None:
     """The oracle must exercise the mix: cases where the mixed optimum beats every single mode."""
     wins = 0
-    for mem, pp, schedule, v, dp, zero in CASES:
-        cluster = _cluster(mem)
+    for mem, pp, schedule, v, dp, zero, overlap in CASES:
+        cluster = _cluster(mem, overlap)
         mixed = _brute_force(build_terms(tiny, cluster, _cfg("mixed", pp, schedule, v, dp, zero)), tiny.num_blocks)
         single = min(_single_mode_best(tiny, cluster, _cfg(m, pp, schedule, v, dp, zero)) for m in MODES)
         assert mixed <= single * (1 + 1e-12)
