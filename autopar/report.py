@@ -60,7 +60,12 @@ def plan_summary(plan: Plan) -> str:
     if p.tp > 1:
         parts.append("sp on" if p.sequence_parallel else "sp off")
     parts.append(f"zero {p.zero}")
-    parts.append(f"recompute {p.recompute}")
+    if p.recompute_blocks is not None:  # issue 14: per-stage counts (explain's stage table has each)
+        totals = [sum(c) for c in zip(*p.recompute_blocks)]
+        parts.append("recompute per stage (" + ", ".join(
+            f"{m} {k}" for m, k in zip(("none", "selective", "full"), totals) if k) + " blocks)")
+    else:
+        parts.append(f"recompute {p.recompute}")
     if p.pp > 1:
         parts.append(p.pp_schedule + (f" v={p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""))
     parts.append(f"micro-batch {t.micro_batch_size} x {plan.num_microbatches}")
