@@ -14,9 +14,10 @@ part. Every group is then *checked by running it sharded* before it is offered:
   must give the full block's output (float64, ``_RTOL``).
 
 A group that fails is left out with its reason. A block whose attention splits with fixed integer
-attributes (HF GPT-2's ``split_size``) fails the meta check as is; then the integer attributes of
-the group's parent module equal to the full width or the head count are divided by tp (never one
-equal to the head dim) and the check repeated: what passes is recorded in ``TPPlan.local_attrs`` and
+attributes (HF GPT-2's ``split_size``) fails the meta check as is, or passes it and fails the
+numeric one (HF OPT's ``view(b, -1, num_heads, head_dim)`` folds the heads into the sequence); then
+the integer attributes of the group's parent module equal to the full width or the head count are
+divided by tp (never one equal to the head dim) and the checks repeated: what passes is recorded in ``TPPlan.local_attrs`` and
 applied by the planner's sharded trace and the executor alike.
 """
 
@@ -273,6 +274,13 @@ def check_pairs(block: nn.Module, flow: Flow, pairs: list[Pair]) -> tuple[list[P
                 why, extra = None, cand
         if why is None and numeric:
             why = _numeric_check(block, flow, styles, fused, extra)
+            if why is not None and not extra:
+                # Shapes can pass and numbers fail: OPT views its projection as (b, -1, num_heads, hd),
+                # so a tp shard folds half the heads into the sequence. Divide the attributes and retry.
+                cand = tuple(_attr_candidates(block, pair, flow))
+                if (cand and _meta_check(block, flow, styles, cand) is None
+                        and _numeric_check(block, flow, styles, fused, cand) is None):
+                    why, extra = None, cand
         if why is not None:
             if flow.heads and flow.heads % 2:
                 why += f" (tp = 2 does not divide its {flow.heads} heads)"

@@ -419,3 +419,19 @@ def test_sp_refused_when_the_colwise_parent_is_never_called() -> None:
     spec = _spec(MODELS / "fused_chunks.py")
     assert spec.support["tp"] is None
     assert "is never called" in spec.support["sp"] and "(the parent of colwise" in spec.support["sp"]
+
+
+def test_an_attention_that_folds_heads_into_the_sequence_gets_its_head_count_divided(tmp_path: Path) -> None:
+    """HF OPT views q as (b, -1, num_heads, head_dim): a tp shard passes the shape check with half the
+    heads folded into the sequence, and only the numbers show it; dividing the attention's integer
+    attributes makes the shard exact, so attention is sharded, not refused."""
+    pytest.importorskip("transformers")
+    path = _hf_file(tmp_path, "opt", "OPTForCausalLM", "OPTConfig",
+                    "num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4, vocab_size=64, "
+                    "max_position_embeddings=16, word_embed_proj_dim=32, dropout=0.0")
+    spec = _spec(path)
+    assert spec.tp.source == "inferred", spec.tp.detail
+    assert dict(spec.tp.styles) == {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+                                    "self_attn.v_proj": "colwise", "self_attn.out_proj": "rowwise",
+                                    "fc1": "colwise", "fc2": "rowwise"}
+    assert "self_attn.num_heads" in spec.tp.local_attrs
