@@ -23,6 +23,10 @@ DIMENSIONS = ("tp", "sp", "pp", "cp", "zero3", "selective", "full")
 def tp_support(spec: "ModelSpec") -> str | None:
     if not spec.tp_plan:
         return f"no tp plan: {spec.tp.detail or 'none declared or found'}"
+    if spec.num_kv_heads == 1 and (spec.num_heads or 0) > 1:
+        # tp must divide the KV heads (layout.py); Megatron's replicated-KV tensor parallelism is not run
+        return ("one key/value head (multi-query attention): tp must divide the KV heads, and KV heads "
+                "replicated over tp ranks are not supported")
     return None
 
 

@@ -435,3 +435,15 @@ def test_an_attention_that_folds_heads_into_the_sequence_gets_its_head_count_div
                                     "self_attn.v_proj": "colwise", "self_attn.out_proj": "rowwise",
                                     "fc1": "colwise", "fc2": "rowwise"}
     assert "self_attn.num_heads" in spec.tp.local_attrs
+
+
+def test_multi_query_attention_says_why_tp_is_not_offered(tmp_path: Path) -> None:
+    """One KV head: tp must divide the KV heads, so tp is not offered, with the reason (not a plan
+    that every tp > 1 then refuses)."""
+    pytest.importorskip("transformers")
+    path = _hf_file(tmp_path, "bigcode", "GPTBigCodeForCausalLM", "GPTBigCodeConfig",
+                    "n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, multi_query=True, "
+                    "resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0")
+    spec = _spec(path)
+    assert (spec.num_heads, spec.num_kv_heads) == (4, 1)
+    assert "multi-query" in spec.support["tp"]
