@@ -122,6 +122,57 @@ def test_all_to_all_volume_and_link() -> None:
     assert estimate_plan(plan, g, small_nodes).moe["a2a_link"] == "network"
 
 
+def test_all_to_all_across_nodes_rides_each_rank_own_rail() -> None:
+    """An all-gather across nodes shares each byte over the node's k rails (bus bandwidth
+    min(NVLink, k x rail)); an all-to-all cannot: the (n - k)/n of a rank's message bound for
+    other nodes leaves through its own 50 GB/s rail. Inside a node both use NVLink's figure."""
+    from autopar.cost.comm import collective_time_s, group_link
+
+    cl = load_cluster("h100-80g")
+    m = 8 * 2**30
+    inter, intra = cl.inter_node, cl.intra_node
+    across = group_link(cl, 16, 1)  # 2 nodes x 8
+    assert not across.intra_node and across.bandwidth_bytes_per_s == pytest.approx(370e9)
+    eff = inter.efficiency(m / 16)
+    assert collective_time_s("all_gather", m, across) == pytest.approx(15 / 16 * m / (370e9 * eff) + 15 * inter.latency_s)
+    assert collective_time_s("all_to_all", m, across) == pytest.approx(8 / 16 * m / (50e9 * eff) + 15 * inter.latency_s)
+    one_rail = group_link(cl, 8, 8)  # one member per node: the same figure either way
+    assert collective_time_s("all_to_all", m, one_rail) == pytest.approx(collective_time_s("all_gather", m, one_rail))
+    inside = group_link(cl, 8, 1)
+    assert collective_time_s("all_to_all", m, inside) == pytest.approx(
+        7 / 8 * m / (370e9 * intra.efficiency(m / 8)) + 7 * intra.latency_s)
+
+
+def test_expert_gemms_are_priced_at_their_ep_shape() -> None:
+    """Under ep a rank runs E / ep experts on ep times the rows each: the zoo MoE's 12 forward and
+    24 backward expert GEMMs (3 Linears of 64 <-> 96 per expert, 16 rows per expert per sample)
+    become 3 and 6 GEMMs of 4 x the rows; the router's and attention's GEMMs keep their shape."""
+    from autopar.cost.expert import expert_gemm_delta_s
+    from autopar.graph.scaling import Shape
+
+    g, cl = _graph(), load_cluster("a100-80g")
+    b, ep = 2, 4
+    rows = 16 * b
+
+    def gemm_s(m, n, k):
+        return 2 * m * n * k / (cl.peak_flops * cl.gemm(m, n, k)) + cl.kernel_overhead_s
+
+    def change(count, dims):  # dims with "t" where the expert's rows go
+        now = [rows if d == "t" else d for d in dims]
+        then = [rows * ep if d == "t" else d for d in dims]
+        return count * (gemm_s(*then) / ep - gemm_s(*now))
+
+    fwd = change(8, ("t", 96, 64)) + change(4, ("t", 64, 96))
+    bwd = (change(8, ("t", 64, 96)) + change(4, ("t", 96, 64))  # input gradients
+           + change(8, (96, 64, "t")) + change(4, (64, 96, "t")))  # weight gradients: rows are k
+    got = expert_gemm_delta_s(g, cl, Shape(b=b, s_ratio=1.0, kv_ratio=1.0, t=1.0), ep)
+    assert got == pytest.approx((fwd, bwd), rel=1e-9)
+    assert fwd < 0 and bwd < 0  # fewer, larger GEMMs
+    assert expert_gemm_delta_s(g, cl, Shape(b=b, s_ratio=1.0, kv_ratio=1.0, t=1.0), 1) == (0.0, 0.0)
+    e1, e4 = (estimate_plan(_plan(ep=n), g, cl) for n in (1, 4))  # BASE: micro-batch 2
+    assert e4.time_breakdown_s["compute"] < e1.time_breakdown_s["compute"]
+
+
 def test_imbalance_slows_ep_plans_only() -> None:
     g, cl = _graph(), load_cluster("a100-80g")
     flat = [estimate_plan(_plan(ep=1), g, cl, moe_imbalance=f).step_time_s for f in (1.0, 1.5)]
