@@ -199,8 +199,9 @@ def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, f
     """The expert-parallel figures of a plan (``estimate --json``'s ``moe``; ``explain``): per step,
     the bytes one rank sends to other ranks in all-to-alls (dispatch and combine per MoE block and
     micro-batch in forward, backward, and again in a full recompute; at the busiest rank) and
-    their exposed time, and the time the imbalance factor adds over balanced routing (its extra
-    expert compute and all-to-all volume; 0 at imbalance 1)."""
+    their exposed time, the time the imbalance factor adds over balanced routing (its extra
+    expert compute and all-to-all volume; 0 at imbalance 1), and what the expert GEMMs' ep shapes
+    change (``expert_gemm_delta_s``, every pass)."""
     mb_blocks = num_blocks * cfg.num_microbatches / cfg.pp  # one pipeline rank's blocks x micro-batches
     passes = 2 + (1 if cfg.recompute == "full" else 0)  # forward, backward, recomputed forward
     a2a_s = (cost.a2a_fwd_s * (passes - 1) + cost.a2a_bwd_s) * mb_blocks
@@ -208,10 +209,13 @@ def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, f
     recompute = 1 if cfg.recompute == "full" else 0
     extra = ((cost.imbalance_fwd_s * (1 + recompute) + cost.imbalance_bwd_s) * mb_blocks
              + (a2a_s - balanced_a2a_s))
+    gemm = (cost.gemm_fwd_s * (1 + recompute) + cost.gemm_bwd_s) * mb_blocks
     return {
         "ep": cost.ep, "imbalance": cost.imbalance, "a2a_link": cost.link,
         # over the wire: the (ep - 1) / ep of each message that leaves the GPU (explain's "sent")
         "a2a_bytes_per_step": passes * DISPATCH_COMBINE_PER_PASS * cost.a2a_bytes * mb_blocks * (cost.ep - 1) / cost.ep,
         "a2a_s_per_step": a2a_s, "imbalance_s_per_step": extra,
         "expert_params_per_rank": cost.expert_params * num_blocks / cfg.pp,
+        # the expert GEMMs at their ep shape (E / ep experts, ep x the rows) minus as traced; < 0: faster
+        "expert_gemm_s_per_step": gemm,
     }

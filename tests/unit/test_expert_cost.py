@@ -240,6 +240,33 @@ def test_plan_cli_ep_constraint_and_imbalance(tmp_path, capsys) -> None:
     assert err.count("\n") == 1 and "autopar: error: --moe-imbalance must be in [1, 64]" in err
 
 
+def test_estimate_cli_prices_the_imbalance_it_is_given(tmp_path, capsys) -> None:
+    import json
+
+    from autopar.cli import main
+
+    plan = tmp_path / "ep.yaml"
+    plan.write_text(dump_plan(_plan(ep=4)))
+    outs = {}
+    for f in ("1", "1.3"):
+        assert main(["estimate", str(plan), "--json", "--moe-imbalance", f, "--no-cache"]) == 0
+        outs[f] = json.loads(capsys.readouterr().out)
+    balanced, skewed = outs["1"], outs["1.3"]
+    assert balanced["moe"]["imbalance"] == 1.0 and skewed["moe"]["imbalance"] == 1.3
+    assert skewed["step_time_s"] > balanced["step_time_s"]
+    assert skewed["moe"]["a2a_bytes_per_step"] == pytest.approx(1.3 * balanced["moe"]["a2a_bytes_per_step"])
+    assert balanced["moe"]["expert_gemm_s_per_step"] < 0  # 16-row expert GEMMs become 64-row ones
+    # the same figures estimate_plan gives (the JSON keys of before are all still there)
+    direct = estimate_json(estimate_plan(_plan(ep=4), _graph(), load_cluster("a100-80g"), moe_imbalance=1.3))
+    assert skewed["step_time_s"] == pytest.approx(direct["step_time_s"]) and set(direct) == set(skewed)
+    assert main(["estimate", str(plan), "--moe-imbalance", "1.3", "--no-rank", "--no-cache"]) == 0
+    text = capsys.readouterr().out
+    assert "experts  ep 4 over nvlink, priced at routing imbalance 1.3:" in text
+    assert main(["estimate", str(plan), "--moe-imbalance", "0.9"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "autopar: error: --moe-imbalance must be in [1, 64]" in err
+
+
 def test_explain_shows_all_to_all_volume_and_the_imbalance_effect() -> None:
     from autopar.explain.explanation import explain_plan, format_explanation
 
