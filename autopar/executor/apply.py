@@ -224,7 +224,8 @@ def build_executable(
         materialise(part, reference, device, {**perms, **(expert.rows if expert else {})})
     del reference
     if expert is not None:  # (issue 15) experts reduce over their edp ranks, not dp x cp
-        ep_mod.wrap_experts(expert, parts[0], zero=zero, dtype=plan.training.dtype, dp_cp=par.dp * par.cp)
+        ep_mod.wrap_experts(expert, parts[0], zero=zero, dtype=plan.training.dtype, dp_cp=par.dp * par.cp,
+                            pipelined=par.pp > 1)
 
     # 5. ZeRO / FSDP2 / DDP over dp x cp
     dp_mesh = mesh.dp_cp
