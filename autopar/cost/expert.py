@@ -125,6 +125,14 @@ def expert_gemm_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "Shape",
     return delta["fwd"], delta["bwd"]
 
 
+def experts_tp_sharded(graph: "ModelGraph") -> bool:
+    """Whether the graph's TP plan shards the experts' weights (Megatron-Core's expert tensor
+    parallelism: a plain-torch MoE's expert Linears, colwise/rowwise), rather than leaving them
+    whole on every tp rank (HF Mixtral's stacked experts, which then compute redundantly)."""
+    path = graph.moe.experts_path if graph.moe is not None else ""
+    return bool(path) and any(k == path or k.startswith(path + ".") for k in graph.tp_styles)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExpertCost:
     """Expert-parallel terms of one block on one rank, per micro-batch (seconds, bytes)."""
@@ -139,7 +147,8 @@ class ExpertCost:
     imbalance_bwd_s: float
     gemm_fwd_s: float  # the expert GEMMs at their ep shape minus as traced (expert_gemm_delta_s)
     gemm_bwd_s: float
-    expert_params: float  # expert parameters of one block on this rank (E / ep experts)
+    expert_params: float  # expert parameters of one block on this rank (E / ep experts, / tp when TP shards them)
+    all_expert_params: float  # the same at ep = 1 (all E experts)
     dense_params: float  # the block's other parameters on this rank
     block_params: float  # the dense-equivalent parameter count of the block (module docstring)
     grad_sync_extra_s: float  # per block per micro-batch, exposed (module docstring)
@@ -164,8 +173,10 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     block_flops = sum(op.flops for op in graph.regions["block"].ops if op.phase == "fwd")
     tokens = graph.seq_len  # the graph's block FLOPs are of one sample at seq_len tokens
     share = min(1.0, expert_flops_per_token(graph) * tokens / block_flops) if block_flops else 0.0
-    experts = moe.expert_params / ep
-    dense = max(0.0, block_params - moe.expert_params)
+    # a rank's share of all E experts: 1/tp where the TP plan shards them (expert tensor parallelism)
+    all_experts = moe.expert_params / (cfg.tp if experts_tp_sharded(graph) else 1)
+    experts = all_experts / ep
+    dense = max(0.0, block_params - all_experts)
     edp = cfg.dp * cfg.cp // ep
     state = state_bytes_per_param(zero=cfg.zero, shard_degree=edp, dtype_bytes=cfg.dtype_bytes, optimizer=cfg.optimizer)
     uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1
@@ -179,7 +190,7 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
         ep=ep, imbalance=f, link=link.link_name, a2a_bytes=a2a_bytes, a2a_fwd_s=a2a_fwd, a2a_bwd_s=a2a_fwd,
         imbalance_fwd_s=(f - 1.0) * share * block_fwd_s, imbalance_bwd_s=(f - 1.0) * share * block_bwd_s,
         gemm_fwd_s=gemm_fwd, gemm_bwd_s=gemm_bwd,
-        expert_params=experts, dense_params=dense, block_params=equivalent, grad_sync_extra_s=extra,
+        expert_params=experts, all_expert_params=all_experts, dense_params=dense, block_params=equivalent, grad_sync_extra_s=extra,
         state_split={"params": state.params, "grads": state.grads, "optimizer": state.optimizer},
     )
 

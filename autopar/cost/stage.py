@@ -144,7 +144,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
                              shape=shape)
     if expert is not None:
         if cfg.zero == 3:  # the gathered block holds this rank's E / ep experts, not all E
-            transient_ep_saving = 3 * (graph.moe.expert_params - expert.expert_params) * cfg.dtype_bytes
+            transient_ep_saving = 3 * (expert.all_expert_params - expert.expert_params) * cfg.dtype_bytes
         fwd_extra = expert.a2a_fwd_s + expert.imbalance_fwd_s + expert.gemm_fwd_s  # gemm: the ep shapes
         bwd_extra = expert.a2a_bwd_s + expert.imbalance_bwd_s + expert.gemm_bwd_s + expert.grad_sync_extra_s
         recompute_extra = fwd_extra if cfg.recompute == "full" else 0.0  # a recomputed block re-runs its all-to-alls

@@ -56,8 +56,6 @@ def check_expert_parallel(plan: Any, spec: Any, where: str) -> None:
     if moe.num_experts % par.ep:
         raise AutoparError(f"ep = {par.ep} does not divide the {moe.num_experts} experts of {where}; "
                            f"pick an ep that divides {moe.num_experts}")
-    if par.tp > 1:
-        raise AutoparError("expert parallelism with tp > 1 is not supported by the executor yet; plan with tp = 1 or ep = 1")
     if moe.experts_kind == "stacked":
         params = [p for p in inspect.signature(_experts_forward_of(spec, plan)).parameters][1:]
         if tuple(params[:3]) != _HF_ARGS:
@@ -338,14 +336,15 @@ def _apply_to_part(part: nn.Module, spec: Any, state: ExpertParallel, prefix: st
 
 
 def wrap_experts(state: ExpertParallel, part: nn.Module, *, zero: int, dtype: str, dp_cp: int,
-                 pipelined: bool = False) -> None:
+                 replicated: bool = False) -> None:
     """Before the data-parallel wrap of ``part``: ZeRO >= 1 shards each experts module over its
     edp ranks with FSDP2 (the outer ``fully_shard`` calls then leave them alone), gradients divided
-    by dp*cp; ZeRO 0 tells DDP to skip them (``install_grad_sync`` reduces them), or, on a pipeline
-    stage (``pipelined``: its ZeRO-0 wrap is FSDP2's ``replicate``, whose gradient sync the
-    pipelining stage drives after the step's backwards), replicates each experts module over its
-    edp ranks the same way."""
-    if zero >= 2 or (zero == 1 and dp_cp > 1) or pipelined:
+    by dp*cp; ZeRO 0 tells DDP to skip them (``install_grad_sync`` reduces them), or, where the
+    part's ZeRO-0 wrap is FSDP2's ``replicate`` rather than DDP (``replicated``: a pipeline stage,
+    whose gradient sync the pipelining stage drives after the step's backwards, or DTensor
+    parameters at tp > 1), replicates each experts module over its edp ranks the same way (DDP's
+    ignore list means nothing to ``replicate``, which would average the experts over dp x cp)."""
+    if zero >= 2 or (zero == 1 and dp_cp > 1) or replicated:
         from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -196,8 +196,8 @@ def enumerate_configs(graph: ModelGraph, space: SearchSpace, rejected: Counter) 
 
 
 def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: int, rejected: Counter) -> tuple[int, ...]:
-    """Issue 15: the legal ep degrees (ep divides the experts and dp x cp; the executor runs ep > 1
-    at tp = 1: executor/expert_parallel.py). 1 is always legal (dense experts)."""
+    """Issue 15: the legal ep degrees (ep divides the experts and dp x cp, at any tp and pp:
+    executor/expert_parallel.py). 1 is always legal (dense experts)."""
     if graph.moe is None or graph.chain:  # dense, or a layer chain (priced without ep: cost/expert.py)
         return (1,) if space.allows("ep_degrees", 1) else ()
     out = []
@@ -206,8 +206,6 @@ def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: 
             rejected["constraint: ep"] += 1
         elif ep > 1 and dp_cp % ep:
             rejected["ep does not divide dp x cp"] += 1
-        elif ep > 1 and tp > 1:
-            rejected["ep > 1 runs at tp = 1 only"] += 1
         else:
             out.append(ep)
     return tuple(out)

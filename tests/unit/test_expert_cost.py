@@ -219,9 +219,10 @@ def test_search_offers_ep_where_legal_and_records_it() -> None:
     branches = list(enumerate_branches(g, space, rejected))
     eps = {(b.tp, b.pp, b.dp * b.cp, b.ep) for b in branches}
     assert {b.ep for b in branches} == {1, 2, 4}
-    assert all(ep == 1 or (tp == 1 and dpcp % ep == 0) for tp, pp, dpcp, ep in eps)
-    assert any(ep > 1 and pp > 1 for tp, pp, dpcp, ep in eps)  # pp x ep runs (tests/dist/test_expert_parallel.py)
-    assert rejected["ep > 1 runs at tp = 1 only"] > 0
+    assert all(ep == 1 or dpcp % ep == 0 for tp, pp, dpcp, ep in eps)
+    # pp x ep and tp x ep run (tests/dist/test_expert_parallel.py)
+    assert any(ep > 1 and pp > 1 for tp, pp, dpcp, ep in eps) and any(ep > 1 and tp > 1 for tp, pp, dpcp, ep in eps)
+    assert rejected["ep does not divide dp x cp"] > 0
     only = SearchSpace(num_gpus=8, gpus_per_node=8, global_batch=64, seq_len=32, micro_batches=(1,), ep_degrees=(4,))
     assert {b.ep for b in enumerate_branches(g, only, Counter())} == {4}
 
@@ -286,18 +287,21 @@ def test_explain_shows_all_to_all_volume_and_the_imbalance_effect() -> None:
     assert "routing imbalance costs nothing at ep 1" in dense
 
 
-@pytest.mark.parametrize("parallel,needle", [
-    ({"dp": 4, "tp": 2, "ep": 2}, "expert parallelism with tp > 1 is not supported"),
-])
-def test_run_preflight_refuses_what_the_executor_cannot_do(parallel, needle) -> None:
-    from autopar.errors import AutoparError
-    from autopar.executor.checks import preflight
-    from autopar.modelfile import load_model_file
+def test_expert_tensor_parallel_shards_the_experts_over_tp_too() -> None:
+    """The zoo MoE's TP plan shards its expert Linears (colwise / rowwise: expert tensor
+    parallelism), so at tp 2 x ep 2 a rank holds half of its two experts' weights; HF-style
+    stacked experts outside the TP plan stay whole on every tp rank."""
+    from autopar.cost.expert import experts_tp_sharded
+    from autopar.cost.stage import build_terms
+    from autopar.cost.estimate import config_from_plan
 
-    plan = _plan(**parallel)
-    with pytest.raises(AutoparError) as info:
-        preflight(plan, load_model_file(TORCH_MOE))
-    assert needle in str(info.value) and "\n" not in str(info.value)
+    g, cl = _graph(), load_cluster("a100-80g")
+    assert experts_tp_sharded(g)
+    ex = build_terms(g, cl, config_from_plan(_plan(dp=4, tp=2, ep=2))).expert
+    assert ex.all_expert_params == pytest.approx(g.moe.expert_params / 2)
+    assert ex.expert_params == pytest.approx(g.moe.expert_params / 4)
+    assert ex.dense_params == pytest.approx(g.params["block"].per_rank(2) - g.moe.expert_params / 2)
+    assert not experts_tp_sharded(dataclasses.replace(g, tp_styles={}))
 
 
 def test_run_preflight_refuses_ep_on_a_dense_model() -> None:
