@@ -5,8 +5,8 @@ A configuration is legal when dp * tp * pp * cp = N, tp stays inside a node and 
 divides the heads), pp * v <= blocks, the global batch divides into dp * micro-batch, and the
 schedule's micro-batch rules hold (interleaved: M a multiple of pp; 1F1B/interleaved: M >= pp).
 The degree rules are autopar/layout.py's (the same ones the plan file, the estimate and the
-executor's preflight apply). Expert parallelism (issue 15): ep divides the experts and dp * cp, and
-runs at tp = 1 and pp = 1. Each illegal combination is counted under the reason it was rejected.
+executor's preflight apply). Expert parallelism (issue 15): ep divides the experts and dp * cp (at
+any tp and pp). Each illegal combination is counted under the reason it was rejected.
 """
 
 from __future__ import annotations
