@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", metavar="NAME|PATH", help="cluster profile (default: the plan's cluster.profile)")
     p.add_argument("--profile", metavar="PATH",
                    help="measured profile (autopar profile) layered over the cluster profile, or a full one")
+    p.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                   help="mixture of experts: the busiest expert-parallel rank's token load over the mean "
+                        "(default 1.0, balanced routing; as autopar plan's), pricing ep > 1")
     p.add_argument("--json", action="store_true", help="print one JSON object (the estimate --json contract)")
     p.add_argument("--no-rank", action="store_true",
                    help="do not search for where the plan ranks among autopar's plans (text output only)")
@@ -42,6 +45,8 @@ def main(args: argparse.Namespace) -> int:
     if args.model and args.model.endswith((".yaml", ".yml")) and args.plan.endswith(".py"):
         # PLAN.yaml MODEL.py, the order of run / validate / explain: take it as meant
         args.model, args.plan = args.plan, args.model
+    if not 1.0 <= args.moe_imbalance <= 64.0:  # issue 15, as plan and explain say it
+        raise AutoparError(f"--moe-imbalance must be in [1, 64] (1 = balanced routing), got {args.moe_imbalance}")
     configure(timeout_s=args.timeout)
     if args.json:  # nothing but the JSON object on stdout, whatever the model file prints
         with stdout_to_stderr():
@@ -50,6 +55,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     est, plan, graph, cluster, model = _estimate(args)
     print(estimate_report(plan, est, graph.name, graph.num_params, cluster.name))
+    if est.moe:
+        print(_moe_text(est.moe))
     if not args.no_rank:
         print("")
         print(_rank_text(plan, est, model, cluster, args))
@@ -87,7 +94,17 @@ def _estimate(args: argparse.Namespace):  # noqa: ANN202
     note = measured_table_warning(graph, cluster)
     if note:
         _warn(note)
-    return estimate_plan(plan, graph, cluster), plan, graph, cluster, model
+    return estimate_plan(plan, graph, cluster, args.moe_imbalance), plan, graph, cluster, model
+
+
+def _moe_text(moe) -> str:  # noqa: ANN001 - estimate --json's "moe" (autopar.cost.expert.moe_summary)
+    """One line on an expert-parallel plan's all-to-alls and routing imbalance."""
+    gemm = moe["expert_gemm_s_per_step"]
+    return (f"experts  ep {moe['ep']} over {moe['a2a_link']}, priced at routing imbalance {moe['imbalance']:g}: "
+            f"{moe['a2a_bytes_per_step'] / 2**30:,.1f} GiB of all-to-all sent per GPU per step, "
+            f"{moe['a2a_s_per_step']:.3f} s exposed; the imbalance adds {moe['imbalance_s_per_step']:.3f} s over "
+            f"balanced routing; the experts' ep-shaped GEMMs {'save' if gemm <= 0 else 'add'} {abs(gemm):.3f} s "
+            f"(autopar explain: the step time at other imbalances)")
 
 
 def _rank_text(plan, est, model, cluster, args: argparse.Namespace) -> str:  # noqa: ANN001
@@ -102,7 +119,7 @@ def _rank_text(plan, est, model, cluster, args: argparse.Namespace) -> str:  # n
         found = search_plans(model, gpus=plan.cluster.num_gpus, cluster=cluster, cluster_ref=cluster.name,
                              gpus_per_node=plan.cluster.gpus_per_node, global_batch=t.global_batch_size,
                              seq_len=t.seq_len, dtype=t.dtype, optimizer=t.optimizer, top_k=RANK_TOP_K,
-                             use_cache=not args.no_cache)
+                             use_cache=not args.no_cache, knobs={"moe_imbalance": args.moe_imbalance})
     except InfeasibleError:
         return "ranking: no searched plan fits memory for this request either"
     except AutoparError as exc:

@@ -3,7 +3,15 @@
 Ranks are laid out [pp, dp, cp, tp], outermost to innermost (autopar/layout.py: which ranks form a
 group, and how its ``n`` members at ``stride`` sit on nodes, ``k = min(n, gpus_per_node // stride)``
 per node). A group inside one node runs on NVSwitch; a group spanning nodes runs ring algorithms
-whose inter-node hops each ride one NIC rail, so it gets k rails: bandwidth ``min(intra, k * inter)``.
+whose inter-node hops each ride one NIC rail, so it gets k rails: bandwidth ``min(intra, k * inter)``
+(a node's k members share what crosses the network: each byte enters a node once and is passed on
+over NVLink -- the ~192 GB/s all-reduce bus bandwidth of DGX A100 nodes with 8 x 25 GB/s rails).
+An all-to-all cannot share that way: every byte has its own destination, so the (n - k)/n of a
+rank's message bound for other nodes leaves through that rank's own rail (PXN only moves it to the
+rail-matched GPU first; the other groups of the axis use the node's other rails at the same time),
+while the (k - 1)/n for its node's members go over NVLink alongside. Its time is the slower of the
+two, ``(n - k)/n M / inter`` in practice: a bus bandwidth of ``inter (n - 1)/(n - k)``, close to one
+rail's, as nccl-tests' alltoall_perf shows across nodes.
 
 Times use the bus-bandwidth convention of nccl-tests, with ``M`` the full tensor size in bytes:
 
@@ -84,13 +92,14 @@ def collective_time_s(kind: str, message_bytes: float, group: GroupLink) -> floa
         volume, hops = message_bytes, 1
     else:
         raise ValueError(f"unknown collective {kind!r}; one of {COLLECTIVES}")
+    group_bw = _all_to_all_bandwidth(group) if kind == "all_to_all" else group.bandwidth_bytes_per_s
     fit = group.link.fit(kind)
     if fit is not None:
         latency, bandwidth = fit
-        bw = bandwidth * group.bandwidth_bytes_per_s / group.link.bandwidth_bytes_per_s
+        bw = bandwidth * group_bw / group.link.bandwidth_bytes_per_s
         return volume / bw + hops * latency + group.link.rendezvous_s
     step_bytes = message_bytes / n if kind != "p2p" else message_bytes
-    bw = group.bandwidth_bytes_per_s * group.link.efficiency(step_bytes)
+    bw = group_bw * group.link.efficiency(step_bytes)
     if kind == "all_reduce" and group.intra_node and n > 2 and group.link.nvls_bandwidth_bytes_per_s > 0:
         # NVLS: the switch reduces; bus bandwidth beyond the ring's, latency of one pass each way.
         bw = group.link.nvls_bandwidth_bytes_per_s * group.link.efficiency(step_bytes)
@@ -99,6 +108,16 @@ def collective_time_s(kind: str, message_bytes: float, group: GroupLink) -> floa
     if kind == "all_reduce" and not group.intra_node:
         return min(ring, _tree_all_reduce_s(message_bytes, group))
     return ring
+
+
+def _all_to_all_bandwidth(group: GroupLink) -> float:
+    """Bus bandwidth of an all-to-all over ``group`` (module docstring): the ring figure inside a
+    node; across nodes each rank's own rail carries its (n - k)/n bound for other nodes."""
+    n, k = group.size, group.members_per_node
+    if group.intra_node or n <= k:
+        return group.bandwidth_bytes_per_s
+    rail = group.link.bandwidth_bytes_per_s  # one NIC per GPU (cluster.inter_node)
+    return min(group.bandwidth_bytes_per_s, rail * (n - 1) / (n - k))
 
 
 def _tree_all_reduce_s(message_bytes: float, group: GroupLink) -> float:

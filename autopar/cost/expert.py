@@ -6,6 +6,15 @@ plus top_k experts' plus the router's: the "top-k dense equivalent" (Mixtral-8x7
 SwiGLU MLPs per token, not eight). ep does not change a rank's expert FLOPs under balanced routing:
 each rank runs E/ep experts on the tokens of ep ranks, tokens x top_k rows in all.
 
+Expert GEMM shapes. It does change their shapes: each of the rank's E/ep experts gets ep times the
+rows (the tokens of ep ranks), so an expert GEMM whose row count is the tokens per expert -- one
+Linear per expert (a ModuleList MoE), or the weight-gradient GEMMs of a grouped kernel, batched
+over the E experts with those rows as their reduction dimension (HF Mixtral's ``grouped_mm``) --
+runs as E/ep GEMMs of ep times the rows. ``expert_gemm_delta_s`` re-prices those GEMMs of the
+traced block at that shape (autopar.cost.compute's GEMM efficiency; fewer, larger kernels), which
+matters where the tokens per expert are few (small micro-batches). A grouped forward GEMM over
+all of a rank's rows (tokens x top_k, any split among experts) keeps its shape.
+
 Imbalance. Routing is never balanced; with ep > 1 the step waits for the rank whose experts got the
 most tokens. ``imbalance`` f >= 1 (``autopar plan --moe-imbalance F``; default 1.0, balanced) is
 the busiest rank's load over the mean: its expert GEMMs take f times the balanced time (the extra
@@ -35,6 +44,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from autopar.cost.comm import collective_time_s, group_link
+from autopar.cost.compute import op_time_s
 from autopar.cost.memory import state_bytes_per_param
 from autopar.cost.zero import gradient_bytes_per_param, per_microbatch_exposed, per_step_sync
 from autopar.errors import PlanError
@@ -43,6 +53,7 @@ if TYPE_CHECKING:
     from autopar.cluster import Cluster
     from autopar.cost.stage import Config
     from autopar.graph.model_graph import ModelGraph
+    from autopar.graph.scaling import FitOp, Shape
 
 DEFAULT_IMBALANCE = 1.0
 DISPATCH_COMBINE_PER_PASS = 2  # dispatch + combine, in forward and again in backward
@@ -74,6 +85,54 @@ def expert_flops_per_token(graph: "ModelGraph") -> float:
     return 0.0 if moe is None else 2.0 * moe.top_k * moe.params_per_expert
 
 
+def _token_axis(op: "FitOp", per_expert: float) -> int | None:
+    """The dimension of GEMM ``op`` that counts one expert's tokens (it scales with micro-batch and
+    sequence, and is tokens x top_k / E at the traced shape), or None: not an expert GEMM."""
+    if op.kind != "gemm" or op.dims is None or op.dims_exps is None:
+        return None
+    for axis in (1, 2, 3):
+        e = op.dims_exps[axis]
+        if abs(e.b - 1.0) < 0.25 and abs(e.s - 1.0) < 0.25 and abs(op.dims[axis] - per_expert) < 0.5:
+            return axis
+    return None
+
+
+def expert_gemm_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "Shape", ep: int) -> tuple[float, float]:
+    """(forward, backward) seconds by which one rank's expert GEMMs of one block, per micro-batch at
+    ``shape``, run faster (negative) or slower under ep than as traced (module docstring)."""
+    moe = graph.moe
+    if ep == 1 or moe is None or "block" not in graph.regions:
+        return 0.0, 0.0
+    per_expert = graph.seq_len * moe.top_k / moe.num_experts
+    if per_expert >= graph.seq_len:  # no dimension tells one expert's tokens from a sequence's
+        return 0.0, 0.0
+    delta = {"fwd": 0.0, "bwd": 0.0}
+    for op in graph.regions["block"].ops:
+        axis = _token_axis(op, per_expert)
+        if axis is None:
+            continue
+        dims = list(op.dims)
+        dims[axis] *= ep
+        batched = dims[0] == moe.num_experts and abs(op.dims_exps[0].b) < 0.25 and abs(op.dims_exps[0].s) < 0.25
+        if batched:  # one GEMM batched over the E experts: E / ep of them, ep times the rows each
+            dims[0] //= ep
+            bigger, share = replace(op, dims=tuple(dims)), 1.0
+        else:  # one GEMM per expert: the rank runs E / ep of the E, each on ep times the rows
+            bigger, share = replace(op, dims=tuple(dims), flops=op.flops * ep), 1.0 / ep
+        now, _ = op_time_s(op, shape, cluster, graph.seq_len)
+        then, _ = op_time_s(bigger, shape, cluster, graph.seq_len)
+        delta[op.phase] += share * then - now
+    return delta["fwd"], delta["bwd"]
+
+
+def experts_tp_sharded(graph: "ModelGraph") -> bool:
+    """Whether the graph's TP plan shards the experts' weights (Megatron-Core's expert tensor
+    parallelism: a plain-torch MoE's expert Linears, colwise/rowwise), rather than leaving them
+    whole on every tp rank (HF Mixtral's stacked experts, which then compute redundantly)."""
+    path = graph.moe.experts_path if graph.moe is not None else ""
+    return bool(path) and any(k == path or k.startswith(path + ".") for k in graph.tp_styles)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExpertCost:
     """Expert-parallel terms of one block on one rank, per micro-batch (seconds, bytes)."""
@@ -86,7 +145,10 @@ class ExpertCost:
     a2a_bwd_s: float  # their two reverses in backward
     imbalance_fwd_s: float  # the busiest rank's extra expert compute
     imbalance_bwd_s: float
-    expert_params: float  # expert parameters of one block on this rank (E / ep experts)
+    gemm_fwd_s: float  # the expert GEMMs at their ep shape minus as traced (expert_gemm_delta_s)
+    gemm_bwd_s: float
+    expert_params: float  # expert parameters of one block on this rank (E / ep experts, / tp when TP shards them)
+    all_expert_params: float  # the same at ep = 1 (all E experts)
     dense_params: float  # the block's other parameters on this rank
     block_params: float  # the dense-equivalent parameter count of the block (module docstring)
     grad_sync_extra_s: float  # per block per micro-batch, exposed (module docstring)
@@ -95,9 +157,10 @@ class ExpertCost:
 
 def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense_state_bytes: float,
                 dense_sync_s_per_param: float, tokens_bytes: float, block_fwd_s: float, block_bwd_s: float,
-                block_params: float) -> ExpertCost | None:
+                block_params: float, shape: "Shape | None" = None) -> ExpertCost | None:
     """The terms of ``cfg`` (``cfg.ep`` > 1 on an MoE graph; None otherwise). ``tokens_bytes``: one
-    rank's block input per micro-batch; ``block_*``: the block's balanced compute and parameters."""
+    rank's block input per micro-batch; ``block_*``: the block's balanced compute and parameters;
+    ``shape``: the block's (autopar.cost.stage), for the expert GEMMs' ep shapes (None: as traced)."""
     ep, moe = cfg.ep, graph.moe
     if ep == 1 or moe is None:
         return None
@@ -110,8 +173,10 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     block_flops = sum(op.flops for op in graph.regions["block"].ops if op.phase == "fwd")
     tokens = graph.seq_len  # the graph's block FLOPs are of one sample at seq_len tokens
     share = min(1.0, expert_flops_per_token(graph) * tokens / block_flops) if block_flops else 0.0
-    experts = moe.expert_params / ep
-    dense = max(0.0, block_params - moe.expert_params)
+    # a rank's share of all E experts: 1/tp where the TP plan shards them (expert tensor parallelism)
+    all_experts = moe.expert_params / (cfg.tp if experts_tp_sharded(graph) else 1)
+    experts = all_experts / ep
+    dense = max(0.0, block_params - all_experts)
     edp = cfg.dp * cfg.cp // ep
     state = state_bytes_per_param(zero=cfg.zero, shard_degree=edp, dtype_bytes=cfg.dtype_bytes, optimizer=cfg.optimizer)
     uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1
@@ -119,11 +184,13 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     equivalent = dense + experts * state.total / dense_state_bytes
     edp_link = group_link(cluster, edp, cfg.tp * ep)
     edp_sync, _, _ = per_step_sync(cfg, edp_link, cluster)
+    gemm_fwd, gemm_bwd = expert_gemm_delta_s(graph, cluster, shape, ep) if shape is not None else (0.0, 0.0)
     extra = max(0.0, experts * edp_sync - (equivalent - dense) * dense_sync_s_per_param) / cfg.num_microbatches
     return ExpertCost(
         ep=ep, imbalance=f, link=link.link_name, a2a_bytes=a2a_bytes, a2a_fwd_s=a2a_fwd, a2a_bwd_s=a2a_fwd,
         imbalance_fwd_s=(f - 1.0) * share * block_fwd_s, imbalance_bwd_s=(f - 1.0) * share * block_bwd_s,
-        expert_params=experts, dense_params=dense, block_params=equivalent, grad_sync_extra_s=extra,
+        gemm_fwd_s=gemm_fwd, gemm_bwd_s=gemm_bwd,
+        expert_params=experts, all_expert_params=all_experts, dense_params=dense, block_params=equivalent, grad_sync_extra_s=extra,
         state_split={"params": state.params, "grads": state.grads, "optimizer": state.optimizer},
     )
 
@@ -143,8 +210,9 @@ def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, f
     """The expert-parallel figures of a plan (``estimate --json``'s ``moe``; ``explain``): per step,
     the bytes one rank sends to other ranks in all-to-alls (dispatch and combine per MoE block and
     micro-batch in forward, backward, and again in a full recompute; at the busiest rank) and
-    their exposed time, and the time the imbalance factor adds over balanced routing (its extra
-    expert compute and all-to-all volume; 0 at imbalance 1)."""
+    their exposed time, the time the imbalance factor adds over balanced routing (its extra
+    expert compute and all-to-all volume; 0 at imbalance 1), and what the expert GEMMs' ep shapes
+    change (``expert_gemm_delta_s``, every pass)."""
     mb_blocks = num_blocks * cfg.num_microbatches / cfg.pp  # one pipeline rank's blocks x micro-batches
     passes = 2 + (1 if cfg.recompute == "full" else 0)  # forward, backward, recomputed forward
     a2a_s = (cost.a2a_fwd_s * (passes - 1) + cost.a2a_bwd_s) * mb_blocks
@@ -152,10 +220,13 @@ def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, f
     recompute = 1 if cfg.recompute == "full" else 0
     extra = ((cost.imbalance_fwd_s * (1 + recompute) + cost.imbalance_bwd_s) * mb_blocks
              + (a2a_s - balanced_a2a_s))
+    gemm = (cost.gemm_fwd_s * (1 + recompute) + cost.gemm_bwd_s) * mb_blocks
     return {
         "ep": cost.ep, "imbalance": cost.imbalance, "a2a_link": cost.link,
         # over the wire: the (ep - 1) / ep of each message that leaves the GPU (explain's "sent")
         "a2a_bytes_per_step": passes * DISPATCH_COMBINE_PER_PASS * cost.a2a_bytes * mb_blocks * (cost.ep - 1) / cost.ep,
         "a2a_s_per_step": a2a_s, "imbalance_s_per_step": extra,
         "expert_params_per_rank": cost.expert_params * num_blocks / cfg.pp,
+        # the expert GEMMs at their ep shape (E / ep experts, ep x the rows) minus as traced; < 0: faster
+        "expert_gemm_s_per_step": gemm,
     }

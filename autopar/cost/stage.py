@@ -153,12 +153,13 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         expert = expert_cost(graph, cluster, cfg, dense_state_bytes=state.total,
                              dense_sync_s_per_param=per_step_sync(cfg, dpcp_link, cluster)[0],
                              tokens_bytes=tokens_bytes, block_fwd_s=block.fwd_s - block.tp_comm_s - block.cp_comm_s,
-                             block_bwd_s=block.bwd_s - block.recompute_s - block.zero_comm_s, block_params=block.params)
+                             block_bwd_s=block.bwd_s - block.recompute_s - block.zero_comm_s, block_params=block.params,
+                             shape=shape)
     if expert is not None:
         if cfg.zero == 3:  # the gathered block holds this rank's E / ep experts, not all E
-            transient_ep_saving = 3 * (graph.moe.expert_params - expert.expert_params) * cfg.dtype_bytes
-        fwd_extra = expert.a2a_fwd_s + expert.imbalance_fwd_s
-        bwd_extra = expert.a2a_bwd_s + expert.imbalance_bwd_s + expert.grad_sync_extra_s
+            transient_ep_saving = 3 * (expert.all_expert_params - expert.expert_params) * cfg.dtype_bytes
+        fwd_extra = expert.a2a_fwd_s + expert.imbalance_fwd_s + expert.gemm_fwd_s  # gemm: the ep shapes
+        bwd_extra = expert.a2a_bwd_s + expert.imbalance_bwd_s + expert.gemm_bwd_s + expert.grad_sync_extra_s
         recompute_extra = fwd_extra if cfg.recompute == "full" else 0.0  # a recomputed block re-runs its all-to-alls
         if cfg.zero in (2, 3):  # dense parameters gathered over dp x cp, experts over their edp ranks
             from autopar.cost.expert import zero_exposed_s

@@ -229,7 +229,8 @@ def build_executable(
         materialise(part, reference, device, {**perms, **(expert.rows if expert else {})})
     del reference
     if expert is not None:  # (issue 15) experts reduce over their edp ranks, not dp x cp
-        ep_mod.wrap_experts(expert, parts[0], zero=zero, dtype=plan.training.dtype, dp_cp=par.dp * par.cp)
+        ep_mod.wrap_experts(expert, parts[0], zero=zero, dtype=plan.training.dtype, dp_cp=par.dp * par.cp,
+                            replicated=par.pp > 1 or par.tp > 1)  # ZeRO 0 wraps with replicate there, not DDP
 
     # 5. ZeRO / FSDP2 / DDP over dp x cp
     dp_mesh = mesh.dp_cp
@@ -240,7 +241,7 @@ def build_executable(
         else:
             blocks = [m for k, m in part.get_submodule(prefix + spec.blocks_path).named_children() if k.isdigit()]
         wrapped.append(apply_data_parallel(part, blocks, dp_mesh, zero=zero, dtype=plan.training.dtype, device=device,
-                                           pipelined=par.pp > 1))
+                                           pipelined=par.pp > 1 or par.tp > 1))
 
     # 6. pipeline schedule, optimizer, tied-weight groups
     exe = Executable(

@@ -56,10 +56,6 @@ def check_expert_parallel(plan: Any, spec: Any, where: str) -> None:
     if moe.num_experts % par.ep:
         raise AutoparError(f"ep = {par.ep} does not divide the {moe.num_experts} experts of {where}; "
                            f"pick an ep that divides {moe.num_experts}")
-    if par.tp > 1:
-        raise AutoparError("expert parallelism with tp > 1 is not supported by the executor yet; plan with tp = 1 or ep = 1")
-    if par.pp > 1:  # tried with ZeRO-1 at pp2 x dp2 x ep2: the 1F1B run hung on gloo; not offered until found
-        raise AutoparError("expert parallelism with pp > 1 is not supported by the executor yet; plan with pp = 1 or ep = 1")
     if moe.experts_kind == "stacked":
         params = [p for p in inspect.signature(_experts_forward_of(spec, plan)).parameters][1:]
         if tuple(params[:3]) != _HF_ARGS:
@@ -142,7 +138,11 @@ def exchange(rows: torch.Tensor, counts: torch.Tensor, groups: ExpertGroups,
     local_ids = torch.repeat_interleave(torch.arange(per, device=rows.device).repeat(ep),
                                         recv_counts.flatten().to(rows.device))
     order = torch.argsort(local_ids, stable=True)
-    out_grouped = compute(received[order], recv_counts.sum(0).tolist())
+    grouped = received[order]
+    # + an exact 0 that depends on the received rows: the dispatch's backward (an all-to-all over
+    # the ep group) must run on every rank, also where the local experts got no rows and their
+    # output does not depend on them (autograd would skip it there and the peers wait forever)
+    out_grouped = compute(grouped, recv_counts.sum(0).tolist()) + grouped[:0].sum()
     out = torch.empty_like(out_grouped).index_copy(0, order, out_grouped) if order.numel() else out_grouped
     return _a2a(out, send_splits, recv_splits, group)
 
@@ -239,9 +239,10 @@ class _Replay:
             counts[self.calls[i][0]] += self.calls[i][1].shape[0]
         if order:
             rows = torch.cat([self.calls[i][1] for i in order])
-        else:  # no expert called here: this rank still takes part in its ep group's exchange
+        else:  # no expert called here: this rank still takes part in its ep group's exchange,
+            # with no rows that still hang off the input, so its backward takes part too
             x = next(a for a in args if isinstance(a, torch.Tensor))
-            rows = x.new_zeros((0, x.shape[-1]))
+            rows = x.reshape(-1, x.shape[-1])[:0]
         # through __call__ of the expert list: FSDP2's hooks gather its shard (ZeRO >= 1)
         y = exchange(rows, counts.to(rows.device), self.groups, self.experts)
         outs = dict(zip(order, torch.split(y, [self.calls[i][1].shape[0] for i in order])))
@@ -334,18 +335,27 @@ def _apply_to_part(part: nn.Module, spec: Any, state: ExpertParallel, prefix: st
         state.names.extend(base + n for n, _ in experts.named_parameters())
 
 
-def wrap_experts(state: ExpertParallel, part: nn.Module, *, zero: int, dtype: str, dp_cp: int) -> None:
+def wrap_experts(state: ExpertParallel, part: nn.Module, *, zero: int, dtype: str, dp_cp: int,
+                 replicated: bool = False) -> None:
     """Before the data-parallel wrap of ``part``: ZeRO >= 1 shards each experts module over its
     edp ranks with FSDP2 (the outer ``fully_shard`` calls then leave them alone), gradients divided
-    by dp*cp; ZeRO 0 tells DDP to skip them (``install_grad_sync`` reduces them)."""
-    if zero >= 2 or (zero == 1 and dp_cp > 1):
+    by dp*cp; ZeRO 0 tells DDP to skip them (``install_grad_sync`` reduces them), or, where the
+    part's ZeRO-0 wrap is FSDP2's ``replicate`` rather than DDP (``replicated``: a pipeline stage,
+    whose gradient sync the pipelining stage drives after the step's backwards, or DTensor
+    parameters at tp > 1), replicates each experts module over its edp ranks the same way (DDP's
+    ignore list means nothing to ``replicate``, which would average the experts over dp x cp)."""
+    if zero >= 2 or (zero == 1 and dp_cp > 1) or replicated:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from autopar.executor.data_parallel import DTYPES
 
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32) if dtype != "fp32" else MixedPrecisionPolicy()
         for m in state.experts:
-            fully_shard(m, mesh=state.groups.edp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
+            if zero == 0:
+                replicate(m, mesh=state.groups.edp_mesh, mp_policy=mp)
+            else:
+                fully_shard(m, mesh=state.groups.edp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
             m.set_gradient_divide_factor(float(state.groups.grad_divide))
             edp_group = state.groups.edp_mesh.get_group()
             if edp_group.size() > 1 and dist.get_backend(edp_group) == "gloo":

@@ -5,8 +5,8 @@ A configuration is legal when dp * tp * pp * cp = N, tp stays inside a node and 
 divides the heads), pp * v <= blocks, the global batch divides into dp * micro-batch, and the
 schedule's micro-batch rules hold (interleaved: M a multiple of pp; 1F1B/interleaved: M >= pp).
 The degree rules are autopar/layout.py's (the same ones the plan file, the estimate and the
-executor's preflight apply). Expert parallelism (issue 15): ep divides the experts and dp * cp, and
-runs at tp = 1 and pp = 1. Each illegal combination is counted under the reason it was rejected.
+executor's preflight apply). Expert parallelism (issue 15): ep divides the experts and dp * cp (at
+any tp and pp). Each illegal combination is counted under the reason it was rejected.
 """
 
 from __future__ import annotations
@@ -220,8 +220,8 @@ def mix_modes(graph: ModelGraph) -> tuple[str, ...]:
 
 
 def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: int, rejected: Counter) -> tuple[int, ...]:
-    """Issue 15: the legal ep degrees (ep divides the experts and dp x cp; the executor runs ep > 1
-    at tp = 1 and pp = 1: executor/expert_parallel.py). 1 is always legal (dense experts)."""
+    """Issue 15: the legal ep degrees (ep divides the experts and dp x cp, at any tp and pp:
+    executor/expert_parallel.py). 1 is always legal (dense experts)."""
     if graph.moe is None or graph.chain:  # dense, or a layer chain (priced without ep: cost/expert.py)
         return (1,) if space.allows("ep_degrees", 1) else ()
     out = []
@@ -230,8 +230,6 @@ def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: 
             rejected["constraint: ep"] += 1
         elif ep > 1 and dp_cp % ep:
             rejected["ep does not divide dp x cp"] += 1
-        elif ep > 1 and (tp > 1 or pp > 1):
-            rejected["ep > 1 runs at tp = 1 and pp = 1 only"] += 1
         else:
             out.append(ep)
     return tuple(out)

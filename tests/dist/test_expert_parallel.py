@@ -4,7 +4,9 @@ the model's own routing code) under ep2 (2 gloo ranks) and ep2 x dp2 (4 ranks), 
 natural uneven routing (asserted), give the single-process losses (rel 1e-4 over 3 steps),
 step-1 gradients and final parameters; ZeRO-1 and ZeRO-3 shard the experts over their edp ranks;
 HF Mixtral also with ep drawn from the cp ranks (cp2 x ep2) and with one expert per rank under
-ZeRO-2 (ep4, 4 ranks).
+ZeRO-2 (ep4, 4 ranks); both with a pipeline (pp2 x dp2 x ep2, 4 ranks: 1F1B at ZeRO-1, GPipe at
+ZeRO-0) and with tensor parallelism (tp2 x dp2 x ep2, 4 ranks: the plain MoE's experts sharded over
+tp by its TP plan, HF Mixtral's whole on each tp rank).
 """
 
 from __future__ import annotations
@@ -65,7 +67,16 @@ CASES_4 = [MoECase(name=f"{m}-ep2xdp2", model=m, parallel={"dp": 4, "ep": 2}) fo
     MoECase(name=f"{m}-ep2xdp2-zero1", model=m, parallel={"dp": 4, "ep": 2, "zero": 1}) for m in _models()] + [
     # one expert per rank under ZeRO-2 (what the planner picks for Mixtral-8x7B at 64 A100s)
     MoECase(name="hf-mixtral-ep4-zero2", model="hf-mixtral", parallel={"dp": 4, "ep": 4, "zero": 2})
-    for m in _models() if m == "hf-mixtral"]
+    for m in _models() if m == "hf-mixtral"] + [
+    # pp2 x dp2 x ep2: each stage's two ranks exchange tokens; the pipelining API's first-step
+    # metadata inference runs a stage on uninitialised inputs, so the routing there is arbitrary
+    MoECase(name=f"{m}-pp2xdp2xep2-zero{z}", model=m, global_batch_size=8,
+            parallel={"dp": 2, "pp": 2, "ep": 2, "zero": z, "pp_schedule": s})
+    for m, z, s in (("torch-moe", 1, "1f1b"), ("hf-mixtral", 0, "gpipe")) if m in _models()] + [
+    # tp2 x dp2 x ep2: the plain MoE's TP plan shards its expert Linears (expert tensor parallelism),
+    # HF Mixtral's stacked experts stay whole on both tp ranks (attention is tensor-parallel)
+    MoECase(name=f"{m}-tp2xdp2xep2-zero{z}", model=m, parallel={"dp": 2, "tp": 2, "ep": 2, "zero": z})
+    for m, z in (("torch-moe", 0), ("hf-mixtral", 1)) if m in _models()]
 WORLD = {2: CASES_2, 4: CASES_4}
 ALL = [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4]
 

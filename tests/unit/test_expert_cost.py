@@ -122,6 +122,57 @@ def test_all_to_all_volume_and_link() -> None:
     assert estimate_plan(plan, g, small_nodes).moe["a2a_link"] == "network"
 
 
+def test_all_to_all_across_nodes_rides_each_rank_own_rail() -> None:
+    """An all-gather across nodes shares each byte over the node's k rails (bus bandwidth
+    min(NVLink, k x rail)); an all-to-all cannot: the (n - k)/n of a rank's message bound for
+    other nodes leaves through its own 50 GB/s rail. Inside a node both use NVLink's figure."""
+    from autopar.cost.comm import collective_time_s, group_link
+
+    cl = load_cluster("h100-80g")
+    m = 8 * 2**30
+    inter, intra = cl.inter_node, cl.intra_node
+    across = group_link(cl, 16, 1)  # 2 nodes x 8
+    assert not across.intra_node and across.bandwidth_bytes_per_s == pytest.approx(370e9)
+    eff = inter.efficiency(m / 16)
+    assert collective_time_s("all_gather", m, across) == pytest.approx(15 / 16 * m / (370e9 * eff) + 15 * inter.latency_s)
+    assert collective_time_s("all_to_all", m, across) == pytest.approx(8 / 16 * m / (50e9 * eff) + 15 * inter.latency_s)
+    one_rail = group_link(cl, 8, 8)  # one member per node: the same figure either way
+    assert collective_time_s("all_to_all", m, one_rail) == pytest.approx(collective_time_s("all_gather", m, one_rail))
+    inside = group_link(cl, 8, 1)
+    assert collective_time_s("all_to_all", m, inside) == pytest.approx(
+        7 / 8 * m / (370e9 * intra.efficiency(m / 8)) + 7 * intra.latency_s)
+
+
+def test_expert_gemms_are_priced_at_their_ep_shape() -> None:
+    """Under ep a rank runs E / ep experts on ep times the rows each: the zoo MoE's 12 forward and
+    24 backward expert GEMMs (3 Linears of 64 <-> 96 per expert, 16 rows per expert per sample)
+    become 3 and 6 GEMMs of 4 x the rows; the router's and attention's GEMMs keep their shape."""
+    from autopar.cost.expert import expert_gemm_delta_s
+    from autopar.graph.scaling import Shape
+
+    g, cl = _graph(), load_cluster("a100-80g")
+    b, ep = 2, 4
+    rows = 16 * b
+
+    def gemm_s(m, n, k):
+        return 2 * m * n * k / (cl.peak_flops * cl.gemm(m, n, k)) + cl.kernel_overhead_s
+
+    def change(count, dims):  # dims with "t" where the expert's rows go
+        now = [rows if d == "t" else d for d in dims]
+        then = [rows * ep if d == "t" else d for d in dims]
+        return count * (gemm_s(*then) / ep - gemm_s(*now))
+
+    fwd = change(8, ("t", 96, 64)) + change(4, ("t", 64, 96))
+    bwd = (change(8, ("t", 64, 96)) + change(4, ("t", 96, 64))  # input gradients
+           + change(8, (96, 64, "t")) + change(4, (64, 96, "t")))  # weight gradients: rows are k
+    got = expert_gemm_delta_s(g, cl, Shape(b=b, s_ratio=1.0, kv_ratio=1.0, t=1.0), ep)
+    assert got == pytest.approx((fwd, bwd), rel=1e-9)
+    assert fwd < 0 and bwd < 0  # fewer, larger GEMMs
+    assert expert_gemm_delta_s(g, cl, Shape(b=b, s_ratio=1.0, kv_ratio=1.0, t=1.0), 1) == (0.0, 0.0)
+    e1, e4 = (estimate_plan(_plan(ep=n), g, cl) for n in (1, 4))  # BASE: micro-batch 2
+    assert e4.time_breakdown_s["compute"] < e1.time_breakdown_s["compute"]
+
+
 def test_imbalance_slows_ep_plans_only() -> None:
     g, cl = _graph(), load_cluster("a100-80g")
     flat = [estimate_plan(_plan(ep=1), g, cl, moe_imbalance=f).step_time_s for f in (1.0, 1.5)]
@@ -168,8 +219,10 @@ def test_search_offers_ep_where_legal_and_records_it() -> None:
     branches = list(enumerate_branches(g, space, rejected))
     eps = {(b.tp, b.pp, b.dp * b.cp, b.ep) for b in branches}
     assert {b.ep for b in branches} == {1, 2, 4}
-    assert all(ep == 1 or (tp == 1 and pp == 1 and dpcp % ep == 0) for tp, pp, dpcp, ep in eps)
-    assert rejected["ep > 1 runs at tp = 1 and pp = 1 only"] > 0
+    assert all(ep == 1 or dpcp % ep == 0 for tp, pp, dpcp, ep in eps)
+    # pp x ep and tp x ep run (tests/dist/test_expert_parallel.py)
+    assert any(ep > 1 and pp > 1 for tp, pp, dpcp, ep in eps) and any(ep > 1 and tp > 1 for tp, pp, dpcp, ep in eps)
+    assert rejected["ep does not divide dp x cp"] > 0
     only = SearchSpace(num_gpus=8, gpus_per_node=8, global_batch=64, seq_len=32, micro_batches=(1,), ep_degrees=(4,))
     assert {b.ep for b in enumerate_branches(g, only, Counter())} == {4}
 
@@ -185,6 +238,33 @@ def test_plan_cli_ep_constraint_and_imbalance(tmp_path, capsys) -> None:
     plan = parse_plan(out.read_text())
     assert plan.parallel.ep == 4 and yaml.safe_load(out.read_text())["prediction"]["moe"]["imbalance"] == 1.2
     assert main(["plan", str(TORCH_MOE), "--gpus", "8", "--moe-imbalance", "0.5", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "autopar: error: --moe-imbalance must be in [1, 64]" in err
+
+
+def test_estimate_cli_prices_the_imbalance_it_is_given(tmp_path, capsys) -> None:
+    import json
+
+    from autopar.cli import main
+
+    plan = tmp_path / "ep.yaml"
+    plan.write_text(dump_plan(_plan(ep=4)))
+    outs = {}
+    for f in ("1", "1.3"):
+        assert main(["estimate", str(plan), "--json", "--moe-imbalance", f, "--no-cache"]) == 0
+        outs[f] = json.loads(capsys.readouterr().out)
+    balanced, skewed = outs["1"], outs["1.3"]
+    assert balanced["moe"]["imbalance"] == 1.0 and skewed["moe"]["imbalance"] == 1.3
+    assert skewed["step_time_s"] > balanced["step_time_s"]
+    assert skewed["moe"]["a2a_bytes_per_step"] == pytest.approx(1.3 * balanced["moe"]["a2a_bytes_per_step"])
+    assert balanced["moe"]["expert_gemm_s_per_step"] < 0  # 16-row expert GEMMs become 64-row ones
+    # the same figures estimate_plan gives (the JSON keys of before are all still there)
+    direct = estimate_json(estimate_plan(_plan(ep=4), _graph(), load_cluster("a100-80g"), moe_imbalance=1.3))
+    assert skewed["step_time_s"] == pytest.approx(direct["step_time_s"]) and set(direct) == set(skewed)
+    assert main(["estimate", str(plan), "--moe-imbalance", "1.3", "--no-rank", "--no-cache"]) == 0
+    text = capsys.readouterr().out
+    assert "experts  ep 4 over nvlink, priced at routing imbalance 1.3:" in text
+    assert main(["estimate", str(plan), "--moe-imbalance", "0.9"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "autopar: error: --moe-imbalance must be in [1, 64]" in err
 
@@ -207,19 +287,21 @@ def test_explain_shows_all_to_all_volume_and_the_imbalance_effect() -> None:
     assert "routing imbalance costs nothing at ep 1" in dense
 
 
-@pytest.mark.parametrize("parallel,needle", [
-    ({"dp": 4, "tp": 2, "ep": 2}, "expert parallelism with tp > 1 is not supported"),
-    ({"dp": 4, "pp": 2, "ep": 2, "zero": 1}, "expert parallelism with pp > 1 is not supported"),
-])
-def test_run_preflight_refuses_what_the_executor_cannot_do(parallel, needle) -> None:
-    from autopar.errors import AutoparError
-    from autopar.executor.checks import preflight
-    from autopar.modelfile import load_model_file
+def test_expert_tensor_parallel_shards_the_experts_over_tp_too() -> None:
+    """The zoo MoE's TP plan shards its expert Linears (colwise / rowwise: expert tensor
+    parallelism), so at tp 2 x ep 2 a rank holds half of its two experts' weights; HF-style
+    stacked experts outside the TP plan stay whole on every tp rank."""
+    from autopar.cost.expert import experts_tp_sharded
+    from autopar.cost.stage import build_terms
+    from autopar.cost.estimate import config_from_plan
 
-    plan = _plan(**parallel)
-    with pytest.raises(AutoparError) as info:
-        preflight(plan, load_model_file(TORCH_MOE))
-    assert needle in str(info.value) and "\n" not in str(info.value)
+    g, cl = _graph(), load_cluster("a100-80g")
+    assert experts_tp_sharded(g)
+    ex = build_terms(g, cl, config_from_plan(_plan(dp=4, tp=2, ep=2))).expert
+    assert ex.all_expert_params == pytest.approx(g.moe.expert_params / 2)
+    assert ex.expert_params == pytest.approx(g.moe.expert_params / 4)
+    assert ex.dense_params == pytest.approx(g.params["block"].per_rank(2) - g.moe.expert_params / 2)
+    assert not experts_tp_sharded(dataclasses.replace(g, tp_styles={}))
 
 
 def test_run_preflight_refuses_ep_on_a_dense_model() -> None:
