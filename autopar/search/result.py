@@ -35,7 +35,8 @@ def candidate_plan(cand: Candidate, mf: Any, cluster_name: str, gpus_per_node: i
         parallel=Parallel(dp=c.dp, tp=c.tp, pp=c.pp, cp=c.cp, cp_kind=c.cp_kind,
                           sequence_parallel=c.sequence_parallel, zero=c.zero, recompute=c.recompute,
                           pp_schedule=c.schedule, pp_virtual_stages=c.virtual_stages,
-                          stages=tuple(ranges) if c.pp > 1 else None, ep=c.ep),  # ep: issue 15
+                          stages=tuple(ranges) if c.pp > 1 else None, ep=c.ep,  # ep: issue 15
+                          offload=c.offload),  # issue 14
     )
     prediction = estimate_json(cand.estimate)
     prediction.pop("stages", None)

@@ -29,9 +29,10 @@ from typing import Callable
 
 from autopar.cluster import Cluster
 from autopar.cost.stage import Config, StageTerms, build_terms
+from autopar.cost.host import evaluate_with_host
 from autopar.cost.step import evaluate
 from autopar.graph.model_graph import ModelGraph
-from autopar.plan import even_stage_ranges
+from autopar.plan import NO_OFFLOAD, Offload, even_stage_ranges
 from autopar.search.candidates import Candidate, SearchResult, TopK
 from autopar.search.ilp import MAX_ENUMERATED_SPLITS, SplitILP, rank_block_capacity, solve_split
 from autopar.search.space import Branch, SearchSpace, enumerate_branches, enumerate_configs
@@ -90,18 +91,23 @@ def search(
         if lb >= top.threshold():
             rejected["bound: cannot beat the best plans"] += branch.num_configs
             continue
+        fits_plain: set[int] = set()  # ZeRO stages of this branch with a plan that fits without offload
         if branch.recompute == "selective" and not selective_saves:
             # With a fused attention kernel there are no s^2 activations: selective recompute would
             # re-run the attention forward and keep exactly what no recompute keeps.
             rejected["dominated: selective recompute saves nothing (fused attention)"] += branch.num_configs
             continue
-        for zero in branch.zero_stages:
+        for zero, off in ((z, o) for z in branch.zero_stages for o in _offloads(branch, z, cluster, rejected)):
             # Within a branch the terms depend on the ZeRO stage but not on the schedule or v (the
             # step formula reads those from the config): build them once per stage. 1F1B (GPipe when
             # 1F1B is not legal) keeps the fewest micro-batches in flight, so if it cannot fit,
             # no schedule of this stage can.
+            if off.any and zero in fits_plain:
+                # Issue 14: offload only adds time to a config; where it fits without, it is not needed.
+                rejected["dominated: offload where the plan fits without it"] += len(branch.schedules)
+                continue
             frugal = branch.schedules[0] if ("1f1b", 1) not in branch.schedules else ("1f1b", 1)
-            terms0 = build_terms(graph, cluster, branch.config(*frugal, zero))
+            terms0 = build_terms(graph, cluster, branch.config(*frugal, zero, offload=off))
             if branch.pp > 1 and not _fits_somehow(rank_block_capacity(terms0), frugal[1], graph.num_blocks):
                 rejected["memory: no stage split fits"] += len(branch.schedules)
                 continue
@@ -111,7 +117,7 @@ def search(
                     # instead of at most pp: never better, so never costed.
                     rejected["dominated: gpipe (1f1b is as fast with less memory)"] += 1
                     continue
-                cfg = branch.config(schedule, v, zero)
+                cfg = branch.config(schedule, v, zero, offload=off)
                 terms = replace(terms0, config=cfg)
                 if _balanced_lb(terms, graph.num_blocks) >= top.threshold():
                     rejected["bound: cannot beat the best plans"] += 1
@@ -122,9 +128,14 @@ def search(
                     continue
                 evaluated += 1
                 solved += cand is not None and cfg.pp > 1
+                if cand is _HOST_FULL:
+                    rejected["memory: host memory per node"] += 1
+                    continue
                 if cand is None:
                     rejected["memory: no stage split fits"] += 1
                     continue
+                if not off.any:
+                    fits_plain.add(zero)
                 if cand.ilp_status not in ("OPTIMAL", "DIRECT"):
                     optimal = False
                 top.offer(cand)
@@ -149,9 +160,18 @@ def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch) -> float:
     from autopar.cost.memory import state_bytes_per_param
 
     params = graph.num_blocks * base.block.params + base.pre.params + base.post.params
-    best = state_bytes_per_param(zero=max(branch.zero_stages), shard_degree=branch.dp * branch.cp,
-                                 dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer).total
-    acts = graph.num_blocks * base.block.act_bytes + base.pre.act_bytes + base.post.act_bytes
+    state = state_bytes_per_param(zero=max(branch.zero_stages), shard_degree=branch.dp * branch.cp,
+                                  dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer)
+    best = state.total
+    block_act = base.block.act_bytes
+    offs = [o for z in branch.zero_stages for o in branch.offloads(z)]
+    if any(o.params for o in offs):  # issue 14: the most any offload mode leaves on the GPU
+        best = 0.0
+    elif any(o.optimizer for o in offs):
+        best -= state.optimizer
+    if any(o.activations for o in offs):
+        block_act = 0.0
+    acts = graph.num_blocks * block_act + base.pre.act_bytes + base.post.act_bytes
     return (params * best + acts) / branch.pp + base.reserve_bytes
 
 
@@ -166,6 +186,17 @@ def _balanced_lb(terms: StageTerms, num_blocks: int) -> float:
 
 
 _PRUNED = "pruned"  # _solve's answer when a memory-aware bound shows the config cannot make the top K
+_HOST_FULL = "host"  # _solve's answer when the split fits the GPUs but not the nodes' host memory (issue 14)
+
+
+def _offloads(branch: Branch, zero: int, cluster: Cluster, rejected: Counter) -> tuple:
+    """Issue 14: the offload modes of ``branch`` at ``zero``; none but "no offload" on a cluster whose
+    profile gives no host figures (autopar.cluster.Cluster.has_host)."""
+    offs = branch.offloads(zero)
+    if not cluster.has_host and any(o.any for o in offs):
+        rejected[f"offload: profile {cluster.name} gives no host: section"] += 1
+        offs = tuple(o for o in offs if not o.any)
+    return offs
 
 
 def _fits_somehow(caps: list[int], virtual_stages: int, num_blocks: int) -> bool:
@@ -212,9 +243,9 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
     """The best candidate for this config, None if no split fits memory, or _PRUNED."""
     cfg = terms.config
     if cfg.pp == 1:
-        est = evaluate(terms, [graph.num_blocks], model_flops, tokens, cluster.peak_flops)
+        est = evaluate_with_host(terms, [graph.num_blocks], model_flops, tokens, cluster)
         if not est.fits:
-            return None
+            return _HOST_FULL if est.peak_memory_bytes <= est.capacity_bytes else None
         return Candidate(config=cfg, chunk_blocks=(graph.num_blocks,), estimate=est, ilp_status="DIRECT",
                          ilp_objective_s=est.step_time_s, ilp_bound_s=est.step_time_s)
     caps = rank_block_capacity(terms)
@@ -230,7 +261,9 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
         sol = ilp.solve(time_limit_s)
     if sol.chunk_blocks is None:
         return None
-    est = evaluate(terms, list(sol.chunk_blocks), model_flops, tokens, cluster.peak_flops)
+    est = evaluate_with_host(terms, list(sol.chunk_blocks), model_flops, tokens, cluster)
+    if not est.fits:  # issue 14: the ILP's split overflows host memory (checked here, not in the ILP)
+        return _HOST_FULL
     if sol.method == "parametric" and est.step_time_s >= threshold_s:
         return _PRUNED
     return Candidate(config=cfg, chunk_blocks=sol.chunk_blocks, estimate=est, ilp_status=sol.status,
@@ -248,12 +281,25 @@ def _confirm_with_cp_sat(cand: Candidate, graph: ModelGraph, cluster: Cluster, m
     sol = solve_split(terms, graph.num_blocks, time_limit_s, method="cp-sat")
     if sol.chunk_blocks is None:  # cannot happen for a feasible program; keep the exact answer
         return cand
-    est = evaluate(terms, list(sol.chunk_blocks), model_flops, tokens, cluster.peak_flops)
-    if est.step_time_s <= cand.step_time_s:
+    est = evaluate_with_host(terms, list(sol.chunk_blocks), model_flops, tokens, cluster)
+    if est.step_time_s <= cand.step_time_s and est.fits:
         return replace(cand, chunk_blocks=sol.chunk_blocks, estimate=est, ilp_status=sol.status,
                        ilp_objective_s=sol.objective_s, ilp_bound_s=sol.bound_s, split_method="cp-sat")
     return replace(cand, ilp_status="OPTIMAL", ilp_bound_s=min(cand.ilp_bound_s, sol.bound_s),
                    split_method="parametric")
+
+
+def _frugal_offload(space: SearchSpace, cfg: Config, cluster: Cluster) -> Offload:
+    """The offload mode allowed for ``cfg`` that leaves the least on the GPU (issue 14)."""
+    from autopar.plan import offload_reason
+
+    if not cluster.has_host:
+        return NO_OFFLOAD
+    for label in ("params+activations", "params", "optimizer+activations", "optimizer", "activations"):
+        off = Offload.from_label(label)
+        if label in space.offload_modes and not offload_reason(off, zero=cfg.zero, recompute=cfg.recompute, ep=cfg.ep):
+            return off
+    return NO_OFFLOAD
 
 
 def smallest_memory(graph: ModelGraph, cluster: Cluster, space: SearchSpace) -> tuple[float, Config | None]:
@@ -264,8 +310,12 @@ def smallest_memory(graph: ModelGraph, cluster: Cluster, space: SearchSpace) -> 
     rc = "full" if "full" in space.recompute_modes else space.recompute_modes[-1]
     mb = min(space.micro_batches)
     best: tuple[float, Config | None] = (math.inf, None)
+    # Issue 14: with offload, recompute none may need less (activation offload runs without recompute).
+    rcs = {rc} | ({"none"} & set(space.recompute_modes) if cluster.has_host and not graph.chain else set())
     for cfg in enumerate_configs(graph, space, Counter()):
-        if cfg.recompute != rc or cfg.micro_batch != mb:
+        if cfg.recompute not in rcs or cfg.micro_batch != mb:
+            continue
+        if cfg.offload != _frugal_offload(space, cfg, cluster):
             continue
         if cfg.virtual_stages != 1 and space.allows("virtual_stages", 1):
             continue
