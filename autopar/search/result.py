@@ -67,7 +67,7 @@ def _schedule(c) -> str:  # noqa: ANN001
 # Table column of each constraint (plan --tp ...): its header is starred when the user fixed it.
 _COLUMN_OF = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "cp_kind": "cp kind", "sp": "sp", "zero": "zero",
               "micro_batch": "mb", "schedule": "schedule", "virtual_stages": "schedule", "recompute": "recompute",
-              "ep": "ep"}
+              "ep": "ep", "offload": "offload"}
 
 
 def constraint_text(fixed: Mapping[str, tuple]) -> str:
@@ -108,6 +108,15 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
         headers.insert(5, "ep")
         rows = [r[:5] + (cand.config.ep,) + r[5:] for r, cand in zip(rows, result.top)]
         align = align[:5] + "r" + align[5:]
+    if any(cand.config.offload.any for cand in result.top):  # issue 14: an offload column (after recompute)
+        at = headers.index("recompute") + 1
+        headers.insert(at, "offload")
+        rows = [r[:at] + (cand.config.offload.label,) + r[at:] for r, cand in zip(rows, result.top)]
+        align = align[:at] + "l" + align[at:]
+        host = [getattr(c.estimate, "host", None) for c in result.top]
+        headers.append("host GiB/node")
+        rows = [r + (gib(h["host_memory_bytes"]) if h else "-",) for r, h in zip(rows, host)]
+        align += "r"
     lines += [
         "",
         table([h + "*" if h in starred else h for h in headers], rows, align=align),
