@@ -72,9 +72,11 @@ def search(
         work_per_mb, base = base_work[key]
         # step >= M * max_r t_r >= M * sum_r t_r / pp: every rank runs all M micro-batches.
         lb = max(flop_lb_s, branch.num_microbatches * work_per_mb / branch.pp)
-        bounded.append((lb, _memory_lb(graph, base, branch), branch))
+        bounded.append((lb, _memory_lb(graph, base, branch, cluster.has_host), branch))
     bounded.sort(key=lambda x: x[0])
 
+    if not cluster.has_host and any(m != "none" for m in space.offload_modes):  # issue 14: said once
+        rejected[f"offload: profile {cluster.name} gives no host: section"] += 1
     selective_saves = any(q.exps.quadratic for q in graph.regions["block"].saved)
     top = TopK(top_k)
     evaluated = solved = 0
@@ -153,10 +155,11 @@ def search(
     )
 
 
-def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch) -> float:
+def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch, has_host: bool = False) -> float:
     """A lower bound on the peak memory of any config of ``branch``: the average rank's model
     states (under its most sharded ZeRO stage) and one micro-batch of activations (every rank
-    keeps at least one in flight), plus the framework reserve."""
+    keeps at least one in flight), plus the framework reserve. ``has_host`` (issue 14): offload is
+    searched, so the bound takes what the most frugal offload mode of the branch leaves on the GPU."""
     from autopar.cost.memory import state_bytes_per_param
 
     params = graph.num_blocks * base.block.params + base.pre.params + base.post.params
@@ -164,7 +167,7 @@ def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch) -> float:
                                   dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer)
     best = state.total
     block_act = base.block.act_bytes
-    offs = [o for z in branch.zero_stages for o in branch.offloads(z)]
+    offs = [o for z in branch.zero_stages for o in branch.offloads(z)] if has_host else []
     if any(o.params for o in offs):  # issue 14: the most any offload mode leaves on the GPU
         best = 0.0
     elif any(o.optimizer for o in offs):
@@ -193,10 +196,7 @@ def _offloads(branch: Branch, zero: int, cluster: Cluster, rejected: Counter) ->
     """Issue 14: the offload modes of ``branch`` at ``zero``; none but "no offload" on a cluster whose
     profile gives no host figures (autopar.cluster.Cluster.has_host)."""
     offs = branch.offloads(zero)
-    if not cluster.has_host and any(o.any for o in offs):
-        rejected[f"offload: profile {cluster.name} gives no host: section"] += 1
-        offs = tuple(o for o in offs if not o.any)
-    return offs
+    return offs if cluster.has_host else tuple(o for o in offs if not o.any)
 
 
 def _fits_somehow(caps: list[int], virtual_stages: int, num_blocks: int) -> bool:
