@@ -128,38 +128,16 @@ def search_plans(
     if not result.top:
         if result.num_configs == 0:
             raise AutoparError(_no_config_message(space, fixed, result))
+        from autopar.search.offload_need import needed_text  # issue 14: with offload, the host memory too
+
         raise InfeasibleError(
-            f"no plan fits {cluster.memory_bytes / 2**30:,.1f} GiB per GPU{_host_capacity(cluster, space)} on {gpus} "
-            f"GPUs: the smallest plan needs {result.min_memory_bytes / 2**30:,.1f} GiB"
-            f"{_host_needed(graph, cluster, result)}; "
+            f"no plan fits {cluster.memory_bytes / 2**30:,.1f} GiB per GPU on {gpus} GPUs: the smallest plan needs "
+            f"{needed_text(graph, cluster, space, result)}; "
             + infeasible_hint(graph, cluster, space, fixed, user_batch=global_batch is not None)
         )
     plans = tuple(candidate_plan(c, source, cluster_ref, gpn, dtype=dtype, fixed=fixed) for c in result.top)
     return PlanSearch(result=result, plans=plans, graph=graph, cluster=cluster, space=space,
                       warning=measured_table_warning(graph, cluster), source=source, fixed=fixed)
-
-
-def _host_capacity(cluster: Cluster, space: SearchSpace) -> str:
-    """Issue 14: ", with offload to 1,862.6 GiB of host memory per node" where offload was searched."""
-    if not cluster.has_host or space.offload_modes == ("none",):
-        return ""
-    return f" (even with offload to {cluster.host_memory_bytes_per_node / 2**30:,.1f} GiB of host memory per node)"
-
-
-def _host_needed(graph: ModelGraph, cluster: Cluster, result: SearchResult) -> str:
-    """Issue 14: the host memory per node the smallest plan needs (its offload mode), or ""."""
-    cfg = result.min_memory_config
-    if cfg is None or not cfg.offload.any:
-        return ""
-    from autopar.cost.host import evaluate_with_host
-    from autopar.cost.stage import build_terms
-    from autopar.plan import even_stage_ranges
-
-    terms = build_terms(graph, cluster, cfg)
-    even = [e - s for s, e in even_stage_ranges(graph.num_blocks, cfg.pp)]
-    host = evaluate_with_host(terms, even, 0.0, 1.0, cluster).host  # type: ignore[attr-defined]
-    return (f" per GPU and {host['host_memory_bytes'] / 2**30:,.1f} GiB of host memory per node "
-            f"(offload {cfg.offload.label}, {cfg.dp}x{cfg.tp}x{cfg.pp}x{cfg.cp} dp x tp x pp x cp)")
 
 
 def _no_config_message(space: SearchSpace, fixed: Mapping[str, tuple], result: SearchResult) -> str:

@@ -146,8 +146,23 @@ def test_no_plan_fits_names_host_memory(a100, tmp_path) -> None:
     with pytest.raises(InfeasibleError) as err:
         search_plans(str(model), gpus=2, cluster=tiny, cluster_ref="a100-80g", micro_batches=(1,), use_cache=False)
     text = str(err.value)
-    assert "even with offload to 1,862.6 GiB of host memory per node" in text
-    assert "GiB of host memory per node (offload" in text
+    assert "GiB without offload; with offload " in text and "GiB of host memory per node (offload " in text
+
+
+def test_no_plan_fits_says_how_much_host_memory_a_plan_that_fits_the_gpus_needs(small_gpt, a100) -> None:
+    from autopar.search.offload_need import least_host_that_fits, needed_text
+
+    floor = search(small_gpt, dataclasses.replace(a100, memory_bytes=1.0), _space(offload_modes=("none",)))
+    # GPUs too small for any plan without offload, host memory too small for any with it
+    tight = dataclasses.replace(a100, memory_bytes=floor.min_memory_bytes * 0.97, host_memory_bytes_per_node=1e3)
+    result = search(small_gpt, tight, _space())
+    assert not result.top
+    host, cfg = least_host_that_fits(small_gpt, tight, _space())
+    assert cfg is not None and cfg.offload.any and host > 1e3
+    text = needed_text(small_gpt, tight, _space(), result)
+    assert text.startswith(f"{floor.min_memory_bytes / 2**30:,.1f} GiB without offload; ")
+    assert f"with offload it fits the GPUs but needs {host / 2**30:,.1f} GiB of host memory per node" in text
+    assert f"offload {cfg.offload.label}, dp {cfg.dp} x tp {cfg.tp}" in text
 
 
 def test_old_plans_round_trip_without_an_offload_key(make_plan) -> None:
