@@ -61,6 +61,8 @@ def plan_summary(plan: Plan) -> str:
         parts.append("sp on" if p.sequence_parallel else "sp off")
     parts.append(f"zero {p.zero}")
     parts.append(f"recompute {p.recompute}")
+    if p.offload.any:  # issue 14
+        parts.append(f"offload {p.offload.label}")
     if p.pp > 1:
         parts.append(p.pp_schedule + (f" v={p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""))
     parts.append(f"micro-batch {t.micro_batch_size} x {plan.num_microbatches}")

@@ -57,6 +57,18 @@ def host_per_node(terms: "StageTerms", per_pp_rank: Sequence[float], gpus_per_no
     return worst
 
 
+def host_lower_bound(terms: "StageTerms", num_blocks: int, gpus_per_node: int) -> float:
+    """A lower bound on the fullest node's host bytes over every split: the average node's share,
+    g / pp * sum_r host_r, with each rank's in-flight count at least the fewest any rank holds."""
+    off, cfg = terms.offload, terms.config
+    if off is None:
+        return 0.0
+    params = num_blocks * terms.block.params + terms.pre.params + terms.post.params
+    fewest = min(terms.inflight(r) for r in range(cfg.pp))
+    total = params * off.host_state_bytes_per_param + num_blocks * fewest * off.host_act_bytes_per_block
+    return min(gpus_per_node, cfg.num_gpus) / cfg.pp * total
+
+
 def with_host(terms: "StageTerms", est: Estimate, gpus_per_node: int) -> Estimate:
     """``est`` with host memory and offload traffic attached (unchanged without offload)."""
     off = terms.offload

@@ -42,7 +42,7 @@ that overflows the host rejects the configuration.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.cost.comm import axis_link
 from autopar.cost.zero import per_microbatch_exposed
@@ -78,15 +78,34 @@ def require_host(cluster: "Cluster") -> None:
                         "add one to the profile or plan without parallel.offload")
 
 
-def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", base: "StageTerms") -> "StageTerms":
-    """``base`` (the terms of ``cfg`` without offload) with ``cfg.offload`` priced in (module docstring)."""
-    from autopar.plan import offload_reason
+# The terms without offload that offload modes of one config share (the search prices up to five
+# modes over one base): keyed by the objects' identities and the plain config; an entry holds the
+# graph and cluster themselves, so an id cannot be reused while it is cached. Emptied when full.
+_BASE_CACHE: dict[tuple, tuple[Any, Any, "StageTerms"]] = {}
+_BASE_CACHE_SIZE = 4096
+
+
+def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
+                    build: Callable[["ModelGraph", "Cluster", "Config"], "StageTerms"]) -> "StageTerms":
+    """The terms of ``cfg``: those of the same config without offload (``build``, i.e.
+    cost.stage.build_terms) with ``cfg.offload`` priced in (module docstring)."""
+    from autopar.plan import NO_OFFLOAD, offload_reason
 
     off = cfg.offload
     reason = offload_reason(off, zero=cfg.zero, recompute=cfg.recompute, ep=cfg.ep)
     if reason:
         raise PlanError(reason)
     require_host(cluster)
+    plain = replace(cfg, offload=NO_OFFLOAD)
+    key = (id(graph), id(cluster), plain)
+    entry = _BASE_CACHE.get(key)
+    if entry is not None and entry[0] is graph and entry[1] is cluster:
+        base = entry[2]
+    else:
+        if len(_BASE_CACHE) >= _BASE_CACHE_SIZE:
+            _BASE_CACHE.clear()
+        base = build(graph, cluster, plain)
+        _BASE_CACHE[key] = (graph, cluster, base)
     bw = cluster.host_link_bandwidth_bytes_per_s
     gpus_on_node = min(cluster.gpus_per_node, cfg.num_gpus)
     rate = cluster.cpu_optimizer_params_per_s / gpus_on_node

@@ -120,7 +120,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     if cfg.offload.any:  # issue 14: priced over the same config's terms without offload
         from autopar.cost.offload import offloaded_terms
 
-        return offloaded_terms(graph, cluster, cfg, build_terms(graph, cluster, replace(cfg, offload=NO_OFFLOAD)))
+        return offloaded_terms(graph, cluster, cfg, build_terms)
     layout = Layout.of(cfg)
     S = graph.seq_len
     s_ratio = (cfg.seq_len / cfg.cp) / S if graph.is_sequence_model else 1.0

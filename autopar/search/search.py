@@ -29,7 +29,7 @@ from typing import Callable
 
 from autopar.cluster import Cluster
 from autopar.cost.stage import Config, StageTerms, build_terms
-from autopar.cost.host import evaluate_with_host
+from autopar.cost.host import evaluate_with_host, host_lower_bound
 from autopar.cost.step import evaluate
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import NO_OFFLOAD, Offload, even_stage_ranges
@@ -83,30 +83,44 @@ def search(
     optimal = True
     min_mem, min_mem_cfg = math.inf, None
     visited = 0
-    for lb, mem_lb, branch in bounded:
-        visited += 1
-        if progress and visited % 500 == 0:
-            progress(visited, len(bounded), time.perf_counter() - start)
+    # Issue 14: two passes over the branches, without offload and then with it. Offload only adds
+    # time, so the first pass's plans give the second a tight threshold to prune with; each config is
+    # visited once (pass 2 counts no branch-level rejection again).
+    fits_plain: dict[int, set[int]] = {}  # per branch, ZeRO stages with a plan that fits without offload
+    passes = (False, True) if cluster.has_host and any(m != "none" for m in space.offload_modes) else (False,)
+    for offload_pass, (lb, mem_lb, branch) in ((p, b) for p in passes for b in bounded):
+        if not offload_pass:
+            visited += 1
+            if progress and visited % 500 == 0:
+                progress(visited, len(bounded), time.perf_counter() - start)
         if mem_lb > cluster.memory_bytes:
-            rejected["memory: cannot fit even with an ideal split"] += branch.num_configs
+            if not offload_pass:
+                rejected["memory: cannot fit even with an ideal split"] += branch.num_configs
             continue
         if lb >= top.threshold():
-            rejected["bound: cannot beat the best plans"] += branch.num_configs
+            if not offload_pass:
+                rejected["bound: cannot beat the best plans"] += branch.num_configs
             continue
-        fits_plain: set[int] = set()  # ZeRO stages of this branch with a plan that fits without offload
         if branch.recompute == "selective" and not selective_saves:
             # With a fused attention kernel there are no s^2 activations: selective recompute would
             # re-run the attention forward and keep exactly what no recompute keeps.
-            rejected["dominated: selective recompute saves nothing (fused attention)"] += branch.num_configs
+            if not offload_pass:
+                rejected["dominated: selective recompute saves nothing (fused attention)"] += branch.num_configs
             continue
-        for zero, off in ((z, o) for z in branch.zero_stages for o in _offloads(branch, z, cluster, rejected)):
+        plain_fits = fits_plain.setdefault(id(branch), set())
+        for zero, off in ((z, o) for z in branch.zero_stages for o in _offloads(branch, z, cluster, rejected)
+                          if o.any == offload_pass):
             # Within a branch the terms depend on the ZeRO stage but not on the schedule or v (the
             # step formula reads those from the config): build them once per stage. 1F1B (GPipe when
             # 1F1B is not legal) keeps the fewest micro-batches in flight, so if it cannot fit,
             # no schedule of this stage can.
-            if off.any and zero in fits_plain:
+            if off.any and zero in plain_fits:
                 # Issue 14: offload only adds time to a config; where it fits without, it is not needed.
                 rejected["dominated: offload where the plan fits without it"] += len(branch.schedules)
+                continue
+            if off.any and _memory_lb(graph, base_work[branch.block_key][1], branch, True, zero, off) > \
+                    cluster.memory_bytes:
+                rejected["memory: cannot fit even with an ideal split"] += len(branch.schedules)
                 continue
             frugal = branch.schedules[0] if ("1f1b", 1) not in branch.schedules else ("1f1b", 1)
             terms0 = build_terms(graph, cluster, branch.config(*frugal, zero, offload=off))
@@ -124,6 +138,10 @@ def search(
                 if _balanced_lb(terms, graph.num_blocks) >= top.threshold():
                     rejected["bound: cannot beat the best plans"] += 1
                     continue
+                if off.any and host_lower_bound(terms, graph.num_blocks, cluster.gpus_per_node) > \
+                        cluster.host_memory_bytes_per_node:  # issue 14: no split can fit the host
+                    rejected["memory: host memory per node"] += 1
+                    continue
                 cand = _solve(terms, graph, cluster, model_flops, tokens, ilp_time_limit_s, top.threshold())
                 if cand is _PRUNED:
                     rejected["bound: cannot beat the best plans"] += 1
@@ -137,7 +155,7 @@ def search(
                     rejected["memory: no stage split fits"] += 1
                     continue
                 if not off.any:
-                    fits_plain.add(zero)
+                    plain_fits.add(zero)
                 if cand.ilp_status not in ("OPTIMAL", "DIRECT"):
                     optimal = False
                 top.offer(cand)
@@ -155,19 +173,24 @@ def search(
     )
 
 
-def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch, has_host: bool = False) -> float:
+def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch, has_host: bool = False,
+               zero: int | None = None, offload: Offload | None = None) -> float:
     """A lower bound on the peak memory of any config of ``branch``: the average rank's model
     states (under its most sharded ZeRO stage) and one micro-batch of activations (every rank
     keeps at least one in flight), plus the framework reserve. ``has_host`` (issue 14): offload is
-    searched, so the bound takes what the most frugal offload mode of the branch leaves on the GPU."""
+    searched, so the bound takes what the most frugal offload mode of the branch leaves on the GPU;
+    ``zero`` and ``offload`` given: the bound of that ZeRO stage and offload mode only."""
     from autopar.cost.memory import state_bytes_per_param
 
     params = graph.num_blocks * base.block.params + base.pre.params + base.post.params
-    state = state_bytes_per_param(zero=max(branch.zero_stages), shard_degree=branch.dp * branch.cp,
+    state = state_bytes_per_param(zero=max(branch.zero_stages) if zero is None else zero,
+                                  shard_degree=branch.dp * branch.cp,
                                   dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer)
     best = state.total
     block_act = base.block.act_bytes
     offs = [o for z in branch.zero_stages for o in branch.offloads(z)] if has_host else []
+    if offload is not None:
+        offs = [offload]
     if any(o.params for o in offs):  # issue 14: the most any offload mode leaves on the GPU
         best = 0.0
     elif any(o.optimizer for o in offs):

@@ -14,6 +14,7 @@ counted under the reason it was rejected.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
@@ -80,6 +81,17 @@ class SearchSpace:
         return values is None or value in values
 
 
+@functools.lru_cache(maxsize=None)
+def _legal_offloads(labels: tuple[str, ...], zero: int, recompute: str, ep: int, chain: bool) -> tuple[Offload, ...]:
+    out = []
+    for label in labels:
+        off = Offload.from_label(label)
+        if off.any and (chain or offload_reason(off, zero=zero, recompute=recompute, ep=ep)):
+            continue
+        out.append(off)
+    return tuple(sorted(out, key=lambda o: o.any))
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -105,13 +117,7 @@ class Branch:
 
     def offloads(self, zero: int) -> tuple[Offload, ...]:
         """Issue 14: the offload modes legal at ``zero`` in this branch, no offload first."""
-        out = []
-        for label in self.space.offload_modes:
-            off = Offload.from_label(label)
-            if off.any and (self.chain or offload_reason(off, zero=zero, recompute=self.recompute, ep=self.ep)):
-                continue
-            out.append(off)
-        return tuple(sorted(out, key=lambda o: o.any))
+        return _legal_offloads(self.space.offload_modes, zero, self.recompute, self.ep, self.chain)
 
     @property
     def block_key(self) -> tuple:
