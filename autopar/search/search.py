@@ -135,7 +135,7 @@ def search(
                     continue
                 cfg = branch.config(schedule, v, zero, offload=off)
                 terms = replace(terms0, config=cfg)
-                if _balanced_lb(terms, graph.num_blocks) >= top.threshold():
+                if _balanced_lb(terms, graph.num_blocks) + _offload_tail_lb(terms, graph.num_blocks) >= top.threshold():
                     rejected["bound: cannot beat the best plans"] += 1
                     continue
                 if off.any and host_lower_bound(terms, graph.num_blocks, cluster.gpus_per_node) > \
@@ -199,6 +199,15 @@ def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch, has_host: bo
         block_act = 0.0
     acts = graph.num_blocks * block_act + base.pre.act_bytes + base.post.act_bytes
     return (params * best + acts) / branch.pp + base.reserve_bytes
+
+
+def _offload_tail_lb(terms: StageTerms, num_blocks: int) -> float:
+    """Issue 14: with offload, the step's tail holds the CPU update of the slowest rank, at least the
+    average rank's (max >= mean): params / pp x optimizer seconds per parameter. 0 without offload."""
+    if terms.offload is None:
+        return 0.0
+    params = num_blocks * terms.block.params + terms.pre.params + terms.post.params + terms.tied_params
+    return params / terms.config.pp * terms.optimizer_s_per_param
 
 
 def _balanced_lb(terms: StageTerms, num_blocks: int) -> float:
