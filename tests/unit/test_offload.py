@@ -209,3 +209,28 @@ def test_profiles_gain_host_figures_and_old_ones_load() -> None:
     assert cluster_from_dict({**data, "host": {"memory_bytes_per_node": 1e12}}, "x").host_memory_bytes_per_node == 1e12
     with pytest.raises(ClusterError, match="unknown key 'memory'"):
         cluster_from_dict({**data, "host": {"memory": 1}}, "x")
+
+
+def test_explain_and_estimate_json_show_host_memory_and_offload_traffic(small_gpt, a100, make_plan) -> None:
+    from autopar.cost.estimate import estimate_json, estimate_plan
+    from autopar.explain.explanation import explain_plan, format_explanation
+
+    plan = make_plan(16, dp=8, zero=1, offload={"optimizer": True, "activations": True})
+    est = estimate_plan(plan, small_gpt, a100)
+    out = estimate_json(est)
+    contract = {"step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "memory_bytes"}
+    assert contract <= set(out) and out["memory_bytes"]["optimizer"] == 0.0
+    assert out["offload"] == "optimizer+activations" and out["host_memory_bytes"] == est.host["host_memory_bytes"]
+    # 8 GPUs of one node, each holding K / 8 = 1.5 bytes per parameter and its in-flight activations
+    terms = build_terms(small_gpt, a100, dataclasses.replace(cfg(dp=8, tp=1, global_batch=64), offload=plan.parallel.offload))
+    per_gpu = est.ranks[0].params * 12 / 8 + est.ranks[0].num_blocks * terms.offload.host_act_bytes_per_block
+    assert out["host_memory_bytes"] == pytest.approx(8 * per_gpu)
+    m = plan.num_microbatches
+    assert out["offload_traffic_bytes_per_gpu"] == pytest.approx(
+        est.ranks[0].params * 2 * 2 / 8 + 2 * m * 16 * terms.offload.host_act_bytes_per_block)
+    text = format_explanation(explain_plan(plan, small_gpt, a100))
+    assert "== offload: optimizer+activations ==" in text and "offload optimizer+activations" in text
+    assert f"host memory {out['host_memory_bytes'] / 2**30:,.1f} GiB per node of 1,862.6 GiB" in text
+    assert "offload traffic" in text and "CPU optimizer step" in text
+    plain = estimate_json(estimate_plan(make_plan(16, dp=8, zero=1), small_gpt, a100))
+    assert "host_memory_bytes" not in plain and "offload" not in plain  # old outputs unchanged
