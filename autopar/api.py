@@ -98,7 +98,7 @@ def plan(model: ModelLike, gpus: int, cluster: str = "a100-80g", *, gpus_per_nod
     """Search the fastest plan of ``model`` on ``gpus`` GPUs that fits memory (``autopar plan``).
 
     ``knobs`` restrict the search space (``search.space.SearchSpace`` fields): zero_stages,
-    recompute_modes, schedules, cp_kinds, max_virtual_stages, dp/tp/pp/cp_degrees,
+    recompute_modes (add "mixed" for per-stage counts), schedules, cp_kinds, max_virtual_stages, dp/tp/pp/cp_degrees,
     sequence_parallel, virtual_stages (``autopar plan --tp 8 ...`` is the CLI's form). Returns the best plan with its
     ``prediction``; raises ``InfeasibleError`` when nothing fits.
     """

@@ -192,6 +192,10 @@ class Parallel:
     # issue 15 (expert parallelism): experts sharded over ep ranks drawn from the dp x cp ranks
     # (ep innermost); optional, 1 = every rank holds every expert. Written only when > 1.
     ep: int = 1
+    # issue 14 (per-stage recompute): per pipeline rank, blocks under each of RECOMPUTE_MODES, as
+    # (none, selective, full) counts; overrides ``recompute`` for that rank. None = ``recompute``
+    # everywhere (written only when present). Which blocks get which mode: ``Plan.block_recompute``.
+    recompute_blocks: tuple[tuple[int, int, int], ...] | None = None
     # issue 14: what lives in host memory (Offload); written only when something is offloaded.
     offload: Offload = NO_OFFLOAD
 
@@ -227,7 +231,10 @@ class Parallel:
         if (self.dp * self.cp) % self.ep:  # issue 15: ep ranks are drawn from the dp x cp ranks
             raise PlanError(f"parallel.ep = {self.ep} does not divide dp x cp = {self.dp * self.cp}; "
                             "pick an ep that divides it")
-        reason = offload_reason(self.offload, zero=self.zero, recompute=self.recompute, ep=self.ep)
+        if self.recompute_blocks is not None:  # issue 14
+            object.__setattr__(self, "recompute_blocks", _normalise_recompute_blocks(self.recompute_blocks, self.pp))
+        recompute = self.recompute if self.recompute_blocks is None else "mixed"
+        reason = offload_reason(self.offload, zero=self.zero, recompute=recompute, ep=self.ep)
         if reason:
             raise PlanError(reason)
         if self.stages is not None:
@@ -273,6 +280,30 @@ def _normalise_stages(stages: Any) -> tuple[tuple[int, int], ...]:
                 "ranges must be contiguous"
             )
         out.append((start, end))
+    return tuple(out)
+
+
+def _normalise_recompute_blocks(value: Any, pp: int) -> tuple[tuple[int, int, int], ...]:
+    """Issue 14: ``[{none: n, selective: n, full: n}, ...]`` (one mapping per pipeline rank; an
+    omitted mode counts 0) as (none, selective, full) tuples. Already-normalised tuples pass."""
+    key = "parallel.recompute_blocks"
+    if not isinstance(value, (list, tuple)) or len(value) != pp:
+        got = f"{len(value)} entries" if isinstance(value, (list, tuple)) else repr(value)
+        raise PlanError(f"{key} must be a list of one {{none: n, selective: n, full: n}} mapping per pipeline "
+                        f"rank (pp = {pp}), got {got}")
+    out = []
+    for r, entry in enumerate(value):
+        if isinstance(entry, (list, tuple)) and len(entry) == len(RECOMPUTE_MODES):
+            entry = dict(zip(RECOMPUTE_MODES, entry))
+        if not isinstance(entry, Mapping):
+            raise PlanError(f"{key}[{r}] must be a mapping like {{none: 2, selective: 0, full: 1}}, got {entry!r}")
+        unknown = [k for k in entry if k not in RECOMPUTE_MODES]
+        if unknown:
+            raise PlanError(f"{key}[{r}] has unknown recompute mode {unknown[0]!r}; "
+                            f"the modes are {', '.join(RECOMPUTE_MODES)}")
+        for mode in RECOMPUTE_MODES:
+            _check_int(f"{key}[{r}].{mode}", entry.get(mode, 0), minimum=0)
+        out.append(tuple(entry.get(mode, 0) for mode in RECOMPUTE_MODES))
     return tuple(out)
 
 
@@ -345,6 +376,36 @@ class Plan:
                 f"parallel.stages must end at block {self.model.num_blocks} (model.num_blocks), "
                 f"got {par.stages[-1][1]}"
             )
+        if par.recompute_blocks is not None:  # issue 14: each rank's counts cover its blocks
+            for r, (counts, n) in enumerate(zip(par.recompute_blocks, self.rank_blocks())):
+                if sum(counts) != n:
+                    raise PlanError(
+                        f"parallel.recompute_blocks[{r}] counts {sum(counts)} blocks "
+                        f"({', '.join(f'{m} {k}' for m, k in zip(RECOMPUTE_MODES, counts))}) but pipeline rank {r} "
+                        f"holds {n}; make each rank's counts sum to its blocks")
+
+    def rank_blocks(self) -> tuple[int, ...]:
+        """Blocks on each pipeline rank (its chunks c = r, r + pp, ...)."""
+        sizes = [end - start for start, end in self.stage_ranges()]
+        return tuple(sum(sizes[r::self.parallel.pp]) for r in range(self.parallel.pp))
+
+    def block_recompute(self) -> tuple[str, ...]:
+        """The recompute mode of every block, by block index (issue 14). Without
+        ``recompute_blocks`` every block has ``parallel.recompute``. With it, each pipeline rank's
+        blocks in execution order (its chunks in chunk order, each chunk's blocks ascending -- that
+        is, ascending block index) take ``full`` first, then ``selective``, then ``none``: the cost
+        model prices a rank by its counts alone, so this rule is the executor's, stated once here."""
+        par = self.parallel
+        if par.recompute_blocks is None:
+            return (par.recompute,) * self.model.num_blocks
+        modes = [par.recompute] * self.model.num_blocks
+        ranges = self.stage_ranges()
+        for r, (n_none, n_sel, n_full) in enumerate(par.recompute_blocks):
+            blocks = [b for c in range(r, len(ranges), par.pp) for b in range(*ranges[c])]
+            order = ["full"] * n_full + ["selective"] * n_sel + ["none"] * n_none
+            for b, mode in zip(blocks, order):
+                modes[b] = mode
+        return tuple(modes)
 
     @property
     def num_microbatches(self) -> int:
@@ -370,7 +431,7 @@ _SECTIONS: dict[str, tuple[type, set[str], set[str]]] = {
         Parallel,
         {"dp", "tp", "pp"},
         {"cp", "cp_kind", "sequence_parallel", "zero", "recompute", "pp_schedule", "pp_virtual_stages", "stages",
-         "ep", "offload"},
+         "ep", "recompute_blocks", "offload"},
     ),
 }
 _TOP_REQUIRED = {"version", "model", "cluster", "training", "parallel"}
@@ -421,6 +482,10 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         del par["stages"]
     if par["ep"] == 1:  # issue 15: dense plans are written exactly as before ep existed
         del par["ep"]
+    if plan.parallel.recompute_blocks is None:  # issue 14: written only when present
+        del par["recompute_blocks"]
+    else:
+        par["recompute_blocks"] = [dict(zip(RECOMPUTE_MODES, counts)) for counts in plan.parallel.recompute_blocks]
     if plan.parallel.offload.any:  # issue 14: written only when something is offloaded
         par["offload"] = dataclasses.asdict(plan.parallel.offload)
     else:

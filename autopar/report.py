@@ -60,7 +60,12 @@ def plan_summary(plan: Plan) -> str:
     if p.tp > 1:
         parts.append("sp on" if p.sequence_parallel else "sp off")
     parts.append(f"zero {p.zero}")
-    parts.append(f"recompute {p.recompute}")
+    if p.recompute_blocks is not None:  # issue 14: per-stage counts (explain's stage table has each)
+        totals = [sum(c) for c in zip(*p.recompute_blocks)]
+        parts.append("recompute per stage (" + ", ".join(
+            f"{m} {k}" for m, k in zip(("none", "selective", "full"), totals) if k) + " blocks)")
+    else:
+        parts.append(f"recompute {p.recompute}")
     if p.offload.any:  # issue 14
         parts.append(f"offload {p.offload.label}")
     if p.pp > 1:

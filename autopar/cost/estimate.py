@@ -26,7 +26,8 @@ def config_from_plan(plan: Plan, moe_imbalance: float = 1.0) -> Config:
     par, tr = plan.parallel, plan.training
     return Config(
         dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, cp_kind=par.cp_kind, sequence_parallel=par.sequence_parallel,
-        zero=executed_zero(par.zero, par.pp), recompute=par.recompute, schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
+        zero=executed_zero(par.zero, par.pp), recompute="mixed" if par.recompute_blocks else par.recompute,
+        schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
         micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_len=tr.seq_len,
         dtype_bytes=tr.dtype_bytes, optimizer=tr.optimizer, ep=par.ep, moe_imbalance=moe_imbalance,
         offload=par.offload,  # issue 14
@@ -44,6 +45,14 @@ def check_plan_against_model(plan: Plan, graph: ModelGraph) -> None:
     reason = graph.tp_allowed(par.tp)
     if reason:
         raise PlanError(f"parallel.tp = {par.tp} is not possible: {reason}")
+    if par.recompute_blocks is not None:  # issue 14
+        if graph.chain:
+            raise PlanError(f"parallel.recompute_blocks: {graph.name} is a chain of distinct units, not repeated "
+                            "blocks; remove recompute_blocks and set parallel.recompute")
+        for mode, total in zip(("none", "selective", "full"), map(sum, zip(*par.recompute_blocks))):
+            if total and mode != "none" and graph.supports(mode):
+                raise PlanError(f"parallel.recompute_blocks has {total} {mode} blocks but {graph.name} cannot run "
+                                f"{mode} recompute: {graph.supports(mode)}")
     if par.ep > 1:  # issue 15
         from autopar.cost.expert import check_ep
 
@@ -75,7 +84,8 @@ def estimate_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, moe_imbalance
     chunk_blocks = [end - start for start, end in plan.stage_ranges()]
     tokens = plan.training.global_batch_size * plan.training.seq_len
     flops = graph.model_flops_per_sample() * plan.training.global_batch_size
-    est = evaluate(terms, chunk_blocks, flops, tokens, cluster.peak_flops)
+    est = evaluate(terms, chunk_blocks, flops, tokens, cluster.peak_flops,
+                   recompute_blocks=plan.parallel.recompute_blocks)
     if terms.offload is not None:  # issue 14: host memory and offload traffic
         from autopar.cost.host import with_host
 

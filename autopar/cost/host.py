@@ -94,7 +94,9 @@ def with_host(terms: "StageTerms", est: Estimate, gpus_per_node: int) -> Estimat
 
 
 def evaluate_with_host(terms: "StageTerms", chunk_blocks: Sequence[int], model_flops_per_step: float,
-                       tokens_per_step: float, cluster: "Cluster") -> Estimate:
+                       tokens_per_step: float, cluster: "Cluster",
+                       recompute_blocks: Sequence[Sequence[int]] | None = None) -> Estimate:
     """``cost.step.evaluate`` plus the host figures of an offload configuration."""
-    est = evaluate(terms, chunk_blocks, model_flops_per_step, tokens_per_step, cluster.peak_flops)
+    est = evaluate(terms, chunk_blocks, model_flops_per_step, tokens_per_step, cluster.peak_flops,
+                   recompute_blocks=recompute_blocks)
     return with_host(terms, est, cluster.gpus_per_node)

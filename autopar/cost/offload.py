@@ -113,6 +113,7 @@ def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
     share = 1.0 / n if cfg.zero >= 1 else 1.0
     d = float(cfg.dtype_bytes)
     split = dict(base.state_split)
+    mixed = base.recompute_parts
     block, pre, post = base.block, base.pre, base.post
     host_state, step_copy, mb_copy, act_copy_s = 0.0, 0.0, 0.0, 0.0
     optimizer_s = base.optimizer_s_per_param
@@ -122,6 +123,8 @@ def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
         split = {k: 0.0 for k in split}
         link = axis_link(cluster, Layout.of(cfg), "dp_cp")
         block, pre, post = (_with_host_copies(cfg, p, link, cluster, bw, n) for p in (block, pre, post))
+        if base.recompute_parts is not None:  # a per-stage recompute mix: each mode's block alike
+            mixed = {m: _with_host_copies(cfg, p, link, cluster, bw, n) for m, p in base.recompute_parts.items()}
         mb_copy = 3 * d / n  # zero 3: shard up for the forward and the backward gather, grad shard down
         optimizer_s = share / rate
     elif off.optimizer:  # ZeRO-Offload style: states on the host, the step on the CPU
@@ -139,7 +142,7 @@ def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
         step_copy_bytes_per_param=step_copy, microbatch_copy_bytes_per_param=mb_copy, act_copy_s_per_block=act_copy_s,
         cpu_step_s_per_param=share / rate if off.states else 0.0, link_bandwidth_bytes_per_s=bw,
         host_memory_bytes_per_node=cluster.host_memory_bytes_per_node)
-    return replace(base, config=cfg, block=block, pre=pre, post=post, state_split=split,
+    return replace(base, config=cfg, block=block, pre=pre, post=post, state_split=split, recompute_parts=mixed,
                    state_bytes_per_param=sum(split.values()), optimizer_s_per_param=optimizer_s,
                    transient_bytes=transient, offload=cost)
 

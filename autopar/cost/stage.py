@@ -20,7 +20,7 @@ collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Mapping
 
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
@@ -44,7 +44,7 @@ class Config:
     cp_kind: str
     sequence_parallel: bool
     zero: int
-    recompute: str
+    recompute: str  # none | selective | full, or "mixed" (issue 14: per-rank counts, priced by cost.step.evaluate)
     schedule: str
     virtual_stages: int
     micro_batch: int
@@ -85,6 +85,11 @@ class Part:
     def time_s(self) -> float:
         return self.fwd_s + self.bwd_s
 
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward less recompute and every exposed collective: the work itself."""
+        return self.time_s - self.recompute_s - self.tp_comm_s - self.cp_comm_s - self.zero_comm_s - self.ep_comm_s
+
 
 @dataclass(frozen=True, kw_only=True)
 class StageTerms:
@@ -108,6 +113,12 @@ class StageTerms:
     reserve_bytes: float
     capacity_bytes: float
     expert: Any = None  # issue 15: autopar.cost.expert.ExpertCost of one block, None without ep
+    # issue 14 (per-stage recompute, config.recompute == "mixed"): the block priced under each mode
+    # and that mode's recompute working set, held while a block of that mode re-runs (a rank pays
+    # the largest of the modes it uses); ``block`` is then the "none" block and ``transient_bytes``
+    # everything else (ZeRO-3's buffers). None for a single-mode config.
+    recompute_parts: Mapping[str, Part] | None = None
+    recompute_working_bytes: Mapping[str, float] | None = None
     offload: Any = None  # issue 14: autopar.cost.offload.OffloadCost, None without offload
 
     def inflight(self, rank: int) -> float:
@@ -121,6 +132,8 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         from autopar.cost.offload import offloaded_terms
 
         return offloaded_terms(graph, cluster, cfg, build_terms)
+    if cfg.recompute == "mixed":
+        return _mixed_terms(graph, cluster, cfg)
     layout = Layout.of(cfg)
     S = graph.seq_len
     s_ratio = (cfg.seq_len / cfg.cp) / S if graph.is_sequence_model else 1.0
@@ -211,6 +224,17 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         reserve_bytes=cluster.framework_reserve_bytes,
         capacity_bytes=cluster.memory_bytes,
     )
+
+
+def _mixed_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
+    """Issue 14: the terms of a per-rank recompute mix, each mode's block priced exactly as a
+    single-mode config prices it (so a rank of one mode costs what that config costs)."""
+    from autopar.plan import RECOMPUTE_MODES
+
+    per_mode = {m: build_terms(graph, cluster, replace(cfg, recompute=m)) for m in RECOMPUTE_MODES}
+    base = per_mode["none"]
+    return replace(base, config=cfg, recompute_parts={m: t.block for m, t in per_mode.items()},
+                   recompute_working_bytes={m: t.transient_bytes - base.transient_bytes for m, t in per_mode.items()})
 
 
 def _tp_time(cluster: Cluster, cfg: Config, fit_comm, phase: str, shape: Shape, link) -> float:  # noqa: ANN001

@@ -71,9 +71,16 @@ def chunk_rank(chunk: int, pp: int) -> int:
 
 
 def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_step: float,
-             tokens_per_step: float, peak_flops: float) -> Estimate:
-    """Cost ``terms`` with ``chunk_blocks[c]`` blocks in chunk c (len = pp * v)."""
+             tokens_per_step: float, peak_flops: float,
+             recompute_blocks: Sequence[Sequence[int]] | None = None) -> Estimate:
+    """Cost ``terms`` with ``chunk_blocks[c]`` blocks in chunk c (len = pp * v).
+
+    ``recompute_blocks`` (issue 14; required by, and only for, the terms of a "mixed" config): per
+    pipeline rank the (none, selective, full) block counts, summing to the rank's blocks. A rank's
+    block terms are then the sum over modes of count x that mode's block, and its transient memory
+    the largest working set among the modes it uses; every cost term depends on the counts only."""
     cfg = terms.config
+    mix = _mode_counts(terms, chunk_blocks, recompute_blocks)
     pp, v, m = cfg.pp, cfg.virtual_stages, cfg.num_microbatches
     last = len(chunk_blocks) - 1
     b, pre, post = terms.block, terms.pre, terms.post
@@ -85,10 +92,11 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
     for c, n in enumerate(chunk_blocks):
         r = chunk_rank(c, pp)
         blocks[r] += n
-        time[r] += n * b.time_s
-        bwd[r] += n * b.bwd_s
+        if mix is None:
+            time[r] += n * b.time_s
+            bwd[r] += n * b.bwd_s
+            act[r] += n * b.act_bytes
         params[r] += n * b.params
-        act[r] += n * b.act_bytes
         if pp > 1:
             time[r] += terms.p2p_s * ((c < last) + (c > 0))
         if c == 0:
@@ -99,6 +107,14 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             time[r] += post.time_s
             bwd[r] += post.bwd_s
             params[r] += post.params + terms.tied_params
+    working = [0.0] * pp  # issue 14: a mixed rank's recompute working set
+    if mix is not None:
+        for r, counts in enumerate(mix):
+            for mode, k in counts.items():
+                time[r] += k * terms.recompute_parts[mode].time_s
+                bwd[r] += k * terms.recompute_parts[mode].bwd_s
+                act[r] += k * terms.recompute_parts[mode].act_bytes
+            working[r] = max((terms.recompute_working_bytes[mode] for mode, k in counts.items() if k > 0), default=0.0)
     ranks = []
     for r in range(pp):
         sync = params[r] * terms.grad_sync_s_per_param
@@ -130,7 +146,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         memory = {
             **memory,
             "activations": activations,
-            "other": terms.transient_bytes + terms.reserve_bytes,
+            "other": terms.transient_bytes + working[r] + terms.reserve_bytes,
         }
         ranks.append(RankCost(rank=r, num_blocks=blocks[r], time_s=time[r], backward_s=bwd[r], tail_s=tail,
                               params=params[r], memory_bytes=memory))
@@ -141,17 +157,23 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
     step = steady + fill_drain + tail
     peak_rank = max(ranks, key=lambda rk: rk.peak_bytes)
     n_blocks_total = sum(chunk_blocks)
+    if mix is None:
+        def blocks_sum(name: str) -> float:
+            return n_blocks_total * getattr(b, name)
+    else:  # issue 14: each mode's blocks at that mode's terms
+        def blocks_sum(name: str) -> float:
+            return sum(k * getattr(terms.recompute_parts[mode], name) for counts in mix for mode, k in counts.items())
     per_mb = {
-        "compute": n_blocks_total * (b.time_s - b.recompute_s - b.tp_comm_s - b.cp_comm_s - b.zero_comm_s - b.ep_comm_s)
+        "compute": blocks_sum("compute_s")
         + pre.time_s + post.time_s - pre.tp_comm_s - post.tp_comm_s - pre.zero_comm_s - post.zero_comm_s,
-        "recompute": n_blocks_total * b.recompute_s,
-        "tp_comm": n_blocks_total * b.tp_comm_s + pre.tp_comm_s + post.tp_comm_s,
-        "cp_comm": n_blocks_total * b.cp_comm_s,
-        "zero_comm": n_blocks_total * b.zero_comm_s + pre.zero_comm_s + post.zero_comm_s,
+        "recompute": blocks_sum("recompute_s"),
+        "tp_comm": blocks_sum("tp_comm_s") + pre.tp_comm_s + post.tp_comm_s,
+        "cp_comm": blocks_sum("cp_comm_s"),
+        "zero_comm": blocks_sum("zero_comm_s") + pre.zero_comm_s + post.zero_comm_s,
         "pp_comm": terms.p2p_s * 2 * last if pp > 1 else 0.0,
     }
     if cfg.ep > 1:  # issue 15: the experts' all-to-alls (a key only where ep is used: old outputs unchanged)
-        per_mb["ep_comm"] = n_blocks_total * b.ep_comm_s
+        per_mb["ep_comm"] = blocks_sum("ep_comm_s")
     # Each part's share of the step: M micro-batches of work spread over pp ranks; the rest of the
     # pipeline time is bubble (fill/drain and imbalance between stages). The parts sum to the step.
     busy = sum(time)
@@ -172,6 +194,27 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         bubble_fraction=max(0.0, breakdown["bubble"]) / step if step else 0.0,
         moe=_moe_summary(terms, n_blocks_total),
     )
+
+
+def _mode_counts(terms: StageTerms, chunk_blocks: Sequence[int],
+                 recompute_blocks: Sequence[Sequence[int]] | None) -> list[dict[str, int]] | None:
+    """Issue 14: the per-rank mode counts as {mode: count}, checked against the split; None for a
+    single-mode config."""
+    from autopar.plan import RECOMPUTE_MODES
+
+    if terms.recompute_parts is None:
+        if recompute_blocks is not None:
+            raise ValueError("recompute_blocks needs the terms of a 'mixed' recompute config")
+        return None
+    pp = terms.config.pp
+    if recompute_blocks is None or len(recompute_blocks) != pp:
+        raise ValueError(f"a 'mixed' recompute config needs (none, selective, full) counts for each of {pp} ranks")
+    mix = []
+    for r, counts in enumerate(recompute_blocks):
+        if len(counts) != len(RECOMPUTE_MODES) or min(counts) < 0 or sum(counts) != sum(chunk_blocks[r::pp]):
+            raise ValueError(f"rank {r}: recompute counts {tuple(counts)} do not split its {sum(chunk_blocks[r::pp])} blocks")
+        mix.append(dict(zip(RECOMPUTE_MODES, counts)))
+    return mix
 
 
 def _moe_summary(terms: StageTerms, num_blocks: int) -> dict[str, Any] | None:

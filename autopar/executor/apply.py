@@ -198,18 +198,23 @@ def build_executable(
                 if note not in notes:
                     notes.append(note)
         recompute = par.recompute
-        if spec.core_name is None and spec.hf_attention is not None and (par.cp > 1 or recompute == "selective"):
+        block_modes = plan.block_recompute() if par.recompute_blocks is not None else None  # issue 14
+        selective = recompute == "selective" if block_modes is None else "selective" in block_modes
+        if spec.core_name is None and spec.hf_attention is not None and (par.cp > 1 or selective):
             # transformers attention: a registered implementation does CP and/or selective recompute
             make_cp = (lambda: ContextParallelAttention(par.cp_kind, mesh.cp_group, par.cp, mesh.coords.cp,
                                                         plan.training.seq_len)) if par.cp > 1 else None
+            keys = None if block_modes is None else {str(b) for b, m in enumerate(block_modes) if m == "selective"}
             hf_attention.install(part, prefix + spec.blocks_path, spec.hf_attention.module,
-                                 recompute=recompute == "selective", make_cp=make_cp)
+                                 recompute=selective, make_cp=make_cp, recompute_keys=keys)
             recompute = "none" if recompute == "selective" else recompute
+            if block_modes is not None:
+                block_modes = tuple("none" if m == "selective" else m for m in block_modes)
         elif par.cp > 1:
             assert spec.core_name is not None
             apply_cp(part, prefix + spec.blocks_path, spec.core_name, kind=par.cp_kind, group=mesh.cp_group,
                      cp=par.cp, rank=mesh.coords.cp, seq_len=plan.training.seq_len)
-        apply_recompute(part, _prefixed(spec, prefix), recompute)
+        apply_recompute(part, _prefixed(spec, prefix), recompute, block_modes)
         if par.offload.activations:  # issue 14: saved activations of each block on the host
             from autopar.executor.offload import offload_block_activations
 

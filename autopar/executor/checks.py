@@ -30,14 +30,15 @@ _DIM_NAMES = {"tp": "tensor parallelism", "sp": "sequence parallelism", "pp": "p
 def _dimensions_used(plan: Plan) -> list[tuple[str, bool, str]]:
     """(dimension, whether the plan uses it, what to change instead) for every spec dimension."""
     par = plan.parallel
+    modes = set(plan.block_recompute()) if par.recompute_blocks is not None else {par.recompute}  # issue 14
     return [
         ("tp", par.tp > 1, "plan with tp = 1"),
         ("sp", par.tp > 1 and par.sequence_parallel, "set sequence_parallel: false"),
         ("pp", par.pp > 1, "plan with pp = 1"),
         ("cp", par.cp > 1, "plan with cp = 1"),
         ("zero3", par.zero == 3, "use zero 0, 1 or 2"),
-        ("selective", par.recompute == "selective", "use recompute none or full"),
-        ("full", par.recompute == "full", "use recompute none"),
+        ("selective", "selective" in modes, "use recompute none or full"),
+        ("full", "full" in modes, "use recompute none"),
     ]
 
 
@@ -67,6 +68,9 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
         raise AutoparError(
             f"the plan's training.seq_len = {plan.training.seq_len} but {where} has SEQ_LEN = {mf.seq_len}"
         )
+    if par.recompute_blocks is not None and spec.chain is not None:  # issue 14: counts are of repeated blocks
+        raise AutoparError(f"parallel.recompute_blocks: {where} is a chain of distinct units, not repeated blocks; "
+                           "remove recompute_blocks and set parallel.recompute")
     for dim, used, change in _dimensions_used(plan):
         if used and spec.support_reason(dim):
             raise AutoparError(f"{_DIM_NAMES[dim]} cannot run on {where}: {spec.support_reason(dim)}; {change}")

@@ -83,10 +83,11 @@ def _register(name: str, mask_of: str | None) -> None:
 
 
 def install(part: nn.Module, blocks_path: str, module_name: str, *, recompute: bool,
-            make_cp: Callable[[], nn.Module] | None = None) -> int:
+            make_cp: Callable[[], nn.Module] | None = None, recompute_keys: set[str] | None = None) -> int:
     """Route every block's attention ``module_name`` of ``part`` through ``autopar_attention``:
-    under checkpoint (``recompute``) and/or context-parallel (``make_cp`` builds one
-    ContextParallelAttention per module). Returns the number of modules routed."""
+    under checkpoint (``recompute``; with ``recompute_keys``, issue 14, only the blocks of those
+    names: every block is routed all the same, since its HF config object is shared) and/or context-parallel (``make_cp`` builds one ContextParallelAttention per module).
+    Returns the number of modules routed."""
     blocks = part.get_submodule(blocks_path)
     count = 0
     originals: dict[int, str] = {}  # config id -> its implementation before this call (configs are shared)
@@ -100,7 +101,8 @@ def install(part: nn.Module, blocks_path: str, module_name: str, *, recompute: b
             original = getattr(attn, _ATTR).original
         name = CP_NAME if make_cp is not None else f"autopar_{original}"
         _register(name, None if make_cp is not None else original)
-        setattr(attn, _ATTR, _Route(original=original, recompute=recompute,
+        setattr(attn, _ATTR, _Route(original=original, recompute=recompute and (recompute_keys is None
+                                                                               or key in recompute_keys),
                                                cp=make_cp() if make_cp is not None else None))
         # HF modules share the chunk's one config object (mask creation reads the same one).
         cfg._attn_implementation = name

@@ -22,8 +22,11 @@ its block arguments -- HF's ``position_embeddings=`` (cos, sin), ``attention_mas
 * prologue modules holding parameters (embeddings) are replaced by ``_ZeroStub``s returning real
   zeros of the recorded structure, shape and dtype (cheap; their result is discarded), while
   parameter-free ones (rotary tables, dropout) run for real;
-* an ``_Inject`` marker first in the block list returns the activation received from the previous
-  stage, in the structure a block returns (a tuple ``(h, None)`` as well as a tensor);
+* an ``_Inject`` marker just before the chunk's first block returns the activation received from
+  the previous stage, in the structure a block returns (a tuple ``(h, None)`` as well as a tensor).
+  In an ``nn.ModuleList`` the positions before it hold ``_Skip`` place-holders, so every block runs
+  at its own loop position: model code that reads per-layer settings by position
+  (``config.layer_types[i]``, Gemma 2's alternating sliding-window masks) sees the right layer;
 
 and on a non-last chunk the epilogue modules are dropped and an ``_Exit`` marker ends the block
 list: it raises with the hidden state it is given (positional, or the block's first parameter by
@@ -102,6 +105,26 @@ class _Inject(nn.Module):
         shapes = [v for v, t in zip(self.block_out.leaves, self.block_out.is_tensor) if t]
         rest = [torch.zeros(v[0], dtype=v[1], device=self.value.device) for v in shapes[1:]]
         return self.block_out.rebuild([self.value, *rest])
+
+
+class _Skip(nn.Module):
+    """Holds the place of a block of an earlier chunk in a non-first chunk's block list (see
+    ``build_chunk``): passes its hidden-state input on in the structure a block returns. Its value
+    is discarded (``_Inject`` replaces it); it exists so that model code reading per-layer settings
+    by loop position (``config.layer_types[i]`` in ``for i, layer in enumerate(self.layers)``) sees
+    each block at its own position."""
+
+    def __init__(self, block_out: Template, first_param: str | None) -> None:
+        super().__init__()
+        self.block_out, self.first_param = block_out, first_param
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs[self.first_param]
+        if self.block_out.is_tensor == (True,):
+            return hidden
+        shapes = [v for v, t in zip(self.block_out.leaves, self.block_out.is_tensor) if t]
+        rest = [torch.zeros(v[0], dtype=v[1], device=hidden.device) for v in shapes[1:]]
+        return self.block_out.rebuild([hidden, *rest])
 
 
 class _Exit(nn.Module):
@@ -255,6 +278,12 @@ def build_chunk(
     blocks = nn.Sequential() if isinstance(old, nn.Sequential) else _ChunkBlocks()
     inject = None
     if not is_first:
+        if isinstance(blocks, _ChunkBlocks):
+            # Keep every block at its loop position: HF models pick a block's mask by position
+            # (``config.layer_types[i]``: Gemma 2/3, GPT-OSS, Cohere 2), so the marker before this
+            # chunk's first block sits at position start - 1, after place-holders for the rest.
+            for i in range(block_range[0] - 1):
+                blocks.add_module(f"skip{i}", _Skip(probe.block_out, probe.block_first_param))
         inject = _Inject(probe.block_out)
         blocks.add_module("inject", inject)
     for i in range(*block_range):

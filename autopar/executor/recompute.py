@@ -4,6 +4,8 @@
   is re-run in backward.
 * ``selective`` (Korthikanti et al.): only the attention core (the s^2 softmax part, GPT's
   ``attn.core`` / Llama's ``attention.core``) is recomputed.
+* a per-stage mix (issue 14, ``parallel.recompute_blocks``): each block gets its own mode, by the
+  rule of ``Plan.block_recompute`` (a rank's first blocks full, then selective, then none).
 
 The checkpoint is installed by overriding the module instance's ``forward`` rather than wrapping the
 module, so parameter names do not change (plans, state dicts and FSDP2 see the same names). Applied
@@ -14,6 +16,7 @@ recompute runs, as in torchtitan's order (AC inside, FSDP outside).
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -43,12 +46,20 @@ def _blocks(part: nn.Module, spec: ModelSpec) -> list[tuple[str, nn.Module]]:
     return [(k, b) for k, b in part.get_submodule(spec.blocks_path).named_children() if k.isdigit()]
 
 
-def apply_recompute(part: nn.Module, spec: ModelSpec, mode: str) -> int:
-    """Install recompute on every block of ``part``; returns how many modules were wrapped."""
-    if mode == "none":
+def apply_recompute(part: nn.Module, spec: ModelSpec, mode: str, block_modes: Sequence[str] | None = None) -> int:
+    """Install recompute on every block of ``part``; returns how many modules were wrapped.
+
+    ``block_modes`` (issue 14, a plan's ``recompute_blocks``: ``Plan.block_recompute``): the mode
+    of each block by its index in the whole model, instead of ``mode`` for all. Blocks keep their
+    original indices as names in a pipeline chunk, so a chunk reads its own blocks' modes."""
+    if mode == "none" and block_modes is None:
         return 0
     count = 0
     for key, block in _blocks(part, spec):
+        if block_modes is not None:
+            mode = block_modes[int(key)]
+        if mode == "none":
+            continue
         if mode == "full":
             _checkpoint_forward(block)
         elif mode == "selective":

@@ -334,6 +334,10 @@ def _gather_sequence_post_hook(mesh: DeviceMesh):
     return hook
 
 
+def _copy_output(module: nn.Module, args: Any, out: Any) -> Any:
+    return _map_first_output(out, torch.Tensor.clone)
+
+
 def apply_tp(
     part: nn.Module,
     spec: ModelSpec,
@@ -365,6 +369,9 @@ def apply_tp(
                     # blocks (BERT) add a norm's output to a rowwise output.
                     layout[name] = SequenceParallel(use_local_output=True)
         parallelize_module(block, tp_mesh, layout)
+        for name in spec.tp_inplace_outputs:
+            # after the rowwise output hook: to_local()'s view may not be modified in place (spec/inplace.py)
+            block.get_submodule(name).register_forward_hook(_copy_output)
         set_local_attrs(block, spec.tp.local_attrs, tp_mesh.size())  # widths the block's code splits by
         if sequence_parallel:
             parents = {_parent(n) for n, s in spec.tp_plan.items() if s == "colwise"}

@@ -17,7 +17,7 @@ from autopar.cost.stage import StageTerms, build_terms
 from autopar.cost.step import Estimate, chunk_rank
 from autopar.cost.zero import describe as describe_zero
 from autopar.explain.mesh import AxisSummary, format_group, mesh_summary
-from autopar.explain.trace import chunk_times
+from autopar.explain.trace import chunk_modes, chunk_times
 from autopar.explain.volume import StageVolume, communication_volume
 from autopar.graph.model_graph import ModelGraph, MoEFacts
 from autopar.plan import Plan
@@ -172,7 +172,8 @@ def _stage_table(ex: Explanation) -> str:
     plan, terms = ex.plan, ex.terms
     par = plan.parallel
     ranges = plan.stage_ranges()
-    times = chunk_times(terms, [e - s for s, e in ranges])
+    times = chunk_times(terms, [e - s for s, e in ranges], chunk_modes(plan))
+    modes = chunk_modes(plan)  # issue 14: each chunk's recompute counts, in the "also" column
     stride = par.dp * par.cp * par.tp
     gpn = plan.cluster.gpus_per_node
     rows: list[tuple] = []
@@ -187,6 +188,9 @@ def _stage_table(ex: Explanation) -> str:
                 continue
             start, end = ranges[c]
             extra = [x for x, on in (("embedding", c == 0), ("head+loss", c == len(ranges) - 1)) if on]
+            if modes is not None:
+                extra.append("recompute " + " ".join(f"{m} {k}" for m, k in sorted(
+                    modes[c].items(), key=lambda mk: ("full", "selective", "none").index(mk[0]))))
             f, b, rc = times[c]
             rows.append((r, c, f"{start}-{end - 1}", end - start, ", ".join(extra) or "-", seconds(f), seconds(b),
                          seconds(rc) if rc else "-", f"{first}-{last_rank}", nodes))

@@ -107,12 +107,33 @@ def _one_f_one_b(fwd: list[Op], bwd: list[Op], warmup: int) -> list[Op]:
     return order + bwd[len(fwd) - warmup:]
 
 
-def chunk_times(terms: StageTerms, chunk_blocks: list[int]) -> list[tuple[float, float, float]]:
-    """(forward_s, backward_s incl. recompute, recompute_s) of one micro-batch per chunk."""
+def chunk_modes(plan: Plan) -> list[dict[str, int]] | None:
+    """Issue 14: per chunk, its blocks under each recompute mode (``Plan.block_recompute``'s rule);
+    None for a plan without ``recompute_blocks``."""
+    if plan.parallel.recompute_blocks is None:
+        return None
+    modes = plan.block_recompute()
+    out = []
+    for start, end in plan.stage_ranges():
+        counts: dict[str, int] = {}
+        for b in range(start, end):
+            counts[modes[b]] = counts.get(modes[b], 0) + 1
+        out.append(counts)
+    return out
+
+
+def chunk_times(terms: StageTerms, chunk_blocks: list[int],
+                modes: list[dict[str, int]] | None = None) -> list[tuple[float, float, float]]:
+    """(forward_s, backward_s incl. recompute, recompute_s) of one micro-batch per chunk; ``modes``
+    (``chunk_modes``) prices each chunk's blocks by their recompute mode (a "mixed" config's terms)."""
     last = len(chunk_blocks) - 1
     out = []
     for c, n in enumerate(chunk_blocks):
-        f, b, rc = n * terms.block.fwd_s, n * terms.block.bwd_s, n * terms.block.recompute_s
+        if modes is None or terms.recompute_parts is None:
+            f, b, rc = n * terms.block.fwd_s, n * terms.block.bwd_s, n * terms.block.recompute_s
+        else:
+            parts = [(k, terms.recompute_parts[m]) for m, k in modes[c].items()]
+            f, b, rc = (sum(k * getattr(p, name) for k, p in parts) for name in ("fwd_s", "bwd_s", "recompute_s"))
         if c == 0:
             f, b = f + terms.pre.fwd_s, b + terms.pre.bwd_s
         if c == last:
@@ -146,7 +167,7 @@ def simulate(plan: Plan, terms: StageTerms, estimate: Estimate | None = None) ->
     par = plan.parallel
     p, m = par.pp, plan.num_microbatches
     chunk_blocks = [end - start for start, end in plan.stage_ranges()]
-    times = chunk_times(terms, chunk_blocks)
+    times = chunk_times(terms, chunk_blocks, chunk_modes(plan))
     last = len(chunk_blocks) - 1
     p2p = terms.p2p_s if p > 1 else 0.0
     orders = [schedule_order(par.pp_schedule, p, r, m, par.pp_virtual_stages) for r in range(p)]

@@ -12,7 +12,8 @@ Calls per step on one rank of pipeline rank r, and the message (full, unsharded 
     TP   (tp > 1)  per block message q recorded while tracing (Megatron: 2 forward, 2 backward, each X):
                    no SP: all-reduce q            fwd n_r·M calls, bwd n_r·M calls
                    SP:    all-gather q + reduce-scatter q instead of each all-reduce
-                   full recompute repeats the forward collectives (n_r·M more)
+                   full recompute repeats the forward collectives (n_r·M more; a per-stage mix,
+                   issue 14: its full blocks' count instead of n_r)
                    vocab-parallel embedding: all-reduce X in forward (first stage), head: all-reduce X
                    in backward (last stage), M calls each
     CP   (cp > 1)  ring: P2P of KV, (n-1) per block forward and 2(n-1) backward (K,V then dK,dV)
@@ -128,11 +129,16 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
     chunks = [end - start for start, end in plan.stage_ranges()]
     last = len(chunks) - 1
     m = cfg.num_microbatches
-    ranks = evaluate(terms, chunks, 0.0, 1.0, cluster.peak_flops).ranks  # parameters per pipeline rank
+    ranks = evaluate(terms, chunks, 0.0, 1.0, cluster.peak_flops,  # parameters per pipeline rank
+                     recompute_blocks=plan.parallel.recompute_blocks).ranks
     out = []
     for r in range(cfg.pp):
         local = [c for c in range(len(chunks)) if chunk_rank(c, cfg.pp) == r]
         blocks = sum(chunks[c] for c in local)
+        # Blocks whose forward runs again in backward (full recompute; issue 14: a mix's full count).
+        rerun = blocks if cfg.recompute == "full" else 0
+        if plan.parallel.recompute_blocks is not None:
+            rerun = plan.parallel.recompute_blocks[r][2]
         params = ranks[r].params
         items: list[CommItem] = []
 
@@ -143,13 +149,13 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
                                       group_size=link.size, calls_per_step=calls, message_bytes=nbytes,
                                       time_s_per_call=collective_time_s(kind, nbytes, link)))
 
-        _tp_items(add, graph, cfg, shape, blocks * m, x, terms, 0 in local, last in local, m)
-        _cp_items(add, graph, cfg, blocks * m, x)
+        _tp_items(add, graph, cfg, shape, blocks * m, x, terms, 0 in local, last in local, m, rerun * m)
+        _cp_items(add, graph, cfg, blocks * m, x, rerun * m)
         if expert is not None:  # issue 15: dense parameters over dp x cp, experts over edp, tokens over ep
             params -= blocks * (expert.block_params - expert.dense_params)
             _dp_items(add, cfg, blocks * expert.expert_params * cfg.dtype_bytes, m, axis="edp", label="experts: ")
-            a2a_calls = blocks * m * 2 * (2 if cfg.recompute == "full" else 1)
-            add("EP dispatch + combine (forward" + (", and again in recompute)" if cfg.recompute == "full" else ")"),
+            a2a_calls = (blocks + rerun) * m * 2
+            add("EP dispatch + combine (forward" + (", and again in recompute)" if rerun else ")"),
                 "all_to_all", "ep", a2a_calls, expert.a2a_bytes)
             add("EP dispatch + combine (backward)", "all_to_all", "ep", blocks * m * 2, expert.a2a_bytes)
         _dp_items(add, cfg, params * cfg.dtype_bytes, m)
@@ -166,7 +172,7 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
 
 
 def _tp_items(add, graph: ModelGraph, cfg, shape: Shape, block_calls: float, x: float,  # noqa: ANN001
-              terms: StageTerms, first: bool, last: bool, m: int) -> None:
+              terms: StageTerms, first: bool, last: bool, m: int, rerun_calls: float) -> None:
     if cfg.tp == 1:
         return
     for phase, label in (("fwd", "forward"), ("bwd", "backward")):
@@ -175,8 +181,8 @@ def _tp_items(add, graph: ModelGraph, cfg, shape: Shape, block_calls: float, x: 
             continue
         avg, per_block = sum(msgs) / len(msgs), len(msgs)
         reps = [(f"TP {label} (blocks)", block_calls * per_block)]
-        if phase == "fwd" and cfg.recompute == "full":
-            reps.append(("TP forward again (full recompute)", block_calls * per_block))
+        if phase == "fwd" and rerun_calls:
+            reps.append(("TP forward again (full recompute)", rerun_calls * per_block))
         for what, calls in reps:
             if cfg.sequence_parallel:
                 add(what, "all_gather", "tp", calls, avg)
@@ -190,25 +196,25 @@ def _tp_items(add, graph: ModelGraph, cfg, shape: Shape, block_calls: float, x: 
         add("TP vocab-parallel head (backward)", "all_reduce", "tp", m, x)
 
 
-def _cp_items(add, graph: ModelGraph, cfg, block_calls: float, x: float) -> None:  # noqa: ANN001
+def _cp_items(add, graph: ModelGraph, cfg, block_calls: float, x: float, rerun_calls: float) -> None:  # noqa: ANN001
     if cfg.cp == 1:
         return
     n = cfg.cp
     heads, kv_heads = graph.num_heads, graph.num_kv_heads or graph.num_heads
     kv = 2 * x * ((kv_heads / heads) if heads else 1.0) / cfg.tp
-    fwd_reps = 2 if cfg.recompute == "full" else 1
+    fwd_calls = block_calls + rerun_calls  # a fully recomputed block runs its forward twice
     if cfg.cp_kind == "ring":
-        add("CP ring K,V (forward)", "p2p", "cp", block_calls * (n - 1) * fwd_reps, kv)
+        add("CP ring K,V (forward)", "p2p", "cp", fwd_calls * (n - 1), kv)
         # backward sends each received block's gradient back once; the received K,V were saved
         add("CP ring dK,dV (backward)", "p2p", "cp", block_calls * (n - 1), kv)
     elif cfg.cp_kind == "allgather":
-        add("CP all-gather K,V (forward)", "all_gather", "cp", block_calls * fwd_reps, kv * n)
+        add("CP all-gather K,V (forward)", "all_gather", "cp", fwd_calls, kv * n)
         add("CP reduce-scatter dK,dV (backward)", "reduce_scatter", "cp", block_calls, kv * n)
     else:
         q = x / cfg.tp
         # one all-to-all per tensor, of this rank's local tensor (as the cost model, stage._cp_time)
-        add("CP Ulysses Q,O all-to-all (forward)", "all_to_all", "cp", block_calls * 2 * fwd_reps, q)
-        add("CP Ulysses K,V all-to-all (forward)", "all_to_all", "cp", block_calls * 2 * fwd_reps, kv / 2)
+        add("CP Ulysses Q,O all-to-all (forward)", "all_to_all", "cp", fwd_calls * 2, q)
+        add("CP Ulysses K,V all-to-all (forward)", "all_to_all", "cp", fwd_calls * 2, kv / 2)
         add("CP Ulysses Q,O all-to-all (backward)", "all_to_all", "cp", block_calls * 2, q)
         add("CP Ulysses K,V all-to-all (backward)", "all_to_all", "cp", block_calls * 2, kv / 2)
 

@@ -24,6 +24,8 @@ class Candidate:
     ilp_objective_s: float
     ilp_bound_s: float
     split_method: str = "direct"  # which exact solver gave the split: enumeration, parametric, cp-sat
+    # issue 14: per pipeline rank (none, selective, full) block counts of a "mixed" config, else None
+    recompute_blocks: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def step_time_s(self) -> float:

@@ -14,7 +14,8 @@ from typing import Any
 
 from autopar.cliargs import int_list, positive_int
 from autopar.errors import AutoparError
-from autopar.plan import CP_KINDS, DTYPES, OFFLOAD_LABELS, OPTIMIZERS, RECOMPUTE_MODES
+from autopar.plan import CP_KINDS, DTYPES, OFFLOAD_LABELS, OPTIMIZERS
+from autopar.search.space import SEARCH_RECOMPUTE_MODES
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -77,8 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int_list, metavar="P", help="pipeline-parallel degrees")
     g.add_argument("--cp", type=int_list, metavar="C", help="context-parallel degrees")
     g.add_argument("--zero", type=zero_list, metavar="Z", help="ZeRO stages (0-3)")
-    g.add_argument("--recompute", type=choice_list(RECOMPUTE_MODES), metavar="|".join(RECOMPUTE_MODES),
-                   help="activation recompute modes")
+    g.add_argument("--recompute", type=choice_list(SEARCH_RECOMPUTE_MODES), metavar="|".join(SEARCH_RECOMPUTE_MODES),
+                   help="activation recompute modes; mixed: per pipeline rank, how many blocks use each mode, "
+                        "chosen by the split program (not searched unless asked for)")
     g.add_argument("--schedule", type=choice_list(SCHEDULES, {"interleaved": "interleaved-1f1b"}),
                    metavar="|".join(SCHEDULES), help="pipeline schedules (pipelined plans only; add --pp to exclude pp 1)")
     g.add_argument("--micro-batch", type=int_list, metavar="1,2,4,8",

@@ -30,7 +30,8 @@ and its size does not grow with the number of blocks or virtual stages.
 This is exactly ``cost.step.evaluate`` for a split: the step time is linear in the n_c except for
 two maxima, which the epigraph variables T and Z represent exactly because they are minimised.
 (c: the share of a hidden collective that contention still costs). Without overlap of the gradient
-sync, c is not charged and the second family becomes Z >= (sync + gather + opt) P_r.
+sync, c is not charged and the tail is one family, Z >= (sync + gather + opt) P_r (no floor: the
+whole sync is exposed, its last bucket with it).
 
 Integers: times are scaled so that one micro-batch of the whole model -- every block, the embedding
 and head, and the 2 C point-to-point transfers of its C chunks -- is 1e6 units (TIME_UNITS, in
@@ -157,14 +158,15 @@ class SplitILP:
         if t.grad_sync_overlaps:
             per_param_ns += t.overlap_cost_fraction * sync_ns  # a hidden sync still costs its share c
         fixed_p = self._fixed_params(r)
+        if not t.grad_sync_overlaps:
+            # Z >= (sync + gather + opt) P_r: the whole sync runs after backward, its last bucket
+            # included (cost.step.evaluate charges no floor here; a floor row would overstate Z)
+            return [(round((sync_ns + per_param_ns) * fixed_p), round((sync_ns + per_param_ns) * t.block.params))]
         # Z >= floor + (gather + opt) P_r
         rows = [(round(t.grad_sync_floor_s * self.ns + per_param_ns * fixed_p), round(per_param_ns * t.block.params))]
-        if t.grad_sync_overlaps:
-            # Z >= (sync + gather + opt) P_r - b_r
-            rows.append((round((sync_ns + per_param_ns) * fixed_p - self._fixed_bwd_s(r) * self.ns),
-                         round((sync_ns + per_param_ns) * t.block.params - t.block.bwd_s * self.ns)))
-        else:
-            rows.append((round((sync_ns + per_param_ns) * fixed_p), round((sync_ns + per_param_ns) * t.block.params)))
+        # Z >= (sync + gather + opt) P_r - b_r
+        rows.append((round((sync_ns + per_param_ns) * fixed_p - self._fixed_bwd_s(r) * self.ns),
+                     round((sync_ns + per_param_ns) * t.block.params - t.block.bwd_s * self.ns)))
         return rows
 
     def _bounds(self) -> list[tuple[int, int]]:

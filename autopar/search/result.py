@@ -7,7 +7,7 @@ from typing import Any, Mapping
 from autopar.cluster import Cluster
 from autopar.cost.estimate import estimate_json
 from autopar.graph.model_graph import ModelGraph
-from autopar.plan import ClusterRef, ModelRef, Parallel, Plan, Training
+from autopar.plan import RECOMPUTE_MODES, ClusterRef, ModelRef, Parallel, Plan, Training
 from autopar.report import gib, param_count, seconds, table
 from autopar.search.candidates import Candidate, SearchResult
 from autopar.search.space import SearchSpace
@@ -33,10 +33,11 @@ def candidate_plan(cand: Candidate, mf: Any, cluster_name: str, gpus_per_node: i
         training=Training(global_batch_size=c.global_batch, micro_batch_size=c.micro_batch, seq_len=c.seq_len,
                           dtype=dtype or _DTYPE_NAMES.get(c.dtype_bytes, "bf16"), optimizer=c.optimizer),
         parallel=Parallel(dp=c.dp, tp=c.tp, pp=c.pp, cp=c.cp, cp_kind=c.cp_kind,
-                          sequence_parallel=c.sequence_parallel, zero=c.zero, recompute=c.recompute,
+                          sequence_parallel=c.sequence_parallel, zero=c.zero, recompute=_plan_recompute(cand),
                           pp_schedule=c.schedule, pp_virtual_stages=c.virtual_stages,
                           stages=tuple(ranges) if c.pp > 1 else None, ep=c.ep,  # ep: issue 15
-                          offload=c.offload),  # issue 14
+                          recompute_blocks=cand.recompute_blocks,  # issue 14
+                          offload=c.offload),  # issue 14 (offload)
     )
     prediction = estimate_json(cand.estimate)
     prediction.pop("stages", None)
@@ -45,6 +46,23 @@ def candidate_plan(cand: Candidate, mf: Any, cluster_name: str, gpus_per_node: i
     if fixed:
         prediction["search"]["fixed_by_user"] = {k: list(v) for k, v in fixed.items()}
     return plan.with_prediction(prediction)
+
+
+def _plan_recompute(cand: Candidate) -> str:
+    """``parallel.recompute`` of the plan: a mix (issue 14) writes its most frugal mode used, so a
+    reader that ignores ``recompute_blocks`` still errs on the side of memory."""
+    if cand.recompute_blocks is None:
+        return cand.config.recompute
+    used = [m for m, k in zip(RECOMPUTE_MODES, map(sum, zip(*cand.recompute_blocks))) if k > 0]
+    return used[-1]
+
+
+def recompute_text(cand: Candidate) -> str:
+    """The table's recompute column: the mode, or a mix's block counts (issue 14)."""
+    if cand.recompute_blocks is None:
+        return cand.config.recompute
+    totals = [sum(c) for c in zip(*cand.recompute_blocks)]
+    return "mix " + "/".join(f"{k}{m[0]}" for m, k in zip(RECOMPUTE_MODES, totals) if k)
 
 
 def _split_text(chunk_blocks: tuple[int, ...], pp: int) -> str:
@@ -87,7 +105,7 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
         split = _split_text(cand.chunk_blocks, c.pp)
         rows.append((i, c.dp, c.tp, c.pp, c.cp, c.cp_kind if c.cp > 1 else "-",
                      "on" if c.sequence_parallel else "off" if c.tp > 1 else "-", c.zero, c.micro_batch,
-                     _schedule(c), split if c.pp > 1 else "-", c.recompute, f"{e.step_time_s:,.3f}",
+                     _schedule(c), split if c.pp > 1 else "-", recompute_text(cand), f"{e.step_time_s:,.3f}",
                      f"{e.tokens_per_s:,.0f}", f"{e.mfu * 100:.1f}", gib(e.peak_memory_bytes), gib(e.headroom_bytes)))
     lines = [
         f"model    {graph.name}: {param_count(graph.num_params)} parameters, {graph.num_blocks} blocks, "

@@ -17,6 +17,9 @@
    CP-SAT, whose proven optimum is the split reported (the two agree: they solve the same integer
    program; the better of the two is kept should CP-SAT stop at its time limit). CP-SAT used to
    run for every surviving config: 188 solves of ~50 ms for Llama-3 70B at 4,096 GPUs.
+5. A "mixed" recompute config (issue 14, on request) is solved by its own program
+   (``search.ilp_recompute``: blocks per rank and recompute mode). Its bounds are the "none"
+   block's (the fastest) and the most frugal mode's memory, so they stay true lower bounds.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from autopar.graph.model_graph import ModelGraph
 from autopar.plan import NO_OFFLOAD, Offload, even_stage_ranges
 from autopar.search.candidates import Candidate, SearchResult, TopK
 from autopar.search.ilp import MAX_ENUMERATED_SPLITS, SplitILP, rank_block_capacity, solve_split
-from autopar.search.space import Branch, SearchSpace, enumerate_branches, enumerate_configs
+from autopar.search.space import Branch, SearchSpace, enumerate_branches, enumerate_configs, mix_modes
 
 
 def search(
@@ -124,7 +127,7 @@ def search(
                 continue
             frugal = branch.schedules[0] if ("1f1b", 1) not in branch.schedules else ("1f1b", 1)
             terms0 = build_terms(graph, cluster, branch.config(*frugal, zero, offload=off))
-            if branch.pp > 1 and not _fits_somehow(rank_block_capacity(terms0), frugal[1], graph.num_blocks):
+            if branch.pp > 1 and not _fits_somehow(_block_capacity(terms0, graph), frugal[1], graph.num_blocks):
                 rejected["memory: no stage split fits"] += len(branch.schedules)
                 continue
             for schedule, v in branch.schedules:
@@ -188,10 +191,12 @@ def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch, has_host: bo
                                   dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer)
     best = state.total
     block_act = base.block.act_bytes
+    if base.recompute_parts is not None:  # issue 14: a mix keeps at least its most frugal mode's
+        block_act = min(base.recompute_parts[m].act_bytes for m in mix_modes(graph))
     offs = [o for z in branch.zero_stages for o in branch.offloads(z)] if has_host else []
     if offload is not None:
         offs = [offload]
-    if any(o.params for o in offs):  # issue 14: the most any offload mode leaves on the GPU
+    if any(o.params for o in offs):  # issue 14 (offload): the most any offload mode leaves on the GPU
         best = 0.0
     elif any(o.optimizer for o in offs):
         best -= state.optimizer
@@ -274,6 +279,8 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
            time_limit_s: float, threshold_s: float = math.inf) -> "Candidate | None | str":
     """The best candidate for this config, None if no split fits memory, or _PRUNED."""
     cfg = terms.config
+    if cfg.recompute == "mixed":  # issue 14
+        return _solve_mixed(terms, graph, cluster, model_flops, tokens, time_limit_s, threshold_s)
     if cfg.pp == 1:
         est = evaluate_with_host(terms, [graph.num_blocks], model_flops, tokens, cluster)
         if not est.fits:
@@ -302,12 +309,47 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
                      ilp_objective_s=sol.objective_s, ilp_bound_s=sol.bound_s, split_method=sol.method)
 
 
+def _block_capacity(terms: StageTerms, graph: ModelGraph) -> list[int]:
+    """Each rank's most blocks within memory (for a mix: every block under its most frugal mode)."""
+    if terms.recompute_parts is None:
+        return rank_block_capacity(terms)
+    from autopar.search.ilp_recompute import mixed_block_capacity
+
+    return mixed_block_capacity(terms, mix_modes(graph))
+
+
+def _solve_mixed(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: float, tokens: float,
+                 time_limit_s: float, threshold_s: float) -> "Candidate | None | str":
+    """Issue 14: the split and per-rank recompute counts of a "mixed" config (search.ilp_recompute).
+    The bound of ``_capped_lb`` holds: every block takes at least the "none" block's time
+    (``terms.block``), and no rank holds more than its most frugal mode allows."""
+    from autopar.search.ilp_recompute import MixedSplitILP
+
+    cfg = terms.config
+    ilp = MixedSplitILP(terms, graph.num_blocks, mix_modes(graph))
+    caps = ilp.capacity()
+    if not _fits_somehow(caps, cfg.virtual_stages, graph.num_blocks):
+        return None
+    if threshold_s < math.inf and cfg.pp > 1 and _capped_lb(terms, caps, graph.num_blocks) >= threshold_s:
+        return _PRUNED
+    sol = ilp.solve(time_limit_s)
+    if sol.chunk_blocks is None:
+        return None
+    est = evaluate_with_host(terms, list(sol.chunk_blocks), model_flops, tokens, cluster,
+                             recompute_blocks=sol.recompute_blocks)
+    if not est.fits:  # issue 14 (offload): the split overflows host memory
+        return _HOST_FULL
+    return Candidate(config=cfg, chunk_blocks=sol.chunk_blocks, estimate=est, ilp_status=sol.status,
+                     ilp_objective_s=sol.objective_s, ilp_bound_s=sol.bound_s, split_method=sol.method,
+                     recompute_blocks=sol.recompute_blocks)
+
+
 def _confirm_with_cp_sat(cand: Candidate, graph: ModelGraph, cluster: Cluster, model_flops: float, tokens: float,
                          time_limit_s: float) -> Candidate:
     """A top-K candidate whose split the parametric method found, solved again by CP-SAT; the
     better split of the two (they are equal unless CP-SAT stopped at its time limit) is reported
     with CP-SAT's status and bound."""
-    if cand.split_method != "parametric":
+    if cand.split_method != "parametric" or cand.recompute_blocks is not None:  # a mix's parametric is its own
         return cand
     terms = build_terms(graph, cluster, cand.config)
     sol = solve_split(terms, graph.num_blocks, time_limit_s, method="cp-sat")
@@ -339,6 +381,9 @@ def smallest_memory(graph: ModelGraph, cluster: Cluster, space: SearchSpace) -> 
     ZeRO, full recompute where allowed, smallest micro-batch, 1F1B, even split): what the
     "nothing fits" advice quotes."""
     zero = max(space.zero_stages)
+    if "mixed" in space.recompute_modes:  # issue 14: a mix is at its most frugal all one mode
+        space = replace(space, recompute_modes=tuple(m for m in space.recompute_modes if m != "mixed")
+                        + tuple(m for m in mix_modes(graph)[-1:] if m not in space.recompute_modes))
     rc = "full" if "full" in space.recompute_modes else space.recompute_modes[-1]
     mb = min(space.micro_batches)
     best: tuple[float, Config | None] = (math.inf, None)

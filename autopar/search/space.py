@@ -24,6 +24,10 @@ from autopar.graph.model_graph import ModelGraph
 from autopar.layout import cp_seq_reason, executed_zero, ring_balance_reason, tp_node_reason
 from autopar.plan import CP_KINDS, OFFLOAD_LABELS, RECOMPUTE_MODES, Offload, offload_reason
 
+# issue 14: "mixed" is a per-rank mix of the modes, the split program choosing the counts
+# (search.ilp_recompute); searched on request (``plan --recompute mixed``), not by default.
+SEARCH_RECOMPUTE_MODES = (*RECOMPUTE_MODES, "mixed")
+
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
@@ -68,7 +72,7 @@ class SearchSpace:
             values = getattr(self, key)
             if values is not None and (not values or min(values) < 1):
                 raise ValueError(f"{key} must be positive integers")
-        for key, allowed in (("zero_stages", (0, 1, 2, 3)), ("recompute_modes", RECOMPUTE_MODES),
+        for key, allowed in (("zero_stages", (0, 1, 2, 3)), ("recompute_modes", SEARCH_RECOMPUTE_MODES),
                              ("schedules", ("gpipe", "1f1b", "interleaved-1f1b")), ("cp_kinds", CP_KINDS),
                              ("sequence_parallel", (False, True)), ("offload_modes", OFFLOAD_LABELS)):
             values = getattr(self, key)
@@ -152,9 +156,9 @@ class Branch:
 def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter) -> Iterator[Branch]:
     """Every legal branch; illegal combinations are counted in ``rejected`` by reason."""
     n, L = space.num_gpus, graph.num_blocks
-    recompute_modes = tuple(rc for rc in space.recompute_modes if rc == "none" or not graph.supports(rc))
+    recompute_modes = tuple(rc for rc in space.recompute_modes if rc == "none" or not _recompute_reason(graph, rc))
     for rc in set(space.recompute_modes) - set(recompute_modes):
-        rejected[f"recompute {rc}: {graph.supports(rc)}"] += 1
+        rejected[f"recompute {rc}: {_recompute_reason(graph, rc)}"] += 1
     # Dimensions the model spec refuses are said once, with the reason (the plan's "rejected" line).
     if True in space.sequence_parallel and graph.supports("tp") is None and graph.supports("sp"):
         rejected[f"sp: {graph.supports('sp')}"] += 1
@@ -216,6 +220,26 @@ def enumerate_configs(graph: ModelGraph, space: SearchSpace, rejected: Counter) 
     """Yield every legal Config (the brute-force oracle walks exactly this space)."""
     for branch in enumerate_branches(graph, space, rejected):
         yield from branch.configs()
+
+
+def _recompute_reason(graph: ModelGraph, mode: str) -> str | None:
+    """Why the executor cannot run recompute ``mode`` on this model (None: it can)."""
+    if mode != "mixed":
+        return graph.supports(mode)
+    if graph.chain:
+        return "a layer chain is split per unit, not in repeated blocks (plan one recompute mode)"
+    if not mix_modes(graph)[1:]:
+        return "neither selective nor full recompute runs on this model"
+    return None
+
+
+def mix_modes(graph: ModelGraph) -> tuple[str, ...]:
+    """Issue 14: the modes a "mixed" config mixes: none, and each recompute the model supports;
+    selective only where it saves memory (blocks with s^2 activations; without them it keeps
+    what none keeps, in more time: search.search drops it alike)."""
+    selective_saves = any(q.exps.quadratic for q in graph.regions["block"].saved)
+    return tuple(m for m in RECOMPUTE_MODES
+                 if m == "none" or (not graph.supports(m) and (m != "selective" or selective_saves)))
 
 
 def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: int, rejected: Counter) -> tuple[int, ...]:

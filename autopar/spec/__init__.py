@@ -26,6 +26,7 @@ from autopar.modelfile import ModelFile, call_model
 from autopar.spec.attention import HFAttention, hf_attention
 from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, probe_calls
 from autopar.spec.chain import Chain, block_list_chain, find_chain
+from autopar.spec.inplace import inplace_outputs
 from autopar.spec.meta import tolerant_meta
 from autopar.spec.moe import MoESpec, moe_of
 from autopar.spec.short_run import middle_blocks_answered
@@ -59,6 +60,9 @@ class ModelSpec:
     probe: Probe | None = None
     sp_parents_keyword: tuple[str, ...] = ()  # colwise parents called with keyword-only input (not for MoE)
     sp_check: str | None = None  # why SP does not run block 0 exactly (spec/sp_check.py), None: it does
+    # rowwise layers (block-relative) whose output the block's code modifies in place (spec/inplace.py):
+    # the executor hands their local output on as a copy, since to_local()'s view may not be written
+    tp_inplace_outputs: tuple[str, ...] = ()
     bare_params: tuple[str, ...] = ()  # parameters not inside any module the pipeline places
     inputs_are_tensors: bool = True
     inputs_are_token_batch: bool = False
@@ -290,7 +294,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         bare_params=_bare_params(model, blocks_path, probe), inputs_are_tensors=tensors_only and bool(flat),
         inputs_are_token_batch=token_batch, is_sequence_model=mf.seq_len is not None,
         hf_attention=hf_attention(model, block), notes=tp.dropped,
-        moe=moe, sp_check=sp_why,
+        moe=moe, sp_check=sp_why, tp_inplace_outputs=inplace_outputs(block, tp.styles, run) if tp.styles else (),
         chain=_meta_call(where, lambda: block_list_chain(model, blocks_path, run)) if isinstance(blocks, nn.Sequential) else None,
     )
     return _with_support(spec)

@@ -33,7 +33,9 @@ def _xfail(reason: str):
 CASES = [
     pytest.param("hf_llama", "tp2+sp", ("tp", "sp"), id="hf_llama-tp2+sp"),
     pytest.param("hf_llama", "pp2", ("pp",), id="hf_llama-pp2"),
+    pytest.param("hf_gemma2", "pp2", ("pp",), id="hf_gemma2-pp2"),  # masks picked by loop position
     pytest.param("hf_gpt2", "tp2+sp", ("tp",), id="hf_gpt2-tp2"),
+    pytest.param("hf_falcon", "tp2+sp", ("tp",), id="hf_falcon-tp2"),  # += on a row-parallel output
     pytest.param("odd_names_decoder", "tp2+sp", ("tp",), id="odd_names_decoder-tp2"),
     pytest.param("vit", "pp2", ("pp",), id="vit-pp2"),
     pytest.param("resnet", "pp2", ("pp",), id="resnet-pp2"),

@@ -1,0 +1,451 @@
+r"""The split program with a per-rank recompute mix (issue 14; DESIGN §3b): blocks per rank and mode.
+
+The terms of a "mixed" config (``cost.stage.build_terms``) price one block under each recompute
+mode m in {none, selective, full}: tau_m (forward+backward time of one micro-batch), beta_m (its
+backward part), alpha_m (activation bytes per in-flight micro-batch) and w_m (the working set held
+while a block of mode m re-runs). Parameters do not depend on the mode (pi, sigma as in
+``search.ilp``). With the rest as in ``search.ilp`` (f_r, g_r, p_r, a_r, I_r, M, v):
+
+    variables   n_{r,m} in {0..L}  (blocks of rank r under mode m),  N_r = sum_m n_{r,m} in {v..L},
+                u_{r,m} in {0, 1}  (rank r uses mode m),  W_r >= 0,  T >= 0,  Z >= 0
+
+    minimise    (M v - 1) T + sum_r t_r + v Z        (v times the step time; sum_r t_r is no
+                                                      longer a constant: recompute costs time)
+
+    where       t_r = sum_m tau_m  n_{r,m} + f_r
+                b_r = sum_m beta_m n_{r,m} + g_r
+                P_r = pi N_r + p_r
+
+    subject to  sum_r N_r = L                                                  (blocks)
+                T >= t_r                                          for all r    (slowest stage)
+                Z >= floor + (c sync + gather + opt) P_r                 for all r    (tail)
+                Z >= ((1 + c) sync + gather + opt) P_r - b_r      for all r    (unhidden sync)
+                (without overlap of the sync: Z >= (sync + gather + opt) P_r alone, as in search.ilp)
+                n_{r,m} <= L u_{r,m},   W_r >= w_m u_{r,m}        for all r, m (working set)
+                sigma P_r + I_r (sum_m alpha_m n_{r,m} + a_r) + W_r + other <= capacity  (memory)
+
+which is exactly ``cost.step.evaluate`` with ``recompute_blocks`` (the tests check it against a
+walk of every split and every mix). Integer scaling as in ``search.ilp``: time in TIME_UNITS of one
+micro-batch of the whole model without recompute, bytes as bytes (coefficients rounded up, capacity
+down). Modes outside ``modes`` (the ones the model's executor cannot run, or selective where it
+saves nothing) are fixed to 0.
+
+Three exact solvers of the one program, tried in this order by ``solve``:
+
+- ``enumerate`` -- for each rank and block count N the mixes that fit memory, reduced to the
+  (t_r, z_r) Pareto front (the objective grows with every t_r and z_r, so a mix no better in both
+  than another of the same N is never needed), then every split walked over those fronts, from the
+  lowest objective found so far, dropping a prefix whose running maxima already reach it. Used when
+  the fronts give at most MAX_ENUMERATED_MIXES combinations: milliseconds, and it cannot stall.
+- ``parametric`` -- the same fronts; for fixed caps T and Z the least sum_r t_r is a min-plus
+  knapsack over the ranks (pp x L x L steps), and the optimum is found by walking Z and T upwards
+  over the fronts' values with bounds that stop both walks (the method's docstring). Polynomial:
+  well under a second for GPT-3 175B on 8 pipeline ranks, where CP-SAT (either worker count) was
+  measured stopping at its time limit without a proof on a third of the configurations.
+- CP-SAT (OR-Tools) with one worker, when the fronts are too large to build (more than
+  MAX_MIX_EVALUATIONS_PARAMETRIC mixes); OPTIMAL only when proven, else FEASIBLE at its time limit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from autopar.cost.stage import StageTerms
+from autopar.plan import RECOMPUTE_MODES
+from autopar.search.ilp import SplitILP, deal_chunks
+
+SOLVER_PARAMETERS: dict[str, object] = {"num_workers": 1}
+MAX_ENUMERATED_MIXES = 200_000  # split x front combinations walked by ``enumerate``
+MAX_MIX_EVALUATIONS = 50_000  # (rank, mix) pairs priced to build the fronts
+MAX_MIX_EVALUATIONS_PARAMETRIC = 400_000  # the same for ``parametric``, which needs the fronts too
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixSolution:
+    """The mixed split program's answer: chunk sizes and, per rank, (none, selective, full) counts."""
+
+    chunk_blocks: tuple[int, ...] | None  # None: no split and mix fits memory
+    recompute_blocks: tuple[tuple[int, int, int], ...] | None
+    status: str  # OPTIMAL | FEASIBLE | INFEASIBLE | UNKNOWN
+    objective_s: float
+    bound_s: float
+    method: str  # "enumeration", "parametric" or "cp-sat"
+
+
+class MixedSplitILP:
+    """The program of the module docstring; coefficients once, then ``enumerate`` or CP-SAT."""
+
+    def __init__(self, terms: StageTerms, num_blocks: int, modes: tuple[str, ...] = RECOMPUTE_MODES) -> None:
+        if terms.recompute_parts is None:
+            raise ValueError("MixedSplitILP needs the terms of a 'mixed' recompute config")
+        self.terms, self.L, self.cfg = terms, num_blocks, terms.config
+        self.modes = tuple(m for m in RECOMPUTE_MODES if m in modes)
+        self.base = SplitILP(terms, num_blocks)  # the single-mode coefficients: fixed terms, scaling, tail
+        ns, t = self.base.ns, terms
+        self.ranks = range(self.cfg.pp)
+        parts = {m: t.recompute_parts[m] for m in self.modes}
+        self.tau = {m: round(p.time_s * ns) for m, p in parts.items()}
+        self.beta = {m: round(p.bwd_s * ns) for m, p in parts.items()}
+        self.fixed_ns = self.base.fixed_ns
+        self.fixed_bwd_ns = [round(self.base._fixed_bwd_s(r) * ns) for r in self.ranks]
+        self.tail = [self._tail_rows(r) for r in self.ranks]  # per rank: (c1, k1, c2, k2): see _z
+        self.mem_coeff = [{m: math.ceil(t.state_bytes_per_param * t.block.params + t.inflight(r) * p.act_bytes)
+                           for m, p in parts.items()} for r in self.ranks]
+        self.work = {m: math.ceil(t.recompute_working_bytes[m]) for m in self.modes}
+        self.room = [self._room(r) for r in self.ranks]
+        m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
+        self.t_weight, self.z_weight, self.v = m * v - 1, v, v
+        self._fronts: list | None = None
+
+    # -- coefficients ------------------------------------------------------------------------
+    def _tail_rows(self, r: int) -> tuple[int, int, int, int]:
+        """Z >= c1 + k1 N_r and Z >= c2 + k2 N_r - (sum_m beta_m n_{r,m} + g_r) [overlap], or
+        Z >= c2 + k2 N_r [no overlap: the b_r term is dropped]."""
+        t, ns = self.terms, self.base.ns
+        sync_ns = t.grad_sync_s_per_param * ns
+        per_param_ns = (t.param_gather_s_per_param + t.optimizer_s_per_param) * ns
+        if t.grad_sync_overlaps:
+            per_param_ns += t.overlap_cost_fraction * sync_ns
+        fixed_p = self.base._fixed_params(r)
+        c1 = round(t.grad_sync_floor_s * ns + per_param_ns * fixed_p)
+        k1 = round(per_param_ns * t.block.params)
+        c2 = round((sync_ns + per_param_ns) * fixed_p)
+        k2 = round((sync_ns + per_param_ns) * t.block.params)
+        if not t.grad_sync_overlaps:  # one family: the whole sync after backward, no floor of its own
+            c1, k1 = c2, k2
+        return c1, k1, c2, k2
+
+    def _room(self, r: int) -> int:
+        """Capacity less everything that does not depend on the counts (rounded down)."""
+        t, base = self.terms, self.base
+        fixed = t.state_bytes_per_param * base._fixed_params(r) + t.transient_bytes + t.reserve_bytes
+        if r == 0:
+            fixed += t.inflight(r) * t.pre.act_bytes
+        if r == base.last_rank:
+            fixed += t.inflight(r) * t.post.act_bytes
+        return math.floor(t.capacity_bytes - fixed)
+
+    def capacity(self) -> list[int]:
+        """The most blocks each rank can hold, every block under its most frugal allowed mode: an
+        upper bound on N_r (what the search checks before solving)."""
+        caps = []
+        for r in self.ranks:
+            best = -1
+            for m in self.modes:
+                per, room = self.mem_coeff[r][m], self.room[r] - self.work[m]
+                best = max(best, room // per if per > 0 else (10**9 if room >= 0 else -1))
+            caps.append(best)
+        return caps
+
+    # -- enumeration ---------------------------------------------------------------------------
+    def _num_mixes(self) -> int:
+        v, k = self.cfg.virtual_stages, len(self.modes)
+        top = self.L - (self.cfg.pp - 1) * v
+        return sum(math.comb(n + k - 1, k - 1) for cap in self.capacity() for n in range(v, min(top, cap) + 1))
+
+    def _mixes(self, n: int):  # noqa: ANN202 -- yields count tuples over self.modes summing to n
+        k = len(self.modes)
+        for cuts in itertools.combinations_with_replacement(range(n + 1), k - 1):
+            bounds = (0, *cuts, n)
+            yield tuple(bounds[i + 1] - bounds[i] for i in range(k))
+
+    def fronts(self) -> list[dict[int, list[tuple[int, int, dict[str, int]]]]]:
+        """Per rank: block count -> the (t_r, z_r, mix) Pareto front of the mixes that fit, in
+        increasing t (so decreasing z). Built once per program (the two walks share it)."""
+        if self._fronts is not None:
+            return self._fronts
+        v, modes = self.cfg.virtual_stages, self.modes
+        top = self.L - (self.cfg.pp - 1) * v
+        caps = self.capacity()
+        tau = [self.tau[m] for m in modes]
+        beta = [self.beta[m] for m in modes]
+        work = [self.work[m] for m in modes]
+        overlap = self.terms.grad_sync_overlaps
+        out = []
+        for r in self.ranks:
+            mem = [self.mem_coeff[r][m] for m in modes]
+            room, f, g = self.room[r], self.fixed_ns[r], self.fixed_bwd_ns[r]
+            c1, k1, c2, k2 = self.tail[r]
+            per_n: dict[int, list[tuple[int, int, dict[str, int]]]] = {}
+            for n in range(v, min(top, caps[r]) + 1):
+                base_z = max(0, c1 + k1 * n)
+                opts: dict[tuple[int, int], tuple[int, ...]] = {}
+                for c in self._mixes(n):
+                    used = sum(a * b for a, b in zip(mem, c)) + max((w for w, k in zip(work, c) if k), default=0)
+                    if used > room:
+                        continue
+                    t = sum(a * b for a, b in zip(tau, c)) + f
+                    z = max(base_z, c2 + k2 * n - sum(a * b for a, b in zip(beta, c)) - g) if overlap else base_z
+                    opts.setdefault((t, z), c)
+                front, best_z = [], math.inf
+                for (t, z), c in sorted(opts.items()):  # increasing t: keep a mix only if its z is lower
+                    if z < best_z:
+                        front.append((t, z, dict(zip(modes, c))))
+                        best_z = z
+                if front:
+                    per_n[n] = front
+            out.append(per_n)
+        self._fronts = out
+        return out
+
+    def enumerate(self, limit: int | None = MAX_ENUMERATED_MIXES) -> MixSolution | None:
+        """Every split over the Pareto fronts, exactly; None when there are more than ``limit``
+        combinations (the walk is then left to CP-SAT)."""
+        if limit is not None and self._num_mixes() > MAX_MIX_EVALUATIONS:
+            return None
+        fronts = self.fronts()
+        if limit is not None and _count(fronts, self.L, limit) > limit:
+            return None
+        v, k = self.cfg.virtual_stages, len(fronts)
+        wt, wz = self.t_weight, self.z_weight
+        best: list = [math.inf, None]
+        chosen: list = [None] * len(fronts)
+
+        def walk(r: int, left: int, t_max: int, z_max: int, t_sum: int) -> None:
+            if wt * t_max + wz * z_max + t_sum >= best[0]:
+                return  # every term only grows down the walk
+            if r == len(fronts):
+                if left == 0:
+                    best[0], best[1] = wt * t_max + wz * z_max + t_sum, list(chosen)
+                return
+            for n, front in fronts[r].items():
+                if n > left - v * (k - r - 1):  # every later rank needs its v chunks
+                    break
+                for t, z, c in front:
+                    chosen[r] = c
+                    walk(r + 1, left - n, max(t_max, t), max(z_max, z), t_sum + t)
+
+        walk(0, self.L, 0, 0, 0)
+        if best[1] is None:
+            return MixSolution(chunk_blocks=None, recompute_blocks=None, status="INFEASIBLE", objective_s=math.inf,
+                               bound_s=math.inf, method="enumeration")
+        value_s = best[0] / (self.base.ns * self.v)
+        return self._solution(best[1], "OPTIMAL", value_s, value_s, "enumeration")
+
+    def _solution(self, mixes: list[dict[str, int]], status: str, objective_s: float, bound_s: float,
+                  method: str) -> MixSolution:
+        counts = tuple(tuple(c.get(m, 0) for m in RECOMPUTE_MODES) for c in mixes)
+        return MixSolution(chunk_blocks=deal_chunks([sum(c) for c in counts], self.cfg.virtual_stages),
+                           recompute_blocks=counts, status=status, objective_s=objective_s, bound_s=bound_s,
+                           method=method)
+
+    # -- parametric search -----------------------------------------------------------------------
+    def parametric(self) -> MixSolution | None:
+        """The exact optimum by parametric search on the two maxima T and Z; None when the fronts
+        are too large to build (more than MAX_MIX_EVALUATIONS_PARAMETRIC mixes).
+
+        For fixed caps T and Z, rank r's best use of N blocks is the first mix of its front (t
+        increasing, z decreasing) with z <= Z, if its t <= T; the least sum_r t_r with sum_r N_r
+        = L is then a min-plus knapsack over the ranks (``_least_sum``), and wT T + wZ Z + that sum
+        bounds the objective of every split within the caps, with equality at the optimum's own
+        maxima. Z is walked upwards over the z values of the fronts, and for each Z, T upwards
+        from the least feasible T (bisection: feasibility grows with T) until wT T + wZ Z plus the
+        least sum at no T cap reaches the best found; the Z walk stops once wZ Z plus the least
+        wT T + sum of any Z does."""
+        if self._num_mixes() > MAX_MIX_EVALUATIONS_PARAMETRIC:
+            return None
+        fronts = self.fronts()
+        if any(not per_n for per_n in fronts):
+            return MixSolution(chunk_blocks=None, recompute_blocks=None, status="INFEASIBLE", objective_s=math.inf,
+                               bound_s=math.inf, method="parametric")
+        t_values = sorted({t for per_n in fronts for front in per_n.values() for t, _, _ in front})
+        z_values = sorted({z for per_n in fronts for front in per_n.values() for _, z, _ in front})
+        wt, wz = self.t_weight, self.z_weight
+
+        def least_t(z: int) -> int | None:
+            """The least T cap with a feasible split under Z cap z (None: none at any T)."""
+            if self._least_sum(fronts, t_values[-1], z) is None:
+                return None
+            a, b = 0, len(t_values) - 1
+            while a < b:
+                mid = (a + b) // 2
+                if self._least_sum(fronts, t_values[mid], z) is None:
+                    a = mid + 1
+                else:
+                    b = mid
+            return a
+
+        top = least_t(z_values[-1])
+        if top is None:
+            return MixSolution(chunk_blocks=None, recompute_blocks=None, status="INFEASIBLE", objective_s=math.inf,
+                               bound_s=math.inf, method="parametric")
+        floor_t = wt * t_values[top] + self._least_sum(fronts, math.inf, z_values[-1])  # least wT T + sum, any Z
+        best: tuple[int, int, int] | None = None  # value, T, Z
+        for z in z_values:
+            if best is not None and wz * z + floor_t >= best[0]:
+                break
+            k = least_t(z)
+            if k is None:
+                continue
+            sum_floor = self._least_sum(fronts, math.inf, z)
+            for t in t_values[k:]:
+                if best is not None and wt * t + wz * z + sum_floor >= best[0]:
+                    break
+                total = self._least_sum(fronts, t, z)
+                if total is not None and (best is None or wt * t + wz * z + total < best[0]):
+                    best = (wt * t + wz * z + total, t, z)
+        assert best is not None  # z_values[-1] is feasible
+        mixes = self._least_sum(fronts, best[1], best[2], split=True)
+        value_s = best[0] / (self.base.ns * self.v)
+        return self._solution(mixes, "OPTIMAL", value_s, value_s, "parametric")
+
+    def _least_sum(self, fronts: list, t_cap: float, z_cap: float, split: bool = False):  # noqa: ANN202
+        """min sum_r t_r over splits with every t_r <= t_cap and z_r <= z_cap (None: no split);
+        with ``split``, the mixes of a split that attains it."""
+        inf = math.inf
+        if not split:
+            return self._least_sum_value(fronts, t_cap, z_cap)
+        table = [0] + [inf] * self.L  # least sum of t over the ranks so far, by blocks used
+        choices = []
+        for per_n in fronts:
+            nxt = [inf] * (self.L + 1)
+            pick: dict[int, tuple[int, dict[str, int]]] = {}
+            options = []
+            for n, front in per_n.items():
+                for t, z, c in front:  # increasing t, decreasing z: the first within z_cap is the best
+                    if z <= z_cap:
+                        if t <= t_cap:
+                            options.append((n, t, c))
+                        break
+            for used, have in enumerate(table):
+                if have == inf:
+                    continue
+                for n, t, c in options:
+                    if used + n <= self.L and have + t < nxt[used + n]:
+                        nxt[used + n] = have + t
+                        if split:
+                            pick[used + n] = (used, c)
+            table = nxt
+            choices.append(pick)
+        if table[self.L] == inf:
+            return None
+        if not split:
+            return table[self.L]
+        mixes, used = [], self.L
+        for pick in reversed(choices):
+            used, c = pick[used]
+            mixes.append(c)
+        return mixes[::-1]
+
+    def _least_sum_value(self, fronts: list, t_cap: float, z_cap: float) -> int | None:
+        """``_least_sum``'s value alone, the knapsack as numpy array minima (float64 holds these
+        integer sums exactly: they are below 2**53). numpy comes with ortools, which depends on it."""
+        import numpy as np
+
+        table = np.full(self.L + 1, np.inf)
+        table[0] = 0.0
+        for per_n in fronts:
+            nxt = np.full(self.L + 1, np.inf)
+            for n, front in per_n.items():
+                for t, z, _ in front:
+                    if z <= z_cap:
+                        if t <= t_cap and n <= self.L:
+                            np.minimum(nxt[n:], table[: self.L + 1 - n] + t, out=nxt[n:])
+                        break
+            table = nxt
+        return None if math.isinf(table[self.L]) else int(table[self.L])
+
+    # -- CP-SAT ----------------------------------------------------------------------------------
+    def _build_model(self) -> None:
+        from ortools.sat.python import cp_model  # imported only when a program is too large to enumerate
+
+        self.model = cp_model.CpModel()
+        L, v = self.L, self.cfg.virtual_stages
+        self.n = [{m: self.model.NewIntVar(0, L, f"n_{r}_{m}") for m in self.modes} for r in self.ranks]
+        self.N = [sum(row.values()) for row in self.n]
+        slowest = max(self.tau.values())
+        self.T = self.model.NewIntVar(0, slowest * L + max(self.fixed_ns) + 1, "T")
+        z_top = max(max(c1 + k1 * L, c2 + k2 * L) for c1, k1, c2, k2 in self.tail) + 1
+        self.Z = self.model.NewIntVar(0, max(0, z_top), "Z")
+        self._add_block_count_constraints(v)
+        self._add_slowest_stage_constraints()
+        self._add_tail_constraints()
+        self._add_memory_constraints()
+        self.t_ranks = [sum(self.tau[m] * x for m, x in row.items()) + self.fixed_ns[r] for r, row in enumerate(self.n)]
+        self.model.Minimize(self.t_weight * self.T + sum(self.t_ranks) + self.z_weight * self.Z)
+
+    def _add_block_count_constraints(self, v: int) -> None:
+        self.model.Add(sum(self.N) == self.L)
+        for n_r in self.N:
+            self.model.Add(n_r >= v)
+
+    def _add_slowest_stage_constraints(self) -> None:
+        for r, row in enumerate(self.n):
+            self.model.Add(self.T >= sum(self.tau[m] * x for m, x in row.items()) + self.fixed_ns[r])
+
+    def _add_tail_constraints(self) -> None:
+        for r, row in enumerate(self.n):
+            c1, k1, c2, k2 = self.tail[r]
+            self.model.Add(self.Z >= c1 + k1 * self.N[r])
+            if self.terms.grad_sync_overlaps:
+                b_r = sum(self.beta[m] * x for m, x in row.items()) + self.fixed_bwd_ns[r]
+                self.model.Add(self.Z >= c2 + k2 * self.N[r] - b_r)
+            else:
+                self.model.Add(self.Z >= c2 + k2 * self.N[r])
+
+    def _add_memory_constraints(self) -> None:
+        top = max(self.work.values(), default=0)
+        for r, row in enumerate(self.n):
+            w_r = self.model.NewIntVar(0, top, f"W_{r}")
+            for m, x in row.items():
+                if self.work[m] > 0:
+                    u = self.model.NewBoolVar(f"u_{r}_{m}")
+                    self.model.Add(x <= self.L * u)
+                    self.model.Add(w_r >= self.work[m] * u)
+            self.model.Add(sum(self.mem_coeff[r][m] * x for m, x in row.items()) + w_r <= self.room[r])
+
+    def solve(self, time_limit_s: float = 10.0, method: str = "auto") -> MixSolution:
+        """``method``: "auto" (enumeration when small enough, else the parametric search, else
+        CP-SAT), "enumeration", "parametric" or "cp-sat"."""
+        if method not in ("auto", "enumeration", "parametric", "cp-sat"):
+            raise ValueError(f"unknown mixed split method {method!r}")
+        if method in ("auto", "enumeration"):
+            sol = self.enumerate(None if method == "enumeration" else MAX_ENUMERATED_MIXES)
+            if sol is not None:
+                return sol
+        if method in ("auto", "parametric"):
+            sol = self.parametric()
+            if sol is not None or method == "parametric":
+                return sol
+        from ortools.sat.python import cp_model
+
+        self._build_model()
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = time_limit_s
+        for key, value in SOLVER_PARAMETERS.items():
+            setattr(solver.parameters, key, value)
+        status = solver.Solve(self.model)
+        name = solver.StatusName(status)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return MixSolution(chunk_blocks=None, recompute_blocks=None, status=name, objective_s=math.inf,
+                               bound_s=math.inf, method="cp-sat")
+        mixes = [{m: int(solver.Value(x)) for m, x in row.items()} for row in self.n]
+        scale = self.base.ns * self.v
+        return self._solution(mixes, name, solver.ObjectiveValue() / scale, solver.BestObjectiveBound() / scale,
+                              "cp-sat")
+
+
+def _count(fronts: list[dict[int, list]], total: int, limit: int) -> int:
+    """Split x front combinations summing to ``total`` (counting stops past ``limit``)."""
+    ways = {0: 1}
+    for per_n in fronts:
+        nxt: dict[int, int] = {}
+        for used, w in ways.items():
+            for n, front in per_n.items():
+                if used + n <= total:
+                    nxt[used + n] = min(limit + 1, nxt.get(used + n, 0) + w * len(front))
+        ways = nxt
+    return ways.get(total, 0)
+
+
+def solve_mixed_split(terms: StageTerms, num_blocks: int, modes: tuple[str, ...] = RECOMPUTE_MODES,
+                      time_limit_s: float = 10.0, method: str = "auto") -> MixSolution:
+    """Optimal split and per-rank recompute counts of ``num_blocks`` blocks for a "mixed" config."""
+    return MixedSplitILP(terms, num_blocks, modes).solve(time_limit_s, method)
+
+
+def mixed_block_capacity(terms: StageTerms, modes: tuple[str, ...] = RECOMPUTE_MODES) -> list[int]:
+    """``MixedSplitILP.capacity`` of ``terms``: each rank's most blocks under its most frugal mode."""
+    return MixedSplitILP(terms, 1, modes).capacity()
