@@ -115,6 +115,12 @@ class Cluster:
     fused_grad_accumulation: bool = False  # weight-gradient GEMMs accumulate into the grad buffer in place
     async_tp_backward: bool = False  # TP backward all-reduce overlaps the weight-gradient GEMM (Megatron)
     pipeline_scatter_gather: bool = False  # a PP send goes 1/tp per rail, re-gathered on NVLink (Megatron)
+    # issue 14 (CPU and activation offload), the profile's optional ``host:`` section. 0 = not given:
+    # the search offers no offload on this cluster and estimating an offload plan is an error
+    # naming the missing figure (autopar.cost.offload.require_host).
+    host_memory_bytes_per_node: float = 0.0  # host DRAM of one node, shared by its GPUs
+    host_link_bandwidth_bytes_per_s: float = 0.0  # GPU <-> host copies, per GPU with all GPUs copying at once
+    cpu_optimizer_params_per_s: float = 0.0  # CPU Adam updates per second of one node (all its sockets)
     source: Path | None = field(default=None, compare=False)
     # Measured tables (autopar profile): layer times/memory, kernel curves, collective fits. The
     # cost model consults them where they apply and falls back to the figures above otherwise.
@@ -137,6 +143,15 @@ class Cluster:
                 raise ClusterError(f"cluster profile {self.name}: {key} must be in (0, 1]")
         if not 0 <= self.overlap_cost_fraction <= 1:
             raise ClusterError(f"cluster profile {self.name}: overlap_cost_fraction must be in [0, 1]")
+        for key in ("host_memory_bytes_per_node", "host_link_bandwidth_bytes_per_s", "cpu_optimizer_params_per_s"):
+            if getattr(self, key) < 0:
+                raise ClusterError(f"cluster profile {self.name}: {key} must be >= 0")
+
+    @property
+    def has_host(self) -> bool:
+        """Whether the profile gives every figure offload is priced with (its ``host:`` section)."""
+        return min(self.host_memory_bytes_per_node, self.host_link_bandwidth_bytes_per_s,
+                   self.cpu_optimizer_params_per_s) > 0
 
 
 def _get(data: Mapping[str, Any], key: str, where: str) -> Any:
@@ -191,6 +206,7 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
             overlap_cost_fraction=_num(eff, "overlap_cost_fraction", f"{where} efficiency", 0.1),
             attention_half_seq=_num(eff, "attention_half_seq", f"{where} efficiency", 0.0),
             **_software(data.get("software", {}), f"{where} software"),
+            **_host(data.get("host", {}), f"{where} host"),
             source=source,
         )
         if "measured" in data:
@@ -249,6 +265,22 @@ def _software(data: Any, where: str) -> dict[str, bool]:
         if not isinstance(value, bool):
             raise ClusterError(f"{where}: '{key}' must be true or false")
     return dict(data)
+
+
+_HOST_KEYS = {"memory_bytes_per_node": "host_memory_bytes_per_node",
+              "link_bandwidth_bytes_per_s": "host_link_bandwidth_bytes_per_s",
+              "optimizer_params_per_s": "cpu_optimizer_params_per_s"}
+
+
+def _host(data: Any, where: str) -> dict[str, float]:
+    """The optional ``host:`` section (issue 14); absent keys keep the Cluster defaults (0 = not given)."""
+    if not isinstance(data, Mapping):
+        raise ClusterError(f"{where} must be a mapping")
+    unknown = sorted(set(data) - set(_HOST_KEYS), key=str)
+    if unknown:
+        raise ClusterError(f"{where}: unknown key '{unknown[0]}'; allowed: {', '.join(_HOST_KEYS)}")
+    return {field_name: parse_number(data[key], f"{where}: '{key}'") for key, field_name in _HOST_KEYS.items()
+            if key in data}
 
 
 def resolve_profile_path(name_or_path: str) -> Path:

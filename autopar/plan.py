@@ -99,6 +99,81 @@ class Training:
         return DTYPE_BYTES[self.dtype]
 
 
+OFFLOAD_KINDS = ("optimizer", "params", "grads", "activations")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Offload:
+    """``parallel.offload`` (issue 14): what lives in host memory instead of on the GPU.
+
+    Two executed forms (autopar/executor/offload.py) and activations beside either:
+    optimizer only -- fp32 master and optimizer states on the host, the update on the CPU
+    (ZeRO-Offload style); params + grads + optimizer -- FSDP2's ``CPUOffloadPolicy`` at ZeRO-3
+    (sharded parameters and gradients on the host, so the optimizer steps there too). Other
+    combinations are refused by ``offload_reason`` with what to change."""
+
+    optimizer: bool = False
+    params: bool = False
+    grads: bool = False
+    activations: bool = False
+
+    def __post_init__(self) -> None:
+        for key in OFFLOAD_KINDS:
+            if not isinstance(getattr(self, key), bool):
+                raise PlanError(f"parallel.offload.{key} must be true or false, got {getattr(self, key)!r}")
+
+    @property
+    def any(self) -> bool:
+        return self.optimizer or self.params or self.grads or self.activations
+
+    @property
+    def states(self) -> bool:
+        """Model states (at least the optimizer's) on the host."""
+        return self.optimizer or self.params or self.grads
+
+    @property
+    def label(self) -> str:
+        """``none``, ``optimizer``, ``params`` (params + grads + optimizer), ``activations`` or
+        ``X+activations``: the names ``plan --offload`` takes."""
+        base = "params" if self.params else "optimizer" if self.optimizer else ""
+        if self.activations:
+            return f"{base}+activations" if base else "activations"
+        return base or "none"
+
+    @classmethod
+    def from_label(cls, label: str) -> "Offload":
+        if label not in OFFLOAD_LABELS:
+            raise PlanError(f"unknown offload {label!r}; use one of {', '.join(OFFLOAD_LABELS)}")
+        parts = set(label.split("+")) - {"none"}
+        states = "params" in parts
+        return cls(optimizer=states or "optimizer" in parts, params=states, grads=states,
+                   activations="activations" in parts)
+
+
+OFFLOAD_LABELS = ("none", "optimizer", "params", "activations", "optimizer+activations", "params+activations")
+NO_OFFLOAD = Offload()
+
+
+def offload_reason(off: Offload, *, zero: int, recompute: str, ep: int = 1) -> str | None:
+    """Why ``off`` cannot run with these settings (one line saying what to change), or None."""
+    if not off.any:
+        return None
+    if off.params != off.grads:
+        return ("parallel.offload: FSDP2's CPUOffloadPolicy moves parameters and gradients together; "
+                "set params and grads both true or both false")
+    if off.params and not off.optimizer:
+        return "parallel.offload: with parameters on the host the optimizer steps there too; set optimizer: true"
+    if off.params and zero != 3:
+        return (f"parallel.offload.params needs zero 3 (FSDP2 CPUOffloadPolicy shards what it offloads), "
+                f"got zero {zero}; set zero: 3 or offload the optimizer only")
+    if off.activations and recompute != "none":
+        return ("parallel.offload.activations runs with recompute none: torch's checkpoint keeps a recomputed "
+                "region's inputs on the device, out of reach of the offload hooks; set recompute: none")
+    if ep > 1:
+        return "parallel.offload is not priced with expert parallelism (ep > 1); plan with ep = 1 or without offload"
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
     """Parallel degrees and strategies. Ranks are laid out [pp, dp, cp, tp], tp innermost (``layout``)."""
@@ -121,8 +196,17 @@ class Parallel:
     # (none, selective, full) counts; overrides ``recompute`` for that rank. None = ``recompute``
     # everywhere (written only when present). Which blocks get which mode: ``Plan.block_recompute``.
     recompute_blocks: tuple[tuple[int, int, int], ...] | None = None
+    # issue 14: what lives in host memory (Offload); written only when something is offloaded.
+    offload: Offload = NO_OFFLOAD
 
     def __post_init__(self) -> None:
+        if isinstance(self.offload, Mapping):
+            bad = sorted(set(self.offload) - set(OFFLOAD_KINDS), key=str)
+            if bad:
+                raise PlanError(f"unknown key 'parallel.offload.{bad[0]}'; allowed here: {', '.join(OFFLOAD_KINDS)}")
+            object.__setattr__(self, "offload", Offload(**self.offload))
+        elif not isinstance(self.offload, Offload):
+            raise PlanError("parallel.offload must be a mapping {optimizer, params, grads, activations: true|false}")
         for key in ("dp", "tp", "pp", "cp", "pp_virtual_stages", "ep"):
             _check_int(f"parallel.{key}", getattr(self, key))
         _check_choice("parallel.cp_kind", self.cp_kind, CP_KINDS)
@@ -149,6 +233,10 @@ class Parallel:
                             "pick an ep that divides it")
         if self.recompute_blocks is not None:  # issue 14
             object.__setattr__(self, "recompute_blocks", _normalise_recompute_blocks(self.recompute_blocks, self.pp))
+        recompute = self.recompute if self.recompute_blocks is None else "mixed"
+        reason = offload_reason(self.offload, zero=self.zero, recompute=recompute, ep=self.ep)
+        if reason:
+            raise PlanError(reason)
         if self.stages is not None:
             object.__setattr__(self, "stages", _normalise_stages(self.stages))
             if len(self.stages) != self.num_stage_chunks:
@@ -343,7 +431,7 @@ _SECTIONS: dict[str, tuple[type, set[str], set[str]]] = {
         Parallel,
         {"dp", "tp", "pp"},
         {"cp", "cp_kind", "sequence_parallel", "zero", "recompute", "pp_schedule", "pp_virtual_stages", "stages",
-         "ep", "recompute_blocks"},
+         "ep", "recompute_blocks", "offload"},
     ),
 }
 _TOP_REQUIRED = {"version", "model", "cluster", "training", "parallel"}
@@ -398,6 +486,10 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         del par["recompute_blocks"]
     else:
         par["recompute_blocks"] = [dict(zip(RECOMPUTE_MODES, counts)) for counts in plan.parallel.recompute_blocks]
+    if plan.parallel.offload.any:  # issue 14: written only when something is offloaded
+        par["offload"] = dataclasses.asdict(plan.parallel.offload)
+    else:
+        del par["offload"]
     model = dataclasses.asdict(plan.model)
     if model["sha256"] is None:
         del model["sha256"]

@@ -66,6 +66,8 @@ def plan_summary(plan: Plan) -> str:
             f"{m} {k}" for m, k in zip(("none", "selective", "full"), totals) if k) + " blocks)")
     else:
         parts.append(f"recompute {p.recompute}")
+    if p.offload.any:  # issue 14
+        parts.append(f"offload {p.offload.label}")
     if p.pp > 1:
         parts.append(p.pp_schedule + (f" v={p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""))
     parts.append(f"micro-batch {t.micro_batch_size} x {plan.num_microbatches}")

@@ -30,6 +30,7 @@ def config_from_plan(plan: Plan, moe_imbalance: float = 1.0) -> Config:
         schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
         micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_len=tr.seq_len,
         dtype_bytes=tr.dtype_bytes, optimizer=tr.optimizer, ep=par.ep, moe_imbalance=moe_imbalance,
+        offload=par.offload,  # issue 14
     )
 
 
@@ -75,13 +76,21 @@ def estimate_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, moe_imbalance
     check_plan_against_model(plan, graph)
     cfg = config_from_plan(plan, moe_imbalance)
     if graph.chain:
+        if cfg.offload.any:  # issue 14
+            raise PlanError(f"parallel.offload: {graph.name} is a chain of distinct units, which autopar plans "
+                            "without offload; remove parallel.offload")
         return _estimate_chain(plan, graph, cluster, cfg)
     terms = build_terms(graph, cluster, cfg)
     chunk_blocks = [end - start for start, end in plan.stage_ranges()]
     tokens = plan.training.global_batch_size * plan.training.seq_len
     flops = graph.model_flops_per_sample() * plan.training.global_batch_size
-    return evaluate(terms, chunk_blocks, flops, tokens, cluster.peak_flops,
-                    recompute_blocks=plan.parallel.recompute_blocks)
+    est = evaluate(terms, chunk_blocks, flops, tokens, cluster.peak_flops,
+                   recompute_blocks=plan.parallel.recompute_blocks)
+    if terms.offload is not None:  # issue 14: host memory and offload traffic
+        from autopar.cost.host import with_host
+
+        est = with_host(terms, est, plan.cluster.gpus_per_node)
+    return est
 
 
 def _estimate_chain(plan: Plan, graph: ModelGraph, cluster: Cluster, cfg: Config) -> Estimate:
@@ -110,6 +119,7 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "bubble_fraction": est.bubble_fraction,
         "time_breakdown_s": dict(est.time_breakdown_s),
         **({"moe": dict(est.moe)} if est.moe else {}),  # issue 15: only for expert-parallel plans
+        **dict(getattr(est, "host", None) or {}),  # issue 14: host_memory_bytes ..., only for offload plans
         "stages": [
             {"rank": r.rank, "num_blocks": r.num_blocks, "microbatch_time_s": r.time_s,
              "peak_memory_bytes": r.peak_bytes, "memory_bytes": dict(r.memory_bytes)}

@@ -30,6 +30,7 @@ from autopar.cost.zero import gradient_bytes_per_param, overlapped, per_microbat
 from autopar.graph.model_graph import ModelGraph
 from autopar.graph.scaling import Shape
 from autopar.layout import Layout
+from autopar.plan import NO_OFFLOAD, Offload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +54,7 @@ class Config:
     optimizer: str
     ep: int = 1  # issue 15: expert parallelism (autopar.cost.expert)
     moe_imbalance: float = 1.0  # the busiest ep rank's expert load over the mean
+    offload: Offload = NO_OFFLOAD  # issue 14: host-memory offload (autopar.cost.offload)
 
     @property
     def num_microbatches(self) -> int:
@@ -117,6 +119,7 @@ class StageTerms:
     # everything else (ZeRO-3's buffers). None for a single-mode config.
     recompute_parts: Mapping[str, Part] | None = None
     recompute_working_bytes: Mapping[str, float] | None = None
+    offload: Any = None  # issue 14: autopar.cost.offload.OffloadCost, None without offload
 
     def inflight(self, rank: int) -> float:
         c = self.config
@@ -125,6 +128,10 @@ class StageTerms:
 
 def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     """Coefficients of the step-time and memory model for ``cfg`` (see module docstring)."""
+    if cfg.offload.any:  # issue 14: priced over the same config's terms without offload
+        from autopar.cost.offload import offloaded_terms
+
+        return offloaded_terms(graph, cluster, cfg, build_terms)
     if cfg.recompute == "mixed":
         return _mixed_terms(graph, cluster, cfg)
     layout = Layout.of(cfg)

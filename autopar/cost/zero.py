@@ -51,14 +51,16 @@ def overlapped(comm_s: float, window_s: float, cost_fraction: float) -> float:
 
 
 def per_microbatch_exposed(cfg: "Config", params: float, fwd_s: float, bwd_s: float, link: GroupLink,
-                           cost_fraction: float) -> float:
+                           cost_fraction: float, host_copy_s: float = 0.0) -> float:
     """ZeRO-2/3 collectives of one micro-batch of a piece holding ``params`` parameters, each
-    prefetched behind the compute of its own pass (module docstring); 0 for ZeRO-0/1."""
+    prefetched behind the compute of its own pass (module docstring); 0 for ZeRO-0/1.
+    ``host_copy_s`` (issue 14, FSDP2 CPU offload): the host copy of this piece's shard that runs on
+    the same stream right before each all-gather and right after each reduce-scatter."""
     nbytes = params * cfg.dtype_bytes  # the gathered (unsharded) parameters of this piece
     if cfg.zero not in (2, 3):
         return 0.0
-    ag = collective_time_s("all_gather", nbytes, link)
-    rs = collective_time_s("reduce_scatter", nbytes, link)
+    ag = collective_time_s("all_gather", nbytes, link) + host_copy_s
+    rs = collective_time_s("reduce_scatter", nbytes, link) + host_copy_s
     if cfg.zero == 3:
         return overlapped(ag, fwd_s, cost_fraction) + overlapped(ag + rs, bwd_s, cost_fraction)
     return overlapped(ag, fwd_s, cost_fraction) + overlapped(rs, bwd_s, cost_fraction)

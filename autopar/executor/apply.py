@@ -215,6 +215,10 @@ def build_executable(
             apply_cp(part, prefix + spec.blocks_path, spec.core_name, kind=par.cp_kind, group=mesh.cp_group,
                      cp=par.cp, rank=mesh.coords.cp, seq_len=plan.training.seq_len)
         apply_recompute(part, _prefixed(spec, prefix), recompute, block_modes)
+        if par.offload.activations:  # issue 14: saved activations of each block on the host
+            from autopar.executor.offload import offload_block_activations
+
+            offload_block_activations(_blocks_of(part, spec, prefix), device)
 
     # 3b. (issue 15) expert parallelism: this rank's experts (on meta), tokens routed over the ep group
     expert = None
@@ -236,12 +240,14 @@ def build_executable(
     dp_mesh = mesh.dp_cp
     wrapped: list[DataParallelResult] = []
     for part in parts:
-        if chain_pipe.uses_chain_chunks(spec):
-            blocks = chain_pipe.unit_modules(part, spec, prefix)
-        else:
-            blocks = [m for k, m in part.get_submodule(prefix + spec.blocks_path).named_children() if k.isdigit()]
+        blocks = _blocks_of(part, spec, prefix)
+        policy = None
+        if par.offload.params:  # issue 14: FSDP2 CPU offload of params, grads (and so the optimizer)
+            from autopar.executor.offload import cpu_offload_policy
+
+            policy = cpu_offload_policy(device)
         wrapped.append(apply_data_parallel(part, blocks, dp_mesh, zero=zero, dtype=plan.training.dtype, device=device,
-                                           pipelined=par.pp > 1 or par.tp > 1))
+                                           pipelined=par.pp > 1 or par.tp > 1, offload_policy=policy))
 
     # 6. pipeline schedule, optimizer, tied-weight groups
     exe = Executable(
@@ -253,7 +259,14 @@ def build_executable(
     params = list({id(p): p for part in exe.parts for p in part.parameters()}.values())
     if par.tp > 1:  # embedding gradients come back Replicate; keep them vocab-sharded (tensor_parallel.py)
         keep_grad_placements([p for w in wrapped if w.kind in ("none", "ddp") for p in w.module.parameters()])
-    exe.optimizer = build_optimizer(params, plan.training.optimizer, lr, any(w.sharded_optimizer for w in wrapped), dp_mesh)
+    if par.offload.optimizer and not par.offload.params:  # issue 14: states on the host, the step on the CPU
+        from autopar.executor.offload import build_host_optimizer
+
+        exe.optimizer = build_host_optimizer(
+            params, lambda masters: build_optimizer(masters, plan.training.optimizer, lr, False, None), device)
+    else:
+        exe.optimizer = build_optimizer(params, plan.training.optimizer, lr,
+                                        any(w.sharded_optimizer for w in wrapped), dp_mesh)
     if expert is not None:  # (issue 15) ZeRO 0: expert gradients summed over edp after the step's backward
         ep_mod.install_grad_sync(expert, wrapped[0].module)
     if par.pp > 1:
@@ -280,6 +293,13 @@ def build_executable(
             shared = tuple(f"{m}.{n}" for m in probe.shared for n, _ in model.get_submodule(m).named_parameters())
             exe.tied = pipe.tied_groups(model, plan, all_chunk_names, bare=tuple(probe.bare) + shared)
     return exe
+
+
+def _blocks_of(part: nn.Module, spec: ModelSpec, prefix: str) -> list[nn.Module]:
+    """The repeated blocks (or chain units) of ``part``: what FSDP2 shards one by one."""
+    if chain_pipe.uses_chain_chunks(spec):
+        return chain_pipe.unit_modules(part, spec, prefix)
+    return [m for k, m in part.get_submodule(prefix + spec.blocks_path).named_children() if k.isdigit()]
 
 
 def _prefixed(spec: ModelSpec, prefix: str) -> ModelSpec:

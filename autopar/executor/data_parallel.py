@@ -70,13 +70,17 @@ def apply_data_parallel(
     dtype: str,
     device: torch.device,
     pipelined: bool = False,
+    offload_policy: object | None = None,
 ) -> DataParallelResult:
     """Wrap ``part`` (real tensors, already TP/CP/recompute-applied) for data parallelism.
 
     ``pipelined``: ``part`` is a pipeline stage. Its schedule runs several forwards before their
     backwards (1F1B warm-up), which DDP's reducer cannot follow (its first iteration rebuilds the
     buckets from one forward's parameter order and asserts on the second), so ZeRO-0 stages use
-    FSDP2's ``replicate``, whose gradient sync the pipelining stage drives as it does FSDP2's."""
+    FSDP2's ``replicate``, whose gradient sync the pipelining stage drives as it does FSDP2's.
+
+    ``offload_policy`` (issue 14): FSDP2's ``CPUOffloadPolicy`` for ZeRO-3 parameter offload
+    (executor/offload.py), given to every ``fully_shard``."""
     if zero >= 2 or (zero == 1 and mesh.size() > 1):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -84,6 +88,8 @@ def apply_data_parallel(
         reshard = zero == 3
         scalars = _average_grads_of([p for p in part.parameters() if p.dim() == 0], mesh)
         ignored = {"ignored_params": set(scalars)} if scalars else {}
+        if offload_policy is not None:  # issue 14
+            ignored["offload_policy"] = offload_policy
         for block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, **ignored)
         # Root: FSDP2's default (None) keeps the root's parameters gathered from forward to backward,

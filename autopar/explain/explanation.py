@@ -93,8 +93,38 @@ def format_explanation(ex: Explanation, *, max_groups: int = 4) -> str:
     ]
     out += _comm_section(ex)
     out += _moe_section(ex)  # issue 15
+    out += _offload_section(ex)  # issue 14
     out += ["", "== time per step ==", _time_table(est)]
     return "\n".join(out)
+
+
+def _offload_section(ex: Explanation) -> list[str]:
+    """Issue 14: host memory per node and the offload traffic of one step (only for offload plans)."""
+    host = getattr(ex.estimate, "host", None)
+    if not host:
+        return []
+    off, gpn = ex.terms.offload, ex.plan.cluster.gpus_per_node
+    what = {"optimizer": "optimizer states + fp32 master on the host, Adam on the CPU; gradients down and "
+                         "parameters up once per step",
+            "params": "FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer states on the host; "
+                      "each all-gather copies its shard up, each reduce-scatter its gradient shard down"}
+    base = ex.plan.parallel.offload.label.replace("+activations", "")
+    lines = ["", f"== offload: {ex.plan.parallel.offload.label} =="]
+    if base in what:
+        lines.append(f"{base}: {what[base]}")
+    if ex.plan.parallel.offload.activations:
+        lines.append(f"activations: each block's saved tensors on the host, {gib(off.host_act_bytes_per_block)} GiB "
+                     f"per block per micro-batch, down in forward and up in backward "
+                     f"({seconds(off.act_copy_s_per_block)} per block per micro-batch, not overlapped)")
+    lines += [
+        f"host memory {gib(host['host_memory_bytes'])} GiB per node of {gib(host['host_capacity_bytes'])} GiB "
+        f"({gib(host['host_memory_bytes_per_gpu'])} GiB for the fullest GPU x up to {gpn} GPUs): "
+        + ("fits" if host["host_memory_bytes"] <= host["host_capacity_bytes"] else "DOES NOT FIT"),
+        f"offload traffic {gib(host['offload_traffic_bytes_per_gpu'])} GiB per GPU per step over the host link "
+        f"({off.link_bandwidth_bytes_per_s / 1e9:,.1f} GB/s per GPU): {seconds(host['offload_copy_s'])} of copies; "
+        f"CPU optimizer step {seconds(host['cpu_optimizer_s'])}",
+    ]
+    return lines
 
 
 def _mesh_table(ex: Explanation) -> str:

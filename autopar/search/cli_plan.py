@@ -14,7 +14,7 @@ from typing import Any
 
 from autopar.cliargs import int_list, positive_int
 from autopar.errors import AutoparError
-from autopar.plan import CP_KINDS, DTYPES, OPTIMIZERS
+from autopar.plan import CP_KINDS, DTYPES, OFFLOAD_LABELS, OPTIMIZERS
 from autopar.search.space import SEARCH_RECOMPUTE_MODES
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -91,6 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="virtual stages per pipeline rank (1: gpipe/1f1b; >1: interleaved; pipelined plans only)")
     g.add_argument("--ep", type=int_list, metavar="E",
                    help="expert-parallel degrees (mixture-of-experts models; ep divides the experts and dp x cp)")
+    g.add_argument("--offload", type=choice_list(OFFLOAD_LABELS, {"off": "none", "all": "params+activations"}),
+                   metavar="none|optimizer|params|activations|optimizer+activations|params+activations",
+                   help="host-memory offload modes (issue 14; default: all, used only where a plan needs it): "
+                        "optimizer = Adam states on the host, step on the CPU; params = FSDP2 CPU offload of "
+                        "params, grads and optimizer (zero 3); activations = saved activations on the host "
+                        "(recompute none)")
     p.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
                    help="mixture of experts: the busiest expert-parallel rank's token load over the mean "
                         "(default 1.0, balanced routing; 1.2 = 20%% more), pricing ep > 1")
@@ -102,7 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def constraints_of(args: argparse.Namespace) -> dict[str, tuple]:
     """The constraint flags the user gave, in flag order (keys of driver.CONSTRAINTS)."""
     names = ("dp", "tp", "pp", "cp", "zero", "recompute", "schedule", "micro_batch", "cp_kind", "sp",
-             "virtual_stages", "ep")
+             "virtual_stages", "ep", "offload")
     return {k: tuple(getattr(args, k)) for k in names if getattr(args, k, None) is not None}
 
 

@@ -29,6 +29,7 @@ CONSTRAINTS: dict[str, str] = {
     "recompute": "recompute_modes", "schedule": "schedules", "micro_batch": "micro_batches",
     "cp_kind": "cp_kinds", "sp": "sequence_parallel", "virtual_stages": "virtual_stages",
     "ep": "ep_degrees",  # issue 15
+    "offload": "offload_modes",  # issue 14
 }
 
 
@@ -127,9 +128,11 @@ def search_plans(
     if not result.top:
         if result.num_configs == 0:
             raise AutoparError(_no_config_message(space, fixed, result))
+        from autopar.search.offload_need import needed_text  # issue 14: with offload, the host memory too
+
         raise InfeasibleError(
             f"no plan fits {cluster.memory_bytes / 2**30:,.1f} GiB per GPU on {gpus} GPUs: the smallest plan needs "
-            f"{result.min_memory_bytes / 2**30:,.1f} GiB; "
+            f"{needed_text(graph, cluster, space, result)}; "
             + infeasible_hint(graph, cluster, space, fixed, user_batch=global_batch is not None)
         )
     plans = tuple(candidate_plan(c, source, cluster_ref, gpn, dtype=dtype, fixed=fixed) for c in result.top)

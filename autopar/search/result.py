@@ -36,7 +36,8 @@ def candidate_plan(cand: Candidate, mf: Any, cluster_name: str, gpus_per_node: i
                           sequence_parallel=c.sequence_parallel, zero=c.zero, recompute=_plan_recompute(cand),
                           pp_schedule=c.schedule, pp_virtual_stages=c.virtual_stages,
                           stages=tuple(ranges) if c.pp > 1 else None, ep=c.ep,  # ep: issue 15
-                          recompute_blocks=cand.recompute_blocks),  # issue 14
+                          recompute_blocks=cand.recompute_blocks,  # issue 14
+                          offload=c.offload),  # issue 14 (offload)
     )
     prediction = estimate_json(cand.estimate)
     prediction.pop("stages", None)
@@ -84,7 +85,7 @@ def _schedule(c) -> str:  # noqa: ANN001
 # Table column of each constraint (plan --tp ...): its header is starred when the user fixed it.
 _COLUMN_OF = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "cp_kind": "cp kind", "sp": "sp", "zero": "zero",
               "micro_batch": "mb", "schedule": "schedule", "virtual_stages": "schedule", "recompute": "recompute",
-              "ep": "ep"}
+              "ep": "ep", "offload": "offload"}
 
 
 def constraint_text(fixed: Mapping[str, tuple]) -> str:
@@ -125,6 +126,15 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
         headers.insert(5, "ep")
         rows = [r[:5] + (cand.config.ep,) + r[5:] for r, cand in zip(rows, result.top)]
         align = align[:5] + "r" + align[5:]
+    if any(cand.config.offload.any for cand in result.top):  # issue 14: an offload column (after recompute)
+        at = headers.index("recompute") + 1
+        headers.insert(at, "offload")
+        rows = [r[:at] + (cand.config.offload.label,) + r[at:] for r, cand in zip(rows, result.top)]
+        align = align[:at] + "l" + align[at:]
+        host = [getattr(c.estimate, "host", None) for c in result.top]
+        headers.append("host GiB/node")
+        rows = [r + (gib(h["host_memory_bytes"]) if h else "-",) for r, h in zip(rows, host)]
+        align += "r"
     lines += [
         "",
         table([h + "*" if h in starred else h for h in headers], rows, align=align),

@@ -32,9 +32,10 @@ from typing import Callable
 
 from autopar.cluster import Cluster
 from autopar.cost.stage import Config, StageTerms, build_terms
+from autopar.cost.host import evaluate_with_host, host_lower_bound
 from autopar.cost.step import evaluate
 from autopar.graph.model_graph import ModelGraph
-from autopar.plan import even_stage_ranges
+from autopar.plan import NO_OFFLOAD, Offload, even_stage_ranges
 from autopar.search.candidates import Candidate, SearchResult, TopK
 from autopar.search.ilp import MAX_ENUMERATED_SPLITS, SplitILP, rank_block_capacity, solve_split
 from autopar.search.space import Branch, SearchSpace, enumerate_branches, enumerate_configs, mix_modes
@@ -74,37 +75,58 @@ def search(
         work_per_mb, base = base_work[key]
         # step >= M * max_r t_r >= M * sum_r t_r / pp: every rank runs all M micro-batches.
         lb = max(flop_lb_s, branch.num_microbatches * work_per_mb / branch.pp)
-        bounded.append((lb, _memory_lb(graph, base, branch), branch))
+        bounded.append((lb, _memory_lb(graph, base, branch, cluster.has_host), branch))
     bounded.sort(key=lambda x: x[0])
 
+    if not cluster.has_host and any(m != "none" for m in space.offload_modes):  # issue 14: said once
+        rejected[f"offload: profile {cluster.name} gives no host: section"] += 1
     selective_saves = any(q.exps.quadratic for q in graph.regions["block"].saved)
     top = TopK(top_k)
     evaluated = solved = 0
     optimal = True
     min_mem, min_mem_cfg = math.inf, None
     visited = 0
-    for lb, mem_lb, branch in bounded:
-        visited += 1
-        if progress and visited % 500 == 0:
-            progress(visited, len(bounded), time.perf_counter() - start)
+    # Issue 14: two passes over the branches, without offload and then with it. Offload only adds
+    # time, so the first pass's plans give the second a tight threshold to prune with; each config is
+    # visited once (pass 2 counts no branch-level rejection again).
+    fits_plain: dict[int, set[int]] = {}  # per branch, ZeRO stages with a plan that fits without offload
+    passes = (False, True) if cluster.has_host and any(m != "none" for m in space.offload_modes) else (False,)
+    for offload_pass, (lb, mem_lb, branch) in ((p, b) for p in passes for b in bounded):
+        if not offload_pass:
+            visited += 1
+            if progress and visited % 500 == 0:
+                progress(visited, len(bounded), time.perf_counter() - start)
         if mem_lb > cluster.memory_bytes:
-            rejected["memory: cannot fit even with an ideal split"] += branch.num_configs
+            if not offload_pass:
+                rejected["memory: cannot fit even with an ideal split"] += branch.num_configs
             continue
         if lb >= top.threshold():
-            rejected["bound: cannot beat the best plans"] += branch.num_configs
+            if not offload_pass:
+                rejected["bound: cannot beat the best plans"] += branch.num_configs
             continue
         if branch.recompute == "selective" and not selective_saves:
             # With a fused attention kernel there are no s^2 activations: selective recompute would
             # re-run the attention forward and keep exactly what no recompute keeps.
-            rejected["dominated: selective recompute saves nothing (fused attention)"] += branch.num_configs
+            if not offload_pass:
+                rejected["dominated: selective recompute saves nothing (fused attention)"] += branch.num_configs
             continue
-        for zero in branch.zero_stages:
+        plain_fits = fits_plain.setdefault(id(branch), set())
+        for zero, off in ((z, o) for z in branch.zero_stages for o in _offloads(branch, z, cluster, rejected)
+                          if o.any == offload_pass):
             # Within a branch the terms depend on the ZeRO stage but not on the schedule or v (the
             # step formula reads those from the config): build them once per stage. 1F1B (GPipe when
             # 1F1B is not legal) keeps the fewest micro-batches in flight, so if it cannot fit,
             # no schedule of this stage can.
+            if off.any and zero in plain_fits:
+                # Issue 14: offload only adds time to a config; where it fits without, it is not needed.
+                rejected["dominated: offload where the plan fits without it"] += len(branch.schedules)
+                continue
+            if off.any and _memory_lb(graph, base_work[branch.block_key][1], branch, True, zero, off) > \
+                    cluster.memory_bytes:
+                rejected["memory: cannot fit even with an ideal split"] += len(branch.schedules)
+                continue
             frugal = branch.schedules[0] if ("1f1b", 1) not in branch.schedules else ("1f1b", 1)
-            terms0 = build_terms(graph, cluster, branch.config(*frugal, zero))
+            terms0 = build_terms(graph, cluster, branch.config(*frugal, zero, offload=off))
             if branch.pp > 1 and not _fits_somehow(_block_capacity(terms0, graph), frugal[1], graph.num_blocks):
                 rejected["memory: no stage split fits"] += len(branch.schedules)
                 continue
@@ -114,10 +136,14 @@ def search(
                     # instead of at most pp: never better, so never costed.
                     rejected["dominated: gpipe (1f1b is as fast with less memory)"] += 1
                     continue
-                cfg = branch.config(schedule, v, zero)
+                cfg = branch.config(schedule, v, zero, offload=off)
                 terms = replace(terms0, config=cfg)
-                if _balanced_lb(terms, graph.num_blocks) >= top.threshold():
+                if _balanced_lb(terms, graph.num_blocks) + _offload_tail_lb(terms, graph.num_blocks) >= top.threshold():
                     rejected["bound: cannot beat the best plans"] += 1
+                    continue
+                if off.any and host_lower_bound(terms, graph.num_blocks, cluster.gpus_per_node) > \
+                        cluster.host_memory_bytes_per_node:  # issue 14: no split can fit the host
+                    rejected["memory: host memory per node"] += 1
                     continue
                 cand = _solve(terms, graph, cluster, model_flops, tokens, ilp_time_limit_s, top.threshold())
                 if cand is _PRUNED:
@@ -125,9 +151,14 @@ def search(
                     continue
                 evaluated += 1
                 solved += cand is not None and cfg.pp > 1
+                if cand is _HOST_FULL:
+                    rejected["memory: host memory per node"] += 1
+                    continue
                 if cand is None:
                     rejected["memory: no stage split fits"] += 1
                     continue
+                if not off.any:
+                    plain_fits.add(zero)
                 if cand.ilp_status not in ("OPTIMAL", "DIRECT"):
                     optimal = False
                 top.offer(cand)
@@ -145,20 +176,43 @@ def search(
     )
 
 
-def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch) -> float:
+def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch, has_host: bool = False,
+               zero: int | None = None, offload: Offload | None = None) -> float:
     """A lower bound on the peak memory of any config of ``branch``: the average rank's model
     states (under its most sharded ZeRO stage) and one micro-batch of activations (every rank
-    keeps at least one in flight), plus the framework reserve."""
+    keeps at least one in flight), plus the framework reserve. ``has_host`` (issue 14): offload is
+    searched, so the bound takes what the most frugal offload mode of the branch leaves on the GPU;
+    ``zero`` and ``offload`` given: the bound of that ZeRO stage and offload mode only."""
     from autopar.cost.memory import state_bytes_per_param
 
     params = graph.num_blocks * base.block.params + base.pre.params + base.post.params
-    best = state_bytes_per_param(zero=max(branch.zero_stages), shard_degree=branch.dp * branch.cp,
-                                 dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer).total
+    state = state_bytes_per_param(zero=max(branch.zero_stages) if zero is None else zero,
+                                  shard_degree=branch.dp * branch.cp,
+                                  dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer)
+    best = state.total
     block_act = base.block.act_bytes
     if base.recompute_parts is not None:  # issue 14: a mix keeps at least its most frugal mode's
         block_act = min(base.recompute_parts[m].act_bytes for m in mix_modes(graph))
+    offs = [o for z in branch.zero_stages for o in branch.offloads(z)] if has_host else []
+    if offload is not None:
+        offs = [offload]
+    if any(o.params for o in offs):  # issue 14 (offload): the most any offload mode leaves on the GPU
+        best = 0.0
+    elif any(o.optimizer for o in offs):
+        best -= state.optimizer
+    if any(o.activations for o in offs):
+        block_act = 0.0
     acts = graph.num_blocks * block_act + base.pre.act_bytes + base.post.act_bytes
     return (params * best + acts) / branch.pp + base.reserve_bytes
+
+
+def _offload_tail_lb(terms: StageTerms, num_blocks: int) -> float:
+    """Issue 14: with offload, the step's tail holds the CPU update of the slowest rank, at least the
+    average rank's (max >= mean): params / pp x optimizer seconds per parameter. 0 without offload."""
+    if terms.offload is None:
+        return 0.0
+    params = num_blocks * terms.block.params + terms.pre.params + terms.post.params + terms.tied_params
+    return params / terms.config.pp * terms.optimizer_s_per_param
 
 
 def _balanced_lb(terms: StageTerms, num_blocks: int) -> float:
@@ -172,6 +226,14 @@ def _balanced_lb(terms: StageTerms, num_blocks: int) -> float:
 
 
 _PRUNED = "pruned"  # _solve's answer when a memory-aware bound shows the config cannot make the top K
+_HOST_FULL = "host"  # _solve's answer when the split fits the GPUs but not the nodes' host memory (issue 14)
+
+
+def _offloads(branch: Branch, zero: int, cluster: Cluster, rejected: Counter) -> tuple:
+    """Issue 14: the offload modes of ``branch`` at ``zero``; none but "no offload" on a cluster whose
+    profile gives no host figures (autopar.cluster.Cluster.has_host)."""
+    offs = branch.offloads(zero)
+    return offs if cluster.has_host else tuple(o for o in offs if not o.any)
 
 
 def _fits_somehow(caps: list[int], virtual_stages: int, num_blocks: int) -> bool:
@@ -220,9 +282,9 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
     if cfg.recompute == "mixed":  # issue 14
         return _solve_mixed(terms, graph, cluster, model_flops, tokens, time_limit_s, threshold_s)
     if cfg.pp == 1:
-        est = evaluate(terms, [graph.num_blocks], model_flops, tokens, cluster.peak_flops)
+        est = evaluate_with_host(terms, [graph.num_blocks], model_flops, tokens, cluster)
         if not est.fits:
-            return None
+            return _HOST_FULL if est.peak_memory_bytes <= est.capacity_bytes else None
         return Candidate(config=cfg, chunk_blocks=(graph.num_blocks,), estimate=est, ilp_status="DIRECT",
                          ilp_objective_s=est.step_time_s, ilp_bound_s=est.step_time_s)
     caps = rank_block_capacity(terms)
@@ -238,7 +300,9 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
         sol = ilp.solve(time_limit_s)
     if sol.chunk_blocks is None:
         return None
-    est = evaluate(terms, list(sol.chunk_blocks), model_flops, tokens, cluster.peak_flops)
+    est = evaluate_with_host(terms, list(sol.chunk_blocks), model_flops, tokens, cluster)
+    if not est.fits:  # issue 14: the ILP's split overflows host memory (checked here, not in the ILP)
+        return _HOST_FULL
     if sol.method == "parametric" and est.step_time_s >= threshold_s:
         return _PRUNED
     return Candidate(config=cfg, chunk_blocks=sol.chunk_blocks, estimate=est, ilp_status=sol.status,
@@ -271,8 +335,10 @@ def _solve_mixed(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_f
     sol = ilp.solve(time_limit_s)
     if sol.chunk_blocks is None:
         return None
-    est = evaluate(terms, list(sol.chunk_blocks), model_flops, tokens, cluster.peak_flops,
-                   recompute_blocks=sol.recompute_blocks)
+    est = evaluate_with_host(terms, list(sol.chunk_blocks), model_flops, tokens, cluster,
+                             recompute_blocks=sol.recompute_blocks)
+    if not est.fits:  # issue 14 (offload): the split overflows host memory
+        return _HOST_FULL
     return Candidate(config=cfg, chunk_blocks=sol.chunk_blocks, estimate=est, ilp_status=sol.status,
                      ilp_objective_s=sol.objective_s, ilp_bound_s=sol.bound_s, split_method=sol.method,
                      recompute_blocks=sol.recompute_blocks)
@@ -289,12 +355,25 @@ def _confirm_with_cp_sat(cand: Candidate, graph: ModelGraph, cluster: Cluster, m
     sol = solve_split(terms, graph.num_blocks, time_limit_s, method="cp-sat")
     if sol.chunk_blocks is None:  # cannot happen for a feasible program; keep the exact answer
         return cand
-    est = evaluate(terms, list(sol.chunk_blocks), model_flops, tokens, cluster.peak_flops)
-    if est.step_time_s <= cand.step_time_s:
+    est = evaluate_with_host(terms, list(sol.chunk_blocks), model_flops, tokens, cluster)
+    if est.step_time_s <= cand.step_time_s and est.fits:
         return replace(cand, chunk_blocks=sol.chunk_blocks, estimate=est, ilp_status=sol.status,
                        ilp_objective_s=sol.objective_s, ilp_bound_s=sol.bound_s, split_method="cp-sat")
     return replace(cand, ilp_status="OPTIMAL", ilp_bound_s=min(cand.ilp_bound_s, sol.bound_s),
                    split_method="parametric")
+
+
+def _frugal_offload(space: SearchSpace, cfg: Config, cluster: Cluster) -> Offload:
+    """The offload mode allowed for ``cfg`` that leaves the least on the GPU (issue 14)."""
+    from autopar.plan import offload_reason
+
+    if not cluster.has_host:
+        return NO_OFFLOAD
+    for label in ("params+activations", "params", "optimizer+activations", "optimizer", "activations"):
+        off = Offload.from_label(label)
+        if label in space.offload_modes and not offload_reason(off, zero=cfg.zero, recompute=cfg.recompute, ep=cfg.ep):
+            return off
+    return NO_OFFLOAD
 
 
 def smallest_memory(graph: ModelGraph, cluster: Cluster, space: SearchSpace) -> tuple[float, Config | None]:
@@ -308,8 +387,12 @@ def smallest_memory(graph: ModelGraph, cluster: Cluster, space: SearchSpace) -> 
     rc = "full" if "full" in space.recompute_modes else space.recompute_modes[-1]
     mb = min(space.micro_batches)
     best: tuple[float, Config | None] = (math.inf, None)
+    # Issue 14: with offload, recompute none may need less (activation offload runs without recompute).
+    rcs = {rc} | ({"none"} & set(space.recompute_modes) if cluster.has_host and not graph.chain else set())
     for cfg in enumerate_configs(graph, space, Counter()):
-        if cfg.recompute != rc or cfg.micro_batch != mb:
+        if cfg.recompute not in rcs or cfg.micro_batch != mb:
+            continue
+        if cfg.offload != _frugal_offload(space, cfg, cluster):
             continue
         if cfg.virtual_stages != 1 and space.allows("virtual_stages", 1):
             continue

@@ -6,11 +6,15 @@ divides the heads), pp * v <= blocks, the global batch divides into dp * micro-b
 schedule's micro-batch rules hold (interleaved: M a multiple of pp; 1F1B/interleaved: M >= pp).
 The degree rules are autopar/layout.py's (the same ones the plan file, the estimate and the
 executor's preflight apply). Expert parallelism (issue 15): ep divides the experts and dp * cp (at
-any tp and pp). Each illegal combination is counted under the reason it was rejected.
+any tp and pp). Offload (issue 14, ``offload_modes``: labels of autopar.plan.Offload) is
+searched per ZeRO stage where ``autopar.plan.offload_reason`` allows it (params offload at ZeRO-3,
+activation offload without recompute, not with ep > 1 or a layer chain). Each illegal combination is
+counted under the reason it was rejected.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
@@ -18,7 +22,7 @@ from typing import Iterator
 from autopar.cost.stage import Config
 from autopar.graph.model_graph import ModelGraph
 from autopar.layout import cp_seq_reason, executed_zero, ring_balance_reason, tp_node_reason
-from autopar.plan import CP_KINDS, RECOMPUTE_MODES
+from autopar.plan import CP_KINDS, OFFLOAD_LABELS, RECOMPUTE_MODES, Offload, offload_reason
 
 # issue 14: "mixed" is a per-rank mix of the modes, the split program choosing the counts
 # (search.ilp_recompute); searched on request (``plan --recompute mixed``), not by default.
@@ -53,6 +57,8 @@ class SearchSpace:
     # ep rank's expert load over the mean that prices them (autopar.cost.expert)
     ep_degrees: tuple[int, ...] | None = None
     moe_imbalance: float = 1.0
+    # issue 14: the offload modes allowed (labels of autopar.plan.Offload; "none" = no offload)
+    offload_modes: tuple[str, ...] = OFFLOAD_LABELS
 
     def __post_init__(self) -> None:
         for key in ("num_gpus", "gpus_per_node", "global_batch", "seq_len"):
@@ -68,7 +74,7 @@ class SearchSpace:
                 raise ValueError(f"{key} must be positive integers")
         for key, allowed in (("zero_stages", (0, 1, 2, 3)), ("recompute_modes", SEARCH_RECOMPUTE_MODES),
                              ("schedules", ("gpipe", "1f1b", "interleaved-1f1b")), ("cp_kinds", CP_KINDS),
-                             ("sequence_parallel", (False, True))):
+                             ("sequence_parallel", (False, True)), ("offload_modes", OFFLOAD_LABELS)):
             values = getattr(self, key)
             if not values or any(v not in allowed for v in values):
                 raise ValueError(f"{key} must be a non-empty selection of {', '.join(map(str, allowed))}")
@@ -77,6 +83,17 @@ class SearchSpace:
         """Whether the degree constraint ``key`` (e.g. ``tp_degrees``) admits ``value``."""
         values = getattr(self, key)
         return values is None or value in values
+
+
+@functools.lru_cache(maxsize=None)
+def _legal_offloads(labels: tuple[str, ...], zero: int, recompute: str, ep: int, chain: bool) -> tuple[Offload, ...]:
+    out = []
+    for label in labels:
+        off = Offload.from_label(label)
+        if off.any and (chain or offload_reason(off, zero=zero, recompute=recompute, ep=ep)):
+            continue
+        out.append(off)
+    return tuple(sorted(out, key=lambda o: o.any))
 
 
 def divisors(n: int) -> list[int]:
@@ -100,6 +117,11 @@ class Branch:
     zero_stages: tuple[int, ...]
     space: SearchSpace
     ep: int = 1  # issue 15
+    chain: bool = False  # issue 14: a layer-chain model, planned without offload
+
+    def offloads(self, zero: int) -> tuple[Offload, ...]:
+        """Issue 14: the offload modes legal at ``zero`` in this branch, no offload first."""
+        return _legal_offloads(self.space.offload_modes, zero, self.recompute, self.ep, self.chain)
 
     @property
     def block_key(self) -> tuple:
@@ -107,13 +129,13 @@ class Branch:
 
     @property
     def num_configs(self) -> int:
-        return len(self.schedules) * len(self.zero_stages)
+        return len(self.schedules) * sum(len(self.offloads(z)) for z in self.zero_stages)
 
     @property
     def num_microbatches(self) -> int:
         return self.space.global_batch // (self.dp * self.micro_batch)
 
-    def config(self, schedule: str = "1f1b", virtual_stages: int = 1, zero: int = 0, **changes: int) -> Config:
+    def config(self, schedule: str = "1f1b", virtual_stages: int = 1, zero: int = 0, **changes: object) -> Config:
         fields = dict(
             dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind,
             sequence_parallel=self.sequence_parallel, zero=zero, recompute=self.recompute, schedule=schedule,
@@ -127,7 +149,8 @@ class Branch:
     def configs(self) -> Iterator[Config]:
         for schedule, v in self.schedules:
             for zero in self.zero_stages:
-                yield self.config(schedule, v, zero)
+                for off in self.offloads(zero):
+                    yield self.config(schedule, v, zero, offload=off)
 
 
 def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter) -> Iterator[Branch]:
@@ -190,7 +213,7 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
                                 for ep in eps:
                                     yield Branch(tp=tp, cp=cp, cp_kind=kind, sequence_parallel=sp, micro_batch=mb,
                                                  recompute=rc, pp=pp, dp=dp, schedules=schedules, zero_stages=zeros,
-                                                 space=space, ep=ep)
+                                                 space=space, ep=ep, chain=bool(graph.chain))
 
 
 def enumerate_configs(graph: ModelGraph, space: SearchSpace, rejected: Counter) -> Iterator[Config]:

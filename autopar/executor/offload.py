@@ -1,0 +1,167 @@
+"""CPU and activation offload (issue 14, ``parallel.offload``), as autopar.cost.offload prices it.
+
+=====================  =========================================================================
+offload                mechanism
+=====================  =========================================================================
+params (+ grads +      FSDP2 ``fully_shard(offload_policy=CPUOffloadPolicy(pin_memory=...))`` at
+optimizer), zero 3     ZeRO-3 (data_parallel.py): sharded parameters and gradients live on the
+                       host, FSDP2 copies a shard up before each all-gather and the gradient
+                       shard down after each reduce-scatter; the optimizer, built over those host
+                       parameters, steps on the CPU. Pinned memory only on CUDA (DESIGN §8: a
+                       machine without a GPU cannot pin).
+optimizer only         ``HostOptimizer`` (ZeRO-Offload style, which FSDP2 does not offer): an
+                       fp32 master copy of each of this rank's (sharded) parameters and the inner
+                       optimizer's states on the host; ``step`` copies the gradients down, steps
+                       the masters on the CPU and copies the updated values back up, in that order.
+activations            ``OffloadSavedTensors`` around each block's forward: every tensor autograd
+                       saves (but parameters, which stay where they are) is copied to the host as
+                       it is saved and back when backward needs it -- what
+                       ``torch.autograd.graph.save_on_cpu`` does, without copying the weights a
+                       layer saves (they are already resident, and under FSDP2 re-gathered).
+=====================  =========================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+HOST = torch.device("cpu")
+
+
+def cpu_offload_policy(device: torch.device) -> Any:
+    """FSDP2's CPU offload policy for ranks on ``device`` (pinned host memory only with CUDA)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (a view sharing its storage) -- Adam is elementwise, so stepping
+    each rank's shard is stepping the whole parameter."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _host_like(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=torch.float32, device=HOST, pin_memory=pin)
+
+
+class HostOptimizer(torch.optim.Optimizer):
+    """An optimizer whose states and fp32 master weights live in host memory and whose update runs
+    on the CPU (module docstring). ``make_inner(masters)`` builds the real optimizer over the host
+    masters (AdamW or SGD from data_parallel.build_optimizer), so the update is exactly that
+    optimizer's; ``param_groups`` are the inner optimizer's (a learning-rate schedule works)."""
+
+    def __init__(self, params: Iterable[nn.Parameter], make_inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                 *, pin_memory: bool) -> None:
+        self.device_params = [p for p in params if p.requires_grad]
+        self._pin = pin_memory
+        with torch.no_grad():
+            self.masters = []
+            for p in self.device_params:
+                master = _host_like(_local(p), pin_memory)
+                master.copy_(_local(p))
+                self.masters.append(master)
+        self.inner = make_inner(self.masters)
+        # Not Optimizer.__init__: the inner optimizer owns the groups and the state.
+        self.defaults = self.inner.defaults
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("HostOptimizer.step takes no closure")
+        for p, master in zip(self.device_params, self.masters):  # 1. gradients down
+            if p.grad is None:
+                master.grad = None
+                continue
+            if master.grad is None:
+                master.grad = _host_like(master, self._pin)
+            master.grad.copy_(_local(p.grad))
+        self.inner.step()  # 2. the update, on the CPU
+        for p, master in zip(self.device_params, self.masters):  # 3. updated values up
+            _local(p).copy_(master, non_blocking=self._pin)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.device_params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+
+class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors to host memory on save, back to their device on use (parameters excepted).
+    ``host_bytes`` counts the bytes copied to the host by every instance (what explain prices as
+    activation offload traffic, one direction)."""
+
+    host_bytes = 0
+
+    def __init__(self, pin_memory: bool) -> None:
+        def pack(t: torch.Tensor) -> Any:
+            if isinstance(t, nn.Parameter):
+                return t  # a weight: resident anyway (and under FSDP2 re-gathered for backward)
+            local = t.to_local() if isinstance(t, DTensor) else t
+            # On a CPU rank the host is the device: the copy still runs (the same code path).
+            host = torch.empty(local.shape, dtype=local.dtype, device=HOST, pin_memory=pin_memory)
+            host.copy_(local)
+            OffloadSavedTensors.host_bytes += host.numel() * host.element_size()
+            if isinstance(t, DTensor):
+                return ("dtensor", local.device, host, t.device_mesh, t.placements, t.shape, t.stride())
+            return ("tensor", t.device, host)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            if packed[0] == "tensor":
+                return packed[2].to(packed[1], non_blocking=pin_memory)
+            _, device, host, mesh, placements, shape, stride = packed
+            return DTensor.from_local(host.to(device, non_blocking=pin_memory), mesh, placements, run_check=False,
+                                      shape=shape, stride=stride)
+
+        super().__init__(pack, unpack)
+
+
+def offload_block_activations(blocks: Iterable[nn.Module], device: torch.device) -> int:
+    """Run each block's forward inside ``OffloadSavedTensors``; returns the number of blocks."""
+    pin = device.type == "cuda"
+    count = 0
+    for block in blocks:
+        ctx: list[OffloadSavedTensors] = []
+
+        def enter(_module: nn.Module, _args: Any, ctx: list = ctx) -> None:
+            hooks = OffloadSavedTensors(pin)
+            hooks.__enter__()
+            ctx.append(hooks)
+
+        def leave(_module: nn.Module, _args: Any, _out: Any, ctx: list = ctx) -> None:
+            ctx.pop().__exit__(None, None, None)
+
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(leave, always_call=True)
+        count += 1
+    return count
+
+
+def build_host_optimizer(params: list[nn.Parameter], make_inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                         device: torch.device) -> HostOptimizer:
+    """The optimizer-only offload of ``params`` (module docstring)."""
+    return HostOptimizer(params, make_inner, pin_memory=device.type == "cuda")
