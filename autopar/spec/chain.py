@@ -70,6 +70,8 @@ class Chain:
             raise ValueError("a chain needs one kind and one input shape per unit")
         if any(not 0 <= k <= i or self.kinds[k] != k for i, k in enumerate(self.kinds)):
             raise ValueError("kinds[i] must name an earlier (or the same) unit that is its own kind")
+        if self.block_list is not None and self.units != tuple(f"{self.block_list}.{i}" for i in range(n)):
+            raise ValueError("a chain read as a block list has that list's children as its units, in index order")
 
     @property
     def num_units(self) -> int:
