@@ -95,8 +95,11 @@ class ChainStage(nn.Module):
 
 
 def uses_chain_chunks(spec: ModelSpec) -> bool:
-    """Whether the pipeline cuts this model at unit inputs (this module) rather than as a block list."""
-    return spec.chain is not None
+    """Whether the pipeline cuts this model at unit inputs (this module) rather than as a block list.
+    A chain that is one nn.ModuleList's blocks (``Chain.block_list``: blocks that differ, DeepSeek's
+    dense then MoE layers) is cut as a block list: every stage runs the model's forward for real,
+    so what it hands the blocks beside their input (masks, rotary tables) exists on every stage."""
+    return spec.chain is not None and spec.chain.block_list is None
 
 
 def probe_chain_shapes(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Shapes:

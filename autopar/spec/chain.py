@@ -16,6 +16,14 @@ p <= s of a later chunk run on meta, on stubs (executor/pipeline_parallel.py).
 Units of one class with equal parameter shapes that receive an input of equal shape share a
 measurement (``Chain.kinds``), as repeated blocks do. ``Chain.pp_reason`` says why a pipeline
 cannot cut the chain (None: it can).
+
+A chain that is exactly the children of one ``nn.ModuleList``, called in index order (a block list
+whose blocks differ in structure: DeepSeek-V2/V3's dense first layers then MoE layers, Llama 4's
+interleaved MoE) names that list in ``Chain.block_list``. The pipeline then cuts it as a block list
+(executor/pipeline_parallel.py: every stage runs the model's own forward, so masks and rotary tables
+the forward hands each block beside its hidden state are computed on every stage), and
+``pp_reason`` holds that mechanism's requirements instead of the chain's; the planner still prices
+the chain's units one by one.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ class Chain:
     modules: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     bare: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     pp_reason: str | None = None
+    block_list: str | None = None  # the nn.ModuleList the units are, in order (module docstring)
     probe: Probe | None = None  # the same forward read as spec/blocks.py reads a block list's
 
     def __post_init__(self) -> None:
@@ -61,6 +70,8 @@ class Chain:
             raise ValueError("a chain needs one kind and one input shape per unit")
         if any(not 0 <= k <= i or self.kinds[k] != k for i, k in enumerate(self.kinds)):
             raise ValueError("kinds[i] must name an earlier (or the same) unit that is its own kind")
+        if self.block_list is not None and self.units != tuple(f"{self.block_list}.{i}" for i in range(n)):
+            raise ValueError("a chain read as a block list has that list's children as its units, in index order")
 
     @property
     def num_units(self) -> int:
@@ -244,7 +255,23 @@ def find_chain(model: nn.Module, run: Callable[[], Any]) -> Chain | None:
     units = [f"{c}.{k}" for c in containers for k, _ in model.get_submodule(c).named_children()]
     if len(units) < 2:
         return None
-    return dataclasses.replace(probe_chain(model, units, run), containers=tuple(containers))
+    chain = dataclasses.replace(probe_chain(model, units, run), containers=tuple(containers))
+    if len(containers) == 1 and isinstance(model.get_submodule(containers[0]), nn.ModuleList) \
+            and chain.units == tuple(units):
+        return dataclasses.replace(chain, block_list=containers[0], pp_reason=_block_list_reason(chain))
+    return chain
+
+
+def _block_list_reason(chain: Chain) -> str | None:
+    """Why the block-list pipeline (executor/pipeline_parallel.py, its Requirements) cannot cut
+    ``chain`` read as a block list (None: it can). The blocks' order was checked by the caller; a
+    block called twice (a shared layer) would be placed on one stage only."""
+    if chain.pp_reason and chain.pp_reason.startswith("the forward calls a chain unit more than once"):
+        return "the forward calls a block more than once; a pipeline stage holds each block once"
+    call = chain.probe.block_call if chain.probe is not None else None
+    if call is not None and not call.first_arg_is_tensor and call.num_args == 0 and not call.kwargs:
+        return "the blocks are called without a hidden-state input a stage could receive"
+    return None
 
 
 def block_list_chain(model: nn.Module, blocks_path: str, run: Callable[[], Any]) -> Chain:

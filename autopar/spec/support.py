@@ -54,10 +54,11 @@ def pp_support(spec: "ModelSpec") -> str | None:
     # ModelOutput results, and places bare parameters on the stages that read them.
     if spec.num_blocks < 2:
         return "fewer than 2 blocks to split"
-    if spec.chain is not None and spec.chain.pp_reason:  # cut at unit inputs (spec/chain.py)
+    if spec.chain is not None and spec.chain.pp_reason:  # the chain's or its block list's (spec/chain.py)
         return spec.chain.pp_reason
-    if spec.chain is not None:  # the chain's own requirements hold (bare parameters included)
+    if spec.chain is not None and spec.chain.block_list is None:  # cut at unit inputs: its own requirements
         return None if spec.inputs_are_tensors else "example_inputs() is not a tensor or a tuple of tensors"
+    # a block list, also one whose blocks differ (chain.block_list): the block-list pipeline's requirements
     call = spec.probe.block_call
     if not call.first_arg_is_tensor and call.num_args == 0 and not call.kwargs:
         return "the blocks are called without a hidden-state input a stage could receive"

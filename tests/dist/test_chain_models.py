@@ -1,7 +1,9 @@
 """Issue 11 (models that do not repeat one block): a ResNet-like conv net (stages of different
 widths: a layer chain), a ViT whose blocks sit in an nn.Sequential (with a bare class token and
 position table) and HF T5 (encoder and decoder blocks) train like one process under every
-dimension the planner offers them: dp2, zero3 and pp2 (one spawn, fp32, 3 steps)."""
+dimension the planner offers them: dp2, zero3 and pp2 (one spawn, fp32, 3 steps). A decoder whose
+one ModuleList holds dense then MoE blocks, each reading a mask and a position table beside its
+input (tests/dist/models/mixed_blocks.py, DeepSeek-V3's layout), pipelines as a block list."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ pytestmark = pytest.mark.dist
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 # the zoo's ViT and T5; a ResNet with 2 blocks in its second stage (a unit kind repeated)
-MODELS = {"resnet": (HERE / "models" / "chain_resnet.py", 5, 1), "vit": (ZOO / "vit.py", 4, 1), "t5": (ZOO / "hf_t5.py", 8, 32)}
+MODELS = {"resnet": (HERE / "models" / "chain_resnet.py", 5, 1), "vit": (ZOO / "vit.py", 4, 1), "t5": (ZOO / "hf_t5.py", 8, 32),
+          "mixed": (HERE / "models" / "mixed_blocks.py", 4, 16)}
 for _name, (_file, _units, _seq) in MODELS.items():  # the harness's tables, in this module and its workers
     harness.MODELS[_name] = _file
     harness.BLOCKS[_name] = _units
@@ -38,6 +41,14 @@ CASES = [
     ChainCase(name="vit-dp2", model="vit", parallel={"dp": 2}),
     ChainCase(name="vit-zero3", model="vit", parallel={"dp": 2, "zero": 3}),
     ChainCase(name="vit-pp2", model="vit", parallel={"pp": 2, "pp_schedule": "1f1b"}),
+    # dense, dense | moe, moe would cut at the kind boundary; these cuts put both kinds on one stage
+    ChainCase(name="mixed-pp2-1f1b", model="mixed", parallel={"pp": 2, "pp_schedule": "1f1b", "stages": [[0, 3], [3, 4]]}),
+    ChainCase(name="mixed-pp2-gpipe-full", model="mixed",
+              parallel={"pp": 2, "pp_schedule": "gpipe", "recompute": "full", "stages": [[0, 1], [1, 4]]}),
+    ChainCase(name="mixed-pp2-interleaved", model="mixed",
+              parallel={"pp": 2, "pp_virtual_stages": 2, "pp_schedule": "interleaved-1f1b",
+                        "stages": [[0, 1], [1, 2], [2, 3], [3, 4]]}),
+    ChainCase(name="mixed-zero3", model="mixed", parallel={"dp": 2, "zero": 3}),
 ]
 if HAS_TRANSFORMERS:
     CASES += [ChainCase(name="t5-dp2", model="t5", parallel={"dp": 2}),

@@ -115,6 +115,41 @@ def test_spec_refuses_pp_on_encoder_decoder_with_the_reason() -> None:
     assert spec.support["pp"].startswith("decoder.block.0: ") and "encoder output" in spec.support["pp"]
 
 
+def test_spec_reads_one_list_of_differing_blocks_as_a_block_list_for_pp() -> None:
+    # dense, dense, moe, moe in one ModuleList, each block reading a mask and a position table
+    # beside its input: the chain pipeline would refuse; the block-list pipeline cuts it
+    spec = model_spec(load_model_file(MODELS / "mixed_blocks.py"))
+    assert spec.blocks_kind == "chain" and spec.chain.block_list == "layers" and spec.blocks_path == "layers"
+    assert spec.chain.kinds == (0, 0, 2, 2)
+    assert spec.support["pp"] is None and spec.support["zero3"] is None
+    assert model_spec(load_model_file(RESNET)).chain.block_list is None  # four stage lists: cut at unit inputs
+
+
+def test_a_list_of_differing_blocks_called_out_of_order_or_twice_is_refused_pp(tmp_path: Path) -> None:
+    src = (MODELS / "mixed_blocks.py").read_text()
+    loop = "        for layer in self.layers:\n            h = layer(h, mask=mask, pos=pos)\n"
+    assert loop in src
+    cases = {
+        "reversed": ("        for layer in reversed(self.layers):\n            h = layer(h, mask=mask, pos=pos)\n",
+                     "reads tensors beside its input"),
+        "twice": (loop + loop, "more than once"),
+    }
+    for name, (body, why) in cases.items():
+        path = tmp_path / f"mixed_{name}.py"
+        path.write_text(src.replace(loop, body))
+        spec = model_spec(load_model_file(path))
+        assert spec.support["pp"] is not None and why in spec.support["pp"], (name, spec.support["pp"])
+
+
+@needs_hf
+def test_tiny_deepseek_v3_plans_with_pp_offered_and_its_blocks_split() -> None:
+    mf = load_model_file(ZOO / "hf_deepseek_v3.py")
+    assert model_spec(mf).chain.block_list == "model.layers"
+    found = search_plans(mf, gpus=8, cluster=load_cluster("a100-80g"), cluster_ref="a100-80g", top_k=50)
+    pp_plans = [p for p in found.plans if p.parallel.pp > 1]
+    assert pp_plans and all(p.stage_ranges()[-1][1] == 4 for p in pp_plans)
+
+
 @functools.lru_cache(maxsize=None)
 def _resnet_graph():
     return build_graph(load_model_file(RESNET), dtype="bf16")

@@ -34,6 +34,7 @@ CASES = [
     pytest.param("hf_llama", "tp2+sp", ("tp", "sp"), id="hf_llama-tp2+sp"),
     pytest.param("hf_llama", "pp2", ("pp",), id="hf_llama-pp2"),
     pytest.param("hf_gemma2", "pp2", ("pp",), id="hf_gemma2-pp2"),  # masks picked by loop position
+    pytest.param("hf_deepseek_v3", "pp2", ("pp",), id="hf_deepseek_v3-pp2"),  # dense then MoE blocks in one list
     pytest.param("hf_gpt2", "tp2+sp", ("tp",), id="hf_gpt2-tp2"),
     pytest.param("hf_falcon", "tp2+sp", ("tp",), id="hf_falcon-tp2"),  # += on a row-parallel output
     pytest.param("odd_names_decoder", "tp2+sp", ("tp",), id="odd_names_decoder-tp2"),
@@ -84,10 +85,11 @@ def test_zoo_model_trains_like_one_rank(zoo_state, name, dim, needs):
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed")
-def test_zoo_full_size_hf_llama_plans_at_64_gpus(tmp_path):
-    cell = zoo_lib.plan_cell(zoo_lib.zoo_models(["hf_llama"])[0].path, tmp_path, gpus=64)
+@pytest.mark.parametrize("name", ["hf_llama", "hf_deepseek_v3"])  # DeepSeek: a chain of differing blocks
+def test_zoo_full_size_plans_at_64_gpus(tmp_path, name):
+    cell = zoo_lib.plan_cell(zoo_lib.zoo_models([name])[0].path, tmp_path, gpus=64)
     assert cell.status == "ok", f"{cell}\n{cell.tail}"
-    assert (tmp_path / "hf_llama-64gpu.yaml").is_file()
+    assert (tmp_path / f"{name}-64gpu.yaml").is_file()
 
 
 # ---- the zoo's own machinery (no processes) --------------------------------------------------------
