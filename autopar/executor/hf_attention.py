@@ -86,7 +86,8 @@ def install(part: nn.Module, blocks_path: str, module_name: str, *, recompute: b
             make_cp: Callable[[], nn.Module] | None = None, recompute_keys: set[str] | None = None) -> int:
     """Route every block's attention ``module_name`` of ``part`` through ``autopar_attention``:
     under checkpoint (``recompute``; with ``recompute_keys``, issue 14, only the blocks of those
-    names: every block is routed all the same, since its HF config object is shared) and/or context-parallel (``make_cp`` builds one ContextParallelAttention per module).
+    names: every block is routed all the same, since its HF config object is shared) and/or
+    context-parallel (``make_cp`` builds one ContextParallelAttention per module).
     Returns the number of modules routed."""
     blocks = part.get_submodule(blocks_path)
     count = 0

@@ -184,15 +184,18 @@ class SplitILP:
     # -- direct solution of small programs -----------------------------------------------------
     def count_splits(self, limit: int = MAX_ENUMERATED_SPLITS) -> int:
         """How many block counts satisfy the bounds and sum to L (counting stops past ``limit``)."""
-        ways = {0: 1}
+        # ways[s]: vectors of the ranks so far summing to s (capped at limit + 1: a capped term
+        # keeps every sum it enters capped, so "more than limit" stays exact). One window sum of
+        # prefix sums per rank: O(pp L) instead of O(pp L^2).
+        L = self.L
+        ways = [1] + [0] * L
         for lo, hi in self._bounds():
-            nxt: dict[int, int] = {}
-            for used, w in ways.items():
-                for n in range(lo, hi + 1):
-                    if used + n <= self.L:
-                        nxt[used + n] = min(limit + 1, nxt.get(used + n, 0) + w)
-            ways = nxt
-        return ways.get(self.L, 0)
+            prefix = [0] * (L + 2)
+            for i, w in enumerate(ways):
+                prefix[i + 1] = prefix[i] + w
+            ways = [min(limit + 1, prefix[s - lo + 1] - prefix[max(0, s - hi)]) if s >= lo else 0
+                    for s in range(L + 1)]
+        return ways[L]
 
     def _splits(self) -> Iterator[tuple[int, ...]]:
         bounds = self._bounds()

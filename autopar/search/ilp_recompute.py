@@ -48,6 +48,7 @@ Three exact solvers of the one program, tried in this order by ``solve``:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -159,31 +160,38 @@ class MixedSplitILP:
         v, modes = self.cfg.virtual_stages, self.modes
         top = self.L - (self.cfg.pp - 1) * v
         caps = self.capacity()
-        tau = [self.tau[m] for m in modes]
-        beta = [self.beta[m] for m in modes]
-        work = [self.work[m] for m in modes]
+        import numpy as np
+
+        tau_a = np.array([self.tau[m] for m in modes], dtype=np.int64)
+        beta_a = np.array([self.beta[m] for m in modes], dtype=np.int64)
+        work_a = np.array([self.work[m] for m in modes], dtype=np.int64)
         overlap = self.terms.grad_sync_overlaps
         out = []
         for r in self.ranks:
-            mem = [self.mem_coeff[r][m] for m in modes]
+            mem = np.array([self.mem_coeff[r][m] for m in modes], dtype=np.int64)
             room, f, g = self.room[r], self.fixed_ns[r], self.fixed_bwd_ns[r]
             c1, k1, c2, k2 = self.tail[r]
             per_n: dict[int, list[tuple[int, int, dict[str, int]]]] = {}
             for n in range(v, min(top, caps[r]) + 1):
                 base_z = max(0, c1 + k1 * n)
-                opts: dict[tuple[int, int], tuple[int, ...]] = {}
-                for c in self._mixes(n):
-                    used = sum(a * b for a, b in zip(mem, c)) + max((w for w, k in zip(work, c) if k), default=0)
-                    if used > room:
-                        continue
-                    t = sum(a * b for a, b in zip(tau, c)) + f
-                    z = max(base_z, c2 + k2 * n - sum(a * b for a, b in zip(beta, c)) - g) if overlap else base_z
-                    opts.setdefault((t, z), c)
-                front, best_z = [], math.inf
-                for (t, z), c in sorted(opts.items()):  # increasing t: keep a mix only if its z is lower
-                    if z < best_z:
-                        front.append((t, z, dict(zip(modes, c))))
-                        best_z = z
+                mixes = _compositions(n, len(modes))  # (count, k), in _mixes' order
+                used = mixes @ mem + np.max(np.where(mixes > 0, work_a, 0), axis=1)
+                ok = used <= room
+                if not ok.any():
+                    continue
+                mixes = mixes[ok]
+                t = mixes @ tau_a + f
+                if overlap:
+                    z = np.maximum(base_z, c2 + k2 * n - mixes @ beta_a - g)
+                else:
+                    z = np.full(len(mixes), base_z, dtype=np.int64)
+                order = np.lexsort((z, t))  # by t, then z; stable: the first mix of equal (t, z) first
+                t, z, mixes = t[order], z[order], mixes[order]
+                # Pareto front in increasing t: a mix is kept only if its z is below every earlier one.
+                prev = np.concatenate(([np.iinfo(np.int64).max], np.minimum.accumulate(z)[:-1]))
+                keep = z < prev
+                front = [(int(tt), int(zz), dict(zip(modes, map(int, c))))
+                         for tt, zz, c in zip(t[keep], z[keep], mixes[keep])]
                 if front:
                     per_n[n] = front
             out.append(per_n)
@@ -449,3 +457,26 @@ def solve_mixed_split(terms: StageTerms, num_blocks: int, modes: tuple[str, ...]
 def mixed_block_capacity(terms: StageTerms, modes: tuple[str, ...] = RECOMPUTE_MODES) -> list[int]:
     """``MixedSplitILP.capacity`` of ``terms``: each rank's most blocks under its most frugal mode."""
     return MixedSplitILP(terms, 1, modes).capacity()
+
+
+@functools.lru_cache(maxsize=4096)
+def _compositions(n: int, k: int):  # noqa: ANN202 -- a read-only (count, k) int64 numpy array
+    """Every k-tuple of counts summing to n, in ``MixedSplitILP._mixes``' order (the cut points of
+    ``itertools.combinations_with_replacement``), as one array; cached: every rank and program of a
+    search asks for the same n."""
+    import numpy as np
+
+    if k == 1:
+        arr = np.array([[n]], dtype=np.int64)
+    elif k == 2:
+        a = np.arange(n + 1, dtype=np.int64)
+        arr = np.stack([a, n - a], axis=1)
+    elif k == 3:
+        a, b = np.triu_indices(n + 1)  # a <= b, row-major: the order of the cut pairs (a, b)
+        arr = np.stack([a, b - a, n - b], axis=1).astype(np.int64)
+    else:
+        arr = np.array([(0, *cuts, n) for cuts in itertools.combinations_with_replacement(range(n + 1), k - 1)],
+                       dtype=np.int64)
+        arr = np.diff(arr, axis=1)
+    arr.setflags(write=False)
+    return arr

@@ -57,6 +57,9 @@ class SearchSpace:
     # ep rank's expert load over the mean that prices them (autopar.cost.expert)
     ep_degrees: tuple[int, ...] | None = None
     moe_imbalance: float = 1.0
+    # issue 14: solve each of the top K single-mode plans again as a per-rank recompute mix
+    # (search.search._refine_with_mixes); only where recompute_modes allows every mode it mixes
+    refine_recompute_mix: bool = True
     # issue 14: the offload modes allowed (labels of autopar.plan.Offload; "none" = no offload)
     offload_modes: tuple[str, ...] = OFFLOAD_LABELS
 

@@ -291,9 +291,9 @@ def test_expert_tensor_parallel_shards_the_experts_over_tp_too() -> None:
     """The zoo MoE's TP plan shards its expert Linears (colwise / rowwise: expert tensor
     parallelism), so at tp 2 x ep 2 a rank holds half of its two experts' weights; HF-style
     stacked experts outside the TP plan stay whole on every tp rank."""
+    from autopar.cost.estimate import config_from_plan
     from autopar.cost.expert import experts_tp_sharded
     from autopar.cost.stage import build_terms
-    from autopar.cost.estimate import config_from_plan
 
     g, cl = _graph(), load_cluster("a100-80g")
     assert experts_tp_sharded(g)

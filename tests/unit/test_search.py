@@ -210,7 +210,7 @@ def test_parametric_screen_gives_the_plans_cp_sat_alone_gives(monkeypatch) -> No
     graph = gpt_graph(GPTConfig(num_layers=48, hidden_size=128, num_heads=4, seq_len=64, vocab_size=256))
     cluster = _tiny_cluster(24 * 2**20, 8)
     space = SearchSpace(num_gpus=16, gpus_per_node=8, global_batch=32, seq_len=64, micro_batches=(1, 2),
-                        max_virtual_stages=2)
+                        max_virtual_stages=2, refine_recompute_mix=False)
     screened = search(graph, cluster, space, top_k=4)
     assert any(c.config.pp >= 4 for c in screened.top), "the case must exercise large split programs"
     assert all(c.split_method in ("cp-sat", "enumeration", "direct") for c in screened.top)
