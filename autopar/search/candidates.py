@@ -44,6 +44,7 @@ class SearchResult:
     min_memory_bytes: float  # smallest peak memory of any costed plan (for "nothing fits" advice)
     min_memory_config: Config | None = None
     capacity_bytes: float = 0.0
+    num_mixes_refined: int = 0  # issue 14: top single-mode plans solved again as recompute mixes
 
 
 @dataclass

@@ -145,6 +145,8 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
     lines.append(
         f"searched {result.num_configs:,} configurations in {result.elapsed_s:.2f} s: {result.num_evaluated:,} costed, "
         f"{result.num_ilp_solved:,} stage-split ILPs; result {status} under the cost model"
+        + (f" (recompute mixes: the top {result.num_mixes_refined} single-mode plans solved again)"
+           if result.num_mixes_refined else "")
     )
     lines.append(
         f"best plan: ILP status {best.ilp_status}, objective {seconds(best.ilp_objective_s)}, "
