@@ -17,7 +17,9 @@ A group that fails is left out with its reason. A block whose attention splits w
 attributes (HF GPT-2's ``split_size``) fails the meta check as is, or passes it and fails the
 numeric one (HF OPT's ``view(b, -1, num_heads, head_dim)`` folds the heads into the sequence); then
 the integer attributes of the group's parent module equal to the full width or the head count are
-divided by tp (never one equal to the head dim) and the checks repeated: what passes is recorded in ``TPPlan.local_attrs`` and
+divided by tp (never one equal to the head dim) and the checks repeated (a block too large for the
+numeric check whose shard runs both ways keeps the division only if it changes the shapes and keeps
+the sequence dim where the full block has it, and is refused when shapes cannot tell): what passes is recorded in ``TPPlan.local_attrs`` and
 applied by the planner's sharded trace and the executor alike.
 """
 
@@ -30,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.spec.meta import tolerant_meta
@@ -125,6 +128,65 @@ def _meta_check(block: nn.Module, flow: Flow, styles: dict[str, str], attrs: tup
     except Exception as exc:  # noqa: BLE001 - the user's block code at tp widths
         return f"the block does not run at tp = 2 ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     return None
+
+
+class _Shapes(TorchDispatchMode):
+    """Records the first output shape of every op, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        first = next((t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
+        self.shapes.append(tuple(first.shape) if first is not None else ())
+        return out
+
+
+def _op_shapes(block: nn.Module, flow: Flow, styles: dict[str, str] | None, attrs: tuple[str, ...]) -> list:
+    """The op output shapes of one meta run of ``block`` (sharded at tp = 2 unless ``styles`` is None)."""
+    from autopar.graph.build import shard_block_for_tp
+
+    run = copy.deepcopy(block) if styles is None else shard_block_for_tp(copy.deepcopy(block), styles, 2, attrs)
+    rec = _Shapes()
+    with torch.no_grad(), tolerant_meta(), rec:
+        run(*flow.block_args, **flow.block_kwargs)
+    return rec.shapes
+
+
+def _sequence_folds(full: list, sharded: list, seq: int) -> int | None:
+    """How many op outputs of the sharded run changed a dim that holds ``seq`` (the sequence length)
+    in the full run at the same place: tensor parallelism never splits the sequence inside a block.
+    None when the runs took different op paths (no comparison)."""
+    if len(full) != len(sharded):
+        return None
+    return sum(1 for f, g in zip(full, sharded) if len(f) == len(g)
+               for a, b in zip(f, g) if a == seq and b != seq)
+
+
+def _choose_attrs_by_shapes(block: nn.Module, flow: Flow, styles: dict[str, str],
+                            cand: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
+    """For a block too large for the numeric check whose shard runs both with and without ``cand``
+    divided: (why not, attrs). The attributes are irrelevant when both runs give the same shapes;
+    otherwise the run that keeps the sequence dim (HF OPT's view(b, -1, num_heads, hd) without the
+    division folds half the heads into the sequence); neither or both: refused, since only numbers
+    could tell."""
+    try:
+        plain, divided = _op_shapes(block, flow, styles, ()), _op_shapes(block, flow, styles, cand)
+        if plain == divided:
+            return None, ()
+        x = flow.block_args[0] if flow.block_args and isinstance(flow.block_args[0], torch.Tensor) else None
+        if x is None or x.dim() < 2:
+            return None, ()
+        full = _op_shapes(block, flow, None, ())
+        a, b = _sequence_folds(full, plain, x.shape[1]), _sequence_folds(full, divided, x.shape[1])
+    except Exception:  # noqa: BLE001 - the user's block code; the meta checks above already ran it
+        return None, ()
+    if a is None or b is None or a == b:
+        return (f"dividing {', '.join(cand)} by tp changes the block's shapes, and at this size only a numeric "
+                "check could tell which shard is right (declare tp_plan and its local attributes)"), ()
+    return (None, cand) if b < a else (None, ())
 
 
 def _real(value: Any, gen: torch.Generator) -> Any:
@@ -272,6 +334,10 @@ def check_pairs(block: nn.Module, flow: Flow, pairs: list[Pair]) -> tuple[list[P
             cand = tuple(_attr_candidates(block, pair, flow))
             if cand and _meta_check(block, flow, styles, cand) is None:
                 why, extra = None, cand
+        elif not numeric:
+            cand = tuple(_attr_candidates(block, pair, flow))
+            if cand and _meta_check(block, flow, styles, cand) is None:
+                why, extra = _choose_attrs_by_shapes(block, flow, styles, cand)
         if why is None and numeric:
             why = _numeric_check(block, flow, styles, fused, extra)
             if why is not None and not extra:

@@ -9,6 +9,7 @@ cases already finished keep their results and the rest report the error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
@@ -16,7 +17,7 @@ import tempfile
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -135,19 +136,27 @@ def tp_vocab_sharded(exe) -> list[str]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int) -> Iterator[None]:
+    """One spawned rank of a gloo process group on this host (one thread, as the runs have), destroyed
+    on the way out whatever happens (docs/design.md: teardown without it is flaky on gloo)."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:
+    with gloo_rank(rank, world, port):
         for case in cases:
             try:
                 _run_case(case, Path(out_dir))
             except BaseException:
                 (Path(out_dir) / f"{case.name}.err").write_text(traceback.format_exc())
                 raise
-    finally:
-        dist.destroy_process_group()
 
 
 def spawn_cases(world: int, cases: list[Case]) -> dict[str, Any]:

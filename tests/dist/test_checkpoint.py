@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
 import tempfile
 import traceback
@@ -23,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from harness import LR, SEED, Case, _free_port
+from harness import LR, SEED, Case, _free_port, gloo_rank
 
 pytestmark = pytest.mark.dist
 STEPS = 6
@@ -113,10 +112,7 @@ def _run(action: Action, root: Path) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, root: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         for action in ACTIONS:
             try:
                 out = _run(action, Path(root))
@@ -129,8 +125,6 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         if rank == 0:  # the directory protocol after all those saves
             listing = {d: sorted(p.name for p in (Path(root) / d).iterdir()) for d in ("A", "B", "C")}
             (Path(root) / "listing.json").write_text(json.dumps(listing))
-    finally:
-        dist.destroy_process_group()
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,6 @@ rank also reports what the executor built, so a case that silently ran without o
 from __future__ import annotations
 
 import functools
-import os
 import tempfile
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from harness import Case, _free_port, _run_case, reference_for
+from harness import Case, _free_port, _run_case, gloo_rank, reference_for
 
 pytestmark = pytest.mark.dist
 
@@ -64,18 +63,13 @@ def _built(case: Case) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         for case in CASES:
             _run_case(case, Path(out_dir))
             built = _built(case)
             if rank == 0:
                 torch.save(built, Path(out_dir) / f"{case.name}.built")
             dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @functools.lru_cache(maxsize=None)

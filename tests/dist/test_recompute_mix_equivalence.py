@@ -9,7 +9,6 @@ can report which of its modules run under checkpoint.
 from __future__ import annotations
 
 import json
-import os
 import re
 import tempfile
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from harness import SEED, Case, _free_port, _run_case, reference_for
+from harness import SEED, Case, _free_port, _run_case, gloo_rank, reference_for
 
 pytestmark = pytest.mark.dist
 
@@ -54,15 +53,10 @@ def _checkpointed(case: Case, out_dir: Path) -> None:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         for case in CASES:
             _run_case(case, Path(out_dir))
             _checkpointed(case, Path(out_dir))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ ZeRO-1 and ZeRO-2: ZeRO-1's count does not change with the micro-batches, ZeRO-2
 from __future__ import annotations
 
 import functools
-import os
 import tempfile
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from harness import SEED, Case, _free_port, _run_case, reference_for
+from harness import SEED, Case, _free_port, _run_case, gloo_rank, reference_for
 
 pytestmark = pytest.mark.dist
 
@@ -72,16 +71,11 @@ def _count_case(zero: int, m: int, out_dir: Path) -> None:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         for case in EQUIVALENCE:
             _run_case(case, Path(out_dir))
         for zero, m in COUNTS:
             _count_case(zero, m, Path(out_dir))
-    finally:
-        dist.destroy_process_group()
 
 
 @functools.lru_cache(maxsize=None)

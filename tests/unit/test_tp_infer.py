@@ -447,3 +447,15 @@ def test_multi_query_attention_says_why_tp_is_not_offered(tmp_path: Path) -> Non
     spec = _spec(path)
     assert (spec.num_heads, spec.num_kv_heads) == (4, 1)
     assert "multi-query" in spec.support["tp"]
+
+
+def test_a_block_too_large_for_the_numeric_check_picks_the_shard_that_keeps_the_sequence(tmp_path: Path) -> None:
+    """Above the numeric check's size only shapes can tell: OPT's shard runs with and without its head
+    count divided, and only the divided one keeps the sequence dim where the full block has it."""
+    pytest.importorskip("transformers")
+    path = _hf_file(tmp_path, "opt_big", "OPTForCausalLM", "OPTConfig",
+                    "num_hidden_layers=2, hidden_size=1024, ffn_dim=4096, num_attention_heads=8, vocab_size=64, "
+                    "max_position_embeddings=16, word_embed_proj_dim=1024, dropout=0.0")
+    spec = _spec(path)
+    assert "shapes checked" in spec.tp.detail  # the numeric check did not run at this size
+    assert "self_attn.q_proj" in spec.tp.styles and "self_attn.num_heads" in spec.tp.local_attrs
