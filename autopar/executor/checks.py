@@ -90,8 +90,13 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
             width = out_f if style == "colwise" else in_f
             if width % par.tp:
                 raise AutoparError(f"tp = {par.tp} does not divide the width {width} of {name}; pick another tp")
+    if par.cp > 1 and spec.token_key is not None and par.pp > 1:
+        # the pipeline's CP path (pipeline_parallel.py, apply.py) shards a token tensor, not a dict batch
+        raise AutoparError(f"context parallelism with pipeline stages cannot run on {where}: its inputs are a "
+                           "dict (input_ids, labels); plan with pp = 1 or cp = 1")
     if par.cp > 1:
-        example_shape_check(mf.example_inputs(1), where, need_sequence=True)
+        if spec.token_key is None:
+            example_shape_check(mf.example_inputs(1), where, need_sequence=True)
         # The executor repeats K/V heads to the query heads before the all-to-all: only heads count.
         reason = ulysses_reason(par.tp, par.cp, spec.num_heads, None) if par.cp_kind == "ulysses" else None
         if reason:

@@ -68,8 +68,9 @@ def pp_support(spec: "ModelSpec") -> str | None:
 def cp_support(spec: "ModelSpec") -> str | None:
     if not spec.is_sequence_model:
         return "not a sequence model (no SEQ_LEN)"
-    if not spec.inputs_are_token_batch:
-        return "example_inputs() is not one (batch, seq) token tensor"
+    if not spec.inputs_are_token_batch and spec.token_key is None:
+        return ("example_inputs() is not one (batch, seq) token tensor, nor a dict of a (batch, seq) "
+                "input_ids with only labels and attention_mask of its shape beside it")
     hf = spec.hf_attention
     if spec.core_name is None and hf is None:
         return ("no attention core submodule found (a parameter-free 'core' taking q, k, v) and no "
