@@ -6,6 +6,7 @@ sequence's non-ignored targets -- SFT labels (-100 on a prompt prefix) included.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from autopar.executor.context_parallel import (
 )
 from autopar.spec import ModelSpec, TPPlan, token_dict_keys
 from autopar.spec.attention import HFAttention
-from autopar.spec.support import cp_support
+from autopar.spec.support import cp_pp_support, cp_support
 
 B, S = 2, 8
 
@@ -162,3 +163,32 @@ def test_is_label_loss_runs_the_model_file_loss_on_a_prefix():
         return model(input_ids=inputs["input_ids"], labels=inputs["input_ids"]).loss
 
     assert not is_label_loss(model, loss_on_ids, other_labels, "input_ids", "labels", cp=2)
+
+
+def test_cp_with_pipeline_stages_is_refused_for_dict_batches_only():
+    assert "dict" in cp_pp_support(_spec(token_key="input_ids", labels_key="labels"))
+    assert cp_pp_support(_spec(inputs_are_token_batch=True)) is None
+
+
+def test_preflight_refuses_cp_x_pp_on_a_dict_model_in_one_line():
+    pytest.importorskip("transformers")
+    from autopar.executor.checks import preflight
+    from autopar.modelfile import load_model_file
+    from autopar.plan import plan_from_dict
+
+    zoo = Path(__file__).resolve().parents[2] / "examples" / "zoo" / "hf_qwen2.py"
+
+    def plan(pp: int, cp: int):
+        return plan_from_dict({
+            "version": 1, "model": {"file": str(zoo), "num_blocks": 4},
+            "cluster": {"profile": "a100-80g", "num_gpus": pp * cp, "gpus_per_node": 8},
+            "training": {"global_batch_size": 2, "micro_batch_size": 1, "seq_len": 32, "dtype": "fp32",
+                         "optimizer": "adamw"},
+            "parallel": {"dp": 1, "tp": 1, "pp": pp, "cp": cp, "cp_kind": "ring"}})
+
+    mf = load_model_file(zoo)
+    spec, _ = preflight(plan(1, 2), mf, 2)  # cp alone runs on the dict model
+    assert spec.token_key == "input_ids" and spec.labels_key == "labels"
+    with pytest.raises(AutoparError, match=r"pipeline stages cannot run .*plan with pp = 1 or cp = 1") as err:
+        preflight(plan(2, 2), mf, 4)
+    assert "\n" not in str(err.value)
