@@ -1,6 +1,8 @@
 """Context parallelism on Hugging Face causal LMs fed the HF-Trainer way (a dict of input_ids and
 labels, the loss computed by the model): SFT batches whose labels are -100 on a prompt prefix, on 2
-gloo ranks, train like one process (losses rel 1e-4 over 3 steps, step-1 gradients, final parameters).
+and 4 gloo ranks (cp alone; with tp, whose vocab-sharded logits the loss check and the loss take; with
+dp under ZeRO-3, whose all-gathers the loss check's forward runs too), train like one process (losses
+rel 1e-4 over 3 steps, step-1 gradients, final parameters).
 """
 
 from __future__ import annotations
@@ -38,26 +40,30 @@ class SFTCase(Case):
         }
 
 
-CASES = [
-    SFTCase(name="sft-cp2-ring", model="sft", parallel={"cp": 2, "cp_kind": "ring"}),
-    SFTCase(name="sft-cp2-ulysses-mb2", model="sft", parallel={"cp": 2, "cp_kind": "ulysses"}, micro_batch_size=2),
-]
+CASES = {
+    2: [SFTCase(name="sft-cp2-ring", model="sft", parallel={"cp": 2, "cp_kind": "ring"}),
+        SFTCase(name="sft-cp2-ulysses-mb2", model="sft", parallel={"cp": 2, "cp_kind": "ulysses"},
+                micro_batch_size=2)],
+    4: [SFTCase(name="sft-tp2xcp2", model="sft", parallel={"tp": 2, "cp": 2, "cp_kind": "ring"}),
+        SFTCase(name="sft-dp2xcp2-zero3", model="sft", parallel={"dp": 2, "cp": 2, "cp_kind": "allgather", "zero": 3})],
+}
 
 
 @functools.lru_cache(maxsize=None)
-def _results() -> dict:
-    return spawn_cases(2, CASES)
+def _results(world: int) -> dict:
+    return spawn_cases(world, CASES[world])
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_sft_labels_train_like_one_process_under_cp(case: SFTCase) -> None:
+@pytest.mark.parametrize(("world", "case"), [(w, c) for w, cs in CASES.items() for c in cs],
+                         ids=lambda v: v.name if isinstance(v, SFTCase) else f"{v}ranks")
+def test_sft_labels_train_like_one_process_under_cp(world: int, case: SFTCase) -> None:
     from autopar.modelfile import load_model_file
     from autopar.spec import model_spec
 
     spec = model_spec(load_model_file(SFT))
     assert (spec.token_key, spec.labels_key) == ("input_ids", "labels")
     assert spec.support_reason("cp") is None
-    got = _results()[case.name]
+    got = _results(world)[case.name]
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, ref_params, ref_grads = reference_for(case)
     assert len(got["losses"]) == len(ref_losses) == 3
