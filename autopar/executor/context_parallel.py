@@ -217,7 +217,6 @@ class ContextParallelAttention(nn.Module):
         self.positions = [shard_indices(seq_len, cp, r) for r in range(cp)]  # plain list: not a buffer
         self.local = False  # set by local_attention
 
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Causal attention of the local (b, heads, s_local, head_dim) shards; ``scale`` defaults
         to 1/sqrt(head_dim) (transformers passes its ``scaling``). Inside ``local_attention``:
@@ -272,7 +271,6 @@ class ContextParallelAttention(nn.Module):
         o = o[:, :, torch.argsort(order)].reshape(b, h // cp, cp, s_l, d).permute(2, 1, 0, 3, 4).reshape(h, b, s_l, d)
         back = all_to_all_single_autograd(o.contiguous(), None, None, self.group)
         return back.view(h, b, s_l, d).permute(1, 0, 2, 3)
-
 
 
 @contextmanager
