@@ -62,6 +62,8 @@ def check_plan_against_model(plan: Plan, graph: ModelGraph) -> None:
     if par.cp > 1:
         if graph.cp_reason:
             raise PlanError(f"parallel.cp = {par.cp} is not possible: {graph.cp_reason}")
+        if par.pp > 1 and graph.supports("cp_pp"):
+            raise PlanError(f"parallel.cp = {par.cp} with pp = {par.pp} is not possible: {graph.supports('cp_pp')}")
         if par.cp_kind == "ulysses":
             reason = graph.ulysses_allowed(par.tp, par.cp)
             if reason:

@@ -24,7 +24,7 @@ def check_world_size(plan: Plan, world_size: int) -> None:
 
 _DIM_NAMES = {"tp": "tensor parallelism", "sp": "sequence parallelism", "pp": "pipeline parallelism",
               "cp": "context parallelism", "zero3": "ZeRO-3", "selective": "selective recompute",
-              "full": "full recompute"}
+              "full": "full recompute", "cp_pp": "context parallelism with pipeline stages"}
 
 
 def _dimensions_used(plan: Plan) -> list[tuple[str, bool, str]]:
@@ -39,6 +39,7 @@ def _dimensions_used(plan: Plan) -> list[tuple[str, bool, str]]:
         ("zero3", par.zero == 3, "use zero 0, 1 or 2"),
         ("selective", "selective" in modes, "use recompute none or full"),
         ("full", "full" in modes, "use recompute none"),
+        ("cp_pp", par.cp > 1 and par.pp > 1, "plan with pp = 1 or cp = 1"),
     ]
 
 
@@ -91,7 +92,8 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
             if width % par.tp:
                 raise AutoparError(f"tp = {par.tp} does not divide the width {width} of {name}; pick another tp")
     if par.cp > 1:
-        example_shape_check(mf.example_inputs(1), where, need_sequence=True)
+        if spec.token_key is None:
+            example_shape_check(mf.example_inputs(1), where, need_sequence=True)
         # The executor repeats K/V heads to the query heads before the all-to-all: only heads count.
         reason = ulysses_reason(par.tp, par.cp, spec.num_heads, None) if par.cp_kind == "ulysses" else None
         if reason:

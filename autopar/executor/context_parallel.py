@@ -19,18 +19,29 @@ so any token order is exact. GQA: K/V heads are repeated to the query heads firs
 Loss: next-token targets are built on the full sequence *before* sharding (``shard_batch``), each
 rank sums the cross-entropy of its tokens and divides by the global target count; the dp x cp
 gradient average divides by cp, so the local loss is multiplied by cp (``cp_next_token_loss``).
+
+Hugging Face causal-LM batches (``{"input_ids": ids, "labels": labels}``, the HF Trainer's form):
+the model gets only the local ``input_ids`` and their ``position_ids`` -- no labels, so it computes
+no loss over a shard -- and the loss is HF's for labels: the target at position i is labels[i+1]
+(-100: ignored), the mean over the non-ignored targets of the whole sequence (``dict_batch``).
+``is_label_loss`` checks once that the model file's loss_fn is that loss, on a short prefix run
+without context parallelism (``local_attention``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autopar.errors import AutoparError
 
 IGNORE = -100
 _MASKED = -1.0e30  # finite: a fully masked block gets weight exp(-1e30 - lse) = 0, and no NaN grads
@@ -47,11 +58,38 @@ def shard_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
 
 
-def shard_batch(tokens: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(local tokens, local positions, local next-token targets) of a (b, s) token batch."""
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The (b, s) targets of a (b, s) label batch: position i predicts labels[i + 1]; the last
+    position, and every position whose next label is -100, is ignored (IGNORE)."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
+
+
+def shard_batch(tokens: torch.Tensor, cp: int, rank: int, labels: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(local tokens, local positions, local next-token targets) of a (b, s) token batch. The
+    targets are built on the full sequence from ``labels`` (None: the tokens themselves) before
+    sharding, so a shard's last token still predicts the next shard's first."""
     idx = shard_indices(tokens.shape[1], cp, rank).to(tokens.device)
-    targets = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], IGNORE)], dim=1)
+    targets = next_token_targets(tokens if labels is None else labels)
     return tokens[:, idx], idx, targets[:, idx]
+
+
+def dict_batch(mb: Mapping[str, Any], token_key: str, labels_key: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, labels) of a Hugging Face causal-LM micro-batch (spec.token_key / labels_key); the
+    labels are the tokens when the batch has none. An attention_mask must be all ones (no padding):
+    a shard's attention is full causal and knows no padding mask."""
+    mask = mb.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        raise AutoparError("context parallelism needs attention_mask to be all ones (no padding): pack the "
+                           "sequences to full length, or drop attention_mask from the batch")
+    tokens = mb[token_key]
+    return tokens, (mb[labels_key] if labels_key is not None else tokens)
+
+
+def num_targets_of(labels: torch.Tensor) -> int:
+    """The count of non-ignored next-token targets of a (b, s) label batch, at least 1 (all ignored:
+    the loss is 0, where HF's mean over nothing would be NaN)."""
+    return max(1, int((next_token_targets(labels) != IGNORE).sum()))
 
 
 def cp_next_token_loss(logits: torch.Tensor, local_targets: torch.Tensor, num_targets: int, cp: int) -> torch.Tensor:
@@ -75,6 +113,34 @@ def is_next_token_loss(loss_fn, tokens: torch.Tensor, vocab: int, output: Any = 
     except Exception:  # noqa: BLE001 - a loss_fn that cannot take this output is not the CP loss
         return False
     return bool(torch.isclose(got.float(), want, rtol=1e-5, atol=1e-6))
+
+
+def _full(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def is_label_loss(model: nn.Module, loss_fn: Callable, mb: Mapping[str, Any], token_key: str,
+                  labels_key: str | None, cp: int) -> bool:
+    """Whether ``loss_fn(model(**batch), batch)`` equals the mean next-token cross-entropy over the
+    batch's labels (``next_token_targets``), on the first 2·cp tokens of ``mb`` run without context
+    parallelism (every cp rank runs the same; collective where the model's data/tensor parallelism
+    is). Real labels are kept where the prefix has a target; a prefix whose targets are all ignored
+    (an SFT prompt) takes its tokens as labels, so the check still sees a loss."""
+    n = min(mb[token_key].shape[1], 2 * cp)
+    prefix = {k: v[:, :n] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in mb.items()}
+    if labels_key is not None and not bool((next_token_targets(prefix[labels_key]) != IGNORE).any()):
+        prefix[labels_key] = prefix[token_key].clone()
+    labels = prefix[labels_key] if labels_key is not None else prefix[token_key]
+    with torch.no_grad(), local_attention(model):
+        output = model(**prefix)
+        try:
+            got = loss_fn(output, prefix)
+        except Exception:  # noqa: BLE001 - a loss_fn that cannot take this output is not the CP loss
+            return False
+        want = cp_next_token_loss(logits_of(output)[0], next_token_targets(labels), num_targets_of(labels), 1)
+    if not isinstance(got, torch.Tensor) or got.numel() != 1:
+        return False
+    return bool(torch.isclose(_full(got).float().reshape(()), _full(want).float(), rtol=1e-4, atol=1e-5))
 
 
 def logits_of(output: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
@@ -149,14 +215,18 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.kind, self.group, self.cp, self.rank = kind, group, cp, rank
         self.positions = [shard_indices(seq_len, cp, r) for r in range(cp)]  # plain list: not a buffer
+        self.local = False  # set by local_attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Causal attention of the local (b, heads, s_local, head_dim) shards; ``scale`` defaults
-        to 1/sqrt(head_dim) (transformers passes its ``scaling``)."""
+        to 1/sqrt(head_dim) (transformers passes its ``scaling``). Inside ``local_attention``:
+        plain causal attention of q, k, v as a whole sequence from position 0, no collectives."""
         if k.shape[1] != q.shape[1]:  # grouped-query attention: repeat K/V heads like SDPA enable_gqa
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        if self.local:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         pos = [p.to(q.device) for p in self.positions]
         if self.kind == "ring":
             out = self._ring(q, k, v, pos, scale)
@@ -201,6 +271,26 @@ class ContextParallelAttention(nn.Module):
         o = o[:, :, torch.argsort(order)].reshape(b, h // cp, cp, s_l, d).permute(2, 1, 0, 3, 4).reshape(h, b, s_l, d)
         back = all_to_all_single_autograd(o.contiguous(), None, None, self.group)
         return back.view(h, b, s_l, d).permute(1, 0, 2, 3)
+
+
+@contextmanager
+def local_attention(model: nn.Module) -> Iterator[None]:
+    """Every ContextParallelAttention of ``model`` (a block's core, or one a transformers attention
+    module routes to: executor/hf_attention.py keeps it on the module, not as a submodule) runs as
+    plain causal attention inside: the model can run a whole short sequence on each rank alone."""
+    found = []
+    for mod in model.modules():
+        route = getattr(mod, "_autopar_attention", None)  # hf_attention._ATTR
+        for cand in (mod, getattr(route, "cp", None)):
+            if isinstance(cand, ContextParallelAttention) and all(cand is not f for f in found):
+                found.append(cand)
+    for cand in found:
+        cand.local = True
+    try:
+        yield
+    finally:
+        for cand in found:
+            cand.local = False
 
 
 def apply_cp(part: nn.Module, blocks_path: str, core_name: str, *, kind: str, group: dist.ProcessGroup, cp: int,

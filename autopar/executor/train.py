@@ -13,7 +13,9 @@ With tp > 1 the output head returns logits sharded on the vocabulary and the los
 vocab-parallel: ``loss_fn`` through ``tensor_parallel.VocabParallelLoss``, and each step's forward
 and backward inside ``loss_parallel()`` (``loss_context``); see executor/tensor_parallel.py for why
 and for the fallback to all-gathered logits when a loss_fn cannot run on a DTensor. The CP loss
-(``cp_next_token_loss``) is a plain ``F.cross_entropy`` and runs on the sharded logits as it is.
+(``cp_next_token_loss``) is a plain ``F.cross_entropy`` and runs on the sharded logits as it is; a
+Hugging Face causal-LM dict batch (``{"input_ids", "labels"}``) gets HF's label loss, the targets
+built from its labels (``_cp_dict_loss``).
 
 Peak memory per rank: ``torch.cuda.max_memory_allocated`` on GPU. On CPU there are no allocator
 statistics, so it is the growth of the process's peak RSS (``getrusage ru_maxrss``) over its value
@@ -39,8 +41,11 @@ from autopar.executor.apply import Executable, reference_model
 from autopar.executor.batch import rows, to_device
 from autopar.executor.context_parallel import (
     cp_next_token_loss,
+    dict_batch,
+    is_label_loss,
     is_next_token_loss,
     logits_of,
+    num_targets_of,
     position_kwargs,
     shard_batch,
 )
@@ -49,6 +54,8 @@ from autopar.executor.pipeline_parallel import run_schedule, sync_tied_grads
 from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
 from autopar.modelfile import ModelFile, call_model
 from autopar.plan import Plan
+
+CP_LOSS_ERROR = "context parallelism needs loss_fn to be mean next-token cross-entropy"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,17 +187,34 @@ class _Trainer:
             contrib += loss.detach().float() / m
         return contrib
 
-    def _cp_loss(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        par = self.plan.parallel
+    def _cp_loss(self, model: nn.Module, mb: Any) -> torch.Tensor:
+        par, spec = self.plan.parallel, self.exe.spec
+        if spec.token_key is not None:
+            return self._cp_dict_loss(model, mb)
+        tokens = mb
         local, positions, targets = shard_batch(tokens, par.cp, self.exe.mesh.coords.cp)
-        output = model(local, **position_kwargs(self.exe.spec.accepts_positions, positions))
+        output = model(local, **position_kwargs(spec.accepts_positions, positions))
         logits = logits_of(output)[0]
         if not self.checked_cp_loss:
             if not is_next_token_loss(self.mf.loss_fn, tokens, logits.shape[-1], output):
-                raise AutoparError("context parallelism needs loss_fn to be mean next-token cross-entropy")
+                raise AutoparError(CP_LOSS_ERROR)
             self.checked_cp_loss = True
         loss = cp_next_token_loss(logits, targets, tokens.shape[0] * (tokens.shape[1] - 1), par.cp)
         # tp > 1: vocab-parallel cross-entropy (loss_parallel), replicated over tp -> a plain scalar.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def _cp_dict_loss(self, model: nn.Module, mb: Any) -> torch.Tensor:
+        """A Hugging Face causal-LM micro-batch (context_parallel.py): the model gets this rank's
+        input_ids and position_ids, no labels; the loss is HF's label loss over the whole sequence."""
+        par, spec = self.plan.parallel, self.exe.spec
+        tokens, labels = dict_batch(mb, spec.token_key, spec.labels_key)
+        if not self.checked_cp_loss:  # once, before the first sharded forward (collective over all ranks)
+            if not is_label_loss(model, self.mf.loss_fn, mb, spec.token_key, spec.labels_key, par.cp):
+                raise AutoparError(CP_LOSS_ERROR)
+            self.checked_cp_loss = True
+        local, positions, targets = shard_batch(tokens, par.cp, self.exe.mesh.coords.cp, labels=labels)
+        output = model(**{spec.token_key: local}, **position_kwargs(spec.accepts_positions, positions))
+        loss = cp_next_token_loss(logits_of(output)[0], targets, num_targets_of(labels), par.cp)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def _pipeline_step(self, batch: Any) -> torch.Tensor:
@@ -200,7 +224,7 @@ class _Trainer:
             if not self.checked_cp_loss:
                 like = exe.pipe_io.example_output(batch.device)
                 if not is_next_token_loss(self.mf.loss_fn, batch, int(batch.max()) + 1, like):
-                    raise AutoparError("context parallelism needs loss_fn to be mean next-token cross-entropy")
+                    raise AutoparError(CP_LOSS_ERROR)
                 self.checked_cp_loss = True
             batch, _, target = shard_batch(batch, par.cp, exe.mesh.coords.cp)
         is_last = self.plan.parallel.num_stage_chunks - 1 in exe.chunk_ids

@@ -192,6 +192,9 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
                 if pp > 1 and graph.supports("pp"):
                     rejected[f"pp: {graph.supports('pp')}"] += 1
                     continue
+                if pp > 1 and cp > 1 and graph.supports("cp_pp"):
+                    rejected[f"cp with pp: {graph.supports('cp_pp')}"] += 1
+                    continue
                 dp = n // (tp * cp * pp)
                 if not (space.allows("pp_degrees", pp) and space.allows("dp_degrees", dp)):
                     rejected["constraint: pp or dp"] += 1

@@ -35,7 +35,7 @@ from autopar.spec.support import DIMENSIONS, support_of
 from autopar.spec.tp_infer import Inference, infer_tp
 from autopar.spec.tp_plan import TPPlan, model_carried_plan, packed_names, plan_fused, resolve, root_prefixes
 
-__all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model"]
+__all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model", "token_dict_keys"]
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead", "num_attention_heads_per_layer")
 _KV_ATTRS = ("num_kv_heads", "num_key_value_heads", "n_head_kv", "num_kv", "multi_query_group_num")
@@ -66,6 +66,11 @@ class ModelSpec:
     bare_params: tuple[str, ...] = ()  # parameters not inside any module the pipeline places
     inputs_are_tensors: bool = True
     inputs_are_token_batch: bool = False
+    # A Hugging Face causal-LM batch (``{"input_ids": ids, "labels": ids}``, spec.token_dict_keys):
+    # the key of its (batch, seq) token tensor and of its labels (None: the batch has none, the
+    # tokens are their own labels). token_key None: the inputs are not such a dict.
+    token_key: str | None = None
+    labels_key: str | None = None
     is_sequence_model: bool = False
     hf_attention: HFAttention | None = None  # attention dispatched by transformers' interface (spec/attention.py)
     support: Mapping[str, str | None] = field(default_factory=dict)
@@ -282,6 +287,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     tensors_only = isinstance(inputs, torch.Tensor) or (
         isinstance(inputs, tuple) and all(isinstance(v, torch.Tensor) for v in inputs))
     token_batch = isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point()
+    token_key, labels_key = token_dict_keys(inputs)
     moe = moe_of(model, block, lambda: routing[0] if routing else None)
     # MoE blocks are refused SP before any check (spec/support.py); a block without TP has none.
     sp_why, keyword_parents = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
@@ -292,12 +298,37 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         accepts_positions="positions" in params, vocab_embedding=emb, vocab_head=head, tied=_tied(model),
         probe=probe, sp_parents_keyword=keyword_parents,
         bare_params=_bare_params(model, blocks_path, probe), inputs_are_tensors=tensors_only and bool(flat),
-        inputs_are_token_batch=token_batch, is_sequence_model=mf.seq_len is not None,
-        hf_attention=hf_attention(model, block), notes=tp.dropped,
+        inputs_are_token_batch=token_batch, token_key=token_key, labels_key=labels_key,
+        is_sequence_model=mf.seq_len is not None, hf_attention=hf_attention(model, block), notes=tp.dropped,
         moe=moe, sp_check=sp_why, tp_inplace_outputs=inplace_outputs(block, tp.styles, run) if tp.styles else (),
         chain=_meta_call(where, lambda: block_list_chain(model, blocks_path, run)) if isinstance(blocks, nn.Sequential) else None,
     )
     return _with_support(spec)
+
+
+def _is_int_matrix(x: Any) -> bool:
+    return (isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() and not x.is_complex()
+            and x.dtype != torch.bool)
+
+
+def token_dict_keys(inputs: Any) -> tuple[str | None, str | None]:
+    """("input_ids", "labels" or None) when ``inputs`` is the batch a Hugging Face causal LM takes
+    from the HF Trainer: a mapping whose ``input_ids`` is a 2-d integer (batch, seq) tensor, with
+    optionally ``labels`` of the same shape (integers) and an ``attention_mask`` of the same shape
+    (which the executor requires to be all ones at run time and then drops); (None, None) for any
+    other input, a mapping with any other key included. Shapes only: meta inputs have no values."""
+    if not isinstance(inputs, Mapping) or not _is_int_matrix(inputs.get("input_ids")):
+        return None, None
+    shape = inputs["input_ids"].shape
+    for key, value in inputs.items():
+        if key == "input_ids":
+            continue
+        if key == "labels" and _is_int_matrix(value) and value.shape == shape:
+            continue
+        if key == "attention_mask" and isinstance(value, torch.Tensor) and value.shape == shape:
+            continue
+        return None, None
+    return "input_ids", "labels" if "labels" in inputs else None
 
 
 def _meta_call(where: str, fn: Any) -> Any:

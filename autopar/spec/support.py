@@ -7,7 +7,9 @@ a dimension on more models, the predicate here is what changes.
 
 Keys: ``tp`` (tensor parallelism), ``sp`` (Megatron sequence parallelism inside tp), ``pp``
 (pipeline stages), ``cp`` (context parallelism), ``zero3`` (FSDP2 fully sharded), ``selective``
-(selective recompute of the attention core), ``full`` (full recompute).
+(selective recompute of the attention core), ``full`` (full recompute), ``cp_pp`` (context
+parallelism and pipeline stages in one plan: each is checked alone by its own key, this one says
+whether the two combine).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.spec import ModelSpec
 
-DIMENSIONS = ("tp", "sp", "pp", "cp", "zero3", "selective", "full")
+DIMENSIONS = ("tp", "sp", "pp", "cp", "zero3", "selective", "full", "cp_pp")
 
 
 def tp_support(spec: "ModelSpec") -> str | None:
@@ -68,8 +70,9 @@ def pp_support(spec: "ModelSpec") -> str | None:
 def cp_support(spec: "ModelSpec") -> str | None:
     if not spec.is_sequence_model:
         return "not a sequence model (no SEQ_LEN)"
-    if not spec.inputs_are_token_batch:
-        return "example_inputs() is not one (batch, seq) token tensor"
+    if not spec.inputs_are_token_batch and spec.token_key is None:
+        return ("example_inputs() is not one (batch, seq) token tensor, nor a dict of a (batch, seq) "
+                "input_ids with only labels and attention_mask of its shape beside it")
     hf = spec.hf_attention
     if spec.core_name is None and hf is None:
         return ("no attention core submodule found (a parameter-free 'core' taking q, k, v) and no "
@@ -91,6 +94,16 @@ def cp_support(spec: "ModelSpec") -> str | None:
     return None
 
 
+def cp_pp_support(spec: "ModelSpec") -> str | None:
+    # The pipeline's CP path (executor/apply.py, train.py _pipeline_step) shards one token tensor and
+    # checks the loss on stage outputs; a dict batch's label loss is checked by running the whole
+    # model (executor/context_parallel.is_label_loss), which a pipeline stage cannot.
+    if spec.token_key is not None:
+        return ("the inputs are a dict (input_ids, labels): context parallelism over a dict batch runs "
+                "without pipeline stages")
+    return None
+
+
 def zero3_support(spec: "ModelSpec") -> str | None:
     return None
 
@@ -109,7 +122,7 @@ def full_support(spec: "ModelSpec") -> str | None:
 
 PREDICATES: dict[str, Callable[["ModelSpec"], str | None]] = {
     "tp": tp_support, "sp": sp_support, "pp": pp_support, "cp": cp_support,
-    "zero3": zero3_support, "selective": selective_support, "full": full_support,
+    "zero3": zero3_support, "selective": selective_support, "full": full_support, "cp_pp": cp_pp_support,
 }
 
 

@@ -44,6 +44,7 @@ CASES = [
     pytest.param("autopar_llama", "tp2+sp", ("tp", "sp"), id="autopar_llama-tp2+sp"),
     pytest.param("hf_mixtral", "dp2", (), id="hf_mixtral-dp2"),
     pytest.param("hf_bert", "tp2+sp", ("tp", "sp"), id="hf_bert-tp2+sp"),  # post-LN under SP, a tied bias
+    pytest.param("hf_qwen2", "cp2", ("cp",), id="hf_qwen2-cp2"),  # a dict of input_ids and labels, output.loss
 ]
 
 
