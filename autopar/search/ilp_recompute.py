@@ -58,7 +58,7 @@ from autopar.plan import RECOMPUTE_MODES
 from autopar.search.ilp import SplitILP, deal_chunks
 
 SOLVER_PARAMETERS: dict[str, object] = {"num_workers": 1}
-MAX_ENUMERATED_MIXES = 200_000  # split x front combinations walked by ``enumerate``
+MAX_ENUMERATED_MIXES = 20_000  # split x front combinations walked by ``enumerate`` (beyond: the parametric search, faster there)
 MAX_MIX_EVALUATIONS = 50_000  # (rank, mix) pairs priced to build the fronts
 MAX_MIX_EVALUATIONS_PARAMETRIC = 400_000  # the same for ``parametric``, which needs the fronts too
 
