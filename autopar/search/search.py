@@ -97,6 +97,7 @@ def search(
     # visited once (pass 2 counts no branch-level rejection again).
     fits_plain: dict[int, set[int]] = {}  # per branch, ZeRO stages with a plan that fits without offload
     fits_off: dict[tuple[int, int], list[Offload]] = {}  # per (branch, ZeRO stage), offload modes that fit
+    plain_terms: dict[tuple[int, int], StageTerms] = {}  # per (branch, ZeRO stage), the first pass's terms
     passes = (False, True) if cluster.has_host and any(m != "none" for m in space.offload_modes) else (False,)
     for offload_pass, (lb, mem_plain, mem_off, branch) in ((p, b) for p in passes for b in bounded):
         mem_lb = mem_off if offload_pass else mem_plain
@@ -138,8 +139,18 @@ def search(
                     cluster.memory_bytes:
                 rejected["memory: cannot fit even with an ideal split"] += len(branch.schedules)
                 continue
+            plain0 = plain_terms.get((id(branch), zero))
+            if off.any and plain0 is not None and all(
+                    _balanced_lb_of(plain0, graph.num_blocks, branch.pp, v, branch.num_microbatches) >= top.threshold()
+                    for _, v in branch.schedules):
+                # Offload only adds time (each offload variant's bound is at least its twin's without
+                # offload): where the twin's bound cannot make the top K, no variant is built.
+                rejected["bound: cannot beat the best plans"] += len(branch.schedules)
+                continue
             frugal = branch.schedules[0] if ("1f1b", 1) not in branch.schedules else ("1f1b", 1)
             terms0 = build_terms(graph, cluster, branch.config(*frugal, zero, offload=off))
+            if not off.any:
+                plain_terms[(id(branch), zero)] = terms0
             if branch.pp > 1 and not _fits_somehow(_block_capacity(terms0, graph), frugal[1], graph.num_blocks):
                 rejected["memory: no stage split fits"] += len(branch.schedules)
                 continue
