@@ -89,6 +89,16 @@ class _StageExit(Exception):
         self.value = value
 
 
+def _as_block_output(block_out: Template, hidden: torch.Tensor) -> Any:
+    """``hidden`` in the structure a block returns (its other tensor leaves, e.g. attention weights,
+    as zeros of their recorded shapes)."""
+    if block_out.is_tensor == (True,):
+        return hidden
+    shapes = [v for v, t in zip(block_out.leaves, block_out.is_tensor) if t]
+    rest = [torch.zeros(v[0], dtype=v[1], device=hidden.device) for v in shapes[1:]]
+    return block_out.rebuild([hidden, *rest])
+
+
 class _Inject(nn.Module):
     """First entry of a non-first chunk's block list: returns the received activation in the
     structure a block returns (extra tensor leaves, e.g. attention weights, as zeros)."""
@@ -100,11 +110,7 @@ class _Inject(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         assert self.value is not None, "StageModule sets the injected activation before the call"
-        if self.block_out.is_tensor == (True,):
-            return self.value
-        shapes = [v for v, t in zip(self.block_out.leaves, self.block_out.is_tensor) if t]
-        rest = [torch.zeros(v[0], dtype=v[1], device=self.value.device) for v in shapes[1:]]
-        return self.block_out.rebuild([self.value, *rest])
+        return _as_block_output(self.block_out, self.value)
 
 
 class _Skip(nn.Module):
@@ -119,12 +125,7 @@ class _Skip(nn.Module):
         self.block_out, self.first_param = block_out, first_param
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        hidden = args[0] if args else kwargs[self.first_param]
-        if self.block_out.is_tensor == (True,):
-            return hidden
-        shapes = [v for v, t in zip(self.block_out.leaves, self.block_out.is_tensor) if t]
-        rest = [torch.zeros(v[0], dtype=v[1], device=hidden.device) for v in shapes[1:]]
-        return self.block_out.rebuild([hidden, *rest])
+        return _as_block_output(self.block_out, args[0] if args else kwargs[self.first_param])
 
 
 class _Exit(nn.Module):

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 from autopar.cost.stage import StageTerms
 from autopar.cost.step import chunk_rank
@@ -88,6 +88,19 @@ MAX_ENUMERATED_SPLITS = 4096
 # The parametric search declines programs with more candidate values of the two maxima than this
 # (pp x L for T, as many for Z).
 MAX_PARAMETRIC_VALUES = 200_000
+
+
+def run_cp_sat(model: Any, time_limit_s: float, parameters: dict[str, object]) -> tuple[Any, str, bool]:
+    """Solve a CP-SAT ``model`` under a time limit and ``parameters``: (the solver, its status name,
+    whether a solution was found: OPTIMAL or FEASIBLE). ortools is imported here, when CP-SAT runs."""
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    for key, value in parameters.items():
+        setattr(solver.parameters, key, value)
+    status = solver.Solve(model)
+    return solver, solver.StatusName(status), status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -421,16 +434,9 @@ class SplitILP:
             return self.enumerate()
         if method == "parametric":
             return self.parametric()
-        from ortools.sat.python import cp_model
-
         self._build_model()
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = time_limit_s
-        for key, value in SOLVER_PARAMETERS.items():
-            setattr(solver.parameters, key, value)
-        status = solver.Solve(self.model)
-        name = solver.StatusName(status)
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        solver, name, found = run_cp_sat(self.model, time_limit_s, SOLVER_PARAMETERS)
+        if not found:
             return SplitSolution(chunk_blocks=None, status=name, objective_s=math.inf, bound_s=math.inf)
         blocks = deal_chunks([int(solver.Value(x)) for x in self.N], self.cfg.virtual_stages)
         return SplitSolution(

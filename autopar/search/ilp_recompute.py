@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from autopar.cost.stage import StageTerms
 from autopar.plan import RECOMPUTE_MODES
-from autopar.search.ilp import SplitILP, deal_chunks
+from autopar.search.ilp import SplitILP, deal_chunks, run_cp_sat
 
 SOLVER_PARAMETERS: dict[str, object] = {"num_workers": 1}
 MAX_ENUMERATED_MIXES = 20_000  # split x front combinations walked by ``enumerate`` (beyond: the parametric search, faster there)
@@ -417,16 +417,9 @@ class MixedSplitILP:
             sol = self.parametric()
             if sol is not None or method == "parametric":
                 return sol
-        from ortools.sat.python import cp_model
-
         self._build_model()
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = time_limit_s
-        for key, value in SOLVER_PARAMETERS.items():
-            setattr(solver.parameters, key, value)
-        status = solver.Solve(self.model)
-        name = solver.StatusName(status)
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        solver, name, found = run_cp_sat(self.model, time_limit_s, SOLVER_PARAMETERS)
+        if not found:
             return MixSolution(chunk_blocks=None, recompute_blocks=None, status=name, objective_s=math.inf,
                                bound_s=math.inf, method="cp-sat")
         mixes = [{m: int(solver.Value(x)) for m, x in row.items()} for row in self.n]
