@@ -121,6 +121,11 @@ class Cluster:
     host_memory_bytes_per_node: float = 0.0  # host DRAM of one node, shared by its GPUs
     host_link_bandwidth_bytes_per_s: float = 0.0  # GPU <-> host copies, per GPU with all GPUs copying at once
     cpu_optimizer_params_per_s: float = 0.0  # CPU Adam updates per second of one node (all its sockets)
+    # issue 18: FSDP2 / DTensor CPU time per parameter tensor beyond the collectives' bytes
+    # (autopar.cost.framework), from a measured profile's ``measured.comm.fsdp``; 0 = not measured.
+    fsdp_gather_s_per_tensor: float = 0.0
+    fsdp_reduce_s_per_tensor: float = 0.0
+    dtensor_optimizer_s_per_tensor: float = 0.0
     source: Path | None = field(default=None, compare=False)
     # Measured tables (autopar profile): layer times/memory, kernel curves, collective fits. The
     # cost model consults them where they apply and falls back to the figures above otherwise.
@@ -143,7 +148,8 @@ class Cluster:
                 raise ClusterError(f"cluster profile {self.name}: {key} must be in (0, 1]")
         if not 0 <= self.overlap_cost_fraction <= 1:
             raise ClusterError(f"cluster profile {self.name}: overlap_cost_fraction must be in [0, 1]")
-        for key in ("host_memory_bytes_per_node", "host_link_bandwidth_bytes_per_s", "cpu_optimizer_params_per_s"):
+        for key in ("host_memory_bytes_per_node", "host_link_bandwidth_bytes_per_s", "cpu_optimizer_params_per_s",
+                    "fsdp_gather_s_per_tensor", "fsdp_reduce_s_per_tensor", "dtensor_optimizer_s_per_tensor"):
             if getattr(self, key) < 0:
                 raise ClusterError(f"cluster profile {self.name}: {key} must be >= 0")
 
@@ -245,11 +251,18 @@ def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
         changes[measured.comm_link] = dataclasses.replace(
             link, fits=fits, bandwidth_bytes_per_s=base.bandwidth_bytes_per_s, latency_s=base.latency_s,
             max_efficiency=1.0, half_efficiency_bytes=0.0, rendezvous_s=measured.comm_rendezvous_s)
+    for key, name in FSDP_KEYS.items():  # issue 18: measured with the collectives, on the same ranks
+        if key in measured.comm_fsdp:
+            changes[name] = measured.comm_fsdp[key]
     try:
         return dataclasses.replace(cluster, **changes)
     except (TypeError, ValueError) as exc:
         raise ClusterError(f"measured profile over {cluster.name}: {exc}") from None
 
+
+# measured.comm.fsdp key -> Cluster field (issue 18, autopar.cost.framework)
+FSDP_KEYS = {"gather_s_per_tensor": "fsdp_gather_s_per_tensor", "reduce_s_per_tensor": "fsdp_reduce_s_per_tensor",
+             "optimizer_s_per_tensor": "dtensor_optimizer_s_per_tensor"}
 
 _SOFTWARE_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "async_tp_backward", "pipeline_scatter_gather",
                   "tp_comm_overlap", "fused_grad_accumulation")

@@ -14,8 +14,8 @@ prediction would be meaningless. The rules (docs/profiles.md, "Conditions"):
 * **device type** differs (validate on cuda with a cpu profile): an **error**.
 * **concurrent ranks** (CPU profiles, where the ranks of one run share the cores): the run's ranks
   on this machine R against the profile's R_p (``--load-ranks``, default one per core). The
-  profile's compute is rescaled by slowdown(R) / slowdown(R_p) and its collectives by
-  slowdown(R) / slowdown(R_comm): ``slowdown`` is the profile's measured contention curve (a
+  profile's compute is rescaled by slowdown(R) / slowdown(R_p) and its collectives (with FSDP2's
+  per-tensor time, measured on the same ranks) by slowdown(R) / slowdown(R_comm): ``slowdown`` is the profile's measured contention curve (a
   reference block timed beside 0, 1, 3, ... other ranks: autopar.profiler.contention), and beyond
   it, or for a profile without one, the cores' share max(1, R / cores) -- single-threaded ranks
   beyond the cores time-share them, the rule the profiler's own clock uses. R on the curve: priced
@@ -176,6 +176,9 @@ def price_for_run(cluster: Cluster, run: RunConditions, *, profile_label: str, m
             if abs(fc - 1.0) > 1e-9:
                 link = cluster.measured.comm_link if cluster.measured is not None else "intra_node"
                 changes[link] = _scaled_link(getattr(cluster, link), fc)
+                # issue 18: FSDP2's per-tensor CPU time was measured on the same ranks as the collectives
+                for name in ("fsdp_gather_s_per_tensor", "fsdp_reduce_s_per_tensor", "dtensor_optimizer_s_per_tensor"):
+                    changes[name] = getattr(cluster, name) * fc
         if not cond.comm_ranks and R > 1:
             warnings.append(f"{profile_label} has no measured collectives; communication is priced from defaults; "
                             f"measure them: autopar profile --comm --nproc-per-node {R} -o {profile_label}")

@@ -196,6 +196,8 @@ class MeasuredProfile:
     comm_ranks: int = 0
     comm: Mapping[str, CollectiveFit] = field(default_factory=dict)
     comm_rendezvous_s: float = 0.0  # extra per blocking collective between compute (autopar.profiler.comm)
+    # issue 18: FSDP2 / DTensor seconds per parameter tensor (autopar.profiler.fsdp; cost.framework)
+    comm_fsdp: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -360,7 +362,26 @@ def measured_from_dict(data: Any, where: str) -> MeasuredProfile:
         memory_baseline_bytes=None if baseline is None else _number(baseline, f"{where}.memory_baseline_bytes"),
         comm_link=link, comm_ranks=int(comm_data.get("ranks", 0)), comm=comm,
         comm_rendezvous_s=_number(comm_data.get("rendezvous_s", 0.0), f"{where}.comm.rendezvous_s"),
+        comm_fsdp=_fsdp(comm_data.get("fsdp", {}), f"{where}.comm.fsdp"),
     )
+
+
+FSDP_FIGURES = ("gather_s_per_tensor", "reduce_s_per_tensor", "optimizer_s_per_tensor")
+
+
+def _fsdp(value: Any, where: str) -> dict[str, float]:
+    """``measured.comm.fsdp`` (issue 18): the three per-tensor figures, each >= 0; absent: {}."""
+    data = _mapping(value, where)
+    unknown = sorted(set(data) - set(FSDP_FIGURES) - {"tensors", "units"}, key=str)
+    if unknown:
+        raise ClusterError(f"{where}: unknown key '{unknown[0]}'; allowed: {', '.join(FSDP_FIGURES)}, tensors, units")
+    out = {}
+    for key in FSDP_FIGURES:
+        if key in data:
+            out[key] = _number(data[key], f"{where}.{key}")
+            if out[key] < 0:
+                raise ClusterError(f"{where}.{key} must be >= 0, got {out[key]}")
+    return out
 
 
 def layer_table_to_dict(table: LayerTable) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -375,7 +396,11 @@ def layer_table_to_dict(table: LayerTable) -> tuple[dict[str, Any], dict[str, An
     return model, layers
 
 
-def comm_to_dict(fits: Mapping[str, CollectiveFit], ranks: int, link: str, rendezvous_s: float = 0.0) -> dict[str, Any]:
-    return {"ranks": ranks, "link": link, "rendezvous_s": rendezvous_s, "collectives": {
+def comm_to_dict(fits: Mapping[str, CollectiveFit], ranks: int, link: str, rendezvous_s: float = 0.0,
+                 fsdp: Mapping[str, float] | None = None) -> dict[str, Any]:
+    out = {"ranks": ranks, "link": link, "rendezvous_s": rendezvous_s, "collectives": {
         k: {"latency_s": f.latency_s, "bandwidth_bytes_per_s": f.bandwidth_bytes_per_s,
             "points": [list(p) for p in f.points]} for k, f in fits.items()}}
+    if fsdp:  # issue 18 (absent from profiles measured before it)
+        out["fsdp"] = dict(fsdp)
+    return out

@@ -126,7 +126,7 @@ def stage_tail_s(terms: ChainTerms, load: StageLoad) -> float:
         tail = max(t.grad_sync_floor_s if sync > 0 else 0.0, sync - load.bwd_s) + t.overlap_cost_fraction * sync
     else:
         tail = sync
-    return tail + load.params * (t.param_gather_s_per_param + t.optimizer_s_per_param)
+    return tail + load.params * t.after_sync_s_per_param
 
 
 def stage_memory(terms: ChainTerms, load: StageLoad, rank: int) -> dict[str, float]:

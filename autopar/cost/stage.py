@@ -25,6 +25,7 @@ from typing import Any, Mapping
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time, usable_layer_table
+from autopar.cost.framework import per_microbatch_s, per_step_s_per_param
 from autopar.cost.memory import inflight_microbatches, state_bytes_per_param
 from autopar.cost.zero import gradient_bytes_per_param, overlapped, per_microbatch_exposed, per_step_sync
 from autopar.graph.model_graph import ModelGraph
@@ -108,6 +109,9 @@ class StageTerms:
     overlap_cost_fraction: float = 0.1  # share of an overlapped collective's time that still costs
     param_gather_s_per_param: float  # ZeRO-1/2 all-gather of updated parameters
     optimizer_s_per_param: float
+    # issue 18: FSDP2 / DTensor CPU time per step per rank parameter (autopar.cost.framework), in
+    # the tail beside the optimizer; 0 on profiles that did not measure it
+    framework_s_per_param: float = 0.0
     transient_bytes: float  # ZeRO-3 gathered block, recompute working set
     tied_params: float  # tied embedding copy the last stage also holds (pp > 1)
     reserve_bytes: float
@@ -120,6 +124,12 @@ class StageTerms:
     recompute_parts: Mapping[str, Part] | None = None
     recompute_working_bytes: Mapping[str, float] | None = None
     offload: Any = None  # issue 14: autopar.cost.offload.OffloadCost, None without offload
+
+    @property
+    def after_sync_s_per_param(self) -> float:
+        """Seconds per rank parameter the tail adds after the gradient sync: ZeRO-1's unhidden
+        parameter gather, the optimizer and FSDP2's per-tensor time (issue 18)."""
+        return self.param_gather_s_per_param + self.optimizer_s_per_param + self.framework_s_per_param
 
     def inflight(self, rank: int) -> float:
         c = self.config
@@ -173,6 +183,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
 
             bwd_plain = block.bwd_s - block.zero_comm_s
             zero_ep = zero_exposed_s(cfg, cluster, expert, block.fwd_s, bwd_plain, dpcp_link)
+            zero_ep += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # issue 18
             block = replace(block, bwd_s=bwd_plain + zero_ep, zero_comm_s=zero_ep)
         block = replace(block, fwd_s=block.fwd_s + fwd_extra, bwd_s=block.bwd_s + bwd_extra + recompute_extra,
                         recompute_s=block.recompute_s + recompute_extra, params=expert.block_params,
@@ -209,6 +220,11 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         transient += graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind).core_saved_bytes
     edge_tp = cfg.tp if graph.params["pre"].tp_sharded and not replicated else 1
     tied = graph.tied_params / edge_tp if cfg.pp > 1 else 0.0
+    framework = per_step_s_per_param(
+        cfg, cluster, tensors=sum(graph.params[r].tensors * (graph.num_blocks if r == "block" else 1)
+                                  for r in ("pre", "block", "post", "loss")),
+        params=graph.num_blocks * block.params + pre.params + post.params, units=graph.num_blocks + cfg.pp * cfg.virtual_stages,
+        link=dpcp_link)
     return StageTerms(
         expert=expert,
         config=cfg, block=block, pre=pre, post=post, p2p_s=p2p,
@@ -220,6 +236,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         grad_sync_floor_s=bucket_floor,
         param_gather_s_per_param=gather,
         optimizer_s_per_param=optimizer_s,
+        framework_s_per_param=framework,
         transient_bytes=transient,
         tied_params=tied,
         reserve_bytes=cluster.framework_reserve_bytes,
@@ -317,6 +334,7 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
     params = graph.params["block"].per_rank(cfg.tp)
     bwd = rt.bwd_s + tp_b + cp_b + recompute
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)
+    zero += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # issue 18: FSDP2's own time
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b,
                 zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops)
 
@@ -356,6 +374,8 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
     if region == "post":
         params += graph.params["loss"].count
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)
+    tensors = graph.params[region].tensors + (graph.params["loss"].tensors if region == "post" else 0)
+    zero += sum(per_microbatch_s(cfg, cluster, tensors))  # issue 18: FSDP2's own time
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=0.0, tp_comm_s=tp, cp_comm_s=0.0, zero_comm_s=zero,
                 act_bytes=sum(p.saved_bytes for p in parts), params=params,
                 fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts))

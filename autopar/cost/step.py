@@ -125,7 +125,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             tail += terms.overlap_cost_fraction * sync
         else:
             tail = sync
-        tail += params[r] * (terms.param_gather_s_per_param + terms.optimizer_s_per_param)
+        tail += params[r] * terms.after_sync_s_per_param
         inflight = terms.inflight(r)
         activations = inflight * act[r]
         if r == 0:

@@ -148,6 +148,7 @@ def _cast_float(value: Any, dtype: torch.dtype) -> Any:
 def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any, blocks_attr: str,
                    tp_plan: dict[str, str] | None, local_attrs: tuple[str, ...] = ()) -> tuple[dict[str, RegionParams], int]:
     counts = {"pre": 0, "block": 0, "post": 0, "loss": 0}
+    tensors = dict.fromkeys(counts, 0)
     tied = 0
     seen: set[int] = set()
     for p in small.parameters():
@@ -157,6 +158,7 @@ def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any
         regions = param_regions.get(id(p), {"pre"})
         first = "pre" if "pre" in regions else ("block" if "block" in regions else sorted(regions)[0])
         counts[first] += p.numel()
+        tensors[first] += 1
         if "pre" in regions and "post" in regions:
             tied += p.numel()
     sharded = {"pre": 0, "block": 0, "post": 0, "loss": 0}
@@ -167,4 +169,4 @@ def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any
                 regions = param_regions.get(id(p), {"pre"})
                 first = "pre" if "pre" in regions else ("block" if "block" in regions else sorted(regions)[0])
                 sharded[first] += p.numel()
-    return {r: RegionParams(count=counts[r], tp_sharded=sharded[r]) for r in counts}, tied
+    return {r: RegionParams(count=counts[r], tp_sharded=sharded[r], tensors=tensors[r]) for r in counts}, tied

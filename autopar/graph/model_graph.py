@@ -32,6 +32,9 @@ class RegionParams:
 
     count: int
     tp_sharded: int
+    # Parameter tensors (issue 18): FSDP2 and DTensor cost CPU time per tensor, not per byte
+    # (autopar.cost.framework). 0: not counted (chain models), then nothing is priced per tensor.
+    tensors: int = 0
 
     def per_rank(self, tp: int) -> float:
         return self.count - self.tp_sharded + self.tp_sharded / tp

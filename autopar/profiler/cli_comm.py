@@ -1,7 +1,7 @@
 """``autopar profile --comm``: collectives on N ranks, written into a profile (rank 0).
 
-Every rank measures (autopar.profiler.comm) and rank 0 merges the fits into the profile's
-``measured.comm`` section (a new profile also gets gpu/network/efficiency sections). With
+Every rank measures (autopar.profiler.comm, then FSDP2's per-tensor time: autopar.profiler.fsdp)
+and rank 0 merges the fits into the profile's ``measured.comm`` section (a new profile also gets gpu/network/efficiency sections). With
 ``--nproc-per-node N`` outside torchrun the ranks are started by autopar's own single-node launcher
 (autopar.launch.local, as ``autopar run`` and ``autopar validate`` do: loopback only, one line for
 a rank that dies); under your own ``torchrun`` every rank measures as started. The process group is
@@ -52,6 +52,7 @@ def _measure(args: argparse.Namespace) -> int:
     from autopar.launch.local import arm_parent_death_signal, join_process_group
     from autopar.profile_tables import comm_to_dict
     from autopar.profiler.comm import profile_comm
+    from autopar.profiler.fsdp import profile_fsdp
     from autopar.profiler.profile_file import derived_spec, device_info, read_profile, write_profile
 
     arm_parent_death_signal()
@@ -73,11 +74,14 @@ def _measure(args: argparse.Namespace) -> int:
         rank0 = dist.get_rank() == 0
         log = (lambda s: print(f"autopar profile --comm: {s}", file=sys.stderr, flush=True)) if rank0 else None
         result = profile_comm(device, repeats=max(3, args.repeats), log=log)
+        # issue 18: FSDP2's own time per tensor, beyond the collectives just fitted (same ranks)
+        fsdp = profile_fsdp(device, result["fits"], result["rendezvous_s"], log=log)
         if rank0:
             out = Path(args.output)
             data = read_profile(out)
             measured = dict(data.get("measured") or {})
-            measured["comm"] = comm_to_dict(result["fits"], result["ranks"], result["link"], result["rendezvous_s"])
+            measured["comm"] = comm_to_dict(result["fits"], result["ranks"], result["link"], result["rendezvous_s"],
+                                            fsdp=fsdp)
             if device.type == "cpu":
                 measured["memory_baseline_bytes"] = result["memory_baseline_bytes"]
             measured.setdefault("device", device_info(device, torch.get_num_threads(),

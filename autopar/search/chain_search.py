@@ -75,7 +75,7 @@ class StagePricer:
             tail = max(t.grad_sync_floor_s if sync > 0 else 0.0, sync - bwd) + t.overlap_cost_fraction * sync
         else:
             tail = sync
-        return time_s, tail + params * (t.param_gather_s_per_param + t.optimizer_s_per_param)
+        return time_s, tail + params * t.after_sync_s_per_param
 
 
 def search_chain(graph: ModelGraph, cluster: Cluster, space: SearchSpace, *, top_k: int = 5,

@@ -128,8 +128,7 @@ class SplitILP:
         t = terms
         everything = num_blocks * t.block.time_s + t.pre.time_s + t.post.time_s + 2 * self.C * t.p2p_s
         params = num_blocks * t.block.params + t.pre.params + t.post.params + t.tied_params
-        self.tail_s = t.grad_sync_floor_s + params * (t.grad_sync_s_per_param + t.param_gather_s_per_param
-                                                      + t.optimizer_s_per_param)
+        self.tail_s = t.grad_sync_floor_s + params * (t.grad_sync_s_per_param + t.after_sync_s_per_param)
         self.everything_s = everything
         self.ns = TIME_UNITS / max(everything, 1e-12)  # integer time units per second
         self.caps = rank_block_capacity(terms)
@@ -167,7 +166,7 @@ class SplitILP:
         """The tail family of rank r as integer (constant, coefficient of N_r) pairs: Z >= each."""
         t = self.terms
         sync_ns = t.grad_sync_s_per_param * self.ns
-        per_param_ns = (t.param_gather_s_per_param + t.optimizer_s_per_param) * self.ns
+        per_param_ns = t.after_sync_s_per_param * self.ns
         if t.grad_sync_overlaps:
             per_param_ns += t.overlap_cost_fraction * sync_ns  # a hidden sync still costs its share c
         fixed_p = self._fixed_params(r)

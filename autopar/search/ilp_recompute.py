@@ -106,7 +106,7 @@ class MixedSplitILP:
         Z >= c2 + k2 N_r [no overlap: the b_r term is dropped]."""
         t, ns = self.terms, self.base.ns
         sync_ns = t.grad_sync_s_per_param * ns
-        per_param_ns = (t.param_gather_s_per_param + t.optimizer_s_per_param) * ns
+        per_param_ns = t.after_sync_s_per_param * ns
         if t.grad_sync_overlaps:
             per_param_ns += t.overlap_cost_fraction * sync_ns
         fixed_p = self.base._fixed_params(r)

@@ -27,9 +27,13 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = profile_comm(torch.device("cpu"), sizes=(2**12, 2**16, 2**20), repeats=3)
+        from autopar.profiler.fsdp import profile_fsdp
+
+        fsdp = profile_fsdp(torch.device("cpu"), result["fits"], result["rendezvous_s"], steps=3)
         if rank == 0:
             torch.save({k: (f.latency_s, f.bandwidth_bytes_per_s, f.points) for k, f in result["fits"].items()}
-                       | {"_meta": (result["ranks"], result["link"], result["memory_baseline_bytes"], result["rendezvous_s"])}, out)
+                       | {"_meta": (result["ranks"], result["link"], result["memory_baseline_bytes"], result["rendezvous_s"]),
+                          "_fsdp": fsdp}, out)
     finally:
         dist.destroy_process_group()
 
@@ -42,6 +46,11 @@ def test_two_rank_gloo_comm_profile_fits_every_collective() -> None:
         mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
         result = torch.load(out, weights_only=False)
     ranks, link, baseline, rendezvous = result.pop("_meta")
+    fsdp = result.pop("_fsdp")
+    # issue 18: FSDP2's per-tensor time on the reference model (4 units of 4 layers + a root layer)
+    assert (fsdp["tensors"], fsdp["units"]) == (34, 5)
+    assert all(fsdp[k] >= 0 for k in ("gather_s_per_tensor", "reduce_s_per_tensor", "optimizer_s_per_tensor"))
+    assert 0 < fsdp["optimizer_s_per_tensor"] < 0.05  # DTensor dispatch costs on CPU, not seconds per tensor
     assert ranks == 2 and link == "intra_node"
     assert 0 <= rendezvous < 0.05  # a wait for a descheduled partner, at most a few time slices
     assert 50 * 2**20 < baseline < 4 * 2**30  # a python + torch process, not zero, not absurd
