@@ -75,8 +75,21 @@ def group_link(cluster: Cluster, size: int, stride: int) -> GroupLink:
 def axis_link(cluster: Cluster, layout: Layout, axis: str) -> GroupLink:
     """The link of the groups of ``axis`` (``layout.AXES``; ``dp_cp`` is the ZeRO/gradient group).
     For ``pp`` it is the link between neighbouring stages, which is what a P2P send crosses."""
+    # The search asks this for the same few layouts thousands of times: remembered per cluster
+    # object (a profile is immutable once loaded; the entry keeps the cluster it was computed for).
+    key = (id(cluster), layout.pp, layout.dp, layout.cp, layout.tp, axis)
+    hit = _AXIS_LINKS.get(key)
+    if hit is not None and hit[0] is cluster:
+        return hit[1]
     g = cluster.gpus_per_node
-    return placement_link(cluster, layout.p2p_placement(g) if axis == "pp" else layout.placement(axis, g))
+    link = placement_link(cluster, layout.p2p_placement(g) if axis == "pp" else layout.placement(axis, g))
+    if len(_AXIS_LINKS) > 65536:
+        _AXIS_LINKS.clear()
+    _AXIS_LINKS[key] = (cluster, link)
+    return link
+
+
+_AXIS_LINKS: dict[tuple, tuple[Cluster, GroupLink]] = {}
 
 
 def collective_time_s(kind: str, message_bytes: float, group: GroupLink) -> float:

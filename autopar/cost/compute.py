@@ -99,18 +99,20 @@ def _no_sp(shape: Shape) -> Shape:
     return shape if shape.sp == 1.0 else replace(shape, sp=1.0)
 
 
-# id(fit) keys stay unique because each entry also holds the fit itself (no id reuse while cached).
-_CACHE: dict[tuple, tuple[RegionFit, RegionTime]] = {}
+# id(fit) and id(cluster) keys stay unique because each entry also holds the fit and the cluster
+# themselves (no id reuse while cached); hashing the cluster profile itself on every call cost more
+# than the lookup saved.
+_CACHE: dict[tuple, tuple[RegionFit, Cluster, RegionTime]] = {}
 
 
 def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shape | None = None,
                 seq_len: int = 0) -> RegionTime:
     """Compute time and saved bytes of ``fit`` at ``shape`` (cached); ``seq_len`` as in ``op_time_s``."""
     core_shape = core_shape or shape
-    key = (id(fit), cluster, shape, core_shape, seq_len)
+    key = (id(fit), id(cluster), shape, core_shape, seq_len)
     hit = _CACHE.get(key)
-    if hit is not None and hit[0] is fit:
-        return hit[1]
+    if hit is not None and hit[0] is fit and hit[1] is cluster:
+        return hit[2]
     fwd = bwd = core = fwd_f = bwd_f = bwd_gemm = fwd_gemm = 0.0
     sequence_model = any(op.bytes_exps.s > 0.5 for op in fit.ops)
     for op in fit.ops:
@@ -140,7 +142,9 @@ def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shap
     out = RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
                      fwd_flops=fwd_f, bwd_flops=bwd_f,
                      saved_bytes=saved, core_saved_bytes=core_saved)
-    _CACHE[key] = (fit, out)
+    if len(_CACHE) >= 200_000:  # bounded: tests and sweeps make many cluster objects
+        _CACHE.clear()
+    _CACHE[key] = (fit, cluster, out)
     return out
 
 

@@ -42,6 +42,13 @@ def host_per_node(terms: "StageTerms", per_pp_rank: Sequence[float], gpus_per_no
     cfg = terms.config
     inner = cfg.dp * cfg.cp * cfg.tp
     g = min(gpus_per_node, cfg.num_gpus)
+    # The two layouts of power-of-two degrees, in closed form (the loop below visits every node:
+    # 8,192 of them at 65,536 GPUs): a pipeline rank spans whole nodes, or a node holds whole ones.
+    if inner % g == 0:
+        return g * max(per_pp_rank)
+    if g % inner == 0 and cfg.pp % (g // inner) == 0:
+        k = g // inner
+        return inner * max(sum(per_pp_rank[i:i + k]) for i in range(0, cfg.pp, k))
     worst = 0.0
     for first in range(0, cfg.num_gpus, g):
         # The pipeline ranks this node's GPUs belong to, and how many GPUs of each.

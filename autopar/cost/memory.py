@@ -17,6 +17,7 @@ Korthikanti's p v (1 + (p - 1)/(p v))).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from autopar.errors import PlanError
 
@@ -43,6 +44,7 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
+@lru_cache(maxsize=4096)  # a pure function of four scalars, asked tens of thousands of times per search
 def state_bytes_per_param(*, zero: int, shard_degree: int, dtype_bytes: int, optimizer: str) -> StateBytes:
     """Model-state bytes per parameter on one rank (see the module docstring)."""
     if zero not in (0, 1, 2, 3):

@@ -297,23 +297,38 @@ def _capped_lb(terms: StageTerms, caps: list[int], num_blocks: int) -> float:
     fixed[last % cfg.pp] += terms.post.time_s
     if tau <= 0:
         return 0.0
-
-    def room(t_max: float) -> float:
-        return sum(min(cap, max(0.0, (t_max - f) / tau)) for cap, f in zip(caps, fixed))
-
-    lo, hi = max(fixed), max(fixed) + tau * num_blocks
-    for _ in range(40):  # lo stays infeasible, so a lower bound at every step; 2^-40 of the range is plenty
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if room(mid) < num_blocks else (lo, mid)
+    lo = _least_max_time(caps, fixed, tau, num_blocks)
     total = tau * num_blocks + sum(fixed)
     # Tail: the slowest rank's update is at least the average rank's (max >= mean).
     params = num_blocks * terms.block.params + terms.pre.params + terms.post.params + terms.tied_params
-    per_param = terms.param_gather_s_per_param + terms.optimizer_s_per_param
+    per_param = terms.after_sync_s_per_param
     if terms.grad_sync_overlaps:
         per_param += terms.overlap_cost_fraction * terms.grad_sync_s_per_param
     else:
         per_param += terms.grad_sync_s_per_param
     return (m - 1 / v) * lo + total / v + per_param * params / cfg.pp
+
+
+def _least_max_time(caps: list[int], fixed: list[float], tau: float, num_blocks: int) -> float:
+    """The least t with room(t) = sum_r min(cap_r, max(0, (t - f_r) / tau)) >= L, t >= max_r f_r.
+
+    room is piecewise linear and non-decreasing, with breakpoints at f_r (rank r starts taking
+    blocks) and f_r + tau cap_r (rank r is full): walk the breakpoints in order, and interpolate
+    inside the segment where room reaches L. Exact (it replaced a 40-step bisection)."""
+    events = sorted([(f, 1) for f in fixed] + [(f + tau * max(0, c), -1) for c, f in zip(caps, fixed)])
+    start = max(fixed)
+    slope = 0  # ranks taking blocks at the current t
+    t_prev = events[0][0]
+    room = 0.0
+    for t, d in events:
+        gained = room + slope * (t - t_prev) / tau
+        if gained >= num_blocks and t > t_prev:
+            return max(start, t_prev + (num_blocks - room) * tau / slope)
+        room, t_prev = gained, t
+        slope += d
+    if sum(max(0, c) for c in caps) >= num_blocks:  # L is reached only as the last rank fills (rounding)
+        return max(start, t_prev)
+    return start + tau * num_blocks  # every rank full below L (no split fits): the bisection's upper end
 
 
 def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: float, tokens: float,

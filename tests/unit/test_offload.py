@@ -234,3 +234,15 @@ def test_explain_and_estimate_json_show_host_memory_and_offload_traffic(small_gp
     assert "offload traffic" in text and "CPU optimizer step" in text
     plain = estimate_json(estimate_plan(make_plan(16, dp=8, zero=1), small_gpt, a100))
     assert "host_memory_bytes" not in plain and "offload" not in plain  # old outputs unchanged
+
+
+@pytest.mark.parametrize("dp,tp,pp", [(4, 2, 4), (1, 8, 4), (2, 2, 8), (16, 8, 2), (1, 2, 16), (3, 2, 4), (1, 1, 6)])
+def test_host_per_node_closed_forms_equal_the_node_walk(small_gpt, a100, dp, tp, pp) -> None:
+    """A pipeline rank spanning whole nodes, or a node holding whole pipeline ranks, is summed in
+    closed form; both equal visiting every node."""
+    terms = build_terms(small_gpt, a100, cfg(dp=dp, tp=tp, pp=pp, zero=0, offload=Offload(optimizer=True)))
+    per_rank = [float((r * 7) % 5 + r) for r in range(pp)]
+    inner, g = dp * tp, 8
+    walk = max(sum(per_rank[r // inner] for r in range(first, min(first + g, dp * tp * pp)))
+               for first in range(0, dp * tp * pp, g))
+    assert host_per_node(terms, per_rank, g) == pytest.approx(walk)

@@ -220,3 +220,28 @@ def test_parametric_screen_gives_the_plans_cp_sat_alone_gives(monkeypatch) -> No
     assert [c.step_time_s for c in screened.top] == pytest.approx([c.step_time_s for c in plain.top], rel=1e-9)
     assert [c.config for c in screened.top] == [c.config for c in plain.top]
     assert screened.num_ilp_solved <= plain.num_ilp_solved
+
+
+def test_memory_capped_bound_is_the_least_time_at_which_the_ranks_hold_every_block() -> None:
+    """``_least_max_time`` (a breakpoint walk) against the bisection it replaced, run to convergence."""
+    import random
+
+    from autopar.search.search import _least_max_time
+
+    def bisection(caps, fixed, tau, blocks):
+        def room(t):
+            return sum(min(c, max(0.0, (t - f) / tau)) for c, f in zip(caps, fixed))
+        lo, hi = max(fixed), max(fixed) + tau * blocks
+        for _ in range(80):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if room(mid) < blocks else (lo, mid)
+        return lo
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        pp, blocks = rng.randint(1, 12), rng.randint(1, 96)
+        caps = [rng.randint(0, blocks) for _ in range(pp)]
+        fixed = [rng.choice([0.0, rng.random() * 5]) for _ in range(pp)]
+        tau = rng.random() * 2 + 0.01
+        assert _least_max_time(caps, fixed, tau, blocks) == pytest.approx(bisection(caps, fixed, tau, blocks),
+                                                                          rel=1e-9, abs=1e-9)
