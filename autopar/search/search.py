@@ -148,6 +148,13 @@ def search(
                 rejected["bound: cannot beat the best plans"] += len(branch.schedules)
                 continue
             frugal = branch.schedules[0] if ("1f1b", 1) not in branch.schedules else ("1f1b", 1)
+            if branch.pp > 1 and branch.ep == 1 and not _fits_somehow(
+                    _upper_capacity(base_work[branch.block_key][1], branch, zero, off, frugal, cluster, graph),
+                    frugal[1], graph.num_blocks):
+                # Decided from the branch's shared terms (search.fit_bound): the real capacities are
+                # no larger, so the terms' own check below would say the same after building them.
+                rejected["memory: no stage split fits"] += len(branch.schedules)
+                continue
             terms0 = build_terms(graph, cluster, branch.config(*frugal, zero, offload=off))
             if not off.any:
                 plain_terms[(id(branch), zero)] = terms0
@@ -275,6 +282,21 @@ def _offloads(branch: Branch, zero: int, cluster: Cluster, rejected: Counter) ->
     profile gives no host figures (autopar.cluster.Cluster.has_host)."""
     offs = branch.offloads(zero)
     return offs if cluster.has_host else tuple(o for o in offs if not o.any)
+
+
+def _upper_capacity(base: StageTerms, branch: Branch, zero: int, off: Offload, schedule: tuple[str, int],
+                    cluster: Cluster, graph: ModelGraph) -> list[int]:
+    """``search.fit_bound.upper_capacity`` of one config of ``branch`` (``base``: its shared terms)."""
+    from autopar.search.fit_bound import upper_capacity
+
+    act = base.block.act_bytes
+    if base.recompute_parts is not None:  # a mix keeps at least its most frugal mode's activations
+        act = min(base.recompute_parts[m].act_bytes for m in mix_modes(graph))
+    space = branch.space
+    return upper_capacity(base, zero=zero, offload=off, schedule=schedule[0], pp=branch.pp,
+                          virtual_stages=schedule[1], num_microbatches=branch.num_microbatches,
+                          shard_degree=branch.dp * branch.cp, dtype_bytes=space.dtype_bytes,
+                          optimizer=space.optimizer, capacity_bytes=cluster.memory_bytes, block_act_bytes=act)
 
 
 def _fits_somehow(caps: list[int], virtual_stages: int, num_blocks: int) -> bool:

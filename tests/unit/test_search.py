@@ -245,3 +245,35 @@ def test_memory_capped_bound_is_the_least_time_at_which_the_ranks_hold_every_blo
         tau = rng.random() * 2 + 0.01
         assert _least_max_time(caps, fixed, tau, blocks) == pytest.approx(bisection(caps, fixed, tau, blocks),
                                                                           rel=1e-9, abs=1e-9)
+
+
+def test_the_pre_build_capacity_bound_never_undercuts_the_real_capacities() -> None:
+    """search.fit_bound: capacities from the branch's shared terms are at least those of every
+    config's own terms (so skipping a build where they cannot hold L blocks loses no plan)."""
+    from autopar.cluster import load_cluster
+    from autopar.search.ilp import rank_block_capacity
+    from autopar.search.search import _upper_capacity
+    from autopar.search.space import enumerate_branches
+
+    graph = gpt_graph(GPTConfig(num_layers=16, hidden_size=1024, num_heads=16, seq_len=1024, vocab_size=512), "bf16")
+    cluster = dataclasses.replace(load_cluster("a100-80g"), memory_bytes=6 * 2**30)
+    space = SearchSpace(num_gpus=16, gpus_per_node=8, global_batch=64, seq_len=1024, micro_batches=(1, 2),
+                        recompute_modes=("none", "selective", "full", "mixed"))
+    checked = 0
+    for branch in enumerate_branches(graph, space, Counter()):
+        if branch.pp == 1:
+            continue
+        base = build_terms(graph, cluster, branch.config(dp=branch.dp * branch.pp, pp=1))
+        for zero in branch.zero_stages:
+            for off in branch.offloads(zero):
+                for schedule in branch.schedules:
+                    terms = build_terms(graph, cluster, branch.config(*schedule, zero, offload=off))
+                    real = rank_block_capacity(terms)
+                    if terms.recompute_parts is not None:
+                        from autopar.search.ilp_recompute import mixed_block_capacity
+
+                        real = mixed_block_capacity(terms)
+                    upper = _upper_capacity(base, branch, zero, off, schedule, cluster, graph)
+                    assert all(u >= c for u, c in zip(upper, real)), (branch, zero, off, schedule, upper, real)
+                    checked += 1
+    assert checked > 500
