@@ -75,8 +75,9 @@ def op_time_s(op: FitOp, shape: Shape, cluster: Cluster, seq_len: int = 0,
     """(seconds, flops) of one op at ``shape``; ``seq_len``: the graph's base sequence (attention's
     key length is ``shape.kv_ratio * seq_len``); ``parameter_sized``: see ``is_parameter_sized``."""
     if op.kind == "gemm" and op.dims is not None and op.dims_exps is not None:
-        flops = op.flops * _no_sp(shape).scale(op.flops_exps)
-        batch, m, n, k = (d * _no_sp(shape).scale(e) for d, e in zip(op.dims, op.dims_exps))
+        plain = _no_sp(shape)  # once: a new Shape per call when sp > 1
+        flops = op.flops * plain.scale(op.flops_exps)
+        batch, m, n, k = (d * plain.scale(e) for d, e in zip(op.dims, op.dims_exps))
         eff = cluster.gemm(max(1.0, batch * m), max(1.0, n), max(1.0, k))
         return flops / (cluster.peak_flops * eff) + cluster.kernel_overhead_s, flops
     if op.kind == "attn":
@@ -86,7 +87,7 @@ def op_time_s(op: FitOp, shape: Shape, cluster: Cluster, seq_len: int = 0,
     if parameter_sized:
         if cluster.fused_grad_accumulation:  # the weight-gradient GEMM accumulates in place
             return 0.0, 0.0
-        return op.bytes * replace(shape, b=1.0).scale(op.bytes_exps) / (
+        return op.bytes * _shape_with(shape, b=1.0).scale(op.bytes_exps) / (
             cluster.memory_bandwidth_bytes_per_s * cluster.memory_efficiency) + cluster.kernel_overhead_s, 0.0
     moved = op.bytes * shape.scale(op.bytes_exps)
     flops = op.flops * shape.scale(op.flops_exps)
@@ -96,7 +97,22 @@ def op_time_s(op: FitOp, shape: Shape, cluster: Cluster, seq_len: int = 0,
 
 def _no_sp(shape: Shape) -> Shape:
     # GEMMs inside the TP region see the gathered sequence: SP does not shrink them.
-    return shape if shape.sp == 1.0 else replace(shape, sp=1.0)
+    return shape if shape.sp == 1.0 else _shape_with(shape, sp=1.0)
+
+
+def _shape_with(shape: Shape, **changes: float) -> Shape:
+    """``dataclasses.replace`` of a Shape, remembered: the search asks for the same few shapes
+    hundreds of thousands of times (replace itself was a tenth of a 65,536-GPU search)."""
+    key = (shape, tuple(sorted(changes.items())))
+    hit = _SHAPES.get(key)
+    if hit is None:
+        if len(_SHAPES) > 100_000:
+            _SHAPES.clear()
+        hit = _SHAPES[key] = replace(shape, **changes)
+    return hit
+
+
+_SHAPES: dict[tuple, Shape] = {}
 
 
 # id(fit) and id(cluster) keys stay unique because each entry also holds the fit and the cluster

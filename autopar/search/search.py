@@ -1,9 +1,10 @@
 """Branch and bound over the outer space, CP-SAT for the stage split; optimal under the cost model.
 
 1. Group legal configurations by what fixes a block's cost: (tp, cp, cp kind, sp, micro-batch,
-   recompute). For each group and pipeline degree a lower bound on the step time is the per-GPU
-   work M/pp * (L tau + embedding + head) with no bubble and no tail, tau the block time without
-   ZeRO-2/3 exposure (which only adds). A lower bound on memory is the model states alone.
+   recompute). For each group and pipeline degree a lower bound on the step time is the balanced
+   pipeline (M - 1/v) W/pp + W/v with W = L tau + embedding + head per micro-batch, at the
+   group's most favourable v, with no tail, tau the block time without ZeRO-2/3 exposure (which
+   only adds). A lower bound on memory is the model states alone.
 2. Visit (group, pp) pairs in increasing bound; inside, every schedule, v and ZeRO stage gets its
    exact terms, a tighter bound (the balanced pipeline), and only then the ILP (pp > 1) or a direct
    evaluation (pp = 1).
@@ -75,8 +76,12 @@ def search(
             base = build_terms(graph, cluster, branch.config(dp=branch.dp * branch.pp, pp=1))
             base_work[key] = (graph.num_blocks * base.block.time_s + base.pre.time_s + base.post.time_s, base)
         work_per_mb, base = base_work[key]
-        # step >= M * max_r t_r >= M * sum_r t_r / pp: every rank runs all M micro-batches.
-        lb = max(flop_lb_s, branch.num_microbatches * work_per_mb / branch.pp)
+        # step >= M * max_r t_r >= M * sum_r t_r / pp: every rank runs all M micro-batches; with the
+        # pipeline's fill and drain, the balanced pipeline of the shared terms (no p2p, no ZeRO
+        # exposure: both only add) at the branch's most favourable v.
+        lb = max(flop_lb_s, branch.num_microbatches * work_per_mb / branch.pp,
+                 min(_balanced_lb_of(base, graph.num_blocks, branch.pp, v, branch.num_microbatches)
+                     for _, v in branch.schedules))
         # Two memory bounds (issue 14): without offload (the first pass) and with the most frugal
         # offload the branch allows (the second), so the first pass prunes as it did before offload.
         mem_plain = _memory_lb(graph, base, branch)
