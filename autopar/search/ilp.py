@@ -132,6 +132,7 @@ class SplitILP:
         self.everything_s = everything
         self.ns = TIME_UNITS / max(everything, 1e-12)  # integer time units per second
         self.caps = rank_block_capacity(terms)
+        self._bounds_memo: list[tuple[int, int]] | None = None
         self.tau_ns = round(t.block.time_s * self.ns)
         self.fixed_ns = [self._fixed_time_ns(r) for r in self.ranks]
         self.tail_rows = [self._tail_rows(r) for r in self.ranks]  # [(const, coeff), ...] per rank
@@ -182,10 +183,13 @@ class SplitILP:
         return rows
 
     def _bounds(self) -> list[tuple[int, int]]:
-        """Each rank's block range: its v chunks at least, memory and the other ranks' minimum at most."""
-        v = self.cfg.virtual_stages
-        top = self.L - (self.cfg.pp - 1) * v
-        return [(v, min(cap, top)) for cap in self.caps]
+        """Each rank's block range: its v chunks at least, memory and the other ranks' minimum at most
+        (computed once: the parametric walk asks for it tens of thousands of times)."""
+        if self._bounds_memo is None:
+            v = self.cfg.virtual_stages
+            top = self.L - (self.cfg.pp - 1) * v
+            self._bounds_memo = [(v, min(cap, top)) for cap in self.caps]
+        return self._bounds_memo
 
     def _objective(self, n: tuple[int, ...] | list[int]) -> int:
         """The integer objective v * (step time) - constant of block counts ``n`` (max(T) and max(Z) at equality)."""
@@ -319,16 +323,19 @@ class SplitILP:
         """Per rank, the block counts with t_r <= t and every tail term <= z; None if the sums
         cannot meet L."""
         out = []
+        tau, fixed = self.tau_ns, self.fixed_ns
+        low = high = 0
         for r, (lo, hi) in enumerate(self._bounds()):
-            t_hi = hi if self.tau_ns == 0 else (t - self.fixed_ns[r]) // self.tau_ns
-            if self.tau_ns == 0 and t < self.fixed_ns[r]:
+            t_hi = hi if tau == 0 else (t - fixed[r]) // tau
+            if tau == 0 and t < fixed[r]:
                 return None
             z_lo, z_hi = self._z_interval(r, z)
             a, b = max(lo, z_lo), min(hi, t_hi, z_hi)
             if a > b:
                 return None
+            low, high = low + a, high + b
             out.append((int(a), int(b)))
-        if sum(a for a, _ in out) > self.L or sum(b for _, b in out) < self.L:
+        if low > self.L or high < self.L:
             return None
         return out
 
