@@ -14,8 +14,10 @@ model's config: the zoo's "tiny" runs in milliseconds, all start-up noise), in a
     autopar plan model.py --gpus N --global-batch 16 --profile prof.yaml -o p.yaml
     autopar validate p.yaml model.py --nproc-per-node N
 
-for N in ``--ranks``. ``plan`` writes its best plan; plans #2 and #3 of the same search are written
-with the API the command uses (autopar.search.driver.search_plans, priced by
+for N in ``--ranks``. Before each round the profile's contention reference (the model's one-block
+forward+backward, CPU time, 1 rank) is timed again and its change since profiling printed: the
+shared machine's own drift, to read the step-time errors against. ``plan`` writes its best plan;
+plans #2 and #3 of the same search are written with the API the command uses (autopar.search.driver.search_plans, priced by
 autopar.profile_conditions as the command prices them) and validated with the same command line.
 The prediction compared is the one each plan file carries (validate without --profile).
 
@@ -243,6 +245,25 @@ def user_validate(work: Path, plan: Path, n: int) -> dict:
     return json.loads(report.read_text())
 
 
+def machine_drift(work: Path) -> tuple[float, float] | None:
+    """(the profile's reference block at 1 rank, the same block timed now), seconds of CPU time:
+    how far the machine itself has moved since ``autopar profile`` measured it (autopar.profiler.
+    contention's reference, re-run in this process). None if the profile has no contention curve."""
+    import yaml
+
+    from autopar.modelfile import load_model_file
+    from autopar.profiler.contention import measure_contention
+
+    measured = yaml.safe_load((work / "prof.yaml").read_text(encoding="utf-8")).get("measured", {})
+    curve = dict((int(r), float(t)) for r, t in measured.get("device", {}).get("contention", []))
+    points = measured.get("layers", {}).get("block", [])
+    if 1 not in curve or not points:
+        return None
+    mf = load_model_file(work / "model.py")
+    now = measure_contention(mf, max(int(p["b"]) for p in points), (1,))[0][1]
+    return curve[1], now
+
+
 def user_loop(args: argparse.Namespace) -> bool:
     print(f"user loop: {ZOO_MODEL.relative_to(ROOT)} as model.py (size 'bench': 4 cells, width 192, GQA 6/2 heads, "
           f"SwiGLU 512, seq 64), global batch {GLOBAL_BATCH}, {os.cpu_count()} cores, load average "
@@ -269,7 +290,11 @@ def user_loop(args: argparse.Namespace) -> bool:
                   f"{args.rounds} round(s), interleaved)")
             runs: dict[int, list[dict]] = {i: [] for i in range(len(plans))}
             failed: dict[int, str] = {}
+            drifts = []
             for _ in range(args.rounds):
+                drift = machine_drift(work)
+                if drift is not None:
+                    drifts.append(drift[1] / drift[0] - 1)
                 for i, plan in enumerate(plans):
                     if i not in failed:
                         rep = user_validate(work, plan, n)
@@ -278,6 +303,10 @@ def user_loop(args: argparse.Namespace) -> bool:
                         else:
                             runs[i].append(rep)
             rows, ran = table(plans, runs, failed)
+            if drifts:  # the machine's own speed against the profile's, before each round
+                moved = max(abs(d) for d in drifts) * 100 > TARGETS["step_time_pct"]
+                print(f"  machine since profiling: reference block {', '.join(f'{d * 100:+.0f} %' for d in drifts)} "
+                      f"before the rounds" + (" -- beyond the step-time target: read the errors as drift too" if moved else ""))
             ok &= ran and verdict(rows)
     return ok
 
