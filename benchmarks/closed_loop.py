@@ -259,8 +259,15 @@ def machine_drift(work: Path) -> tuple[float, float] | None:
     points = measured.get("layers", {}).get("block", [])
     if 1 not in curve or not points:
         return None
+    import torch
+
     mf = load_model_file(work / "model.py")
-    now = measure_contention(mf, max(int(p["b"]) for p in points), (1,))[0][1]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(measured.get("device", {}).get("threads", 1)))  # as the profile timed it
+    try:
+        now = measure_contention(mf, max(int(p["b"]) for p in points), (1,))[0][1]
+    finally:
+        torch.set_num_threads(threads)
     return curve[1], now
 
 
