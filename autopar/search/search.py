@@ -79,9 +79,10 @@ def search(
         # step >= M * max_r t_r >= M * sum_r t_r / pp: every rank runs all M micro-batches; with the
         # pipeline's fill and drain, the balanced pipeline of the shared terms (no p2p, no ZeRO
         # exposure: both only add) at the branch's most favourable v.
+        # (M - 1/v) W/pp + W/v falls with v at pp > 1 (p2p left out): the largest v is the least.
         lb = max(flop_lb_s, branch.num_microbatches * work_per_mb / branch.pp,
-                 min(_balanced_lb_of(base, graph.num_blocks, branch.pp, v, branch.num_microbatches)
-                     for _, v in branch.schedules))
+                 _balanced_lb_of(base, graph.num_blocks, branch.pp, max(v for _, v in branch.schedules),
+                                 branch.num_microbatches))
         # Two memory bounds (issue 14): without offload (the first pass) and with the most frugal
         # offload the branch allows (the second), so the first pass prunes as it did before offload.
         mem_plain = _memory_lb(graph, base, branch)
