@@ -5,26 +5,27 @@ configurations of a memory-tight branch end with "no stage split fits" right aft
 at 64 GPUs: 2,277 of 5,428 builds). ``upper_capacity`` bounds from above the most blocks each
 pipeline rank can hold (``search.ilp.rank_block_capacity`` of the real terms), from what the
 branch's one shared terms build already knows (the block's parameters and activations, the
-embedding and head) and the ZeRO stage, offload mode and schedule of the configuration:
+embedding and head) and the ZeRO stage, offload mode and schedule of the configuration. It is the
+same memory family (``search.ilp.block_capacities``) with
 
-    cap_r <= floor((C - sigma_lb (P_pre [r = 0] + P_post [r = last]) - I_r (a_pre [r = 0] + a_post [r = last]) - reserve)
-                   / (sigma_lb P_block + I_r alpha_lb))
+    sigma_lb  the ZeRO formula's state bytes per parameter (autopar.cost.memory; the executor's
+              fp32 ZeRO-1 accumulator and DDP's buckets only add), less what the offload mode
+              moves to the host,
+    alpha_lb  the block's activations (0 under activation offload; a recompute mix: its most
+              frugal mode's),
+    I_r       the schedule's in-flight micro-batches,
 
-with sigma_lb the ZeRO formula's state bytes per parameter (autopar.cost.memory; the executor's
-fp32 ZeRO-1 accumulator and DDP's buckets only add), less what the offload mode moves to the host,
-alpha_lb the block's activations (0 under activation offload; a recompute mix: its most frugal
-mode's) and I_r the schedule's in-flight micro-batches. Transient buffers (ZeRO-3's gathered block,
-recompute working sets) and the tied embedding copy are left out: each only adds. Every input is at
-most the real one, so when these capacities cannot hold the L blocks, neither can the real ones.
+and transient buffers (ZeRO-3's gathered block, recompute working sets) and the tied embedding
+copy left out: each only adds. Every input is at most the real one, so when these capacities
+cannot hold the L blocks, neither can the real ones.
 """
 
 from __future__ import annotations
 
-import math
-
 from autopar.cost.memory import inflight_microbatches, state_bytes_per_param
 from autopar.cost.stage import StageTerms
 from autopar.plan import Offload
+from autopar.search.ilp import block_capacities
 
 
 def upper_capacity(base: StageTerms, *, zero: int, offload: Offload, schedule: str, pp: int, virtual_stages: int,
@@ -34,17 +35,7 @@ def upper_capacity(base: StageTerms, *, zero: int, offload: Offload, schedule: s
     the same block cost without a pipeline, ``block_act_bytes``: the least activations a block keeps."""
     state = state_bytes_per_param(zero=zero, shard_degree=shard_degree, dtype_bytes=dtype_bytes, optimizer=optimizer)
     sigma = 0.0 if offload.params else state.total - (state.optimizer if offload.optimizer else 0.0)
-    alpha = 0.0 if offload.activations else block_act_bytes
-    last = (pp * virtual_stages - 1) % pp
-    caps = []
-    for r in range(pp):
-        inflight = inflight_microbatches(schedule, pp, r, num_microbatches, virtual_stages)
-        fixed = base.reserve_bytes
-        if r == 0:
-            fixed += sigma * base.pre.params + inflight * base.pre.act_bytes
-        if r == last:
-            fixed += sigma * base.post.params + inflight * base.post.act_bytes
-        per_block = sigma * base.block.params + inflight * alpha
-        room = capacity_bytes - fixed
-        caps.append(math.floor(room / per_block) if per_block > 0 else (10**9 if room >= 0 else -1))
-    return caps
+    inflight = [inflight_microbatches(schedule, pp, r, num_microbatches, virtual_stages) for r in range(pp)]
+    return block_capacities(base, pp=pp, virtual_stages=virtual_stages, inflight=inflight, sigma=sigma,
+                            block_act_bytes=0.0 if offload.activations else block_act_bytes,
+                            other_bytes=base.reserve_bytes, tied_params=0.0, capacity_bytes=capacity_bytes)

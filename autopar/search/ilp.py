@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from autopar.cost.stage import StageTerms
 from autopar.cost.step import chunk_rank
@@ -467,20 +467,29 @@ def rank_block_capacity(terms: StageTerms) -> list[int]:
     A split exists iff every rank can hold its v chunks of one block and the capacities add up to
     L; the search checks this before building an ILP."""
     t = terms
-    pp, C = t.config.pp, t.config.pp * t.config.virtual_stages
-    last_rank = chunk_rank(C - 1, pp)
-    sigma = t.state_bytes_per_param
+    return block_capacities(t, pp=t.config.pp, virtual_stages=t.config.virtual_stages,
+                            inflight=[t.inflight(r) for r in range(t.config.pp)], sigma=t.state_bytes_per_param,
+                            block_act_bytes=t.block.act_bytes, other_bytes=t.transient_bytes + t.reserve_bytes,
+                            tied_params=t.tied_params, capacity_bytes=t.capacity_bytes)
+
+
+def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, inflight: Sequence[float], sigma: float,
+                     block_act_bytes: float, other_bytes: float, tied_params: float, capacity_bytes: float) -> list[int]:
+    """The memory family solved for each rank's block count: floor((C - fixed_r) / (sigma pi + I_r
+    alpha)), with ``t``'s block, embedding and head parameters and the embedding's and head's
+    activations; the rest given (``rank_block_capacity`` passes ``t``'s own, search.fit_bound
+    lower bounds of them). Coefficients rounded up, room down, as the ILP reads them."""
+    last_rank = chunk_rank(pp * virtual_stages - 1, pp)
     caps = []
     for r in range(pp):
-        inflight = t.inflight(r)
-        per_block = math.ceil(sigma * t.block.params + inflight * t.block.act_bytes)
-        fixed_p = (t.pre.params if r == 0 else 0.0) + (t.post.params + t.tied_params if r == last_rank else 0.0)
-        fixed = sigma * fixed_p + t.transient_bytes + t.reserve_bytes
+        per_block = math.ceil(sigma * t.block.params + inflight[r] * block_act_bytes)
+        fixed_p = (t.pre.params if r == 0 else 0.0) + (t.post.params + tied_params if r == last_rank else 0.0)
+        fixed = sigma * fixed_p + other_bytes
         if r == 0:
-            fixed += inflight * t.pre.act_bytes
+            fixed += inflight[r] * t.pre.act_bytes
         if r == last_rank:
-            fixed += inflight * t.post.act_bytes
-        room = math.floor(t.capacity_bytes - fixed)
+            fixed += inflight[r] * t.post.act_bytes
+        room = math.floor(capacity_bytes - fixed)
         caps.append(room // per_block if per_block > 0 else (10**9 if room >= 0 else -1))
     return caps
 

@@ -65,24 +65,22 @@ def search(
     flop_lb_s = model_flops / (space.num_gpus * cluster.peak_flops)  # even 100 % MFU needs this
 
     # Level 1: bound each branch (block cost x pipeline degree) from one terms build per block cost.
-    base_work: dict[tuple, tuple[float, StageTerms]] = {}
+    base_terms: dict[tuple, StageTerms] = {}  # per block cost, the branch's shared terms
     bounded: list[tuple[float, float, float, Branch]] = []
     num_configs = 0
     for branch in enumerate_branches(graph, space, rejected):
         num_configs += branch.num_configs
         key = branch.block_key
-        if key not in base_work:
+        if key not in base_terms:
             # Block cost without ZeRO-2/3 exposure (which only adds) and without a pipeline.
-            base = build_terms(graph, cluster, branch.config(dp=branch.dp * branch.pp, pp=1))
-            base_work[key] = (graph.num_blocks * base.block.time_s + base.pre.time_s + base.post.time_s, base)
-        work_per_mb, base = base_work[key]
-        # step >= M * max_r t_r >= M * sum_r t_r / pp: every rank runs all M micro-batches; with the
-        # pipeline's fill and drain, the balanced pipeline of the shared terms (no p2p, no ZeRO
-        # exposure: both only add) at the branch's most favourable v.
-        # (M - 1/v) W/pp + W/v falls with v at pp > 1 (p2p left out): the largest v is the least.
-        lb = max(flop_lb_s, branch.num_microbatches * work_per_mb / branch.pp,
-                 _balanced_lb_of(base, graph.num_blocks, branch.pp, max(v for _, v in branch.schedules),
-                                 branch.num_microbatches))
+            base_terms[key] = build_terms(graph, cluster, branch.config(dp=branch.dp * branch.pp, pp=1))
+        base = base_terms[key]
+        # step >= M * max_r t_r >= M * sum_r t_r / pp (every rank runs all M micro-batches), and with
+        # the pipeline's fill and drain the balanced pipeline (M - 1/v) W/pp + W/v >= M W/pp of the
+        # shared terms (no p2p, no ZeRO exposure: both only add). It falls with v at pp > 1, so the
+        # branch's largest v gives the least.
+        lb = max(flop_lb_s, _balanced_lb_of(base, graph.num_blocks, branch.pp, max(v for _, v in branch.schedules),
+                                            branch.num_microbatches))
         # Two memory bounds (issue 14): without offload (the first pass) and with the most frugal
         # offload the branch allows (the second), so the first pass prunes as it did before offload.
         mem_plain = _memory_lb(graph, base, branch)
@@ -141,7 +139,7 @@ def search(
                 # (the labels come subsets first: optimizer before params, activations before both).
                 rejected["dominated: more offload than a plan that fits needs"] += len(branch.schedules)
                 continue
-            if off.any and _memory_lb(graph, base_work[branch.block_key][1], branch, True, zero, off) > \
+            if off.any and _memory_lb(graph, base_terms[branch.block_key], branch, True, zero, off) > \
                     cluster.memory_bytes:
                 rejected["memory: cannot fit even with an ideal split"] += len(branch.schedules)
                 continue
@@ -155,7 +153,7 @@ def search(
                 continue
             frugal = branch.schedules[0] if ("1f1b", 1) not in branch.schedules else ("1f1b", 1)
             if branch.pp > 1 and branch.ep == 1 and not _fits_somehow(
-                    _upper_capacity(base_work[branch.block_key][1], branch, zero, off, frugal, cluster, graph),
+                    _upper_capacity(base_terms[branch.block_key], branch, zero, off, frugal, cluster, graph),
                     frugal[1], graph.num_blocks):
                 # Decided from the branch's shared terms (search.fit_bound): the real capacities are
                 # no larger, so the terms' own check below would say the same after building them.
@@ -234,9 +232,7 @@ def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch, has_host: bo
                                   shard_degree=branch.dp * branch.cp,
                                   dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer)
     best = state.total
-    block_act = base.block.act_bytes
-    if base.recompute_parts is not None:  # issue 14: a mix keeps at least its most frugal mode's
-        block_act = min(base.recompute_parts[m].act_bytes for m in mix_modes(graph))
+    block_act = _least_block_act(base, graph)
     offs = [o for z in branch.zero_stages for o in branch.offloads(z)] if has_host else []
     if offload is not None:
         offs = [offload]
@@ -295,14 +291,20 @@ def _upper_capacity(base: StageTerms, branch: Branch, zero: int, off: Offload, s
     """``search.fit_bound.upper_capacity`` of one config of ``branch`` (``base``: its shared terms)."""
     from autopar.search.fit_bound import upper_capacity
 
-    act = base.block.act_bytes
-    if base.recompute_parts is not None:  # a mix keeps at least its most frugal mode's activations
-        act = min(base.recompute_parts[m].act_bytes for m in mix_modes(graph))
     space = branch.space
     return upper_capacity(base, zero=zero, offload=off, schedule=schedule[0], pp=branch.pp,
                           virtual_stages=schedule[1], num_microbatches=branch.num_microbatches,
                           shard_degree=branch.dp * branch.cp, dtype_bytes=space.dtype_bytes,
-                          optimizer=space.optimizer, capacity_bytes=cluster.memory_bytes, block_act_bytes=act)
+                          optimizer=space.optimizer, capacity_bytes=cluster.memory_bytes,
+                          block_act_bytes=_least_block_act(base, graph))
+
+
+def _least_block_act(base: StageTerms, graph: ModelGraph) -> float:
+    """The activations a block of ``base``'s branch keeps at the least: a mix (issue 14) keeps at
+    least its most frugal mode's."""
+    if base.recompute_parts is None:
+        return base.block.act_bytes
+    return min(base.recompute_parts[m].act_bytes for m in mix_modes(graph))
 
 
 def _fits_somehow(caps: list[int], virtual_stages: int, num_blocks: int) -> bool:
