@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster, Link
+from autopar.cost.memo import IdentityMemo
 from autopar.layout import Layout, Placement, place
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -75,21 +76,13 @@ def group_link(cluster: Cluster, size: int, stride: int) -> GroupLink:
 def axis_link(cluster: Cluster, layout: Layout, axis: str) -> GroupLink:
     """The link of the groups of ``axis`` (``layout.AXES``; ``dp_cp`` is the ZeRO/gradient group).
     For ``pp`` it is the link between neighbouring stages, which is what a P2P send crosses."""
-    # The search asks this for the same few layouts thousands of times: remembered per cluster
-    # object (a profile is immutable once loaded; the entry keeps the cluster it was computed for).
-    key = (id(cluster), layout.pp, layout.dp, layout.cp, layout.tp, axis)
-    hit = _AXIS_LINKS.get(key)
-    if hit is not None and hit[0] is cluster:
-        return hit[1]
+    # The search asks this for the same few layouts thousands of times: remembered per cluster object.
     g = cluster.gpus_per_node
-    link = placement_link(cluster, layout.p2p_placement(g) if axis == "pp" else layout.placement(axis, g))
-    if len(_AXIS_LINKS) > 65536:
-        _AXIS_LINKS.clear()
-    _AXIS_LINKS[key] = (cluster, link)
-    return link
+    return _AXIS_LINKS.get((cluster,), (layout.pp, layout.dp, layout.cp, layout.tp, axis), lambda: placement_link(
+        cluster, layout.p2p_placement(g) if axis == "pp" else layout.placement(axis, g)))
 
 
-_AXIS_LINKS: dict[tuple, tuple[Cluster, GroupLink]] = {}
+_AXIS_LINKS: IdentityMemo[GroupLink] = IdentityMemo(65536)
 
 
 def collective_time_s(kind: str, message_bytes: float, group: GroupLink) -> float:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
+from autopar.cost.memo import IdentityMemo
 from autopar.graph.scaling import FitOp, RegionFit, Shape
 from autopar.profile_tables import LayerTable
 
@@ -115,20 +116,20 @@ def _shape_with(shape: Shape, **changes: float) -> Shape:
 _SHAPES: dict[tuple, Shape] = {}
 
 
-# id(fit) and id(cluster) keys stay unique because each entry also holds the fit and the cluster
-# themselves (no id reuse while cached); hashing the cluster profile itself on every call cost more
-# than the lookup saved.
-_CACHE: dict[tuple, tuple[RegionFit, Cluster, RegionTime]] = {}
+# Per fit and cluster object (autopar.cost.memo: hashing the cluster profile itself on every call
+# cost more than the lookup saved).
+_REGION_TIMES: IdentityMemo[RegionTime] = IdentityMemo(200_000)
 
 
 def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shape | None = None,
                 seq_len: int = 0) -> RegionTime:
     """Compute time and saved bytes of ``fit`` at ``shape`` (cached); ``seq_len`` as in ``op_time_s``."""
     core_shape = core_shape or shape
-    key = (id(fit), id(cluster), shape, core_shape, seq_len)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is fit and hit[1] is cluster:
-        return hit[2]
+    return _REGION_TIMES.get((fit, cluster), (shape, core_shape, seq_len),
+                             lambda: _region_time(fit, cluster, shape, core_shape, seq_len))
+
+
+def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shape, seq_len: int) -> RegionTime:
     fwd = bwd = core = fwd_f = bwd_f = bwd_gemm = fwd_gemm = 0.0
     sequence_model = any(op.bytes_exps.s > 0.5 for op in fit.ops)
     for op in fit.ops:
@@ -155,13 +156,9 @@ def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shap
         else:
             b = q.nbytes * shape.scale(q.exps)
         saved += b
-    out = RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
-                     fwd_flops=fwd_f, bwd_flops=bwd_f,
-                     saved_bytes=saved, core_saved_bytes=core_saved)
-    if len(_CACHE) >= 200_000:  # bounded: tests and sweeps make many cluster objects
-        _CACHE.clear()
-    _CACHE[key] = (fit, cluster, out)
-    return out
+    return RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
+                      fwd_flops=fwd_f, bwd_flops=bwd_f,
+                      saved_bytes=saved, core_saved_bytes=core_saved)
 
 
 def usable_layer_table(graph: "ModelGraph", cluster: Cluster) -> LayerTable | None:

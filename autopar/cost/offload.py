@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.cost.comm import axis_link
+from autopar.cost.memo import IdentityMemo
 from autopar.cost.zero import per_microbatch_exposed
 from autopar.errors import PlanError
 from autopar.layout import Layout
@@ -79,10 +80,8 @@ def require_host(cluster: "Cluster") -> None:
 
 
 # The terms without offload that offload modes of one config share (the search prices up to five
-# modes over one base): keyed by the objects' identities and the plain config; an entry holds the
-# graph and cluster themselves, so an id cannot be reused while it is cached. Emptied when full.
-_BASE_CACHE: dict[tuple, tuple[Any, Any, "StageTerms"]] = {}
-_BASE_CACHE_SIZE = 4096
+# modes over one base), per graph and cluster object and plain config (autopar.cost.memo).
+_BASE_TERMS: IdentityMemo["StageTerms"] = IdentityMemo(4096)
 
 
 def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
@@ -97,15 +96,7 @@ def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
         raise PlanError(reason)
     require_host(cluster)
     plain = replace(cfg, offload=NO_OFFLOAD)
-    key = (id(graph), id(cluster), plain)
-    entry = _BASE_CACHE.get(key)
-    if entry is not None and entry[0] is graph and entry[1] is cluster:
-        base = entry[2]
-    else:
-        if len(_BASE_CACHE) >= _BASE_CACHE_SIZE:
-            _BASE_CACHE.clear()
-        base = build(graph, cluster, plain)
-        _BASE_CACHE[key] = (graph, cluster, base)
+    base = _BASE_TERMS.get((graph, cluster), plain, lambda: build(graph, cluster, plain))
     bw = cluster.host_link_bandwidth_bytes_per_s
     gpus_on_node = min(cluster.gpus_per_node, cfg.num_gpus)
     rate = cluster.cpu_optimizer_params_per_s / gpus_on_node
