@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"here {usable_cores()}; on cuda 1)")
     p.add_argument("--no-comm", action="store_true",
                    help="cpu: do not also measure the collectives on --load-ranks ranks (done by default)")
-    p.add_argument("--comm", action="store_true", help="profile collectives on N ranks instead of layers")
+    p.add_argument("--comm", action="store_true",
+                   help="profile collectives (and FSDP2's time per parameter tensor) on N ranks instead of layers")
     p.add_argument("--nproc-per-node", type=int, metavar="N", help="with --comm: start N ranks on this host")
     p.add_argument("--gpus-per-node", type=int, metavar="G", help="network.gpus_per_node of a new profile (default: ranks)")
     from autopar.usercode import add_timeout_argument
