@@ -7,10 +7,11 @@ the ILP picks (``fits``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autopar.cost.step import Estimate, evaluate
+from autopar.cost.step import Estimate, chunk_rank, evaluate
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
@@ -74,6 +75,68 @@ def host_lower_bound(terms: "StageTerms", num_blocks: int, gpus_per_node: int) -
     fewest = min(terms.inflight(r) for r in range(cfg.pp))
     total = params * off.host_state_bytes_per_param + num_blocks * fewest * off.host_act_bytes_per_block
     return min(gpus_per_node, cfg.num_gpus) / cfg.pp * total
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostFamily:
+    """The per-node host-memory constraints of an offload config as linear rows over the pipeline
+    ranks' block counts N_r: for each node group, sum_{r in ranks} coeffs_r N_r <= room_bytes, in
+    integers (coefficients rounded up, room down: a split that meets them fits the float check).
+
+    ``exact``: the rows are the whole constraint (the two layouts ``host_per_node`` has closed forms
+    for); otherwise they are absent and only the estimate's check applies."""
+
+    groups: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]  # (ranks, coeffs per rank, room)
+    exact: bool
+
+    def __post_init__(self) -> None:
+        for ranks, coeffs, _ in self.groups:
+            if len(ranks) != len(coeffs) or any(c < 0 for c in coeffs):
+                raise ValueError("HostFamily: one non-negative coefficient per rank of each group")
+
+    def rank_caps(self, num_ranks: int, least_blocks: int) -> list[int]:
+        """Each rank's most blocks under its group's row when every other rank of the group holds
+        ``least_blocks`` (its v chunks): exact for one-rank groups, a relaxation otherwise."""
+        caps = [10**9] * num_ranks
+        for ranks, coeffs, room in self.groups:
+            others = sum(coeffs) * least_blocks
+            for r, a in zip(ranks, coeffs):
+                left = room - (others - a * least_blocks)
+                caps[r] = min(caps[r], left // a if a > 0 else (10**9 if left >= 0 else -1))
+        return caps
+
+    def holds(self, rank_blocks: Sequence[int]) -> bool:
+        return all(sum(a * rank_blocks[r] for r, a in zip(ranks, coeffs)) <= room
+                   for ranks, coeffs, room in self.groups)
+
+
+def host_family(terms: "StageTerms", gpus_per_node: int) -> HostFamily | None:
+    """The host rows of ``terms`` (None without offload). A rank's host bytes are
+    h_s P_r + I_r N_r h_a (``host_memory_by_rank``), P_r = pi N_r + p_r; a node holds g GPUs of one
+    pipeline rank (g <= dp cp tp), or dp cp tp GPUs of each of k = g / (dp cp tp) consecutive ranks."""
+    off, cfg = terms.offload, terms.config
+    if off is None:
+        return None
+    inner = cfg.dp * cfg.cp * cfg.tp
+    g = min(gpus_per_node, cfg.num_gpus)
+    if inner % g == 0:
+        k, per_gpu = 1, g
+    elif g % inner == 0 and cfg.pp % (g // inner) == 0:
+        k, per_gpu = g // inner, inner
+    else:
+        return HostFamily(groups=(), exact=False)
+    last = chunk_rank(cfg.pp * cfg.virtual_stages - 1, cfg.pp)
+    t, h_s, h_a = terms, off.host_state_bytes_per_param, off.host_act_bytes_per_block
+    groups = []
+    for first in range(0, cfg.pp, k):
+        ranks = tuple(range(first, first + k))
+        coeffs, fixed = [], 0.0
+        for r in ranks:
+            coeffs.append(math.ceil(per_gpu * (h_s * t.block.params + t.inflight(r) * h_a)))
+            fixed_p = (t.pre.params if r == 0 else 0.0) + (t.post.params + t.tied_params if r == last else 0.0)
+            fixed += per_gpu * h_s * fixed_p
+        groups.append((ranks, tuple(coeffs), math.floor(off.host_memory_bytes_per_node - fixed)))
+    return HostFamily(groups=tuple(groups), exact=True)
 
 
 def with_host(terms: "StageTerms", est: Estimate, gpus_per_node: int) -> Estimate:

@@ -20,6 +20,15 @@ of rank r:
                 Z >= floor + (c sync + gather + opt) P_r        for all r  (tail: last bucket, update)
                 Z >= ((1 + c) sync + gather + opt) P_r - b_r  for all r  (tail: unhidden gradient sync)
                 sigma P_r + I_r (alpha N_r + a_r) + other <= capacity   for all r   (memory)
+                sum_{r on node} G (h_s P_r + I_r h_a N_r) <= H        for every node  (host memory)
+
+The host family exists only with offload (issue 14): h_s model-state bytes per parameter and h_a
+activation bytes per block kept on the host, G GPUs of each pipeline rank on the node, H its host
+memory (``cost.host.host_family``). A node holding one pipeline rank's GPUs makes it a cap on N_r
+like the memory family; a node holding k consecutive ranks makes it one row over the k. Every
+block counts one in a row, so the most blocks a row's ranks can hold within given ranges is found by
+filling the cheapest rank first: the parametric method's sum test stays exact. ``enumerate``
+checks a row as it fixes the row's last rank.
 
 A rank's N_r blocks are dealt to its v chunks as evenly as possible (sizes differ by at most one),
 because the fill/drain term sum_r t_r / v assumes a rank's chunks take equal time; the split is
@@ -71,6 +80,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+from autopar.cost.host import HostFamily
 from autopar.cost.stage import StageTerms
 from autopar.cost.step import chunk_rank
 
@@ -118,8 +128,13 @@ class SplitILP:
     """The program in the module docstring: integer coefficients once, then either every feasible
     split evaluated (small programs) or CP-SAT (one method per constraint family)."""
 
-    def __init__(self, terms: StageTerms, num_blocks: int) -> None:
+    def __init__(self, terms: StageTerms, num_blocks: int, host: HostFamily | None = None) -> None:
         self.terms = terms
+        # Issue 17: the nodes' host memory (offload) as rows of the program, so the split chosen is
+        # the best one that fits the host too; one-rank rows are block caps like the GPU's.
+        self.host = host
+        self.host_rows = [(ranks, coeffs, room) for ranks, coeffs, room in (host.groups if host else ())
+                          if len(ranks) > 1]
         self.cfg = terms.config
         self.L = num_blocks
         self.C = self.cfg.pp * self.cfg.virtual_stages
@@ -132,6 +147,8 @@ class SplitILP:
         self.everything_s = everything
         self.ns = TIME_UNITS / max(everything, 1e-12)  # integer time units per second
         self.caps = rank_block_capacity(terms)
+        if host is not None and host.groups:
+            self.caps = [min(a, b) for a, b in zip(self.caps, host.rank_caps(self.cfg.pp, self.cfg.virtual_stages))]
         self._bounds_memo: list[tuple[int, int]] | None = None
         self.tau_ns = round(t.block.time_s * self.ns)
         self.fixed_ns = [self._fixed_time_ns(r) for r in self.ranks]
@@ -268,6 +285,12 @@ class SplitILP:
         z_rest = [max(z_least[r:], default=0) for r in range(k + 1)]
         wt, wz = self.t_weight, self.z_weight
         seed = self._greedy()
+        if seed is not None and self.host is not None and not self.host.holds(seed):
+            seed = None
+        # A host row (several ranks on one node) is checked as its last rank is given blocks.
+        closes: list[tuple[tuple[int, ...], tuple[int, ...], int] | None] = [None] * k
+        for row in self.host_rows:
+            closes[row[0][-1]] = row
         best: list = [self._objective(seed), seed] if seed is not None else [None, None]
         counts = [0] * k
         visits = [0]
@@ -294,6 +317,9 @@ class SplitILP:
                 if best[0] is not None and wt * t_lb + wz * max(z, z_rest[r + 1]) >= best[0]:
                     continue
                 counts[r] = n
+                row = closes[r]
+                if row is not None and sum(a * counts[q] for q, a in zip(row[0], row[1])) > row[2]:
+                    continue
                 walk(r + 1, left - n, t, z)
 
         try:
@@ -337,7 +363,49 @@ class SplitILP:
             out.append((int(a), int(b)))
         if low > self.L or high < self.L:
             return None
+        for ranks, coeffs, room in self.host_rows:  # a node's row caps its ranks' total
+            most = self._row_most(out, ranks, coeffs, room)
+            if most is None:
+                return None
+            high -= sum(out[r][1] for r in ranks) - most
+        if high < self.L:
+            return None
         return out
+
+    @staticmethod
+    def _row_most(intervals: list[tuple[int, int]], ranks: tuple[int, ...], coeffs: tuple[int, ...],
+                  room: int) -> int | None:
+        """The most blocks the ``ranks`` of one host row can hold within their intervals (None: not
+        even their least). Every block counts one, so filling the ranks with the smallest
+        coefficient first is optimal; every total between the least and this one is reachable."""
+        budget = room - sum(a * intervals[r][0] for r, a in zip(ranks, coeffs))
+        if budget < 0:
+            return None
+        total = sum(intervals[r][0] for r in ranks)
+        for a, r in sorted(zip(coeffs, ranks)):
+            lo, hi = intervals[r]
+            extra = hi - lo if a == 0 else min(hi - lo, budget // a)
+            total, budget = total + extra, budget - extra * a
+        return total
+
+    def _fill(self, intervals: list[tuple[int, int]]) -> list[int]:
+        """Block counts within ``intervals`` summing to L (``_intervals`` said some exist): each rank
+        at its least, then the rest dealt in rank order, within what each host row leaves a rank
+        when its budget goes to the row's cheapest ranks first."""
+        counts = [a for a, _ in intervals]
+        room = [b - a for a, b in intervals]  # blocks a rank may still take
+        left = self.L - sum(counts)
+        for ranks, coeffs, row_room in self.host_rows:  # each row's budget to its cheapest ranks first
+            budget = row_room - sum(a * counts[r] for r, a in zip(ranks, coeffs))
+            for a, r in sorted(zip(coeffs, ranks)):
+                if a > 0:
+                    room[r] = min(room[r], budget // a)
+                budget -= room[r] * a
+        for r in self.ranks:
+            take = min(left, room[r])
+            counts[r] += take
+            left -= take
+        return counts
 
     def parametric(self) -> SplitSolution | None:
         """The exact optimum by parametric search on the two maxima; None when the program is too
@@ -387,12 +455,8 @@ class SplitILP:
                 best = (wt * t + wz * z, t, z)
         assert best is not None  # t_values[-1] is feasible (z_floor exists)
         intervals = self._intervals(best[1], best[2])
-        counts = [a for a, _ in intervals]
-        left = self.L - sum(counts)
-        for r, (a, b) in enumerate(intervals):
-            take = min(left, b - a)
-            counts[r] += take
-            left -= take
+        assert intervals is not None
+        counts = self._fill(intervals)
         value = self._objective(counts)
         value_s = (value + self.constant_ns) / (self.ns * self.cfg.virtual_stages)
         return SplitSolution(chunk_blocks=deal_chunks(counts, self.cfg.virtual_stages), status="OPTIMAL",
@@ -411,6 +475,7 @@ class SplitILP:
         self._add_slowest_stage_constraints()
         self._add_tail_constraints()
         self._add_memory_constraints()
+        self._add_host_constraints()
         self.model.Minimize(self.t_weight * self.T + self.z_weight * self.Z)
 
     def _add_block_count_constraints(self) -> None:
@@ -430,6 +495,11 @@ class SplitILP:
         (``rank_block_capacity``), so the ILP and the search's pre-check read one rule."""
         for r, cap in enumerate(self.caps):
             self.model.Add(self.N[r] <= cap)
+
+    def _add_host_constraints(self) -> None:
+        """sum_{r on node} a_r N_r <= room per node group (issue 17; one-rank groups are in ``caps``)."""
+        for ranks, coeffs, room in self.host_rows:
+            self.model.Add(sum(a * self.N[r] for r, a in zip(ranks, coeffs)) <= room)
 
     def solve(self, time_limit_s: float = 10.0, method: str = "auto") -> SplitSolution:
         """``method``: "auto" (the order of the module docstring), "enumeration", "parametric" or
@@ -453,12 +523,13 @@ class SplitILP:
 
 
 def solve_split(terms: StageTerms, num_blocks: int, time_limit_s: float = 10.0,
-                method: str = "auto") -> SplitSolution:
-    """Optimal contiguous split of ``num_blocks`` blocks over the pipeline chunks of ``terms``.
+                method: str = "auto", host: HostFamily | None = None) -> SplitSolution:
+    """Optimal contiguous split of ``num_blocks`` blocks over the pipeline chunks of ``terms``
+    (within the nodes' host memory too, given ``host``: ``cost.host.host_family``).
 
     ``method``: "auto" (enumeration, else CP-SAT: the module docstring),
     "enumeration", "parametric" or "cp-sat"."""
-    return SplitILP(terms, num_blocks).solve(time_limit_s, method)
+    return SplitILP(terms, num_blocks, host).solve(time_limit_s, method)
 
 
 def rank_block_capacity(terms: StageTerms) -> list[int]:

@@ -34,7 +34,7 @@ from dataclasses import replace
 from typing import Callable
 
 from autopar.cluster import Cluster
-from autopar.cost.host import evaluate_with_host, host_lower_bound
+from autopar.cost.host import evaluate_with_host, host_family, host_lower_bound
 from autopar.cost.stage import Config, StageTerms, build_terms
 from autopar.cost.step import evaluate
 from autopar.graph.model_graph import ModelGraph
@@ -376,9 +376,12 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
     caps = rank_block_capacity(terms)
     if not _fits_somehow(caps, cfg.virtual_stages, graph.num_blocks):
         return None
-    if threshold_s < math.inf and _capped_lb(terms, caps, graph.num_blocks) >= threshold_s:
+    host = host_family(terms, cluster.gpus_per_node)
+    ilp = SplitILP(terms, graph.num_blocks, host)
+    if host is not None and not _fits_somehow(ilp.caps, cfg.virtual_stages, graph.num_blocks):
+        return _HOST_FULL  # the GPUs could hold a split, the nodes' host memory cannot
+    if threshold_s < math.inf and _capped_lb(terms, ilp.caps, graph.num_blocks) >= threshold_s:
         return _PRUNED
-    ilp = SplitILP(terms, graph.num_blocks)
     sol = None
     if ilp.count_splits() > MAX_ENUMERATED_SPLITS:
         sol = ilp.parametric()  # exact; CP-SAT confirms it only if the config reaches the top K
@@ -470,7 +473,8 @@ def _confirm_with_cp_sat(cand: Candidate, graph: ModelGraph, cluster: Cluster, m
     if cand.split_method != "parametric" or cand.recompute_blocks is not None:  # a mix's parametric is its own
         return cand
     terms = build_terms(graph, cluster, cand.config)
-    sol = solve_split(terms, graph.num_blocks, time_limit_s, method="cp-sat")
+    sol = solve_split(terms, graph.num_blocks, time_limit_s, method="cp-sat",
+                      host=host_family(terms, cluster.gpus_per_node))
     if sol.chunk_blocks is None:  # cannot happen for a feasible program; keep the exact answer
         return cand
     est = evaluate_with_host(terms, list(sol.chunk_blocks), model_flops, tokens, cluster)

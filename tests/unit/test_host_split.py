@@ -1,0 +1,90 @@
+"""The nodes' host memory inside the split program (issue 17): with offload, the split chosen is the
+fastest one that fits the host too, equal to a brute force over every split, for the node layouts
+with closed forms (a node inside one pipeline rank, a node holding several)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from autopar.cost.host import evaluate_with_host, host_family, host_memory_by_rank
+from autopar.cost.stage import Config, build_terms
+from autopar.plan import Offload
+from autopar.search.ilp import solve_split
+
+NUM_BLOCKS = 16
+
+
+def _config(dp: int, tp: int, pp: int, schedule: str = "1f1b") -> Config:
+    return Config(dp=dp, tp=tp, pp=pp, cp=1, cp_kind="ring", sequence_parallel=tp > 1, zero=1, recompute="none",
+                  schedule=schedule, virtual_stages=1, micro_batch=1, global_batch=8 * dp, seq_len=1024,
+                  dtype_bytes=2, optimizer="adam", offload=Offload(optimizer=True, activations=True))
+
+
+def _splits(pp: int):
+    for cuts in itertools.combinations(range(1, NUM_BLOCKS), pp - 1):
+        edges = (0, *cuts, NUM_BLOCKS)
+        yield [b - a for a, b in zip(edges, edges[1:])]
+
+
+_CASES: dict[tuple[int, int, int], tuple] = {}  # the brute force once per layout, not per method
+
+
+def _host_bound_case(graph, cluster, dp: int, tp: int, pp: int):
+    if (dp, tp, pp) not in _CASES:
+        _CASES[(dp, tp, pp)] = _brute_force(graph, cluster, dp, tp, pp)
+    return _CASES[(dp, tp, pp)]
+
+
+def _brute_force(graph, cluster, dp: int, tp: int, pp: int):
+    """Terms whose host capacity lies between the least any split needs and what the fastest split
+    needs, so the host rows bind; and the brute-force best split that fits."""
+    terms = build_terms(graph, cluster, _config(dp, tp, pp))
+    rows = [(s, evaluate_with_host(terms, s, 1.0, 1.0, cluster)) for s in _splits(pp)]
+    fastest = min(rows, key=lambda r: r[1].step_time_s)[1].host["host_memory_bytes"]
+    least = min(e.host["host_memory_bytes"] for _, e in rows)
+    assert least < fastest, "the case must make host memory bind"
+    tight = dataclasses.replace(cluster, host_memory_bytes_per_node=(least + fastest) / 2)
+    terms = build_terms(graph, tight, _config(dp, tp, pp))
+    fitting = [(s, evaluate_with_host(terms, s, 1.0, 1.0, tight)) for s in _splits(pp)]
+    best = min((e.step_time_s for _, e in fitting if e.fits), default=None)
+    return terms, tight, best
+
+
+# (dp, tp, pp) on 8-GPU nodes: a node inside one pipeline rank (dp tp = 8), a node holding two
+# ranks (dp tp = 4) and one holding all eight (dp tp = 1)
+@pytest.mark.parametrize("dp,tp,pp", [(1, 8, 4), (2, 2, 4), (1, 1, 8)])
+@pytest.mark.parametrize("method", ["enumeration", "parametric", "cp-sat"])
+def test_split_within_host_memory_equals_brute_force(small_gpt, a100, dp, tp, pp, method) -> None:
+    terms, tight, best = _host_bound_case(small_gpt, a100, dp, tp, pp)
+    assert best is not None
+    host = host_family(terms, tight.gpus_per_node)
+    assert host is not None and host.exact
+    sol = solve_split(terms, NUM_BLOCKS, method=method, host=host)
+    assert sol.status == "OPTIMAL" and sol.chunk_blocks is not None
+    est = evaluate_with_host(terms, list(sol.chunk_blocks), 1.0, 1.0, tight)
+    assert est.fits
+    assert est.step_time_s == pytest.approx(best, rel=1e-5)
+    # without the rows the program picks a faster split that overflows the host
+    plain = solve_split(terms, NUM_BLOCKS, method=method)
+    assert not evaluate_with_host(terms, list(plain.chunk_blocks), 1.0, 1.0, tight).fits
+
+
+def test_a_node_inside_one_pipeline_rank_makes_host_memory_a_block_cap(small_gpt, a100) -> None:
+    terms, tight, _ = _host_bound_case(small_gpt, a100, 1, 8, 4)
+    host = host_family(terms, tight.gpus_per_node)
+    assert all(len(ranks) == 1 for ranks, _, _ in host.groups)
+    caps = host.rank_caps(4, 1)
+    for r, cap in enumerate(caps):  # the cap is the most blocks whose node's host bytes fit
+        for n, fits in ((cap, True), (cap + 1, False)):
+            split = [n if q == r else 1 for q in range(4)]
+            est = evaluate_with_host(terms, split, 1.0, 1.0, tight)
+            node_bytes = 8 * host_memory_by_rank(terms, est)[r]
+            assert (node_bytes <= tight.host_memory_bytes_per_node) is fits
+
+
+def test_no_offload_gives_no_host_rows(small_gpt, a100) -> None:
+    terms = build_terms(small_gpt, a100, dataclasses.replace(_config(1, 8, 4), offload=Offload()))
+    assert host_family(terms, 8) is None
