@@ -128,7 +128,9 @@ class SplitILP:
     """The program in the module docstring: integer coefficients once, then either every feasible
     split evaluated (small programs) or CP-SAT (one method per constraint family)."""
 
-    def __init__(self, terms: StageTerms, num_blocks: int, host: HostFamily | None = None) -> None:
+    def __init__(self, terms: StageTerms, num_blocks: int, host: HostFamily | None = None,
+                 gpu_caps: Sequence[int] | None = None) -> None:
+        """``gpu_caps``: ``rank_block_capacity(terms)`` when the caller has it already."""
         self.terms = terms
         # Issue 17: the nodes' host memory (offload) as rows of the program, so the split chosen is
         # the best one that fits the host too; one-rank rows are block caps like the GPU's.
@@ -146,12 +148,13 @@ class SplitILP:
         self.tail_s = t.grad_sync_floor_s + params * (t.grad_sync_s_per_param + t.after_sync_s_per_param)
         self.everything_s = everything
         self.ns = TIME_UNITS / max(everything, 1e-12)  # integer time units per second
-        self.caps = rank_block_capacity(terms)
+        self.caps = list(rank_block_capacity(terms) if gpu_caps is None else gpu_caps)
         if host is not None and host.groups:
             self.caps = [min(a, b) for a, b in zip(self.caps, host.rank_caps(self.cfg.pp, self.cfg.virtual_stages))]
         self._bounds_memo: list[tuple[int, int]] | None = None
         self.tau_ns = round(t.block.time_s * self.ns)
-        self.fixed_ns = [self._fixed_time_ns(r) for r in self.ranks]
+        self._count_memo: dict[int, int] = {}
+        self.fixed_ns = self._fixed_times_ns()
         self.tail_rows = [self._tail_rows(r) for r in self.ranks]  # [(const, coeff), ...] per rank
         m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
         self.t_weight, self.z_weight = m * v - 1, v
@@ -160,17 +163,17 @@ class SplitILP:
         self.constant_ns = self.tau_ns * self.L + sum(self.fixed_ns)
 
     # -- coefficients ------------------------------------------------------------------------
-    def _fixed_time_ns(self, r: int) -> int:
-        t, last = self.terms, self.C - 1
-        f = 0.0
-        for c in range(self.C):
-            if chunk_rank(c, self.cfg.pp) == r and self.cfg.pp > 1:
-                f += t.p2p_s * ((c < last) + (c > 0))
-        if r == 0:
-            f += t.pre.time_s
-        if r == self.last_rank:
-            f += t.post.time_s
-        return round(f * self.ns)
+    def _fixed_times_ns(self) -> list[int]:
+        """f_r per rank: the point-to-point sends of its chunks (two per chunk but the first and
+        the last, which send once), the embedding on rank 0, head and loss on the last chunk's."""
+        t, last, pp = self.terms, self.C - 1, self.cfg.pp
+        f = [0.0] * pp
+        if pp > 1:
+            for c in range(self.C):
+                f[chunk_rank(c, pp)] += t.p2p_s * ((c < last) + (c > 0))
+        f[0] += t.pre.time_s
+        f[self.last_rank] += t.post.time_s
+        return [round(x * self.ns) for x in f]
 
     def _fixed_params(self, r: int) -> float:
         t = self.terms
@@ -217,18 +220,30 @@ class SplitILP:
     # -- direct solution of small programs -----------------------------------------------------
     def count_splits(self, limit: int = MAX_ENUMERATED_SPLITS) -> int:
         """How many block counts satisfy the bounds and sum to L (counting stops past ``limit``)."""
+        if limit not in self._count_memo:
+            self._count_memo[limit] = self._count_splits(limit)
+        return self._count_memo[limit]
+
+    def _count_splits(self, limit: int) -> int:
+        L, bounds = self.L, self._bounds()
+        spare = L - sum(lo for lo, _ in bounds)
+        if spare >= 0 and all(hi - lo >= spare for lo, hi in bounds):
+            # No upper bound binds: the compositions of the spare blocks over pp ranks.
+            return min(limit + 1, math.comb(spare + len(bounds) - 1, len(bounds) - 1))
         # ways[s]: vectors of the ranks so far summing to s (capped at limit + 1: a capped term
         # keeps every sum it enters capped, so "more than limit" stays exact). One window sum of
-        # prefix sums per rank: O(pp L) instead of O(pp L^2).
-        L = self.L
-        ways = [1] + [0] * L
-        for lo, hi in self._bounds():
-            prefix = [0] * (L + 2)
-            for i, w in enumerate(ways):
-                prefix[i + 1] = prefix[i] + w
-            ways = [min(limit + 1, prefix[s - lo + 1] - prefix[max(0, s - hi)]) if s >= lo else 0
-                    for s in range(L + 1)]
-        return ways[L]
+        # prefix sums per rank: O(pp L) instead of O(pp L^2), as numpy array operations (int64:
+        # the prefix sums stay below (limit + 1) (L + 1)). numpy comes with ortools.
+        import numpy as np
+
+        s = np.arange(L + 1)
+        ways = np.zeros(L + 1, dtype=np.int64)
+        ways[0] = 1
+        for lo, hi in bounds:
+            prefix = np.concatenate(([0], np.cumsum(ways)))
+            window = prefix[np.clip(s - lo + 1, 0, L + 1)] - prefix[np.clip(s - hi, 0, L + 1)]
+            ways = np.minimum(limit + 1, np.where(s >= lo, np.maximum(window, 0), 0))  # hi < lo: none
+        return int(ways[L])
 
     def _splits(self) -> Iterator[tuple[int, ...]]:
         bounds = self._bounds()

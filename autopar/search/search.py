@@ -35,12 +35,13 @@ from typing import Callable
 
 from autopar.cluster import Cluster
 from autopar.cost.host import evaluate_with_host, host_family, host_lower_bound
+from autopar.cost.memory import inflight_microbatches
 from autopar.cost.stage import Config, StageTerms, build_terms
 from autopar.cost.step import evaluate
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import NO_OFFLOAD, Offload, even_stage_ranges
 from autopar.search.candidates import Candidate, SearchResult, TopK
-from autopar.search.ilp import MAX_ENUMERATED_SPLITS, SplitILP, rank_block_capacity, solve_split
+from autopar.search.ilp import MAX_ENUMERATED_SPLITS, SplitILP, block_capacities, rank_block_capacity, solve_split
 from autopar.search.space import Branch, SearchSpace, enumerate_branches, enumerate_configs, mix_modes
 
 
@@ -177,13 +178,26 @@ def search(
                         + _offload_tail_lb(terms0, graph.num_blocks)) >= top.threshold():
                     rejected["bound: cannot beat the best plans"] += 1
                     continue
-                cfg = branch.config(schedule, v, zero, offload=off)
-                terms = replace(terms0, config=cfg)
-                if off.any and host_lower_bound(terms, graph.num_blocks, cluster.gpus_per_node) > \
-                        cluster.host_memory_bytes_per_node:  # issue 14: no split can fit the host
-                    rejected["memory: host memory per node"] += 1
+                cfg = branch.config(schedule, v, zero, offload=off) if off.any else None
+                if cfg is not None:
+                    terms = replace(terms0, config=cfg)
+                    if host_lower_bound(terms, graph.num_blocks, cluster.gpus_per_node) > \
+                            cluster.host_memory_bytes_per_node:  # issue 14: no split can fit the host
+                        rejected["memory: host memory per node"] += 1
+                        continue
+                # The schedule's own block capacities, read from the shared terms: most schedules
+                # of a tight branch hold too many micro-batches in flight, decided here without
+                # building their config.
+                caps = _schedule_caps(terms0, schedule, v, branch.num_microbatches) \
+                    if branch.pp > 1 and terms0.recompute_parts is None else None
+                if caps is not None and not _fits_somehow(caps, v, graph.num_blocks):
+                    evaluated += 1
+                    rejected["memory: no stage split fits"] += 1
                     continue
-                cand = _solve(terms, graph, cluster, model_flops, tokens, ilp_time_limit_s, top.threshold())
+                if cfg is None:
+                    cfg = branch.config(schedule, v, zero, offload=off)
+                    terms = replace(terms0, config=cfg)
+                cand = _solve(terms, graph, cluster, model_flops, tokens, ilp_time_limit_s, top.threshold(), caps)
                 if cand is _PRUNED:
                     rejected["bound: cannot beat the best plans"] += 1
                     continue
@@ -361,9 +375,20 @@ def _least_max_time(caps: list[int], fixed: list[float], tau: float, num_blocks:
     return start + tau * num_blocks  # every rank full below L (no split fits): the bisection's upper end
 
 
+def _schedule_caps(terms: StageTerms, schedule: str, virtual_stages: int, num_microbatches: int) -> list[int]:
+    """``rank_block_capacity`` of ``terms`` under another schedule of its branch (the memory
+    family reads the schedule only through each rank's in-flight micro-batches)."""
+    t, pp = terms, terms.config.pp
+    inflight = [inflight_microbatches(schedule, pp, r, num_microbatches, virtual_stages) for r in range(pp)]
+    return block_capacities(t, pp=pp, virtual_stages=virtual_stages, inflight=inflight, sigma=t.state_bytes_per_param,
+                            block_act_bytes=t.block.act_bytes, other_bytes=t.transient_bytes + t.reserve_bytes,
+                            tied_params=t.tied_params, capacity_bytes=t.capacity_bytes)
+
+
 def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: float, tokens: float,
-           time_limit_s: float, threshold_s: float = math.inf) -> "Candidate | None | str":
-    """The best candidate for this config, None if no split fits memory, or _PRUNED."""
+           time_limit_s: float, threshold_s: float = math.inf, caps: list[int] | None = None) -> "Candidate | None | str":
+    """The best candidate for this config, None if no split fits memory, or _PRUNED (``caps``:
+    its ``rank_block_capacity`` when already known)."""
     cfg = terms.config
     if cfg.recompute == "mixed":  # issue 14
         return _solve_mixed(terms, graph, cluster, model_flops, tokens, time_limit_s, threshold_s)
@@ -373,11 +398,11 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
             return _HOST_FULL if est.peak_memory_bytes <= est.capacity_bytes else None
         return Candidate(config=cfg, chunk_blocks=(graph.num_blocks,), estimate=est, ilp_status="DIRECT",
                          ilp_objective_s=est.step_time_s, ilp_bound_s=est.step_time_s)
-    caps = rank_block_capacity(terms)
+    caps = rank_block_capacity(terms) if caps is None else caps
     if not _fits_somehow(caps, cfg.virtual_stages, graph.num_blocks):
         return None
     host = host_family(terms, cluster.gpus_per_node)
-    ilp = SplitILP(terms, graph.num_blocks, host)
+    ilp = SplitILP(terms, graph.num_blocks, host, gpu_caps=caps)
     if host is not None and not _fits_somehow(ilp.caps, cfg.virtual_stages, graph.num_blocks):
         return _HOST_FULL  # the GPUs could hold a split, the nodes' host memory cannot
     if threshold_s < math.inf and _capped_lb(terms, ilp.caps, graph.num_blocks) >= threshold_s:

@@ -189,6 +189,24 @@ def test_enumeration_equals_cp_sat_on_every_small_program() -> None:
     assert checked == 8
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_count_splits_closed_form_equals_the_walk(seed) -> None:
+    """Where no rank's cap binds, the count is the compositions of the spare blocks; with caps, the
+    prefix-sum recursion. Both equal walking every split (``_splits``), capped past the limit."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(200):
+        pp, limit = rng.randint(1, 5), rng.choice([5, 50, 4096])
+        num_blocks = rng.randint(pp, 14)
+        bounds = [(rng.randint(1, 2), rng.randint(1, num_blocks)) for _ in range(pp)]
+        if rng.random() < 0.5:  # caps that never bind: the closed form's case
+            bounds = [(lo, num_blocks) for lo, _ in bounds]
+        ilp = SplitILP.__new__(SplitILP)
+        ilp.L, ilp._bounds_memo, ilp._count_memo = num_blocks, bounds, {}
+        assert ilp.count_splits(limit) == min(limit + 1, len(list(ilp._splits())))
+
+
 def test_count_splits_matches_the_enumeration() -> None:
     graph, cluster, space = _tight_terms()
     ilps = (SplitILP(build_terms(graph, cluster, c), graph.num_blocks) for c in enumerate_configs(graph, space, Counter())
