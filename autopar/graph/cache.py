@@ -183,7 +183,7 @@ def decode(tp: Any, data: Any, where: str = "graph") -> Any:
         if not isinstance(data, dict):
             raise _Corrupt(f"{where}: expected a mapping for {tp.__name__}")
         try:
-            hints = typing.get_type_hints(tp)
+            hints = _type_hints(tp)
         except Exception as exc:  # noqa: BLE001 - then this entry cannot be checked: not trusted
             raise _Corrupt(f"{where}: type hints of {tp.__name__} do not resolve: {exc}") from None
         fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
@@ -223,6 +223,13 @@ def decode(tp: Any, data: Any, where: str = "graph") -> Any:
             raise _Corrupt(f"{where}: expected null")
         return None
     raise _Corrupt(f"{where}: the cache cannot decode {tp!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(tp: type) -> dict[str, Any]:
+    """``typing.get_type_hints`` of a dataclass, once per class: a graph holds hundreds of records
+    of a few classes, and resolving their hints was two thirds of a warm load."""
+    return typing.get_type_hints(tp)
 
 
 def _decode_digraph(data: Any, where: str) -> nx.DiGraph:
