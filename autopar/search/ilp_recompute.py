@@ -23,6 +23,7 @@ while a block of mode m re-runs). Parameters do not depend on the mode (pi, sigm
                 (without overlap of the sync: Z >= (sync + gather + opt) P_r alone, as in search.ilp)
                 n_{r,m} <= L u_{r,m},   W_r >= w_m u_{r,m}        for all r, m (working set)
                 sigma P_r + I_r (sum_m alpha_m n_{r,m} + a_r) + W_r + other <= capacity  (memory)
+                host rows over the N_r, as in ``search.ilp``              (host memory, offload)
 
 which is exactly ``cost.step.evaluate`` with ``recompute_blocks`` (the tests check it against a
 walk of every split and every mix). Integer scaling as in ``search.ilp``: time in TIME_UNITS of one
@@ -53,6 +54,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from autopar.cost.host import HostFamily
 from autopar.cost.stage import StageTerms
 from autopar.plan import RECOMPUTE_MODES
 from autopar.search.ilp import SplitILP, deal_chunks, run_cp_sat
@@ -78,10 +80,17 @@ class MixSolution:
 class MixedSplitILP:
     """The program of the module docstring; coefficients once, then ``enumerate`` or CP-SAT."""
 
-    def __init__(self, terms: StageTerms, num_blocks: int, modes: tuple[str, ...] = RECOMPUTE_MODES) -> None:
+    def __init__(self, terms: StageTerms, num_blocks: int, modes: tuple[str, ...] = RECOMPUTE_MODES,
+                 host: HostFamily | None = None) -> None:
+        """``host``: the nodes' host-memory rows (``cost.host.host_family``; offload only), over the
+        ranks' block counts N_r as in ``search.ilp``: a one-rank row caps N_r, a row over several
+        ranks is checked by ``enumerate`` and CP-SAT (``parametric`` then declines)."""
         if terms.recompute_parts is None:
             raise ValueError("MixedSplitILP needs the terms of a 'mixed' recompute config")
         self.terms, self.L, self.cfg = terms, num_blocks, terms.config
+        self.host = host
+        self.host_caps = host.rank_caps(self.cfg.pp, self.cfg.virtual_stages) if host is not None and host.groups else None
+        self.host_rows = [row for row in (host.groups if host else ()) if len(row[0]) > 1]
         self.modes = tuple(m for m in RECOMPUTE_MODES if m in modes)
         self.base = SplitILP(terms, num_blocks)  # the single-mode coefficients: fixed terms, scaling, tail
         ns, t = self.base.ns, terms
@@ -128,9 +137,10 @@ class MixedSplitILP:
             fixed += t.inflight(r) * t.post.act_bytes
         return math.floor(t.capacity_bytes - fixed)
 
-    def capacity(self) -> list[int]:
-        """The most blocks each rank can hold, every block under its most frugal allowed mode: an
-        upper bound on N_r (what the search checks before solving)."""
+    def capacity(self, host: bool = True) -> list[int]:
+        """The most blocks each rank can hold, every block under its most frugal allowed mode, and
+        within its node's host memory (``host``, when the program has host rows): an upper bound
+        on N_r (what the search checks before solving)."""
         caps = []
         for r in self.ranks:
             best = -1
@@ -138,6 +148,8 @@ class MixedSplitILP:
                 per, room = self.mem_coeff[r][m], self.room[r] - self.work[m]
                 best = max(best, room // per if per > 0 else (10**9 if room >= 0 else -1))
             caps.append(best)
+        if host and self.host_caps is not None:
+            caps = [min(a, b) for a, b in zip(caps, self.host_caps)]
         return caps
 
     # -- enumeration ---------------------------------------------------------------------------
@@ -210,6 +222,10 @@ class MixedSplitILP:
         wt, wz = self.t_weight, self.z_weight
         best: list = [math.inf, None]
         chosen: list = [None] * len(fronts)
+        counts = [0] * len(fronts)
+        closes: list = [None] * len(fronts)  # a host row over several ranks, checked at its last rank
+        for row in self.host_rows:
+            closes[row[0][-1]] = row
 
         def walk(r: int, left: int, t_max: int, z_max: int, t_sum: int) -> None:
             if wt * t_max + wz * z_max + t_sum >= best[0]:
@@ -221,6 +237,10 @@ class MixedSplitILP:
             for n, front in fronts[r].items():
                 if n > left - v * (k - r - 1):  # every later rank needs its v chunks
                     break
+                counts[r] = n
+                row = closes[r]
+                if row is not None and sum(a * counts[q] for q, a in zip(row[0], row[1])) > row[2]:
+                    continue
                 for t, z, c in front:
                     chosen[r] = c
                     walk(r + 1, left - n, max(t_max, t), max(z_max, z), t_sum + t)
@@ -255,8 +275,8 @@ class MixedSplitILP:
         any T does. T first because wT = M v - 1 outweighs wZ = v: the T walk ends a few values
         past the optimum, where walking Z first visited most of the Z values (GPT-3 175B on
         1,024 H100s: 561 knapsacks instead of 6,896 for one config)."""
-        if self._num_mixes() > MAX_MIX_EVALUATIONS_PARAMETRIC:
-            return None
+        if self._num_mixes() > MAX_MIX_EVALUATIONS_PARAMETRIC or self.host_rows:
+            return None  # host rows over several ranks couple the knapsack's ranks: left to CP-SAT
         fronts = self.fronts()
         if any(not per_n for per_n in fronts):
             return MixSolution(chunk_blocks=None, recompute_blocks=None, status="INFEASIBLE", objective_s=math.inf,
@@ -388,6 +408,7 @@ class MixedSplitILP:
         self._add_slowest_stage_constraints()
         self._add_tail_constraints()
         self._add_memory_constraints()
+        self._add_host_constraints()
         self.t_ranks = [sum(self.tau[m] * x for m, x in row.items()) + self.fixed_ns[r] for r, row in enumerate(self.n)]
         self.model.Minimize(self.t_weight * self.T + sum(self.t_ranks) + self.z_weight * self.Z)
 
@@ -420,6 +441,14 @@ class MixedSplitILP:
                     self.model.Add(x <= self.L * u)
                     self.model.Add(w_r >= self.work[m] * u)
             self.model.Add(sum(self.mem_coeff[r][m] * x for m, x in row.items()) + w_r <= self.room[r])
+
+    def _add_host_constraints(self) -> None:
+        """The nodes' host memory (issue 17): N_r <= its one-rank cap, and each several-rank row."""
+        if self.host_caps is not None:
+            for n_r, cap in zip(self.N, self.host_caps):
+                self.model.Add(n_r <= cap)
+        for ranks, coeffs, room in self.host_rows:
+            self.model.Add(sum(a * self.N[r] for r, a in zip(ranks, coeffs)) <= room)
 
     def solve(self, time_limit_s: float = 10.0, method: str = "auto") -> MixSolution:
         """``method``: "auto" (enumeration when small enough, else the parametric search, else

@@ -440,10 +440,12 @@ def _solve_mixed(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_f
     from autopar.search.ilp_recompute import MixedSplitILP
 
     cfg = terms.config
-    ilp = MixedSplitILP(terms, graph.num_blocks, mix_modes(graph))
+    ilp = MixedSplitILP(terms, graph.num_blocks, mix_modes(graph), host_family(terms, cluster.gpus_per_node))
+    if not _fits_somehow(ilp.capacity(host=False), cfg.virtual_stages, graph.num_blocks):
+        return None
     caps = ilp.capacity()
     if not _fits_somehow(caps, cfg.virtual_stages, graph.num_blocks):
-        return None
+        return _HOST_FULL  # the GPUs could hold a split, the nodes' host memory cannot
     if threshold_s < math.inf and cfg.pp > 1 and _capped_lb(terms, caps, graph.num_blocks) >= threshold_s:
         return _PRUNED
     sol = ilp.solve(time_limit_s)
