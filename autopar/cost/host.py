@@ -81,18 +81,22 @@ def host_lower_bound(terms: "StageTerms", num_blocks: int, gpus_per_node: int) -
 class HostFamily:
     """The per-node host-memory constraints of an offload config as linear rows over the pipeline
     ranks' block counts N_r: for each node group, sum_{r in ranks} coeffs_r N_r <= room_bytes, in
-    integers (coefficients rounded up, room down: a split that meets them fits the float check).
-
-    ``exact``: the rows are the whole constraint (the two layouts ``host_per_node`` has closed forms
-    for); otherwise they are absent and only the estimate's check applies."""
+    integers (coefficients rounded up, room down: a split that meets them fits the float check)."""
 
     groups: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]  # (ranks, coeffs per rank, room)
-    exact: bool
 
     def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("HostFamily: at least one node group")
         for ranks, coeffs, _ in self.groups:
             if len(ranks) != len(coeffs) or any(c < 0 for c in coeffs):
                 raise ValueError("HostFamily: one non-negative coefficient per rank of each group")
+
+    @property
+    def shared_rows(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]:
+        """The rows over several ranks (a node holding GPUs of several pipeline ranks); a one-rank
+        row is a cap on its rank (``rank_caps``)."""
+        return tuple(row for row in self.groups if len(row[0]) > 1)
 
     def rank_caps(self, num_ranks: int, least_blocks: int) -> list[int]:
         """Each rank's most blocks under its group's row when every other rank of the group holds
@@ -105,13 +109,18 @@ class HostFamily:
                 caps[r] = min(caps[r], left // a if a > 0 else (10**9 if left >= 0 else -1))
         return caps
 
+    @staticmethod
+    def row_holds(row: tuple[tuple[int, ...], tuple[int, ...], int], rank_blocks: Sequence[int]) -> bool:
+        ranks, coeffs, room = row
+        return sum(a * rank_blocks[r] for r, a in zip(ranks, coeffs)) <= room
+
     def holds(self, rank_blocks: Sequence[int]) -> bool:
-        return all(sum(a * rank_blocks[r] for r, a in zip(ranks, coeffs)) <= room
-                   for ranks, coeffs, room in self.groups)
+        return all(self.row_holds(row, rank_blocks) for row in self.groups)
 
 
 def host_family(terms: "StageTerms", gpus_per_node: int) -> HostFamily | None:
-    """The host rows of ``terms`` (None without offload). A rank's host bytes are
+    """The host rows of ``terms``: None without offload, and for a node layout neither closed form
+    of ``host_per_node`` covers (then only the estimate's check applies). A rank's host bytes are
     h_s P_r + I_r N_r h_a (``host_memory_by_rank``), P_r = pi N_r + p_r; a node holds g GPUs of one
     pipeline rank (g <= dp cp tp), or dp cp tp GPUs of each of k = g / (dp cp tp) consecutive ranks."""
     off, cfg = terms.offload, terms.config
@@ -124,7 +133,7 @@ def host_family(terms: "StageTerms", gpus_per_node: int) -> HostFamily | None:
     elif g % inner == 0 and cfg.pp % (g // inner) == 0:
         k, per_gpu = g // inner, inner
     else:
-        return HostFamily(groups=(), exact=False)
+        return None
     last = chunk_rank(cfg.pp * cfg.virtual_stages - 1, cfg.pp)
     t, h_s, h_a = terms, off.host_state_bytes_per_param, off.host_act_bytes_per_block
     groups = []
@@ -136,7 +145,7 @@ def host_family(terms: "StageTerms", gpus_per_node: int) -> HostFamily | None:
             fixed_p = (t.pre.params if r == 0 else 0.0) + (t.post.params + t.tied_params if r == last else 0.0)
             fixed += per_gpu * h_s * fixed_p
         groups.append((ranks, tuple(coeffs), math.floor(off.host_memory_bytes_per_node - fixed)))
-    return HostFamily(groups=tuple(groups), exact=True)
+    return HostFamily(groups=tuple(groups))
 
 
 def with_host(terms: "StageTerms", est: Estimate, gpus_per_node: int) -> Estimate:

@@ -81,6 +81,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from autopar.cost.host import HostFamily
+from autopar.cost.memory import inflight_microbatches
 from autopar.cost.stage import StageTerms
 from autopar.cost.step import chunk_rank
 
@@ -135,8 +136,7 @@ class SplitILP:
         # Issue 17: the nodes' host memory (offload) as rows of the program, so the split chosen is
         # the best one that fits the host too; one-rank rows are block caps like the GPU's.
         self.host = host
-        self.host_rows = [(ranks, coeffs, room) for ranks, coeffs, room in (host.groups if host else ())
-                          if len(ranks) > 1]
+        self.host_rows = host.shared_rows if host is not None else ()
         self.cfg = terms.config
         self.L = num_blocks
         self.C = self.cfg.pp * self.cfg.virtual_stages
@@ -149,7 +149,7 @@ class SplitILP:
         self.everything_s = everything
         self.ns = TIME_UNITS / max(everything, 1e-12)  # integer time units per second
         self.caps = list(rank_block_capacity(terms) if gpu_caps is None else gpu_caps)
-        if host is not None and host.groups:
+        if host is not None:
             self.caps = [min(a, b) for a, b in zip(self.caps, host.rank_caps(self.cfg.pp, self.cfg.virtual_stages))]
         self._bounds_memo: list[tuple[int, int]] | None = None
         self.tau_ns = round(t.block.time_s * self.ns)
@@ -333,7 +333,7 @@ class SplitILP:
                     continue
                 counts[r] = n
                 row = closes[r]
-                if row is not None and sum(a * counts[q] for q, a in zip(row[0], row[1])) > row[2]:
+                if row is not None and not HostFamily.row_holds(row, counts):
                     continue
                 walk(r + 1, left - n, t, z)
 
@@ -547,14 +547,17 @@ def solve_split(terms: StageTerms, num_blocks: int, time_limit_s: float = 10.0,
     return SplitILP(terms, num_blocks, host).solve(time_limit_s, method)
 
 
-def rank_block_capacity(terms: StageTerms) -> list[int]:
-    """The most blocks each pipeline rank can hold within memory (the memory family alone).
+def rank_block_capacity(terms: StageTerms, schedule: tuple[str, int] | None = None) -> list[int]:
+    """The most blocks each pipeline rank can hold within memory (the memory family alone);
+    ``schedule``: (name, v) of another schedule of the same branch (the family reads the schedule
+    only through each rank's in-flight micro-batches), else the terms' own.
 
     A split exists iff every rank can hold its v chunks of one block and the capacities add up to
     L; the search checks this before building an ILP."""
-    t = terms
-    return block_capacities(t, pp=t.config.pp, virtual_stages=t.config.virtual_stages,
-                            inflight=[t.inflight(r) for r in range(t.config.pp)], sigma=t.state_bytes_per_param,
+    t, cfg = terms, terms.config
+    name, v = schedule or (cfg.schedule, cfg.virtual_stages)
+    inflight = [inflight_microbatches(name, cfg.pp, r, cfg.num_microbatches, v) for r in range(cfg.pp)]
+    return block_capacities(t, pp=cfg.pp, virtual_stages=v, inflight=inflight, sigma=t.state_bytes_per_param,
                             block_act_bytes=t.block.act_bytes, other_bytes=t.transient_bytes + t.reserve_bytes,
                             tied_params=t.tied_params, capacity_bytes=t.capacity_bytes)
 

@@ -89,8 +89,8 @@ class MixedSplitILP:
             raise ValueError("MixedSplitILP needs the terms of a 'mixed' recompute config")
         self.terms, self.L, self.cfg = terms, num_blocks, terms.config
         self.host = host
-        self.host_caps = host.rank_caps(self.cfg.pp, self.cfg.virtual_stages) if host is not None and host.groups else None
-        self.host_rows = [row for row in (host.groups if host else ()) if len(row[0]) > 1]
+        self.host_caps = host.rank_caps(self.cfg.pp, self.cfg.virtual_stages) if host is not None else None
+        self.host_rows = host.shared_rows if host is not None else ()
         self.modes = tuple(m for m in RECOMPUTE_MODES if m in modes)
         self.base = SplitILP(terms, num_blocks)  # the single-mode coefficients: fixed terms, scaling, tail
         ns, t = self.base.ns, terms
@@ -239,7 +239,7 @@ class MixedSplitILP:
                     break
                 counts[r] = n
                 row = closes[r]
-                if row is not None and sum(a * counts[q] for q, a in zip(row[0], row[1])) > row[2]:
+                if row is not None and not HostFamily.row_holds(row, counts):
                     continue
                 for t, z, c in front:
                     chosen[r] = c

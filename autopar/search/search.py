@@ -35,13 +35,12 @@ from typing import Callable
 
 from autopar.cluster import Cluster
 from autopar.cost.host import evaluate_with_host, host_family, host_lower_bound
-from autopar.cost.memory import inflight_microbatches
 from autopar.cost.stage import Config, StageTerms, build_terms
 from autopar.cost.step import evaluate
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import NO_OFFLOAD, Offload, even_stage_ranges
 from autopar.search.candidates import Candidate, SearchResult, TopK
-from autopar.search.ilp import MAX_ENUMERATED_SPLITS, SplitILP, block_capacities, rank_block_capacity, solve_split
+from autopar.search.ilp import MAX_ENUMERATED_SPLITS, SplitILP, rank_block_capacity, solve_split
 from autopar.search.space import Branch, SearchSpace, enumerate_branches, enumerate_configs, mix_modes
 
 
@@ -188,7 +187,7 @@ def search(
                 # The schedule's own block capacities, read from the shared terms: most schedules
                 # of a tight branch hold too many micro-batches in flight, decided here without
                 # building their config.
-                caps = _schedule_caps(terms0, schedule, v, branch.num_microbatches) \
+                caps = rank_block_capacity(terms0, (schedule, v)) \
                     if branch.pp > 1 and terms0.recompute_parts is None else None
                 if caps is not None and not _fits_somehow(caps, v, graph.num_blocks):
                     evaluated += 1
@@ -373,16 +372,6 @@ def _least_max_time(caps: list[int], fixed: list[float], tau: float, num_blocks:
     if sum(max(0, c) for c in caps) >= num_blocks:  # L is reached only as the last rank fills (rounding)
         return max(start, t_prev)
     return start + tau * num_blocks  # every rank full below L (no split fits): the bisection's upper end
-
-
-def _schedule_caps(terms: StageTerms, schedule: str, virtual_stages: int, num_microbatches: int) -> list[int]:
-    """``rank_block_capacity`` of ``terms`` under another schedule of its branch (the memory
-    family reads the schedule only through each rank's in-flight micro-batches)."""
-    t, pp = terms, terms.config.pp
-    inflight = [inflight_microbatches(schedule, pp, r, num_microbatches, virtual_stages) for r in range(pp)]
-    return block_capacities(t, pp=pp, virtual_stages=virtual_stages, inflight=inflight, sigma=t.state_bytes_per_param,
-                            block_act_bytes=t.block.act_bytes, other_bytes=t.transient_bytes + t.reserve_bytes,
-                            tied_params=t.tied_params, capacity_bytes=t.capacity_bytes)
 
 
 def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: float, tokens: float,

@@ -62,7 +62,7 @@ def test_split_within_host_memory_equals_brute_force(small_gpt, a100, dp, tp, pp
     terms, tight, best = _host_bound_case(small_gpt, a100, dp, tp, pp)
     assert best is not None
     host = host_family(terms, tight.gpus_per_node)
-    assert host is not None and host.exact
+    assert host is not None and host.groups
     sol = solve_split(terms, NUM_BLOCKS, method=method, host=host)
     assert sol.status == "OPTIMAL" and sol.chunk_blocks is not None
     est = evaluate_with_host(terms, list(sol.chunk_blocks), 1.0, 1.0, tight)
@@ -149,7 +149,7 @@ def test_a_host_row_over_several_ranks_binds_the_mix_program(method) -> None:
     from autopar.search.ilp_recompute import MixedSplitILP
 
     graph, tight, terms, _ = _mix_case()
-    row = HostFamily(groups=(((0, 1, 2), (1, 3, 1), 10),), exact=True)
+    row = HostFamily(groups=(((0, 1, 2), (1, 3, 1), 10),))
     roomy = dataclasses.replace(tight, host_memory_bytes_per_node=1e18)
     free = dataclasses.replace(terms, offload=dataclasses.replace(terms.offload, host_memory_bytes_per_node=1e18))
     best = min(e.step_time_s for split in _splits_of(6, 3) if split[0] + 3 * split[1] + split[2] <= 10
