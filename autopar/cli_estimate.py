@@ -111,15 +111,17 @@ def _rank_text(plan, est, model, cluster, args: argparse.Namespace) -> str:  # n
     """Where ``plan`` ranks among the plans ``autopar plan`` searches for the same request
     (GPUs, GPUs per node, global batch, sequence, dtype, optimizer) and how far it is from the best."""
     from autopar.errors import InfeasibleError
+    from autopar.search import cp_sat_process
     from autopar.search.driver import search_plans
     from autopar.search.sweep import plan_text
 
     t = plan.training
     try:
-        found = search_plans(model, gpus=plan.cluster.num_gpus, cluster=cluster, cluster_ref=cluster.name,
-                             gpus_per_node=plan.cluster.gpus_per_node, global_batch=t.global_batch_size,
-                             seq_len=t.seq_len, dtype=t.dtype, optimizer=t.optimizer, top_k=RANK_TOP_K,
-                             use_cache=not args.no_cache, knobs={"moe_imbalance": args.moe_imbalance})
+        with cp_sat_process.overlapped():
+            found = search_plans(model, gpus=plan.cluster.num_gpus, cluster=cluster, cluster_ref=cluster.name,
+                                 gpus_per_node=plan.cluster.gpus_per_node, global_batch=t.global_batch_size,
+                                 seq_len=t.seq_len, dtype=t.dtype, optimizer=t.optimizer, top_k=RANK_TOP_K,
+                                 use_cache=not args.no_cache, knobs={"moe_imbalance": args.moe_imbalance})
     except InfeasibleError:
         return "ranking: no searched plan fits memory for this request either"
     except AutoparError as exc:

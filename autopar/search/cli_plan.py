@@ -114,6 +114,13 @@ def constraints_of(args: argparse.Namespace) -> dict[str, tuple]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from autopar.search import cp_sat_process
+
+    with cp_sat_process.overlapped():  # OR-Tools imports on another core while the graph loads and the search runs
+        return _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
     from autopar.cluster import load_cluster_and_profile
     from autopar.outputs import check_output_dir, check_output_file
     from autopar.search.driver import search_plans

@@ -525,6 +525,13 @@ class SplitILP:
             return self.enumerate()
         if method == "parametric":
             return self.parametric()
+        from autopar.search import cp_sat_process
+
+        return cp_sat_process.solve(self, time_limit_s)
+
+    def solve_cp_sat(self, time_limit_s: float) -> SplitSolution:
+        """The program solved by CP-SAT, in this process (``solve`` may hand it to the forked
+        solver of ``cp_sat_process``, which calls this there)."""
         self._build_model()
         solver, name, found = run_cp_sat(self.model, time_limit_s, SOLVER_PARAMETERS)
         if not found:
