@@ -95,9 +95,17 @@ def slowdown(cond: MeasuredConditions, ranks: int) -> float:
     """How long a rank's compute takes with ``ranks`` ranks on the profiled machine, in units that
     only matter as ratios: the measured contention curve, log-log interpolated between its points
     and beyond its last one times the core share (max(1, R / cores)); without a curve the core
-    share alone (1 without a record of the cores)."""
+    share alone (1 without a record of the cores).
+
+    The curve is read as its running maximum over R: a rank never computes faster for sharing the
+    machine with more ranks, so a point below an earlier one is that measurement's noise (a 2-rank
+    reference block timed 7 % under the 1-rank one on the loaded 2-core machine, and the 2-rank
+    plans priced from it came out that much too fast)."""
     cores = cond.cores
-    curve = cond.contention
+    curve, top = [], 0.0
+    for r, t in cond.contention or ():
+        top = max(top, t)
+        curve.append((r, top))
     if not curve:
         return _share(ranks, cores) if cores else 1.0
     if ranks <= curve[0][0]:

@@ -84,6 +84,19 @@ def test_a_contention_curve_prices_its_rank_counts_silently() -> None:
     assert one.cluster.peak_flops == pytest.approx(c.peak_flops * 0.012 / 0.010)
 
 
+def test_a_dip_in_the_contention_curve_is_read_as_noise() -> None:
+    """More ranks on the machine never make a rank faster: a curve point below an earlier one
+    prices as the earlier one (the running maximum), and the points after it are read as measured."""
+    c = _cluster(cores=2, contention=[[1, 0.010], [2, 0.009], [4, 0.024]])
+    cond = conditions_of(c.measured)
+    assert slowdown(cond, 2) == pytest.approx(0.010)
+    assert slowdown(cond, 4) == pytest.approx(0.024)
+    assert slowdown(cond, 3) == pytest.approx(0.010 * 2.4 ** 0.5849625, rel=1e-3)  # log-log, from the max
+    two = price_for_run(c, RunConditions(dtype="fp32", ranks_on_host=2), profile_label="p")
+    one = price_for_run(c, RunConditions(dtype="fp32", ranks_on_host=1), profile_label="p")
+    assert two.cluster.peak_flops == pytest.approx(one.cluster.peak_flops)
+
+
 def test_validate_conditions_other_device_is_an_error_soft_ones_warn() -> None:
     c = _cluster(cores=2)
     with pytest.raises(ClusterError, match="measured on cpu, this run is on cuda"):
