@@ -11,7 +11,8 @@ Contract:
   ``autopar/models``) and the shape of the ModelGraph dataclasses. Any change is a new key.
 - Format: JSON, never pickle -- a cache file is data, not code. ``ModelGraph`` is serialised
   generically from its dataclass fields and their type hints (nested dataclasses, dicts, tuples,
-  optionals, the networkx graph as node/edge lists), so a field added to it needs no code here.
+  optionals; the networkx graph is not stored, it is a view of the other fields), so a field added
+  to it needs no code here.
 - Trust: on load every value is checked against its declared type and the dataclasses validate
   themselves; an entry that is unreadable, malformed, of another key or another schema is
   ignored (and overwritten by the rebuilt one), never trusted.
@@ -32,8 +33,6 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
-
-import networkx as nx
 
 from autopar.errors import ModelFileError
 from autopar.graph.model_graph import ModelGraph
@@ -135,9 +134,6 @@ def encode(value: Any) -> Any:
     """JSON-ready data of a dataclass tree (TypeError on a value this format cannot hold)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-    if isinstance(value, nx.DiGraph):
-        return {"graph": _plain(value.graph), "nodes": [[n, _plain(d)] for n, d in value.nodes(data=True)],
-                "edges": [[u, v, _plain(d)] for u, v, d in value.edges(data=True)]}
     if isinstance(value, dict):
         return {_str_key(k): encode(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -152,7 +148,7 @@ def _str_key(k: Any) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """A JSON value as is (networkx attributes must be JSON data already)."""
+    """A JSON value as is."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, dict):
@@ -193,8 +189,6 @@ def decode(tp: Any, data: Any, where: str = "graph") -> Any:
             return tp(**{name: decode(hints[name], data[name], f"{where}.{name}") for name in fields})
         except (TypeError, ValueError) as exc:
             raise _Corrupt(f"{where}: {tp.__name__} refused the values: {exc}") from None
-    if tp is nx.DiGraph:
-        return _decode_digraph(data, where)
     if origin in (dict, collections.abc.Mapping):
         if not isinstance(data, dict):
             raise _Corrupt(f"{where}: expected a mapping")
@@ -231,24 +225,6 @@ def _type_hints(tp: type) -> dict[str, Any]:
     of a few classes, and resolving their hints was two thirds of a warm load."""
     return typing.get_type_hints(tp)
 
-
-def _decode_digraph(data: Any, where: str) -> nx.DiGraph:
-    if not isinstance(data, dict) or set(data) != {"graph", "nodes", "edges"}:
-        raise _Corrupt(f"{where}: expected a graph with nodes and edges")
-    g = nx.DiGraph()
-    if not isinstance(data["graph"], dict):
-        raise _Corrupt(f"{where}: graph attributes must be a mapping")
-    g.graph.update(data["graph"])
-    for item in data["nodes"]:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], dict)):
-            raise _Corrupt(f"{where}: malformed node")
-        g.add_node(item[0], **item[1])
-    for item in data["edges"]:
-        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[2], dict)
-                and item[0] in g and item[1] in g):
-            raise _Corrupt(f"{where}: malformed edge")
-        g.add_edge(item[0], item[1], **item[2])
-    return g
 
 
 # -- entries -----------------------------------------------------------------------------------

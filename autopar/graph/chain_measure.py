@@ -18,14 +18,13 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable
 
-import networkx as nx
 import torch
 from torch import nn
 
 from autopar.errors import ModelFileError
 from autopar.graph.build import ParamRegions, TracedRun, default_loss, first_tensor, slice_sequence
-from autopar.graph.model_graph import ChainUnit, ModelGraph, RegionParams, region_totals, saved_split
-from autopar.graph.scaling import RegionFit, Shape, fit_region
+from autopar.graph.model_graph import ChainUnit, ModelGraph, RegionParams
+from autopar.graph.scaling import RegionFit, fit_region
 from autopar.graph.trace import Trace, run_and_trace
 from autopar.modelfile import ModelFile, call_model
 from autopar.spec import ModelSpec
@@ -198,7 +197,7 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
         is_sequence_model=is_seq, dtype=dtype, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
         tp_reason=support["tp"], cp_reason=support["cp"], pp_reason=support["pp"], support=support,
         tp_source=spec.tp.describe(), tp_styles={}, regions=regions, params=params, tied_params=tied,
-        block_input_bytes=units[0].input_bytes, graph=chain_networkx(regions, params, units, tied),
+        block_input_bytes=units[0].input_bytes,
         build_seconds=time.perf_counter() - start, chain=units,
     )
 
@@ -241,25 +240,3 @@ def _params(model: nn.Module, units: tuple[str, ...], param_regions: dict[int, s
             first = min(int(r.split(".")[1]) for r in regions if r.startswith("unit."))
             per_unit[first] += p.numel()
     return per_unit, pre, post, tied
-
-
-def chain_networkx(regions: dict[str, RegionFit], params: dict[str, RegionParams], units: tuple[ChainUnit, ...],
-                   tied: int) -> nx.DiGraph:
-    """The layer graph: embedding (the stem), block.i per unit, head, loss; every edge between units
-    is a pipeline cut point."""
-    g = nx.DiGraph()
-    base = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=1)
-    rows = [("embedding", "pre", params["pre"].count, 0.0)]
-    rows += [(f"block.{i}", u.region, u.params, u.input_bytes) for i, u in enumerate(units)]
-    rows += [("head", "post", params["post"].count, 0.0), ("loss", "loss", 0, 0.0)]
-    for i, (name, region, n_params, in_bytes) in enumerate(rows):
-        totals = region_totals(regions[region], base)
-        g.add_node(name, kind="block" if region.startswith("unit.") else region, index=i, region=region,
-                   fwd_flops=totals["fwd_flops"], bwd_flops=totals["bwd_flops"], num_params=n_params,
-                   tp_sharded_params=0, saved_bytes=totals["saved_bytes"], saved_split=saved_split(regions[region]),
-                   input_bytes=in_bytes)
-        if i:
-            prev = rows[i - 1][0]
-            g.add_edge(prev, name, cut_point=prev.startswith("block.") and name.startswith("block."))
-    g.graph["tied_params"] = tied
-    return g

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.errors import ModelFileError
 from autopar.graph.build import one_block_model, shard_for_tp, slice_sequence, trace_model
-from autopar.graph.model_graph import ModelGraph, MoEFacts, RegionParams, _to_networkx
+from autopar.graph.model_graph import ModelGraph, MoEFacts, RegionParams
 from autopar.graph.scaling import RegionFit, fit_region
 from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit
 from autopar.modelfile import ModelFile, load_model_file
@@ -117,14 +117,13 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     if not is_seq and support["cp"] is None:
         support["cp"] = f"sequence length {base_seq} cannot be split"
     cp_reason = support["cp"]
-    graph = _to_networkx(regions, params, num_blocks, tied, base.block_input_bytes)
     return ModelGraph(
         name=mf.name, sha256=mf.sha256, num_blocks=num_blocks, seq_len=base_seq if is_seq else 1,
         is_sequence_model=is_seq, dtype=dtype, num_heads=heads, num_kv_heads=kv_heads,
         tp_reason=tp_reason, cp_reason=cp_reason, pp_reason=support["pp"], support=support,
         tp_source=spec.tp.describe(), tp_styles=dict(tp_plan or {}),
         regions=regions, params=params, tied_params=tied,
-        block_input_bytes=base.block_input_bytes, graph=graph,
+        block_input_bytes=base.block_input_bytes,
         build_seconds=time.perf_counter() - start, moe=_moe_facts(spec.moe),  # issue 15
     )
 

@@ -11,19 +11,23 @@ The numbers on the nodes are per micro-batch of one sample at the model's sequen
 ``regions`` hold the fitted per-op tables the cost model evaluates at any shape.
 
 This module is plain data and needs no torch (the planner half loads without it); the graph is
-measured by ``graph/measure.py``.
+measured by ``graph/measure.py``. The networkx graph is a view of the measured fields, built on
+first use (``ModelGraph.graph``): planning reads only the regions, so neither the graph cache nor a
+warm ``autopar plan`` imports networkx.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Mapping
-
-import networkx as nx
+from typing import TYPE_CHECKING, Mapping
 
 from autopar.graph.scaling import RegionFit, Shape
 from autopar.layout import tp_heads_reason, ulysses_reason
 from autopar.plan import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +102,6 @@ class ModelGraph:
     params: dict[str, RegionParams]  # per region; "block" is one block
     tied_params: int  # parameters used both before and after the blocks (tied embedding)
     block_input_bytes: float  # one sample, tp=1: the tensor a block receives (full recompute keeps it)
-    graph: nx.DiGraph = field(compare=False)
     build_seconds: float = field(compare=False, default=0.0)
     # What the executor can run on this model, per dimension (autopar.spec.support): None = offered,
     # else the reason it is not. Empty: everything the reasons above allow.
@@ -127,9 +130,26 @@ class ModelGraph:
             return self.params["pre"].count + sum(u.params for u in self.chain) + self.params["post"].count
         return self.params["pre"].count + self.num_blocks * self.params["block"].count + self.params["post"].count
 
+    @functools.cached_property
+    def graph(self) -> "nx.DiGraph":
+        """The layer graph (module docstring), derived from the measured fields on first use."""
+        if self.chain:
+            return _chain_networkx(self.regions, self.params, self.chain, self.tied_params)
+        return _to_networkx(self.regions, self.params, self.num_blocks, self.tied_params, self.block_input_bytes)
+
+    def layer_regions(self) -> list[str]:
+        """The region of each node of ``graph``, in execution order: the embedding, each block
+        (a chain's unit regions), the head, the loss."""
+        blocks = [u.region for u in self.chain] if self.chain else ["block"] * self.num_blocks
+        return ["pre", *blocks, "post", "loss"]
+
     def model_flops_per_sample(self) -> float:
-        """Forward + backward FLOPs of one sample, no recompute (the MFU numerator)."""
-        return sum(d["fwd_flops"] + d["bwd_flops"] for _, d in self.graph.nodes(data=True))
+        """Forward + backward FLOPs of one sample, no recompute (the MFU numerator): the sum over
+        the nodes of ``graph``, in its order, read from the regions (no networkx)."""
+        base = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=1)
+        layers = self.layer_regions()
+        totals = {r: region_totals(self.regions[r], base) for r in set(layers)}
+        return sum(totals[r]["fwd_flops"] + totals[r]["bwd_flops"] for r in layers)
 
     def tp_allowed(self, tp: int) -> str | None:
         """None if ``tp`` is legal for this model, else the reason it is not."""
@@ -169,8 +189,10 @@ def saved_split(fit: RegionFit) -> dict[str, float]:
     return split
 
 
-def _to_networkx(regions: dict[str, RegionFit], params: dict[str, RegionParams], num_blocks: int,
-                 tied: int, block_input_bytes: float) -> nx.DiGraph:
+def _to_networkx(regions: Mapping[str, RegionFit], params: Mapping[str, RegionParams], num_blocks: int,
+                 tied: int, block_input_bytes: float) -> "nx.DiGraph":
+    import networkx as nx
+
     g = nx.DiGraph()
     base = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=1)
     names = ["embedding"] + [f"block.{i}" for i in range(num_blocks)] + ["head", "loss"]
@@ -186,5 +208,29 @@ def _to_networkx(regions: dict[str, RegionFit], params: dict[str, RegionParams],
         )
         if i:
             g.add_edge(names[i - 1], name, cut_point=names[i - 1].startswith("block.") and name.startswith("block."))
+    g.graph["tied_params"] = tied
+    return g
+
+
+def _chain_networkx(regions: Mapping[str, RegionFit], params: Mapping[str, RegionParams],
+                    units: tuple[ChainUnit, ...], tied: int) -> "nx.DiGraph":
+    """A chain model's layer graph: embedding (the stem), block.i per unit, head, loss; every edge
+    between units is a pipeline cut point."""
+    import networkx as nx
+
+    g = nx.DiGraph()
+    base = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=1)
+    rows = [("embedding", "pre", params["pre"].count, 0.0)]
+    rows += [(f"block.{i}", u.region, u.params, u.input_bytes) for i, u in enumerate(units)]
+    rows += [("head", "post", params["post"].count, 0.0), ("loss", "loss", 0, 0.0)]
+    for i, (name, region, n_params, in_bytes) in enumerate(rows):
+        totals = region_totals(regions[region], base)
+        g.add_node(name, kind="block" if region.startswith("unit.") else region, index=i, region=region,
+                   fwd_flops=totals["fwd_flops"], bwd_flops=totals["bwd_flops"], num_params=n_params,
+                   tp_sharded_params=0, saved_bytes=totals["saved_bytes"], saved_split=saved_split(regions[region]),
+                   input_bytes=in_bytes)
+        if i:
+            prev = rows[i - 1][0]
+            g.add_edge(prev, name, cut_point=prev.startswith("block.") and name.startswith("block."))
     g.graph["tied_params"] = tied
     return g
