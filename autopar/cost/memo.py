@@ -20,10 +20,15 @@ class IdentityMemo(Generic[V]):
 
     def get(self, owners: tuple[Any, ...], key: Hashable, make: Callable[[], V]) -> V:
         """The value for (``owners`` by identity, ``key`` by value), made by ``make()`` on a miss."""
-        full_key = (tuple(id(o) for o in owners), key)
+        full_key = (tuple(map(id, owners)), key)
         hit = self._entries.get(full_key)
-        if hit is not None and all(a is b for a, b in zip(hit[0], owners)):
-            return hit[1]
+        if hit is not None:
+            held = hit[0]
+            for i, o in enumerate(owners):  # a loop, not all(<generator>): this runs ~10 times per terms build
+                if held[i] is not o:
+                    break
+            else:
+                return hit[1]
         value = make()
         if len(self._entries) >= self._max:
             self._entries.clear()

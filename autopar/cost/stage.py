@@ -352,7 +352,7 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
     divide) run whole on every tp rank and need none of these."""
     # The fitted tp exponents already say which ops a vocab-parallel layer shards (0 for the rest).
     t_shape = replace(shape, t=1.0, sp=1.0) if replicated else shape
-    vocab_tp = not replicated and any(op.flops_exps.t > 0.5 or op.bytes_exps.t > 0.5 for op in graph.regions[region].ops)
+    vocab_tp = not replicated and graph.shards_with_tp(region)
     parts = [graph_region_time(graph, region, cluster, t_shape)]
     if with_loss:
         parts.append(graph_region_time(graph, "loss", cluster, t_shape))

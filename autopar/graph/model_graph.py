@@ -137,6 +137,17 @@ class ModelGraph:
             return _chain_networkx(self.regions, self.params, self.chain, self.tied_params)
         return _to_networkx(self.regions, self.params, self.num_blocks, self.tied_params, self.block_input_bytes)
 
+    def shards_with_tp(self, region: str) -> bool:
+        """Whether some op of ``region`` has a fitted tp exponent (a vocab-parallel embedding or
+        head: the exponents say which ops tensor parallelism divides, 0 for the rest)."""
+        return self._tp_sharded_regions[region]
+
+    @functools.cached_property
+    def _tp_sharded_regions(self) -> dict[str, bool]:
+        # Read once per region and graph: the cost model asks for every configuration it prices.
+        return {name: any(op.flops_exps.t > 0.5 or op.bytes_exps.t > 0.5 for op in fit.ops)
+                for name, fit in self.regions.items()}
+
     def layer_regions(self) -> list[str]:
         """The region of each node of ``graph``, in execution order: the embedding, each block
         (a chain's unit regions), the head, the loss."""
