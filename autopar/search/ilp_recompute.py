@@ -379,18 +379,27 @@ class MixedSplitILP:
         integer sums exactly: they are below 2**53). numpy comes with ortools, which depends on it."""
         import numpy as np
 
-        table = np.full(self.L + 1, np.inf)
+        L = self.L
+        table = np.full(L + 1, np.inf)
         table[0] = 0.0
+        used = np.arange(L + 1)
         for per_n in fronts:
-            nxt = np.full(self.L + 1, np.inf)
+            ns, ts = [], []
             for n, front in per_n.items():
-                for t, z, _ in front:
+                for t, z, _ in front:  # increasing t, decreasing z: the first within z_cap is the best
                     if z <= z_cap:
-                        if t <= t_cap and n <= self.L:
-                            np.minimum(nxt[n:], table[: self.L + 1 - n] + t, out=nxt[n:])
+                        if t <= t_cap and n <= L:
+                            ns.append(n)
+                            ts.append(t)
                         break
-            table = nxt
-        return None if math.isinf(table[self.L]) else int(table[self.L])
+            if not ns:
+                return None
+            # nxt[s] = min over the options (n, t) of table[s - n] + t: one (options x L + 1) array
+            # of shifted tables, its minimum down the options.
+            src = used[None, :] - np.array(ns)[:, None]
+            shifted = np.where(src >= 0, table[np.maximum(src, 0)], np.inf) + np.array(ts, dtype=np.float64)[:, None]
+            table = shifted.min(axis=0)
+        return None if math.isinf(table[L]) else int(table[L])
 
     # -- CP-SAT ----------------------------------------------------------------------------------
     def _build_model(self) -> None:
@@ -482,16 +491,23 @@ class MixedSplitILP:
 
 
 def _count(fronts: list[dict[int, list]], total: int, limit: int) -> int:
-    """Split x front combinations summing to ``total`` (counting stops past ``limit``)."""
-    ways = {0: 1}
+    """Split x front combinations summing to ``total`` (counting stops past ``limit``).
+
+    ways[s]: the combinations of the ranks so far using s blocks, capped at limit + 1 (a capped
+    term keeps every sum it enters capped, so "more than limit" stays exact); each rank convolves
+    it with its front sizes per block count. int64 holds the uncapped products: at most
+    (limit + 1) x (largest front) x (total + 1)."""
+    import numpy as np
+
+    ways = np.zeros(total + 1, dtype=np.int64)
+    ways[0] = 1
     for per_n in fronts:
-        nxt: dict[int, int] = {}
-        for used, w in ways.items():
-            for n, front in per_n.items():
-                if used + n <= total:
-                    nxt[used + n] = min(limit + 1, nxt.get(used + n, 0) + w * len(front))
-        ways = nxt
-    return ways.get(total, 0)
+        sizes = np.zeros(total + 1, dtype=np.int64)
+        for n, front in per_n.items():
+            if n <= total:
+                sizes[n] = len(front)
+        ways = np.minimum(limit + 1, np.convolve(ways, sizes)[: total + 1])
+    return int(ways[total])
 
 
 def solve_mixed_split(terms: StageTerms, num_blocks: int, modes: tuple[str, ...] = RECOMPUTE_MODES,

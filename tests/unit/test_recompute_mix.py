@@ -389,3 +389,21 @@ def test_the_default_search_refines_its_top_plans_with_mixes(tiny) -> None:
     assert refined.top[0].recompute_blocks is not None
     pinned = search(tiny, cluster, dataclasses.replace(space, recompute_modes=("none", "full")), top_k=3)
     assert all(c.recompute_blocks is None for c in pinned.top)  # a mode the user left out is never mixed in
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_front_combination_count_equals_walking_them(seed) -> None:
+    """``_count`` (a capped convolution per rank) against every combination of one block count
+    and one front entry per rank, capped at the limit the same way."""
+    import random
+
+    from autopar.search.ilp_recompute import _count
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        ranks, total, limit = rng.randint(1, 4), rng.randint(0, 12), rng.choice([0, 3, 50, 4096])
+        fronts = [{n: [None] * rng.randint(1, 4) for n in rng.sample(range(14), rng.randint(0, 6))}
+                  for _ in range(ranks)]
+        walked = sum(1 for choice in itertools.product(*[[n for n, f in per_n.items() for _ in f] for per_n in fronts])
+                     if sum(choice) == total)
+        assert _count(fronts, total, limit) == min(limit + 1, walked)
