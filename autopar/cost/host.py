@@ -73,7 +73,7 @@ def host_lower_bound(terms: "StageTerms", num_blocks: int, gpus_per_node: int) -
     if off is None:
         return 0.0
     params = num_blocks * terms.block.params + terms.pre.params + terms.post.params
-    fewest = min(terms.inflight(r) for r in range(cfg.pp))
+    fewest = terms.inflight(cfg.pp - 1)  # every schedule's in-flight count falls with the rank
     total = params * off.host_state_bytes_per_param + num_blocks * fewest * off.host_act_bytes_per_block
     return min(gpus_per_node, cfg.num_gpus) / cfg.pp * total
 

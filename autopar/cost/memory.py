@@ -62,7 +62,9 @@ def state_bytes_per_param(*, zero: int, shard_degree: int, dtype_bytes: int, opt
 
 
 def inflight_microbatches(schedule: str, pp: int, rank: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """Micro-batches (of a whole rank's blocks) whose activations rank ``rank`` holds at its peak."""
+    """Micro-batches (of a whole rank's blocks) whose activations rank ``rank`` holds at its peak;
+    non-increasing in ``rank`` for every schedule (the last rank holds the fewest: the bounds of
+    cost.host read it there)."""
     m = num_microbatches
     if pp == 1:
         return 1.0

@@ -31,7 +31,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from autopar.cluster import Cluster
 from autopar.cost.host import evaluate_with_host, host_family, host_lower_bound
@@ -246,9 +246,10 @@ def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch, has_host: bo
                                   dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer)
     best = state.total
     block_act = _least_block_act(base, graph)
-    offs = [o for z in branch.zero_stages for o in branch.offloads(z)] if has_host else []
     if offload is not None:
-        offs = [offload]
+        offs: Sequence[Offload] = (offload,)
+    else:
+        offs = [o for z in branch.zero_stages for o in branch.offloads(z)] if has_host else ()
     if any(o.params for o in offs):  # issue 14 (offload): the most any offload mode leaves on the GPU
         best = 0.0
     elif any(o.optimizer for o in offs):

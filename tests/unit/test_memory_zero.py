@@ -13,7 +13,7 @@ import math
 import pytest
 
 from autopar.cost.estimate import estimate_plan
-from autopar.cost.memory import optimizer_state_bytes_per_param, state_bytes_per_param
+from autopar.cost.memory import inflight_microbatches, optimizer_state_bytes_per_param, state_bytes_per_param
 from autopar.errors import PlanError
 from autopar.models.gpt import GPTConfig
 from autopar.plan import ClusterRef, ModelRef, Parallel, Plan, Training
@@ -155,3 +155,13 @@ def test_rank_state_bytes_from_independent_parameter_count(a100, make_plan, zero
         assert m["optimizer"] == pytest.approx(expected * state.optimizer, rel=1e-12)
     assert sum(r.num_blocks for r in est.ranks) == layers
     assert math.isclose(est.peak_memory_bytes, max(r.peak_bytes for r in est.ranks))
+
+
+def test_inflight_microbatches_fall_with_the_rank() -> None:
+    """The contract cost.host.host_lower_bound reads: the last pipeline rank holds the fewest."""
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+        for pp in (1, 2, 3, 4, 8, 16):
+            for m in (1, 2, 3, 7, 16, 64):
+                for v in ((1, 2, 3, 4) if schedule == "interleaved-1f1b" else (1,)):
+                    held = [inflight_microbatches(schedule, pp, r, m, v) for r in range(pp)]
+                    assert all(a >= b for a, b in zip(held, held[1:])), (schedule, pp, m, v, held)
