@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Protocol
 
 CP_SAT_MODULE = "ortools.sat.python.cp_model"
+CHILD_GRACE_S = 60.0  # beyond a program's time limit: OR-Tools' import on a loaded machine, with room
 
 
 class CpSatProgram(Protocol):
@@ -43,18 +44,34 @@ class _Child:
         self.process = ctx.Process(target=_serve, args=(child_conn,), daemon=True, name="autopar-cp-sat")
         self.process.start()
         child_conn.close()
+        self.lost = False  # the child stopped answering: every program is solved locally
 
     def solve(self, program: CpSatProgram, time_limit_s: float) -> Any | None:
         """The child's answer, or None if it could not give one (the caller solves locally)."""
+        if self.lost:
+            return None
         try:
             self.conn.send((program, time_limit_s))
+            # The solver's own limit plus the import it may still be in: a child stuck past that
+            # is abandoned rather than waited for.
+            if not self.conn.poll(time_limit_s + CHILD_GRACE_S):
+                self._abandon()
+                return None
             status, value = self.conn.recv()
         except (EOFError, OSError, pickle.PicklingError, ValueError, TypeError, AttributeError):
             # PicklingError / ValueError / TypeError / AttributeError: something in it does not pickle.
             return None
         return value if status == "ok" else None
 
+    def _abandon(self) -> None:
+        self.lost = True
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+
     def close(self) -> None:
+        if self.lost:
+            return
         try:
             self.conn.send(None)
         except (OSError, ValueError):
@@ -82,6 +99,9 @@ def _serve(conn: Any) -> None:
             job = conn.recv()
         except (EOFError, OSError):
             return
+        except Exception as exc:  # noqa: BLE001 -- it did not unpickle here (a class made after the fork)
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            continue
         if job is None:
             return
         program, time_limit_s = job

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux" or (os.cpu_count() or 1)
 
 SCRIPT = textwrap.dedent("""
     import dataclasses, json, sys
-    FALLBACK = sys.argv[1] == "fallback"
+    MODE = sys.argv[1]
+    FALLBACK = MODE == "fallback"
     from collections import Counter
     from autopar.cluster import load_cluster
     from autopar.cost.stage import build_terms
@@ -53,6 +54,15 @@ SCRIPT = textwrap.dedent("""
         assert sol.chunk_blocks is not None and sum(sol.chunk_blocks) == graph.num_blocks
         return [sol.status, round(sol.objective_s, 12)]
 
+    import os, time
+    parent = os.getpid()
+
+    class Stuck(SplitILP):  # defined before the fork, so the child can unpickle it
+        def solve_cp_sat(self, time_limit_s):
+            if os.getpid() != parent:  # the child hangs; solved here it answers at once
+                time.sleep(30)
+            return super().solve_cp_sat(time_limit_s)
+
     out = {}
     with cp_sat_process.overlapped():
         out["child"] = cp_sat_process._ACTIVE is not None
@@ -63,6 +73,15 @@ SCRIPT = textwrap.dedent("""
             bad = split_programs()[0]
             bad.unpicklable = lambda: None  # the child cannot take it: solved here instead
             out["fallback"] = answer(bad.solve(10.0, "cp-sat"))
+        if MODE == "stuck":
+            cp_sat_process.CHILD_GRACE_S = 1.0
+            p = split_programs()[0]
+            stuck = Stuck(p.terms, p.L)
+            t0 = time.perf_counter()
+            out["stuck"] = answer(stuck.solve(1.0, "cp-sat"))
+            out["stuck_s"] = time.perf_counter() - t0
+            out["lost"] = child.lost and not child.process.is_alive()
+            out["after_lost"] = answer(split_programs()[1].solve(10.0, "cp-sat"))
         out["parent_imported_ortools"] = cp_sat_process.CP_SAT_MODULE in sys.modules
     out["child_alive_after"] = child is not None and child.process.is_alive()
     out["local"] = [answer(p.solve(10.0, "cp-sat")) for p in split_programs()]
@@ -93,6 +112,13 @@ def test_a_program_the_child_cannot_take_is_solved_here() -> None:
     assert out["child"] and out["parent_imported_ortools"]  # the fallback imported OR-Tools here
     assert out["fallback"] == out["local"][0]
     assert out["remote"] == out["local"] and not out["child_alive_after"]
+
+
+def test_a_child_that_stops_answering_is_abandoned() -> None:
+    out = _run("stuck")
+    assert out["stuck"] == out["local"][0] and out["stuck_s"] < 20  # not the child's 30 s
+    assert out["lost"]  # killed, and what follows is solved here
+    assert out["after_lost"] == out["local"][1] and out["parent_imported_ortools"]
 
 
 def test_plan_command_writes_the_same_plan_with_and_without_the_child(tmp_path) -> None:
