@@ -84,6 +84,18 @@ class MoEFacts:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LayerRow:
+    """One node of ``ModelGraph.graph``: its name, the region whose fit prices it, and its own counts."""
+
+    name: str
+    region: str
+    kind: str  # pre | block | post | loss
+    num_params: int
+    tp_sharded_params: int
+    input_bytes: float  # one sample: what a block receives (0 for the embedding, head and loss)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelGraph:
     """A model as the planner sees it. Frozen; build with ``build_graph``."""
 
@@ -132,10 +144,26 @@ class ModelGraph:
 
     @functools.cached_property
     def graph(self) -> "nx.DiGraph":
-        """The layer graph (module docstring), derived from the measured fields on first use."""
-        if self.chain:
-            return _chain_networkx(self.regions, self.params, self.chain, self.tied_params)
-        return _to_networkx(self.regions, self.params, self.num_blocks, self.tied_params, self.block_input_bytes)
+        """The layer graph (module docstring), derived from the measured fields on first use: one
+        node per ``layer_rows`` entry, an edge between neighbours, every edge between two blocks a
+        pipeline cut point. A chain's nodes also name their unit's region."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        base = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=1)
+        rows = self.layer_rows()
+        for i, row in enumerate(rows):
+            fit = self.regions[row.region]
+            totals = region_totals(fit, base)
+            g.add_node(row.name, kind=row.kind, index=i, **({"region": row.region} if self.chain else {}),
+                       fwd_flops=totals["fwd_flops"], bwd_flops=totals["bwd_flops"], num_params=row.num_params,
+                       tp_sharded_params=row.tp_sharded_params, saved_bytes=totals["saved_bytes"],
+                       saved_split=saved_split(fit), input_bytes=row.input_bytes)
+            if i:
+                prev = rows[i - 1].name
+                g.add_edge(prev, row.name, cut_point=prev.startswith("block.") and row.name.startswith("block."))
+        g.graph["tied_params"] = self.tied_params
+        return g
 
     def shards_with_tp(self, region: str) -> bool:
         """Whether some op of ``region`` has a fitted tp exponent (a vocab-parallel embedding or
@@ -148,17 +176,29 @@ class ModelGraph:
         return {name: any(op.flops_exps.t > 0.5 or op.bytes_exps.t > 0.5 for op in fit.ops)
                 for name, fit in self.regions.items()}
 
-    def layer_regions(self) -> list[str]:
-        """The region of each node of ``graph``, in execution order: the embedding, each block
-        (a chain's unit regions), the head, the loss."""
-        blocks = [u.region for u in self.chain] if self.chain else ["block"] * self.num_blocks
-        return ["pre", *blocks, "post", "loss"]
+    def layer_rows(self) -> list[LayerRow]:
+        """The nodes of ``graph`` in execution order: the embedding, each block (a chain's units),
+        the head, the loss."""
+        def edge(name: str, region: str) -> LayerRow:
+            p = self.params[region]
+            return LayerRow(name=name, region=region, kind=region, num_params=p.count,
+                            tp_sharded_params=p.tp_sharded, input_bytes=0.0)
+
+        if self.chain:
+            blocks = [LayerRow(name=f"block.{i}", region=u.region, kind="block", num_params=u.params,
+                               tp_sharded_params=0, input_bytes=u.input_bytes) for i, u in enumerate(self.chain)]
+        else:
+            p = self.params["block"]
+            blocks = [LayerRow(name=f"block.{i}", region="block", kind="block", num_params=p.count,
+                               tp_sharded_params=p.tp_sharded, input_bytes=self.block_input_bytes)
+                      for i in range(self.num_blocks)]
+        return [edge("embedding", "pre"), *blocks, edge("head", "post"), edge("loss", "loss")]
 
     def model_flops_per_sample(self) -> float:
         """Forward + backward FLOPs of one sample, no recompute (the MFU numerator): the sum over
         the nodes of ``graph``, in its order, read from the regions (no networkx)."""
         base = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=1)
-        layers = self.layer_regions()
+        layers = [row.region for row in self.layer_rows()]
         totals = {r: region_totals(self.regions[r], base) for r in set(layers)}
         return sum(totals[r]["fwd_flops"] + totals[r]["bwd_flops"] for r in layers)
 
@@ -198,50 +238,3 @@ def saved_split(fit: RegionFit) -> dict[str, float]:
         else:
             split["other"] += q.nbytes
     return split
-
-
-def _to_networkx(regions: Mapping[str, RegionFit], params: Mapping[str, RegionParams], num_blocks: int,
-                 tied: int, block_input_bytes: float) -> "nx.DiGraph":
-    import networkx as nx
-
-    g = nx.DiGraph()
-    base = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=1)
-    names = ["embedding"] + [f"block.{i}" for i in range(num_blocks)] + ["head", "loss"]
-    region_of = {"embedding": "pre", "head": "post", "loss": "loss"}
-    for i, name in enumerate(names):
-        region = region_of.get(name, "block")
-        totals = region_totals(regions[region], base)
-        g.add_node(
-            name, kind=region, index=i, fwd_flops=totals["fwd_flops"], bwd_flops=totals["bwd_flops"],
-            num_params=params[region].count, tp_sharded_params=params[region].tp_sharded,
-            saved_bytes=totals["saved_bytes"], saved_split=saved_split(regions[region]),
-            input_bytes=block_input_bytes if region == "block" else 0.0,
-        )
-        if i:
-            g.add_edge(names[i - 1], name, cut_point=names[i - 1].startswith("block.") and name.startswith("block."))
-    g.graph["tied_params"] = tied
-    return g
-
-
-def _chain_networkx(regions: Mapping[str, RegionFit], params: Mapping[str, RegionParams],
-                    units: tuple[ChainUnit, ...], tied: int) -> "nx.DiGraph":
-    """A chain model's layer graph: embedding (the stem), block.i per unit, head, loss; every edge
-    between units is a pipeline cut point."""
-    import networkx as nx
-
-    g = nx.DiGraph()
-    base = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=1)
-    rows = [("embedding", "pre", params["pre"].count, 0.0)]
-    rows += [(f"block.{i}", u.region, u.params, u.input_bytes) for i, u in enumerate(units)]
-    rows += [("head", "post", params["post"].count, 0.0), ("loss", "loss", 0, 0.0)]
-    for i, (name, region, n_params, in_bytes) in enumerate(rows):
-        totals = region_totals(regions[region], base)
-        g.add_node(name, kind="block" if region.startswith("unit.") else region, index=i, region=region,
-                   fwd_flops=totals["fwd_flops"], bwd_flops=totals["bwd_flops"], num_params=n_params,
-                   tp_sharded_params=0, saved_bytes=totals["saved_bytes"], saved_split=saved_split(regions[region]),
-                   input_bytes=in_bytes)
-        if i:
-            prev = rows[i - 1][0]
-            g.add_edge(prev, name, cut_point=prev.startswith("block.") and name.startswith("block."))
-    g.graph["tied_params"] = tied
-    return g
