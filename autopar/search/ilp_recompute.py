@@ -347,13 +347,7 @@ class MixedSplitILP:
         for per_n in fronts:
             nxt = [inf] * (self.L + 1)
             pick: dict[int, tuple[int, dict[str, int]]] = {}
-            options = []
-            for n, front in per_n.items():
-                for t, z, c in front:  # increasing t, decreasing z: the first within z_cap is the best
-                    if z <= z_cap:
-                        if t <= t_cap:
-                            options.append((n, t, c))
-                        break
+            options = _options(per_n, t_cap, z_cap)
             for used, have in enumerate(table):
                 if have == inf:
                     continue
@@ -384,16 +378,10 @@ class MixedSplitILP:
         table[0] = 0.0
         used = np.arange(L + 1)
         for per_n in fronts:
-            ns, ts = [], []
-            for n, front in per_n.items():
-                for t, z, _ in front:  # increasing t, decreasing z: the first within z_cap is the best
-                    if z <= z_cap:
-                        if t <= t_cap and n <= L:
-                            ns.append(n)
-                            ts.append(t)
-                        break
-            if not ns:
+            options = [(n, t) for n, t, _ in _options(per_n, t_cap, z_cap) if n <= L]
+            if not options:
                 return None
+            ns, ts = zip(*options)
             # nxt[s] = min over the options (n, t) of table[s - n] + t: one (options x L + 1) array
             # of shifted tables, its minimum down the options.
             src = used[None, :] - np.array(ns)[:, None]
@@ -488,6 +476,19 @@ class MixedSplitILP:
         scale = self.base.ns * self.v
         return self._solution(mixes, name, solver.ObjectiveValue() / scale, solver.BestObjectiveBound() / scale,
                               "cp-sat")
+
+
+def _options(per_n: dict[int, list], t_cap: float, z_cap: float) -> list[tuple[int, int, dict[str, int]]]:
+    """A rank's best mix per block count within the caps, as (n, t, mix): the first entry of its
+    front within ``z_cap`` (fronts run in increasing t, decreasing z), kept if within ``t_cap``."""
+    options = []
+    for n, front in per_n.items():
+        for t, z, c in front:
+            if z <= z_cap:
+                if t <= t_cap:
+                    options.append((n, t, c))
+                break
+    return options
 
 
 def _count(fronts: list[dict[int, list]], total: int, limit: int) -> int:
