@@ -1,6 +1,6 @@
 """The forked CP-SAT solver of one-shot commands (autopar.search.cp_sat_process): the same answers
 as solving in this process, the parent never imports OR-Tools, the child is gone after the block,
-and a program the child cannot take is solved locally.
+and a program the child cannot take, or a child that stops answering, is solved locally.
 
 Each check runs in a fresh interpreter: the child only starts before OR-Tools is imported, and this
 test process has imported it long ago."""
@@ -24,7 +24,6 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux" or (os.cpu_count() or 1)
 SCRIPT = textwrap.dedent("""
     import dataclasses, json, sys
     MODE = sys.argv[1]
-    FALLBACK = MODE == "fallback"
     from collections import Counter
     from autopar.cluster import load_cluster
     from autopar.cost.stage import build_terms
@@ -69,7 +68,7 @@ SCRIPT = textwrap.dedent("""
         child = cp_sat_process._ACTIVE
         out["remote"] = [answer(p.solve(10.0, "cp-sat")) for p in split_programs()]
         out["remote_mixed"] = answer(mixed_program().solve(10.0, "cp-sat"))
-        if FALLBACK:
+        if MODE == "fallback":
             bad = split_programs()[0]
             bad.unpicklable = lambda: None  # the child cannot take it: solved here instead
             out["fallback"] = answer(bad.solve(10.0, "cp-sat"))
