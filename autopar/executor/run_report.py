@@ -9,6 +9,7 @@ from typing import Any
 
 from autopar.errors import AutoparError
 from autopar.executor.run_options import RunOptions
+from autopar.executor.steady import steady_state
 
 
 def _error_pct(measured: float, predicted: Any) -> float | None:
@@ -75,5 +76,6 @@ def format_comparison(report: dict[str, Any]) -> str:
         pv = fmt(p[key]) if key in p else "-"
         ev = f"{e[key]:+.1f}%" if e.get(key) is not None else "-"
         lines.append(f"  {label:12s} {fmt(m[key]):>16s} {pv:>16s} {ev:>9s}")
-    lines.append(f"  (memory: {report['memory_measure']}, max over ranks; step time: mean after the first step)")
+    rule = steady_state(report.get("step_times_s", [])).describe()
+    lines.append(f"  (memory: {report['memory_measure']}, max over ranks; step time: {rule})")
     return "\n".join(lines)

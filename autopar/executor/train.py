@@ -51,6 +51,7 @@ from autopar.executor.context_parallel import (
 )
 from autopar.executor.data_parallel import DTYPES, build_optimizer, zero1_microbatch
 from autopar.executor.pipeline_parallel import run_schedule, sync_tied_grads
+from autopar.executor.steady import steady_state
 from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
 from autopar.modelfile import ModelFile, call_model
 from autopar.plan import Plan
@@ -64,7 +65,7 @@ class RunResult:
 
     losses: tuple[float, ...]
     step_times_s: tuple[float, ...]  # per step, max over ranks
-    step_time_s: float  # mean over steps after the first (warm-up) when there are >= 2
+    step_time_s: float  # median of the steady steps, after the warm-up (autopar.executor.steady)
     tokens_per_s: float
     peak_memory_bytes: tuple[int, ...]  # per rank
     memory_measure: str
@@ -310,13 +311,12 @@ def train(
     every: list[list[str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     loss_notes = tuple(dict.fromkeys(n for ns in every for n in (ns or [])))
-    steady = times[1:] if len(times) >= 2 else times
-    mean = sum(steady) / len(steady) if steady else 0.0
+    steady = steady_state(times).step_time_s
     return RunResult(
         losses=tuple(losses),
         step_times_s=tuple(times),
-        step_time_s=mean,
-        tokens_per_s=g * plan.training.seq_len / mean if mean > 0 else 0.0,
+        step_time_s=steady,
+        tokens_per_s=g * plan.training.seq_len / steady if steady > 0 else 0.0,
         peak_memory_bytes=tuple(int(t.item()) for t in gathered),
         memory_measure="torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS growth (getrusage ru_maxrss)",
         notes=tuple(exe.notes) + loss_notes,

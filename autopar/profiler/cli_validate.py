@@ -15,7 +15,10 @@ device, ranks on this host, threads per rank, torch: autopar.profile_conditions)
 warning for a soft difference, an error where the comparison would be meaningless.
 
 Measured, per rank:
-* step time: median over the steps after the first (warm-up) of the slowest rank's step time;
+* step time: the slowest rank's step time, median over the steady steps: the warm-up (the first
+  step, and on until the times settle within 10 % of the late steps' median, at most half the
+  steps) is left out (autopar.executor.steady). ``--steps`` defaults to about
+  AUTO_STEPS_SECONDS of predicted steps, MIN_AUTO_STEPS to MAX_AUTO_STEPS;
 * peak memory, allocator-level on every device, plus the profile's framework reserve (what the
   prediction holds for the CUDA context / the Python, torch and gloo process): on GPU
   ``torch.cuda.max_memory_allocated``; on CPU, which has no allocator statistics, one more
@@ -31,27 +34,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
-import statistics
 import sys
 import time
 from datetime import timedelta
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.executor.steady import steady_state
 from autopar.launch.local import under_launcher
 from autopar.profiler.cores import usable_cores
 
-DEFAULT_STEPS = 6
+# --steps by default: about this much predicted training time, within these step counts
+AUTO_STEPS_SECONDS, MIN_AUTO_STEPS, MAX_AUTO_STEPS = 10.0, 8, 30
 _SAID = "AUTOPAR_VALIDATE_CONDITIONS_SAID"  # the launcher already printed the condition warnings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", metavar="PLAN.yaml", help="plan file (YAML v1)")
     p.add_argument("model", metavar="MODEL.py", nargs="?", help="model file (default: the plan's model.file)")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                   help=f"training steps; the first is warm-up (default {DEFAULT_STEPS})")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training steps; the step time is the median of the steady ones, after the warm-up "
+                        f"(default: about {AUTO_STEPS_SECONDS:g} s of predicted steps, {MIN_AUTO_STEPS} to "
+                        f"{MAX_AUTO_STEPS})")
     p.add_argument("--nproc-per-node", type=int, metavar="N",
                    help="ranks to start on this host (default: the plan's world size)")
     p.add_argument("--cluster", metavar="NAME|PATH", help="re-estimate with this cluster profile")
@@ -114,6 +121,14 @@ def predict(plan_path: str, model: str, cluster: str | None, profile: str | None
             "stage_memory_bytes": [r.peak_bytes for r in est.ranks], "source": f"estimate ({profile or cluster})"}
 
 
+def auto_steps(predicted_step_s: float) -> int:
+    """The default ``--steps``: about AUTO_STEPS_SECONDS of predicted training, so that a short step
+    gets enough steps past its warm-up for a steady median, and a long one no more than it needs."""
+    if predicted_step_s <= 0:
+        return MAX_AUTO_STEPS
+    return max(MIN_AUTO_STEPS, min(MAX_AUTO_STEPS, math.ceil(AUTO_STEPS_SECONDS / predicted_step_s)))
+
+
 def _launch(args: argparse.Namespace, model: str, nproc: int, prediction: dict[str, Any]) -> int:
     """Start the plan's ``nproc`` ranks on this host (launch/local.py) and wait for them."""
     from autopar.launch.local import LocalJob, run_local
@@ -134,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
     from autopar.modelfile import load_model_file
     from autopar.plan import load_plan
 
-    if args.steps < 2:
+    if args.steps is not None and args.steps < 2:
         raise AutoparError(f"--steps must be >= 2 (the first step is warm-up), got {args.steps}")
     plan = load_plan(args.plan)
     model = args.model or plan.model.file
@@ -145,6 +160,7 @@ def main(args: argparse.Namespace) -> int:
         if nproc > 1:
             preflight(plan, mf, nproc)
             prediction = predict(args.plan, model, args.cluster, args.profile)  # fail early, before starting ranks
+            args.steps = args.steps or auto_steps(prediction["step_time_s"])
             return _launch(args, model, nproc, prediction)
     else:
         from autopar.launch.local import arm_parent_death_signal
@@ -155,6 +171,7 @@ def main(args: argparse.Namespace) -> int:
     spec, _ = preflight(plan, mf, world)
     rank0 = os.environ.get("RANK", "0") == "0"
     prediction = predict(args.plan, model, args.cluster, args.profile, warn=rank0 and not os.environ.get(_SAID))
+    args.steps = args.steps or auto_steps(prediction["step_time_s"])  # the launcher passes its own on
     return _run(args, plan, mf, spec, world, prediction)
 
 
@@ -257,8 +274,8 @@ def _err(measured: float, predicted: float | None) -> float | None:
 def build_report(plan, result, per_rank: list[list[float]], prediction: dict[str, Any], device_type: str,  # noqa: ANN001
                  args: argparse.Namespace) -> dict[str, Any]:
     par = plan.parallel
-    steady = list(result.step_times_s[1:])
-    step = statistics.median(steady)
+    steady = steady_state(result.step_times_s)
+    step = steady.step_time_s
     stage_mem = prediction.get("stage_memory_bytes")
     ranks = []
     for r, (peak, baseline, rss) in enumerate(per_rank):
@@ -275,7 +292,9 @@ def build_report(plan, result, per_rank: list[list[float]], prediction: dict[str
         "micro_batch_size": plan.training.micro_batch_size,
         "prediction_source": prediction["source"],
         "step_time_s": {"measured": step, "predicted": prediction["step_time_s"],
-                        "error_pct": _err(step, prediction["step_time_s"]), "all_steps_s": list(result.step_times_s)},
+                        "error_pct": _err(step, prediction["step_time_s"]), "all_steps_s": list(result.step_times_s),
+                        "warmup_steps": steady.warmup_steps, "timed_steps": steady.timed_steps,
+                        "rule": steady.describe(), "settling": steady.settling},
         "peak_memory_bytes": {"measured": peak, "predicted": prediction["peak_memory_bytes"],
                               "error_pct": _err(peak, prediction["peak_memory_bytes"])},
         "memory_measure": ("allocated tensor bytes of one step (LiveBytes) + reserve" if device_type == "cpu"
@@ -294,7 +313,7 @@ def format_report(rep: dict[str, Any]) -> str:
     mib = 2**20
     lines = [f"validate {rep['plan']} ({rep['world_size']} ranks, {rep['steps']} steps; prediction: {rep['prediction_source']})",
              f"  step time    measured {st['measured']:.4f} s   predicted {st['predicted']:.4f} s   error {pct(st['error_pct'])}"
-             "   (median of steps after the first)",
+             f"   ({st.get('rule', 'median of steps after the first')})",
              f"  peak memory  measured {mem['measured'] / mib:,.1f} MiB   predicted {mem['predicted'] / mib:,.1f} MiB   "
              f"error {pct(mem['error_pct'])}   ({rep['memory_measure']}, max over ranks)",
              f"  (reserve {rep['reserve_bytes'] / mib:,.1f} MiB on both sides: the profile's framework reserve)",
@@ -305,6 +324,9 @@ def format_report(rep: dict[str, Any]) -> str:
                      f"{pct(r['memory_error_pct']):>6s}  {r['peak_rss_bytes'] / mib:12,.1f}  {r['baseline_bytes'] / mib:20,.1f}")
     for n in rep["notes"]:
         lines.append(f"  note: {n}")
+    if st.get("settling"):
+        lines.append(f"  note: the step times were still falling over the timed steps; the steady figure is lower: "
+                     f"validate with more --steps (ran {rep['steps']})")
     load = rep.get("machine_load")
     if load and load["loaded"]:
         lines.append(f"  note: the machine was loaded while measuring: load average {load['other_load']:.1f} beyond "

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from autopar.profiler.cli_validate import MAX_AUTO_STEPS, MIN_AUTO_STEPS, auto_steps
+
 ROOT = Path(__file__).resolve().parents[2]
 ZOO = ROOT / "examples" / "zoo" / "odd_names_decoder.py"
 
@@ -40,9 +42,14 @@ def test_the_default_cpu_plan_validates_in_under_a_minute_without_nproc(tmp_path
     assert elapsed < 60, f"validate of the default CPU plan took {elapsed:.0f} s"
     assert "starting 2 ranks on this host" in r.stderr
     steps = [x for x in r.stderr.splitlines() if x.startswith("autopar validate: step ")]
-    assert len(steps) == 6 and "left" in steps[1] and "left" not in steps[-1]
     rep = json.loads((tmp_path / "r.json").read_text())
-    assert rep["world_size"] == 2 and rep["steps"] == 6 and rep["step_time_s"]["measured"] > 0
+    # the default --steps: about AUTO_STEPS_SECONDS of the predicted step, and the step time is
+    # the median of the steps past the warm-up
+    assert rep["steps"] == auto_steps(plan["prediction"]["step_time_s"]) and MIN_AUTO_STEPS <= rep["steps"] <= MAX_AUTO_STEPS
+    assert len(steps) == rep["steps"] and "left" in steps[1] and "left" not in steps[-1]
+    st = rep["step_time_s"]
+    assert rep["world_size"] == 2 and st["measured"] > 0 and st["warmup_steps"] >= 1
+    assert st["warmup_steps"] + st["timed_steps"] == rep["steps"] and st["rule"] in r.stdout
     assert r.stdout.startswith("validate p.yaml (2 ranks")
 
 
