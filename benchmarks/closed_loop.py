@@ -14,9 +14,10 @@ model's config: the zoo's "tiny" runs in milliseconds, all start-up noise), in a
     autopar plan model.py --gpus N --global-batch 16 --profile prof.yaml -o p.yaml
     autopar validate p.yaml model.py --nproc-per-node N
 
-for N in ``--ranks``. Before each round the profile's contention reference (the model's one-block
-forward+backward, CPU time, 1 rank) is timed again and its change since profiling printed: the
-shared machine's own drift, to read the step-time errors against. ``plan`` writes its best plan;
+for N in ``--ranks``. Each validate also times the profile's contention reference (the model's
+one-block forward+backward, CPU time) on its N ranks at once after training (autopar.profiler.drift):
+the shared machine's drift since profiling is printed, and ``err now`` is the step-time error
+against the prediction at the machine's speed of that round, beside ``err``. ``plan`` writes its best plan;
 plans #2 and #3 of the same search are written with the API the command uses (autopar.search.driver.search_plans, priced by
 autopar.profile_conditions as the command prices them) and validated with the same command line.
 The prediction compared is the one each plan file carries (validate without --profile).
@@ -31,7 +32,7 @@ For each rank count N:
 3. run: ``autopar validate`` of each plan on N ranks (gloo, 1 thread per rank), ``--rounds``
    times, the plans interleaved (1, 2, 3, 1, 2, 3, ...) so that a slow spell of the shared machine
    falls on every plan alike; the measured step time and peak memory of a plan are the medians over
-   its rounds (each round's own figure is the median of its steps after the first), and the spread
+   its rounds (each round's own figure is validate's: the median of its steps after the warm-up), and the spread
    over rounds is printed;
 4. print predicted vs measured step time and peak memory, and whether the measured best plan is
    the predicted best (or within 5 % of it).
@@ -107,10 +108,10 @@ def plan_top(n: int, path: Path, top: int, out_dir: Path, micro_batches: tuple[i
     return paths
 
 
-def validate(plan: Path, n: int, profile_path: Path, steps: int) -> dict:
+def validate(plan: Path, n: int, profile_path: Path, steps: int | None) -> dict:
     report = plan.with_suffix(".json")
     r = sh([sys.executable, "-m", "autopar", "validate", str(plan), str(MODEL), "--nproc-per-node", str(n),
-            "--profile", str(profile_path), "--steps", str(steps), "--report", str(report)])
+            "--profile", str(profile_path), *(["--steps", str(steps)] if steps else []), "--report", str(report)])
     if r.returncode or not report.exists():
         return {"error": (r.stderr or r.stdout).strip().splitlines()[-1:] or ["failed"]}
     return json.loads(report.read_text())
@@ -133,7 +134,8 @@ def main() -> int:
     ap.add_argument("--loop", choices=("project", "user", "both"), default="both")
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--top", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="project loop: steps per validate (default: validate's own, about 10 s of predicted steps)")
     ap.add_argument("--rounds", type=int, default=3, help="validations of each plan, interleaved (median taken)")
     ap.add_argument("--micro-batch", default="1,2,4,8")
     ap.add_argument("--reuse-profiles", action="store_true", help="project loop: use existing profiles/cpu-local-N.yaml")
@@ -165,7 +167,7 @@ def verdict(rows: list[tuple[int, float, float, float]]) -> bool:
 
 def table(plans: list[Path], runs: dict[int, list[dict]], failed: dict[int, str]) -> tuple[list, bool]:
     """Print predicted vs measured per plan (medians over rounds); (rows for verdict, all ran)."""
-    print(f"  {'#':>2} {'plan':34s} {'pred s':>8s} {'meas s':>8s} {'spread':>13s} {'err':>7s}   "
+    print(f"  {'#':>2} {'plan':34s} {'pred s':>8s} {'meas s':>8s} {'spread':>13s} {'err':>7s} {'err now':>8s}   "
           f"{'pred MiB':>9s} {'meas MiB':>9s} {'err':>7s}   load")
     rows, ran = [], True
     for i, plan in enumerate(plans):
@@ -182,9 +184,12 @@ def table(plans: list[Path], runs: dict[int, list[dict]], failed: dict[int, str]
         err_s = 100.0 * (meas_s - pred_s) / pred_s  # as autopar validate: (measured - predicted) / predicted
         err_b = 100.0 * (meas_b - pred_b) / pred_b
         load = max((r.get("machine_load") or {}).get("other_load") or 0.0 for r in reps)
+        # validate's error against the prediction at the machine's speed of that round (its drift)
+        now = [r["machine_drift"]["error_after_drift_pct"] for r in reps if r.get("machine_drift")]
+        err_now = f"{statistics.median(now):+7.1f}%" if now else f"{'-':>8s}"
         rows.append((i, meas_s, err_s, err_b))
         spread = f"{min(steps_s):.3f}-{max(steps_s):.3f}"
-        print(f"  {i + 1:>2} {describe(reps[0]):34s} {pred_s:8.3f} {meas_s:8.3f} {spread:>13s} {err_s:+6.1f}%"
+        print(f"  {i + 1:>2} {describe(reps[0]):34s} {pred_s:8.3f} {meas_s:8.3f} {spread:>13s} {err_s:+6.1f}% {err_now}"
               f"   {pred_b / 2**20:9.1f} {meas_b / 2**20:9.1f} {err_b:+6.1f}%   {load:.1f}", flush=True)
     return rows, ran
 
@@ -245,32 +250,6 @@ def user_validate(work: Path, plan: Path, n: int) -> dict:
     return json.loads(report.read_text())
 
 
-def machine_drift(work: Path) -> tuple[float, float] | None:
-    """(the profile's reference block at 1 rank, the same block timed now), seconds of CPU time:
-    how far the machine itself has moved since ``autopar profile`` measured it (autopar.profiler.
-    contention's reference, re-run in this process). None if the profile has no contention curve."""
-    import yaml
-
-    from autopar.modelfile import load_model_file
-    from autopar.profiler.contention import measure_contention
-
-    measured = yaml.safe_load((work / "prof.yaml").read_text(encoding="utf-8")).get("measured", {})
-    curve = dict((int(r), float(t)) for r, t in measured.get("device", {}).get("contention", []))
-    points = measured.get("layers", {}).get("block", [])
-    if 1 not in curve or not points:
-        return None
-    import torch
-
-    mf = load_model_file(work / "model.py")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(measured.get("device", {}).get("threads", 1)))  # as the profile timed it
-    try:
-        now = measure_contention(mf, max(int(p["b"]) for p in points), (1,))[0][1]
-    finally:
-        torch.set_num_threads(threads)
-    return curve[1], now
-
-
 def user_loop(args: argparse.Namespace) -> bool:
     print(f"user loop: {ZOO_MODEL.relative_to(ROOT)} as model.py (size 'bench': 4 cells, width 192, GQA 6/2 heads, "
           f"SwiGLU 512, seq 64), global batch {GLOBAL_BATCH}, {os.cpu_count()} cores, load average "
@@ -297,11 +276,7 @@ def user_loop(args: argparse.Namespace) -> bool:
                   f"{args.rounds} round(s), interleaved)")
             runs: dict[int, list[dict]] = {i: [] for i in range(len(plans))}
             failed: dict[int, str] = {}
-            drifts = []
             for _ in range(args.rounds):
-                drift = machine_drift(work)
-                if drift is not None:
-                    drifts.append(drift[1] / drift[0] - 1)
                 for i, plan in enumerate(plans):
                     if i not in failed:
                         rep = user_validate(work, plan, n)
@@ -310,10 +285,12 @@ def user_loop(args: argparse.Namespace) -> bool:
                         else:
                             runs[i].append(rep)
             rows, ran = table(plans, runs, failed)
-            if drifts:  # the machine's own speed against the profile's, before each round
+            drifts = [r["machine_drift"]["factor"] - 1 for reps in runs.values() for r in reps if r.get("machine_drift")]
+            if drifts:  # the machine's own speed against the profile's, as each validate timed it
                 moved = max(abs(d) for d in drifts) * 100 > TARGETS["step_time_pct"]
-                print(f"  machine since profiling: reference block {', '.join(f'{d * 100:+.0f} %' for d in drifts)} "
-                      f"before the rounds" + (" -- beyond the step-time target: read the errors as drift too" if moved else ""))
+                print(f"  machine since profiling (validate's reference block at {n} ranks): "
+                      f"{min(drifts) * 100:+.0f} to {max(drifts) * 100:+.0f} %"
+                      + (" -- beyond the step-time target: read 'err now' beside 'err'" if moved else ""))
             ok &= ran and verdict(rows)
     return ok
 

@@ -28,6 +28,10 @@ Measured, per rank:
   allocator slack (glibc keeps freed heap pages: at 4 ranks on 2 cores the peak RSS of a DP rank
   grew ~60 MiB between steps 1 and 2 with no tensor more) and the communication library's own
   buffers. The peak RSS (``ru_maxrss``) and the executor's RSS growth are reported beside it.
+* the machine's drift (CPU runs priced from a profile with a contention curve): after training,
+  every rank times the profile's reference block at once; its median against the profile's curve
+  at the run's ranks is the factor the machine moved by since profiling, and the step-time error
+  against the prediction times that factor is printed beside the plain one (autopar.profiler.drift).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -98,8 +103,9 @@ def predict(plan_path: str, model: str, cluster: str | None, profile: str | None
 
     plan = load_plan(plan_path)
     c = load_cluster_and_profile(cluster, profile, plan.cluster.profile)
-    priced = price_for_run(c, run_conditions(plan, device_type), profile_label=profile or cluster or plan.cluster.profile,
-                           model_label=model)
+    run = run_conditions(plan, device_type)
+    priced = price_for_run(c, run, profile_label=profile or cluster or plan.cluster.profile, model_label=model)
+    reference = _drift_reference(c, run)
     if warn:
         for w in priced.warnings:
             print(f"autopar: warning: {w}", file=sys.stderr, flush=True)
@@ -109,7 +115,8 @@ def predict(plan_path: str, model: str, cluster: str | None, profile: str | None
         if "step_time_s" not in pred:
             raise AutoparError(f"{plan_path} has no prediction; give --cluster or --profile to estimate it")
         return {"step_time_s": float(pred["step_time_s"]), "peak_memory_bytes": float(pred.get("peak_memory_bytes", 0)),
-                "stage_memory_bytes": None, "reserve_bytes": c.framework_reserve_bytes, "source": "plan prediction"}
+                "stage_memory_bytes": None, "reserve_bytes": c.framework_reserve_bytes, "source": "plan prediction",
+                "reference": reference}
     from autopar.cost.estimate import estimate_plan
     from autopar.graph import build_graph
     from autopar.modelfile import load_model_file
@@ -118,7 +125,22 @@ def predict(plan_path: str, model: str, cluster: str | None, profile: str | None
     est = estimate_plan(plan, graph, c)
     return {"step_time_s": est.step_time_s, "peak_memory_bytes": est.peak_memory_bytes,
             "reserve_bytes": c.framework_reserve_bytes,
-            "stage_memory_bytes": [r.peak_bytes for r in est.ranks], "source": f"estimate ({profile or cluster})"}
+            "stage_memory_bytes": [r.peak_bytes for r in est.ranks], "source": f"estimate ({profile or cluster})",
+            "reference": reference}
+
+
+def _drift_reference(cluster, run) -> dict[str, Any] | None:  # noqa: ANN001
+    """{micro_batch, ranks, profiled_s}: the profile's contention reference at the run's ranks on
+    this host (autopar.profiler.drift), or None (not a CPU run, or no curve in the profile)."""
+    from autopar.profile_conditions import profile_conditions, slowdown
+    from autopar.profiler.drift import reference_micro_batch
+
+    b = reference_micro_batch(cluster)
+    if b is None or run.device_type != "cpu":
+        return None
+    cond = profile_conditions(cluster)
+    return {"micro_batch": b, "ranks": run.ranks_on_host, "profiled_s": slowdown(cond, run.ranks_on_host),
+            "model_sha256": cluster.measured.layers.model_sha256}
 
 
 def auto_steps(predicted_step_s: float) -> int:
@@ -200,6 +222,7 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
             log(f"plan applied on {world} rank(s) in {time.monotonic() - t0:.1f} s; training {args.steps} steps")
         result = train(exe, mf, steps=args.steps, seed=args.seed, log=log)
         load_after = _load_average()
+        drift = _machine_drift(mf, plan, prediction.get("reference"), device, log)
         if device.type == "cuda":
             allocated = float(torch.cuda.max_memory_allocated(device))
         else:
@@ -214,6 +237,7 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
         if rank == 0:
             report = build_report(plan, result, [g.tolist() for g in gathered], prediction, device.type, args)
             report["machine_load"] = machine_load(load_before, load_after, dist.get_world_size(), device.type)
+            report["machine_drift"] = drift_report(drift, report["step_time_s"])
             print(format_report(report), flush=True)
             if args.report:
                 from autopar.plan import write_text_atomic
@@ -223,6 +247,35 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _machine_drift(mf, plan, reference: dict[str, Any] | None, device, log):  # noqa: ANN001, ANN202
+    """The MachineDrift of this run (every rank times the profile's reference at once), or None."""
+    import torch
+    import torch.distributed as dist
+
+    from autopar.profiler.drift import MachineDrift, time_reference_now
+
+    if reference is None or device.type != "cpu" or reference["model_sha256"] != mf.sha256:
+        return None  # not a CPU run, or the profile's curve is another model's block
+    if log:
+        log("timing the profile's reference block on every rank (the machine's speed now)")
+    dist.barrier()  # all ranks at once: the run's own concurrency
+    mine = torch.tensor([time_reference_now(mf, reference["micro_batch"], plan.training.dtype, reference["ranks"])],
+                        dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return MachineDrift(ranks=reference["ranks"], profiled_s=reference["profiled_s"],
+                        now_s=statistics.median(float(t) for t in every))
+
+
+def drift_report(drift, step: dict[str, Any]) -> dict[str, Any] | None:  # noqa: ANN001
+    """The report's ``machine_drift``: the reference then and now, and the step-time error against
+    the prediction times the drift factor (autopar.profiler.drift)."""
+    if drift is None:
+        return None
+    return {"ranks": drift.ranks, "reference_profiled_s": drift.profiled_s, "reference_now_s": drift.now_s,
+            "factor": drift.factor, "error_after_drift_pct": _err(step["measured"], step["predicted"] * drift.factor)}
 
 
 def _load_average() -> float | None:
@@ -327,6 +380,11 @@ def format_report(rep: dict[str, Any]) -> str:
     if st.get("settling"):
         lines.append(f"  note: the step times were still falling over the timed steps; the steady figure is lower: "
                      f"validate with more --steps (ran {rep['steps']})")
+    drift = rep.get("machine_drift")
+    if drift:
+        lines.append(f"  machine now  reference block {drift['reference_now_s'] * 1e3:.2f} ms on {drift['ranks']} rank(s) "
+                     f"against {drift['reference_profiled_s'] * 1e3:.2f} ms in the profile ({(drift['factor'] - 1) * 100:+.0f} %): "
+                     f"step-time error {pct(drift['error_after_drift_pct'])} against the prediction at today's speed")
     load = rep.get("machine_load")
     if load and load["loaded"]:
         lines.append(f"  note: the machine was loaded while measuring: load average {load['other_load']:.1f} beyond "

@@ -12,12 +12,20 @@ curve goes into ``measured.device.contention`` as ``[[ranks, seconds], ...]``;
 autopar.profile_conditions rescales the profile's compute (and its collectives) by
 curve(R_run) / curve(R_profile).
 
-Helpers are added level by level and the timing starts only when every helper runs its loop
-(``wait_ready``), so a level's figure is the reference beside R - 1 ranks that train.
+The levels are timed in turns, not one after the other: all helpers of the top level are started
+once (the timing begins only when every one runs its loop, ``wait_ready``), and each round times
+the reference once per level, the helpers beyond the level paused (SIGSTOP) and the others running
+(SIGCONT), the order of the levels reversed every other round. A shared machine's speed moves by
+tens of percent over seconds; timed level after level, a slow spell fell on one level and bent the
+ratios the run's pricing reads (four profiles of one model minutes apart gave curve(4) / curve(2)
+from 1.43 to 2.13). Where processes cannot be paused (no SIGSTOP), levels are timed one after the
+other, helpers added level by level.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
 import time
 from contextlib import nullcontext
@@ -43,7 +51,7 @@ def curve_ranks(cores: int, table_ranks: int) -> tuple[int, ...]:
     return tuple(sorted(x for x in ranks if 1 <= x <= max(top, table_ranks)))
 
 
-def _reference(mf: ModelFile, micro_batch: int, dtype: str) -> Callable[[], None]:
+def reference_run(mf: ModelFile, micro_batch: int, dtype: str) -> Callable[[], None]:
     from autopar.graph.build import one_block_model
     from autopar.profiler.layers import DTYPES, materialise
     from autopar.spec import model_spec
@@ -68,25 +76,46 @@ def measure_contention(mf: ModelFile, micro_batch: int, ranks: tuple[int, ...], 
                        log: Callable[[str], None] | None = None) -> list[list[float]]:
     """``[[R, seconds], ...]``: the reference's median time at each R (see the module docstring)."""
     cores = usable_cores()
-    run = _reference(mf, micro_batch, dtype)
+    run = reference_run(mf, micro_batch, dtype)
     for _ in range(2):
         run()
+    levels = sorted(set(ranks))
+    rounds = max(15, repeats)  # a block of a few ms: more samples than a layer point
+
+    def timed(r: int) -> float:
+        t0 = time.thread_time()
+        run()
+        return (time.thread_time() - t0) * max(1.0, r / cores)
+
+    samples: dict[int, list[float]] = {r: [] for r in levels}
     helpers: list = []
-    curve: list[list[float]] = []
     try:
-        for r in sorted(ranks):
-            more = start_load(r - 1 - len(helpers), "cpu", str(mf.path), micro_batch)
-            wait_ready(more)
-            helpers += more
-            share = max(1.0, r / cores)
-            times = []
-            for _ in range(max(15, repeats)):  # a block of a few ms: more samples than a layer point
-                t0 = time.thread_time()
-                run()
-                times.append((time.thread_time() - t0) * share)
-            curve.append([r, statistics.median(times)])
-            if log is not None:
-                log(f"contention: {r} rank(s) on {cores} cores: reference block {curve[-1][1] * 1e3:.2f} ms")
+        if hasattr(signal, "SIGSTOP"):
+            helpers = start_load(levels[-1] - 1, "cpu", str(mf.path), micro_batch)
+            wait_ready(helpers)
+            for i in range(rounds):
+                for r in (levels if i % 2 == 0 else levels[::-1]):
+                    _pause_beyond(helpers, r - 1)
+                    run()  # one untimed run: the caches settle to this level's sharing
+                    samples[r].append(timed(r))
+            _pause_beyond(helpers, len(helpers))  # all running again, so that they can be stopped
+        else:
+            for r in levels:
+                more = start_load(r - 1 - len(helpers), "cpu", str(mf.path), micro_batch)
+                wait_ready(more)
+                helpers += more
+                samples[r] = [timed(r) for _ in range(rounds)]
     finally:
         stop_load(helpers)
+    curve = [[r, statistics.median(samples[r])] for r in levels]
+    if log is not None:
+        for r, secs in curve:
+            log(f"contention: {r} rank(s) on {cores} cores: reference block {secs * 1e3:.2f} ms")
     return curve
+
+
+def _pause_beyond(helpers: list, running: int) -> None:
+    """Helpers ``[:running]`` run, the rest are paused."""
+    for i, p in enumerate(helpers):
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT if i < running else signal.SIGSTOP)

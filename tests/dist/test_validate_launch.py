@@ -64,3 +64,27 @@ def test_validate_refuses_a_wrong_nproc_and_profile_comm_runs_on_the_loopback_la
     assert r.returncode == 0, r.stderr[-3000:]
     comm = yaml.safe_load((tmp_path / "c.yaml").read_text())["measured"]["comm"]
     assert comm["ranks"] == 2 and "all_reduce" in comm["collectives"]
+
+
+@pytest.mark.slow
+def test_validate_reports_the_machines_drift_at_the_runs_concurrency(tmp_path) -> None:
+    """A CPU profile of the model itself has a contention curve: validate times its reference block
+    on every rank after training and prints the error at the machine's speed now."""
+    r = _cli("profile", str(ZOO), "--device", "cpu", "--micro-batch", "1,2", "--tp", "1", "--cp", "1",
+             "--repeats", "2", "--warmup", "1", "--no-comm", "-o", "prof.yaml", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    curve = yaml.safe_load((tmp_path / "prof.yaml").read_text())["measured"]["device"]["contention"]
+    r = _cli("plan", str(ZOO), "--gpus", "2", "--global-batch", "8", "--profile", "prof.yaml", "-o", "p.yaml",
+             cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _cli("validate", "p.yaml", "--steps", "4", "--report", "r.json", cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((tmp_path / "r.json").read_text())
+    d = rep["machine_drift"]
+    # the curve at 2 ranks, read as its running maximum (profile_conditions.slowdown)
+    assert d["ranks"] == 2 and d["reference_profiled_s"] == pytest.approx(max(t for r, t in curve if r <= 2))
+    assert d["reference_now_s"] > 0 and d["factor"] == pytest.approx(d["reference_now_s"] / d["reference_profiled_s"])
+    st = rep["step_time_s"]
+    expected = 100 * (st["measured"] - st["predicted"] * d["factor"]) / (st["predicted"] * d["factor"])
+    assert d["error_after_drift_pct"] == pytest.approx(expected)
+    assert "machine now  reference block" in r.stdout and "at today's speed" in r.stdout
