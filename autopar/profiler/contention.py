@@ -83,9 +83,7 @@ def measure_contention(mf: ModelFile, micro_batch: int, ranks: tuple[int, ...], 
     rounds = max(15, repeats)  # a block of a few ms: more samples than a layer point
 
     def timed(r: int) -> float:
-        t0 = time.thread_time()
-        run()
-        return (time.thread_time() - t0) * max(1.0, r / cores)
+        return timed_run(run, r, cores)
 
     samples: dict[int, list[float]] = {r: [] for r in levels}
     helpers: list = []
@@ -112,6 +110,14 @@ def measure_contention(mf: ModelFile, micro_batch: int, ranks: tuple[int, ...], 
         for r, secs in curve:
             log(f"contention: {r} rank(s) on {cores} cores: reference block {secs * 1e3:.2f} ms")
     return curve
+
+
+def timed_run(run: Callable[[], None], ranks: int, cores: int) -> float:
+    """One run of the reference on the curve's clock: this thread's CPU time times the core share
+    of ``ranks`` ranks (module docstring)."""
+    t0 = time.thread_time()
+    run()
+    return (time.thread_time() - t0) * max(1.0, ranks / cores)
 
 
 def _pause_beyond(helpers: list, running: int) -> None:

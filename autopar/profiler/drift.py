@@ -18,7 +18,6 @@ plain error: what the model would have said of the machine as it is now.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,19 +61,14 @@ def reference_micro_batch(cluster: "Cluster") -> int | None:
 def time_reference_now(mf: "ModelFile", micro_batch: int, dtype: str, ranks: int) -> float:
     """This rank's median time of the reference, timed as the profile's curve times it at ``ranks``
     ranks on this machine (call it on every rank at once)."""
-    from autopar.profiler.contention import reference_run
+    from autopar.profiler.contention import reference_run, timed_run
     from autopar.profiler.cores import usable_cores
 
     run = reference_run(mf, micro_batch, dtype)
     for _ in range(2):
         run()
-    share = max(1.0, ranks / usable_cores())
-    samples = []
-    for _ in range(REPEATS):
-        t0 = time.thread_time()
-        run()
-        samples.append((time.thread_time() - t0) * share)
-    return statistics.median(samples)
+    cores = usable_cores()
+    return statistics.median(timed_run(run, ranks, cores) for _ in range(REPEATS))
 
 
 def drift(cluster: "Cluster", ranks: int, now_per_rank: list[float]) -> MachineDrift:
