@@ -301,7 +301,7 @@ def measured_from_dict(data: Any, where: str) -> MeasuredProfile:
     where = f"{where} measured"
     data = _mapping(data, where)
     unknown = sorted(set(data) - {"device", "model", "layers", "gemm", "memory_bandwidth", "fitted",
-                                  "memory_baseline_bytes", "comm"})
+                                  "memory_baseline_bytes", "comm", "whole_model"})
     if unknown:
         raise ClusterError(f"{where}: unknown key '{unknown[0]}'")
     layers = None

@@ -93,6 +93,7 @@ def _layers_main(args: argparse.Namespace) -> int:
     from autopar.profiler.layers import LayerProfileConfig, profile_layers
     from autopar.profiler.load import start_load, stop_load, wait_ready
     from autopar.profiler.profile_file import derived_spec, device_info, read_profile, write_profile
+    from autopar.profiler.whole import apply_whole_model, whole_model_rows
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -128,7 +129,12 @@ def _layers_main(args: argparse.Namespace) -> int:
     try:
         wait_ready(helpers)
         table = profile_layers(mf, device, cfg, log=log)
-        kernels = None if args.no_kernels else profile_kernels(device, dtype)
+        # CPU: the whole model against the table's composition, one factor per micro-batch (whole.py)
+        whole = whole_model_rows(mf, device, table, tuple(args.micro_batch), dtype, warmup=args.warmup,
+                                 repeats=args.repeats, log=log)
+        if whole:
+            table = apply_whole_model(table, whole)
+        kernels = None if args.no_kernels else profile_kernels(device, dtype, optimizer_shapes=_param_shapes(mf))
     except ValueError as exc:
         raise AutoparError(str(exc)) from None
     finally:
@@ -140,6 +146,10 @@ def _layers_main(args: argparse.Namespace) -> int:
                                                 dtype=dtype, repeats=args.repeats, log=log)
     measured["device"] = info
     measured["model"], measured["layers"] = layer_table_to_dict(table)
+    if whole:
+        measured["whole_model"] = whole
+    else:
+        measured.pop("whole_model", None)  # a re-profile's table is not the old factors' any more
     if kernels is not None:
         measured.update({k: kernels[k] for k in ("gemm", "memory_bandwidth")})
         measured["fitted"] = {**measured.get("fitted", {}), **kernels["fitted"]}
@@ -156,3 +166,17 @@ def _layers_main(args: argparse.Namespace) -> int:
         if code:
             return code
     return 0
+
+
+def _param_shapes(mf) -> list[tuple[int, ...]] | None:  # noqa: ANN001
+    """The one-block model's parameter shapes (its edges and one block; built on meta), what the
+    optimizer figure is timed on (autopar.profiler.kernels); None if the model has no block list."""
+    from autopar.graph.build import one_block_model
+    from autopar.spec import model_spec
+
+    meta = mf.build("meta")
+    try:
+        small = one_block_model(meta, model_spec(mf, meta).blocks_path)
+    except Exception:  # noqa: BLE001 - the synthetic shapes then; the layer profile reports the model's own error
+        return None
+    return [tuple(p.shape) for p in small.parameters() if p.requires_grad]
