@@ -168,15 +168,10 @@ def _layers_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _param_shapes(mf) -> list[tuple[int, ...]] | None:  # noqa: ANN001
-    """The one-block model's parameter shapes (its edges and one block; built on meta), what the
-    optimizer figure is timed on (autopar.profiler.kernels); None if the model has no block list."""
-    from autopar.graph.build import one_block_model
-    from autopar.spec import model_spec
+def _param_shapes(mf) -> list[tuple[int, ...]]:  # noqa: ANN001
+    """The one-block model's parameter shapes (its edges and one block, on meta), what the
+    optimizer figure is timed on (autopar.profiler.kernels). Called after the layer table, which
+    has already cut the model the same way."""
+    from autopar.profiler.layers import one_block_meta
 
-    meta = mf.build("meta")
-    try:
-        small = one_block_model(meta, model_spec(mf, meta).blocks_path)
-    except Exception:  # noqa: BLE001 - the synthetic shapes then; the layer profile reports the model's own error
-        return None
-    return [tuple(p.shape) for p in small.parameters() if p.requires_grad]
+    return [tuple(p.shape) for p in one_block_meta(mf).parameters() if p.requires_grad]

@@ -130,17 +130,11 @@ def predict(plan_path: str, model: str, cluster: str | None, profile: str | None
 
 
 def _drift_reference(cluster, run) -> dict[str, Any] | None:  # noqa: ANN001
-    """{micro_batch, ranks, profiled_s}: the profile's contention reference at the run's ranks on
-    this host (autopar.profiler.drift), or None (not a CPU run, or no curve in the profile)."""
-    from autopar.profile_conditions import profile_conditions, slowdown
-    from autopar.profiler.drift import reference_micro_batch
+    """The profile's contention reference at the run's ranks on this host (autopar.profiler.drift),
+    or None (not a CPU run, or no curve in the profile)."""
+    from autopar.profiler.drift import profiled_reference
 
-    b = reference_micro_batch(cluster)
-    if b is None or run.device_type != "cpu":
-        return None
-    cond = profile_conditions(cluster)
-    return {"micro_batch": b, "ranks": run.ranks_on_host, "profiled_s": slowdown(cond, run.ranks_on_host),
-            "model_sha256": cluster.measured.layers.model_sha256}
+    return profiled_reference(cluster, run.ranks_on_host) if run.device_type == "cpu" else None
 
 
 def auto_steps(predicted_step_s: float) -> int:

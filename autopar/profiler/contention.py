@@ -52,12 +52,9 @@ def curve_ranks(cores: int, table_ranks: int) -> tuple[int, ...]:
 
 
 def reference_run(mf: ModelFile, micro_batch: int, dtype: str) -> Callable[[], None]:
-    from autopar.graph.build import one_block_model
-    from autopar.profiler.layers import DTYPES, materialise
-    from autopar.spec import model_spec
+    from autopar.profiler.layers import DTYPES, materialise, one_block_meta
 
-    meta = mf.build("meta")
-    model = materialise(one_block_model(meta, model_spec(mf, meta).blocks_path), torch.device("cpu"))
+    model = materialise(one_block_meta(mf), torch.device("cpu"))
     model.train()
     inputs = mf.example_inputs(micro_batch, "cpu")
 
@@ -82,9 +79,6 @@ def measure_contention(mf: ModelFile, micro_batch: int, ranks: tuple[int, ...], 
     levels = sorted(set(ranks))
     rounds = max(15, repeats)  # a block of a few ms: more samples than a layer point
 
-    def timed(r: int) -> float:
-        return timed_run(run, r, cores)
-
     samples: dict[int, list[float]] = {r: [] for r in levels}
     helpers: list = []
     try:
@@ -95,15 +89,16 @@ def measure_contention(mf: ModelFile, micro_batch: int, ranks: tuple[int, ...], 
                 for r in (levels if i % 2 == 0 else levels[::-1]):
                     _pause_beyond(helpers, r - 1)
                     run()  # one untimed run: the caches settle to this level's sharing
-                    samples[r].append(timed(r))
-            _pause_beyond(helpers, len(helpers))  # all running again, so that they can be stopped
+                    samples[r].append(timed_run(run, r, cores))
         else:
             for r in levels:
                 more = start_load(r - 1 - len(helpers), "cpu", str(mf.path), micro_batch)
                 wait_ready(more)
                 helpers += more
-                samples[r] = [timed(r) for _ in range(rounds)]
+                samples[r] = [timed_run(run, r, cores) for _ in range(rounds)]
     finally:
+        if hasattr(signal, "SIGCONT"):
+            _pause_beyond(helpers, len(helpers))  # all running again: a paused process would not take the SIGTERM
         stop_load(helpers)
     curve = [[r, statistics.median(samples[r])] for r in levels]
     if log is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
@@ -45,17 +45,21 @@ class MachineDrift:
         return self.now_s / self.profiled_s
 
 
-def reference_micro_batch(cluster: "Cluster") -> int | None:
-    """The micro-batch the profile's contention reference ran at (its largest block point), or None
-    when the profile has no CPU contention curve to compare with."""
-    from autopar.profile_conditions import profile_conditions
+def profiled_reference(cluster: "Cluster", ranks: int) -> dict[str, Any] | None:
+    """The profile's side of the drift at ``ranks`` ranks on this host: ``{micro_batch, ranks,
+    profiled_s, model_sha256}`` -- the micro-batch its contention reference ran at (the largest
+    block point), the curve at ``ranks`` (autopar.profile_conditions.slowdown) and the model file
+    the table belongs to -- or None when the profile has no CPU contention curve to compare with."""
+    from autopar.profile_conditions import profile_conditions, slowdown
 
     cond = profile_conditions(cluster)
     m = cluster.measured
     if cond is None or cond.device_type != "cpu" or not cond.contention or m is None or m.layers is None:
         return None
-    points = m.layers.regions.get("block", ())
-    return max((p.b for p in points), default=None)
+    b = max((p.b for p in m.layers.regions.get("block", ())), default=None)
+    if b is None:
+        return None
+    return {"micro_batch": b, "ranks": ranks, "profiled_s": slowdown(cond, ranks), "model_sha256": m.layers.model_sha256}
 
 
 def time_reference_now(mf: "ModelFile", micro_batch: int, dtype: str, ranks: int) -> float:
@@ -69,12 +73,3 @@ def time_reference_now(mf: "ModelFile", micro_batch: int, dtype: str, ranks: int
         run()
     cores = usable_cores()
     return statistics.median(timed_run(run, ranks, cores) for _ in range(REPEATS))
-
-
-def drift(cluster: "Cluster", ranks: int, now_per_rank: list[float]) -> MachineDrift:
-    """The drift from the ranks' own reference times (``time_reference_now`` on each)."""
-    from autopar.profile_conditions import profile_conditions, slowdown
-
-    cond = profile_conditions(cluster)
-    assert cond is not None
-    return MachineDrift(ranks=ranks, profiled_s=slowdown(cond, ranks), now_s=statistics.median(now_per_rank))

@@ -82,7 +82,7 @@ def kernel_overhead_s(device: torch.device, repeats: int = 200) -> float:
 OPTIMIZER_MAX_PARAMS = 2**26  # the model's shapes up to this many parameters (1 GiB of fp32 states and more)
 
 
-def optimizer_s_per_param(device: torch.device, repeats: int = 5,
+def optimizer_s_per_param(device: torch.device, repeats: int = 9,
                           shapes: Sequence[tuple[int, ...]] | None = None) -> float:
     """Seconds per parameter of one AdamW step over tensors of ``shapes`` (module docstring)."""
     sizes = [math.prod(s) for s in shapes or ()]
@@ -92,7 +92,7 @@ def optimizer_s_per_param(device: torch.device, repeats: int = 5,
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
-    return _time(opt.step, device, 2, max(repeats, 9)) / sum(p.numel() for p in params)
+    return _time(opt.step, device, 2, repeats) / sum(p.numel() for p in params)
 
 
 def fit_gemm(rows: list[dict[str, float]]) -> tuple[float, float]:

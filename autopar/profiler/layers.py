@@ -88,6 +88,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def one_block_meta(mf: ModelFile) -> nn.Module:
+    """The model file's model cut to its first block, on meta (``one_block_model``): what the layer
+    table, the contention reference and the optimizer figure are measured on."""
+    meta = mf.build("meta")
+    return one_block_model(meta, model_spec(mf, meta).blocks_path)
+
+
 def materialise(model: nn.Module, device: torch.device) -> nn.Module:
     """A meta model on ``device`` with fresh weights (each module's own ``reset_parameters``)."""
     model = model.to_empty(device=device)

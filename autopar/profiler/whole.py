@@ -99,7 +99,7 @@ def _composed(table: LayerTable, b: int, s: int, num_blocks: int) -> tuple[float
     fwd = bwd = 0.0
     for region, count in (("pre", 1), ("block", num_blocks), ("post", 1), ("loss", 1)):
         point = next((p for p in table.regions.get(region, ()) if p.b == b and p.s == s and p.tp == 1
-                      and getattr(p, "cp", 1) == 1), None)
+                      and p.cp == 1), None)
         if point is None:
             if region == "block":
                 return None
