@@ -12,7 +12,8 @@ fitted by non-negative least squares to the cost model's own formula
     t = hops(n) * latency_s + volume(n, M) / bandwidth_bytes_per_s
 
 (all-reduce: hops 2(n-1), volume 2(n-1)/n M; all-gather / reduce-scatter / all-to-all: n-1 and
-(n-1)/n M; P2P: 1 and M), so the fitted figures plug straight into ``Link.fits``. P2P is the
+(n-1)/n M; P2P: 1 and M), so the fitted figures plug straight into ``Link.fits``. A time above that of
+a larger message in the same group is lowered to it first (``monotone_times``: a stall, not the link). P2P is the
 executor's neighbour exchange between the two ranks of each pair (``_send_recv``: each sends M and receives M
 at once, back to back, as a ring-attention shift or a pipeline's steady state does).
 
@@ -49,9 +50,22 @@ def hops_and_volume(kind: str, n: int, message_bytes: float) -> tuple[float, flo
     return float(n - 1), (n - 1) / n * message_bytes
 
 
+def monotone_times(points: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
+    """``points`` (ranks, bytes, seconds) with each time lowered to the fastest time of a message at
+    least as large in the same group size: a larger message cannot take less time, so a small
+    message slower than a larger one was a stall (a descheduled rank on a shared machine), not the
+    link. The fit uses these; the profile keeps the measured points."""
+    out = []
+    for n, m, t in points:
+        floor = min(t2 for n2, m2, t2 in points if n2 == n and m2 >= m)
+        out.append((n, m, floor))
+    return out
+
+
 def fit_collective(kind: str, points: list[tuple[int, float, float]]) -> CollectiveFit:
-    """Non-negative least squares of ``t = hops * a + volume / bw`` over (ranks, bytes, seconds)."""
-    rows = [(*hops_and_volume(kind, n, m), t) for n, m, t in points]
+    """Non-negative least squares of ``t = hops * a + volume / bw`` over (ranks, bytes, seconds),
+    after ``monotone_times``; the returned fit carries the measured ``points``."""
+    rows = [(*hops_and_volume(kind, n, m), t) for n, m, t in monotone_times(points)]
     sxx = sum(h * h for h, _, _ in rows)
     syy = sum(v * v for _, v, _ in rows)
     sxy = sum(h * v for h, v, _ in rows)

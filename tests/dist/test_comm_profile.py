@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from harness import _free_port, gloo_rank
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
     from autopar.profiler.comm import profile_comm
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         result = profile_comm(torch.device("cpu"), sizes=(2**12, 2**16, 2**20), repeats=3)
         from autopar.profiler.fsdp import profile_fsdp
 
@@ -34,8 +22,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             torch.save({k: (f.latency_s, f.bandwidth_bytes_per_s, f.points) for k, f in result["fits"].items()}
                        | {"_meta": (result["ranks"], result["link"], result["memory_baseline_bytes"], result["rendezvous_s"]),
                           "_fsdp": fsdp}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_rank_gloo_comm_profile_fits_every_collective() -> None:

@@ -14,7 +14,7 @@ from autopar.cluster import cluster_from_dict, load_cluster, load_cluster_and_pr
 from autopar.cost.comm import GroupLink, collective_time_s
 from autopar.errors import ClusterError
 from autopar.profile_tables import LayerPoint, LayerTable, MeasuredProfile, layer_table_to_dict, measured_from_dict
-from autopar.profiler.comm import fit_collective, hops_and_volume
+from autopar.profiler.comm import fit_collective, hops_and_volume, monotone_times
 from autopar.profiler.kernels import fit_gemm
 from autopar.profiler.memory import LiveBytes
 
@@ -353,6 +353,24 @@ def test_collective_fit_recovers_latency_and_bandwidth() -> None:
     assert fit.latency_s == pytest.approx(2e-5, rel=1e-6)
     assert fit.bandwidth_bytes_per_s == pytest.approx(3e9, rel=1e-6)
 
+
+
+def test_collective_fit_ignores_a_small_message_slower_than_a_larger_one() -> None:
+    # The CI failure: a stalled 4 KiB all-reduce (1.9 ms, slower than the 1 MiB one) made the fit's
+    # latency 0.6 ms and priced 1 MiB at 3.6x its measured time.
+    def t(n: int, m: float) -> float:
+        hops, vol = hops_and_volume("all_reduce", n, m)
+        return hops * 2e-5 + vol / 3e9
+
+    clean = [(2, m, t(2, m)) for m in (2.0**12, 2.0**16, 2.0**20)]
+    stalled = [(2, 2.0**12, 1.9e-3)] + clean[1:]
+    fit = fit_collective("all_reduce", stalled)
+    hops, vol = hops_and_volume("all_reduce", 2, 2.0**20)
+    assert hops * fit.latency_s + vol / fit.bandwidth_bytes_per_s == pytest.approx(t(2, 2.0**20), rel=0.05)
+    assert fit.points == tuple(stalled)  # the profile keeps what was measured
+    assert fit_collective("all_reduce", clean).latency_s == pytest.approx(2e-5, rel=1e-6)
+    # group sizes are separate: a 4-rank time never lowers a 2-rank one
+    assert monotone_times([(2, 1e3, 5e-4), (4, 1e6, 1e-4)]) == [(2, 1e3, 5e-4), (4, 1e6, 1e-4)]
 
 def test_gemm_fit_recovers_peak_and_half_dim() -> None:
     rows = [{"m": d, "n": d, "k": d, "flops_per_s": 1e11 * (d / (d + 64)) ** 3} for d in (64, 128, 512, 2048)]
