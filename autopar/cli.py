@@ -100,6 +100,12 @@ def exit_process(code: int) -> None:
     failed job. Elsewhere: a normal exit."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         raise SystemExit(code)
+    leave_process(code)
+
+
+def leave_process(code: int) -> None:
+    """Flush stdout and stderr and leave with ``os._exit(code)``, skipping the interpreter's
+    teardown (``exit_process``; the distributed tests' spawned ranks call it too)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

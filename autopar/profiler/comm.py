@@ -12,9 +12,9 @@ fitted by non-negative least squares to the cost model's own formula
     t = hops(n) * latency_s + volume(n, M) / bandwidth_bytes_per_s
 
 (all-reduce: hops 2(n-1), volume 2(n-1)/n M; all-gather / reduce-scatter / all-to-all: n-1 and
-(n-1)/n M; P2P: 1 and M), so the fitted figures plug straight into ``Link.fits``. A time above that of
-a larger message in the same group is lowered to it first (``monotone_times``: a stall, not the link). P2P is the
-executor's neighbour exchange between the two ranks of each pair (``_send_recv``: each sends M and receives M
+(n-1)/n M; P2P: 1 and M), so the fitted figures plug straight into ``Link.fits``. A time above that
+of a larger message in the same group is lowered to it first (``monotone_times``: a stall, not the
+link). P2P is the executor's neighbour exchange between the two ranks of each pair (``_send_recv``: each sends M and receives M
 at once, back to back, as a ring-attention shift or a pipeline's steady state does).
 
 Rendezvous: a blocking collective between bursts of compute also waits for members the OS has

@@ -13,7 +13,6 @@ import contextlib
 import functools
 import os
 import socket
-import sys
 import tempfile
 import traceback
 from dataclasses import dataclass, field
@@ -157,10 +156,10 @@ def leave_rank() -> None:
     interpreter's teardown: there a native thread of the distributed stack (left by FSDP2's and the
     functional collectives' async work) is now and then destroyed while still joinable -- "terminate
     called without an active exception", SIGABRT, about 1 spawn in 10 of the comm profile here -- and
-    mp.spawn fails a rank that had succeeded. autopar.cli.exit_process does the same under torchrun."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(0)
+    mp.spawn fails a rank that had succeeded (as ``autopar.cli.exit_process`` does under torchrun)."""
+    from autopar.cli import leave_process
+
+    leave_process(0)
 
 
 def _worker(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:

@@ -354,7 +354,6 @@ def test_collective_fit_recovers_latency_and_bandwidth() -> None:
     assert fit.bandwidth_bytes_per_s == pytest.approx(3e9, rel=1e-6)
 
 
-
 def test_collective_fit_ignores_a_small_message_slower_than_a_larger_one() -> None:
     # The CI failure: a stalled 4 KiB all-reduce (1.9 ms, slower than the 1 MiB one) made the fit's
     # latency 0.6 ms and priced 1 MiB at 3.6x its measured time.
@@ -371,6 +370,7 @@ def test_collective_fit_ignores_a_small_message_slower_than_a_larger_one() -> No
     assert fit_collective("all_reduce", clean).latency_s == pytest.approx(2e-5, rel=1e-6)
     # group sizes are separate: a 4-rank time never lowers a 2-rank one
     assert monotone_times([(2, 1e3, 5e-4), (4, 1e6, 1e-4)]) == [(2, 1e3, 5e-4), (4, 1e6, 1e-4)]
+
 
 def test_gemm_fit_recovers_peak_and_half_dim() -> None:
     rows = [{"m": d, "n": d, "k": d, "flops_per_s": 1e11 * (d / (d + 64)) ** 3} for d in (64, 128, 512, 2048)]
