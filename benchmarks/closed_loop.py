@@ -10,11 +10,11 @@ project did not write (examples/zoo/odd_names_decoder.py, a GQA/SwiGLU decoder w
 names, copied as ``model.py`` with one size of its own added and chosen, as a user sets their
 model's config: the zoo's "tiny" runs in milliseconds, all start-up noise), in a scratch folder::
 
-    autopar profile model.py --device cpu -o prof.yaml                      (once)
+    autopar profile model.py --device cpu -o prof.yaml
     autopar plan model.py --gpus N --global-batch 16 --profile prof.yaml -o p.yaml
     autopar validate p.yaml model.py --nproc-per-node N
 
-for N in ``--ranks``. Each validate also times the profile's contention reference (the model's
+for N in ``--ranks``, each N a session of its own (profiled just before its plan). Each validate also times the profile's contention reference (the model's
 one-block forward+backward, CPU time) on its N ranks at once after training (autopar.profiler.drift):
 the shared machine's drift since profiling is printed, and ``err now`` is the step-time error
 against the prediction at the machine's speed of that round, beside ``err``. ``plan`` writes its best plan;
@@ -261,17 +261,20 @@ def user_loop(args: argparse.Namespace) -> bool:
         src = src.replace('SIZE = "tiny"\n', USER_SIZE + 'SIZE = "bench"\n')
         assert 'SIZE = "bench"' in src, "the zoo model's SIZE line moved"
         (work / "model.py").write_text(src, encoding="utf-8")
-        t0 = time.monotonic()
-        r = user_sh(_autopar("profile", "model.py", "--device", "cpu", "-o", "prof.yaml"), work)
-        if r.returncode:
-            raise SystemExit(f"autopar profile failed:\n{r.stderr[-2000:]}")
-        curve = [ln for ln in r.stderr.splitlines() if "contention:" in ln]
-        print(f"  $ autopar profile model.py --device cpu -o prof.yaml   ({time.monotonic() - t0:.0f} s)")
-        for ln in curve:
-            print(f"    {ln}")
         for n in (int(x) for x in args.ranks.split(",")):
+            # Each rank count is one user session of the three commands: the profile is taken just
+            # before its plan and validate, as a user does, not minutes earlier for another rank count
+            # (the shared machine's speed moved ~20 % between the two in one run: 'err now' showed it).
+            t0 = time.monotonic()
+            r = user_sh(_autopar("profile", "model.py", "--device", "cpu", "-o", "prof.yaml"), work)
+            if r.returncode:
+                raise SystemExit(f"autopar profile failed:\n{r.stderr[-2000:]}")
+            curve = [ln for ln in r.stderr.splitlines() if "contention:" in ln]
+            print(f"\n  $ autopar profile model.py --device cpu -o prof.yaml   ({time.monotonic() - t0:.0f} s)")
+            for ln in curve:
+                print(f"    {ln}")
             plans = user_plans(work, n, args.top)
-            print(f"\n  $ autopar plan model.py --gpus {n} --global-batch {GLOBAL_BATCH} --profile prof.yaml -o p{n}.yaml"
+            print(f"  $ autopar plan model.py --gpus {n} --global-batch {GLOBAL_BATCH} --profile prof.yaml -o p{n}.yaml"
                   f"\n  $ autopar validate p{n}.yaml model.py --nproc-per-node {n}     (plans #2.. likewise; "
                   f"{args.rounds} round(s), interleaved)")
             runs: dict[int, list[dict]] = {i: [] for i in range(len(plans))}
