@@ -14,8 +14,9 @@ model's config: the zoo's "tiny" runs in milliseconds, all start-up noise), in a
     autopar plan model.py --gpus N --global-batch 16 --profile prof.yaml -o p.yaml
     autopar validate p.yaml model.py --nproc-per-node N
 
-for N in ``--ranks``, each N a session of its own (profiled just before its plan). Each validate also times the profile's contention reference (the model's
-one-block forward+backward, CPU time) on its N ranks at once after training (autopar.profiler.drift):
+for N in ``--ranks``, each N a session of its own (profiled just before its plan). Each validate
+also times the profile's contention reference (the model's one-block forward+backward, CPU time)
+on its N ranks at once after training (autopar.profiler.drift):
 the shared machine's drift since profiling is printed, and ``err now`` is the step-time error
 against the prediction at the machine's speed of that round, beside ``err``. ``plan`` writes its best plan;
 plans #2 and #3 of the same search are written with the API the command uses (autopar.search.driver.search_plans, priced by
