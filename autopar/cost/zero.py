@@ -115,7 +115,8 @@ def describe(cfg: "Config", asked_zero: int) -> str:
         return f"zero 0{ran}: whole states on each of {n} ranks; one gradient all-reduce per step"
     if cfg.zero == 1:
         fp32 = " in fp32" if m > 1 and cfg.dtype_bytes < FP32_BYTES else ""
-        return (f"zero 1{ran}: whole parameters and gradients (accumulated{fp32} over {m} micro-batches), "
+        over = f"accumulated{fp32} over {m} micro-batches" if m > 1 else "one micro-batch, nothing accumulated"
+        return (f"zero 1{ran}: whole parameters and gradients ({over}), "
                 f"optimizer states 1/{n}; one reduce-scatter + one all-gather per step, whatever the micro-batches")
     if cfg.zero == 2:
         return (f"zero 2{ran}: gradients and optimizer states 1/{n}; a reduce-scatter and an all-gather in each "
