@@ -27,7 +27,13 @@ from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time, usable_layer_table
 from autopar.cost.framework import per_microbatch_s, per_step_s_per_param
 from autopar.cost.memory import inflight_microbatches, state_bytes_per_param
-from autopar.cost.zero import gradient_bytes_per_param, overlapped, per_microbatch_exposed, per_step_sync
+from autopar.cost.zero import (
+    ddp_fixed_sync_s,
+    gradient_bytes_per_param,
+    overlapped,
+    per_microbatch_exposed,
+    per_step_sync,
+)
 from autopar.graph.model_graph import ModelGraph
 from autopar.graph.scaling import Shape
 from autopar.layout import Layout
@@ -106,6 +112,9 @@ class StageTerms:
     grad_sync_s_per_param: float  # end-of-step DP/ZeRO collectives per parameter on the rank
     grad_sync_floor_s: float  # the part that can never overlap (last bucket)
     grad_sync_overlaps: bool  # False: the whole gradient collective runs after backward
+    # issue 18: DDP's per-bucket latency and rendezvous, once per step, where the sync does not
+    # overlap (autopar.cost.zero.ddp_fixed_sync_s); 0 elsewhere
+    grad_sync_fixed_s: float = 0.0
     overlap_cost_fraction: float = 0.1  # share of an overlapped collective's time that still costs
     param_gather_s_per_param: float  # ZeRO-1/2 all-gather of updated parameters
     optimizer_s_per_param: float
@@ -225,6 +234,10 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
                                   for r in ("pre", "block", "post", "loss")),
         params=graph.num_blocks * block.params + pre.params + post.params, units=graph.num_blocks + cfg.pp * cfg.virtual_stages,
         link=dpcp_link)
+    fixed_sync = 0.0
+    if uses_ddp and not cluster.overlap_grad_reduce and expert is None and not graph.chain:
+        fixed_sync = ddp_fixed_sync_s(graph.num_blocks * block.params + pre.params + post.params, d, per_param_sync,
+                                      dpcp_link)
     return StageTerms(
         expert=expert,
         config=cfg, block=block, pre=pre, post=post, p2p_s=p2p,
@@ -234,6 +247,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         grad_sync_overlaps=cluster.overlap_grad_reduce,
         overlap_cost_fraction=cluster.overlap_cost_fraction,
         grad_sync_floor_s=bucket_floor,
+        grad_sync_fixed_s=fixed_sync,
         param_gather_s_per_param=gather,
         optimizer_s_per_param=optimizer_s,
         framework_s_per_param=framework,

@@ -7,6 +7,9 @@ micro-batches and v chunks per rank (v = 1 for GPipe and 1F1B):
     tail_r = max(floor, grad_sync(params_r) - backward_r) + c * grad_sync(params_r)
              + params_r * (gather + optimizer)
 
+(where the gradient sync does not overlap backward: tail_r = grad_sync(params_r) + DDP's per-bucket
+latencies + params_r * (gather + optimizer)).
+
 For equal stages this is M t + (p - 1) t / v: the work of M micro-batches plus Megatron's
 interleaved bubble (p - 1)/v; for v = 1 it is 1F1B's (M - 1) max t + sum t. The tail is the
 end-of-step gradient collective that backward could not hide (with ZeRO-1's parameter all-gather
@@ -124,7 +127,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             tail = max(terms.grad_sync_floor_s if sync > 0 else 0.0, sync - bwd[r])
             tail += terms.overlap_cost_fraction * sync
         else:
-            tail = sync
+            tail = sync + (terms.grad_sync_fixed_s if sync > 0 else 0.0)
         tail += params[r] * terms.after_sync_s_per_param
         inflight = terms.inflight(r)
         activations = inflight * act[r]
