@@ -333,7 +333,9 @@ def list_profiles() -> dict[str, Path]:
     return found
 
 
-_CACHE: dict[str, Cluster] = {}
+# Per resolved path and the file's modification time and size: a profile written again at the same
+# path (``autopar profile -o prof.yaml`` in a loop) is read again, not served from memory.
+_CACHE: dict[tuple[str, int, int], Cluster] = {}
 
 
 def _read_yaml(path: Path) -> Any:
@@ -391,9 +393,13 @@ def _with_base(data: Any, path: Path, seen: tuple[str, ...] = ()) -> Any:
 
 
 def load_cluster(name_or_path: str) -> Cluster:
-    """Load a cluster profile by name or path (cached)."""
+    """Load a cluster profile by name or path (cached while the file is unchanged)."""
     path = resolve_profile_path(name_or_path)
-    key = str(path.resolve())
+    try:
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    except OSError:  # _read_yaml says why in one line
+        key = (str(path), -1, -1)
     if key not in _CACHE:
         _CACHE[key] = cluster_from_dict(_with_base(_read_yaml(path), path), path.stem, path)
     return _CACHE[key]

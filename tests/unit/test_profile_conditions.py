@@ -147,3 +147,16 @@ def test_plan_cli_dtype_mismatch_and_concurrency_messages(tmp_path) -> None:
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(bad), encoding="utf-8")
     r = _cli("estimate", str(tmp_path / "c.yaml"), "--profile", str(prof), "--no-rank", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("autopar: error:") == 1 and "measured in fp32" in r.stderr
+
+
+def test_a_profile_written_again_at_the_same_path_is_read_again(tmp_path) -> None:
+    # A user (and the closed-loop benchmark) re-profiles into prof.yaml and plans again in the same
+    # process: the second plan must be priced from the new file, not the first one kept in memory.
+    path = tmp_path / "prof.yaml"
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "profiles" / "cpu-local-2.yaml").read_text())
+    path.write_text(yaml.safe_dump(data))
+    first = load_cluster(str(path))
+    assert load_cluster(str(path)) is first  # unchanged: served from memory
+    data["gpu"]["memory_bytes"] = first.memory_bytes * 2
+    path.write_text(yaml.safe_dump(data) + "# written again\n")
+    assert load_cluster(str(path)).memory_bytes == pytest.approx(first.memory_bytes * 2)
