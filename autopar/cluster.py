@@ -333,9 +333,10 @@ def list_profiles() -> dict[str, Path]:
     return found
 
 
-# Per resolved path and the file's modification time and size: a profile written again at the same
-# path (``autopar profile -o prof.yaml`` in a loop) is read again, not served from memory.
-_CACHE: dict[tuple[str, int, int], Cluster] = {}
+# Per resolved path: the file's (modification time, size) when read, and its Cluster. A profile
+# written again at the same path (``autopar profile -o prof.yaml`` in a loop) is read again and
+# replaces its entry, not served from memory.
+_CACHE: dict[str, tuple[tuple[int, int], Cluster]] = {}
 
 
 def _read_yaml(path: Path) -> Any:
@@ -395,11 +396,13 @@ def _with_base(data: Any, path: Path, seen: tuple[str, ...] = ()) -> Any:
 def load_cluster(name_or_path: str) -> Cluster:
     """Load a cluster profile by name or path (cached while the file is unchanged)."""
     path = resolve_profile_path(name_or_path)
+    key = str(path.resolve())
     try:
         stat = path.stat()
-        key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+        version = (stat.st_mtime_ns, stat.st_size)
     except OSError:  # _read_yaml says why in one line
-        key = (str(path), -1, -1)
-    if key not in _CACHE:
-        _CACHE[key] = cluster_from_dict(_with_base(_read_yaml(path), path), path.stem, path)
-    return _CACHE[key]
+        version = (-1, -1)
+    hit = _CACHE.get(key)
+    if hit is None or hit[0] != version:
+        hit = _CACHE[key] = (version, cluster_from_dict(_with_base(_read_yaml(path), path), path.stem, path))
+    return hit[1]

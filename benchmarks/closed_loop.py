@@ -230,12 +230,11 @@ def user_plans(work: Path, n: int, top: int) -> list[Path]:
             cluster, n, cluster.gpus_per_node)), profile_label="prof.yaml").cluster
         found = search_plans("model.py", gpus=n, cluster=priced, cluster_ref="prof.yaml", global_batch=GLOBAL_BATCH,
                              dtype=dtype, top_k=top)
-        import yaml
-
+        from autopar.executor.run_report import read_prediction
         from autopar.plan import load_plan
 
         cli_plan = load_plan(work / f"p{n}.yaml")
-        cli_s = float(yaml.safe_load((work / f"p{n}.yaml").read_text())["prediction"]["step_time_s"])
+        cli_s = float(read_prediction(str(work / f"p{n}.yaml"))["step_time_s"])
         api_s = float(found.plans[0].prediction["step_time_s"])
         if cli_plan != found.plans[0] or abs(cli_s - api_s) > 1e-9 * api_s:
             # The command and its API priced one search twice: they must agree to the last digit.

@@ -229,15 +229,14 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         transient += graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind).core_saved_bytes
     edge_tp = cfg.tp if graph.params["pre"].tp_sharded and not replicated else 1
     tied = graph.tied_params / edge_tp if cfg.pp > 1 else 0.0
+    model_params = graph.num_blocks * block.params + pre.params + post.params  # a rank's share at pp = 1
     framework = per_step_s_per_param(
         cfg, cluster, tensors=sum(graph.params[r].tensors * (graph.num_blocks if r == "block" else 1)
                                   for r in ("pre", "block", "post", "loss")),
-        params=graph.num_blocks * block.params + pre.params + post.params, units=graph.num_blocks + cfg.pp * cfg.virtual_stages,
-        link=dpcp_link)
+        params=model_params, units=graph.num_blocks + cfg.pp * cfg.virtual_stages, link=dpcp_link)
     fixed_sync = 0.0
     if uses_ddp and not cluster.overlap_grad_reduce and expert is None and not graph.chain:
-        fixed_sync = ddp_fixed_sync_s(graph.num_blocks * block.params + pre.params + post.params, d, per_param_sync,
-                                      dpcp_link)
+        fixed_sync = ddp_fixed_sync_s(model_params, d, per_param_sync, dpcp_link)
     return StageTerms(
         expert=expert,
         config=cfg, block=block, pre=pre, post=post, p2p_s=p2p,
