@@ -26,8 +26,8 @@ takes the cheaper of the ring and NCCL's tree (2 log2(nodes) network hops; ``_tr
 one inside an NVSwitch node with in-switch reduction (``nvls_bandwidth_bytes_per_s``, H100) runs as
 NVLS at that bus bandwidth. A link measured
 by ``autopar profile --comm`` carries a fit (latency, bus bandwidth) per collective, found by
-least squares on the same formula; that collective then uses its own fit (bandwidth scaled like the
-link's for groups that span nodes) and no efficiency curve.
+the least total relative error on the same formula (autopar.profiler.comm.fit_collective);
+that collective then uses its own fit (bandwidth scaled like the link's for groups that span nodes) and no efficiency curve.
 """
 
 from __future__ import annotations

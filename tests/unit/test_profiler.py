@@ -372,6 +372,25 @@ def test_collective_fit_ignores_a_small_message_slower_than_a_larger_one() -> No
     assert monotone_times([(2, 1e3, 5e-4), (4, 1e6, 1e-4)]) == [(2, 1e3, 5e-4), (4, 1e6, 1e-4)]
 
 
+def test_collective_fit_is_not_moved_by_one_slow_large_message() -> None:
+    # Measured on 2 gloo ranks: a 16 MiB reduce-scatter at 80 ms where 4 MiB took 6 ms. Least
+    # squares on absolute times answered latency 0 and 0.11 GB/s; the fit must price the rest.
+    def t(m: float) -> float:
+        hops, vol = hops_and_volume("reduce_scatter", 2, m)
+        return hops * 1.5e-3 + vol / 0.4e9
+
+    sizes = [2.0**p for p in range(10, 25, 2)]
+    slow_large = [(2, m, t(m)) for m in sizes[:-1]] + [(2, sizes[-1], 4 * t(sizes[-1]))]
+    fit = fit_collective("reduce_scatter", slow_large)
+    assert fit.latency_s == pytest.approx(1.5e-3, rel=1e-6)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(0.4e9, rel=1e-6)
+    # relative error: the small messages' latency is not drowned by the large ones' noise
+    noisy = [(2, m, t(m) * (1.1 if i % 2 else 0.9)) for i, m in enumerate(sizes)]
+    fit = fit_collective("reduce_scatter", noisy)
+    assert fit.latency_s == pytest.approx(1.5e-3, rel=0.15)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(0.4e9, rel=0.15)
+
+
 def test_gemm_fit_recovers_peak_and_half_dim() -> None:
     rows = [{"m": d, "n": d, "k": d, "flops_per_s": 1e11 * (d / (d + 64)) ** 3} for d in (64, 128, 512, 2048)]
     peak, half = fit_gemm(rows)
