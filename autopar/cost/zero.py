@@ -45,15 +45,22 @@ DDP_FIRST_BUCKET_BYTES = 2**20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES:
 FP32_BYTES = 4
 
 
-def ddp_buckets(grad_bytes: float) -> list[float]:
-    """The gradient all-reduces DDP issues per step at its default caps (first bucket 1 MiB, then
-    25 MiB each, the rest in the last), in bytes; tensor boundaries are not modelled."""
+def ddp_bucket_sizes(grad_bytes: float) -> tuple[tuple[float, int], ...]:
+    """DDP's gradient all-reduces per step at its default caps (first bucket 1 MiB, then 25 MiB
+    each, the rest in the last), as ``((bytes, count), ...)``: a 175 B model holds hundreds of
+    equal buckets, priced once each size, not once each bucket (the search builds terms for
+    thousands of configurations). Tensor boundaries are not modelled."""
     if grad_bytes <= 0:
-        return []
+        return ()
     first = min(grad_bytes, float(DDP_FIRST_BUCKET_BYTES))
-    rest = grad_bytes - first
-    full, tail = divmod(rest, DDP_BUCKET_BYTES)
-    return [first] + [float(DDP_BUCKET_BYTES)] * int(full) + ([tail] if tail > 0 else [])
+    full, tail = divmod(grad_bytes - first, DDP_BUCKET_BYTES)
+    sizes = [(first, 1)] + ([(float(DDP_BUCKET_BYTES), int(full))] if full else []) + ([(tail, 1)] if tail > 0 else [])
+    return tuple(sizes)
+
+
+def ddp_buckets(grad_bytes: float) -> list[float]:
+    """Each bucket of ``ddp_bucket_sizes`` in order, in bytes."""
+    return [b for b, count in ddp_bucket_sizes(grad_bytes) for _ in range(count)]
 
 
 def ddp_fixed_sync_s(params: float, dtype_bytes: int, per_param_sync_s: float, link: GroupLink) -> float:
@@ -63,7 +70,7 @@ def ddp_fixed_sync_s(params: float, dtype_bytes: int, per_param_sync_s: float, l
     2 x 2.9 ms beside 7.5 ms of bandwidth). Priced only where the whole sync is exposed: with
     overlap, the buckets before the last hide and the last is ``per_step_sync``'s floor."""
     total = params * dtype_bytes
-    buckets_s = sum(collective_time_s("all_reduce", b, link) for b in ddp_buckets(total))
+    buckets_s = sum(count * collective_time_s("all_reduce", b, link) for b, count in ddp_bucket_sizes(total))
     return max(0.0, buckets_s - params * per_param_sync_s)
 
 

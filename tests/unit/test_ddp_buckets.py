@@ -9,7 +9,7 @@ import pytest
 
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.stage import build_terms
-from autopar.cost.zero import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_buckets
+from autopar.cost.zero import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_sizes, ddp_buckets
 from autopar.layout import Layout
 
 
@@ -21,6 +21,10 @@ def test_buckets_follow_ddp_default_caps() -> None:
     many = ddp_buckets(DDP_FIRST_BUCKET_BYTES + 2 * DDP_BUCKET_BYTES + 3.0)
     assert many == [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES, DDP_BUCKET_BYTES, 3.0]
     assert sum(ddp_buckets(123.4 * mib)) == pytest.approx(123.4 * mib)
+    # A 175 B model's gradients: hundreds of equal buckets, priced once per size (the search builds
+    # terms for thousands of configurations; one collective per bucket made it 5x slower).
+    assert ddp_bucket_sizes(DDP_FIRST_BUCKET_BYTES + 400 * DDP_BUCKET_BYTES + 5.0) == (
+        (DDP_FIRST_BUCKET_BYTES, 1), (DDP_BUCKET_BYTES, 400), (5.0, 1))
 
 
 @pytest.mark.parametrize("overlap", [False, True])
