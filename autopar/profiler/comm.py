@@ -67,7 +67,7 @@ def fit_collective(kind: str, points: list[tuple[int, float, float]]) -> Collect
     """The non-negative ``(a, b)`` of ``t = hops * a + volume * b`` (``b`` = 1 / bandwidth) with the
     least total *relative* error over (ranks, bytes, seconds), after ``monotone_times``:
 
-        minimise  sum_i |hops_i a + volume_i b - t_i| / t_i   subject to  a >= 0, b >= 0
+        minimise  sum_i |hops_i a + volume_i b - t_i| / t_i   subject to  a >= 0, b > 0
 
     Relative, so that a 1 KiB point (~1 ms) weighs as much as a 16 MiB one (~40 ms): squared
     absolute residuals let the largest messages' noise set the latency. Absolute values, not
@@ -75,7 +75,7 @@ def fit_collective(kind: str, points: list[tuple[int, float, float]]) -> Collect
     took 80 ms where 4 MiB took 6 ms, and least squares answered latency 0 and 0.11 GB/s (a 25 MiB
     bucket priced ~3x its time). The problem is a linear programme in two variables, so an optimum
     lies on a vertex: two residuals zero, or one residual zero and the other variable zero.
-    ``_vertices`` enumerates them (n^2 for n points, ~16 here) and the best is taken exactly. The
+    ``_vertices`` enumerates them (n^2 for n points, ~16 here; b > 0) and takes the best exactly. The
     returned fit carries the measured ``points``."""
     rows = [(*hops_and_volume(kind, n, m), t) for n, m, t in monotone_times(points) if t > 0]
 
@@ -88,11 +88,13 @@ def fit_collective(kind: str, points: list[tuple[int, float, float]]) -> Collect
 
 
 def _vertices(rows: list[tuple[float, float, float]]) -> list[tuple[float, float]]:
-    """The feasible vertices of ``fit_collective``'s programme over rows (hops, volume, seconds)."""
+    """The feasible vertices of ``fit_collective``'s programme over rows (hops, volume, seconds),
+    less those without a bandwidth term (b = 0): a link's bandwidth is finite, and where the points
+    cannot tell it (times flat over sizes, as after a stall ``monotone_times`` lowered), latency
+    alone would price a 25 MiB bucket like 4 KiB; the bandwidth-only vertex through a point is
+    always there instead."""
     out: list[tuple[float, float]] = []
     for i, (h1, v1, t1) in enumerate(rows):
-        if h1 > 0:
-            out.append((t1 / h1, 0.0))  # latency alone
         if v1 > 0:
             out.append((0.0, t1 / v1))  # bandwidth alone
         for h2, v2, t2 in rows[i + 1:]:
@@ -101,7 +103,7 @@ def _vertices(rows: list[tuple[float, float, float]]) -> list[tuple[float, float
                 continue  # the same point twice (or proportional): no vertex
             a = (t1 * v2 - t2 * v1) / det
             b = (h1 * t2 - h2 * t1) / det
-            if a >= 0 and b >= 0:
+            if a >= 0 and b > 0:
                 out.append((a, b))
     return out
 

@@ -391,6 +391,16 @@ def test_collective_fit_is_not_moved_by_one_slow_large_message() -> None:
     assert fit.bandwidth_bytes_per_s == pytest.approx(0.4e9, rel=0.15)
 
 
+def test_collective_fit_keeps_a_finite_bandwidth_when_the_times_are_flat() -> None:
+    # Three sizes whose times a stall flattened (monotone_times lowers each to the 1 MiB time):
+    # latency alone would fit them exactly and price a 25 MiB bucket like 4 KiB.
+    flat = [(2, m, 1e-3) for m in (2.0**12, 2.0**16, 2.0**20)]
+    fit = fit_collective("all_reduce", flat)
+    assert 1e6 < fit.bandwidth_bytes_per_s < 1e12
+    hops, vol = hops_and_volume("all_reduce", 2, 2.0**20)
+    assert hops * fit.latency_s + vol / fit.bandwidth_bytes_per_s == pytest.approx(1e-3, rel=1e-6)
+
+
 def test_gemm_fit_recovers_peak_and_half_dim() -> None:
     rows = [{"m": d, "n": d, "k": d, "flops_per_s": 1e11 * (d / (d + 64)) ** 3} for d in (64, 128, 512, 2048)]
     peak, half = fit_gemm(rows)
