@@ -27,7 +27,8 @@ one inside an NVSwitch node with in-switch reduction (``nvls_bandwidth_bytes_per
 NVLS at that bus bandwidth. A link measured
 by ``autopar profile --comm`` carries a fit (latency, bus bandwidth) per collective, found by
 the least total relative error on the same formula (autopar.profiler.comm.fit_collective);
-that collective then uses its own fit (bandwidth scaled like the link's for groups that span nodes) and no efficiency curve.
+that collective then uses its own fit (bandwidth scaled like the link's for groups that span
+nodes) and no efficiency curve.
 """
 
 from __future__ import annotations

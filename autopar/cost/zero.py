@@ -58,11 +58,6 @@ def ddp_bucket_sizes(grad_bytes: float) -> tuple[tuple[float, int], ...]:
     return tuple(sizes)
 
 
-def ddp_buckets(grad_bytes: float) -> list[float]:
-    """Each bucket of ``ddp_bucket_sizes`` in order, in bytes."""
-    return [b for b, count in ddp_bucket_sizes(grad_bytes) for _ in range(count)]
-
-
 def ddp_fixed_sync_s(params: float, dtype_bytes: int, per_param_sync_s: float, link: GroupLink) -> float:
     """What DDP's gradient all-reduce costs beyond its bandwidth term ``params * per_param_sync_s``
     when it does not overlap backward: each bucket is one collective and pays its own latency and

@@ -82,8 +82,7 @@ def fit_collective(kind: str, points: list[tuple[int, float, float]]) -> Collect
     def cost(a: float, b: float) -> float:
         return sum(abs(h * a + v * b - t) / t for h, v, t in rows)
 
-    best = min(_vertices(rows), key=lambda ab: cost(*ab), default=(0.0, 0.0))
-    a, b = best
+    a, b = min(_vertices(rows), key=lambda ab: cost(*ab), default=(0.0, 0.0))
     return CollectiveFit(kind=kind, latency_s=a, bandwidth_bytes_per_s=1.0 / max(b, 1e-30), points=tuple(points))
 
 

@@ -9,8 +9,13 @@ import pytest
 
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.stage import build_terms
-from autopar.cost.zero import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_sizes, ddp_buckets
+from autopar.cost.zero import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_sizes
 from autopar.layout import Layout
+
+
+def ddp_buckets(grad_bytes: float) -> list[float]:
+    """Each bucket of ``ddp_bucket_sizes`` in order, in bytes: the per-bucket reference."""
+    return [b for b, count in ddp_bucket_sizes(grad_bytes) for _ in range(count)]
 
 
 def test_buckets_follow_ddp_default_caps() -> None:
