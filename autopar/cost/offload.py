@@ -41,10 +41,11 @@ that overflows the host rejects the configuration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.cost.comm import axis_link
+from autopar.cost.evolve import evolve
 from autopar.cost.memo import IdentityMemo
 from autopar.cost.zero import per_microbatch_exposed
 from autopar.errors import PlanError
@@ -95,7 +96,7 @@ def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
     if reason:
         raise PlanError(reason)
     require_host(cluster)
-    plain = replace(cfg, offload=NO_OFFLOAD)
+    plain = evolve(cfg, offload=NO_OFFLOAD)
     base = _BASE_TERMS.get((graph, cluster), plain, lambda: build(graph, cluster, plain))
     bw = cluster.host_link_bandwidth_bytes_per_s
     gpus_on_node = min(cluster.gpus_per_node, cfg.num_gpus)
@@ -127,13 +128,13 @@ def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
     if off.activations:
         act_copy_s = 2 * act / bw
         transient += act  # one block's saved tensors back on the GPU during its backward
-        block = replace(block, fwd_s=block.fwd_s + act / bw, bwd_s=block.bwd_s + act / bw, act_bytes=0.0)
+        block = evolve(block, fwd_s=block.fwd_s + act / bw, bwd_s=block.bwd_s + act / bw, act_bytes=0.0)
     cost = OffloadCost(
         label=off.label, host_state_bytes_per_param=host_state, host_act_bytes_per_block=act if off.activations else 0.0,
         step_copy_bytes_per_param=step_copy, microbatch_copy_bytes_per_param=mb_copy, act_copy_s_per_block=act_copy_s,
         cpu_step_s_per_param=share / rate if off.states else 0.0, link_bandwidth_bytes_per_s=bw,
         host_memory_bytes_per_node=cluster.host_memory_bytes_per_node)
-    return replace(base, config=cfg, block=block, pre=pre, post=post, state_split=split, recompute_parts=mixed,
+    return evolve(base, config=cfg, block=block, pre=pre, post=post, state_split=split, recompute_parts=mixed,
                    state_bytes_per_param=sum(split.values()), optimizer_s_per_param=optimizer_s,
                    transient_bytes=transient, offload=cost)
 
@@ -144,4 +145,4 @@ def _with_host_copies(cfg: "Config", part: "Part", link: Any, cluster: "Cluster"
     copy_s = part.params * cfg.dtype_bytes / n / bw
     zero = per_microbatch_exposed(cfg, part.params, part.fwd_s, bwd_plain, link, cluster.overlap_cost_fraction,
                                   host_copy_s=copy_s)
-    return replace(part, bwd_s=bwd_plain + zero, zero_comm_s=zero)
+    return evolve(part, bwd_s=bwd_plain + zero, zero_comm_s=zero)

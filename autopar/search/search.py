@@ -34,6 +34,7 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from autopar.cluster import Cluster
+from autopar.cost.evolve import evolve
 from autopar.cost.host import evaluate_with_host, host_family, host_lower_bound
 from autopar.cost.stage import Config, StageTerms, build_terms
 from autopar.cost.step import evaluate
@@ -179,7 +180,7 @@ def search(
                     continue
                 cfg = branch.config(schedule, v, zero, offload=off) if off.any else None
                 if cfg is not None:
-                    terms = replace(terms0, config=cfg)
+                    terms = evolve(terms0, config=cfg)
                     if host_lower_bound(terms, graph.num_blocks, cluster.gpus_per_node) > \
                             cluster.host_memory_bytes_per_node:  # issue 14: no split can fit the host
                         rejected["memory: host memory per node"] += 1
@@ -195,7 +196,7 @@ def search(
                     continue
                 if cfg is None:
                     cfg = branch.config(schedule, v, zero, offload=off)
-                    terms = replace(terms0, config=cfg)
+                    terms = evolve(terms0, config=cfg)
                 cand = _solve(terms, graph, cluster, model_flops, tokens, ilp_time_limit_s, top.threshold(), caps)
                 if cand is _PRUNED:
                     rejected["bound: cannot beat the best plans"] += 1
