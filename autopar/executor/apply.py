@@ -79,7 +79,7 @@ class Executable:
     # full-model parameter name -> canonical name of its tie group (first alias in the full model's
     # named_parameters order); the checkpoint keys of tied weights (checkpoint.py)
     canonical_names: dict[str, str] = field(default_factory=dict)
-    expert: Any = None  # issue 15: expert_parallel.ExpertParallel of this rank's part when ep > 1
+    expert: Any = None  # expert parallelism: expert_parallel.ExpertParallel of this rank's part when ep > 1
 
     def parameter_copies(self) -> dict[str, list[nn.Parameter]]:
         """Full-model name -> every local parameter of that name (one per pipeline chunk)."""
@@ -107,12 +107,12 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
             param.copy_(full)
 
 
-def materialise(part: nn.Module, reference: nn.Module, device: torch.device, perms: dict[str, torch.Tensor]) -> None:
+def materialise(part: nn.Module, reference: nn.Module | None, device: torch.device, perms: dict[str, torch.Tensor]) -> None:
     """Allocate ``part`` on ``device`` and copy the seed-initialised ``reference`` values in.
 
     ``to_empty`` gives every module its own new Parameter (meta and real tensors cannot share a
     storage swap), which would silently untie shared weights (GPT's embedding = output head), so
-    the ties are recorded first and restored after.
+    the ties are recorded first and restored after. ``reference`` None: storage only, no values.
     """
     aliases: dict[int, list[str]] = {}
     for name, p in part.named_parameters(remove_duplicate=False):
@@ -123,6 +123,8 @@ def materialise(part: nn.Module, reference: nn.Module, device: torch.device, per
         for other in names[1:]:
             owner, _, leaf = other.rpartition(".")
             setattr(part.get_submodule(owner) if owner else part, leaf, keep)
+    if reference is None:  # storage only (a rehearsal on fake tensors)
+        return
     ref = dict(reference.named_parameters(remove_duplicate=False))
     ref.update(dict(reference.named_buffers(remove_duplicate=False)))
     for key, t in named_full(part) + named_full(part, buffers=True):
@@ -147,92 +149,148 @@ def reference_model(mf: ModelFile, seed: int) -> nn.Module:
     return mf.build("cpu")
 
 
+@dataclass(kw_only=True)
+class Shaped:
+    """Steps 1-3 of the module docstring done: this rank's chunks of the meta model with TP (+SP),
+    CP, recompute and expert parallelism applied. Nothing has storage yet."""
+
+    model: nn.Module  # the full meta model (parameter names, tie groups)
+    parts: list[nn.Module]
+    chunk_ids: list[int]
+    all_chunk_names: list[set[str]]
+    perms: dict[str, torch.Tensor]
+    canonical: dict[str, str]
+    notes: list[str]
+    io: Any = None  # pp > 1: pipeline_parallel.StepIO (None for chain chunks)
+    probe: Any = None  # pp > 1: pipeline_parallel.Probe (None for chain chunks)
+    expert: Any = None  # expert_parallel.ExpertParallel of this rank's part when ep > 1
+    # pp > 1, kept only on request: chunk 0 shaped like this rank's chunks (same tp / cp coordinates),
+    # whose forward gives the activation that travels between stages (a rehearsal's stage shapes)
+    first_chunk: nn.Module | None = None
+
+
 def build_executable(
     plan: Plan, mf: ModelFile, spec: ModelSpec, mesh: ParallelMesh, *, seed: int, lr: float,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> Executable:
     """Apply ``plan`` to the model of ``mf`` on this rank (collective: every rank must call it)."""
-    par, device, notes = plan.parallel, mesh.device, []
-    zero = par.zero  # ZeRO-1 at any tp: FSDP2 with per-step gradient sync (data_parallel.py)
+    return place(shape_parts(plan, mf, spec, mesh), plan, mf, spec, mesh, seed=seed, lr=lr, loss_fn=loss_fn)
+
+
+def shape_parts(plan: Plan, mf: ModelFile, spec: ModelSpec, mesh: ParallelMesh, *,
+                keep_first_chunk: bool = False) -> Shaped:
+    """Steps 1-3: build on meta, cut this rank's pipeline chunks, apply TP (+SP), CP, recompute
+    and expert parallelism inside each. ``keep_first_chunk``: also shape chunk 0 when it is not
+    this rank's (``Shaped.first_chunk``)."""
+    par, notes = plan.parallel, []
     model = mf.build("meta")  # 1. meta
     perms = fused_row_permutations(model, spec, par.tp)
-    canonical = canonical_names(model)
+    shaped = Shaped(model=model, parts=[model], chunk_ids=[0], all_chunk_names=[], perms=perms,
+                    canonical=canonical_names(model), notes=notes)
 
     # 2. pipeline split (outside)
-    chunk_ids: list[int] = [0]
-    parts: list[nn.Module] = [model]
-    all_chunk_names: list[set[str]] = []
+    extra: list[nn.Module] = []
     if par.pp > 1:
         meta_inputs = mf.example_inputs(plan.training.micro_batch_size, "meta")
         if par.cp > 1:  # stages see this cp rank's share of the sequence
             meta_inputs = meta_inputs[:, : plan.training.seq_len // par.cp]
         ranges = plan.stage_ranges()
-        io = None
         if chain_pipe.uses_chain_chunks(spec):  # a layer chain / Sequential blocks: cut at unit inputs
             n = len(ranges)
             shapes = chain_pipe.probe_chain_shapes(model, spec, meta_inputs)
             chunks = [chain_pipe.build_chain_chunk(model, spec, shapes, rng, is_first=c == 0, is_last=c == n - 1,
                                                    meta_inputs=meta_inputs) for c, rng in enumerate(ranges)]
         else:
-            probe = pipe.probe_structure(model, spec, meta_inputs)
-            io = pipe.StepIO(meta_inputs, probe.output)
-            chunks = [pipe.build_chunk(model, spec, probe, rng, index=c, num_chunks=len(ranges), io=io, device=device)
+            shaped.probe = pipe.probe_structure(model, spec, meta_inputs)
+            shaped.io = pipe.StepIO(meta_inputs, shaped.probe.output)
+            chunks = [pipe.build_chunk(model, spec, shaped.probe, rng, index=c, num_chunks=len(ranges), io=shaped.io,
+                                       device=mesh.device)
                       for c, rng in enumerate(ranges)]
         if par.cp > 1:
             from autopar.executor.context_parallel import shard_indices
 
-            positions = shard_indices(plan.training.seq_len, par.cp, mesh.coords.cp).to(device)
+            positions = shard_indices(plan.training.seq_len, par.cp, mesh.coords.cp).to(mesh.device)
             for ch in chunks:
                 ch.call_kwargs = position_kwargs(spec.accepts_positions, positions)
-        all_chunk_names = [{k for k, _ in named_full(ch, remove_duplicate=False)} for ch in chunks]
-        chunk_ids = pipe.local_chunk_ids(plan, mesh.coords.pp)
-        parts = [chunks[c] for c in chunk_ids]
+        shaped.all_chunk_names = [{k for k, _ in named_full(ch, remove_duplicate=False)} for ch in chunks]
+        shaped.chunk_ids = pipe.local_chunk_ids(plan, mesh.coords.pp)
+        shaped.parts = [chunks[c] for c in shaped.chunk_ids]
+        if keep_first_chunk and 0 not in shaped.chunk_ids:
+            shaped.first_chunk = chunks[0]
+            extra = [chunks[0]]
         del chunks
 
     # 3. inside each chunk: TP(+SP) -> CP -> recompute
-    prefix = pipe.STAGE_PREFIX if par.pp > 1 else ""
-    for part in parts:
-        if par.tp > 1:
-            sub_spec = spec if not prefix else _prefixed(spec, prefix)
-            for note in apply_tp(part, sub_spec, mesh.tp, sequence_parallel=par.sequence_parallel):
-                if note not in notes:
-                    notes.append(note)
-        recompute = par.recompute
-        block_modes = plan.block_recompute() if par.recompute_blocks is not None else None  # issue 14
-        selective = recompute == "selective" if block_modes is None else "selective" in block_modes
-        if spec.core_name is None and spec.hf_attention is not None and (par.cp > 1 or selective):
-            # transformers attention: a registered implementation does CP and/or selective recompute
-            make_cp = (lambda: ContextParallelAttention(par.cp_kind, mesh.cp_group, par.cp, mesh.coords.cp,
-                                                        plan.training.seq_len)) if par.cp > 1 else None
-            keys = None if block_modes is None else {str(b) for b, m in enumerate(block_modes) if m == "selective"}
-            hf_attention.install(part, prefix + spec.blocks_path, spec.hf_attention.module,
-                                 recompute=selective, make_cp=make_cp, recompute_keys=keys)
-            recompute = "none" if recompute == "selective" else recompute
-            if block_modes is not None:
-                block_modes = tuple("none" if m == "selective" else m for m in block_modes)
-        elif par.cp > 1:
-            assert spec.core_name is not None
-            apply_cp(part, prefix + spec.blocks_path, spec.core_name, kind=par.cp_kind, group=mesh.cp_group,
-                     cp=par.cp, rank=mesh.coords.cp, seq_len=plan.training.seq_len)
-        apply_recompute(part, _prefixed(spec, prefix), recompute, block_modes)
-        if par.offload.activations:  # issue 14: saved activations of each block on the host
-            from autopar.executor.offload import offload_block_activations
+    for part in shaped.parts + extra:
+        _shape_part(part, plan, spec, mesh, notes)
 
-            offload_block_activations(_blocks_of(part, spec, prefix), device)
-
-    # 3b. (issue 15) expert parallelism: this rank's experts (on meta), tokens routed over the ep group
-    expert = None
+    # 3b. expert parallelism: this rank's experts (on meta), tokens routed over the ep group
     if par.ep > 1:
         from autopar.executor import expert_parallel as ep_mod
 
-        expert = ep_mod.apply_expert_parallel(parts, spec, ep_mod.expert_groups(plan, spec, device), prefix)
+        prefix = pipe.STAGE_PREFIX if par.pp > 1 else ""
+        shaped.expert = ep_mod.apply_expert_parallel(shaped.parts, spec, ep_mod.expert_groups(plan, spec, mesh.device),
+                                                     prefix)
+    return shaped
 
-    # 4. materialise from the seed-built full model
-    reference = reference_model(mf, seed)
+
+def _shape_part(part: nn.Module, plan: Plan, spec: ModelSpec, mesh: ParallelMesh, notes: list[str]) -> None:
+    """Step 3 on one chunk: TP (+SP), then CP (the attention core replaced), then recompute."""
+    par = plan.parallel
+    prefix = pipe.STAGE_PREFIX if par.pp > 1 else ""
+    if par.tp > 1:
+        sub_spec = spec if not prefix else _prefixed(spec, prefix)
+        for note in apply_tp(part, sub_spec, mesh.tp, sequence_parallel=par.sequence_parallel):
+            if note not in notes:
+                notes.append(note)
+    recompute = par.recompute
+    block_modes = plan.block_recompute() if par.recompute_blocks is not None else None  # per-stage recompute
+    selective = recompute == "selective" if block_modes is None else "selective" in block_modes
+    if spec.core_name is None and spec.hf_attention is not None and (par.cp > 1 or selective):
+        # transformers attention: a registered implementation does CP and/or selective recompute
+        make_cp = (lambda: ContextParallelAttention(par.cp_kind, mesh.cp_group, par.cp, mesh.coords.cp,
+                                                    plan.training.seq_len)) if par.cp > 1 else None
+        keys = None if block_modes is None else {str(b) for b, m in enumerate(block_modes) if m == "selective"}
+        hf_attention.install(part, prefix + spec.blocks_path, spec.hf_attention.module,
+                             recompute=selective, make_cp=make_cp, recompute_keys=keys)
+        recompute = "none" if recompute == "selective" else recompute
+        if block_modes is not None:
+            block_modes = tuple("none" if m == "selective" else m for m in block_modes)
+    elif par.cp > 1:
+        assert spec.core_name is not None
+        apply_cp(part, prefix + spec.blocks_path, spec.core_name, kind=par.cp_kind, group=mesh.cp_group,
+                 cp=par.cp, rank=mesh.coords.cp, seq_len=plan.training.seq_len)
+    apply_recompute(part, _prefixed(spec, prefix), recompute, block_modes)
+    if par.offload.activations:  # host offload: saved activations of each block on the host
+        from autopar.executor.offload import offload_block_activations
+
+        offload_block_activations(_blocks_of(part, spec, prefix), mesh.device)
+
+
+def place(
+    shaped: Shaped, plan: Plan, mf: ModelFile, spec: ModelSpec, mesh: ParallelMesh, *, seed: int, lr: float,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, fake: bool = False,
+) -> Executable:
+    """Steps 4-6: storage for the shaped parts, data parallelism, the pipeline schedule and the
+    optimizer (collective).
+
+    ``fake`` (autopar.rehearse, under a ``FakeTensorMode`` over a fake process group): storage
+    from ``to_empty`` only, no values copied from a seed-built model; DDP's reducer, which is C++
+    and needs real storage, is stood in for by a module holding its bucket memory
+    (``data_parallel.DDPBuckets``); pipeline stages are given their activation shapes from one
+    forward of chunk 0 (a fake group cannot answer the schedule's shape exchange)."""
+    par, device, zero = plan.parallel, mesh.device, plan.parallel.zero
+    parts, expert, prefix = shaped.parts, shaped.expert, pipe.STAGE_PREFIX if par.pp > 1 else ""
+
+    # 4. materialise from the seed-built full model (fake: storage only)
+    reference = None if fake else reference_model(mf, seed)
     for part in parts:
-        materialise(part, reference, device, {**perms, **(expert.rows if expert else {})})
+        materialise(part, reference, device, {**shaped.perms, **(expert.rows if expert else {})})
     del reference
-    if expert is not None:  # (issue 15) experts reduce over their edp ranks, not dp x cp
+    stage_shapes = _stage_shapes(shaped, plan, mf, device) if fake and par.pp > 1 and shaped.io is not None else None
+    if expert is not None:  # experts reduce over their edp ranks, not dp x cp
+        from autopar.executor import expert_parallel as ep_mod
+
         ep_mod.wrap_experts(expert, parts[0], zero=zero, dtype=plan.training.dtype, dp_cp=par.dp * par.cp,
                             replicated=par.pp > 1 or par.tp > 1)  # ZeRO 0 wraps with replicate there, not DDP
 
@@ -242,24 +300,26 @@ def build_executable(
     for part in parts:
         blocks = _blocks_of(part, spec, prefix)
         policy = None
-        if par.offload.params:  # issue 14: FSDP2 CPU offload of params, grads (and so the optimizer)
+        if par.offload.params:  # host offload: FSDP2 CPU offload of params, grads (and so the optimizer)
             from autopar.executor.offload import cpu_offload_policy
 
             policy = cpu_offload_policy(device)
         wrapped.append(apply_data_parallel(part, blocks, dp_mesh, zero=zero, dtype=plan.training.dtype, device=device,
-                                           pipelined=par.pp > 1 or par.tp > 1, offload_policy=policy))
+                                           pipelined=par.pp > 1 or par.tp > 1, offload_policy=policy,
+                                           ddp_stand_in=fake))
 
     # 6. pipeline schedule, optimizer, tied-weight groups
     exe = Executable(
         plan=plan, spec=spec, mesh=mesh, parts=[w.module for w in wrapped], dp=wrapped,
         optimizer=None,  # type: ignore[arg-type]  # set below, needs the wrapped parameters
-        permutations=perms, chunk_ids=chunk_ids, notes=notes, canonical_names=canonical, expert=expert,
+        permutations=shaped.perms, chunk_ids=shaped.chunk_ids, notes=shaped.notes,
+        canonical_names=shaped.canonical, expert=expert,
     )
     # every distinct local parameter: an interleaved rank holds a copy of a shared one per chunk
     params = list({id(p): p for part in exe.parts for p in part.parameters()}.values())
     if par.tp > 1:  # embedding gradients come back Replicate; keep them vocab-sharded (tensor_parallel.py)
         keep_grad_placements([p for w in wrapped if w.kind in ("none", "ddp") for p in w.module.parameters()])
-    if par.offload.optimizer and not par.offload.params:  # issue 14: states on the host, the step on the CPU
+    if par.offload.optimizer and not par.offload.params:  # host offload: states on the host, the step on the CPU
         from autopar.executor.offload import build_host_optimizer
 
         exe.optimizer = build_host_optimizer(
@@ -267,32 +327,66 @@ def build_executable(
     else:
         exe.optimizer = build_optimizer(params, plan.training.optimizer, lr,
                                         any(w.sharded_optimizer for w in wrapped), dp_mesh)
-    if expert is not None:  # (issue 15) ZeRO 0: expert gradients summed over edp after the step's backward
+    if expert is not None:  # ZeRO 0: expert gradients summed over edp after the step's backward
         ep_mod.install_grad_sync(expert, wrapped[0].module)
     if par.pp > 1:
-        assert loss_fn is not None, "the pipeline's last stage computes the loss"
-        row_target = True  # the model file's loss_fn gets each micro-batch's own inputs (StepIO.loss)
-        if par.cp > 1:  # targets arrive pre-shifted and sharded (train.py); see context_parallel.py
-            from autopar.executor.context_parallel import cp_next_token_loss, logits_of
-
-            n_targets = plan.training.micro_batch_size * (plan.training.seq_len - 1)
-            loss_fn = lambda out, tgt: cp_next_token_loss(logits_of(out)[0], tgt, n_targets, par.cp)  # noqa: E731
-            row_target = False
-        if par.tp > 1:  # vocab-sharded logits on the last stage: the same fallback as train.py's loss
-            from autopar.executor.tensor_parallel import VocabParallelLoss
-
-            exe.stage_loss = VocabParallelLoss(loss_fn)
-            loss_fn = exe.stage_loss
-        if io is None:  # chain chunks (chain_pipeline.py): the first stage takes the batch, the last the target
-            exe.schedule, exe.stages = pipe.build_schedule(plan, exe.parts, chunk_ids, mesh.pp_group, device, loss_fn)
-            exe.tied = pipe.tied_groups(model, plan, all_chunk_names)
-        else:
-            exe.pipe_io = io
-            exe.schedule, exe.stages = pipe.build_schedule(plan, exe.parts, chunk_ids, mesh.pp_group, device,
-                                                           io.loss(loss_fn, row_target=row_target))
-            shared = tuple(f"{m}.{n}" for m in probe.shared for n, _ in model.get_submodule(m).named_parameters())
-            exe.tied = pipe.tied_groups(model, plan, all_chunk_names, bare=tuple(probe.bare) + shared)
+        _attach_schedule(exe, shaped, plan, mesh, loss_fn, stage_shapes)
     return exe
+
+
+def _attach_schedule(exe: Executable, shaped: Shaped, plan: Plan, mesh: ParallelMesh, loss_fn: Any,
+                     stage_shapes: Any) -> None:
+    """The pipeline schedule over the wrapped chunks, the last stage's loss and the tied groups."""
+    par, device = plan.parallel, mesh.device
+    assert loss_fn is not None, "the pipeline's last stage computes the loss"
+    row_target = True  # the model file's loss_fn gets each micro-batch's own inputs (StepIO.loss)
+    if par.cp > 1:  # targets arrive pre-shifted and sharded (train.py); see context_parallel.py
+        from autopar.executor.context_parallel import cp_next_token_loss, logits_of
+
+        n_targets = plan.training.micro_batch_size * (plan.training.seq_len - 1)
+        loss_fn = lambda out, tgt: cp_next_token_loss(logits_of(out)[0], tgt, n_targets, par.cp)  # noqa: E731
+        row_target = False
+    if par.tp > 1:  # vocab-sharded logits on the last stage: the same fallback as train.py's loss
+        from autopar.executor.tensor_parallel import VocabParallelLoss
+
+        exe.stage_loss = VocabParallelLoss(loss_fn)
+        loss_fn = exe.stage_loss
+    if shaped.io is None:  # chain chunks (chain_pipeline.py): the first stage takes the batch, the last the target
+        exe.schedule, exe.stages = pipe.build_schedule(plan, exe.parts, shaped.chunk_ids, mesh.pp_group, device,
+                                                       loss_fn)
+        exe.tied = pipe.tied_groups(shaped.model, plan, shaped.all_chunk_names)
+        return
+    exe.pipe_io = shaped.io
+    shaped.io.rows_unreadable = stage_shapes is not None  # a rehearsal (place(fake=True))
+    exe.schedule, exe.stages = pipe.build_schedule(plan, exe.parts, shaped.chunk_ids, mesh.pp_group, device,
+                                                   shaped.io.loss(loss_fn, row_target=row_target),
+                                                   stage_shapes=stage_shapes)
+    model, probe = shaped.model, shaped.probe
+    shared = tuple(f"{m}.{n}" for m in probe.shared for n, _ in model.get_submodule(m).named_parameters())
+    exe.tied = pipe.tied_groups(model, plan, shaped.all_chunk_names, bare=tuple(probe.bare) + shared)
+
+
+def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.device) -> list[Any]:
+    """Per local chunk, (inputs, outputs) as example tensors: what the schedule's shape exchange
+    would find (fake ranks; see ``place``). The activation between stages is what chunk 0 hands
+    on (every block returns the hidden state's shape); a chunk's outputs are its own forward on it."""
+    par = plan.parallel
+    first = shaped.parts[shaped.chunk_ids.index(0)] if 0 in shaped.chunk_ids else shaped.first_chunk
+    assert first is not None, "shape_parts(keep_first_chunk=True) keeps chunk 0 for a rehearsal"
+    if 0 not in shaped.chunk_ids:
+        materialise(first, None, device, shaped.perms)
+    batch = mf.example_inputs(plan.training.micro_batch_size, "cpu")
+    if par.cp > 1:
+        batch = batch[:, : plan.training.seq_len // par.cp]
+    kwargs = shaped.io.step_kwargs(batch)
+    with torch.no_grad():
+        hidden = first(**kwargs)
+        out = []
+        for c, part in zip(shaped.chunk_ids, shaped.parts):
+            inputs = () if c == 0 else (hidden,)
+            outputs = part(*inputs, **shaped.io.step_kwargs(batch)) if c == par.num_stage_chunks - 1 else hidden
+            out.append((inputs, outputs))
+    return out
 
 
 def _blocks_of(part: nn.Module, spec: ModelSpec, prefix: str) -> list[nn.Module]:
@@ -330,7 +424,7 @@ def full_parameters(exe: Executable, *, grads: bool = False) -> dict[str, torch.
         if name in exe.permutations:
             t = t[torch.argsort(exe.permutations[name])]
         out[name] = t
-    if exe.expert is not None:  # (issue 15) the other ep ranks' experts
+    if exe.expert is not None:  # expert parallelism: the other ep ranks' experts
         from autopar.executor.expert_parallel import gather_full
 
         out = gather_full(exe.expert, out)

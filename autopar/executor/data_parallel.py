@@ -71,6 +71,7 @@ def apply_data_parallel(
     device: torch.device,
     pipelined: bool = False,
     offload_policy: object | None = None,
+    ddp_stand_in: bool = False,
 ) -> DataParallelResult:
     """Wrap ``part`` (real tensors, already TP/CP/recompute-applied) for data parallelism.
 
@@ -79,8 +80,11 @@ def apply_data_parallel(
     buckets from one forward's parameter order and asserts on the second), so ZeRO-0 stages use
     FSDP2's ``replicate``, whose gradient sync the pipelining stage drives as it does FSDP2's.
 
-    ``offload_policy`` (issue 14): FSDP2's ``CPUOffloadPolicy`` for ZeRO-3 parameter offload
-    (executor/offload.py), given to every ``fully_shard``."""
+    ``offload_policy`` (host offload): FSDP2's ``CPUOffloadPolicy`` for ZeRO-3 parameter offload
+    (executor/offload.py), given to every ``fully_shard``.
+
+    ``ddp_stand_in`` (a rehearsal on fake tensors, autopar.rehearse): ``DDPBuckets`` instead of
+    DDP, whose C++ reducer needs real storage; everything else is wrapped as in a run."""
     if zero >= 2 or (zero == 1 and mesh.size() > 1):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -88,7 +92,7 @@ def apply_data_parallel(
         reshard = zero == 3
         scalars = _average_grads_of([p for p in part.parameters() if p.dim() == 0], mesh)
         ignored = {"ignored_params": set(scalars)} if scalars else {}
-        if offload_policy is not None:  # issue 14
+        if offload_policy is not None:  # host offload
             ignored["offload_policy"] = offload_policy
         for block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, **ignored)
@@ -103,6 +107,8 @@ def apply_data_parallel(
 
         replicate(part, mesh=mesh)
         return DataParallelResult(module=part, kind="replicate", sharded_optimizer=False)
+    if ddp_stand_in:
+        return DataParallelResult(module=DDPBuckets(part), kind="ddp", sharded_optimizer=False)
     # gradient_as_bucket_view stays off: with it the MLP's dp2 equivalence run grew to 14 GB RSS
     # (OOM) on torch 2.13 CPU; DDP's bucket copy of the gradients is priced instead (cost/stage.py).
     ddp = nn.parallel.DistributedDataParallel(
@@ -112,6 +118,34 @@ def apply_data_parallel(
         gradient_as_bucket_view=False,
     )
     return DataParallelResult(module=ddp, kind="ddp", sharded_optimizer=False)
+
+
+class DDPBuckets(nn.Module):
+    """What ``DistributedDataParallel`` holds beside the module, for a rehearsal on fake tensors:
+    its gradient buckets. DDP's reducer allocates, at construction, one flat bucket per group of
+    parameters covering every trainable parameter, in the parameter's dtype (with
+    ``gradient_as_bucket_view`` off, as here, beside the ``.grad`` tensors): held as a buffer, so
+    a memory tracker counts it. ``module`` and ``no_sync`` are DDP's names; the all-reduce itself
+    is left out (it allocates nothing)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        by_dtype: dict[torch.dtype, int] = {}
+        for p in trainable:
+            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+        for i, (dtype, numel) in enumerate(by_dtype.items()):
+            self.register_buffer(f"ddp_buckets_{i}", torch.empty(numel, dtype=dtype, device=trainable[0].device),
+                                 persistent=False)
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):  # noqa: ANN201
+        from contextlib import nullcontext
+
+        return nullcontext()
 
 
 def _average_grads_of(params: list[nn.Parameter], mesh: DeviceMesh) -> list[nn.Parameter]:

@@ -194,6 +194,9 @@ class StepIO:
         self.model_output = model_output  # the probe's: what the whole model returns
         self.output: Template | None = None  # set by the last StageModule when it flattens
         self.batch: Any = None  # this rank's (dp-sliced) batch of the current step
+        # a rehearsal on fake tensors (apply.place(fake=True)) cannot read the row indices: the
+        # loss takes the first rows of the batch, as many as the micro-batch has (same shapes)
+        self.rows_unreadable = False
 
     def step_kwargs(self, batch: Any) -> dict[str, torch.Tensor]:
         """The keyword arguments of ``schedule.step`` that carry ``batch`` to every stage."""
@@ -227,7 +230,9 @@ class StepIO:
         """The schedule's loss_fn: the model file's ``loss_fn`` on the rebuilt output and, with
         ``row_target``, the micro-batch's own inputs (else the schedule's target as it is)."""
         def fn(output: Any, target: torch.Tensor) -> torch.Tensor:
-            if row_target:
+            if row_target and self.rows_unreadable:
+                target = rows(self.batch, 0, target.shape[0])
+            elif row_target:
                 target = rows(self.batch, int(target[0]), int(target[-1]) + 1)
             return loss_fn(self.rebuild_output(output), target)
 
@@ -320,15 +325,21 @@ def build_schedule(
     pp_group: dist.ProcessGroup,
     device: torch.device,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    stage_shapes: list[tuple[Any, Any]] | None = None,
 ):
-    """PipelineStage per local chunk and the plan's schedule over them."""
+    """PipelineStage per local chunk and the plan's schedule over them. ``stage_shapes``: per local
+    chunk, example (inputs, outputs) that fix the stage's activation shapes up front, so the
+    schedule exchanges no shapes between ranks (a rehearsal's fake ranks cannot answer it); a
+    DTensor among them also fixes its gradient's (the same layout). None: the schedule infers them."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     par = plan.parallel
     n_chunks = par.num_stage_chunks
+    shapes = stage_shapes or [(None, None)] * len(chunk_ids)
     stages = [
-        PipelineStage(mod, stage_index=c, num_stages=n_chunks, device=device, group=pp_group)
-        for mod, c in zip(stage_modules, chunk_ids)
+        PipelineStage(mod, stage_index=c, num_stages=n_chunks, device=device, group=pp_group,
+                      **_static_args(inputs, outputs))
+        for mod, c, (inputs, outputs) in zip(stage_modules, chunk_ids, shapes)
     ]
     m = plan.num_microbatches
     if par.pp_schedule == "gpipe":
@@ -336,6 +347,14 @@ def build_schedule(
     if par.pp_schedule == "1f1b":
         return Schedule1F1B(stages[0], n_microbatches=m, loss_fn=loss_fn), stages
     return ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn), stages
+
+
+def _static_args(inputs: Any, outputs: Any) -> dict[str, Any]:
+    """PipelineStage's static shape arguments for example ``inputs`` / ``outputs`` (None: none)."""
+    if outputs is None:
+        return {}
+    ins, outs = tuple(inputs), tensors_of(outputs) if not isinstance(outputs, torch.Tensor) else (outputs,)
+    return {"input_args": ins, "output_args": outs, "input_grads": ins, "output_grads": outs}
 
 
 def run_schedule(schedule: Any, io: StepIO, batch: Any, *, is_last: bool, target: Any,

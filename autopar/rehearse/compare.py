@@ -1,0 +1,131 @@
+"""The ranks of a plan rehearsed beside the cost model's prediction for their pipeline stage.
+
+Both sides count the same thing: ``peak_bytes`` is the rehearsed step's peak of tensor bytes plus
+the memory no tensor holds (the cluster profile's ``framework_reserve_bytes``: CUDA context,
+communication buffers, allocator slack), as the cost model's ``peak_memory_bytes`` is its tensor
+parts plus that reserve; ``fits`` is every rehearsed rank within the device's capacity. The
+difference that tests the cost model is the tensor part's (``tensor_error_pct``): the reserve is
+added equally to both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from autopar.errors import AutoparError
+
+if TYPE_CHECKING:
+    from autopar.cluster import Cluster
+    from autopar.modelfile import ModelFile
+    from autopar.plan import Plan
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankRehearsal:
+    """One rank: rehearsed and predicted peak (bytes, reserve included) and their parts."""
+
+    rank: int
+    stage: int
+    peak_bytes: float
+    parts: dict[str, float]  # params, grads, optimizer, activations, temporaries, reserve
+    predicted_peak_bytes: float
+    predicted_parts: dict[str, float]  # the cost model's: params, grads, optimizer, activations, other
+    reserve_bytes: float
+    seconds: float
+
+    @property
+    def tensor_error_pct(self) -> float:
+        """(predicted - rehearsed) / rehearsed over the tensor bytes, in percent."""
+        measured = self.peak_bytes - self.reserve_bytes
+        return 100.0 * (self.predicted_peak_bytes - self.reserve_bytes - measured) / measured if measured else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rehearsal:
+    """A plan's rehearsed ranks and the device they must fit."""
+
+    ranks: tuple[RankRehearsal, ...]
+    capacity_bytes: float
+    cluster: str
+
+    @property
+    def fits(self) -> bool:
+        return all(r.peak_bytes <= self.capacity_bytes for r in self.ranks)
+
+
+def default_ranks(plan: "Plan") -> tuple[int, ...]:
+    """The first rank of every pipeline stage (ranks are laid out [pp, dp, cp, tp])."""
+    per_stage = plan.parallel.world_size // plan.parallel.pp
+    return tuple(s * per_stage for s in range(plan.parallel.pp))
+
+
+def check_ranks(plan: "Plan", ranks: Sequence[int]) -> tuple[int, ...]:
+    world = plan.parallel.world_size
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise AutoparError(f"rank {bad[0]} is outside the plan's world of {world} ranks (0..{world - 1}); "
+                           "choose --ranks within it")
+    return tuple(dict.fromkeys(ranks))
+
+
+def rehearse(plan: "Plan", mf: "ModelFile", cluster: "Cluster", ranks: Sequence[int] | None = None,
+             progress: Any = None) -> Rehearsal:
+    """Rehearse ``ranks`` of ``plan`` (default: ``default_ranks``) and price them with ``cluster``.
+    ``progress(text)``: called before each rank. One-line AutoparError on bad input."""
+    from autopar.cost.estimate import estimate_plan
+    from autopar.executor.checks import preflight
+    from autopar.graph import build_graph
+    from autopar.rehearse.rank import rehearse_rank
+
+    chosen = check_ranks(plan, default_ranks(plan) if ranks is None else ranks)
+    spec, _warnings = preflight(plan, mf, plan.parallel.world_size)
+    est = estimate_plan(plan, build_graph(mf, seq_len=plan.training.seq_len, dtype=plan.training.dtype), cluster)
+    reserve = cluster.framework_reserve_bytes
+    out = []
+    for i, r in enumerate(chosen):
+        if progress is not None:
+            progress(f"rehearsing rank {r} ({i + 1}/{len(chosen)})")
+        got = rehearse_rank(plan, mf, spec, r)
+        stage = est.ranks[got.stage]
+        out.append(RankRehearsal(rank=r, stage=got.stage, peak_bytes=got.peak_bytes + reserve,
+                                 parts={**got.parts, "reserve": reserve}, predicted_peak_bytes=stage.peak_bytes,
+                                 predicted_parts=dict(stage.memory_bytes), reserve_bytes=reserve, seconds=got.seconds))
+    return Rehearsal(ranks=tuple(out), capacity_bytes=est.capacity_bytes, cluster=cluster.name)
+
+
+def rehearsal_json(reh: Rehearsal) -> dict[str, Any]:
+    """The ``rehearse --json`` object."""
+    return {
+        "ranks": [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes,
+                   "predicted_peak_bytes": r.predicted_peak_bytes, "tensor_error_pct": r.tensor_error_pct,
+                   "parts": dict(r.parts), "predicted_parts": dict(r.predicted_parts), "seconds": r.seconds}
+                  for r in reh.ranks],
+        "capacity_bytes": reh.capacity_bytes,
+        "fits": reh.fits,
+    }
+
+
+def format_rehearsal(reh: Rehearsal) -> str:
+    """The table ``autopar rehearse`` prints: per rank, rehearsed and predicted GiB by part."""
+    from autopar.report import table
+
+    parts = ("params", "grads", "optimizer", "activations", "temporaries")
+    rows = []
+    for r in reh.ranks:
+        pred_other = r.predicted_parts.get("other", 0.0) - r.reserve_bytes
+        pred = [r.predicted_parts.get(p, 0.0) for p in parts[:-1]] + [pred_other]
+        rows.append([str(r.rank), str(r.stage)]
+                    + [f"{r.parts[p] / GIB:.2f} / {v / GIB:.2f}" for p, v in zip(parts, pred)]
+                    + [f"{r.reserve_bytes / GIB:.2f}", f"{r.peak_bytes / GIB:.2f}", f"{r.predicted_peak_bytes / GIB:.2f}",
+                       f"{r.tensor_error_pct:+.1f}", f"{r.seconds:.1f}"])
+    head = ["rank", "stage", "params", "grads", "optimizer", "activations", "temporaries / other", "reserve",
+            "rehearsed GiB", "predicted GiB", "error %", "s"]
+    verdict = "fits" if reh.fits else "does NOT fit"
+    worst = max(reh.ranks, key=lambda r: r.peak_bytes)
+    return (table(head, rows)
+            + f"\n\nparts: rehearsed / predicted GiB; error: the cost model's tensor bytes against the rehearsal's"
+            + f"\npeak {worst.peak_bytes / GIB:.2f} GiB (rank {worst.rank}) of {reh.capacity_bytes / GIB:.2f} GiB "
+            + f"on {reh.cluster}: the plan {verdict}")
