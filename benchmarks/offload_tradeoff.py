@@ -1,6 +1,6 @@
 """What CPU and activation offload buys (issue 14): the best plan for Llama-3 70B on A100-80GB nodes
-at 8 and 16 GPUs, with offload searched and with ``--offload none``, in one table (the README's
-"CPU and activation offload" section). A point where no plan fits prints the search's message.
+at 8 and 16 GPUs, with offload searched and with ``--offload none``, in one table (docs/offload-recompute.md,
+"CPU and activation offload"). A point where no plan fits prints the search's message.
 
 Usage: python benchmarks/offload_tradeoff.py [--cluster a100-80g] [--gpus 8,16]   (about a minute)
 """
