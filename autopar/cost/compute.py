@@ -57,6 +57,7 @@ class RegionTime:
     bwd_flops: float
     saved_bytes: float  # activations kept for backward without recompute
     core_saved_bytes: float  # the attention-core part of saved_bytes (selective recompute drops it)
+    peak_bytes: float = 0.0  # how far the live tensors rise above the saved ones here (RegionFit.peaks)
 
 
 def is_core(op: FitOp) -> bool:
@@ -156,9 +157,10 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
         else:
             b = q.nbytes * shape.scale(q.exps)
         saved += b
+    peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks), default=0.0)
     return RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
                       fwd_flops=fwd_f, bwd_flops=bwd_f,
-                      saved_bytes=saved, core_saved_bytes=core_saved)
+                      saved_bytes=saved, core_saved_bytes=core_saved, peak_bytes=peak)
 
 
 def usable_layer_table(graph: "ModelGraph", cluster: Cluster) -> LayerTable | None:

@@ -86,7 +86,11 @@ class Part:
     params: float  # parameters on this rank
     fwd_flops: float
     bwd_flops: float
-    ep_comm_s: float = 0.0  # issue 15: exposed expert-parallel all-to-alls (+ expert grad-sync excess)
+    ep_comm_s: float = 0.0  # expert parallelism: exposed all-to-alls (+ expert grad-sync excess)
+    # how far the live tensors rise above the saved activations while this piece runs (the loss's
+    # fp32 copies of the logits and their gradients, gradients of activations): a rank's peak is
+    # its activations plus the largest of its pieces' (graph/live.py)
+    peak_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -349,7 +353,8 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)
     zero += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # issue 18: FSDP2's own time
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b,
-                zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops)
+                zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
+                peak_bytes=rt.peak_bytes)
 
 
 LOSS_PARALLEL_ALL_REDUCES = 3  # per token, forward: logit max, sum of exponentials, target logit
@@ -391,4 +396,5 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
     zero += sum(per_microbatch_s(cfg, cluster, tensors))  # issue 18: FSDP2's own time
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=0.0, tp_comm_s=tp, cp_comm_s=0.0, zero_comm_s=zero,
                 act_bytes=sum(p.saved_bytes for p in parts), params=params,
-                fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts))
+                fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts),
+                peak_bytes=max(p.peak_bytes for p in parts))

@@ -14,8 +14,9 @@ For equal stages this is M t + (p - 1) t / v: the work of M micro-batches plus M
 interleaved bubble (p - 1)/v; for v = 1 it is 1F1B's (M - 1) max t + sum t. The tail is the
 end-of-step gradient collective that backward could not hide (with ZeRO-1's parameter all-gather
 when the software overlaps it, autopar.cost.zero), ZeRO-1's all-gather when it does not, and the
-optimizer update. Memory per rank = model states + in-flight activations +
-transient buffers + the framework reserve.
+optimizer update. Memory per rank = model states + in-flight activations + transient buffers +
+the largest rise above the saved activations among the rank's pieces (the loss's, a block's
+backward: graph/live.py) + the framework reserve.
 """
 
 from __future__ import annotations
@@ -146,10 +147,12 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             equivalent = blocks[r] * (ex.block_params - ex.dense_params)
             for kind in ("params", "grads", "optimizer"):
                 memory[kind] += blocks[r] * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
+        peak = max(b.peak_bytes if blocks[r] else 0.0, pre.peak_bytes if r == 0 else 0.0,
+                   post.peak_bytes if r == chunk_rank(last, pp) else 0.0)
         memory = {
             **memory,
             "activations": activations,
-            "other": terms.transient_bytes + working[r] + terms.reserve_bytes,
+            "other": terms.transient_bytes + working[r] + peak + terms.reserve_bytes,
         }
         ranks.append(RankCost(rank=r, num_blocks=blocks[r], time_s=time[r], backward_s=bwd[r], tail_s=tail,
                               params=params[r], memory_bytes=memory))

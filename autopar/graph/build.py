@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.errors import ModelFileError
+from autopar.graph.records import PeakRecord
 from autopar.graph.trace import Trace, run_and_trace
 from autopar.modelfile import call_model
 from autopar.spec.meta import tolerant_meta
@@ -142,43 +143,19 @@ def trace_model(
     tp_plan: Mapping[str, str] | None,
     blocks_attr: str | None,
 ) -> TracedRun:
-    """One forward+backward of ``model`` on meta, attributed to pre / block / post / loss."""
+    """One forward+backward of ``model`` on meta, attributed to pre / block / post / loss, and its
+    memory timeline (``Trace.peaks``, graph/live.py) from a second, unrecorded run."""
     regions = ParamRegions(model)
     handles = regions.handles
     io: dict[str, float] = {"in": 0.0}
 
     def run(set_region_raw: Callable[[str], None]) -> None:
         set_region = regions.setter(set_region_raw)
-
         if block is not None:
-            def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-                set_region("block")
-                x = first_tensor((args, kwargs))
-                if x is not None:
-                    io["in"] = float(x.numel() * x.element_size())
-                    if x.requires_grad:
-                        x.register_hook(lambda g: set_region("bwd:pre"))
-
-            def post_hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-                set_region("post")
-                y = first_tensor(out)
-                if y is not None and y.requires_grad:
-                    y.register_hook(lambda g: set_region("bwd:block"))
-
-            handles.append(block.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
-            handles.append(block.register_forward_hook(post_hook, with_kwargs=True))
+            handles.extend(_region_hooks(block, set_region, io))
             if tp_plan:
                 handles.extend(_tp_comm_hooks(block, tp_plan, blocks_attr or "", trace))
-        set_region("pre")
-        with tolerant_meta():  # value reads of meta tensors (HF's .item() checks) get a default
-            out = call_model(model, inputs)
-        set_region("loss")
-        loss = loss_fn(out, inputs) if loss_fn is not None else default_loss(out)
-        y = first_tensor(out)
-        if y is not None and y.requires_grad:
-            y.register_hook(lambda g: set_region("bwd:post"))
-        set_region("bwd:loss")
-        loss.backward()
+        _forward_backward(model, inputs, loss_fn, set_region)
 
     trace = Trace()
     try:
@@ -186,8 +163,67 @@ def trace_model(
     finally:
         for h in handles:
             h.remove()
+    trace.peaks = _peaks(model, inputs, loss_fn, block, trace.saved_bytes())
     return TracedRun(trace=trace, param_regions=regions.by_param,
                      block_input_bytes=io["in"])
+
+
+def _region_hooks(block: nn.Module, set_region: Callable[[str], None], io: dict[str, float]) -> list:
+    """Hooks on the (first) block that switch the region: block on entry, post after it, and their
+    backward counterparts when the gradient reaches the block's output and input."""
+    def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        set_region("block")
+        x = first_tensor((args, kwargs))
+        if x is not None:
+            io["in"] = float(x.numel() * x.element_size())
+            if x.requires_grad:
+                x.register_hook(lambda g: set_region("bwd:pre"))
+
+    def post_hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        set_region("post")
+        y = first_tensor(out)
+        if y is not None and y.requires_grad:
+            y.register_hook(lambda g: set_region("bwd:block"))
+
+    return [block.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True),
+            block.register_forward_hook(post_hook, with_kwargs=True)]
+
+
+def _forward_backward(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                      set_region: Callable[[str], None]) -> None:
+    """The model file's forward, loss and backward, as the training loop runs them (the output is
+    not held once the loss has it)."""
+    set_region("pre")
+    with tolerant_meta():  # value reads of meta tensors (HF's .item() checks) get a default
+        out = call_model(model, inputs)
+    set_region("loss")
+    loss = loss_fn(out, inputs) if loss_fn is not None else default_loss(out)
+    y = first_tensor(out)
+    if y is not None and y.requires_grad:
+        y.register_hook(lambda g: set_region("bwd:post"))
+    del out, y
+    set_region("bwd:loss")
+    loss.backward()
+
+
+def _peaks(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+           block: nn.Module | None, saved_bytes: float) -> list[PeakRecord]:
+    """The step's memory timeline (graph/live.py) as one record per (region, phase)."""
+    from autopar.graph.live import live_peaks
+
+    handles: list = []
+
+    def step(set_region: Callable[[str], None]) -> None:
+        if block is not None:
+            handles.extend(_region_hooks(block, set_region, {}))
+        _forward_backward(model, inputs, loss_fn, set_region)
+
+    try:
+        peaks = live_peaks(step, list(model.parameters()), saved_bytes)
+    finally:
+        for h in handles:
+            h.remove()
+    return [PeakRecord(region=region, phase=phase, nbytes=max(0.0, float(v))) for (phase, region), v in peaks.items()]
 
 
 class ParamRegions:

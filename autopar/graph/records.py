@@ -30,6 +30,16 @@ class SavedRecord:
     nbytes: float
 
 
+@dataclass(frozen=True, kw_only=True)
+class PeakRecord:
+    """How far the live tensors rose above the saved ones in one phase of one region
+    (``graph/live.py``); 0 where they never did."""
+
+    region: str
+    phase: str  # "fwd" | "bwd"
+    nbytes: float
+
+
 @dataclass(kw_only=True)
 class Trace:
     """Everything recorded for one forward+backward."""
@@ -37,6 +47,7 @@ class Trace:
     ops: list[OpRecord] = field(default_factory=list)
     saved: list[SavedRecord] = field(default_factory=list)
     comm: list[tuple[str, str, str, float]] = field(default_factory=list)  # (region, phase, what, bytes)
+    peaks: list[PeakRecord] = field(default_factory=list)  # one per (region, phase) the step ran
 
     def total(self, attr: str, phase: str | None = None, region: str | None = None) -> float:
         return sum(

@@ -93,6 +93,9 @@ class RegionFit:
     ops: tuple[FitOp, ...]
     saved: tuple[FitQuantity, ...]
     comm: tuple[FitQuantity, ...]
+    # how far a step's live tensors rise above its saved activations in this region, per phase
+    # (graph/live.py): the loss's full-vocabulary copies, gradients of activations
+    peaks: tuple[FitQuantity, ...] = ()
 
 
 def _exp(base: float, other: float, factor: float) -> float:
@@ -167,7 +170,22 @@ def fit_region(
         ))
     saved = _fit_saved(region, base, b2, s_half, t2)
     comm = _fit_comm(region, base, b2, s_half, t2)
-    return RegionFit(ops=tuple(fitted), saved=saved, comm=comm)
+    return RegionFit(ops=tuple(fitted), saved=saved, comm=comm, peaks=_fit_peaks(region, base, b2, s_half, t2))
+
+
+def _fit_peaks(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuantity, ...]:
+    """Each phase's peak above the saved activations (``Trace.peaks``), fitted like a saved tensor."""
+    def of(trace: Trace | None, phase: str) -> float | None:
+        if trace is None:
+            return None
+        return next((p.nbytes for p in trace.peaks if p.region == region and p.phase == phase), None)
+
+    out = []
+    for phase in ("fwd", "bwd"):
+        v = of(base, phase)
+        if v:
+            out.append(FitQuantity(what="peak", phase=phase, nbytes=v, exps=_exps(v, *(of(t, phase) for t in others))))
+    return tuple(out)
 
 
 def _fit_saved(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuantity, ...]:

@@ -216,6 +216,11 @@ class _CudaLikeFunctions(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def cuda_like_functions() -> TorchFunctionMode:
+    """The function mode that routes dropout and SDPA to the CUDA kernels (``_CudaLikeFunctions``)."""
+    return _CudaLikeFunctions()
+
+
 def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
     if not training or p == 0.0:
         return input

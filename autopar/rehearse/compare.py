@@ -72,28 +72,59 @@ def check_ranks(plan: "Plan", ranks: Sequence[int]) -> tuple[int, ...]:
 
 
 def rehearse(plan: "Plan", mf: "ModelFile", cluster: "Cluster", ranks: Sequence[int] | None = None,
-             progress: Any = None) -> Rehearsal:
+             progress: Any = None, workers: int | None = None) -> Rehearsal:
     """Rehearse ``ranks`` of ``plan`` (default: ``default_ranks``) and price them with ``cluster``.
-    ``progress(text)``: called before each rank. One-line AutoparError on bad input."""
+    Each rank runs in a process of its own (a fresh fake world: torch keeps process-group state per
+    process), ``workers`` at a time (default: the CPU cores). ``progress(text)``: called as ranks
+    start and finish. One-line AutoparError on bad input."""
     from autopar.cost.estimate import estimate_plan
     from autopar.executor.checks import preflight
     from autopar.graph import build_graph
-    from autopar.rehearse.rank import rehearse_rank
 
     chosen = check_ranks(plan, default_ranks(plan) if ranks is None else ranks)
-    spec, _warnings = preflight(plan, mf, plan.parallel.world_size)
+    preflight(plan, mf, plan.parallel.world_size)  # a plan for another model fails here, before any rank
     est = estimate_plan(plan, build_graph(mf, seq_len=plan.training.seq_len, dtype=plan.training.dtype), cluster)
     reserve = cluster.framework_reserve_bytes
+    got = _rehearse_ranks(plan, str(mf.path), chosen, progress, workers)
     out = []
-    for i, r in enumerate(chosen):
-        if progress is not None:
-            progress(f"rehearsing rank {r} ({i + 1}/{len(chosen)})")
-        got = rehearse_rank(plan, mf, spec, r)
-        stage = est.ranks[got.stage]
-        out.append(RankRehearsal(rank=r, stage=got.stage, peak_bytes=got.peak_bytes + reserve,
-                                 parts={**got.parts, "reserve": reserve}, predicted_peak_bytes=stage.peak_bytes,
-                                 predicted_parts=dict(stage.memory_bytes), reserve_bytes=reserve, seconds=got.seconds))
+    for r in chosen:
+        m = got[r]
+        stage = est.ranks[m.stage]
+        out.append(RankRehearsal(rank=r, stage=m.stage, peak_bytes=m.peak_bytes + reserve,
+                                 parts={**m.parts, "reserve": reserve}, predicted_peak_bytes=stage.peak_bytes,
+                                 predicted_parts=dict(stage.memory_bytes), reserve_bytes=reserve, seconds=m.seconds))
     return Rehearsal(ranks=tuple(out), capacity_bytes=est.capacity_bytes, cluster=cluster.name)
+
+
+def _rehearse_ranks(plan: "Plan", model_path: str, ranks: Sequence[int], progress: Any,
+                    workers: int | None) -> dict[int, Any]:
+    """rank -> ``rank.RankMemory``, each from a spawned process; the first error is raised."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    n = max(1, min(len(ranks), workers or os.cpu_count() or 1))
+    done: dict[int, Any] = {}
+    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_rehearse_in_process, plan, model_path, r): r for r in ranks}
+        if progress is not None:
+            progress(f"rehearsing {len(ranks)} rank(s), {n} at a time")
+        for fut in as_completed(futures):
+            r = futures[fut]
+            done[r] = fut.result()
+            if progress is not None:
+                progress(f"rank {r} done in {done[r].seconds:.0f} s ({len(done)}/{len(ranks)})")
+    return done
+
+
+def _rehearse_in_process(plan: "Plan", model_path: str, rank: int) -> Any:
+    from autopar.executor.checks import preflight
+    from autopar.modelfile import load_model_file
+    from autopar.rehearse.rank import rehearse_rank
+
+    mf = load_model_file(model_path)
+    spec, _warnings = preflight(plan, mf, plan.parallel.world_size)
+    return rehearse_rank(plan, mf, spec, rank)
 
 
 def rehearsal_json(reh: Rehearsal) -> dict[str, Any]:
@@ -126,6 +157,6 @@ def format_rehearsal(reh: Rehearsal) -> str:
     verdict = "fits" if reh.fits else "does NOT fit"
     worst = max(reh.ranks, key=lambda r: r.peak_bytes)
     return (table(head, rows)
-            + f"\n\nparts: rehearsed / predicted GiB; error: the cost model's tensor bytes against the rehearsal's"
+            + "\n\nparts: rehearsed / predicted GiB; error: the cost model's tensor bytes against the rehearsal's"
             + f"\npeak {worst.peak_bytes / GIB:.2f} GiB (rank {worst.rank}) of {reh.capacity_bytes / GIB:.2f} GiB "
             + f"on {reh.cluster}: the plan {verdict}")

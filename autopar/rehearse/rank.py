@@ -4,9 +4,19 @@
 (autopar.rehearse.fake), applies the plan with the executor's own code (``apply.shape_parts`` on
 meta, then ``apply.place(fake=True)`` under fake tensors: TP/SP, CP, recompute, experts, ZeRO /
 FSDP2, pipeline stages, the optimizer), and runs the training loop's own step (every micro-batch
-of the schedule, its recompute, FSDP2's gathers, the optimizer step) twice: the first creates the
-optimizer states and FSDP2's lazy state, the second runs under ``StepTracker`` and is what is
-reported -- the steady step a real run repeats.
+of the schedule, its recompute, FSDP2's gathers, the optimizer step) under ``StepTracker``, after
+one optimizer step on zero gradients has created the optimizer's states: the steady step a real
+run repeats, whose forward already finds the states there.
+
+A step's peak stops growing with its micro-batches once the schedule is full, except for what the
+schedule keeps per micro-batch (torch.distributed.pipelining allocates a receive buffer for every
+micro-batch of a step, activations forward and gradients backward, and keeps them). So a rehearsal
+runs as many micro-batches as reach the peak, not the plan's hundreds (``rehearsed_microbatches``):
+without a pipeline, the first, a middle and the last (the first has no gradients yet, the last
+reduces them); with 1F1B or interleaved 1F1B, 2 pp and 3 pp micro-batches (every rank's schedule
+is full by 2 pp: at most pp - r micro-batches, 2 (pp - r - 1) + (v - 1) pp + 1 chunks, in flight),
+and the peak at the plan's M is the line through the two (affine in M from there on: only the
+per-micro-batch buffers grow); GPipe holds every micro-batch, so it runs them all.
 
 What a rehearsal cannot do: read tensor values. The training loop's check that a loss is next-token
 cross-entropy (context parallelism) reads them, so it is skipped here (``autopar run`` makes it);
@@ -15,6 +25,7 @@ a model file whose forward reads values (``.item()``, data-dependent shapes) fai
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +36,7 @@ from autopar.errors import AutoparError
 from autopar.modelfile import ModelFile
 from autopar.plan import Plan
 from autopar.rehearse.fake import fake_rank, fake_tensors
-from autopar.rehearse.tracker import StepTracker, peak_of
+from autopar.rehearse.tracker import PeakMemory, StepTracker, peak_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,19 +48,54 @@ class RankMemory:
     peak_bytes: float
     parts: dict[str, float]  # params, grads, optimizer, activations, temporaries
     seconds: float  # wall time of this rank's rehearsal
+    microbatches: tuple[int, ...]  # the micro-batches of each rehearsed step (module docstring)
+
+
+def rehearsed_microbatches(plan: Plan) -> tuple[int, ...]:
+    """Micro-batches of each step a rehearsal runs to find the plan's peak (module docstring):
+    one count, or two for the line through them."""
+    par, m = plan.parallel, plan.num_microbatches
+    if par.pp == 1:
+        return (min(m, 3),)
+    if par.pp_schedule == "gpipe" or m <= 3 * par.pp:
+        return (m,)
+    return (2 * par.pp, 3 * par.pp)  # multiples of pp, as interleaved 1F1B needs
+
+
+def with_microbatches(plan: Plan, m: int) -> Plan:
+    """``plan`` with a global batch of ``m`` micro-batches."""
+    if m == plan.num_microbatches:
+        return plan
+    gbs = m * plan.training.micro_batch_size * plan.parallel.dp
+    return dataclasses.replace(plan, training=dataclasses.replace(plan.training, global_batch_size=gbs))
 
 
 def rehearse_rank(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> RankMemory:
     """Rehearse ``rank`` of ``plan`` (module docstring). ``spec``: the executor's ModelSpec of
     ``mf`` (``executor.checks.preflight``). Raises AutoparError (one line) where the executor
     cannot apply the plan or the model cannot run on fake tensors."""
+    start = time.perf_counter()
+    counts = rehearsed_microbatches(plan)
+    peaks = [_rehearse_step(with_microbatches(plan, m), mf, spec, rank) for m in counts]
+    peak = peaks[0]
+    if len(peaks) == 2:  # the line through the two, at the plan's micro-batches
+        (m1, m2), m = counts, plan.num_microbatches
+        at = lambda a, b: a + (b - a) * (m - m1) / (m2 - m1)  # noqa: E731
+        peak = PeakMemory(peak_bytes=at(peaks[0].peak_bytes, peaks[1].peak_bytes),
+                          parts={k: at(v, peaks[1].parts[k]) for k, v in peaks[0].parts.items()})
+    stage = plan.parallel.layout.coords(rank).pp
+    return RankMemory(rank=rank, stage=stage, peak_bytes=peak.peak_bytes, parts=peak.parts,
+                      seconds=time.perf_counter() - start, microbatches=counts)
+
+
+def _rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> PeakMemory:
+    """The peak of one tracked training step of ``rank`` (``plan`` as given)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.executor.apply import place, shape_parts
     from autopar.executor.mesh import MESH_DIMS, ParallelMesh, rank_coords
     from autopar.executor.train import _Trainer
 
-    start = time.perf_counter()
     par = plan.parallel
     device = torch.device("cpu")
     with fake_rank(rank, par.world_size):
@@ -62,7 +108,7 @@ def rehearse_rank(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> RankMemory
                 exe = place(shaped, plan, mf, spec, mesh, seed=0, lr=1e-3, loss_fn=mf.loss_fn, fake=True)
                 trainer = _Trainer(exe, mf)
                 trainer.checked_cp_loss = True  # a value check (module docstring)
-                trainer.step(batch)
+                _create_optimizer_states(exe)
                 tracker = StepTracker()
                 tracker.track_external(*exe.parts, exe.optimizer)
                 with tracker:
@@ -71,9 +117,18 @@ def rehearse_rank(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> RankMemory
                 raise
             except Exception as exc:  # the user's model on fake tensors, or the executor on this plan
                 raise AutoparError(_one_line(mf, rank, exc)) from None
-    peak = peak_of(tracker)
-    return RankMemory(rank=rank, stage=mesh.coords.pp, peak_bytes=peak.peak_bytes, parts=peak.parts,
-                      seconds=time.perf_counter() - start)
+    return peak_of(tracker)
+
+
+def _create_optimizer_states(exe: Any) -> None:
+    """One optimizer step on zero gradients: the states a real run's first step creates (Adam's
+    moments, the host optimizer's copies), without running the model a second time."""
+    for part in exe.parts:
+        for p in part.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    exe.optimizer.step()
+    exe.optimizer.zero_grad(set_to_none=True)
 
 
 def _rank_batch(plan: Plan, mf: ModelFile) -> Any:

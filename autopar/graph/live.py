@@ -1,0 +1,108 @@
+"""The memory timeline of one forward+backward on the meta device: how far above the saved
+activations the live tensors rise in each phase of each region.
+
+The saved-tensor count (``graph/trace.py``) says what a step keeps from forward to backward; a
+step's peak is higher by what exists only for a moment: a loss's full-vocabulary fp32 copies of
+the logits and their gradients, a block's gradients of activations in backward. ``live_peaks``
+runs the same forward+backward again (nothing recorded, no view bookkeeping that would keep
+tensors alive) under ``LiveBytes``, a dispatch mode that counts each storage an op creates until
+Python frees it (a weakref on the storage: meta storages are tracked like real ones), and reports
+per (phase, region) the highest live total minus the saved total of the whole trace:
+
+    E(phase, region) = max over that phase's ops of live(t) - saved
+
+For a model of n blocks this is exactly what the step's peak adds to its activations: when the
+loss runs (or the last block's backward) the other blocks' saved activations are alive in full,
+as they are in ``saved``, so peak(n) = activations(n) + E. Parameter gradients are left out (the
+cost model counts them as gradients, not activations), as is anything alive before the step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass(kw_only=True)
+class _Clock:
+    phase: str = "fwd"
+    region: str = "pre"
+
+
+@dataclass(kw_only=True)
+class LiveBytes(TorchDispatchMode):
+    """Counts the storages ops create until they are freed; keeps an event list for replay."""
+
+    clock: _Clock = field(default_factory=_Clock)
+    events: list[tuple[int, int, str, str]] = field(default_factory=list)  # (+/- bytes, serial, phase, region)
+    _live: dict[int, int] = field(default_factory=dict)  # id(storage) -> serial
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def serial_of(self, t: torch.Tensor) -> int | None:
+        return self._live.get(id(t.untyped_storage()))
+
+    def _free(self, key: int, serial: int, nbytes: int) -> None:
+        if self._live.get(key) == serial:
+            del self._live[key]
+        self.events.append((-nbytes, serial, self.clock.phase, self.clock.region))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key, nbytes = id(st), st.nbytes()
+            if nbytes == 0 or key in inputs or key in self._live:
+                continue
+            serial = len(self.events)
+            self._live[key] = serial
+            self.events.append((nbytes, serial, self.clock.phase, self.clock.region))
+            weakref.finalize(st, self._free, key, serial, nbytes)
+        return out
+
+
+def peaks_over(events: list[tuple[int, int, str, str]], leave_out: set[int], saved_bytes: float) -> dict[tuple[str, str], float]:
+    """Replay ``events`` without the storages ``leave_out``: per (phase, region), the highest live
+    total there minus ``saved_bytes``."""
+    live, peaks = 0, {}
+    for nbytes, serial, phase, region in events:
+        if serial in leave_out:
+            continue
+        live += nbytes
+        key = (phase, region)
+        if nbytes > 0 and live - saved_bytes > peaks.get(key, float("-inf")):
+            peaks[key] = live - saved_bytes
+    return peaks
+
+
+def live_peaks(step: Callable[[Callable[[str], None]], Any], params: list[torch.Tensor],
+               saved_bytes: float) -> dict[tuple[str, str], float]:
+    """Run ``step(set_region)`` (forward and backward; ``set_region`` as ``graph.trace.run_and_trace``
+    takes it) under ``LiveBytes``; the peaks of ``peaks_over``, parameter gradients left out."""
+    from autopar.graph.trace import cuda_like_functions
+
+    for p in params:
+        p.grad = None
+    mode = LiveBytes()
+
+    def set_region(name: str) -> None:
+        if name.startswith("bwd:"):
+            mode.clock.phase, mode.clock.region = "bwd", name[4:]
+        else:
+            mode.clock.region = name
+
+    with cuda_like_functions(), mode:
+        step(set_region)
+    grads = {mode.serial_of(p.grad) for p in params if p.grad is not None}
+    for p in params:
+        p.grad = None
+    return peaks_over(mode.events, grads - {None}, saved_bytes)
