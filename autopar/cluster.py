@@ -103,7 +103,11 @@ class Cluster:
     gpus_per_node: int
     intra_node: Link  # NVLink/NVSwitch, bus bandwidth per GPU
     inter_node: Link  # per GPU share of the node's NICs (one rail per GPU)
-    framework_reserve_bytes: float  # CUDA context, NCCL buffers, allocator fragmentation
+    # Device memory no tensor of the step holds, per process: the CUDA context and library
+    # workspaces (``framework_reserve_bytes``), and each NCCL communicator the plan uses
+    # (``nccl_bytes_per_group`` per axis of size > 1; autopar.cost.stage.reserve_bytes).
+    framework_reserve_bytes: float
+    nccl_bytes_per_group: float = 0.0
     optimizer_bytes_per_param: float = 32.0  # HBM traffic of a fused Adam step per parameter
     # A collective hidden behind compute is not free: its kernels take SMs and HBM bandwidth from the
     # compute it overlaps. This fraction of the hidden time is added to the step.
@@ -115,6 +119,16 @@ class Cluster:
     fused_grad_accumulation: bool = False  # weight-gradient GEMMs accumulate into the grad buffer in place
     async_tp_backward: bool = False  # TP backward all-reduce overlaps the weight-gradient GEMM (Megatron)
     pipeline_scatter_gather: bool = False  # a PP send goes 1/tp per rail, re-gathered on NVLink (Megatron)
+    # Memory per software stack. ``activation_memory``: "measured" (the model file's own saved
+    # tensors, as autopar run keeps them) or "megatron" (Megatron-Core + Transformer Engine's fused
+    # layers, autopar.cost.megatron_memory). ``main_grad_bytes``: bytes per parameter of the
+    # gradient buffer a ZeRO-0/1 rank keeps whole (0: as autopar run keeps them, autopar.cost.zero;
+    # 4: Megatron-LM's fp32 main grads; 2: NeMo's bf16 gradient reduction). A torch.distributed
+    # pipelining stage keeps one receive buffer per micro-batch of a step
+    # (``pipeline_buffers_per_microbatch``); Megatron's schedules allocate them as they go.
+    activation_memory: str = "measured"
+    main_grad_bytes: float = 0.0
+    pipeline_buffers_per_microbatch: bool = True
     # issue 14 (CPU and activation offload), the profile's optional ``host:`` section. 0 = not given:
     # the search offers no offload on this cluster and estimating an offload plan is an error
     # naming the missing figure (autopar.cost.offload.require_host).
@@ -208,6 +222,7 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
             intra_node=_link(_get(net, "intra_node", f"{where} network"), f"{where} network.intra_node"),
             inter_node=_link(_get(net, "inter_node", f"{where} network"), f"{where} network.inter_node"),
             framework_reserve_bytes=_num(gpu, "framework_reserve_bytes", f"{where} gpu"),
+            nccl_bytes_per_group=_num(gpu, "nccl_bytes_per_group", f"{where} gpu", 0.0),
             optimizer_bytes_per_param=_num(eff, "optimizer_bytes_per_param", f"{where} efficiency", 32.0),
             overlap_cost_fraction=_num(eff, "overlap_cost_fraction", f"{where} efficiency", 0.1),
             attention_half_seq=_num(eff, "attention_half_seq", f"{where} efficiency", 0.0),
@@ -265,17 +280,26 @@ FSDP_KEYS = {"gather_s_per_tensor": "fsdp_gather_s_per_tensor", "reduce_s_per_te
              "optimizer_s_per_tensor": "dtensor_optimizer_s_per_tensor"}
 
 _SOFTWARE_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "async_tp_backward", "pipeline_scatter_gather",
-                  "tp_comm_overlap", "fused_grad_accumulation")
+                  "tp_comm_overlap", "fused_grad_accumulation", "pipeline_buffers_per_microbatch")
+ACTIVATION_MEMORY = ("measured", "megatron")
+MAIN_GRAD_BYTES = (0, 2, 4)
 
 
-def _software(data: Any, where: str) -> dict[str, bool]:
+def _software(data: Any, where: str) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise ClusterError(f"{where} must be a mapping")
-    unknown = sorted(set(data) - set(_SOFTWARE_KEYS))
+    allowed = _SOFTWARE_KEYS + ("activation_memory", "main_grad_bytes")
+    unknown = sorted(set(data) - set(allowed), key=str)
     if unknown:
-        raise ClusterError(f"{where}: unknown key '{unknown[0]}'; allowed: {', '.join(_SOFTWARE_KEYS)}")
+        raise ClusterError(f"{where}: unknown key '{unknown[0]}'; allowed: {', '.join(allowed)}")
     for key, value in data.items():
-        if not isinstance(value, bool):
+        if key == "activation_memory":
+            if value not in ACTIVATION_MEMORY:
+                raise ClusterError(f"{where}: 'activation_memory' must be one of {', '.join(ACTIVATION_MEMORY)}")
+        elif key == "main_grad_bytes":
+            if isinstance(value, bool) or value not in MAIN_GRAD_BYTES:
+                raise ClusterError(f"{where}: 'main_grad_bytes' must be 0 (as autopar run), 2 (bf16) or 4 (fp32)")
+        elif not isinstance(value, bool):
             raise ClusterError(f"{where}: '{key}' must be true or false")
     return dict(data)
 

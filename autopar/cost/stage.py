@@ -25,7 +25,9 @@ from typing import Any, Mapping
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time, usable_layer_table
+from autopar.cost.evolve import evolve
 from autopar.cost.framework import per_microbatch_s, per_step_s_per_param
+from autopar.cost.megatron_memory import layer_widths, megatron_activations
 from autopar.cost.memory import inflight_microbatches, state_bytes_per_param
 from autopar.cost.zero import (
     ddp_fixed_sync_s,
@@ -136,7 +138,11 @@ class StageTerms:
     # everything else (ZeRO-3's buffers). None for a single-mode config.
     recompute_parts: Mapping[str, Part] | None = None
     recompute_working_bytes: Mapping[str, float] | None = None
-    offload: Any = None  # issue 14: autopar.cost.offload.OffloadCost, None without offload
+    offload: Any = None  # host offload: autopar.cost.offload.OffloadCost, None without offload
+    # torch.distributed.pipelining keeps a receive buffer per micro-batch of a step, on every
+    # chunk that receives (activations forward, their gradients backward): the bytes of one
+    # (0: the software allocates them as it goes, cluster.pipeline_buffers_per_microbatch)
+    pipeline_buffer_bytes: float = 0.0
 
     @property
     def after_sync_s_per_param(self) -> float:
@@ -147,6 +153,20 @@ class StageTerms:
     def inflight(self, rank: int) -> float:
         c = self.config
         return inflight_microbatches(c.schedule, c.pp, rank, c.num_microbatches, c.virtual_stages)
+
+    def rank_extra_bytes(self, rank: int, last_rank: int) -> float:
+        """What pipeline rank ``rank`` holds beyond its states, saved activations and the config's
+        transients, whatever its block count: the largest rise above the saved activations among
+        its pieces (any block's backward, the first rank's embedding, the last rank's loss), and
+        its pipeline receive buffers (``pipeline_buffer_bytes`` per micro-batch and receiving
+        chunk: every chunk but the first receives activations, every one but the last gradients)."""
+        c = self.config
+        peak = max(self.block.peak_bytes, self.pre.peak_bytes if rank == 0 else 0.0,
+                   self.post.peak_bytes if rank == last_rank else 0.0)
+        if c.pp == 1 or self.pipeline_buffer_bytes <= 0:
+            return peak
+        receiving = 2 * c.virtual_stages - (rank == 0) - (rank == last_rank)
+        return peak + c.num_microbatches * receiving * self.pipeline_buffer_bytes
 
 
 def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
@@ -171,7 +191,10 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
                                   optimizer=cfg.optimizer)
     # As the executor holds gradients (autopar.cost.zero): ZeRO-1's whole fp32 accumulator, DDP's buckets.
     uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1  # else FSDP2 replicate
-    state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
+    if cluster.main_grad_bytes and cfg.zero in (0, 1):  # the software's own whole gradient buffer
+        state = replace(state, grads=float(cluster.main_grad_bytes))
+    else:
+        state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
     tokens_bytes = graph.block_input_bytes * cfg.micro_batch * s_ratio  # one rank's block input, full width
     tp_link, cp_link, dpcp_link = (axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp"))
 
@@ -227,10 +250,14 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         transient += 3 * block_params * d  # gathered params of this and the prefetched block + unsharded grads
         if expert is not None:  # issue 15
             transient -= transient_ep_saving
-    if cfg.recompute == "full":
-        transient += graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind).saved_bytes
-    elif cfg.recompute == "selective":
-        transient += graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind).core_saved_bytes
+    widths = layer_widths(graph) if cluster.activation_memory == "megatron" else None
+    if widths is None:
+        transient += _recompute_working(graph, cluster, cfg, shape, core_shape)
+    else:  # Megatron-Core + TE keep their own activations (cost/megatron_memory.py)
+        mega = megatron_activations(widths, cfg, cfg.dtype_bytes, cfg.recompute)
+        transient += mega.block_working
+        block, pre = evolve(block, act_bytes=mega.block), evolve(pre, act_bytes=mega.pre)
+        post = evolve(post, act_bytes=mega.post, peak_bytes=mega.post_peak)
     edge_tp = cfg.tp if graph.params["pre"].tp_sharded and not replicated else 1
     tied = graph.tied_params / edge_tp if cfg.pp > 1 else 0.0
     model_params = graph.num_blocks * block.params + pre.params + post.params  # a rank's share at pp = 1
@@ -256,9 +283,38 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         framework_s_per_param=framework,
         transient_bytes=transient,
         tied_params=tied,
-        reserve_bytes=cluster.framework_reserve_bytes,
+        reserve_bytes=reserve_bytes(cluster, cfg, tokens_bytes),
         capacity_bytes=cluster.memory_bytes,
+        pipeline_buffer_bytes=tokens_bytes if cfg.pp > 1 and cluster.pipeline_buffers_per_microbatch else 0.0,
     )
+
+
+def _recompute_working(graph: ModelGraph, cluster: Cluster, cfg: Config, shape: Shape, core_shape: Shape) -> float:
+    """What recompute re-materialises while a block's backward runs: the whole block (full) or its
+    attention core (selective), as the model file saves them."""
+    if cfg.recompute not in ("full", "selective"):
+        return 0.0
+    rt = graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind)
+    return rt.saved_bytes if cfg.recompute == "full" else rt.core_saved_bytes
+
+
+# Transformer Engine's userbuffers for TP communication overlap: one buffer of the full local
+# sequence x hidden per overlapped GEMM pass (qkv, proj, fc1, fc2; forward and data-gradient),
+# allocated once by initialize_ub (transformer_engine/pytorch/module/base.py).
+USERBUFFERS = 8
+
+
+def communicator_axes(cfg: Config) -> int:
+    """NCCL communicators a rank of ``cfg`` uses: one per parallel axis of more than one rank (the
+    tensor, context, data x context (gradients, ZeRO), pipeline and expert groups)."""
+    return sum(n > 1 for n in (cfg.tp, cfg.cp, cfg.dp * cfg.cp, cfg.pp, cfg.ep))
+
+
+def reserve_bytes(cluster: Cluster, cfg: Config, tokens_bytes: float) -> float:
+    """Device memory no tensor of the step holds (cluster.py): the fixed per-process part, each NCCL
+    communicator's buffers, and TE's userbuffers where TP communication overlaps its GEMMs."""
+    userbuffers = USERBUFFERS * tokens_bytes if cluster.tp_comm_overlap and cfg.tp > 1 else 0.0
+    return cluster.framework_reserve_bytes + cluster.nccl_bytes_per_group * communicator_axes(cfg) + userbuffers
 
 
 def _mixed_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:

@@ -147,12 +147,11 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             equivalent = blocks[r] * (ex.block_params - ex.dense_params)
             for kind in ("params", "grads", "optimizer"):
                 memory[kind] += blocks[r] * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
-        peak = max(b.peak_bytes if blocks[r] else 0.0, pre.peak_bytes if r == 0 else 0.0,
-                   post.peak_bytes if r == chunk_rank(last, pp) else 0.0)
         memory = {
             **memory,
             "activations": activations,
-            "other": terms.transient_bytes + working[r] + peak + terms.reserve_bytes,
+            "other": terms.transient_bytes + working[r] + terms.rank_extra_bytes(r, chunk_rank(last, pp))
+            + terms.reserve_bytes,
         }
         ranks.append(RankCost(rank=r, num_blocks=blocks[r], time_s=time[r], backward_s=bwd[r], tail_s=tail,
                               params=params[r], memory_bytes=memory))

@@ -74,6 +74,7 @@ class FitOp:
     bytes_exps: Exps
     dims: tuple[int, int, int, int] | None
     dims_exps: tuple[Exps, Exps, Exps, Exps] | None
+    name: str = ""  # the aten op (e.g. native_dropout: a memory model counts its masks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +167,7 @@ def fit_region(
             phase=op.phase, kind=op.kind,
             flops=op.flops, flops_exps=_exps(op.flops, pick("b", "flops"), pick("s", "flops"), pick("t", "flops")),
             bytes=op.bytes, bytes_exps=_exps(op.bytes, pick("b", "bytes"), pick("s", "bytes"), pick("t", "bytes")),
-            dims=op.dims, dims_exps=dims_exps,
+            dims=op.dims, dims_exps=dims_exps, name=op.name,
         ))
     saved = _fit_saved(region, base, b2, s_half, t2)
     comm = _fit_comm(region, base, b2, s_half, t2)

@@ -580,7 +580,7 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, inflight: S
     for r in range(pp):
         per_block = math.ceil(sigma * t.block.params + inflight[r] * block_act_bytes)
         fixed_p = (t.pre.params if r == 0 else 0.0) + (t.post.params + tied_params if r == last_rank else 0.0)
-        fixed = sigma * fixed_p + other_bytes
+        fixed = sigma * fixed_p + other_bytes + t.rank_extra_bytes(r, last_rank)
         if r == 0:
             fixed += inflight[r] * t.pre.act_bytes
         if r == last_rank:

@@ -130,7 +130,8 @@ class MixedSplitILP:
     def _room(self, r: int) -> int:
         """Capacity less everything that does not depend on the counts (rounded down)."""
         t, base = self.terms, self.base
-        fixed = t.state_bytes_per_param * base._fixed_params(r) + t.transient_bytes + t.reserve_bytes
+        fixed = (t.state_bytes_per_param * base._fixed_params(r) + t.transient_bytes + t.reserve_bytes
+                 + t.rank_extra_bytes(r, base.last_rank))
         if r == 0:
             fixed += t.inflight(r) * t.pre.act_bytes
         if r == base.last_rank:
