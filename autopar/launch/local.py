@@ -55,7 +55,7 @@ _PR_SET_PDEATHSIG = 1
 class LocalJob:
     """``nproc`` ranks of ``python <argv...>`` on this host."""
 
-    argv: tuple[str, ...]  # after the interpreter, e.g. ("-m", "autopar.executor.cli_run", "plan.yaml", ...)
+    argv: tuple[str, ...]  # after the interpreter, e.g. ("-m", "autopar", "run", "plan.yaml", ...)
     nproc: int
     max_restarts: int = 0
     env: Mapping[str, str] = field(default_factory=dict)

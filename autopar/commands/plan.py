@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autopar.cliargs import int_list, positive_int
+from autopar.commands.args import int_list, positive_int
 from autopar.errors import AutoparError
 from autopar.plan import CP_KINDS, DTYPES, OFFLOAD_LABELS, OPTIMIZERS
 from autopar.search.space import SEARCH_RECOMPUTE_MODES

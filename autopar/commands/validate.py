@@ -97,7 +97,7 @@ def predict(plan_path: str, model: str, cluster: str | None, profile: str | None
     run's conditions against the measured profile (ClusterError on a hard mismatch; the warnings
     printed when ``warn``)."""
     from autopar.cluster import load_cluster_and_profile
-    from autopar.executor.cli_run import read_prediction
+    from autopar.executor.run_report import read_prediction
     from autopar.plan import load_plan
     from autopar.profile_conditions import price_for_run
 
