@@ -1,14 +1,15 @@
 """autopar's command line: parses argv, hands the arguments to the command's module and turns what
-it raises into an exit code and one line on stderr.
+it raises into an exit code and one line on stderr (``run_command``, the only place that does).
 
 Each command is a module ``autopar/commands/<verb>.py`` (``COMMANDS``) that prints its own output; below them,
 library code prints only where a user must see it as it happens: warnings on stderr, the log of
 ``autopar run``'s rank 0 and of the local launcher (launch/local.py).
 
-Exit codes: 0 success; 2 bad input, including a request no plan can meet ("no plan fits ...": a
-one-line ``autopar: error: ...`` on stderr, nothing written); 4 a rank died or a collective hung during ``autopar run``
-(autopar.executor.faults, autopar.launch.local); 128 + signal when interrupted (130 SIGINT, 143 SIGTERM);
-1 an internal error (a bug: please report it). The whole contract: docs/reliability.md.
+Exit codes (autopar.errors): 0 success; 2 bad input, including a request no plan can meet ("no plan
+fits ...": a one-line ``autopar: error: ...`` on stderr, nothing written); 4 a rank died or a
+collective hung during ``autopar run`` (autopar.executor.faults, autopar.launch.local); 128 + signal
+when interrupted (130 SIGINT, 143 SIGTERM); 1 an internal error (a bug: please report it). The whole
+contract: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from autopar.commands import estimate, explain, launch, plan, profile, profiles, run, validate
-from autopar.errors import AutoparError
+from autopar.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, AutoparError
 from autopar.version import __version__
-
-EXIT_OK, EXIT_USAGE = 0, 2  # 1 is Python's own for an uncaught error; 4 is the executor's (faults.py)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,14 +77,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure(hard_exit=True)  # a model-file call that ignores its time limit ends the process (usercode.py)
+    return run_command(args.func, args)
+
+
+def run_command(command: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
+    """``command(args)``'s exit code: what it returns, else the exit code of what it raised, with
+    one line on stderr (an ``AutoparError``'s own code; Ctrl-C 130; a closed stdout pipe, as in
+    ``autopar plan ... | head``, 0). Anything else escapes: a bug, Python's traceback and exit 1."""
     try:
-        return int(args.func(args) or 0)
+        return int(command(args) or 0)
     except AutoparError as exc:
         print(f"autopar: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         return EXIT_OK
 
