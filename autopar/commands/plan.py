@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel degrees (mixture-of-experts models; ep divides the experts and dp x cp)")
     g.add_argument("--offload", type=choice_list(OFFLOAD_LABELS, {"off": "none", "all": "params+activations"}),
                    metavar="none|optimizer|params|activations|optimizer+activations|params+activations",
-                   help="host-memory offload modes (issue 14; default: all, used only where a plan needs it): "
+                   help="host-memory offload modes (default: all, used only where a plan needs it): "
                         "optimizer = Adam states on the host, step on the CPU; params = FSDP2 CPU offload of "
                         "params, grads and optimizer (zero 3); activations = saved activations on the host "
                         "(recompute none)")

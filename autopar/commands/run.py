@@ -161,11 +161,11 @@ def main(args: argparse.Namespace) -> int:
     options = validate_args(args)
     configure(timeout_s=args.timeout)  # the model file's import, build_model and example_inputs too
     plan = load_plan(args.plan)
-    if plan.parallel.ep > 1 and args.checkpoint_dir is not None:  # issue 15: DCP would take ep-sharded experts for replicas
+    if plan.parallel.ep > 1 and args.checkpoint_dir is not None:  # DCP would take ep-sharded experts for replicas
         raise AutoparError("checkpoints of expert-parallel plans (ep > 1) are not supported yet; "
                            "run without --checkpoint-dir or plan with ep = 1")
     if plan.parallel.offload.optimizer and not plan.parallel.offload.params and args.checkpoint_dir is not None:
-        # issue 14: HostOptimizer's states belong to its host masters, not to the model's parameters
+        # Host offload: HostOptimizer's states belong to its host masters, not to the model's parameters
         raise AutoparError("checkpoints of plans with optimizer-only offload are not supported yet; "
                            "run without --checkpoint-dir or offload params too (zero 3)")
     model = _model_path(args, Path(args.plan), plan.model.file)
