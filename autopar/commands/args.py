@@ -40,4 +40,4 @@ def check_moe_imbalance(value: float) -> None:
 
 def warn(message: str) -> None:
     """A warning, one line on stderr (``autopar.api``'s ``warn``, as the commands print it)."""
-    print(f"autopar: warning: {message}", file=sys.stderr)
+    print(f"autopar: warning: {message}", file=sys.stderr, flush=True)
