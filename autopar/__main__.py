@@ -1,3 +1,3 @@
-from autopar.cli import exit_process, main
+from autopar.commands.main import exit_process, main
 
 exit_process(main())

@@ -1,17 +1,29 @@
-"""The error family autopar raises for user mistakes.
+"""The error family autopar raises for user mistakes, and the exit codes of every command.
 
 Every user-facing failure is an ``AutoparError`` whose message is one line that says what is wrong
-and what to change. The CLI prints it as ``autopar: error: <message>`` and exits with code 2;
-anything else escaping is a bug in autopar, not in the user's input.
+and what to change. The CLI prints it as ``autopar: error: <message>`` and exits with the error's
+``exit_code`` (autopar/commands/main.py, the one place errors become exit codes); anything else
+escaping is a bug in autopar, not in the user's input.
+
+The exit codes are a contract (docs/reliability.md, "The failure contract"), defined here once.
 """
 
 from __future__ import annotations
+
+import signal
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1  # an internal error, a bug: Python's own code for an uncaught exception
+EXIT_USAGE = 2  # bad input, including a request no plan can meet
+EXIT_FAULT = 4  # a rank died or a collective hung (autopar run, validate, profile --comm)
+EXIT_SIGNAL = 128  # interrupted by a signal: 128 + its number (130 SIGINT, 143 SIGTERM)
+EXIT_INTERRUPTED = EXIT_SIGNAL + signal.SIGINT  # Ctrl-C
 
 
 class AutoparError(ValueError):
     """A user error: bad input, an impossible request, or a model that cannot be planned."""
 
-    exit_code: int = 2
+    exit_code: int = EXIT_USAGE
 
     def __init__(self, message: str) -> None:
         # One line only: multi-line messages break the "one-line error" promise of the CLI.

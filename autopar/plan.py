@@ -104,7 +104,7 @@ OFFLOAD_KINDS = ("optimizer", "params", "grads", "activations")
 
 @dataclass(frozen=True, kw_only=True)
 class Offload:
-    """``parallel.offload`` (issue 14): what lives in host memory instead of on the GPU.
+    """``parallel.offload`` (host offload): what lives in host memory instead of on the GPU.
 
     Two executed forms (autopar/executor/offload.py) and activations beside either:
     optimizer only -- fp32 master and optimizer states on the host, the update on the CPU
@@ -189,14 +189,14 @@ class Parallel:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     stages: tuple[tuple[int, int], ...] | None = None
-    # issue 15 (expert parallelism): experts sharded over ep ranks drawn from the dp x cp ranks
+    # Expert parallelism: experts sharded over ep ranks drawn from the dp x cp ranks
     # (ep innermost); optional, 1 = every rank holds every expert. Written only when > 1.
     ep: int = 1
-    # issue 14 (per-stage recompute): per pipeline rank, blocks under each of RECOMPUTE_MODES, as
+    # Per-stage recompute: per pipeline rank, blocks under each of RECOMPUTE_MODES, as
     # (none, selective, full) counts; overrides ``recompute`` for that rank. None = ``recompute``
     # everywhere (written only when present). Which blocks get which mode: ``Plan.block_recompute``.
     recompute_blocks: tuple[tuple[int, int, int], ...] | None = None
-    # issue 14: what lives in host memory (Offload); written only when something is offloaded.
+    # Host offload: what lives in host memory (Offload); written only when something is offloaded.
     offload: Offload = NO_OFFLOAD
 
     def __post_init__(self) -> None:
@@ -228,10 +228,10 @@ class Parallel:
                 f"parallel.pp_virtual_stages must be 1 for {self.pp_schedule}; "
                 "only interleaved-1f1b has virtual stages"
             )
-        if (self.dp * self.cp) % self.ep:  # issue 15: ep ranks are drawn from the dp x cp ranks
+        if (self.dp * self.cp) % self.ep:  # expert parallelism: ep ranks are drawn from the dp x cp ranks
             raise PlanError(f"parallel.ep = {self.ep} does not divide dp x cp = {self.dp * self.cp}; "
                             "pick an ep that divides it")
-        if self.recompute_blocks is not None:  # issue 14
+        if self.recompute_blocks is not None:  # per-stage recompute
             object.__setattr__(self, "recompute_blocks", _normalise_recompute_blocks(self.recompute_blocks, self.pp))
         recompute = self.recompute if self.recompute_blocks is None else "mixed"
         reason = offload_reason(self.offload, zero=self.zero, recompute=recompute, ep=self.ep)
@@ -376,7 +376,7 @@ class Plan:
                 f"parallel.stages must end at block {self.model.num_blocks} (model.num_blocks), "
                 f"got {par.stages[-1][1]}"
             )
-        if par.recompute_blocks is not None:  # issue 14: each rank's counts cover its blocks
+        if par.recompute_blocks is not None:  # per-stage recompute: each rank's counts cover its blocks
             for r, (counts, n) in enumerate(zip(par.recompute_blocks, self.rank_blocks())):
                 if sum(counts) != n:
                     raise PlanError(
@@ -390,7 +390,7 @@ class Plan:
         return tuple(sum(sizes[r::self.parallel.pp]) for r in range(self.parallel.pp))
 
     def block_recompute(self) -> tuple[str, ...]:
-        """The recompute mode of every block, by block index (issue 14). Without
+        """The recompute mode of every block, by block index (per-stage recompute). Without
         ``recompute_blocks`` every block has ``parallel.recompute``. With it, each pipeline rank's
         blocks in execution order (its chunks in chunk order, each chunk's blocks ascending -- that
         is, ascending block index) take ``full`` first, then ``selective``, then ``none``: the cost
@@ -480,13 +480,13 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     par["stages"] = [list(r) for r in plan.stage_ranges()] if plan.parallel.stages is not None else None
     if par["stages"] is None:
         del par["stages"]
-    if par["ep"] == 1:  # issue 15: dense plans are written exactly as before ep existed
+    if par["ep"] == 1:  # expert parallelism: dense plans are written exactly as before ep existed
         del par["ep"]
-    if plan.parallel.recompute_blocks is None:  # issue 14: written only when present
+    if plan.parallel.recompute_blocks is None:  # per-stage recompute: written only when present
         del par["recompute_blocks"]
     else:
         par["recompute_blocks"] = [dict(zip(RECOMPUTE_MODES, counts)) for counts in plan.parallel.recompute_blocks]
-    if plan.parallel.offload.any:  # issue 14: written only when something is offloaded
+    if plan.parallel.offload.any:  # host offload: written only when something is offloaded
         par["offload"] = dataclasses.asdict(plan.parallel.offload)
     else:
         del par["offload"]

@@ -54,19 +54,19 @@ def seconds(s: float) -> str:
 def plan_summary(plan: Plan) -> str:
     """One line: the parallel layout of a plan."""
     p, t = plan.parallel, plan.training
-    parts = [f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}" + (f" ep={p.ep}" if p.ep > 1 else "")]  # ep: issue 15
+    parts = [f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}" + (f" ep={p.ep}" if p.ep > 1 else "")]  # expert parallelism
     if p.cp > 1:
         parts.append(f"cp {p.cp_kind}")
     if p.tp > 1:
         parts.append("sp on" if p.sequence_parallel else "sp off")
     parts.append(f"zero {p.zero}")
-    if p.recompute_blocks is not None:  # issue 14: per-stage counts (explain's stage table has each)
+    if p.recompute_blocks is not None:  # per-stage recompute: the counts (explain's stage table has each)
         totals = [sum(c) for c in zip(*p.recompute_blocks)]
         parts.append("recompute per stage (" + ", ".join(
             f"{m} {k}" for m, k in zip(("none", "selective", "full"), totals) if k) + " blocks)")
     else:
         parts.append(f"recompute {p.recompute}")
-    if p.offload.any:  # issue 14
+    if p.offload.any:  # host offload
         parts.append(f"offload {p.offload.label}")
     if p.pp > 1:
         parts.append(p.pp_schedule + (f" v={p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""))

@@ -30,11 +30,10 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from autopar.errors import AutoparError, ModelFileError
+from autopar.errors import EXIT_USAGE, AutoparError, ModelFileError
 
 DEFAULT_TIMEOUT_S = 300.0
 BACKSTOP_S = 10.0
-EXIT_USAGE = 2
 
 
 class _Settings:

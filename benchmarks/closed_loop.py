@@ -19,8 +19,8 @@ also times the profile's contention reference (the model's one-block forward+bac
 on its N ranks at once after training (autopar.profiler.drift):
 the shared machine's drift since profiling is printed, and ``err now`` is the step-time error
 against the prediction at the machine's speed of that round, beside ``err``. ``plan`` writes its best plan;
-plans #2 and #3 of the same search are written with the API the command uses (autopar.search.driver.search_plans, priced by
-autopar.profile_conditions as the command prices them) and validated with the same command line.
+plans #2 and #3 of the same search are written with the API the command calls (autopar.api.plan_search) and
+validated with the same command line.
 The prediction compared is the one each plan file carries (validate without --profile).
 
 **project** (issue 5): the project's own GPT, set up the way the benchmark knows to.
@@ -216,20 +216,14 @@ def user_plans(work: Path, n: int, top: int) -> list[Path]:
         if "warning" in line:
             print(f"  plan said: {line}")
     sys.path.insert(0, str(ROOT))
-    from autopar.cluster import load_cluster_and_profile
+    from autopar import api
     from autopar.plan import save_plan
-    from autopar.profile_conditions import RunConditions, default_dtype, price_for_run, ranks_on_host
-    from autopar.search.driver import search_plans
 
     cwd = os.getcwd()
     os.chdir(work)  # the plans record prof.yaml as the user's command does
     try:
-        cluster = load_cluster_and_profile(None, "prof.yaml", "a100-80g")
-        dtype = default_dtype(cluster)
-        priced = price_for_run(cluster, RunConditions(dtype=dtype, ranks_on_host=ranks_on_host(
-            cluster, n, cluster.gpus_per_node)), profile_label="prof.yaml").cluster
-        found = search_plans("model.py", gpus=n, cluster=priced, cluster_ref="prof.yaml", global_batch=GLOBAL_BATCH,
-                             dtype=dtype, top_k=top)
+        found = api.plan_search("model.py", n, profile="prof.yaml", global_batch=GLOBAL_BATCH, top=top,
+                                warn=lambda line: None)  # the command printed them above
         from autopar.executor.run_report import read_prediction
         from autopar.plan import load_plan
 

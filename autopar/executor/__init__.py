@@ -25,6 +25,8 @@ tracing.py             ``--trace``: measured torch.profiler trace (Chrome format
 rank_main.py           what each rank does: init, build, resume, train with hooks, report
 run_options.py         ``RunOptions``: the validated options of one run, handed to every rank
 run_report.py          the run's JSON report and measured-vs-predicted table
-cli_run.py             ``autopar run`` arguments and their validation, torchrun re-launch
 =====================  ==========================================================================
+
+``autopar run``'s arguments, their validation and the re-launch are the command's
+(autopar/commands/run.py).
 """

@@ -35,9 +35,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
 
-from autopar.errors import AutoparError
-
-EXIT_FAULT = 4
+from autopar.errors import EXIT_FAULT, AutoparError
 
 
 class CollectiveFailure(AutoparError):

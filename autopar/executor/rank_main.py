@@ -1,4 +1,4 @@
-"""What every rank of ``autopar run`` does once the arguments are validated (cli_run.py).
+"""What every rank of ``autopar run`` does once the arguments are validated (commands/run.py).
 
 init_process_group (flight recorder on) -> mesh -> executable -> per-group timeouts -> resume
 (``--resume``, or automatically after a torchrun restart) -> train with checkpoint / trace / fault
@@ -37,7 +37,7 @@ def resume_decision(checkpoint_dir: str | None, resume: bool, warn=None, gather=
     """``--resume`` or a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest
     *intact* checkpoint in ``checkpoint_dir`` (integrity.choose: damaged newer ones are skipped with
     a warning; none intact is a one-line error); ``--resume`` without any checkpoint is an error
-    (found before launch by cli_run). ``gather``/``share``/``of``: the ranks share the hashing."""
+    (found before launch by commands/run.py). ``gather``/``share``/``of``: the ranks share the hashing."""
     from autopar.executor.checkpoint import CheckpointError
     from autopar.executor.faults import first_attempt
     from autopar.executor.integrity import choose
@@ -107,7 +107,7 @@ def _die_with(line: str, code: int) -> None:
 
 def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: int) -> int:  # noqa: ANN001
     """Run ``plan`` on this rank (module docstring); 0 on success. ``plan``, ``mf`` (the model file)
-    and ``spec`` (its model spec) come checked from cli_run's preflight; ``warnings`` are printed by rank 0."""
+    and ``spec`` (its model spec) come checked from the run command's preflight; ``warnings`` are printed by rank 0."""
     import torch
     import torch.distributed as dist
 

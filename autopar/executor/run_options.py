@@ -1,4 +1,4 @@
-"""What ``autopar run`` asks of every rank: the options ``cli_run`` validated, as one frozen value.
+"""What ``autopar run`` asks of every rank: the options ``autopar run`` validated (commands/run.py), as one frozen value.
 
 ``rank_main.run_rank`` receives this, not the argparse namespace, so the executor's entry point has
 a typed contract (the launcher, a test or a notebook can build one without a parser). The checks
@@ -52,7 +52,7 @@ class RunOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunOptions:
-        """The options of ``autopar run``'s parsed arguments (cli_run.add_arguments)."""
+        """The options of ``autopar run``'s parsed arguments (commands/run.add_arguments)."""
         return cls(plan_path=args.plan, steps=args.steps, lr=args.lr, seed=args.seed,
                    timeout_s=args.timeout, report_path=args.report, checkpoint_dir=args.checkpoint_dir,
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,

@@ -40,7 +40,7 @@ class Explanation:
     terms: StageTerms
     mesh: tuple[AxisSummary, ...]
     volume: tuple[StageVolume, ...]
-    # issue 15: the blocks' experts (None: dense) and the plan priced at several imbalance factors
+    # Expert parallelism: the blocks' experts (None: dense) and the plan priced at several imbalance factors
     moe: MoEFacts | None = None
     imbalance: float = 1.0
     imbalance_effect: tuple[tuple[float, Estimate], ...] = ()
@@ -56,7 +56,7 @@ def explain_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, moe_imbalance:
     est = estimate_plan(plan, graph, cluster, moe_imbalance)
     terms = build_terms(graph, cluster, config_from_plan(plan, moe_imbalance))
     effect: tuple[tuple[float, Estimate], ...] = ()
-    if graph.moe is not None and plan.parallel.ep > 1:  # issue 15: what routing imbalance would cost
+    if graph.moe is not None and plan.parallel.ep > 1:  # expert parallelism: what routing imbalance would cost
         factors = sorted({1.0, 1.1, 1.25, 1.5, float(moe_imbalance)})
         effect = tuple((f, est if f == moe_imbalance else estimate_plan(plan, graph, cluster, f)) for f in factors)
     return Explanation(plan=plan, model_name=graph.name, num_params=graph.num_params, cluster=cluster,
@@ -92,8 +92,8 @@ def format_explanation(ex: Explanation, *, max_groups: int = 4) -> str:
         "",
     ]
     out += _comm_section(ex)
-    out += _moe_section(ex)  # issue 15
-    out += _offload_section(ex)  # issue 14
+    out += _moe_section(ex)  # expert parallelism
+    out += _offload_section(ex)  # host offload
     out += ["", "== time per step ==", _time_table(est)]
     return "\n".join(out)
 
@@ -173,7 +173,7 @@ def _stage_table(ex: Explanation) -> str:
     par = plan.parallel
     ranges = plan.stage_ranges()
     times = chunk_times(terms, [e - s for s, e in ranges], chunk_modes(plan))
-    modes = chunk_modes(plan)  # issue 14: each chunk's recompute counts, in the "also" column
+    modes = chunk_modes(plan)  # per-stage recompute: each chunk's recompute counts, in the "also" column
     stride = par.dp * par.cp * par.tp
     gpn = plan.cluster.gpus_per_node
     rows: list[tuple] = []
@@ -235,7 +235,7 @@ def _comm_section(ex: Explanation) -> list[str]:
     lines += ["", "sent per GPU per step, by stage and axis:"]
     axes = [a for a in ("tp", "cp", "dp_cp", "pp", "ep", "edp") if any(a in v.by_axis() for v in ex.volume)]
     links = {a.axis: a.link for a in ex.mesh}
-    links.update({i.axis: i.link for v in ex.volume for i in v.items if i.axis not in links})  # ep, edp (issue 15)
+    links.update({i.axis: i.link for v in ex.volume for i in v.items if i.axis not in links})  # ep, edp (expert parallelism)
     shown = [None if r < 0 else ex.volume[r] for r in elided(len(ex.volume), keep=(busiest.rank,))]
     rows = [("...", *("" for _ in axes), "") if v is None else
             (v.rank, *(_human_bytes(v.by_axis().get(a, 0.0)) for a in axes), _human_bytes(v.sent_bytes_per_step))

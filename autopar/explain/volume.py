@@ -12,8 +12,8 @@ Calls per step on one rank of pipeline rank r, and the message (full, unsharded 
     TP   (tp > 1)  per block message q recorded while tracing (Megatron: 2 forward, 2 backward, each X):
                    no SP: all-reduce q            fwd n_r·M calls, bwd n_r·M calls
                    SP:    all-gather q + reduce-scatter q instead of each all-reduce
-                   full recompute repeats the forward collectives (n_r·M more; a per-stage mix,
-                   issue 14: its full blocks' count instead of n_r)
+                   full recompute repeats the forward collectives (n_r·M more; a per-stage recompute mix:
+                   its full blocks' count instead of n_r)
                    vocab-parallel embedding: all-reduce X in forward (first stage), head: all-reduce X
                    in backward (last stage), M calls each
     CP   (cp > 1)  ring: P2P of KV, (n-1) per block forward and 2(n-1) backward (K,V then dK,dV)
@@ -116,7 +116,7 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
     terms = terms or build_terms(graph, cluster, cfg)
     layout = Layout.of(cfg)
     links = {axis: axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp", "pp")}
-    expert = terms.expert  # issue 15: experts over the ep group, their gradients over edp
+    expert = terms.expert  # expert parallelism: experts over the ep group, their gradients over edp
     if expert is not None:
         from autopar.cost.comm import group_link
 
@@ -135,7 +135,7 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
     for r in range(cfg.pp):
         local = [c for c in range(len(chunks)) if chunk_rank(c, cfg.pp) == r]
         blocks = sum(chunks[c] for c in local)
-        # Blocks whose forward runs again in backward (full recompute; issue 14: a mix's full count).
+        # Blocks whose forward runs again in backward (full recompute; a per-stage mix: its full count).
         rerun = blocks if cfg.recompute == "full" else 0
         if plan.parallel.recompute_blocks is not None:
             rerun = plan.parallel.recompute_blocks[r][2]
@@ -151,7 +151,7 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
 
         _tp_items(add, graph, cfg, shape, blocks * m, x, terms, 0 in local, last in local, m, rerun * m)
         _cp_items(add, graph, cfg, blocks * m, x, rerun * m)
-        if expert is not None:  # issue 15: dense parameters over dp x cp, experts over edp, tokens over ep
+        if expert is not None:  # expert parallelism: dense parameters over dp x cp, experts over edp, tokens over ep
             params -= blocks * (expert.block_params - expert.dense_params)
             _dp_items(add, cfg, blocks * expert.expert_params * cfg.dtype_bytes, m, axis="edp", label="experts: ")
             a2a_calls = (blocks + rerun) * m * 2

@@ -124,7 +124,7 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         tp_source=spec.tp.describe(), tp_styles=dict(tp_plan or {}),
         regions=regions, params=params, tied_params=tied,
         block_input_bytes=base.block_input_bytes,
-        build_seconds=time.perf_counter() - start, moe=_moe_facts(spec.moe),  # issue 15
+        build_seconds=time.perf_counter() - start, moe=_moe_facts(spec.moe),  # expert parallelism
     )
 
 

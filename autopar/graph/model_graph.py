@@ -36,7 +36,7 @@ class RegionParams:
 
     count: int
     tp_sharded: int
-    # Parameter tensors (issue 18): FSDP2 and DTensor cost CPU time per tensor, not per byte
+    # Parameter tensors (framework time of measured profiles): FSDP2 and DTensor cost CPU time per tensor, not per byte
     # (autopar.cost.framework). 0: not counted (chain models), then nothing is priced per tensor.
     tensors: int = 0
 
@@ -65,7 +65,7 @@ class ChainUnit:
 
 @dataclass(frozen=True, kw_only=True)
 class MoEFacts:
-    """What the cost model needs of a block's mixture of experts (issue 15; a torch-free copy of
+    """What the cost model needs of a block's mixture of experts (expert parallelism; a torch-free copy of
     autopar.spec.moe.MoESpec's numbers, so a cached graph loads without torch)."""
 
     num_experts: int
@@ -124,7 +124,7 @@ class ModelGraph:
     # regions["block"] / params["block"] describe unit 0 only; the cost model reads the units
     # (cost/chain.py). Empty: the blocks repeat.
     chain: tuple[ChainUnit, ...] = ()
-    # issue 15: the blocks' mixture of experts (from autopar.spec.moe), None when dense; the cost
+    # Expert parallelism: the blocks' mixture of experts (from autopar.spec.moe), None when dense; the cost
     # model prices expert parallelism from it (autopar.cost.expert)
     moe: MoEFacts | None = None
 

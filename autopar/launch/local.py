@@ -44,7 +44,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, Sequence
 
-EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_FAULT = 0, 1, 2, 4
+from autopar.errors import EXIT_FAULT, EXIT_INTERNAL, EXIT_OK, EXIT_SIGNAL, EXIT_USAGE
+
 REPORT_GRACE_S = 3.0  # after the first failure: time the other ranks get to exit with their own line
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
 ERROR_PREFIX = "autopar: error: "
@@ -55,7 +56,7 @@ _PR_SET_PDEATHSIG = 1
 class LocalJob:
     """``nproc`` ranks of ``python <argv...>`` on this host."""
 
-    argv: tuple[str, ...]  # after the interpreter, e.g. ("-m", "autopar.executor.cli_run", "plan.yaml", ...)
+    argv: tuple[str, ...]  # after the interpreter, e.g. ("-m", "autopar", "run", "plan.yaml", ...)
     nproc: int
     max_restarts: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
@@ -303,7 +304,7 @@ def run_local(job: LocalJob) -> int:
                 name = signal.Signals(result).name
                 print(f"{ERROR_PREFIX}interrupted by {name}: stopped all {job.nproc} ranks; completed checkpoints "
                       "are kept (resume with --resume)", file=sys.stderr, flush=True)
-                return 128 + result
+                return EXIT_SIGNAL + result
             if result.code == EXIT_FAULT and attempt < job.max_restarts:
                 attempt += 1
                 print(f"autopar: warning: {result.line}; restarting the job (restart {attempt} of "

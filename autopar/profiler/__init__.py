@@ -5,8 +5,8 @@
   compute slows down with their number (the contention curve).
 * ``comm``    -- collectives over message sizes on N ranks, fitted to latency + bandwidth.
 * ``profile_file`` -- the profile YAML: read, derive its cluster sections, write.
-* ``cli_profile`` / ``cli_comm`` / ``cli_validate`` -- ``autopar profile [--comm]`` and
-  ``autopar validate``.
+* the commands that drive them, ``autopar profile [--comm]`` and ``autopar validate``, are
+  autopar/commands/profile.py, profile_comm.py and validate.py.
 
 The data these write -- frozen dataclasses, YAML (de)serialisation, interpolation -- is planner
 data and lives beside the cluster profiles: ``autopar.profile_tables``; the check of a run against

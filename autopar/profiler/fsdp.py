@@ -1,5 +1,5 @@
 """FSDP2's and DTensor's time per parameter tensor beyond their collectives, on the launched ranks
-(issue 18; priced by autopar.cost.framework). Collective calls: every rank must make them.
+(measured profiles' framework time; priced by autopar.cost.framework). Collective calls: every rank must make them.
 
 A reference model of ``UNITS`` units (each ``LAYERS_PER_UNIT`` linear layers with bias: two tensors
 a layer) plus a root layer is trained for a few steps twice on the same ranks: plain (no data

@@ -1,6 +1,6 @@
 """The profile file of ``autopar profile``: read it, derive its cluster sections, write it.
 
-Shared by the layer profiler (``cli_profile``) and the collective profiler (``cli_comm``), so
+Shared by the layer profiler (``commands/profile``) and the collective profiler (``commands/profile_comm``), so
 neither imports the other's command. ``device_info`` is the ``measured.device`` mapping: the
 conditions the measurements hold for (autopar.profile_tables.MeasuredConditions), checked against
 each run by autopar.profile_conditions.

@@ -24,7 +24,7 @@ class Candidate:
     ilp_objective_s: float
     ilp_bound_s: float
     split_method: str = "direct"  # which exact solver gave the split: enumeration, parametric, cp-sat
-    # issue 14: per pipeline rank (none, selective, full) block counts of a "mixed" config, else None
+    # Per-stage recompute: per pipeline rank (none, selective, full) block counts of a "mixed" config, else None
     recompute_blocks: tuple[tuple[int, int, int], ...] | None = None
 
     @property
@@ -44,7 +44,7 @@ class SearchResult:
     min_memory_bytes: float  # smallest peak memory of any costed plan (for "nothing fits" advice)
     min_memory_config: Config | None = None
     capacity_bytes: float = 0.0
-    num_mixes_refined: int = 0  # issue 14: top single-mode plans solved again as recompute mixes
+    num_mixes_refined: int = 0  # per-stage recompute: top single-mode plans solved again as recompute mixes
 
 
 @dataclass

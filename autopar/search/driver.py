@@ -28,8 +28,8 @@ CONSTRAINTS: dict[str, str] = {
     "dp": "dp_degrees", "tp": "tp_degrees", "pp": "pp_degrees", "cp": "cp_degrees", "zero": "zero_stages",
     "recompute": "recompute_modes", "schedule": "schedules", "micro_batch": "micro_batches",
     "cp_kind": "cp_kinds", "sp": "sequence_parallel", "virtual_stages": "virtual_stages",
-    "ep": "ep_degrees",  # issue 15
-    "offload": "offload_modes",  # issue 14
+    "ep": "ep_degrees",  # expert parallelism
+    "offload": "offload_modes",  # host offload
 }
 
 
@@ -128,7 +128,7 @@ def search_plans(
     if not result.top:
         if result.num_configs == 0:
             raise AutoparError(_no_config_message(space, fixed, result))
-        from autopar.search.offload_need import needed_text  # issue 14: with offload, the host memory too
+        from autopar.search.offload_need import needed_text  # with host offload, the host memory too
 
         raise InfeasibleError(
             f"no plan fits {cluster.memory_bytes / 2**30:,.1f} GiB per GPU on {gpus} GPUs: the smallest plan needs "

@@ -22,7 +22,7 @@ of rank r:
                 sigma P_r + I_r (alpha N_r + a_r) + other <= capacity   for all r   (memory)
                 sum_{r on node} G (h_s P_r + I_r h_a N_r) <= H        for every node  (host memory)
 
-The host family exists only with offload (issue 14): h_s model-state bytes per parameter and h_a
+The host family exists only with host offload: h_s model-state bytes per parameter and h_a
 activation bytes per block kept on the host, G GPUs of each pipeline rank on the node, H its host
 memory (``cost.host.host_family``). A node holding one pipeline rank's GPUs makes it a cap on N_r
 like the memory family; a node holding k consecutive ranks makes it one row over the k. Every
@@ -512,7 +512,7 @@ class SplitILP:
             self.model.Add(self.N[r] <= cap)
 
     def _add_host_constraints(self) -> None:
-        """sum_{r on node} a_r N_r <= room per node group (issue 17; one-rank groups are in ``caps``)."""
+        """sum_{r on node} a_r N_r <= room per node group (host offload; one-rank groups are in ``caps``)."""
         for ranks, coeffs, room in self.host_rows:
             self.model.Add(sum(a * self.N[r] for r, a in zip(ranks, coeffs)) <= room)
 

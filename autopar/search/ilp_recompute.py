@@ -1,4 +1,4 @@
-r"""The split program with a per-rank recompute mix (issue 14; DESIGN §3b): blocks per rank and mode.
+r"""The split program with a per-rank recompute mix (per-stage recompute; docs/design.md §6): blocks per rank and mode.
 
 The terms of a "mixed" config (``cost.stage.build_terms``) price one block under each recompute
 mode m in {none, selective, full}: tau_m (forward+backward time of one micro-batch), beta_m (its
@@ -441,7 +441,7 @@ class MixedSplitILP:
             self.model.Add(sum(self.mem_coeff[r][m] * x for m, x in row.items()) + w_r <= self.room[r])
 
     def _add_host_constraints(self) -> None:
-        """The nodes' host memory (issue 17): N_r <= its one-rank cap, and each several-rank row."""
+        """The nodes' host memory (host offload): N_r <= its one-rank cap, and each several-rank row."""
         if self.host_caps is not None:
             for n_r, cap in zip(self.N, self.host_caps):
                 self.model.Add(n_r <= cap)

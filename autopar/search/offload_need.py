@@ -1,4 +1,4 @@
-"""What the "no plan fits" message says about offload (issue 14): the memory the smallest plan
+"""What the "no plan fits" message says about host offload: the memory the smallest plan
 needs without offload, and with it the host memory per node a plan that fits the GPUs would need
 (or, if none fits the GPUs even with offload, the smallest such plan's GPU and host memory).
 

@@ -35,9 +35,9 @@ def candidate_plan(cand: Candidate, mf: Any, cluster_name: str, gpus_per_node: i
         parallel=Parallel(dp=c.dp, tp=c.tp, pp=c.pp, cp=c.cp, cp_kind=c.cp_kind,
                           sequence_parallel=c.sequence_parallel, zero=c.zero, recompute=_plan_recompute(cand),
                           pp_schedule=c.schedule, pp_virtual_stages=c.virtual_stages,
-                          stages=tuple(ranges) if c.pp > 1 else None, ep=c.ep,  # ep: issue 15
-                          recompute_blocks=cand.recompute_blocks,  # issue 14
-                          offload=c.offload),  # issue 14 (offload)
+                          stages=tuple(ranges) if c.pp > 1 else None, ep=c.ep,  # expert parallelism
+                          recompute_blocks=cand.recompute_blocks,  # per-stage recompute
+                          offload=c.offload),  # host offload
     )
     prediction = estimate_json(cand.estimate)
     prediction.pop("stages", None)
@@ -49,7 +49,7 @@ def candidate_plan(cand: Candidate, mf: Any, cluster_name: str, gpus_per_node: i
 
 
 def _plan_recompute(cand: Candidate) -> str:
-    """``parallel.recompute`` of the plan: a mix (issue 14) writes its most frugal mode used, so a
+    """``parallel.recompute`` of the plan: a per-stage recompute mix writes its most frugal mode used, so a
     reader that ignores ``recompute_blocks`` still errs on the side of memory."""
     if cand.recompute_blocks is None:
         return cand.config.recompute
@@ -58,7 +58,7 @@ def _plan_recompute(cand: Candidate) -> str:
 
 
 def recompute_text(cand: Candidate) -> str:
-    """The table's recompute column: the mode, or a mix's block counts (issue 14)."""
+    """The table's recompute column: the mode, or a per-stage mix's block counts."""
     if cand.recompute_blocks is None:
         return cand.config.recompute
     totals = [sum(c) for c in zip(*cand.recompute_blocks)]
@@ -122,11 +122,11 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
     headers = ["#", "dp", "tp", "pp", "cp", "cp kind", "sp", "zero", "mb", "schedule", "blocks/rank", "recompute",
                "step s", "tokens/s", "MFU %", "peak GiB", "headroom"]
     align = "rrrrrllrrlllrrrrr"
-    if graph.moe is not None:  # issue 15: an ep column for mixture-of-experts models (after cp)
+    if graph.moe is not None:  # expert parallelism: an ep column for mixture-of-experts models (after cp)
         headers.insert(5, "ep")
         rows = [r[:5] + (cand.config.ep,) + r[5:] for r, cand in zip(rows, result.top)]
         align = align[:5] + "r" + align[5:]
-    if any(cand.config.offload.any for cand in result.top):  # issue 14: an offload column (after recompute)
+    if any(cand.config.offload.any for cand in result.top):  # host offload: an offload column (after recompute)
         at = headers.index("recompute") + 1
         headers.insert(at, "offload")
         rows = [r[:at] + (cand.config.offload.label,) + r[at:] for r, cand in zip(rows, result.top)]

@@ -18,7 +18,7 @@
    CP-SAT, whose proven optimum is the split reported (the two agree: they solve the same integer
    program; the better of the two is kept should CP-SAT stop at its time limit). CP-SAT used to
    run for every surviving config: 188 solves of ~50 ms for Llama-3 70B at 4,096 GPUs.
-5. A "mixed" recompute config (issue 14) is solved by its own program (``search.ilp_recompute``:
+5. A "mixed" recompute config (per-stage recompute) is solved by its own program (``search.ilp_recompute``:
    blocks per rank and recompute mode). Its bounds are the "none" block's (the fastest) and the
    most frugal mode's memory, so they stay true lower bounds. On request (``--recompute mixed``)
    every config's mix is costed; by default each of the top K single-mode plans is solved again as
@@ -82,14 +82,14 @@ def search(
         # branch's largest v gives the least.
         lb = max(flop_lb_s, _balanced_lb_of(base, graph.num_blocks, branch.pp, max(v for _, v in branch.schedules),
                                             branch.num_microbatches))
-        # Two memory bounds (issue 14): without offload (the first pass) and with the most frugal
+        # Two memory bounds (host offload): without offload (the first pass) and with the most frugal
         # offload the branch allows (the second), so the first pass prunes as it did before offload.
         mem_plain = _memory_lb(graph, base, branch)
         mem_off = _memory_lb(graph, base, branch, True) if cluster.has_host else mem_plain
         bounded.append((lb, mem_plain, mem_off, branch))
     bounded.sort(key=lambda x: x[0])
 
-    if not cluster.has_host and any(m != "none" for m in space.offload_modes):  # issue 14: said once
+    if not cluster.has_host and any(m != "none" for m in space.offload_modes):  # host offload: said once
         rejected[f"offload: profile {cluster.name} gives no host: section"] += 1
     selective_saves = any(q.exps.quadratic for q in graph.regions["block"].saved)
     top = TopK(top_k)
@@ -182,7 +182,7 @@ def search(
                 if cfg is not None:
                     terms = evolve(terms0, config=cfg)
                     if host_lower_bound(terms, graph.num_blocks, cluster.gpus_per_node) > \
-                            cluster.host_memory_bytes_per_node:  # issue 14: no split can fit the host
+                            cluster.host_memory_bytes_per_node:  # host offload: no split can fit the host
                         rejected["memory: host memory per node"] += 1
                         continue
                 # The schedule's own block capacities, read from the shared terms: most schedules
@@ -236,7 +236,7 @@ def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch, has_host: bo
                zero: int | None = None, offload: Offload | None = None) -> float:
     """A lower bound on the peak memory of any config of ``branch``: the average rank's model
     states (under its most sharded ZeRO stage) and one micro-batch of activations (every rank
-    keeps at least one in flight), plus the framework reserve. ``has_host`` (issue 14): offload is
+    keeps at least one in flight), plus the framework reserve. ``has_host`` (host offload): offload is
     searched, so the bound takes what the most frugal offload mode of the branch leaves on the GPU;
     ``zero`` and ``offload`` given: the bound of that ZeRO stage and offload mode only."""
     from autopar.cost.memory import state_bytes_per_param
@@ -251,7 +251,7 @@ def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch, has_host: bo
         offs: Sequence[Offload] = (offload,)
     else:
         offs = [o for z in branch.zero_stages for o in branch.offloads(z)] if has_host else ()
-    if any(o.params for o in offs):  # issue 14 (offload): the most any offload mode leaves on the GPU
+    if any(o.params for o in offs):  # host offload: the most any offload mode leaves on the GPU
         best = 0.0
     elif any(o.optimizer for o in offs):
         best -= state.optimizer
@@ -286,7 +286,7 @@ def _balanced_lb_of(terms: StageTerms, num_blocks: int, pp: int, v: int, m: int)
 
 
 _PRUNED = "pruned"  # _solve's answer when a memory-aware bound shows the config cannot make the top K
-_HOST_FULL = "host"  # _solve's answer when the split fits the GPUs but not the nodes' host memory (issue 14)
+_HOST_FULL = "host"  # _solve's answer when the split fits the GPUs but not the nodes' host memory (host offload)
 
 
 def _within(a: Offload, b: Offload) -> bool:
@@ -315,7 +315,7 @@ def _upper_capacity(base: StageTerms, branch: Branch, zero: int, off: Offload, s
 
 
 def _least_block_act(base: StageTerms, graph: ModelGraph) -> float:
-    """The activations a block of ``base``'s branch keeps at the least: a mix (issue 14) keeps at
+    """The activations a block of ``base``'s branch keeps at the least: a per-stage recompute mix keeps at
     least its most frugal mode's."""
     if base.recompute_parts is None:
         return base.block.act_bytes
@@ -381,7 +381,7 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
     """The best candidate for this config, None if no split fits memory, or _PRUNED (``caps``:
     its ``rank_block_capacity`` when already known)."""
     cfg = terms.config
-    if cfg.recompute == "mixed":  # issue 14
+    if cfg.recompute == "mixed":  # per-stage recompute
         return _solve_mixed(terms, graph, cluster, model_flops, tokens, time_limit_s, threshold_s)
     if cfg.pp == 1:
         est = evaluate_with_host(terms, [graph.num_blocks], model_flops, tokens, cluster)
@@ -406,7 +406,7 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
     if sol.chunk_blocks is None:
         return None
     est = evaluate_with_host(terms, list(sol.chunk_blocks), model_flops, tokens, cluster)
-    if not est.fits:  # issue 14: the ILP's split overflows host memory (checked here, not in the ILP)
+    if not est.fits:  # host offload: the ILP's split overflows host memory (checked here, not in the ILP)
         return _HOST_FULL
     if sol.method == "parametric" and est.step_time_s >= threshold_s:
         return _PRUNED
@@ -444,7 +444,7 @@ def _solve_mixed(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_f
         return None
     est = evaluate_with_host(terms, list(sol.chunk_blocks), model_flops, tokens, cluster,
                              recompute_blocks=sol.recompute_blocks)
-    if not est.fits:  # issue 14 (offload): the split overflows host memory
+    if not est.fits:  # host offload: the split overflows host memory
         return _HOST_FULL
     return Candidate(config=cfg, chunk_blocks=sol.chunk_blocks, estimate=est, ilp_status=sol.status,
                      ilp_objective_s=sol.objective_s, ilp_bound_s=sol.bound_s, split_method=sol.method,
@@ -504,7 +504,7 @@ def _confirm_with_cp_sat(cand: Candidate, graph: ModelGraph, cluster: Cluster, m
 
 
 def _frugal_offload(space: SearchSpace, cfg: Config, cluster: Cluster) -> Offload:
-    """The offload mode allowed for ``cfg`` that leaves the least on the GPU (issue 14)."""
+    """The offload mode allowed for ``cfg`` that leaves the least on the GPU (host offload)."""
     from autopar.plan import offload_reason
 
     if not cluster.has_host:
@@ -521,7 +521,7 @@ def smallest_memory(graph: ModelGraph, cluster: Cluster, space: SearchSpace) -> 
     ZeRO, full recompute where allowed, smallest micro-batch, 1F1B, even split): what the
     "nothing fits" advice quotes."""
     zero = max(space.zero_stages)
-    if "mixed" in space.recompute_modes:  # issue 14: a mix is at its most frugal all one mode
+    if "mixed" in space.recompute_modes:  # per-stage recompute: a mix is at its most frugal all one mode
         space = replace(space, recompute_modes=tuple(m for m in space.recompute_modes if m != "mixed")
                         + tuple(m for m in mix_modes(graph)[-1:] if m not in space.recompute_modes))
     rc = "full" if "full" in space.recompute_modes else space.recompute_modes[-1]

@@ -5,8 +5,8 @@ A configuration is legal when dp * tp * pp * cp = N, tp stays inside a node and 
 divides the heads), pp * v <= blocks, the global batch divides into dp * micro-batch, and the
 schedule's micro-batch rules hold (interleaved: M a multiple of pp; 1F1B/interleaved: M >= pp).
 The degree rules are autopar/layout.py's (the same ones the plan file, the estimate and the
-executor's preflight apply). Expert parallelism (issue 15): ep divides the experts and dp * cp (at
-any tp and pp). Offload (issue 14, ``offload_modes``: labels of autopar.plan.Offload) is
+executor's preflight apply). Expert parallelism: ep divides the experts and dp * cp (at
+any tp and pp). Host offload (``offload_modes``: labels of autopar.plan.Offload) is
 searched per ZeRO stage where ``autopar.plan.offload_reason`` allows it (params offload at ZeRO-3,
 activation offload without recompute, not with ep > 1 or a layer chain). Each illegal combination is
 counted under the reason it was rejected.
@@ -24,7 +24,7 @@ from autopar.graph.model_graph import ModelGraph
 from autopar.layout import cp_seq_reason, executed_zero, ring_balance_reason, tp_node_reason
 from autopar.plan import CP_KINDS, OFFLOAD_LABELS, RECOMPUTE_MODES, Offload, offload_reason
 
-# issue 14: "mixed" is a per-rank mix of the modes, the split program choosing the counts
+# Per-stage recompute: "mixed" is a per-rank mix of the modes, the split program choosing the counts
 # (search.ilp_recompute); searched on request (``plan --recompute mixed``), not by default.
 SEARCH_RECOMPUTE_MODES = (*RECOMPUTE_MODES, "mixed")
 
@@ -53,14 +53,14 @@ class SearchSpace:
     cp_degrees: tuple[int, ...] | None = None
     sequence_parallel: tuple[bool, ...] = (False, True)
     virtual_stages: tuple[int, ...] | None = None
-    # issue 15 (expert parallelism): the ep degrees allowed (None = any legal one) and the busiest
+    # Expert parallelism: the ep degrees allowed (None = any legal one) and the busiest
     # ep rank's expert load over the mean that prices them (autopar.cost.expert)
     ep_degrees: tuple[int, ...] | None = None
     moe_imbalance: float = 1.0
-    # issue 14: solve each of the top K single-mode plans again as a per-rank recompute mix
+    # Per-stage recompute: solve each of the top K single-mode plans again as a per-rank recompute mix
     # (search.search._refine_with_mixes); only where recompute_modes allows every mode it mixes
     refine_recompute_mix: bool = True
-    # issue 14: the offload modes allowed (labels of autopar.plan.Offload; "none" = no offload)
+    # Host offload: the offload modes allowed (labels of autopar.plan.Offload; "none" = no offload)
     offload_modes: tuple[str, ...] = OFFLOAD_LABELS
 
     def __post_init__(self) -> None:
@@ -119,8 +119,8 @@ class Branch:
     schedules: tuple[tuple[str, int], ...]
     zero_stages: tuple[int, ...]
     space: SearchSpace
-    ep: int = 1  # issue 15
-    chain: bool = False  # issue 14: a layer-chain model, planned without offload
+    ep: int = 1  # expert parallelism
+    chain: bool = False  # a layer-chain model, planned without host offload
 
     def offloads(self, zero: int) -> tuple[Offload, ...]:
         """Issue 14: the offload modes legal at ``zero`` in this branch, no offload first."""
@@ -212,7 +212,7 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
                     schedules = tuple(_schedules(space, pp, L, m, rejected))
                     if not schedules:
                         continue
-                    eps = _ep_degrees(graph, space, tp, pp, dp * cp, rejected)  # issue 15
+                    eps = _ep_degrees(graph, space, tp, pp, dp * cp, rejected)  # expert parallelism
                     for kind in kinds:
                         for sp in (space.sequence_parallel if tp > 1 and not graph.supports("sp") else (False,)):
                             for rc in recompute_modes:

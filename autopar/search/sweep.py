@@ -60,7 +60,7 @@ def plan_text(found: PlanSearch) -> str:
     parts = [f"dp{c.dp}", f"tp{c.tp}", f"pp{c.pp}"]
     if c.cp > 1:
         parts.append(f"cp{c.cp} {c.cp_kind}")
-    if c.ep > 1:  # issue 15
+    if c.ep > 1:  # expert parallelism
         parts.append(f"ep{c.ep}")
     if c.tp > 1 and c.sequence_parallel:
         parts.append("sp")

@@ -156,8 +156,8 @@ def leave_rank() -> None:
     interpreter's teardown: there a native thread of the distributed stack (left by FSDP2's and the
     functional collectives' async work) is now and then destroyed while still joinable -- "terminate
     called without an active exception", SIGABRT, about 1 spawn in 10 of the comm profile here -- and
-    mp.spawn fails a rank that had succeeded (as ``autopar.cli.exit_process`` does under torchrun)."""
-    from autopar.cli import leave_process
+    mp.spawn fails a rank that had succeeded (as ``autopar.commands.main.exit_process`` does under torchrun)."""
+    from autopar.commands.main import leave_process
 
     leave_process(0)
 

@@ -29,7 +29,7 @@ def _plan(tmp_path: Path) -> Path:
 
 def _torchrun(tmp_path: Path, *extra: str, restarts: int, env: dict[str, str], timeout: float = 240):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           f"--max-restarts={restarts}", "-m", "autopar.executor.cli_run", str(_plan(tmp_path)),
+           f"--max-restarts={restarts}", "-m", "autopar", "run", str(_plan(tmp_path)),
            "--steps", str(STEPS), "--seed", str(SEED), *extra]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     t0 = time.perf_counter()

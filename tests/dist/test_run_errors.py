@@ -14,7 +14,7 @@ from harness import MODELS, Case
 
 from autopar.errors import AutoparError
 from autopar.executor.checks import preflight
-from autopar.executor.cli_run import add_run_arguments, run_main
+from autopar.commands.run import add_arguments, main as run_main
 from autopar.modelfile import load_model_file
 from autopar.plan import plan_from_dict, save_plan
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    add_run_arguments(p)
+    add_arguments(p)
     return p.parse_args(list(argv))
 
 
@@ -105,7 +105,7 @@ def test_impossible_parallelism_is_one_line_error(model: str, parallel: dict, ne
 def test_torchrun_with_wrong_world_size_exits_without_hang(tmp_path: Path) -> None:
     plan = _save(Case(name="dp4", model="gpt", parallel={"dp": 4}), tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "autopar.executor.cli_run", str(plan)]
+           "-m", "autopar", "run", str(plan)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "autopar: error: the plan needs 4 processes" in proc.stderr
@@ -123,7 +123,7 @@ def test_run_cli_relaunches_and_matches_reference(tmp_path: Path) -> None:
     path = tmp_path / "plan.yaml"
     path.write_text(json.dumps(d))  # JSON is YAML
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "autopar.executor.cli_run", str(path), "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "autopar", "run", str(path), "--nproc-per-node", "2",
            "--steps", "2", "--seed", "7", "--report", str(report)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from autopar.profiler.cli_validate import MAX_AUTO_STEPS, MIN_AUTO_STEPS, auto_steps
+from autopar.commands.validate import MAX_AUTO_STEPS, MIN_AUTO_STEPS, auto_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 ZOO = ROOT / "examples" / "zoo" / "odd_names_decoder.py"

@@ -33,7 +33,7 @@ def test_plan_module_and_function_coexist() -> None:
 
 
 def test_fresh_interpreter_sees_callables_without_heavy_imports(repo) -> None:
-    code = ("import sys, autopar; from autopar.plan import Plan; import autopar.explain.cli_explain; "
+    code = ("import sys, autopar; from autopar.plan import Plan; import autopar.commands.main; "
             "assert callable(autopar.plan) and callable(autopar.explain); print('torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

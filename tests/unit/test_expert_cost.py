@@ -228,7 +228,7 @@ def test_search_offers_ep_where_legal_and_records_it() -> None:
 
 
 def test_plan_cli_ep_constraint_and_imbalance(tmp_path, capsys) -> None:
-    from autopar.cli import main
+    from autopar.commands.main import main
 
     out = tmp_path / "p.yaml"
     assert main(["plan", str(TORCH_MOE), "--gpus", "8", "--ep", "4", "--moe-imbalance", "1.2", "-o", str(out),
@@ -245,7 +245,7 @@ def test_plan_cli_ep_constraint_and_imbalance(tmp_path, capsys) -> None:
 def test_estimate_cli_prices_the_imbalance_it_is_given(tmp_path, capsys) -> None:
     import json
 
-    from autopar.cli import main
+    from autopar.commands.main import main
 
     plan = tmp_path / "ep.yaml"
     plan.write_text(dump_plan(_plan(ep=4)))
@@ -319,7 +319,7 @@ def test_run_preflight_refuses_ep_on_a_dense_model() -> None:
 
 
 def test_run_refuses_checkpoints_of_ep_plans(tmp_path, capsys) -> None:
-    from autopar.cli import main
+    from autopar.commands.main import main
 
     data = copy.deepcopy(BASE)
     data["cluster"]["num_gpus"], data["parallel"] = 2, {"dp": 2, "tp": 1, "pp": 1, "ep": 2}

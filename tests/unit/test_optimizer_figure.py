@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from autopar.commands.profile import _param_shapes
 from autopar.modelfile import load_model_file
 from autopar.profiler import kernels
-from autopar.profiler.cli_profile import _param_shapes
 
 ZOO = Path(__file__).resolve().parents[2] / "examples" / "zoo" / "odd_names_decoder.py"
 

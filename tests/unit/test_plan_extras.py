@@ -32,7 +32,7 @@ def _best_plan(gpus: int = 8):
 
 
 def test_estimate_ranks_the_best_plan_first_and_a_poor_one_below(tmp_path, cache_home, capsys) -> None:
-    from autopar.cli import main
+    from autopar.commands.main import main
     from autopar.plan import Parallel, save_plan
 
     found = _best_plan()
@@ -110,7 +110,7 @@ def test_first_loss_of_a_next_token_model_is_ln_vocab() -> None:
 def test_validate_says_when_the_machine_was_loaded() -> None:
     import os
 
-    from autopar.profiler.cli_validate import machine_load
+    from autopar.commands.validate import machine_load
 
     cores = os.cpu_count() or 1
     idle = machine_load(2.0, 2.1, world=2, device_type="cpu")

@@ -111,8 +111,8 @@ def test_shipped_profiles_still_load_and_a_measured_layer_overrides(a100) -> Non
 
 
 def test_layer_profile_schema_and_written_profile_loads(tmp_path) -> None:
+    from autopar.commands.profile import main
     from autopar.modelfile import load_model_file
-    from autopar.profiler.cli_profile import main
 
     torch.set_num_threads(1)
     out = tmp_path / "cpu-test.yaml"
@@ -156,7 +156,7 @@ def test_layer_profile_schema_and_written_profile_loads(tmp_path) -> None:
 
 def _estimate(tmp_path, profile: dict | None, capsys, model: str = "examples/gpt_small.py", cp: int = 1,
               recompute: str = "none", tp: int = 1) -> dict:
-    from autopar.cli import main
+    from autopar.commands.main import main
 
     plan = {"version": 1, "model": {"file": model, "num_blocks": 8},
             "cluster": {"profile": "a100-80g", "num_gpus": cp * tp, "gpus_per_node": 8},

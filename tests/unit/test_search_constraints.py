@@ -142,7 +142,7 @@ def test_sweep_row_equals_the_single_point_plan() -> None:
 
 
 def test_sweep_cli_prints_one_table_and_writes_each_plan(tmp_path, monkeypatch) -> None:
-    from autopar.cli import main
+    from autopar.commands.main import main
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     rc = main(["plan", str(gpt_model_path(SMALL)), "--gpus", "4,8", "--global-batch", "16,32", "--quiet",

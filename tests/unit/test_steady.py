@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
+from autopar.commands.validate import MAX_AUTO_STEPS, MIN_AUTO_STEPS, auto_steps
 from autopar.executor.steady import steady_state
-from autopar.profiler.cli_validate import MAX_AUTO_STEPS, MIN_AUTO_STEPS, auto_steps
 
 
 def test_a_slow_start_over_several_steps_is_left_out() -> None:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autopar.cliargs import int_list, positive_int
+from autopar.commands.args import check_moe_imbalance, int_list, positive_int, warn
 from autopar.errors import AutoparError
 from autopar.plan import CP_KINDS, DTYPES, OFFLOAD_LABELS, OPTIMIZERS
 from autopar.search.space import SEARCH_RECOMPUTE_MODES
@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel degrees (mixture-of-experts models; ep divides the experts and dp x cp)")
     g.add_argument("--offload", type=choice_list(OFFLOAD_LABELS, {"off": "none", "all": "params+activations"}),
                    metavar="none|optimizer|params|activations|optimizer+activations|params+activations",
-                   help="host-memory offload modes (issue 14; default: all, used only where a plan needs it): "
+                   help="host-memory offload modes (default: all, used only where a plan needs it): "
                         "optimizer = Adam states on the host, step on the CPU; params = FSDP2 CPU offload of "
                         "params, grads and optimizer (zero 3); activations = saved activations on the host "
                         "(recompute none)")
@@ -121,21 +121,13 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from autopar.cluster import load_cluster_and_profile
+    from autopar import api
     from autopar.outputs import check_output_dir, check_output_file
-    from autopar.search.driver import search_plans
     from autopar.usercode import configure
 
     configure(timeout_s=args.timeout)
-    if not 1.0 <= args.moe_imbalance <= 64.0:  # issue 15
-        raise AutoparError(f"--moe-imbalance must be in [1, 64] (1 = balanced routing), got {args.moe_imbalance}")
-    from autopar.profile_conditions import default_dtype
-
-    cluster = load_cluster_and_profile(args.cluster, args.profile, "a100-80g")
-    dtype = args.dtype or default_dtype(cluster)
-    profile_ref = args.cluster or (args.profile if args.profile else "a100-80g")
-    cluster_ref = cluster.name if not Path(profile_ref).suffix else profile_ref
-    gpus_per_node, top = args.gpus_per_node, args.top
+    check_moe_imbalance(args.moe_imbalance)
+    cluster = api.choose_cluster(args.cluster, args.profile)  # loaded once, priced for each point
     constraints = constraints_of(args)
     batches, seqs = args.global_batch or (None,), args.seq_len or (None,)
     sweep = len(args.gpus) * len(batches) * len(seqs) > 1
@@ -162,20 +154,15 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"\rsearching: {done}/{total} branches, {elapsed:.1f} s", end=end, file=sys.stderr, flush=True)
 
     def plan_point(n: int, batch: int | None, seq: int | None):  # noqa: ANN202
-        priced = _priced(cluster, n, gpus_per_node, dtype, args)
-        if batch is None and is_cpu_profile(cluster):
-            batch = CPU_SAMPLES_PER_RANK * n
-        return search_plans(
-            args.model, gpus=n, cluster=priced, cluster_ref=cluster_ref, gpus_per_node=gpus_per_node,
-            global_batch=batch, micro_batches=(1, 2, 4, 8), seq_len=seq, dtype=dtype,
-            optimizer=args.optimizer, top_k=top, constraints=constraints, progress=progress,
-            use_cache=not args.no_cache, knobs={"moe_imbalance": args.moe_imbalance},  # issue 15
-        )
+        return api.plan_search(args.model, n, cluster, gpus_per_node=args.gpus_per_node, global_batch=batch,
+                               seq_len=seq, dtype=args.dtype, optimizer=args.optimizer, top=args.top,
+                               moe_imbalance=args.moe_imbalance, constraints=constraints, progress=progress,
+                               use_cache=not args.no_cache, warn=warn)
 
     if not sweep:
         found = plan_point(args.gpus[0], batches[0], seqs[0])
         if found.warning:
-            print(f"autopar: warning: {found.warning}", file=sys.stderr)
+            warn(found.warning)
         from autopar.search.result import result_report
 
         print(result_report(found.result, list(found.plans), found.graph, found.cluster, found.space, found.fixed))
@@ -183,31 +170,6 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"\nbest plan written to {output}")
         return 0
     return _sweep(args, plan_point, batches, seqs, plotting)
-
-
-# A CPU profile's default global batch: 8 samples per rank -- seconds a step for the small models a
-# CPU trains, so that `autopar validate` of the plan finishes in about a minute (4M tokens, the GPU
-# default, took a CPU validate twelve minutes).
-CPU_SAMPLES_PER_RANK = 8
-
-
-def is_cpu_profile(cluster: Any) -> bool:
-    from autopar.profile_conditions import is_cpu_profile as cpu
-
-    return cpu(cluster)
-
-
-def _priced(cluster: Any, n: int, gpus_per_node: int | None, dtype: str, args: argparse.Namespace) -> Any:
-    """``cluster`` priced for ``n`` ranks in ``dtype`` (autopar.profile_conditions): a one-line error
-    for a dtype the profile was not measured in, a warning line for each soft difference."""
-    from autopar.profile_conditions import RunConditions, price_for_run, ranks_on_host
-
-    ranks = ranks_on_host(cluster, n, gpus_per_node or cluster.gpus_per_node)
-    priced = price_for_run(cluster, RunConditions(dtype=dtype, ranks_on_host=ranks),
-                           profile_label=args.profile or args.cluster or "a100-80g", model_label=args.model)
-    for w in priced.warnings:
-        print(f"autopar: warning: {w}", file=sys.stderr)
-    return priced.cluster
 
 
 def _save(plan: Any, output: Path) -> None:

@@ -1,28 +1,27 @@
 """autopar's command line: parses argv, hands the arguments to the command's module and turns what
-it raises into an exit code and one line on stderr.
+it raises into an exit code and one line on stderr (``run_command``, the only place that does).
 
-Each command is a ``cli_<verb>.py`` module (``COMMANDS``) that prints its own output; below them,
+Each command is a module ``autopar/commands/<verb>.py`` (``COMMANDS``) that prints its own output; below them,
 library code prints only where a user must see it as it happens: warnings on stderr, the log of
 ``autopar run``'s rank 0 and of the local launcher (launch/local.py).
 
-Exit codes: 0 success; 2 bad input, including a request no plan can meet ("no plan fits ...": a
-one-line ``autopar: error: ...`` on stderr, nothing written); 4 a rank died or a collective hung during ``autopar run``
-(autopar.executor.faults, autopar.launch.local); 128 + signal when interrupted (130 SIGINT, 143 SIGTERM);
-1 an internal error (a bug: please report it). The whole contract: docs/reliability.md.
+Exit codes (autopar.errors): 0 success; 2 bad input, including a request no plan can meet ("no plan
+fits ...": a one-line ``autopar: error: ...`` on stderr, nothing written); 4 a rank died or a
+collective hung during ``autopar run`` (autopar.executor.faults, autopar.launch.local); 128 + signal
+when interrupted (130 SIGINT, 143 SIGTERM); 1 an internal error (a bug: please report it). The whole
+contract: docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
-from autopar.errors import AutoparError
+from autopar.commands import estimate, explain, launch, plan, profile, profiles, run, validate
+from autopar.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, AutoparError
 from autopar.version import __version__
-
-EXIT_OK, EXIT_USAGE = 0, 2  # 1 is Python's own for an uncaught error; 4 is the executor's (faults.py)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,27 +31,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-# Every command: (name, module, help, description). A command is one module, ``cli_<verb>.py`` in
-# the package it drives, with ``add_arguments(parser)`` and ``main(args) -> exit code``; its
-# module is imported when the parser is built, its heavy imports only inside ``main``.
+# Every command: (name, module, help, description). A command is one module of this package, with
+# ``add_arguments(parser)`` and ``main(args) -> exit code``; its module is imported with this one
+# (statically, so the import checks see the top of the house), its heavy imports only inside ``main``.
 COMMANDS = (
-    ("estimate", "autopar.cli_estimate", "predict step time, MFU and memory of a plan",
+    ("estimate", estimate, "predict step time, MFU and memory of a plan",
      "Predict the step time, tokens/s, MFU and per-GPU memory of PLAN for MODEL. "
      "PLAN.yaml MODEL.py (the order of run, validate and explain) is accepted too."),
-    ("profiles", "autopar.cli_profiles", "list the cluster profiles with their key figures",
+    ("profiles", profiles, "list the cluster profiles with their key figures",
      "List shipped and local cluster profiles (./profiles, $AUTOPAR_PROFILES)."),
-    ("plan", "autopar.search.cli_plan", "search the fastest plan that fits memory",
+    ("plan", plan, "search the fastest plan that fits memory",
      "Search (branch and bound, exact stage-split ILP) for the fastest plan of MODEL on N GPUs and write it "
      "as plan YAML v1; lists in --gpus/--global-batch/--seq-len sweep, --tp/--pp/... constrain."),
-    ("run", "autopar.executor.cli_run", "train with a plan (torch.distributed)",
+    ("run", run, "train with a plan (torch.distributed)",
      "Apply PLAN to the model and train for a few steps; report measured vs predicted."),
-    ("profile", "autopar.profiler.cli_profile", "measure per-layer compute/memory or collectives",
+    ("profile", profile, "measure per-layer compute/memory or collectives",
      "Measure per-layer times and memory on the local device, or collectives under torchrun (--comm)."),
-    ("validate", "autopar.profiler.cli_validate", "run a plan briefly and compare with its prediction",
+    ("validate", validate, "run a plan briefly and compare with its prediction",
      "Run PLAN for a few steps and print predicted vs measured step time and peak memory per rank."),
-    ("explain", "autopar.explain.cli_explain", "show a plan's mesh, stages, memory and communication",
+    ("explain", explain, "show a plan's mesh, stages, memory and communication",
      "Explain PLAN: rank groups per mesh axis, layers per stage, memory and communication per step."),
-    ("launch", "autopar.launch.cli", "print the torchrun lines or an sbatch script for a plan",
+    ("launch", launch, "print the torchrun lines or an sbatch script for a plan",
      "Print the per-node torchrun command lines (or a Slurm sbatch script) that run PLAN."),
 )
 
@@ -65,8 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for name, module_name, help_text, description in COMMANDS:
-        module = importlib.import_module(module_name)
+    for name, module, help_text, description in COMMANDS:
         p = sub.add_parser(name, help=help_text, description=description)
         module.add_arguments(p)
         p.set_defaults(func=module.main)
@@ -79,14 +77,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure(hard_exit=True)  # a model-file call that ignores its time limit ends the process (usercode.py)
+    return run_command(args.func, args)
+
+
+def run_command(command: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
+    """``command(args)``'s exit code: what it returns, else the exit code of what it raised, with
+    one line on stderr (an ``AutoparError``'s own code; Ctrl-C 130; a closed stdout pipe, as in
+    ``autopar plan ... | head``, 0). Anything else escapes: a bug, Python's traceback and exit 1."""
     try:
-        return int(args.func(args) or 0)
+        return int(command(args) or 0)
     except AutoparError as exc:
         print(f"autopar: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         return EXIT_OK
 

@@ -4,7 +4,7 @@ Launch modes:
 
 * under ``torchrun`` (``WORLD_SIZE``/``RANK`` set): every rank runs the plan;
 * ``--nproc-per-node N`` outside torchrun: checks the plan here, then starts N ranks of
-  ``-m autopar.executor.cli_run`` with autopar's loopback launcher (launch/local.py);
+  ``python -m autopar run`` with autopar's loopback launcher (launch/local.py);
 * a 1-GPU plan with neither: runs in this process (a world of one).
 
 Checkpoints (``--checkpoint-dir``, ``--checkpoint-every``, ``--resume``), restarts
@@ -27,12 +27,11 @@ from typing import Any
 
 from autopar.errors import AutoparError
 from autopar.executor.run_options import DEFAULT_LR, DEFAULT_SEED, DEFAULT_STEPS, RunOptions
-from autopar.executor.run_report import read_prediction  # noqa: F401  (autopar validate reads the plan's prediction)
 
 _LOCKS: list[Any] = []  # checkpoint-directory locks of this process (checkpoint.lock_directory)
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", metavar="PLAN.yaml", help="plan file (YAML v1)")
     parser.add_argument("model", metavar="MODEL.py", nargs="?", help="model file (default: the plan's model.file)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
@@ -75,11 +74,11 @@ def _model_path(args: argparse.Namespace, plan_path: Path, plan_file: str) -> st
 
 
 def _relaunch(args: argparse.Namespace, model: str) -> int:
-    """Start ``--nproc-per-node`` ranks of this module with autopar's launcher (launch/local.py:
+    """Start ``--nproc-per-node`` ranks of ``autopar run`` with autopar's launcher (launch/local.py:
     loopback only, one line and exit 4 for a dead or hung rank, signals forwarded, restarts)."""
     from autopar.launch.local import LocalJob, run_local
 
-    cmd = ["-m", "autopar.executor.cli_run", args.plan, model, "--steps", str(args.steps), "--lr", repr(args.lr),
+    cmd = ["-m", "autopar", "run", args.plan, model, "--steps", str(args.steps), "--lr", repr(args.lr),
            "--seed", str(args.seed), "--timeout", repr(args.timeout)]
     for flag, value in (("--report", args.report), ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace)):
         if value is not None:
@@ -149,22 +148,24 @@ def _check_resume(args: argparse.Namespace, plan) -> list[str]:
     return warnings
 
 
-def run_main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> int:
     """Entry point of ``autopar run`` (see the module docstring). Returns the exit code."""
     from autopar.executor.checks import check_world_size, preflight
+    from autopar.launch.local import arm_parent_death_signal
     from autopar.modelcheck import check_example_inputs
     from autopar.modelfile import load_model_file
     from autopar.plan import load_plan
     from autopar.usercode import configure
 
+    arm_parent_death_signal()  # a rank of autopar's launcher dies with it (a no-op elsewhere)
     options = validate_args(args)
     configure(timeout_s=args.timeout)  # the model file's import, build_model and example_inputs too
     plan = load_plan(args.plan)
-    if plan.parallel.ep > 1 and args.checkpoint_dir is not None:  # issue 15: DCP would take ep-sharded experts for replicas
+    if plan.parallel.ep > 1 and args.checkpoint_dir is not None:  # DCP would take ep-sharded experts for replicas
         raise AutoparError("checkpoints of expert-parallel plans (ep > 1) are not supported yet; "
                            "run without --checkpoint-dir or plan with ep = 1")
     if plan.parallel.offload.optimizer and not plan.parallel.offload.params and args.checkpoint_dir is not None:
-        # issue 14: HostOptimizer's states belong to its host masters, not to the model's parameters
+        # Host offload: HostOptimizer's states belong to its host masters, not to the model's parameters
         raise AutoparError("checkpoints of plans with optimizer-only offload are not supported yet; "
                            "run without --checkpoint-dir or offload params too (zero 3)")
     model = _model_path(args, Path(args.plan), plan.model.file)
@@ -195,33 +196,3 @@ def run_main(args: argparse.Namespace) -> int:
 
     return run_rank(options, plan, mf, spec, warnings + resume_warnings, world)
 
-
-def standalone_main(argv: list[str] | None = None) -> int:
-    """Standalone entry used by the rank launcher (and usable without autopar.cli)."""
-    from autopar.launch.local import arm_parent_death_signal
-
-    arm_parent_death_signal()
-    parser = argparse.ArgumentParser(prog="autopar run")
-    add_run_arguments(parser)
-    args = parser.parse_args(argv)
-    from autopar.usercode import configure
-
-    configure(hard_exit=True)
-    try:
-        return run_main(args)
-    except AutoparError as exc:
-        print(f"autopar: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("autopar: interrupted", file=sys.stderr)
-        return 130
-
-
-# The interface autopar.cli expects of a command module.
-add_arguments = add_run_arguments
-main = run_main
-
-if __name__ == "__main__":
-    from autopar.cli import exit_process
-
-    exit_process(standalone_main())

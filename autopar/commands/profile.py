@@ -24,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from autopar.cliargs import int_list
+from autopar.commands.args import int_list
 from autopar.errors import AutoparError
 from autopar.profiler.cores import usable_cores
 
@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.comm:
-        from autopar.profiler.cli_comm import comm_main
+        from autopar.commands.profile_comm import comm_main
 
         return comm_main(args)
     if not args.model:
@@ -159,7 +159,7 @@ def _layers_main(args: argparse.Namespace) -> int:
     print(f"profile written to {out} ({sum(len(v) for v in measured['layers'].values())} layer points, "
           f"device {info['name']}, {dtype}, {info['threads']} thread(s) per rank, {load_ranks} concurrent rank(s))")
     if device.type == "cpu" and not args.no_comm and load_ranks >= 2:
-        from autopar.profiler.cli_comm import launch_comm
+        from autopar.commands.profile_comm import launch_comm
 
         log(f"measuring the collectives on {load_ranks} ranks (--no-comm to skip)")
         code = launch_comm(out, load_ranks, repeats=args.repeats, device="cpu", gpus_per_node=args.gpus_per_node)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from autopar.commands.args import check_moe_imbalance, warn
 from autopar.errors import AutoparError
 
 
@@ -28,15 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from autopar import api
-    from autopar.explain.explanation import explain_plan, format_explanation
+    from autopar.explain.explanation import format_explanation
     from autopar.explain.trace import simulate, trace_json
-    from autopar.plan import load_plan, write_text_atomic
-    from autopar.search.driver import load_graph
+    from autopar.plan import write_text_atomic
 
     if args.groups < 1:
         raise AutoparError(f"--groups must be >= 1, got {args.groups}")
-    if not 1.0 <= args.moe_imbalance <= 64.0:  # issue 15
-        raise AutoparError(f"--moe-imbalance must be in [1, 64] (1 = balanced routing), got {args.moe_imbalance}")
+    check_moe_imbalance(args.moe_imbalance)
     if args.plot:
         from autopar.explain.plot import require_matplotlib
 
@@ -44,17 +42,9 @@ def main(args: argparse.Namespace) -> int:
         from autopar.outputs import check_output_file
 
         check_output_file(args.plot, "--plot")
-    plan = load_plan(args.plan)
-    model = args.model or api.plan_model_path(plan, args.plan)
-    graph, source = load_graph(model, seq_len=plan.training.seq_len, dtype=plan.training.dtype,
-                               use_cache=not args.no_cache)
-    if plan.model.sha256 and plan.model.sha256 != source.sha256:
-        print(f"autopar: warning: {source.path} changed since the plan was made (sha256 differs)", file=sys.stderr)
-    cluster = api.cluster_for(plan, args.cluster)
-    if plan.cluster.gpus_per_node != cluster.gpus_per_node:
-        print(f"autopar: warning: plan has {plan.cluster.gpus_per_node} GPUs per node, profile {cluster.name} has "
-              f"{cluster.gpus_per_node}; links are costed with the profile's", file=sys.stderr)
-    ex = explain_plan(plan, graph, cluster, args.moe_imbalance)
+    ex = api.explanation(args.plan, args.model, args.cluster, moe_imbalance=args.moe_imbalance,
+                         use_cache=not args.no_cache, warn=warn)
+    plan = ex.plan
     print(format_explanation(ex, max_groups=args.groups))
     if args.plot:
         from autopar.explain.plot import plot_explanation

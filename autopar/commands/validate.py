@@ -47,6 +47,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from autopar.commands.args import warn as say_warning
 from autopar.errors import AutoparError
 from autopar.executor.steady import steady_state
 from autopar.launch.local import under_launcher
@@ -96,20 +97,15 @@ def predict(plan_path: str, model: str, cluster: str | None, profile: str | None
     reserve_bytes (the cluster's framework reserve, inside the predicted peak), source}. Checks the
     run's conditions against the measured profile (ClusterError on a hard mismatch; the warnings
     printed when ``warn``)."""
-    from autopar.cluster import load_cluster_and_profile
-    from autopar.executor.cli_run import read_prediction
+    from autopar import api
+    from autopar.executor.run_report import read_prediction
     from autopar.plan import load_plan
-    from autopar.profile_conditions import price_for_run
 
     plan = load_plan(plan_path)
-    c = load_cluster_and_profile(cluster, profile, plan.cluster.profile)
+    choice = api.choose_cluster(cluster, profile, plan.cluster.profile)
     run = run_conditions(plan, device_type)
-    priced = price_for_run(c, run, profile_label=profile or cluster or plan.cluster.profile, model_label=model)
-    reference = _drift_reference(c, run)
-    if warn:
-        for w in priced.warnings:
-            print(f"autopar: warning: {w}", file=sys.stderr, flush=True)
-    c = priced.cluster
+    c = api.price(choice, run, model_label=model, warn=say_warning if warn else _ignore)
+    reference = _drift_reference(choice.cluster, run)
     if cluster is None and profile is None:
         pred = read_prediction(plan_path)
         if "step_time_s" not in pred:
@@ -127,6 +123,10 @@ def predict(plan_path: str, model: str, cluster: str | None, profile: str | None
             "reserve_bytes": c.framework_reserve_bytes,
             "stage_memory_bytes": [r.peak_bytes for r in est.ranks], "source": f"estimate ({profile or cluster})",
             "reference": reference}
+
+
+def _ignore(message: str) -> None:
+    """A rank other than 0, or a rank whose launcher already printed the warnings: say nothing."""
 
 
 def _drift_reference(cluster, run) -> dict[str, Any] | None:  # noqa: ANN001

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from autopar.commands.args import check_moe_imbalance, warn
 from autopar.errors import AutoparError
 
 
@@ -30,14 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_timeout_argument(p)
 
 
-def _warn(message: str) -> None:
-    print(f"autopar: warning: {message}", file=sys.stderr)
-
-
 RANK_TOP_K = 20  # estimate ranks a hand plan among this many of the fastest searched plans
 
 
 def main(args: argparse.Namespace) -> int:
+    from autopar import api
     from autopar.cost.estimate import estimate_json
     from autopar.report import estimate_report
     from autopar.usercode import configure, stdout_to_stderr
@@ -45,56 +42,22 @@ def main(args: argparse.Namespace) -> int:
     if args.model and args.model.endswith((".yaml", ".yml")) and args.plan.endswith(".py"):
         # PLAN.yaml MODEL.py, the order of run / validate / explain: take it as meant
         args.model, args.plan = args.plan, args.model
-    if not 1.0 <= args.moe_imbalance <= 64.0:  # issue 15, as plan and explain say it
-        raise AutoparError(f"--moe-imbalance must be in [1, 64] (1 = balanced routing), got {args.moe_imbalance}")
+    check_moe_imbalance(args.moe_imbalance)
     configure(timeout_s=args.timeout)
+    options = dict(profile=args.profile, moe_imbalance=args.moe_imbalance, use_cache=not args.no_cache, warn=warn)
     if args.json:  # nothing but the JSON object on stdout, whatever the model file prints
         with stdout_to_stderr():
-            est, plan, graph, cluster, _ = _estimate(args)
-        print(json.dumps(estimate_json(est), indent=2))
+            est = api.estimation(args.model, args.plan, args.cluster, **options)
+        print(json.dumps(estimate_json(est.estimate), indent=2))
         return 0
-    est, plan, graph, cluster, model = _estimate(args)
-    print(estimate_report(plan, est, graph.name, graph.num_params, cluster.name))
-    if est.moe:
-        print(_moe_text(est.moe))
+    est = api.estimation(args.model, args.plan, args.cluster, **options)
+    print(estimate_report(est.plan, est.estimate, est.graph.name, est.graph.num_params, est.cluster.name))
+    if est.estimate.moe:
+        print(_moe_text(est.estimate.moe))
     if not args.no_rank:
         print("")
-        print(_rank_text(plan, est, model, cluster, args))
+        print(_rank_text(est, args))
     return 0
-
-
-def _estimate(args: argparse.Namespace):  # noqa: ANN202
-    """(estimate, plan, graph, cluster, model path); the graph through the cache (model code, and
-    its example_inputs check, run only on a miss: graph/cache.py)."""
-    from autopar.api import plan_model_path
-    from autopar.cluster import load_cluster_and_profile
-    from autopar.cost.compute import measured_table_warning
-    from autopar.cost.estimate import estimate_plan
-    from autopar.plan import load_plan
-    from autopar.search.driver import load_graph
-
-    plan = load_plan(args.plan)
-    cluster = load_cluster_and_profile(args.cluster, args.profile, plan.cluster.profile)
-    from autopar.profile_conditions import RunConditions, price_for_run, ranks_on_host
-
-    run = RunConditions(dtype=plan.training.dtype, ranks_on_host=ranks_on_host(
-        cluster, plan.cluster.num_gpus, plan.cluster.gpus_per_node))
-    priced = price_for_run(cluster, run, profile_label=args.profile or args.cluster or plan.cluster.profile,
-                           model_label=args.model or plan.model.file)
-    for w in priced.warnings:
-        _warn(w)
-    cluster = priced.cluster
-    if args.cluster is None and args.profile is None and plan.cluster.gpus_per_node != cluster.gpus_per_node:
-        _warn(f"plan has {plan.cluster.gpus_per_node} GPUs per node, profile {cluster.name} has {cluster.gpus_per_node}")
-    model = args.model or plan_model_path(plan, args.plan)
-    graph, source = load_graph(model, seq_len=plan.training.seq_len, dtype=plan.training.dtype,
-                               use_cache=not args.no_cache)
-    if plan.model.sha256 and plan.model.sha256 != source.sha256:
-        _warn(f"{source.path} changed since the plan was made (sha256 differs); the estimate is for the file as it is now")
-    note = measured_table_warning(graph, cluster)
-    if note:
-        _warn(note)
-    return estimate_plan(plan, graph, cluster, args.moe_imbalance), plan, graph, cluster, model
 
 
 def _moe_text(moe) -> str:  # noqa: ANN001 - estimate --json's "moe" (autopar.cost.expert.moe_summary)
@@ -107,32 +70,28 @@ def _moe_text(moe) -> str:  # noqa: ANN001 - estimate --json's "moe" (autopar.co
             f"(autopar explain: the step time at other imbalances)")
 
 
-def _rank_text(plan, est, model, cluster, args: argparse.Namespace) -> str:  # noqa: ANN001
-    """Where ``plan`` ranks among the plans ``autopar plan`` searches for the same request
+def _rank_text(est, args: argparse.Namespace) -> str:  # noqa: ANN001 - an api.Estimation
+    """Where the plan of ``est`` ranks among the plans ``autopar plan`` searches for the same request
     (GPUs, GPUs per node, global batch, sequence, dtype, optimizer) and how far it is from the best."""
+    from autopar import api
     from autopar.errors import InfeasibleError
     from autopar.search import cp_sat_process
-    from autopar.search.driver import search_plans
     from autopar.search.sweep import plan_text
 
-    t = plan.training
     try:
         with cp_sat_process.overlapped():
-            found = search_plans(model, gpus=plan.cluster.num_gpus, cluster=cluster, cluster_ref=cluster.name,
-                                 gpus_per_node=plan.cluster.gpus_per_node, global_batch=t.global_batch_size,
-                                 seq_len=t.seq_len, dtype=t.dtype, optimizer=t.optimizer, top_k=RANK_TOP_K,
-                                 use_cache=not args.no_cache, knobs={"moe_imbalance": args.moe_imbalance})
+            found = api.rank(est, top=RANK_TOP_K, use_cache=not args.no_cache)
     except InfeasibleError:
         return "ranking: no searched plan fits memory for this request either"
     except AutoparError as exc:
         return f"ranking: not available ({exc})"
     top = found.result.top
     best = top[0]
-    mine = est.step_time_s
+    mine = est.estimate.step_time_s
     faster = [c for c in top if c.step_time_s < mine * (1 - 1e-9)]
     searched = f"{found.result.num_configs:,} configurations searched in {found.result.elapsed_s:.2f} s"
     layout = f"{plan_text(found)} ({best.step_time_s:,.3f} s, {best.estimate.mfu * 100:.1f} % MFU)"
-    if not est.fits:
+    if not est.estimate.fits:
         return f"ranking: this plan does not fit memory; the best searched plan is {layout} [{searched}]"
     if not faster:
         return f"ranking: #1 -- no searched plan is faster (the best searched is {layout}) [{searched}]"

@@ -1,8 +1,12 @@
-"""argparse value types shared by the command modules (plan, profile, ...)."""
+"""What the command modules share: argparse value types, the checks of shared options, and the
+warning line."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+
+from autopar.errors import AutoparError
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -25,3 +29,15 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def check_moe_imbalance(value: float) -> None:
+    """``--moe-imbalance`` (plan, estimate, explain): the busiest expert-parallel rank's token load
+    over the mean, 1 (balanced routing) to 64."""
+    if not 1.0 <= value <= 64.0:
+        raise AutoparError(f"--moe-imbalance must be in [1, 64] (1 = balanced routing), got {value}")
+
+
+def warn(message: str) -> None:
+    """A warning, one line on stderr (``autopar.api``'s ``warn``, as the commands print it)."""
+    print(f"autopar: warning: {message}", file=sys.stderr, flush=True)

@@ -74,7 +74,7 @@ def _measure(args: argparse.Namespace) -> int:
         rank0 = dist.get_rank() == 0
         log = (lambda s: print(f"autopar profile --comm: {s}", file=sys.stderr, flush=True)) if rank0 else None
         result = profile_comm(device, repeats=max(3, args.repeats), log=log)
-        # issue 18: FSDP2's own time per tensor, beyond the collectives just fitted (same ranks)
+        # Measured profiles' framework time: FSDP2's own time per tensor, beyond the collectives just fitted (same ranks)
         fsdp = profile_fsdp(device, result["fits"], result["rendezvous_s"], log=log)
         if rank0:
             out = Path(args.output)
