@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.graph.cache import ModelSource
     from autopar.modelfile import ModelFile
     from autopar.profile_conditions import RunConditions
+    from autopar.rehearse import Rehearsal
     from autopar.search.driver import PlanSearch
 
 ModelLike = Any  # str | os.PathLike | ModelFile
@@ -335,6 +336,25 @@ def trace(plan: PlanLike, model: ModelLike | None = None, cluster: "str | Cluste
 
     ex = explanation(plan, model, cluster)
     return trace_json(ex.plan, simulate(ex.plan, ex.terms, ex.estimate))
+
+
+def rehearsal(plan: PlanLike, model: ModelLike | None = None, cluster: "str | Cluster | None" = None, *,
+              ranks: Sequence[int] | None = None, profile: str | None = None, workers: int | None = None,
+              progress: Callable[[str], None] | None = None, use_cache: bool = True,
+              warn: Warn = python_warning) -> "Rehearsal":
+    """``autopar rehearse``: the executor applied to ``ranks`` of ``plan`` at its full world size on
+    fake tensors over a fake process group (one CPU process per rank, no GPU), one training step
+    each under torch's memory tracker, beside the cost model's prediction (``estimation``'s,
+    with the same ``cluster``/``profile``). ``ranks`` None: the first rank of every pipeline
+    stage. A plan the executor cannot apply at full scale, a plan for another model, or a model
+    that reads tensor values is a one-line AutoparError."""
+    from autopar.executor.checks import preflight
+    from autopar.rehearse import rehearse
+
+    est = estimation(model, plan, cluster, profile=profile, use_cache=use_cache, warn=warn)
+    mf = load_model(est.model)
+    preflight(est.plan, mf, est.plan.parallel.world_size)
+    return rehearse(est.plan, str(mf.path), est.estimate, est.cluster.name, ranks, progress, workers)
 
 
 def apply_plan(model: ModelLike, plan: PlanLike, *, seed: int = 0, lr: float = 1e-3,

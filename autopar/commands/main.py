@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from autopar.commands import estimate, explain, launch, plan, profile, profiles, run, validate
+from autopar.commands import estimate, explain, launch, plan, profile, profiles, rehearse, run, validate
 from autopar.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, AutoparError
 from autopar.version import __version__
 
@@ -49,6 +49,10 @@ COMMANDS = (
      "Measure per-layer times and memory on the local device, or collectives under torchrun (--comm)."),
     ("validate", validate, "run a plan briefly and compare with its prediction",
      "Run PLAN for a few steps and print predicted vs measured step time and peak memory per rank."),
+    ("rehearse", rehearse, "apply a plan at full scale on fake GPUs and measure each rank's memory",
+     "Apply PLAN with the real executor to chosen ranks at its full world size, on fake tensors over a fake "
+     "process group (one CPU process per rank, no GPU), run one training step each under torch's memory "
+     "tracker, and print each rank's measured peak beside the cost model's prediction."),
     ("explain", explain, "show a plan's mesh, stages, memory and communication",
      "Explain PLAN: rank groups per mesh axis, layers per stage, memory and communication per step."),
     ("launch", launch, "print the torchrun lines or an sbatch script for a plan",

@@ -57,6 +57,7 @@ class Estimate:
     time_breakdown_s: dict[str, float]
     ranks: tuple[RankCost, ...] = field(default=())
     bubble_fraction: float = 0.0
+    reserve_bytes: float = 0.0  # of "other": what no tensor holds (context, NCCL, ...; cost/stage.py reserve_bytes)
     # issue 15: expert parallelism's figures (autopar.cost.expert.moe_summary), None without ep
     moe: dict[str, Any] | None = None
 
@@ -197,6 +198,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         time_breakdown_s=breakdown,
         ranks=tuple(ranks),
         bubble_fraction=max(0.0, breakdown["bubble"]) / step if step else 0.0,
+        reserve_bytes=terms.reserve_bytes,
         moe=_moe_summary(terms, n_blocks_total),
     )
 

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from autopar.errors import AutoparError
 
 if TYPE_CHECKING:
-    from autopar.cluster import Cluster
-    from autopar.modelfile import ModelFile
+    from autopar.cost.step import Estimate
     from autopar.plan import Plan
 
 GIB = 2**30
@@ -35,6 +34,7 @@ class RankRehearsal:
     predicted_parts: dict[str, float]  # the cost model's: params, grads, optimizer, activations, other
     reserve_bytes: float
     seconds: float
+    microbatches: tuple[int, ...] = ()  # the rehearsed steps' micro-batches (rank.rehearsed_microbatches)
 
     @property
     def tensor_error_pct(self) -> float:
@@ -50,6 +50,7 @@ class Rehearsal:
     ranks: tuple[RankRehearsal, ...]
     capacity_bytes: float
     cluster: str
+    microbatches: int = 0  # the plan's micro-batches per step
 
     @property
     def fits(self) -> bool:
@@ -71,29 +72,25 @@ def check_ranks(plan: "Plan", ranks: Sequence[int]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ranks))
 
 
-def rehearse(plan: "Plan", mf: "ModelFile", cluster: "Cluster", ranks: Sequence[int] | None = None,
-             progress: Any = None, workers: int | None = None) -> Rehearsal:
-    """Rehearse ``ranks`` of ``plan`` (default: ``default_ranks``) and price them with ``cluster``.
-    Each rank runs in a process of its own (a fresh fake world: torch keeps process-group state per
-    process), ``workers`` at a time (default: the CPU cores). ``progress(text)``: called as ranks
-    start and finish. One-line AutoparError on bad input."""
-    from autopar.cost.estimate import estimate_plan
-    from autopar.executor.checks import preflight
-    from autopar.graph import build_graph
-
+def rehearse(plan: "Plan", model_path: str, estimate: "Estimate", cluster_name: str,
+             ranks: Sequence[int] | None = None, progress: Any = None, workers: int | None = None) -> Rehearsal:
+    """Rehearse ``ranks`` of ``plan`` (default: ``default_ranks``) beside the cost model's
+    ``estimate`` of it. Each rank runs in a process of its own (a fresh fake world: torch keeps
+    process-group state per process), ``workers`` at a time (default: the CPU cores).
+    ``progress(text)``: called as ranks start and finish. One-line AutoparError on bad input."""
     chosen = check_ranks(plan, default_ranks(plan) if ranks is None else ranks)
-    preflight(plan, mf, plan.parallel.world_size)  # a plan for another model fails here, before any rank
-    est = estimate_plan(plan, build_graph(mf, seq_len=plan.training.seq_len, dtype=plan.training.dtype), cluster)
-    reserve = cluster.framework_reserve_bytes
-    got = _rehearse_ranks(plan, str(mf.path), chosen, progress, workers)
+    reserve = estimate.reserve_bytes
+    got = _rehearse_ranks(plan, model_path, chosen, progress, workers)
     out = []
     for r in chosen:
         m = got[r]
-        stage = est.ranks[m.stage]
+        stage = estimate.ranks[m.stage]
         out.append(RankRehearsal(rank=r, stage=m.stage, peak_bytes=m.peak_bytes + reserve,
                                  parts={**m.parts, "reserve": reserve}, predicted_peak_bytes=stage.peak_bytes,
-                                 predicted_parts=dict(stage.memory_bytes), reserve_bytes=reserve, seconds=m.seconds))
-    return Rehearsal(ranks=tuple(out), capacity_bytes=est.capacity_bytes, cluster=cluster.name)
+                                 predicted_parts=dict(stage.memory_bytes), reserve_bytes=reserve, seconds=m.seconds,
+                                 microbatches=m.microbatches))
+    return Rehearsal(ranks=tuple(out), capacity_bytes=estimate.capacity_bytes, cluster=cluster_name,
+                     microbatches=plan.num_microbatches)
 
 
 def _rehearse_ranks(plan: "Plan", model_path: str, ranks: Sequence[int], progress: Any,
@@ -132,31 +129,45 @@ def rehearsal_json(reh: Rehearsal) -> dict[str, Any]:
     return {
         "ranks": [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes,
                    "predicted_peak_bytes": r.predicted_peak_bytes, "tensor_error_pct": r.tensor_error_pct,
-                   "parts": dict(r.parts), "predicted_parts": dict(r.predicted_parts), "seconds": r.seconds}
+                   "parts": dict(r.parts), "predicted_parts": dict(r.predicted_parts), "seconds": r.seconds,
+                   "rehearsed_microbatches": list(r.microbatches)}
                   for r in reh.ranks],
+        "microbatches": reh.microbatches,
         "capacity_bytes": reh.capacity_bytes,
         "fits": reh.fits,
     }
 
 
 def format_rehearsal(reh: Rehearsal) -> str:
-    """The table ``autopar rehearse`` prints: per rank, rehearsed and predicted GiB by part."""
+    """The table ``autopar rehearse`` prints: per rank, rehearsed and predicted memory by part (GiB,
+    or MiB when every peak is under 1 GiB)."""
     from autopar.report import table
 
+    unit, scale = ("GiB", GIB) if max(r.peak_bytes for r in reh.ranks) >= GIB else ("MiB", 2**20)
     parts = ("params", "grads", "optimizer", "activations", "temporaries")
     rows = []
     for r in reh.ranks:
         pred_other = r.predicted_parts.get("other", 0.0) - r.reserve_bytes
         pred = [r.predicted_parts.get(p, 0.0) for p in parts[:-1]] + [pred_other]
         rows.append([str(r.rank), str(r.stage)]
-                    + [f"{r.parts[p] / GIB:.2f} / {v / GIB:.2f}" for p, v in zip(parts, pred)]
-                    + [f"{r.reserve_bytes / GIB:.2f}", f"{r.peak_bytes / GIB:.2f}", f"{r.predicted_peak_bytes / GIB:.2f}",
-                       f"{r.tensor_error_pct:+.1f}", f"{r.seconds:.1f}"])
+                    + [f"{r.parts[p] / scale:.2f} / {v / scale:.2f}" for p, v in zip(parts, pred)]
+                    + [f"{r.reserve_bytes / scale:.2f}", f"{r.peak_bytes / scale:.2f}",
+                       f"{r.predicted_peak_bytes / scale:.2f}", f"{r.tensor_error_pct:+.1f}", f"{r.seconds:.0f}"])
     head = ["rank", "stage", "params", "grads", "optimizer", "activations", "temporaries / other", "reserve",
-            "rehearsed GiB", "predicted GiB", "error %", "s"]
-    verdict = "fits" if reh.fits else "does NOT fit"
+            f"rehearsed {unit}", f"predicted {unit}", "error %", "s"]
     worst = max(reh.ranks, key=lambda r: r.peak_bytes)
+    rehearsed = sorted({m for r in reh.ranks for m in r.microbatches})
+    if rehearsed and rehearsed != [reh.microbatches]:
+        steps = (f"{reh.microbatches} micro-batches per step, rehearsed with "
+                 f"{' and '.join(map(str, rehearsed))} (rehearse.rank: the peak at {reh.microbatches} is the line "
+                 "through them)" if len(rehearsed) > 1 else
+                 f"{reh.microbatches} micro-batches per step, rehearsed with {rehearsed[0]} (its peak is reached by then)")
+    else:
+        steps = f"{reh.microbatches} micro-batches per step, all rehearsed"
+    verdict = "fits" if reh.fits else "does NOT fit"
     return (table(head, rows)
-            + "\n\nparts: rehearsed / predicted GiB; error: the cost model's tensor bytes against the rehearsal's"
-            + f"\npeak {worst.peak_bytes / GIB:.2f} GiB (rank {worst.rank}) of {reh.capacity_bytes / GIB:.2f} GiB "
-            + f"on {reh.cluster}: the plan {verdict}")
+            + f"\n\nparts: rehearsed / predicted {unit}; reserve: what no tensor holds (CUDA context, NCCL buffers), "
+            + "added to both; error: the cost model's tensor bytes against the rehearsal's"
+            + f"\n{steps}"
+            + f"\npeak {worst.peak_bytes / scale:.2f} {unit} (rank {worst.rank}) of {reh.capacity_bytes / scale:.2f} "
+            + f"{unit} on {reh.cluster}: the plan {verdict}")
