@@ -21,11 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from autopar.api import plan as plan_search  # noqa: E402
-from autopar.cluster import load_cluster  # noqa: E402
+from autopar import api  # noqa: E402
 from autopar.models.llama import LlamaConfig, model_file  # noqa: E402
-from autopar.modelfile import load_model_file  # noqa: E402
-from autopar.rehearse import rehearse  # noqa: E402
 from autopar.report import table  # noqa: E402
 
 LLAMA3_405B = LlamaConfig(num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8, ffn_hidden_size=53248,
@@ -58,18 +55,17 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help="model@gpus, comma-separated")
     ap.add_argument("--cluster", default="h100-80g")
     args = ap.parse_args()
-    cluster = load_cluster(args.cluster)
     rows, worst = [], 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):
             name, gpus = case.split("@")
             path = model_path(name, Path(tmp))
             t0 = time.perf_counter()
-            plan = plan_search(path, int(gpus), args.cluster)
+            plan = api.plan(path, int(gpus), args.cluster, top=1)
             plan_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            reh = rehearse(plan, load_model_file(path), cluster,
-                           progress=lambda text: print(f"  {case}: {text}", file=sys.stderr, flush=True))
+            reh = api.rehearsal(plan, path, args.cluster,
+                                progress=lambda text: print(f"  {case}: {text}", file=sys.stderr, flush=True))
             reh_s = time.perf_counter() - t0
             par = plan.parallel
             layout = f"dp{par.dp} tp{par.tp} pp{par.pp} cp{par.cp} z{par.zero} mb{plan.training.micro_batch_size}"

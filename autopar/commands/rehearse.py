@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=positive_int, metavar="N",
                    help="ranks rehearsed at once, one process each (default: the CPU cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object (ranks, capacity_bytes, fits)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--no-cache", action="store_true",
                    help="trace the model file again instead of reading its graph from the cache (~/.cache/autopar)")
 
@@ -42,7 +43,8 @@ def main(args: argparse.Namespace) -> int:
     from autopar.usercode import stdout_to_stderr
 
     def progress(text: str) -> None:
-        print(f"rehearse: {text}", file=sys.stderr, flush=True)
+        if not args.quiet:
+            print(f"rehearse: {text}", file=sys.stderr, flush=True)
 
     with stdout_to_stderr():  # the model file's prints never mix with the table or the JSON
         reh = api.rehearsal(args.plan, args.model, args.cluster, ranks=args.ranks, profile=args.profile,

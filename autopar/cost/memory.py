@@ -61,6 +61,17 @@ def state_bytes_per_param(*, zero: int, shard_degree: int, dtype_bytes: int, opt
     return StateBytes(params=d / n, grads=d / n, optimizer=k / n)
 
 
+def loss_inflight_microbatches(schedule: str, pp: int, num_microbatches: int) -> float:
+    """Micro-batches whose last chunk's activations (the head and the loss) the last pipeline rank
+    holds at its peak: GPipe runs every forward first (M); 1F1B and interleaved 1F1B run the last
+    chunk's forward of a micro-batch only in the steady state, right before its backward (1) --
+    the interleaved warm-up fills the rank's earlier chunks, (v - 1) pp micro-batch chunks, before
+    the last chunk's first forward (Megatron's schedule, as torch.distributed.pipelining's)."""
+    if pp == 1:
+        return 1.0
+    return float(num_microbatches) if schedule == "gpipe" else 1.0
+
+
 def inflight_microbatches(schedule: str, pp: int, rank: int, num_microbatches: int, virtual_stages: int = 1) -> float:
     """Micro-batches (of a whole rank's blocks) whose activations rank ``rank`` holds at its peak;
     non-increasing in ``rank`` for every schedule (the last rank holds the fewest: the bounds of

@@ -28,7 +28,7 @@ from autopar.cost.compute import graph_region_time, usable_layer_table
 from autopar.cost.evolve import evolve
 from autopar.cost.framework import per_microbatch_s, per_step_s_per_param
 from autopar.cost.megatron_memory import layer_widths, megatron_activations
-from autopar.cost.memory import inflight_microbatches, state_bytes_per_param
+from autopar.cost.memory import inflight_microbatches, loss_inflight_microbatches, state_bytes_per_param
 from autopar.cost.zero import (
     ddp_fixed_sync_s,
     gradient_bytes_per_param,
@@ -153,6 +153,11 @@ class StageTerms:
     def inflight(self, rank: int) -> float:
         c = self.config
         return inflight_microbatches(c.schedule, c.pp, rank, c.num_microbatches, c.virtual_stages)
+
+    def loss_inflight(self) -> float:
+        """Micro-batches of the last chunk (head, loss) in flight on the last rank (cost.memory)."""
+        c = self.config
+        return loss_inflight_microbatches(c.schedule, c.pp, c.num_microbatches)
 
     def rank_extra_bytes(self, rank: int, last_rank: int) -> float:
         """What pipeline rank ``rank`` holds beyond its states, saved activations and the config's

@@ -136,7 +136,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         if r == 0:
             activations += inflight * pre.act_bytes
         if r == chunk_rank(last, pp):
-            activations += terms.inflight(r) * post.act_bytes
+            activations += terms.loss_inflight() * post.act_bytes
         split = terms.state_split
         memory = {
             "params": params[r] * split["params"],

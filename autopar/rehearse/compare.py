@@ -102,15 +102,18 @@ def _rehearse_ranks(plan: "Plan", model_path: str, ranks: Sequence[int], progres
 
     n = max(1, min(len(ranks), workers or os.cpu_count() or 1))
     done: dict[int, Any] = {}
-    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"))
+    try:
         futures = {pool.submit(_rehearse_in_process, plan, model_path, r): r for r in ranks}
         if progress is not None:
             progress(f"rehearsing {len(ranks)} rank(s), {n} at a time")
         for fut in as_completed(futures):
             r = futures[fut]
-            done[r] = fut.result()
+            done[r] = fut.result()  # a rank's one-line AutoparError ends the rehearsal
             if progress is not None:
                 progress(f"rank {r} done in {done[r].seconds:.0f} s ({len(done)}/{len(ranks)})")
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return done
 
 

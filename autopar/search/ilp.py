@@ -81,7 +81,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from autopar.cost.host import HostFamily
-from autopar.cost.memory import inflight_microbatches
+from autopar.cost.memory import inflight_microbatches, loss_inflight_microbatches
 from autopar.cost.stage import StageTerms
 from autopar.cost.step import chunk_rank
 
@@ -564,13 +564,16 @@ def rank_block_capacity(terms: StageTerms, schedule: tuple[str, int] | None = No
     t, cfg = terms, terms.config
     name, v = schedule or (cfg.schedule, cfg.virtual_stages)
     inflight = [inflight_microbatches(name, cfg.pp, r, cfg.num_microbatches, v) for r in range(cfg.pp)]
-    return block_capacities(t, pp=cfg.pp, virtual_stages=v, inflight=inflight, sigma=t.state_bytes_per_param,
+    return block_capacities(t, pp=cfg.pp, virtual_stages=v, inflight=inflight,
+                            loss_inflight=loss_inflight_microbatches(name, cfg.pp, cfg.num_microbatches),
+                            sigma=t.state_bytes_per_param,
                             block_act_bytes=t.block.act_bytes, other_bytes=t.transient_bytes + t.reserve_bytes,
                             tied_params=t.tied_params, capacity_bytes=t.capacity_bytes)
 
 
-def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, inflight: Sequence[float], sigma: float,
-                     block_act_bytes: float, other_bytes: float, tied_params: float, capacity_bytes: float) -> list[int]:
+def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, inflight: Sequence[float], loss_inflight: float,
+                     sigma: float, block_act_bytes: float, other_bytes: float, tied_params: float,
+                     capacity_bytes: float) -> list[int]:
     """The memory family solved for each rank's block count: floor((C - fixed_r) / (sigma pi + I_r
     alpha)), with ``t``'s block, embedding and head parameters and the embedding's and head's
     activations; the rest given (``rank_block_capacity`` passes ``t``'s own, search.fit_bound
@@ -584,7 +587,7 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, inflight: S
         if r == 0:
             fixed += inflight[r] * t.pre.act_bytes
         if r == last_rank:
-            fixed += inflight[r] * t.post.act_bytes
+            fixed += loss_inflight * t.post.act_bytes
         room = math.floor(capacity_bytes - fixed)
         caps.append(room // per_block if per_block > 0 else (10**9 if room >= 0 else -1))
     return caps

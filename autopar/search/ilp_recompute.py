@@ -135,7 +135,7 @@ class MixedSplitILP:
         if r == 0:
             fixed += t.inflight(r) * t.pre.act_bytes
         if r == base.last_rank:
-            fixed += t.inflight(r) * t.post.act_bytes
+            fixed += t.loss_inflight() * t.post.act_bytes
         return math.floor(t.capacity_bytes - fixed)
 
     def capacity(self, host: bool = True) -> list[int]:

@@ -34,7 +34,7 @@ def test_megatron_variant_is_the_same_hardware_with_other_software(gpu: str) -> 
 def test_h200_is_h100_compute_with_its_own_memory() -> None:
     h100, h200 = load_cluster("h100-80g"), load_cluster("h200-141g")
     assert h200.peak_flops == h100.peak_flops and h200.gemm == h100.gemm
-    assert h200.memory_bytes == 141e9 and h200.memory_bandwidth_bytes_per_s == 4.8e12
+    assert h200.memory_bytes == 143_156 * 2**20 and h200.memory_bandwidth_bytes_per_s == 4.8e12
     assert h200.gpu_name == "H200-SXM-141GB"
 
 

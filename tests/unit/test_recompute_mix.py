@@ -37,7 +37,7 @@ def _cluster(mem_mib: float, overlap: bool = False):
     """a100-80g with little memory; ``overlap``: the gradient sync hides behind backward, so a
     rank's tail depends on its backward time and hence on its mix (the second tail family)."""
     return dataclasses.replace(load_cluster("a100-80g"), memory_bytes=mem_mib * 2**20, framework_reserve_bytes=0.0,
-                               overlap_grad_reduce=overlap, name=f"tiny-{mem_mib}")
+                               nccl_bytes_per_group=0.0, overlap_grad_reduce=overlap, name=f"tiny-{mem_mib}")
 
 
 def _cfg(recompute: str, pp: int, schedule: str = "1f1b", v: int = 1, dp: int = 1, zero: int = 0) -> Config:

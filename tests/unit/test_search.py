@@ -49,7 +49,7 @@ def brute_force(graph, cluster, space):
 
 def _tiny_cluster(memory_bytes: float, gpus_per_node: int = 4):
     a100 = load_cluster("a100-80g")
-    return dataclasses.replace(a100, memory_bytes=memory_bytes, framework_reserve_bytes=0.0,
+    return dataclasses.replace(a100, memory_bytes=memory_bytes, framework_reserve_bytes=0.0, nccl_bytes_per_group=0.0,
                                gpus_per_node=gpus_per_node, name=f"tiny-{memory_bytes:.0f}")
 
 

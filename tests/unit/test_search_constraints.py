@@ -27,7 +27,7 @@ SMALL = GPTConfig(num_layers=8, hidden_size=128, num_heads=4, seq_len=64, vocab_
 
 def _cluster(memory_mib: float, gpus_per_node: int):
     a100 = load_cluster("a100-80g")
-    return dataclasses.replace(a100, memory_bytes=memory_mib * 2**20, framework_reserve_bytes=0.0,
+    return dataclasses.replace(a100, memory_bytes=memory_mib * 2**20, framework_reserve_bytes=0.0, nccl_bytes_per_group=0.0,
                                gpus_per_node=gpus_per_node, name=f"tiny-{memory_mib}")
 
 
@@ -276,7 +276,7 @@ def test_parametric_equals_cp_sat_on_gpt3_programs() -> None:
 def test_no_fit_hint_names_only_remedies_that_fit() -> None:
     graph = gpt_graph(GPTConfig(num_layers=8, hidden_size=1024, num_heads=8, seq_len=1024, vocab_size=50304))
     h200 = load_cluster("h200-141g")
-    tight = dataclasses.replace(h200, memory_bytes=0.3 * 2**30, framework_reserve_bytes=0.0)
+    tight = dataclasses.replace(h200, memory_bytes=0.3 * 2**30, framework_reserve_bytes=0.0, nccl_bytes_per_group=0.0)
     space = SearchSpace(num_gpus=1, gpus_per_node=1, global_batch=8, seq_len=1024, micro_batches=(1,))
     hint = infeasible_hint(graph, tight, space, {}, user_batch=False)
     assert "--gpus" in hint
