@@ -10,7 +10,7 @@ left out, and a tensor saved by two ops is counted once.
 Two ops are measured the way a CUDA device runs them, not the way the CPU fallback does, because
 autoplan plans GPU clusters: ``F.dropout`` becomes ``native_dropout`` (a 1-byte mask is saved, not
 a same-dtype mask) and ``F.scaled_dot_product_attention`` becomes the flash-attention kernel (saves
-q, k, v, out and log-sum-exp; no s^2 scores).
+q, k, v, out and log-sum-exp; no s^2 scores), or with an explicit mask the memory-efficient one.
 """
 
 from __future__ import annotations
@@ -205,7 +205,11 @@ class _State:
 
 
 class _CudaLikeFunctions(TorchFunctionMode):
-    """Route dropout and SDPA to the kernels a CUDA device runs (see module docstring)."""
+    """Route dropout and SDPA to the kernels a CUDA device runs (see module docstring).
+
+    ``nn.MultiheadAttention`` calls SDPA from inside ``F.multi_head_attention_forward``, where a
+    function mode no longer sees calls (it is off while it handles one): for that call the
+    module-level SDPA it looks up is the flash one."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -213,6 +217,13 @@ class _CudaLikeFunctions(TorchFunctionMode):
             return _dropout(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return _flash_sdpa(*args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            original = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = _flash_sdpa
+            try:
+                return func(*args, **kwargs)
+            finally:
+                F.scaled_dot_product_attention = original
         return func(*args, **kwargs)
 
 
@@ -228,11 +239,22 @@ def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace
 
 
 def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001
+    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     if attn_mask is not None:
-        # flash kernels take no explicit mask; measure what the user's call would really do.
+        # Flash kernels take no explicit mask: a CUDA device runs the memory-efficient kernel, which
+        # takes it as an additive bias (a boolean mask converted first, as SDPA does) and saves
+        # q, k, v, out and the log-sum-exp like flash -- no s^2 scores. Query and key heads that
+        # differ (GQA) it cannot take: PyTorch then runs the math kernel, and so is it measured.
+        if key.shape[-3] == query.shape[-3]:
+            bias = attn_mask
+            if attn_mask.dtype == torch.bool:
+                bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                    attn_mask.logical_not(), float("-inf"))
+            bias = bias.expand(query.shape[0], query.shape[-3], query.shape[-2], key.shape[-2])
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
 
 

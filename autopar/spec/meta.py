@@ -8,7 +8,9 @@ forward runs through and its shapes, FLOPs and saved tensors can be measured:
 
 * value reads (``.item()``, ``bool(t)``, ``torch.equal``, and copies of integer and boolean tensors
   to a real device: ``.cpu()``, ``.tolist()``; activations copied out still fail): 0 / False -- no
-  packed sequences, no padding detected -- except for a count made
+  packed sequences, no padding detected -- except the result of ``all()``, which is True (Hugging
+  Face asks ``(packed_sequence_mask[:, -1] == 0).all()``: "is nothing packed?"; a plain batch says
+  yes, and its attention then runs causal, without a mask), and a count made
   from a routing tensor (below: ``mask.sum()``, ``bincount(idx)``), which is the expected count
   per expert, or True (``mask.any()``: an expert has tokens).
 * data-dependent shapes (``nonzero``, one-argument ``torch.where``, ``argwhere``,
@@ -113,6 +115,7 @@ class _TolerantMeta(TorchDispatchMode):
         self.routing: Routing | None = None
         self.routed: dict[int, str] = {}  # id of a routing tensor -> the op that made it
         self.alive: list[torch.Tensor] = []  # keeps routing tensors alive so their ids stay theirs
+        self.alls: set[int] = set()  # ids of all() results (kept alive in ``alive``): they read True
 
     def _is_routed(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and id(t) in self.routed
@@ -142,6 +145,8 @@ class _TolerantMeta(TorchDispatchMode):
             if t.dtype == torch.bool or name == "is_nonzero":
                 return True  # "does this expert have tokens?": under balanced routing, yes
             return self.routing.per_expert  # "how many tokens did it get?"
+        if t is not None and id(t) in self.alls:
+            return True
         if name == "is_nonzero" or (t is not None and t.dtype == torch.bool):
             return False
         return 0.0 if t is not None and t.is_floating_point() else 0
@@ -220,6 +225,9 @@ class _TolerantMeta(TorchDispatchMode):
                 out = meta_fallback(func, args, kwargs)
                 if out is None:
                     raise
+        if name == "all" and _is_meta(args) and isinstance(out, torch.Tensor):
+            self.alls.add(id(out))
+            self.alive.append(out)
         if name == "topk" and _is_meta(args):
             self._note_router(args, kwargs, out)
         elif name in ("argmax", "max") and _is_meta(args) and self._note_top1(name, args, kwargs, out):

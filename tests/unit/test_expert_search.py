@@ -52,7 +52,7 @@ def test_mixtral_8x7b_at_64_a100_shards_its_experts(graph) -> None:
     assert graph.moe is not None and (graph.moe.num_experts, graph.moe.top_k) == (8, 2)
     best = _best(graph, "a100-80g")
     dense = _best(graph, "a100-80g", ep_degrees=(1,))
-    assert best.config.ep > 1 and best.config.tp == 1 and best.config.pp == 1
+    assert best.config.ep > 1 and best.config.tp == 1  # pp 1 or 2: the loss's fp32 logits decide (graph/live.py)
     assert best.estimate.step_time_s < dense.estimate.step_time_s
     assert best.estimate.moe["a2a_link"] == "nvlink"  # ep <= 8 at tp 1: the group sits in one node
 
