@@ -143,6 +143,10 @@ class StageTerms:
     # chunk that receives (activations forward, their gradients backward): the bytes of one
     # (0: the software allocates them as it goes, cluster.pipeline_buffers_per_microbatch)
     pipeline_buffer_bytes: float = 0.0
+    # ZeRO-3 (FSDP2): bytes per root parameter kept gathered (the training dtype), and one block's
+    # gathered parameters prefetched while the loss runs; 0 elsewhere
+    zero3_root_params_per_byte: float = 0.0
+    zero3_gather_bytes: float = 0.0
 
     @property
     def after_sync_s_per_param(self) -> float:
@@ -159,19 +163,39 @@ class StageTerms:
         c = self.config
         return loss_inflight_microbatches(c.schedule, c.pp, c.num_microbatches)
 
-    def rank_extra_bytes(self, rank: int, last_rank: int) -> float:
-        """What pipeline rank ``rank`` holds beyond its states, saved activations and the config's
-        transients, whatever its block count: the largest rise above the saved activations among
-        its pieces (any block's backward, the first rank's embedding, the last rank's loss), and
-        its pipeline receive buffers (``pipeline_buffer_bytes`` per micro-batch and receiving
-        chunk: every chunk but the first receives activations, every one but the last gradients)."""
+    def rank_other_bytes(self, rank: int, last_rank: int, working: float = 0.0) -> float:
+        """Memory of pipeline rank ``rank`` beyond its model states, its saved activations and the
+        reserve (the estimate's "other" less the reserve), whatever its block count. The step
+        peaks in one of three phases, whichever holds most:
+
+        * a block's backward: the config's transients (ZeRO-3's gathered block, its prefetched
+          neighbour and the block's unsharded gradients; a single-mode recompute's re-run block)
+          + ``working`` (a recompute mix's largest re-run block) + the block's own rise above the
+          saved activations (gradients of activations: ``Part.peak_bytes``);
+        * the last rank's loss: its rise above the saved activations (the fp32 copies of the
+          logits and their gradients) + under ZeRO-3 the first block's gathered parameters,
+          prefetched for backward;
+        * the first rank's embedding backward;
+
+        and in every phase ZeRO-3's root parameters (embedding, head: FSDP2 keeps the root unit
+        gathered from forward to backward) and the pipeline's receive buffers
+        (``pipeline_buffer_bytes`` per micro-batch and receiving chunk: every chunk but the first
+        receives activations, every one but the last their gradients). Non-decreasing in
+        ``working``: a mix pays the largest working set of the modes it uses."""
         c = self.config
-        peak = max(self.block.peak_bytes, self.pre.peak_bytes if rank == 0 else 0.0,
-                   self.post.peak_bytes if rank == last_rank else 0.0)
-        if c.pp == 1 or self.pipeline_buffer_bytes <= 0:
-            return peak
-        receiving = 2 * c.virtual_stages - (rank == 0) - (rank == last_rank)
-        return peak + c.num_microbatches * receiving * self.pipeline_buffer_bytes
+        first, last = rank == 0, rank == last_rank
+        phases = [self.transient_bytes + working + self.block.peak_bytes]
+        if last:
+            phases.append(self.post.peak_bytes + self.zero3_gather_bytes)
+        if first:
+            phases.append(self.pre.peak_bytes)
+        root = self.zero3_root_params_per_byte * ((self.pre.params if first else 0.0) +
+                                                  (self.post.params if last else 0.0))
+        other = root + max(phases)
+        if c.pp > 1 and self.pipeline_buffer_bytes > 0:
+            receiving = 2 * c.virtual_stages - first - last
+            other += c.num_microbatches * receiving * self.pipeline_buffer_bytes
+        return other
 
 
 def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
@@ -291,6 +315,8 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         reserve_bytes=reserve_bytes(cluster, cfg, tokens_bytes),
         capacity_bytes=cluster.memory_bytes,
         pipeline_buffer_bytes=tokens_bytes if cfg.pp > 1 and cluster.pipeline_buffers_per_microbatch else 0.0,
+        zero3_root_params_per_byte=float(d) if cfg.zero == 3 else 0.0,
+        zero3_gather_bytes=block_params * d if cfg.zero == 3 else 0.0,
     )
 
 

@@ -151,8 +151,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         memory = {
             **memory,
             "activations": activations,
-            "other": terms.transient_bytes + working[r] + terms.rank_extra_bytes(r, chunk_rank(last, pp))
-            + terms.reserve_bytes,
+            "other": terms.rank_other_bytes(r, chunk_rank(last, pp), working[r]) + terms.reserve_bytes,
         }
         ranks.append(RankCost(rank=r, num_blocks=blocks[r], time_s=time[r], backward_s=bwd[r], tail_s=tail,
                               params=params[r], memory_bytes=memory))

@@ -39,4 +39,4 @@ def upper_capacity(base: StageTerms, *, zero: int, offload: Offload, schedule: s
     return block_capacities(base, pp=pp, virtual_stages=virtual_stages, inflight=inflight,
                             loss_inflight=loss_inflight_microbatches(schedule, pp, num_microbatches), sigma=sigma,
                             block_act_bytes=0.0 if offload.activations else block_act_bytes,
-                            other_bytes=base.reserve_bytes, tied_params=0.0, capacity_bytes=capacity_bytes)
+                            other_bytes=[base.reserve_bytes] * pp, tied_params=0.0, capacity_bytes=capacity_bytes)

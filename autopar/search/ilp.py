@@ -80,6 +80,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+from autopar.cost.evolve import evolve
 from autopar.cost.host import HostFamily
 from autopar.cost.memory import inflight_microbatches, loss_inflight_microbatches
 from autopar.cost.stage import StageTerms
@@ -563,16 +564,20 @@ def rank_block_capacity(terms: StageTerms, schedule: tuple[str, int] | None = No
     L; the search checks this before building an ILP."""
     t, cfg = terms, terms.config
     name, v = schedule or (cfg.schedule, cfg.virtual_stages)
+    if (name, v) != (cfg.schedule, cfg.virtual_stages):  # what the schedule holds beyond its blocks
+        t = evolve(t, config=evolve(cfg, schedule=name, virtual_stages=v))
     inflight = [inflight_microbatches(name, cfg.pp, r, cfg.num_microbatches, v) for r in range(cfg.pp)]
     return block_capacities(t, pp=cfg.pp, virtual_stages=v, inflight=inflight,
                             loss_inflight=loss_inflight_microbatches(name, cfg.pp, cfg.num_microbatches),
                             sigma=t.state_bytes_per_param,
-                            block_act_bytes=t.block.act_bytes, other_bytes=t.transient_bytes + t.reserve_bytes,
+                            block_act_bytes=t.block.act_bytes,
+                            other_bytes=[t.rank_other_bytes(r, chunk_rank(cfg.pp * v - 1, cfg.pp)) + t.reserve_bytes
+                                         for r in range(cfg.pp)],
                             tied_params=t.tied_params, capacity_bytes=t.capacity_bytes)
 
 
 def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, inflight: Sequence[float], loss_inflight: float,
-                     sigma: float, block_act_bytes: float, other_bytes: float, tied_params: float,
+                     sigma: float, block_act_bytes: float, other_bytes: Sequence[float], tied_params: float,
                      capacity_bytes: float) -> list[int]:
     """The memory family solved for each rank's block count: floor((C - fixed_r) / (sigma pi + I_r
     alpha)), with ``t``'s block, embedding and head parameters and the embedding's and head's
@@ -583,7 +588,7 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, inflight: S
     for r in range(pp):
         per_block = math.ceil(sigma * t.block.params + inflight[r] * block_act_bytes)
         fixed_p = (t.pre.params if r == 0 else 0.0) + (t.post.params + tied_params if r == last_rank else 0.0)
-        fixed = sigma * fixed_p + other_bytes + t.rank_extra_bytes(r, last_rank)
+        fixed = sigma * fixed_p + other_bytes[r]
         if r == 0:
             fixed += inflight[r] * t.pre.act_bytes
         if r == last_rank:

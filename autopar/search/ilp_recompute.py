@@ -103,7 +103,11 @@ class MixedSplitILP:
         self.tail = [self._tail_rows(r) for r in self.ranks]  # per rank: (c1, k1, c2, k2): see _z
         self.mem_coeff = [{m: math.ceil(t.state_bytes_per_param * t.block.params + t.inflight(r) * p.act_bytes)
                            for m, p in parts.items()} for r in self.ranks]
-        self.work = {m: math.ceil(t.recompute_working_bytes[m]) for m in self.modes}
+        # per rank and mode: what using the mode adds to the rank's other memory (its working set,
+        # unless the loss's phase holds more: StageTerms.rank_other_bytes, exact since monotone)
+        self.work = [{m: math.ceil(t.rank_other_bytes(r, self.base.last_rank, t.recompute_working_bytes[m])
+                                   - t.rank_other_bytes(r, self.base.last_rank)) for m in self.modes}
+                     for r in self.ranks]
         self.room = [self._room(r) for r in self.ranks]
         m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
         self.t_weight, self.z_weight, self.v = m * v - 1, v, v
@@ -130,8 +134,8 @@ class MixedSplitILP:
     def _room(self, r: int) -> int:
         """Capacity less everything that does not depend on the counts (rounded down)."""
         t, base = self.terms, self.base
-        fixed = (t.state_bytes_per_param * base._fixed_params(r) + t.transient_bytes + t.reserve_bytes
-                 + t.rank_extra_bytes(r, base.last_rank))
+        fixed = (t.state_bytes_per_param * base._fixed_params(r) + t.reserve_bytes
+                 + t.rank_other_bytes(r, base.last_rank))
         if r == 0:
             fixed += t.inflight(r) * t.pre.act_bytes
         if r == base.last_rank:
@@ -146,7 +150,7 @@ class MixedSplitILP:
         for r in self.ranks:
             best = -1
             for m in self.modes:
-                per, room = self.mem_coeff[r][m], self.room[r] - self.work[m]
+                per, room = self.mem_coeff[r][m], self.room[r] - self.work[r][m]
                 best = max(best, room // per if per > 0 else (10**9 if room >= 0 else -1))
             caps.append(best)
         if host and self.host_caps is not None:
@@ -177,11 +181,11 @@ class MixedSplitILP:
 
         tau_a = np.array([self.tau[m] for m in modes], dtype=np.int64)
         beta_a = np.array([self.beta[m] for m in modes], dtype=np.int64)
-        work_a = np.array([self.work[m] for m in modes], dtype=np.int64)
         overlap = self.terms.grad_sync_overlaps
         out = []
         for r in self.ranks:
             mem = np.array([self.mem_coeff[r][m] for m in modes], dtype=np.int64)
+            work_a = np.array([self.work[r][m] for m in modes], dtype=np.int64)
             room, f, g = self.room[r], self.fixed_ns[r], self.fixed_bwd_ns[r]
             c1, k1, c2, k2 = self.tail[r]
             per_n: dict[int, list[tuple[int, int, dict[str, int]]]] = {}
@@ -430,14 +434,13 @@ class MixedSplitILP:
                 self.model.Add(self.Z >= c2 + k2 * self.N[r])
 
     def _add_memory_constraints(self) -> None:
-        top = max(self.work.values(), default=0)
         for r, row in enumerate(self.n):
-            w_r = self.model.NewIntVar(0, top, f"W_{r}")
+            w_r = self.model.NewIntVar(0, max(self.work[r].values(), default=0), f"W_{r}")
             for m, x in row.items():
-                if self.work[m] > 0:
+                if self.work[r][m] > 0:
                     u = self.model.NewBoolVar(f"u_{r}_{m}")
                     self.model.Add(x <= self.L * u)
-                    self.model.Add(w_r >= self.work[m] * u)
+                    self.model.Add(w_r >= self.work[r][m] * u)
             self.model.Add(sum(self.mem_coeff[r][m] * x for m, x in row.items()) + w_r <= self.room[r])
 
     def _add_host_constraints(self) -> None:
