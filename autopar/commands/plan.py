@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png",
                    help="sweeps: draw tokens/s and MFU against the sweep points (needs matplotlib: autopar[plot])")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--verify", type=positive_int, metavar="K",
+                   help="rehearse the top K plans (autopar rehearse: the executor at full scale on fake GPUs) before "
+                        "writing one: a 'rehearsed GiB' column, and a plan whose rehearsed peak exceeds the device "
+                        "memory is dropped with a line saying so (minutes for large models)")
     g = p.add_argument_group("constraints", "narrow the search (each a value or a comma list); the table stars "
                                             "and the plan records what you fixed")
     g.add_argument("--dp", type=int_list, metavar="D", help="data-parallel degrees")
@@ -131,6 +135,9 @@ def _plan(args: argparse.Namespace) -> int:
     constraints = constraints_of(args)
     batches, seqs = args.global_batch or (None,), args.seq_len or (None,)
     sweep = len(args.gpus) * len(batches) * len(seqs) > 1
+    if args.verify and sweep:
+        raise AutoparError("--verify rehearses the plans of one point: drop the lists, or rehearse each plan with "
+                           "'autopar rehearse PLAN.yaml'")
     if args.plot and not sweep:
         raise AutoparError("--plot draws a sweep: give a list (--gpus 64,128,256); for one plan use "
                            "'autopar explain PLAN.yaml --plot FILE.png'")
@@ -165,11 +172,45 @@ def _plan(args: argparse.Namespace) -> int:
             warn(found.warning)
         from autopar.search.result import result_report
 
-        print(result_report(found.result, list(found.plans), found.graph, found.cluster, found.space, found.fixed))
-        _save(found.plans[0], output)
-        print(f"\nbest plan written to {output}")
+        extra, best, dropped = {}, 0, []
+        if args.verify:
+            extra, best, dropped = _verify(found, args)
+        print(result_report(found.result, list(found.plans), found.graph, found.cluster, found.space, found.fixed,
+                            extra=extra))
+        for line in dropped:
+            print(line)
+        _save(found.plans[best], output)
+        print(f"\n{'best plan' if best == 0 else f'plan #{best + 1}'} written to {output}")
         return 0
     return _sweep(args, plan_point, batches, seqs, plotting)
+
+
+def _verify(found: Any, args: argparse.Namespace) -> tuple[dict[str, list[str]], int, list[str]]:
+    """Rehearse the top ``args.verify`` plans: the 'rehearsed GiB' column (peak over the rehearsed
+    ranks, reserve included), the index of the best plan whose rehearsal fits, and one line per
+    plan dropped. Raises InfeasibleError when none of them fits."""
+    from autopar import api
+    from autopar.errors import InfeasibleError
+
+    k = min(args.verify, len(found.plans))
+    column, dropped, best = ["-"] * len(found.plans), [], None
+    for i, plan in enumerate(found.plans[:k]):
+        def progress(text: str, i: int = i) -> None:
+            if not args.quiet:
+                print(f"verify plan #{i + 1}: {text}", file=sys.stderr, flush=True)
+
+        reh = api.rehearsal(plan, args.model, found.cluster, progress=progress, use_cache=not args.no_cache, warn=warn)
+        peak = max(r.peak_bytes for r in reh.ranks)
+        column[i] = f"{peak / 2**30:.1f}"
+        if reh.fits:
+            best = i if best is None else best
+        else:
+            dropped.append(f"dropped plan #{i + 1}: its rehearsal peaks at {peak / 2**30:.1f} GiB, above the "
+                           f"{reh.capacity_bytes / 2**30:.1f} GiB of {reh.cluster}")
+    if best is None:
+        raise InfeasibleError(f"none of the top {k} plans fits when rehearsed (the largest rehearsed peak is above "
+                              f"the device memory); raise --verify, or plan with more GPUs")
+    return {"rehearsed GiB": column}, best, dropped
 
 
 def _save(plan: Any, output: Path) -> None:

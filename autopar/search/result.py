@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from autopar.cluster import Cluster
 from autopar.cost.estimate import estimate_json
@@ -97,7 +97,10 @@ def constraint_text(fixed: Mapping[str, tuple]) -> str:
 
 
 def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cluster: Cluster,
-                  space: SearchSpace, fixed: Mapping[str, tuple] | None = None) -> str:
+                  space: SearchSpace, fixed: Mapping[str, tuple] | None = None,
+                  extra: Mapping[str, Sequence[str]] | None = None) -> str:
+    """The ranked table ``autopar plan`` prints; ``extra``: more columns (header -> one cell per
+    plan), after the others (``plan --verify``'s rehearsed peak)."""
     fixed = fixed or {}
     rows = []
     for i, cand in enumerate(result.top, 1):
@@ -134,6 +137,10 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
         host = [getattr(c.estimate, "host", None) for c in result.top]
         headers.append("host GiB/node")
         rows = [r + (gib(h["host_memory_bytes"]) if h else "-",) for r, h in zip(rows, host)]
+        align += "r"
+    for head, cells in (extra or {}).items():
+        headers.append(head)
+        rows = [r + (cell,) for r, cell in zip(rows, cells)]
         align += "r"
     lines += [
         "",
