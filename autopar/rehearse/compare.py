@@ -95,36 +95,52 @@ def rehearse(plan: "Plan", model_path: str, estimate: "Estimate", cluster_name: 
 
 def _rehearse_ranks(plan: "Plan", model_path: str, ranks: Sequence[int], progress: Any,
                     workers: int | None) -> dict[int, Any]:
-    """rank -> ``rank.RankMemory``, each from a spawned process; the first error is raised."""
+    """rank -> ``rank.RankMemory``. Every step (a rank at one micro-batch count) runs in a fresh
+    spawned process of its own (``rank.rehearse_step``), ``workers`` at a time; the first error is
+    raised."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    n = max(1, min(len(ranks), workers or os.cpu_count() or 1))
-    done: dict[int, Any] = {}
-    pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"))
+    from autopar.rehearse.rank import rank_memory, rehearsed_microbatches, with_microbatches
+
+    counts = rehearsed_microbatches(plan)
+    tasks = [(r, m) for r in ranks for m in counts]
+    n = max(1, min(len(tasks), workers or os.cpu_count() or 1))
+    steps: dict[tuple[int, int], Any] = {}
+    seconds: dict[int, float] = dict.fromkeys(ranks, 0.0)
+    pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1)
     try:
-        futures = {pool.submit(_rehearse_in_process, plan, model_path, r): r for r in ranks}
+        futures = {pool.submit(_step_in_process, with_microbatches(plan, m), model_path, r): (r, m) for r, m in tasks}
         if progress is not None:
-            progress(f"rehearsing {len(ranks)} rank(s), {n} at a time")
+            progress(f"rehearsing {len(ranks)} rank(s) ({len(tasks)} steps), {n} at a time")
+        done = 0
         for fut in as_completed(futures):
-            r = futures[fut]
-            done[r] = fut.result()  # a rank's one-line AutoparError ends the rehearsal
-            if progress is not None:
-                progress(f"rank {r} done in {done[r].seconds:.0f} s ({len(done)}/{len(ranks)})")
+            r, m = futures[fut]
+            steps[(r, m)], took = fut.result()  # a step's one-line AutoparError ends the rehearsal
+            seconds[r] += took
+            if all((r, c) in steps for c in counts):
+                done += 1
+                if progress is not None:
+                    progress(f"rank {r} done in {seconds[r]:.0f} s ({done}/{len(ranks)})")
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    return done
+    return {r: rank_memory(plan, r, [steps[(r, m)] for m in counts], seconds[r]) for r in ranks}
 
 
-def _rehearse_in_process(plan: "Plan", model_path: str, rank: int) -> Any:
+def _step_in_process(plan: "Plan", model_path: str, rank: int) -> tuple[Any, float]:
+    import time
+    import warnings
+
     from autopar.executor.checks import preflight
     from autopar.modelfile import load_model_file
-    from autopar.rehearse.rank import rehearse_rank
+    from autopar.rehearse.rank import rehearse_step
 
+    warnings.filterwarnings("ignore")  # torch's module-tracker notes about its hooks: not the user's concern
+    start = time.perf_counter()
     mf = load_model_file(model_path)
     spec, _warnings = preflight(plan, mf, plan.parallel.world_size)
-    return rehearse_rank(plan, mf, spec, rank)
+    return rehearse_step(plan, mf, spec, rank), time.perf_counter() - start
 
 
 def rehearsal_json(reh: Rehearsal) -> dict[str, Any]:

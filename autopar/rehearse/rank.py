@@ -1,6 +1,6 @@
 """Rehearse one rank of a plan: the real executor, one full training step, fake tensors.
 
-``rehearse_rank`` makes this process rank ``r`` of the plan's world on a fake process group
+``rehearse_step`` makes this process rank ``r`` of the plan's world on a fake process group
 (autopar.rehearse.fake), applies the plan with the executor's own code (``apply.shape_parts`` on
 meta, then ``apply.place(fake=True)`` under fake tensors: TP/SP, CP, recompute, experts, ZeRO /
 FSDP2, pipeline stages, the optimizer), and runs the training loop's own step (every micro-batch
@@ -26,7 +26,6 @@ a model file whose forward reads values (``.item()``, data-dependent shapes) fai
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,26 +69,24 @@ def with_microbatches(plan: Plan, m: int) -> Plan:
     return dataclasses.replace(plan, training=dataclasses.replace(plan.training, global_batch_size=gbs))
 
 
-def rehearse_rank(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> RankMemory:
-    """Rehearse ``rank`` of ``plan`` (module docstring). ``spec``: the executor's ModelSpec of
-    ``mf`` (``executor.checks.preflight``). Raises AutoparError (one line) where the executor
-    cannot apply the plan or the model cannot run on fake tensors."""
-    start = time.perf_counter()
+def rank_memory(plan: Plan, rank: int, peaks: list[PeakMemory], seconds: float) -> RankMemory:
+    """``rank``'s memory at the plan's micro-batches from its rehearsed steps (one per count of
+    ``rehearsed_microbatches``): the one, or the line through the two."""
     counts = rehearsed_microbatches(plan)
-    peaks = [_rehearse_step(with_microbatches(plan, m), mf, spec, rank) for m in counts]
     peak = peaks[0]
-    if len(peaks) == 2:  # the line through the two, at the plan's micro-batches
+    if len(peaks) == 2:
         (m1, m2), m = counts, plan.num_microbatches
         at = lambda a, b: a + (b - a) * (m - m1) / (m2 - m1)  # noqa: E731
         peak = PeakMemory(peak_bytes=at(peaks[0].peak_bytes, peaks[1].peak_bytes),
                           parts={k: at(v, peaks[1].parts[k]) for k, v in peaks[0].parts.items()})
-    stage = plan.parallel.layout.coords(rank).pp
-    return RankMemory(rank=rank, stage=stage, peak_bytes=peak.peak_bytes, parts=peak.parts,
-                      seconds=time.perf_counter() - start, microbatches=counts)
+    return RankMemory(rank=rank, stage=plan.parallel.layout.coords(rank).pp, peak_bytes=peak.peak_bytes,
+                      parts=peak.parts, seconds=seconds, microbatches=counts)
 
 
-def _rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> PeakMemory:
-    """The peak of one tracked training step of ``rank`` (``plan`` as given)."""
+def rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> PeakMemory:
+    """The peak of one tracked training step of ``rank`` (``plan`` as given). Brings up a fake world
+    of its own: torch keeps process-group state per process (DeviceMesh's caches hold group names),
+    so call it once per process (autopar.rehearse.compare runs each in a fresh one)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.executor.apply import place, shape_parts
