@@ -381,6 +381,8 @@ def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.devic
     kwargs = shaped.io.step_kwargs(batch)
     with torch.no_grad():
         hidden = first(**kwargs)
+        # what a stage receives is differentiable (its gradient goes back to the previous stage)
+        hidden = hidden.detach().requires_grad_(hidden.is_floating_point())
         out = []
         for c, part in zip(shaped.chunk_ids, shaped.parts):
             inputs = () if c == 0 else (hidden,)
