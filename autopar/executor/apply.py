@@ -380,15 +380,26 @@ def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.devic
         batch = batch[:, : plan.training.seq_len // par.cp]
     kwargs = shaped.io.step_kwargs(batch)
     with torch.no_grad():
-        hidden = first(**kwargs)
-        # what a stage receives is differentiable (its gradient goes back to the previous stage)
-        hidden = hidden.detach().requires_grad_(hidden.is_floating_point())
-        out = []
-        for c, part in zip(shaped.chunk_ids, shaped.parts):
-            inputs = () if c == 0 else (hidden,)
-            outputs = part(*inputs, **shaped.io.step_kwargs(batch)) if c == par.num_stage_chunks - 1 else hidden
-            out.append((inputs, outputs))
+        hidden = _differentiable(first(**kwargs))  # what a stage receives has a gradient to send back
+    out = []
+    for c, part in zip(shaped.chunk_ids, shaped.parts):
+        inputs = () if c == 0 else (hidden,)
+        if c == par.num_stage_chunks - 1:  # the model's outputs, as differentiable as in a run
+            with torch.no_grad():
+                outputs = part(*inputs, **shaped.io.step_kwargs(batch))
+            outputs = tuple(map(_differentiable, outputs)) if isinstance(outputs, (tuple, list)) else \
+                _differentiable(outputs)
+        else:
+            outputs = hidden
+        out.append((inputs, outputs))
     return out
+
+
+def _differentiable(t: Any) -> Any:
+    """``t`` detached and requiring grad, where it is a floating-point tensor (else as it is)."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point():
+        return t.detach().requires_grad_(True)
+    return t
 
 
 def _blocks_of(part: nn.Module, spec: ModelSpec, prefix: str) -> list[nn.Module]:
