@@ -15,6 +15,7 @@ import signal
 EXIT_OK = 0
 EXIT_INTERNAL = 1  # an internal error, a bug: Python's own code for an uncaught exception
 EXIT_USAGE = 2  # bad input, including a request no plan can meet
+EXIT_OUT_OF_MEMORY = 3  # autopar run: a rank ran out of device memory
 EXIT_FAULT = 4  # a rank died or a collective hung (autopar run, validate, profile --comm)
 EXIT_SIGNAL = 128  # interrupted by a signal: 128 + its number (130 SIGINT, 143 SIGTERM)
 EXIT_INTERRUPTED = EXIT_SIGNAL + signal.SIGINT  # Ctrl-C
@@ -40,6 +41,13 @@ class ModelFileError(AutoparError):
 
 class ClusterError(AutoparError):
     """A cluster profile is missing or malformed."""
+
+
+class OutOfDeviceMemory(AutoparError):
+    """A rank of ``autopar run`` ran out of device memory: the plan needs more than the device has
+    (exit 3; the message says what the plan was priced at and what to change)."""
+
+    exit_code = EXIT_OUT_OF_MEMORY
 
 
 class InfeasibleError(AutoparError):

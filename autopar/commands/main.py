@@ -63,8 +63,8 @@ COMMANDS = (
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: every command of ``COMMANDS``."""
     parser = _Parser(prog="autopar", description="Plan and run hybrid-parallel PyTorch training.",
-                     epilog="exit codes: 0 ok, 2 bad input or no plan fits memory, 4 a rank died or hung, "
-                            "130/143 interrupted, 1 internal error (docs/reliability.md)")
+                     epilog="exit codes: 0 ok, 2 bad input or no plan fits memory, 3 a rank ran out of device memory, "
+                            "4 a rank died or hung, 130/143 interrupted, 1 internal error (docs/reliability.md)")
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True

@@ -17,7 +17,8 @@
   ``TORCHELASTIC_RESTART_COUNT == 0``): ``AUTOPAR_TEST_KILL_AT_STEP=k`` + ``AUTOPAR_TEST_KILL_RANK=r``
   makes rank r SIGKILL itself before step index k; ``AUTOPAR_TEST_HANG_AT_STEP`` /
   ``AUTOPAR_TEST_HANG_RANK`` makes it sleep forever instead; ``AUTOPAR_TEST_STOP_AT_STEP`` /
-  ``AUTOPAR_TEST_STOP_RANK`` makes it SIGSTOP itself (a frozen process); ``AUTOPAR_TEST_NAN_AT_STEP``
+  ``AUTOPAR_TEST_STOP_RANK`` makes it SIGSTOP itself (a frozen process); ``AUTOPAR_TEST_OOM_AT_STEP`` /
+  ``AUTOPAR_TEST_OOM_RANK`` makes it raise torch's out-of-memory error; ``AUTOPAR_TEST_NAN_AT_STEP``
   makes every rank's loss of that step NaN (``poison_loss``); ``AUTOPAR_TEST_KILL_IN_SAVE=r`` kills
   rank r inside a checkpoint save (``inject_save_fault``).
 """
@@ -205,6 +206,11 @@ def inject_fault(step: int, rank: int) -> None:
     """Test hook (module docstring): kill or hang ``rank`` before step index ``step``."""
     if not first_attempt():
         return
+    at, who = os.environ.get("AUTOPAR_TEST_OOM_AT_STEP"), os.environ.get("AUTOPAR_TEST_OOM_RANK", "0")
+    if at is not None and int(at) == step and int(who) == rank:
+        import torch
+
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test hook)")
     for kind in ("KILL", "HANG", "STOP"):
         at, who = os.environ.get(f"AUTOPAR_TEST_{kind}_AT_STEP"), os.environ.get(f"AUTOPAR_TEST_{kind}_RANK", "0")
         if at is not None and int(at) == step and int(who) == rank:

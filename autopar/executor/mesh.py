@@ -73,10 +73,13 @@ class ParallelMesh:
 
 
 def device_for_rank() -> torch.device:
-    """CUDA device of the local rank when CUDA is present, else CPU (gloo)."""
+    """CUDA device of the local rank when CUDA is present, else CPU (gloo). On CUDA the caching
+    allocator grows segments in place (``expandable_segments``), as the cost model assumes: it prices
+    no fragmentation (docs/cost-model.md); a user's own ``PYTORCH_CUDA_ALLOC_CONF`` is kept."""
     if torch.cuda.is_available():
         import os
 
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         return torch.device("cuda", local)

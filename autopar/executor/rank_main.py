@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, OutOfDeviceMemory
 from autopar.executor.run_options import RunOptions
 from autopar.executor.run_report import build_report, format_comparison
 
@@ -157,6 +157,7 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
     watchdog = Watchdog(rank, limit_s=2 * options.timeout_s + 60, timeout_s=options.timeout_s)
     tracer = None
     report_error: str | None = None
+    phase = ["setup"]  # where the rank is: named by an out-of-memory error
     try:
         rank0 = rank == 0
         log = (lambda s: print(f"autopar run: {s}", flush=True)) if rank0 else None
@@ -214,6 +215,7 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
         tracer = make_tracer(options.trace_path, rank, all_ranks=options.trace_all_ranks, steps_to_run=options.steps - start,
                              trace_steps=options.trace_steps)
         def before_step(step: int) -> None:
+            phase[0] = f"step {step + 1}"
             write_status(f"step {step + 1}")  # a rank killed between phases is reported at the right step
             inject_fault(step, rank)
 
@@ -248,6 +250,12 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
             dist.barrier()
         if report_error:
             raise AutoparError(report_error)
+    except torch.OutOfMemoryError as exc:
+        oom = out_of_memory(rank, phase[0], exc, plan, options.plan_path)
+        if world > 1:
+            watchdog.stop()
+            _die_with(str(oom), oom.exit_code)
+        raise oom from None
     except AutoparError as exc:
         if world > 1:  # the others may be blocked in a collective: leave now, with the one line
             watchdog.stop()
@@ -259,6 +267,18 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
             tracer.close()
         dist.destroy_process_group()
     return 0
+
+
+def out_of_memory(rank: int, phase: str, exc: BaseException, plan, plan_path: str) -> OutOfDeviceMemory:  # noqa: ANN001
+    """The one line a rank that ran out of device memory ends with: where, torch's own first line,
+    what the plan was priced at, and what to change (exit 3)."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    pred = (plan.prediction or {}).get("peak_memory_bytes")
+    cap = (plan.prediction or {}).get("capacity_bytes")
+    priced = (f"; the plan was priced at {pred / 2**30:.1f} of {cap / 2**30:.1f} GiB per GPU" if pred and cap else "")
+    return OutOfDeviceMemory(
+        f"rank {rank} ran out of device memory in {phase} ({first}){priced}: check the plan with 'autopar rehearse "
+        f"{plan_path}', or plan with more GPUs, recompute, or a smaller micro-batch (autopar plan --verify 3)")
 
 
 def initial_loss_hint(mf) -> str | None:  # noqa: ANN001

@@ -44,7 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from autopar.errors import EXIT_FAULT, EXIT_INTERNAL, EXIT_OK, EXIT_SIGNAL, EXIT_USAGE
+from autopar.errors import EXIT_FAULT, EXIT_INTERNAL, EXIT_OK, EXIT_OUT_OF_MEMORY, EXIT_SIGNAL, EXIT_USAGE
 
 REPORT_GRACE_S = 3.0  # after the first failure: time the other ranks get to exit with their own line
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
@@ -196,6 +196,7 @@ def _verdict(ranks: Sequence[_Rank], first: _Rank | None, status_dir: Path, stop
     dead = [r for r in ranks if (codes[r.rank] or 0) < 0 and r.rank not in stopped_after]
     faults = [e for r in ranks if codes[r.rank] == EXIT_FAULT for e in r.errors]
     usage = [e for r in ranks if codes[r.rank] == EXIT_USAGE for e in r.errors]
+    oom = [e for r in ranks if codes[r.rank] == EXIT_OUT_OF_MEMORY for e in r.errors]
     hung = sorted(stopped_after)
     tail = (f"; rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} "
             f"{'were' if len(hung) > 1 else 'was'} still running (hung) and {'were' if len(hung) > 1 else 'was'} stopped"
@@ -209,6 +210,8 @@ def _verdict(ranks: Sequence[_Rank], first: _Rank | None, status_dir: Path, stop
         else:
             line += "; the other ranks were stopped; resume with --resume, or run with --max-restarts to restart"
         return Outcome(code=EXIT_FAULT, line=line)
+    if oom:  # the root cause: the others then lose it as a peer
+        return Outcome(code=EXIT_OUT_OF_MEMORY, line=oom[0])
     if usage and (first is None or codes[first.rank] == EXIT_USAGE):
         # bad input found by a rank (a damaged checkpoint, a NaN loss): the root cause, even when
         # the other ranks then lost it as a peer
@@ -221,7 +224,8 @@ def _verdict(ranks: Sequence[_Rank], first: _Rank | None, status_dir: Path, stop
     code = codes[first.rank]
     errors = [e for r in ranks for e in r.errors]
     if errors:
-        return Outcome(code=code if code in (EXIT_USAGE, EXIT_FAULT) else EXIT_INTERNAL, line=errors[0])
+        return Outcome(code=code if code in (EXIT_USAGE, EXIT_FAULT, EXIT_OUT_OF_MEMORY) else EXIT_INTERNAL,
+                       line=errors[0])
     where = _phase(status_dir, first.rank)
     return Outcome(code=EXIT_INTERNAL, line=f"rank {first.rank} failed with exit code {code}"
                    + (f" in {where}" if where else "") + " (an internal error: its output is above; please report it)")

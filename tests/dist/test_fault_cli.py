@@ -188,6 +188,20 @@ def test_killed_rank_is_one_line_exit_4(tmp_path: Path) -> None:
     assert event is not None and ended - event < 60  # detection is a peer-loss, not the 60 s timeout
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_out_of_device_memory_is_one_line_exit_3(tmp_path: Path, nproc: int) -> None:
+    """A rank that runs out of device memory (torch's OutOfMemoryError, raised by a test hook in
+    step 2): one line naming the rank and the step and what to do, exit 3, no traceback."""
+    job = start(tmp_path, "--steps", 3, "--timeout", 60, nproc=nproc,
+                env={"AUTOPAR_TEST_OOM_AT_STEP": "1", "AUTOPAR_TEST_OOM_RANK": str(nproc - 1)})
+    code, _ = job.wait(timeout=400)
+    assert code == 3, job.stderr()[-3000:]
+    assert "Traceback" not in job.stderr(), job.stderr()[-3000:]
+    lines = job.error_lines()
+    assert len(lines) == 1, lines
+    assert f"rank {nproc - 1} ran out of device memory in step 2" in lines[0] and "autopar rehearse" in lines[0]
+
+
 def test_stopped_rank_times_out_exit_4(tmp_path: Path) -> None:
     job = start(tmp_path, "--steps", 4, "--timeout", 10,
                 env={"AUTOPAR_TEST_STOP_AT_STEP": "1", "AUTOPAR_TEST_STOP_RANK": "1"})
