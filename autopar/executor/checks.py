@@ -98,6 +98,9 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
         reason = ulysses_reason(par.tp, par.cp, spec.num_heads, None) if par.cp_kind == "ulysses" else None
         if reason:
             raise AutoparError(reason)
-    if plan.training.dtype == "fp16" and par.pp > 1:
-        raise AutoparError("fp16 needs loss scaling, which this executor does not do under pp; use bf16 or fp32")
+    if plan.training.dtype == "fp16":
+        # fp16's activation gradients underflow without a loss scaler (GradScaler / FSDP2's
+        # ShardedGradScaler), which the executor does not run: refused, not silently degraded
+        raise AutoparError("training.dtype fp16 needs loss scaling, which autopar run does not do; "
+                           "use bf16 (same memory and speed) or fp32")
     return spec, warnings
