@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", type=int, metavar="N",
                         help="start N rank processes on this node (autopar's loopback launcher; not needed under torchrun)")
     parser.add_argument("--report", metavar="PATH", help="write the JSON run report here (rank 0)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                        help="where the ranks train: cuda (one GPU per rank, NCCL), cpu (gloo), or auto: cuda when "
+                             "present (default; also $AUTOPAR_DEVICE)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="collective timeout in seconds (default 600): a hang becomes an error naming the rank "
                              "and the collective (exit 4); also the time limit of each call into the model file")
@@ -88,6 +91,27 @@ def _relaunch(args: argparse.Namespace, model: str) -> int:
     cmd += [f for f, on in (("--resume", args.resume), ("--trace-all-ranks", args.trace_all_ranks)) if on]
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "AUTOPAR_CKPT_LOCKED": "1"}
     return run_local(LocalJob(argv=tuple(cmd), nproc=args.nproc_per_node, max_restarts=args.max_restarts, env=env))
+
+
+def set_device_choice(device: str | None, nproc: int | None) -> None:
+    """``--device`` for this process and the ranks it starts (``AUTOPAR_DEVICE``), checked against the
+    GPUs this host shows before any rank starts (one line, not an invalid-ordinal traceback)."""
+    from autopar.executor.mesh import DEVICE_ENV
+
+    if device is not None:
+        os.environ[DEVICE_ENV] = device
+    choice = os.environ.get(DEVICE_ENV, "auto")
+    if choice == "cpu" or nproc is None or _under_torchrun():
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        if choice == "cuda":
+            raise AutoparError("--device cuda: no CUDA device is visible here; use --device cpu")
+        return
+    if nproc > torch.cuda.device_count():
+        raise AutoparError(f"--nproc-per-node {nproc} needs {nproc} GPUs (one per rank) but this host shows "
+                           f"{torch.cuda.device_count()}; start fewer ranks, or train on the CPU with --device cpu")
 
 
 def validate_args(args: argparse.Namespace) -> RunOptions:
@@ -159,6 +183,7 @@ def main(args: argparse.Namespace) -> int:
 
     arm_parent_death_signal()  # a rank of autopar's launcher dies with it (a no-op elsewhere)
     options = validate_args(args)
+    set_device_choice(args.device, args.nproc_per_node)
     configure(timeout_s=args.timeout)  # the model file's import, build_model and example_inputs too
     plan = load_plan(args.plan)
     if plan.parallel.ep > 1 and args.checkpoint_dir is not None:  # DCP would take ep-sharded experts for replicas

@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{MAX_AUTO_STEPS})")
     p.add_argument("--nproc-per-node", type=int, metavar="N",
                    help="ranks to start on this host (default: the plan's world size)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                   help="where the ranks run: cuda, cpu, or auto: cuda when present (default; also $AUTOPAR_DEVICE)")
     p.add_argument("--cluster", metavar="NAME|PATH", help="re-estimate with this cluster profile")
     p.add_argument("--profile", metavar="PATH", help="re-estimate with this measured profile")
     p.add_argument("--report", metavar="PATH", help="write the JSON comparison here (rank 0)")
@@ -81,10 +83,11 @@ def run_conditions(plan, device_type: str | None = None):  # noqa: ANN001, ANN20
     """The conditions this validate runs the plan under (autopar.profile_conditions.RunConditions)."""
     import torch
 
+    from autopar.executor.mesh import chosen_device_type
     from autopar.profile_conditions import RunConditions
     from autopar.profiler.profile_file import device_name
 
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = device_type or chosen_device_type()
     world = plan.parallel.world_size
     return RunConditions(dtype=plan.training.dtype, ranks_on_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                          device_type=device_type, device_name=device_name(torch.device(device_type)),
@@ -171,7 +174,10 @@ def main(args: argparse.Namespace) -> int:
     model = args.model or plan.model.file
     mf = load_model_file(model)
     if not under_launcher():
+        from autopar.commands.run import set_device_choice
+
         nproc = args.nproc_per_node or plan.parallel.world_size
+        set_device_choice(args.device, nproc)
         check_world_size(plan, nproc)
         if nproc > 1:
             preflight(plan, mf, nproc)

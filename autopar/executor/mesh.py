@@ -72,18 +72,43 @@ class ParallelMesh:
         return self.cp.get_group()
 
 
+DEVICE_ENV = "AUTOPAR_DEVICE"  # cpu | cuda | auto: what run / validate --device set for every rank
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def chosen_device_type() -> str:
+    """"cuda" or "cpu": what ``device_for_rank`` gives this host's ranks (``AUTOPAR_DEVICE``)."""
+    import os
+
+    choice = os.environ.get(DEVICE_ENV, "auto") or "auto"
+    return "cpu" if choice == "cpu" or not torch.cuda.is_available() else "cuda"
+
+
 def device_for_rank() -> torch.device:
-    """CUDA device of the local rank when CUDA is present, else CPU (gloo). On CUDA the caching
+    """This rank's device: ``AUTOPAR_DEVICE`` (``--device``) cpu, cuda, or auto (CUDA when present,
+    else CPU with gloo). On CUDA each rank takes GPU ``LOCAL_RANK``, which must exist: a host showing
+    fewer GPUs than ranks is a one-line AutoparError, not an invalid-ordinal traceback. The caching
     allocator grows segments in place (``expandable_segments``), as the cost model assumes: it prices
     no fragmentation (docs/cost-model.md); a user's own ``PYTORCH_CUDA_ALLOC_CONF`` is kept."""
-    if torch.cuda.is_available():
-        import os
+    import os
 
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+    from autopar.errors import AutoparError
+
+    choice = os.environ.get(DEVICE_ENV, "auto") or "auto"
+    if choice not in DEVICES:
+        raise AutoparError(f"{DEVICE_ENV}={choice!r}: use one of {', '.join(DEVICES)} (autopar run --device)")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise AutoparError("--device cuda: no CUDA device is visible to this process (a CPU-only torch, or "
+                           "CUDA_VISIBLE_DEVICES empty); use --device cpu")
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= count:
+        raise AutoparError(f"local rank {local} has no GPU: this host shows {count} CUDA device(s); start at most "
+                           f"{count} rank(s) per node (--nproc-per-node {count}), or run on the CPU with --device cpu")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
 
 
 def backend_for(device: torch.device) -> str:

@@ -39,3 +39,33 @@ def test_out_of_memory_line_names_the_rank_the_step_and_the_priced_peak() -> Non
     line = str(err)
     assert "rank 3 ran out of device memory in step 7 (CUDA out of memory. Tried to allocate 2.00 GiB)" in line
     assert "priced at 78.0 of 79.2 GiB" in line and "autopar rehearse plans/p.yaml" in line and "\n" not in line
+
+
+def test_a_rank_without_a_gpu_is_one_line(monkeypatch) -> None:
+    """Two ranks on a host showing one GPU: the second rank's device is a one-line error naming the
+    count and the fix, not CUDA's invalid-ordinal traceback; --device cpu keeps it on the CPU."""
+    from autopar.executor import mesh
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv(mesh.DEVICE_ENV, "auto")
+    with pytest.raises(AutoparError, match="local rank 1 has no GPU: this host shows 1 CUDA device"):
+        mesh.device_for_rank()
+    monkeypatch.setenv(mesh.DEVICE_ENV, "cpu")
+    assert mesh.device_for_rank().type == "cpu" and mesh.chosen_device_type() == "cpu"
+
+
+def test_run_checks_the_gpus_before_starting_ranks(monkeypatch) -> None:
+    from autopar.commands.run import set_device_choice
+    from autopar.executor.mesh import DEVICE_ENV
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(AutoparError, match="--nproc-per-node 4 needs 4 GPUs .* this host shows 2"):
+        set_device_choice("auto", 4)
+    set_device_choice("cpu", 4)  # fine on the CPU
+    import os
+
+    assert os.environ[DEVICE_ENV] == "cpu"
