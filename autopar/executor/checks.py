@@ -12,6 +12,37 @@ from autopar.layout import tp_heads_reason, ulysses_reason
 from autopar.modelfile import ModelFile
 from autopar.plan import Plan
 
+# What the executor calls that older torch builds lack (planning needs none of it: torch >= 2.6 plans):
+# FSDP2's replicate (added mid-2025, pytorch/pytorch#158207), FSDP2's sum reduction for expert
+# gradients (#155915), DTensor's loss_parallel.
+EXECUTOR_TORCH = "2.10"
+
+
+def torch_support_reason() -> str | None:
+    """Why this torch cannot run the executor (None: it can): the APIs it calls, by feature."""
+    import torch
+
+    missing = []
+    try:
+        import torch.distributed._composable.replicate_with_fsdp  # noqa: F401
+    except ImportError:
+        missing.append("FSDP2's replicate")
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+            missing.append("FSDPModule.set_force_sum_reduction_for_comms")
+    except ImportError:
+        missing.append("FSDP2 (torch.distributed.fsdp.fully_shard)")
+    try:
+        from torch.distributed.tensor.parallel import loss_parallel  # noqa: F401
+    except ImportError:
+        missing.append("DTensor's loss_parallel")
+    if not missing:
+        return None
+    return (f"autopar run needs torch >= {EXECUTOR_TORCH} (this is {torch.__version__}, which lacks "
+            f"{', '.join(missing)}); upgrade torch -- planning, estimate and explain work on torch >= 2.6")
+
 
 def check_world_size(plan: Plan, world_size: int) -> None:
     par = plan.parallel
@@ -50,6 +81,9 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
     do, tp not dividing the heads. Warnings: sha256 mismatch (docs/design.md §3: another file version warns).
     """
     warnings: list[str] = []
+    reason = torch_support_reason()
+    if reason:
+        raise AutoparError(reason)
     if world_size is not None:
         check_world_size(plan, world_size)
     model = mf.build("meta")

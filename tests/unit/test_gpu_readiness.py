@@ -69,3 +69,18 @@ def test_run_checks_the_gpus_before_starting_ranks(monkeypatch) -> None:
     import os
 
     assert os.environ[DEVICE_ENV] == "cpu"
+
+
+def test_an_older_torch_is_one_line_naming_what_it_lacks(monkeypatch) -> None:
+    """torch >= 2.6 plans; the executor calls APIs of later builds: a torch without them is refused
+    before any rank starts, naming what is missing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from autopar.executor import checks
+
+    assert checks.torch_support_reason() is None  # the torch the suite runs on has them
+    monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
+    reason = checks.torch_support_reason()
+    assert reason is not None and "FSDPModule.set_force_sum_reduction_for_comms" in reason and ">= 2.10" in reason
+    with pytest.raises(AutoparError, match="autopar run needs torch >= 2.10"):
+        preflight(_plan("bf16"), load_model_file(SMALL), 1)
