@@ -431,7 +431,19 @@ def sync_tied_grads(
         shards = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in local]
         total = shards[0] if len(shards) == 1 else torch.stack(shards).sum(0)
         if group is not None:
-            dist.all_reduce(total, group=group)
+            all_reduce_on_group_device(total, group)
         for t in shards:
             if t is not total:
                 t.copy_(total)
+
+
+def all_reduce_on_group_device(t: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """All-reduce ``t`` in place over ``group`` on a device the group's backend takes: gradients of
+    host-offloaded parameters (FSDP2's CPU offload) live on the CPU, which NCCL refuses, so a CUDA
+    group reduces a device copy and the sum is copied back."""
+    if t.device.type == "cpu" and torch.cuda.is_available() and dist.get_backend(group) == "nccl":
+        on_device = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_device, group=group)
+        t.copy_(on_device)
+        return
+    dist.all_reduce(t, group=group)

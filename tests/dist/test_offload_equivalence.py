@@ -28,6 +28,10 @@ CASES = [
     Case(name="gpt-dp2-ddp-offload-optimizer-activations", model="gpt",
          parallel={"dp": 2, "zero": 0, "offload": {"optimizer": True, "activations": True}}),
     Case(name="gpt-pp2-offload-optimizer", model="gpt", parallel={"pp": 2, "pp_schedule": "1f1b", "offload": OPT}),
+    # the tied embedding/head on two pp ranks with their gradients on the host (sync_tied_grads)
+    Case(name="gpt-pp2-zero3-offload-params", model="gpt",
+         parallel={"pp": 2, "pp_schedule": "1f1b", "zero": 3,
+                   "offload": {"optimizer": True, "params": True, "grads": True}}),
     Case(name="llama-tp2-offload-activations", model="llama", parallel={"tp": 2, "offload": {"activations": True}}),
 ]
 

@@ -84,3 +84,20 @@ def test_an_older_torch_is_one_line_naming_what_it_lacks(monkeypatch) -> None:
     assert reason is not None and "FSDPModule.set_force_sum_reduction_for_comms" in reason and ">= 2.10" in reason
     with pytest.raises(AutoparError, match="autopar run needs torch >= 2.10"):
         preflight(_plan("bf16"), load_model_file(SMALL), 1)
+
+
+def test_tied_gradients_on_the_host_are_reduced_on_the_device_under_nccl(monkeypatch) -> None:
+    """Parameter offload keeps gradients on the CPU; NCCL takes device tensors only: the tied-weight
+    sum goes through a device copy (here the device is faked: the copy and the collective are
+    recorded)."""
+    from autopar.executor import pipeline_parallel as pipe
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(pipe.dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device: (seen.append(("to", str(device))), self * 1)[1])
+    monkeypatch.setattr(pipe.dist, "all_reduce", lambda t, group: (seen.append(("all_reduce", t.device.type)), t.mul_(2)))
+    grad = torch.ones(3)
+    pipe.all_reduce_on_group_device(grad, object())
+    assert seen == [("to", "cuda:0"), ("all_reduce", "cpu")] and grad.tolist() == [2.0, 2.0, 2.0]
