@@ -89,9 +89,8 @@ class Part:
     fwd_flops: float
     bwd_flops: float
     ep_comm_s: float = 0.0  # expert parallelism: exposed all-to-alls (+ expert grad-sync excess)
-    # how far the live tensors rise above the saved activations while this piece runs (the loss's
-    # fp32 copies of the logits and their gradients, gradients of activations): a rank's peak is
-    # its activations plus the largest of its pieces' (graph/live.py)
+    # the most bytes of temporaries while this piece runs (the loss's fp32 copies of the logits and
+    # their gradients, gradients of activations: graph/live.py); StageTerms.rank_other_bytes
     peak_bytes: float = 0.0
 
     @property
@@ -170,12 +169,11 @@ class StageTerms:
 
         * a block's backward: the config's transients (ZeRO-3's gathered block, its prefetched
           neighbour and the block's unsharded gradients; a single-mode recompute's re-run block)
-          + ``working`` (a recompute mix's largest re-run block) + the block's own rise above the
-          saved activations (gradients of activations: ``Part.peak_bytes``);
-        * the last rank's loss: its rise above the saved activations (the fp32 copies of the
-          logits and their gradients) + under ZeRO-3 the first block's gathered parameters,
-          prefetched for backward;
-        * the first rank's embedding backward;
+          + ``working`` (a recompute mix's largest re-run block) + the block's temporaries
+          (gradients of activations: ``Part.peak_bytes``, graph/live.py);
+        * the last rank's loss: its temporaries (the fp32 copies of the logits and their
+          gradients) + under ZeRO-3 the first block's gathered parameters, prefetched for backward;
+        * the first rank's embedding backward (its temporaries);
 
         and in every phase ZeRO-3's root parameters (embedding, head: FSDP2 keeps the root unit
         gathered from forward to backward) and the pipeline's receive buffers
@@ -239,7 +237,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
                              shape=shape)
     if expert is not None:
         if cfg.zero == 3:  # the gathered block holds this rank's E / ep experts, not all E
-            transient_ep_saving = 3 * (expert.all_expert_params - expert.expert_params) * cfg.dtype_bytes
+            transient_ep_saving = 2 * (expert.all_expert_params - expert.expert_params) * cfg.dtype_bytes
         fwd_extra = expert.a2a_fwd_s + expert.imbalance_fwd_s + expert.gemm_fwd_s  # gemm: the ep shapes
         bwd_extra = expert.a2a_bwd_s + expert.imbalance_bwd_s + expert.gemm_bwd_s + expert.grad_sync_extra_s
         recompute_extra = fwd_extra if cfg.recompute == "full" else 0.0  # a recomputed block re-runs its all-to-alls
@@ -276,7 +274,9 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     block_params = graph.params["block"].per_rank(cfg.tp)
     transient = 0.0
     if cfg.zero == 3:
-        transient += 3 * block_params * d  # gathered params of this and the prefetched block + unsharded grads
+        # FSDP2 in a block's backward: the block's gathered parameters and the next one's, prefetched
+        # (its gradients are reduce-scattered as soon as they are whole); measured by rehearsal
+        transient += 2 * block_params * d
         if expert is not None:  # issue 15
             transient -= transient_ep_saving
     widths = layer_widths(graph) if cluster.activation_memory == "megatron" else None

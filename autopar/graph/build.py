@@ -163,7 +163,7 @@ def trace_model(
     finally:
         for h in handles:
             h.remove()
-    trace.peaks = _peaks(model, inputs, loss_fn, block, trace.saved_bytes())
+    trace.peaks = _peaks(model, inputs, loss_fn, block)
     return TracedRun(trace=trace, param_regions=regions.by_param,
                      block_input_bytes=io["in"])
 
@@ -207,7 +207,7 @@ def _forward_backward(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
 
 
 def _peaks(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-           block: nn.Module | None, saved_bytes: float) -> list[PeakRecord]:
+           block: nn.Module | None) -> list[PeakRecord]:
     """The step's memory timeline (graph/live.py) as one record per (region, phase)."""
     from autopar.graph.live import live_peaks
 
@@ -219,7 +219,7 @@ def _peaks(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Te
         _forward_backward(model, inputs, loss_fn, set_region)
 
     try:
-        peaks = live_peaks(step, list(model.parameters()), saved_bytes)
+        peaks = live_peaks(step, list(model.parameters()))
     finally:
         for h in handles:
             h.remove()

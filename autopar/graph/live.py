@@ -1,20 +1,22 @@
-"""The memory timeline of one forward+backward on the meta device: how far above the saved
-activations the live tensors rise in each phase of each region.
+"""The memory timeline of one forward+backward on the meta device: the step's temporaries, per
+phase of each region.
 
 The saved-tensor count (``graph/trace.py``) says what a step keeps from forward to backward; a
 step's peak is higher by what exists only for a moment: a loss's full-vocabulary fp32 copies of
-the logits and their gradients, a block's gradients of activations in backward. ``live_peaks``
-runs the same forward+backward again (nothing recorded, no view bookkeeping that would keep
-tensors alive) under ``LiveBytes``, a dispatch mode that counts each storage an op creates until
-Python frees it (a weakref on the storage: meta storages are tracked like real ones), and reports
-per (phase, region) the highest live total minus the saved total of the whole trace:
+the logits and their gradients, a block's gradients of activations in backward, an unfused
+attention's s^2 score gradients. ``live_peaks`` runs the same forward+backward again (nothing
+recorded, no view bookkeeping that would keep tensors alive) under ``LiveBytes``, a dispatch mode
+that counts each storage an op creates until Python frees it (a weakref on the storage: meta
+storages are tracked like real ones), marks the ones autograd saves for backward, and reports per
+(phase, region) the most bytes of *temporaries* -- live storages never saved -- at any op there:
 
-    E(phase, region) = max over that phase's ops of live(t) - saved
+    T(phase, region) = max over that phase's ops of the live bytes not saved for backward
 
-For a model of n blocks this is exactly what the step's peak adds to its activations: when the
-loss runs (or the last block's backward) the other blocks' saved activations are alive in full,
-as they are in ``saved``, so peak(n) = activations(n) + E. Parameter gradients are left out (the
-cost model counts them as gradients, not activations), as is anything alive before the step.
+For a model of n blocks the step's peak in that phase is the saved activations alive then (every
+block's at the loss; the blocks not yet back-propagated at a block's backward) plus T: each
+temporary has the shape of an activation or its gradient, so T scales like one (fitted in b, s and
+1/tp). Parameter gradients are left out (the cost model counts them as gradients), as is anything
+alive before the step.
 """
 
 from __future__ import annotations
@@ -70,24 +72,23 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def peaks_over(events: list[tuple[int, int, str, str]], leave_out: set[int], saved_bytes: float) -> dict[tuple[str, str], float]:
-    """Replay ``events`` without the storages ``leave_out``: per (phase, region), the highest live
-    total there minus ``saved_bytes``."""
+def peaks_over(events: list[tuple[int, int, str, str]], leave_out: set[int]) -> dict[tuple[str, str], float]:
+    """Replay ``events`` without the storages ``leave_out`` (saved tensors, parameter gradients):
+    per (phase, region), the most live bytes there."""
     live, peaks = 0, {}
     for nbytes, serial, phase, region in events:
         if serial in leave_out:
             continue
         live += nbytes
         key = (phase, region)
-        if nbytes > 0 and live - saved_bytes > peaks.get(key, float("-inf")):
-            peaks[key] = live - saved_bytes
+        if nbytes > 0 and live > peaks.get(key, 0):
+            peaks[key] = live
     return peaks
 
 
-def live_peaks(step: Callable[[Callable[[str], None]], Any], params: list[torch.Tensor],
-               saved_bytes: float) -> dict[tuple[str, str], float]:
+def live_peaks(step: Callable[[Callable[[str], None]], Any], params: list[torch.Tensor]) -> dict[tuple[str, str], float]:
     """Run ``step(set_region)`` (forward and backward; ``set_region`` as ``graph.trace.run_and_trace``
-    takes it) under ``LiveBytes``; the peaks of ``peaks_over``, parameter gradients left out."""
+    takes it) under ``LiveBytes``; per (phase, region) the temporaries' peak (module docstring)."""
     from autopar.graph.trace import cuda_like_functions
 
     for p in params:
@@ -100,9 +101,17 @@ def live_peaks(step: Callable[[Callable[[str], None]], Any], params: list[torch.
         else:
             mode.clock.region = name
 
-    with cuda_like_functions(), mode:
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        serial = mode.serial_of(t)
+        if serial is not None:
+            saved.add(serial)
+        return t
+
+    with cuda_like_functions(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
         step(set_region)
     grads = {mode.serial_of(p.grad) for p in params if p.grad is not None}
     for p in params:
         p.grad = None
-    return peaks_over(mode.events, grads - {None}, saved_bytes)
+    return peaks_over(mode.events, (grads | saved) - {None})

@@ -32,8 +32,8 @@ class SavedRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class PeakRecord:
-    """How far the live tensors rose above the saved ones in one phase of one region
-    (``graph/live.py``); 0 where they never did."""
+    """The most bytes of temporaries (live tensors never saved for backward) in one phase of one
+    region (``graph/live.py``)."""
 
     region: str
     phase: str  # "fwd" | "bwd"

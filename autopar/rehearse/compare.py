@@ -35,6 +35,7 @@ class RankRehearsal:
     reserve_bytes: float
     seconds: float
     microbatches: tuple[int, ...] = ()  # the rehearsed steps' micro-batches (rank.rehearsed_microbatches)
+    host_bytes: float = 0.0  # what the rank keeps in host memory (offload), not in ``peak_bytes``
 
     @property
     def tensor_error_pct(self) -> float:
@@ -85,10 +86,11 @@ def rehearse(plan: "Plan", model_path: str, estimate: "Estimate", cluster_name: 
     for r in chosen:
         m = got[r]
         stage = estimate.ranks[m.stage]
+        parts = {k: v for k, v in m.parts.items() if k != "host"}
         out.append(RankRehearsal(rank=r, stage=m.stage, peak_bytes=m.peak_bytes + reserve,
-                                 parts={**m.parts, "reserve": reserve}, predicted_peak_bytes=stage.peak_bytes,
+                                 parts={**parts, "reserve": reserve}, predicted_peak_bytes=stage.peak_bytes,
                                  predicted_parts=dict(stage.memory_bytes), reserve_bytes=reserve, seconds=m.seconds,
-                                 microbatches=m.microbatches))
+                                 microbatches=m.microbatches, host_bytes=m.parts.get("host", 0.0)))
     return Rehearsal(ranks=tuple(out), capacity_bytes=estimate.capacity_bytes, cluster=cluster_name,
                      microbatches=plan.num_microbatches)
 
@@ -149,7 +151,7 @@ def rehearsal_json(reh: Rehearsal) -> dict[str, Any]:
         "ranks": [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes,
                    "predicted_peak_bytes": r.predicted_peak_bytes, "tensor_error_pct": r.tensor_error_pct,
                    "parts": dict(r.parts), "predicted_parts": dict(r.predicted_parts), "seconds": r.seconds,
-                   "rehearsed_microbatches": list(r.microbatches)}
+                   "rehearsed_microbatches": list(r.microbatches), "host_bytes": r.host_bytes}
                   for r in reh.ranks],
         "microbatches": reh.microbatches,
         "capacity_bytes": reh.capacity_bytes,

@@ -45,7 +45,7 @@ class RankMemory:
     rank: int
     stage: int  # pipeline rank
     peak_bytes: float
-    parts: dict[str, float]  # params, grads, optimizer, activations, temporaries
+    parts: dict[str, float]  # params, grads, optimizer, activations, temporaries (device), host
     seconds: float  # wall time of this rank's rehearsal
     microbatches: tuple[int, ...]  # the micro-batches of each rehearsed step (module docstring)
 
@@ -106,7 +106,7 @@ def rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> PeakMemory
                 trainer = _Trainer(exe, mf)
                 trainer.checked_cp_loss = True  # a value check (module docstring)
                 _create_optimizer_states(exe)
-                tracker = StepTracker()
+                tracker = StepTracker(**_host_resident(plan, exe))
                 tracker.track_external(*exe.parts, exe.optimizer)
                 with tracker:
                     trainer.step(batch)
@@ -115,6 +115,25 @@ def rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> PeakMemory
             except Exception as exc:  # the user's model on fake tensors, or the executor on this plan
                 raise AutoparError(_one_line(mf, rank, exc)) from None
     return peak_of(tracker)
+
+
+def _host_resident(plan: Plan, exe: Any) -> dict[str, Any]:
+    """What a real run of ``plan`` keeps on the host (executor/offload.py), as StepTracker takes it:
+    FSDP2's parameter offload holds the sharded parameters, their gradients and the optimizer on the
+    host; optimizer offload (HostOptimizer) its states (and fp32 masters, built before the step and
+    not tracked). Activation offload's copies are not told apart: they count on the device."""
+    off = plan.parallel.offload
+    labels: tuple[str, ...] = ()
+    params = 0.0
+    if off.params:
+        labels = ("Gradient", "Optstate")
+        for part in exe.parts:
+            for p in part.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                params += local.untyped_storage().nbytes()
+    elif off.optimizer:
+        labels = ("Optstate",)
+    return {"host_labels": labels, "host_param_bytes": params}
 
 
 def _create_optimizer_states(exe: Any) -> None:

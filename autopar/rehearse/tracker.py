@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
 
 # MemTracker's labels -> the parts autopar reports (the cost model's, with temporaries apart)
 PARTS = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Activation": "activations",
@@ -26,7 +26,18 @@ PARTS = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "A
 
 
 class StepTracker(MemTracker):
-    """MemTracker for a whole training step of many micro-batches (module docstring)."""
+    """MemTracker for a whole training step of many micro-batches (module docstring), whose peak is
+    the *device's*: a rehearsal runs on one CPU device, where host offload's tensors live beside
+    the rest, so what a real run keeps on the host is named and left out of the peak at every op
+    (``host_labels``: the MemTracker labels that live on the host -- optimizer states under any
+    optimizer offload, gradients under FSDP2's parameter offload; ``host_param_bytes``: the
+    parameters' sharded copies FSDP2 keeps on the host). The host's own peak is kept apart."""
+
+    def __init__(self, host_labels: tuple[str, ...] = (), host_param_bytes: float = 0.0) -> None:
+        super().__init__()
+        self.host_labels, self.host_param_bytes = host_labels, host_param_bytes
+        self.device_peak = -1.0
+        self.device_peak_snap: dict[str, float] = {}
 
     def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -36,29 +47,37 @@ class StepTracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        for dev, snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                self._peak_mem[dev] = snap[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = dict(snap)
+        total, merged = 0.0, {}
+        for snap in self._curr_mem_snap.values():
+            for key, nbytes in snap.items():
+                label = getattr(key, "value", key)
+                merged[label] = merged.get(label, 0.0) + nbytes
+        host = sum(merged.get(label, 0.0) for label in self.host_labels) + self.host_param_bytes
+        total = merged.get("Total", 0.0) - host
+        if total > self.device_peak:
+            self.device_peak, self.device_peak_snap = total, merged
 
 
 @dataclass(frozen=True, kw_only=True)
 class PeakMemory:
-    """The step's peak: total tensor bytes and the parts alive at that moment."""
+    """The step's device peak: tensor bytes and the parts alive at that moment (host-resident
+    ones left out, and reported as ``parts["host"]``)."""
 
     peak_bytes: float
     parts: dict[str, float]
 
 
-def peak_of(tracker: MemTracker) -> PeakMemory:
-    """The peak snapshot of ``tracker`` summed over devices, by part."""
+def peak_of(tracker: StepTracker) -> PeakMemory:
+    """The device peak of ``tracker``, by part."""
     parts = dict.fromkeys(dict.fromkeys(PARTS.values()), 0.0)
-    total = 0.0
-    for snap in tracker.get_tracker_snapshot("peak").values():
-        for key, nbytes in snap.items():
-            label = getattr(key, "value", key)
-            if label == "Total":
-                total += nbytes
-            else:
-                parts[PARTS[label]] += nbytes
-    return PeakMemory(peak_bytes=total, parts=parts)
+    snap = tracker.device_peak_snap
+    host = tracker.host_param_bytes
+    for label, nbytes in snap.items():
+        if label == "Total":
+            continue
+        if label in tracker.host_labels:
+            host += nbytes
+        else:
+            parts[PARTS[label]] += nbytes
+    parts["params"] -= tracker.host_param_bytes
+    return PeakMemory(peak_bytes=max(0.0, tracker.device_peak), parts={**parts, "host": host})
