@@ -395,16 +395,19 @@ def _cp_time(graph: ModelGraph, cfg: Config, link, tokens_bytes: float) -> tuple
     kv_frac = (kv / heads) if heads else 1.0
     kv_bytes = 2 * tokens_bytes * kv_frac / cfg.tp  # this rank's K and V
     n = cfg.cp
+    # The gradients of K,V travel in fp32 (executor/ring_attention.py accumulates them so).
+    dkv_bytes = kv_bytes * 4 / cfg.dtype_bytes
     if cfg.cp_kind == "ring":
-        # autopar's ring (executor/context_parallel.py) shifts K/V with a blocking send/receive
-        # between two block steps: the next step needs the block being received, and the send waits
-        # for the step before it, so nothing overlaps. Forward: cp - 1 shifts of K,V; backward: the
-        # cp - 1 shifts of dK,dV going back (the received K,V were saved, not re-sent).
+        # autopar's ring (executor/ring_attention.py) shifts K/V with a blocking send/receive between
+        # two flash-attention pieces: the next piece needs the block being received, so nothing
+        # overlaps. Forward: cp - 1 shifts of K,V. Backward: the blocks go round again (cp - 1
+        # shifts; only this rank's K,V were saved) and each block's fp32 gradient travels with it,
+        # cp shifts, ending at its owner.
         step = collective_time_s("p2p", kv_bytes, link)
-        return (n - 1) * step, (n - 1) * step
+        return (n - 1) * step, (n - 1) * step + n * collective_time_s("p2p", dkv_bytes, link)
     if cfg.cp_kind == "allgather":
-        full = kv_bytes * n
-        return collective_time_s("all_gather", full, link), collective_time_s("reduce_scatter", full, link)
+        return (collective_time_s("all_gather", kv_bytes * n, link),
+                collective_time_s("reduce_scatter", dkv_bytes * n, link))
     # Ulysses (executor/context_parallel.py): one all-to-all each for q, k, v and the output, each
     # of this rank's local tensor (the message of the measured fit: the tensor a rank passes in);
     # backward runs the four again, reversed.

@@ -3,11 +3,12 @@
 torch's own ``context_parallel()`` is CUDA-only (docs/design.md §7), so the three kinds are written here with
 autograd over torch.distributed collectives:
 
-* ``ring``: K/V blocks travel around the ring by P2P (``_RingShift``, an autograd.Function whose
-  backward sends the gradients the other way); each step's block attention is merged with an online
-  log-sum-exp. Every rank runs every send/receive step, also where the causal mask empties a block,
-  so forward and backward stay matched on all ranks (no deadlock).
-* ``allgather``: K/V all-gathered with ``all_gather_single_autograd`` (backward: reduce-scatter).
+* ``ring``: K/V blocks travel around the ring by P2P; each step runs flash attention on the
+  pieces the causal mask leaves and merges them by log-sum-exp (executor/ring_attention.py:
+  memory linear in the local sequence, as flash attention's). Every rank runs every send/receive
+  step, also where the causal mask empties a block, so forward and backward stay matched on all
+  ranks (no deadlock).
+* ``allgather``: K/V all-gathered once, the same flash pieces, the gradients reduce-scattered back.
 * ``ulysses``: all-to-all (``all_to_all_single_autograd``) turns sequence shards into head shards,
   full-sequence causal attention runs on heads/cp heads, and a second all-to-all turns back.
 
@@ -42,9 +43,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.errors import AutoparError
+from autopar.executor.ring_attention import AllGatherAttention, RingAttention, shard_chunks
 
 IGNORE = -100
-_MASKED = -1.0e30  # finite: a fully masked block gets weight exp(-1e30 - lse) = 0, and no NaN grads
 
 
 def shard_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -168,46 +169,6 @@ def position_kwargs(accepts_positions: bool, positions: torch.Tensor) -> dict[st
     return {"positions": positions} if accepts_positions else {"position_ids": positions[None]}
 
 
-def _peer(group: dist.ProcessGroup, group_rank: int) -> int:
-    return dist.get_global_rank(group, group_rank)
-
-
-def _send_recv(t: torch.Tensor, to: int, frm: int, group: dist.ProcessGroup) -> torch.Tensor:
-    out = torch.empty_like(t)
-    ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(group, to), group), dist.P2POp(dist.irecv, out, _peer(group, frm), group)]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
-    return out
-
-
-class _RingShift(torch.autograd.Function):
-    """Forward: send to rank+1, receive from rank-1. Backward: the gradient goes the other way."""
-
-    @staticmethod
-    def forward(ctx, kv: torch.Tensor, group: dist.ProcessGroup, cp: int, rank: int) -> torch.Tensor:
-        ctx.group, ctx.cp, ctx.rank = group, cp, rank
-        return _send_recv(kv, (rank + 1) % cp, (rank - 1) % cp, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _send_recv(grad, (ctx.rank - 1) % ctx.cp, (ctx.rank + 1) % ctx.cp, ctx.group), None, None, None
-
-
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_q: torch.Tensor, pos_k: torch.Tensor, scale: float):
-    """Attention of q against one K/V block with a causal mask from positions: (out, lse), fp32."""
-    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
-    s = s.masked_fill(pos_k[None, :] > pos_q[:, None], _MASKED)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse[..., None]), v.float()), lse
-
-
-def _merge(out, lse, o_b, lse_b):
-    if out is None:
-        return o_b, lse_b
-    new = torch.logaddexp(lse, lse_b)
-    return out * torch.exp(lse - new)[..., None] + o_b * torch.exp(lse_b - new)[..., None], new
-
-
 class ContextParallelAttention(nn.Module):
     """Drop-in replacement of a block's attention core for one cp rank (inputs are local shards)."""
 
@@ -215,45 +176,27 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.kind, self.group, self.cp, self.rank = kind, group, cp, rank
         self.positions = [shard_indices(seq_len, cp, r) for r in range(cp)]  # plain list: not a buffer
+        self.chunks = [shard_chunks(seq_len, cp, r) for r in range(cp)]  # the same, as ranges
         self.local = False  # set by local_attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Causal attention of the local (b, heads, s_local, head_dim) shards; ``scale`` defaults
         to 1/sqrt(head_dim) (transformers passes its ``scaling``). Inside ``local_attention``:
         plain causal attention of q, k, v as a whole sequence from position 0, no collectives."""
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: repeat K/V heads like SDPA enable_gqa
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        gqa = k.shape[1] != q.shape[1]  # grouped-query attention: fewer K/V heads, each shared
+        if self.local:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        if self.kind in ("ring", "allgather"):  # flash kernels block by block (executor/ring_attention.py)
+            fn = RingAttention if self.kind == "ring" else AllGatherAttention
+            return fn.apply(q, k, v, self.group, self.cp, self.rank, self.chunks, scale)
+        if gqa and k.shape[1] % self.cp:  # Ulysses splits the kv heads too: repeat only where cp must
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        if self.local:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         pos = [p.to(q.device) for p in self.positions]
-        if self.kind == "ring":
-            out = self._ring(q, k, v, pos, scale)
-        elif self.kind == "allgather":
-            out = self._allgather(q, k, v, pos, scale)
-        else:
-            return self._ulysses(q, k, v, pos, scale)
-        return out.to(q.dtype)
-
-    def _ring(self, q, k, v, pos, scale):
-        out = lse = None
-        kv = torch.stack([k, v])
-        for step in range(self.cp):
-            src = (self.rank - step) % self.cp
-            o_b, l_b = _block(q, kv[0], kv[1], pos[self.rank], pos[src], scale)
-            out, lse = _merge(out, lse, o_b, l_b)
-            if step < self.cp - 1:
-                kv = _RingShift.apply(kv, self.group, self.cp, self.rank)
-        return out
-
-    def _allgather(self, q, k, v, pos, scale):
-        from torch.distributed._functional_collectives import all_gather_single_autograd
-
-        kv = torch.stack([k, v]).contiguous()  # (2, b, h, s_local, d): one collective for K and V
-        kv_all = all_gather_single_autograd(kv, gather_dim=3, group=self.group)
-        out, _ = _block(q, kv_all[0], kv_all[1], pos[self.rank], torch.cat(pos), scale)
-        return out
+        return self._ulysses(q, k, v, pos, scale)
 
     def _ulysses(self, q, k, v, pos, scale):
         from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -261,13 +204,15 @@ class ContextParallelAttention(nn.Module):
         b, h, s_l, d = q.shape
         cp = self.cp
 
-        def to_heads(x: torch.Tensor) -> torch.Tensor:  # (b, h, s_l, d) -> (b, h/cp, s, d) in rank order
+        def to_heads(x: torch.Tensor) -> torch.Tensor:  # (b, n, s_l, d) -> (b, n/cp, s, d) in rank order
+            n = x.shape[1]
             y = all_to_all_single_autograd(x.permute(1, 0, 2, 3).contiguous(), None, None, self.group)
-            return y.view(cp, h // cp, b, s_l, d).permute(2, 1, 0, 3, 4).reshape(b, h // cp, cp * s_l, d)
+            return y.view(cp, n // cp, b, s_l, d).permute(2, 1, 0, 3, 4).reshape(b, n // cp, cp * s_l, d)
 
         order = torch.argsort(torch.cat(pos))  # rank-order -> natural sequence order
         qs, ks, vs = (to_heads(x)[:, :, order] for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        # Rank r holds q heads [r h/cp, (r+1) h/cp) and kv heads [r kv/cp, ...): the groups line up.
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[1] != h // cp)
         o = o[:, :, torch.argsort(order)].reshape(b, h // cp, cp, s_l, d).permute(2, 1, 0, 3, 4).reshape(h, b, s_l, d)
         back = all_to_all_single_autograd(o.contiguous(), None, None, self.group)
         return back.view(h, b, s_l, d).permute(1, 0, 2, 3)

@@ -203,13 +203,15 @@ def _cp_items(add, graph: ModelGraph, cfg, block_calls: float, x: float, rerun_c
     heads, kv_heads = graph.num_heads, graph.num_kv_heads or graph.num_heads
     kv = 2 * x * ((kv_heads / heads) if heads else 1.0) / cfg.tp
     fwd_calls = block_calls + rerun_calls  # a fully recomputed block runs its forward twice
+    dkv = kv * 4 / cfg.dtype_bytes  # the gradients travel in fp32 (executor/ring_attention.py)
     if cfg.cp_kind == "ring":
         add("CP ring K,V (forward)", "p2p", "cp", fwd_calls * (n - 1), kv)
-        # backward sends each received block's gradient back once; the received K,V were saved
-        add("CP ring dK,dV (backward)", "p2p", "cp", block_calls * (n - 1), kv)
+        # backward passes the blocks round again, each with its gradient, which ends at its owner
+        add("CP ring K,V (backward)", "p2p", "cp", block_calls * (n - 1), kv)
+        add("CP ring dK,dV (backward)", "p2p", "cp", block_calls * n, dkv)
     elif cfg.cp_kind == "allgather":
         add("CP all-gather K,V (forward)", "all_gather", "cp", fwd_calls, kv * n)
-        add("CP reduce-scatter dK,dV (backward)", "reduce_scatter", "cp", block_calls, kv * n)
+        add("CP reduce-scatter dK,dV (backward)", "reduce_scatter", "cp", block_calls, dkv * n)
     else:
         q = x / cfg.tp
         # one all-to-all per tensor, of this rank's local tensor (as the cost model, stage._cp_time)

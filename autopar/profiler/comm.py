@@ -15,8 +15,9 @@ point: ``fit_collective``)
 (all-reduce: hops 2(n-1), volume 2(n-1)/n M; all-gather / reduce-scatter / all-to-all: n-1 and
 (n-1)/n M; P2P: 1 and M), so the fitted figures plug straight into ``Link.fits``. A time above that
 of a larger message in the same group is lowered to it first (``monotone_times``: a stall, not the
-link). P2P is the executor's neighbour exchange between the two ranks of each pair (``_send_recv``: each sends M and receives M
-at once, back to back, as a ring-attention shift or a pipeline's steady state does).
+link). P2P is the executor's neighbour exchange between the two ranks of each pair
+(``ring_attention.send_recv``: each sends M and receives M at once, back to back, as a
+ring-attention shift or a pipeline's steady state does).
 
 Rendezvous: a blocking collective between bursts of compute also waits for members the OS has
 descheduled when ranks share cores (``_rendezvous_time``); measured once and stored as
@@ -153,7 +154,7 @@ def _collective(kind: str, n: int, message_bytes: int, group: Any, device: torch
 
 
 def _p2p_time(message_bytes: int, repeats: int, device: torch.device, pair: Any) -> float:
-    """One neighbour exchange as the executor runs it (``context_parallel._send_recv``: a batched
+    """One neighbour exchange as the executor runs it (``ring_attention.send_recv``: a batched
     isend + irecv, both directions at once, as in a ring shift or a 1F1B steady state) between the
     two ranks of ``pair`` (this rank's pair group, None: this rank has no partner), back to back,
     every pair at once as a run's cp rings and pipeline neighbours exchange at once. Collective
@@ -161,7 +162,7 @@ def _p2p_time(message_bytes: int, repeats: int, device: torch.device, pair: Any)
 
     A one-way ping-pong measured ~0.35 ms for 1 MiB on gloo/CPU where the executor's exchange
     takes ~1.5-4 ms: the fit must price what runs."""
-    from autopar.executor.context_parallel import _send_recv
+    from autopar.executor.ring_attention import send_recv
 
     buf = torch.ones(max(1, message_bytes // 4), device=device)
     samples = []
@@ -173,7 +174,7 @@ def _p2p_time(message_bytes: int, repeats: int, device: torch.device, pair: Any)
         t0 = time.perf_counter()
         if pair is not None:
             for _ in range(inner):
-                _send_recv(buf, partner, partner, pair)
+                send_recv(buf, partner, partner, pair)
         _sync(device)
         elapsed = time.perf_counter() - t0
         if i:

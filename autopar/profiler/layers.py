@@ -328,24 +328,28 @@ def _loopback(cp: int) -> Iterator[None]:
     an all-gather ``cp`` copies of it, an all-to-all its input -- same shapes, same local work."""
     import torch.distributed._functional_collectives as fc
 
-    import autopar.executor.context_parallel as cpm
+    import autopar.executor.ring_attention as ra
 
     def send_recv(t: torch.Tensor, to: int, frm: int, group: Any) -> torch.Tensor:
         return t.clone()
 
-    def all_gather(x: torch.Tensor, gather_dim: int = 0, group: Any = None) -> torch.Tensor:
-        return torch.cat([x] * cp, dim=gather_dim)
+    def all_gather(out: torch.Tensor, t: torch.Tensor, group: Any) -> None:
+        out.copy_(t.unsqueeze(0).expand_as(out))
+
+    def reduce_scatter(out: torch.Tensor, t: torch.Tensor, group: Any) -> None:
+        out.copy_(t[0])
 
     def all_to_all(x: torch.Tensor, output_split_sizes: Any = None, input_split_sizes: Any = None,
                    group: Any = None) -> torch.Tensor:
         return x.clone()
 
-    saved = cpm._send_recv, fc.all_gather_single_autograd, fc.all_to_all_single_autograd
-    cpm._send_recv, fc.all_gather_single_autograd, fc.all_to_all_single_autograd = send_recv, all_gather, all_to_all
+    saved = ra.send_recv, ra.all_gather, ra.reduce_scatter, fc.all_to_all_single_autograd
+    ra.send_recv, ra.all_gather, ra.reduce_scatter, fc.all_to_all_single_autograd = (
+        send_recv, all_gather, reduce_scatter, all_to_all)
     try:
         yield
     finally:
-        cpm._send_recv, fc.all_gather_single_autograd, fc.all_to_all_single_autograd = saved
+        ra.send_recv, ra.all_gather, ra.reduce_scatter, fc.all_to_all_single_autograd = saved
 
 
 def median(values: Iterable[float]) -> float:
