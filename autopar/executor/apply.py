@@ -10,8 +10,9 @@ Order (each step sees the result of the previous one):
    built on CPU from the seed (``torch.manual_seed(seed); build_model()``), sliced to this rank's
    TP shard. The weights are therefore exactly the single-process model's for the same seed, for
    any plan. (This needs the full model once in host memory per rank -- fine for CPU-sized and
-   mid-sized models; a per-shard initialiser is future work.) Done before step 5 because DDP and
-   ZeRO-1 broadcast / FSDP2 shards whatever real tensors they are given;
+   mid-sized models; a per-shard initialiser is future work.) Done before step 5 because DDP
+   broadcasts whatever real tensors it is given; under ZeRO / FSDP2 each block is filled inside
+   step 5, right before it is sharded, so no rank holds its whole part unsharded on the device;
 5. **ZeRO / FSDP2 / DDP** over the dp x cp mesh;
 6. pipeline stages + schedule over the wrapped chunks; optimizer over all local parameters.
 """
@@ -19,7 +20,7 @@ Order (each step sees the result of the previous one):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from autopar.executor import chain_pipeline as chain_pipe
 from autopar.executor import hf_attention
 from autopar.executor import pipeline_parallel as pipe
 from autopar.executor.context_parallel import ContextParallelAttention, apply_cp, position_kwargs
-from autopar.executor.data_parallel import DataParallelResult, apply_data_parallel, build_optimizer
+from autopar.executor.data_parallel import DataParallelResult, apply_data_parallel, build_optimizer, uses_fsdp
 from autopar.executor.introspect import ModelSpec
 from autopar.executor.mesh import ParallelMesh
 from autopar.executor.recompute import apply_recompute
@@ -107,17 +108,30 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
             param.copy_(full)
 
 
-def materialise(part: nn.Module, reference: nn.Module | None, device: torch.device, perms: dict[str, torch.Tensor]) -> None:
+def materialise(part: nn.Module, reference: nn.Module | None, device: torch.device, perms: dict[str, torch.Tensor],
+                *, within: nn.Module | None = None, outside: Sequence[nn.Module] = ()) -> None:
     """Allocate ``part`` on ``device`` and copy the seed-initialised ``reference`` values in.
 
     ``to_empty`` gives every module its own new Parameter (meta and real tensors cannot share a
     storage swap), which would silently untie shared weights (GPT's embedding = output head), so
     the ties are recorded first and restored after. ``reference`` None: storage only, no values.
-    """
+
+    ``within`` (a submodule): that subtree only; ``outside`` (submodules): every module of
+    ``part`` but those subtrees. ZeRO / FSDP2 shards a block right after it is filled, so a rank
+    never holds more than one unsharded block (``sharded_fill``)."""
+    if within is not None:
+        mods = list(within.modules())
+    else:
+        skip = {id(m) for sub in outside for m in sub.modules()}
+        mods = [m for m in part.modules() if id(m) not in skip]
+    owners = {id(m) for m in mods}
+    in_scope = _in_scope(part, owners)
     aliases: dict[int, list[str]] = {}
     for name, p in part.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    part.to_empty(device=device)
+        if in_scope(name):
+            aliases.setdefault(id(p), []).append(name)
+    for m in mods:
+        m.to_empty(device=device, recurse=False)
     for names in aliases.values():
         keep = part.get_parameter(names[0])
         for other in names[1:]:
@@ -127,11 +141,48 @@ def materialise(part: nn.Module, reference: nn.Module | None, device: torch.devi
         return
     ref = dict(reference.named_parameters(remove_duplicate=False))
     ref.update(dict(reference.named_buffers(remove_duplicate=False)))
-    for key, t in named_full(part) + named_full(part, buffers=True):
+    for name, t in list(part.named_parameters()) + list(part.named_buffers()):
+        if not in_scope(name):
+            continue
+        key = original_name(name, part)
         full = ref[key].detach()
         if key in perms:
             full = full[perms[key]]
         _copy_into(t, full.to(device))
+
+
+def _in_scope(part: nn.Module, owners: set[int]) -> Callable[[str], bool]:
+    """Whether the parameter or buffer ``name`` of ``part`` belongs to a module in ``owners``."""
+    def test(name: str) -> bool:
+        owner = name.rpartition(".")[0]
+        return id(part.get_submodule(owner) if owner else part) in owners
+    return test
+
+
+def sharded_fill(part: nn.Module, blocks: Sequence[nn.Module], reference: nn.Module | None, device: torch.device,
+                 perms: dict[str, torch.Tensor]) -> Callable[[nn.Module], None] | None:
+    """For ZeRO / FSDP2: a function that fills one block (or, given ``part``, everything outside
+    the blocks) just before ``fully_shard`` shards it, so the device never holds the whole
+    unsharded part (torchtitan shards on meta first; here each block is filled from the seed-built
+    model at full size, then sharded). None where a parameter is shared across that split (a tie
+    between two blocks or a block and the rest): the part is then filled whole, as before."""
+    seen: dict[int, int] = {}
+    for scope, mod in enumerate([*blocks, None]):
+        if mod is None:
+            skip = {id(p) for b in blocks for p in b.parameters()}
+            params = [p for _, p in part.named_parameters(remove_duplicate=False) if id(p) not in skip]
+        else:
+            params = [p for _, p in mod.named_parameters(remove_duplicate=False)]
+        for p in params:
+            if seen.setdefault(id(p), scope) != scope:
+                return None
+
+    def fill(module: nn.Module) -> None:
+        if module is part:
+            materialise(part, reference, device, perms, outside=blocks)
+        else:
+            materialise(part, reference, device, perms, within=module)
+    return fill
 
 
 def canonical_names(model: nn.Module) -> dict[str, str]:
@@ -282,11 +333,19 @@ def place(
     par, device, zero = plan.parallel, mesh.device, plan.parallel.zero
     parts, expert, prefix = shaped.parts, shaped.expert, pipe.STAGE_PREFIX if par.pp > 1 else ""
 
-    # 4. materialise from the seed-built full model (fake: storage only)
+    # 4. materialise from the seed-built full model (fake: storage only). ZeRO / FSDP2 parts are
+    # filled block by block inside step 5, each just before it is sharded (``sharded_fill``); a
+    # rehearsal and expert parallelism (whose experts are wrapped before the blocks) fill whole.
     reference = None if fake else reference_model(mf, seed)
+    perms = {**shaped.perms, **(expert.rows if expert else {})}
+    fills: list[Callable[[nn.Module], None] | None] = []
     for part in parts:
-        materialise(part, reference, device, {**shaped.perms, **(expert.rows if expert else {})})
-    del reference
+        fill = None
+        if not fake and expert is None and uses_fsdp(zero, par.dp * par.cp):
+            fill = sharded_fill(part, _blocks_of(part, spec, prefix), reference, device, perms)
+        if fill is None:
+            materialise(part, reference, device, perms)
+        fills.append(fill)
     stage_shapes = _stage_shapes(shaped, plan, mf, device) if fake and par.pp > 1 and shaped.io is not None else None
     if expert is not None:  # experts reduce over their edp ranks, not dp x cp
         from autopar.executor import expert_parallel as ep_mod
@@ -297,7 +356,7 @@ def place(
     # 5. ZeRO / FSDP2 / DDP over dp x cp
     dp_mesh = mesh.dp_cp
     wrapped: list[DataParallelResult] = []
-    for part in parts:
+    for part, fill in zip(parts, fills):
         blocks = _blocks_of(part, spec, prefix)
         policy = None
         if par.offload.params:  # host offload: FSDP2 CPU offload of params, grads (and so the optimizer)
@@ -306,7 +365,8 @@ def place(
             policy = cpu_offload_policy(device)
         wrapped.append(apply_data_parallel(part, blocks, dp_mesh, zero=zero, dtype=plan.training.dtype, device=device,
                                            pipelined=par.pp > 1 or par.tp > 1, offload_policy=policy,
-                                           ddp_stand_in=fake))
+                                           ddp_stand_in=fake, fill=fill))
+    del reference
 
     # 6. pipeline schedule, optimizer, tied-weight groups
     exe = Executable(

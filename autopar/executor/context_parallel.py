@@ -102,10 +102,25 @@ def cp_next_token_loss(logits: torch.Tensor, local_targets: torch.Tensor, num_ta
     return total * (cp / num_targets)
 
 
+PROBE_TOKENS = 64  # the loss check's sequence prefix: vocabulary-sized logits of a batch are GBs at scale
+
+
 def is_next_token_loss(loss_fn, tokens: torch.Tensor, vocab: int, output: Any = None) -> bool:
     """Numerically check that the model file's loss_fn is mean next-token cross-entropy.
     ``output``: a model output of the model's structure (an HF ``ModelOutput``), whose logits the
-    check's random logits replace (None: the model returns the logits tensor)."""
+    check's random logits replace (None: the model returns the logits tensor).
+
+    The check runs on the first row's first ``PROBE_TOKENS`` tokens (a mean over tokens does not
+    depend on how many), and on the whole row only where that prefix fails (a loss_fn tied to the
+    sequence length): its logits are 1 x s x vocab, where those of a pipeline's whole batch
+    (G/dp rows) would not fit a GPU at a 128k vocabulary."""
+    row = tokens[:1]
+    if row.shape[1] > PROBE_TOKENS and _loss_matches(loss_fn, row[:, :PROBE_TOKENS], vocab, output):
+        return True
+    return _loss_matches(loss_fn, row, vocab, output)
+
+
+def _loss_matches(loss_fn, tokens: torch.Tensor, vocab: int, output: Any) -> bool:  # noqa: ANN001
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(*tokens.shape, vocab, generator=g).to(tokens.device)
     want = cp_next_token_loss(logits, shard_batch(tokens, 1, 0)[2], tokens.shape[0] * (tokens.shape[1] - 1), 1)

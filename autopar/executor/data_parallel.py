@@ -37,7 +37,7 @@ paths run forward under ``torch.autocast`` (see train.py). fp32 keeps everything
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -61,6 +61,12 @@ def _has_dtensor(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
+def uses_fsdp(zero: int, dp_size: int) -> bool:
+    """Whether ``apply_data_parallel`` wraps with FSDP2's ``fully_shard`` (ZeRO 2 and 3; ZeRO 1
+    over more than one rank)."""
+    return zero >= 2 or (zero == 1 and dp_size > 1)
+
+
 def apply_data_parallel(
     part: nn.Module,
     blocks: Iterable[nn.Module],
@@ -72,6 +78,7 @@ def apply_data_parallel(
     pipelined: bool = False,
     offload_policy: object | None = None,
     ddp_stand_in: bool = False,
+    fill: Callable[[nn.Module], None] | None = None,
 ) -> DataParallelResult:
     """Wrap ``part`` (real tensors, already TP/CP/recompute-applied) for data parallelism.
 
@@ -84,21 +91,34 @@ def apply_data_parallel(
     (executor/offload.py), given to every ``fully_shard``.
 
     ``ddp_stand_in`` (a rehearsal on fake tensors, autopar.rehearse): ``DDPBuckets`` instead of
-    DDP, whose C++ reducer needs real storage; everything else is wrapped as in a run."""
-    if zero >= 2 or (zero == 1 and mesh.size() > 1):
+    DDP, whose C++ reducer needs real storage; everything else is wrapped as in a run.
+
+    ``fill`` (FSDP2 kinds, ``apply.sharded_fill``): ``part`` is still on meta; ``fill(m)`` gives
+    block ``m`` (or, for ``part``, what lies outside the blocks) its storage and values, called
+    just before that module is sharded, so at most the root's parameters and one block are whole
+    on the device at once (an 80 GB GPU cannot hold a ZeRO-3 plan's stage unsharded)."""
+    if uses_fsdp(zero, mesh.size()):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32) if dtype != "fp32" else MixedPrecisionPolicy()
         reshard = zero == 3
-        scalars = _average_grads_of([p for p in part.parameters() if p.dim() == 0], mesh)
-        ignored = {"ignored_params": set(scalars)} if scalars else {}
-        if offload_policy is not None:  # host offload
-            ignored["offload_policy"] = offload_policy
+        extra = {"offload_policy": offload_policy} if offload_policy is not None else {}  # host offload
+        if fill is not None:
+            fill(part)  # the root's own parameters (embedding, head, norms), sharded last
+
+        def ignored(module: nn.Module) -> dict[str, Any]:
+            # 0-d parameters (a learnable scale) cannot be sharded: kept whole, averaged by hooks
+            scalars = {p for p in module.parameters() if p.dim() == 0}
+            return {"ignored_params": scalars, **extra} if scalars else dict(extra)
+
         for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, **ignored)
+            if fill is not None:
+                fill(block)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, **ignored(block))
         # Root: FSDP2's default (None) keeps the root's parameters gathered from forward to backward,
         # which comes right after -- re-gathering them would only add an all-gather.
-        fully_shard(part, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=mp, **ignored)
+        fully_shard(part, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=mp, **ignored(part))
+        _average_grads_of([p for p in part.parameters() if p.dim() == 0], mesh)
         return DataParallelResult(module=part, kind="fsdp", sharded_optimizer=False, zero1=zero == 1)
     if mesh.size() == 1:
         return DataParallelResult(module=part, kind="none", sharded_optimizer=False)

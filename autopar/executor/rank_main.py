@@ -310,7 +310,7 @@ def _initial_loss_hint(mf) -> str | None:  # noqa: ANN001
         vocab = getattr(getattr(mf.build("meta"), "config", None), "vocab_size", None)
         if not isinstance(vocab, int) or vocab < 2:
             return None
-        if not is_next_token_loss(mf.loss_fn, tokens[:, :64], vocab):
+        if not is_next_token_loss(mf.loss_fn, tokens, vocab):
             return None
     except Exception:  # noqa: BLE001 - a hint only: never fail a run over it
         return None
