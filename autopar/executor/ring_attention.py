@@ -81,15 +81,28 @@ def _fold(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
     """(out, lse) of one piece: the flash kernel of the device."""
     k, v = _repeat(q, k, v)
+    dv = v.shape[-1]
+    v = _pad_head(v, q.shape[-1])
     if q.device.type == "cuda":
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out[..., :dv], lse
+
+
+def _pad_head(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` zero-padded on its head dim to ``dim``: flash kernels take one head dim for q, k and v, and a
+    value head narrower than the query's (multi-head latent attention: 128 against 192) gives zero
+    output columns on the padding, sliced off after."""
+    return t if t.shape[-1] == dim else torch.nn.functional.pad(t, (0, dim - t.shape[-1]))
 
 
 def _flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):  # noqa: ANN001, ANN202
     """(dq, dk, dv) of one piece given the merged ``out`` and ``lse`` (no dropout); dk, dv on k's heads."""
     kv_heads = k.shape[1]
     k, v = _repeat(q, k, v)
+    dv = v.shape[-1]
+    v, dout, out = (_pad_head(t, q.shape[-1]) for t in (v, dout, out))
     if q.device.type == "cuda":
         none = torch.empty(0, dtype=torch.int64, device=q.device)
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -97,7 +110,7 @@ def _flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):  # noq
     else:
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    return gq, _fold(gk, kv_heads), _fold(gv, kv_heads)
+    return gq, _fold(gk, kv_heads), _fold(gv[..., :dv], kv_heads)
 
 
 class _Merge:

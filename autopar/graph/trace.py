@@ -255,6 +255,12 @@ def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
                 query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if value.shape[-1] != query.shape[-1]:
+        # Flash kernels need one head dim for q, k and v; a value head that differs (DeepSeek's
+        # multi-head latent attention: 192 for q/k, 128 for v) runs the memory-efficient kernel on CUDA,
+        # which saves the same q, k, v, out and log-sum-exp.
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, None, True, dropout_p, is_causal, scale=scale)[0]
     return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
 
 
