@@ -299,19 +299,21 @@ def machine_load(before: float | None, after: float | None, world: int, device_t
 
 
 def _cpu_step_allocated(exe, mf, step: int, seed: int) -> tuple[int, int]:  # noqa: ANN001
-    """(bytes alive before, peak allocated during) one more training step of this rank."""
+    """(bytes alive before, peak allocated during) one more training step of this rank.
+
+    Alive before: every tensor storage Python can reach -- parameters, gradients, optimizer states,
+    and what the engines keep between steps out of the module tree's sight: FSDP2's unsharded
+    parameters under ZeRO-1 (kept across steps), torch pipelining's receive buffers."""
+    import gc
+
     import torch
 
     from autopar.executor.train import _Trainer, rank_batch
     from autopar.profiler.memory import step_allocated_bytes
 
-    before: list[torch.Tensor] = []
-    for part in exe.parts:
-        before += [t for p in part.parameters() for t in (p, p.grad) if t is not None] + list(part.buffers())
-    for opt in (exe.optimizer, getattr(exe.optimizer, "optim", None)):  # ZeroRedundancyOptimizer's local one
-        for state in getattr(opt, "state", {}).values():
-            before += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    # DDP's gradient buckets live in C++, out of the step's sight: one flat copy of the gradients
+    gc.collect()
+    before = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    # DDP's gradient buckets live in C++, out of Python's sight: one flat copy of the gradients
     buckets = sum(p.numel() * p.element_size() for w in exe.dp if w.kind == "ddp"
                   for p in w.module.parameters() if p.requires_grad)
     batch = rank_batch(exe, mf, step, seed)

@@ -11,12 +11,17 @@ the real free). ``live_bytes`` is what is allocated now, ``peak_bytes`` its maxi
 Parameters, inputs and anything allocated before entering the mode are not counted: the measure is
 the activations, gradients and temporaries of the code run inside, i.e. what the cost model's
 "activations" (and transient buffers) stand for. It does not include allocator slack or RSS.
+
+One allocation path bypasses the dispatcher: FSDP2 grows and shrinks the storages of its unsharded
+parameters in place (``alloc_storage`` / ``free_storage``, ``UntypedStorage.resize_``). Inside
+``step_allocated_bytes`` those two are wrapped so that the bytes they add or drop count too.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -52,6 +57,11 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
+
+    def adjust(self, nbytes: int) -> None:
+        """Count ``nbytes`` (negative: freed) allocated outside the dispatcher."""
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _free(self, key: int, nbytes: int) -> None:
         self._refs.pop(key, None)
@@ -92,6 +102,35 @@ def step_allocated_bytes(tensors_before: Any, run_step: Any) -> tuple[int, int]:
     slack, no communication library buffers."""
     before = resident_bytes(tensors_before)
     live = LiveBytes()
-    with live:
+    with live, _fsdp_resizes(live):
         run_step()
     return before, live.peak_bytes
+
+
+@contextmanager
+def _fsdp_resizes(live: LiveBytes) -> Iterator[None]:
+    """FSDP2's in-place storage resizes (module docstring) counted in ``live``."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    except ImportError:  # a torch without FSDP2
+        yield
+        return
+    modules = (_fsdp_param, _fsdp_param_group)
+    saved = [(m, name, getattr(m, name)) for m in modules for name in ("alloc_storage", "free_storage")
+             if hasattr(m, name)]
+
+    def counted(fn: Any) -> Any:
+        def resize(tensor: torch.Tensor) -> None:
+            storage = tensor.untyped_storage()
+            was = storage.nbytes()
+            fn(tensor)
+            live.adjust(storage.nbytes() - was)
+        return resize
+
+    for m, name, fn in saved:
+        setattr(m, name, counted(fn))
+    try:
+        yield
+    finally:
+        for m, name, fn in saved:
+            setattr(m, name, fn)

@@ -6,7 +6,7 @@ returns at once without moving data, so one CPU process can bring up any rank of
 ``fake_tensors()`` every tensor created is a ``FakeTensor``: shape, dtype, device and storage size,
 no data, so a 405 B-parameter rank costs no memory and its ops cost no FLOPs.
 
-Two parts of torch read tensor *values* where a real run would have them, and are given what a
+Three pieces of code read tensor *values* where a real run would have them, and are given what a
 real run would compute:
 
 * ``DeviceMesh`` finds a rank's coordinates with ``nonzero`` on its mesh tensor (a data-dependent
@@ -15,6 +15,9 @@ real run would compute:
   whether each stage's shapes were given up front, reading the received vote's value. A rehearsal
   gives every stage its shapes (executor/apply.py ``place(fake=True)``), so the vote's result is
   known: static shapes on every stage (``_static_pipeline_warmup``).
+* Hugging Face's check for packed sequences, which skips building an attention mask when nothing
+  is packed, takes fake tensors for a trace and builds the mask; it is answered "not packed", as a
+  real run of a plain batch answers it (``_plain_hf_batches``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def fake_tensors() -> Iterator[FakeTensorMode]:
     with ExitStack() as stack:
         stack.enter_context(_real_meshes())
         stack.enter_context(_static_pipeline_warmup())
+        stack.enter_context(_plain_hf_batches())
         yield stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
 
 
@@ -90,6 +94,34 @@ def _static_pipeline_warmup() -> Iterator[None]:
         yield
     finally:
         base._warmup_p2p = original  # type: ignore[attr-defined]
+
+
+@contextmanager
+def _plain_hf_batches() -> Iterator[None]:
+    """Hugging Face's "are sequences packed?" check answered as a real run of a plain batch answers it.
+
+    transformers reads ``(packed_sequence_mask[:, -1] == 0).all()`` to skip building an attention mask,
+    but takes any FakeTensor for a trace and builds the mask: a rehearsal would then carry a
+    (batch, 1, seq, seq) mask per micro-batch and run SDPA with it (the memory-efficient kernel on a
+    GPU) where the real run of an unpacked batch runs causal flash attention without one. Position ids
+    that are fake are those the model made itself from ``arange`` (a batch's own are real): not packed."""
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def find(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if isinstance(position_ids, FakeTensor) else original(position_ids)
+
+    masking.find_packed_sequence_indices = find
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
 
 
 def real_cpu(value: object) -> object:

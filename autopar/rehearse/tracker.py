@@ -1,9 +1,10 @@
 """One training step under torch's memory tracker, the peak split into autopar's parts.
 
 ``torch.distributed._tools.mem_tracker.MemTracker`` counts every storage an op creates (forward,
-backward, recompute, optimizer), rounded up to the CUDA caching allocator's 512-byte blocks, and
-labels it: parameter, buffer, gradient, activation (made in forward or recompute), temporary (made
-in backward), optimizer state. It works on fake tensors: storage sizes are known without data.
+backward, recompute, optimizer) and labels it: parameter, buffer, gradient, activation (made in
+forward or recompute), temporary (made in backward), optimizer state. A rehearsal's fake tensors
+live on the CPU device, so sizes are exact bytes, not rounded up to the CUDA caching allocator's
+512-byte blocks (at full scale a difference far below a percent). It works on fake tensors: storage sizes are known without data.
 
 A training step runs the root module once per micro-batch (gradient accumulation, pipeline
 schedules); MemTracker takes a second forward of a root module for the next iteration and stops
@@ -38,6 +39,39 @@ class StepTracker(MemTracker):
         self.host_labels, self.host_param_bytes = host_labels, host_param_bytes
         self.device_peak = -1.0
         self.device_peak_snap: dict[str, float] = {}
+        self._unseen = 0  # > 0 inside DTensor's sharding propagation (``__enter__``)
+
+    def __enter__(self) -> "StepTracker":
+        """Tracking, with DTensor's sharding propagation left out of the peak: to know an op's output
+        shape, DTensor runs the op once on fake tensors of the *global* shapes (the whole logits of
+        a vocabulary-parallel loss, say). On a real run those are fake and cost nothing; in a
+        rehearsal the same fake tensors are indistinguishable from the step's own, and would show
+        up as a transient of the unsharded size at the moment the loss is computed."""
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def propagate(prop: Any, *args: Any, **kwargs: Any) -> Any:
+            self._unseen += 1
+            try:
+                return original(prop, *args, **kwargs)
+            finally:
+                self._unseen -= 1
+
+        self._restore = lambda: setattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", original)
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+        try:
+            super().__enter__()
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._restore()
 
     def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -47,6 +81,8 @@ class StepTracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
+        if self._unseen:
+            return
         total, merged = 0.0, {}
         for snap in self._curr_mem_snap.values():
             for key, nbytes in snap.items():

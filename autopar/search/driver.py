@@ -124,6 +124,10 @@ def search_plans(
     space = build_space(graph, source, gpus=gpus, gpus_per_node=gpn, global_batch=global_batch,
                         micro_batches=micro_batches, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                         knobs=knobs, constraints=fixed)
+    if not cluster.has_host and "none" not in space.offload_modes:
+        raise AutoparError(f"--offload {','.join(space.offload_modes)} needs the host memory and link figures of a "
+                           f"cluster profile's host: section, and {cluster.name} has none: choose a profile with "
+                           "one (autopar profiles) or drop --offload")
     result = search(graph, cluster, space, top_k=top_k, progress=progress)
     if not result.top:
         if result.num_configs == 0:
