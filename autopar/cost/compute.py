@@ -150,10 +150,16 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
             if op.kind == "gemm":
                 bwd_gemm += secs
     saved = core_saved = 0.0
+    # Sequence parallelism as DTensor runs it (torchtitan, the executor): a column-parallel Linear
+    # saves its input after the all-gather, at the full sequence; Megatron-LM saves the shard and
+    # gathers it again in backward (its activations: cost/megatron_memory.py).
+    gathered = _no_sp(shape) if cluster.activation_memory != "megatron" else shape
     for q in fit.saved:
         if q.exps.quadratic:
             b = q.nbytes * core_shape.scale(q.exps)
             core_saved += b
+        elif q.gemm_input and q.exps.replicated:
+            b = q.nbytes * gathered.scale(q.exps)
         else:
             b = q.nbytes * shape.scale(q.exps)
         saved += b

@@ -24,10 +24,13 @@ class OpRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class SavedRecord:
-    """One tensor kept for backward (an activation), attributed to the region that saved it."""
+    """One tensor kept for backward (an activation), attributed to the region that saved it.
+    ``gemm_input``: it is the activation operand of a GEMM (a Linear's input), which DTensor's
+    sequence parallelism saves as the all-gathered, full-sequence tensor (cost/compute.py)."""
 
     region: str
     nbytes: float
+    gemm_input: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

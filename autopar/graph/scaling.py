@@ -85,6 +85,7 @@ class FitQuantity:
     phase: str
     nbytes: float
     exps: Exps
+    gemm_input: bool = False  # a saved GEMM input (records.SavedRecord.gemm_input)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,7 +204,8 @@ def _fit_saved(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuan
     out = []
     for i, r in enumerate(rows):
         vals = [None if lst is None else lst[i].nbytes for lst in lists]
-        out.append(FitQuantity(what="saved", phase="fwd", nbytes=r.nbytes, exps=_exps(r.nbytes, *vals)))
+        out.append(FitQuantity(what="saved", phase="fwd", nbytes=r.nbytes, exps=_exps(r.nbytes, *vals),
+                               gemm_input=r.gemm_input))
     return tuple(out)
 
 

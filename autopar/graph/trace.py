@@ -111,6 +111,7 @@ class _Recorder(TorchDispatchMode):
         self.alive: list[torch.Tensor] = []  # keeps outputs alive so tensor ids stay unique
         self.root: dict[int, int] = {}  # id of a view -> id of the root tensor it views
         self.io: list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = []
+        self.gemm_inputs: set[int] = set()  # roots of the activation operands of mm / addmm
 
     def _rid(self, t: torch.Tensor) -> int:
         return self._rid_of(id(t))
@@ -160,6 +161,8 @@ class _Recorder(TorchDispatchMode):
         kind, dims = "mem", None
         if name in GEMM_OPS:
             kind, dims = "gemm", _gemm_dims(name, args)
+            if name in ("mm", "addmm") and self.state.phase == "fwd":
+                self.gemm_inputs.add(self._rid(args[0] if name == "mm" else args[1]))
         elif name in GROUPED_GEMM_OPS:
             flops, dims = _grouped_mm_cost(args, kwargs)
             kind = "gemm"
@@ -284,13 +287,19 @@ def record(trace: Trace, state: _State, param_ids: set[int]) -> Iterator[None]:
         if key not in seen:
             seen.add(key)
             keep.append(t)
+            saved_at.append((len(trace.saved), id(root)))
             trace.saved.append(SavedRecord(region=state.region, nbytes=float(_nbytes(t))))
         return t
 
+    saved_at: list[tuple[int, int]] = []  # (index in trace.saved, id of the root it saves)
     recorder = _Recorder(trace, state)
     with _CudaLikeFunctions(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
         yield
     recorder.apply_fusion({recorder._rid_of(i) for i in saved_ids})
+    # A saved tensor is packed before the GEMM that reads it runs: marked once the trace is whole.
+    for i, root in saved_at:
+        if recorder._rid_of(root) in recorder.gemm_inputs:
+            trace.saved[i] = dataclasses.replace(trace.saved[i], gemm_input=True)
 
 
 def run_and_trace(

@@ -1,0 +1,41 @@
+"""Sequence parallelism as DTensor runs it: a column-parallel Linear saves its input after the
+all-gather, at the full sequence (what the executor and torchtitan keep for backward), where
+Megatron-LM saves the sequence shard and gathers it again. The trace marks a block's saved GEMM
+inputs; the cost model keeps the replicated ones whole under SP unless the profile's activations are
+Megatron's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.cost.compute import region_time
+from autopar.graph.scaling import Shape
+
+
+def _gathered(fit):
+    return [q for q in fit.saved if q.gemm_input and q.exps.replicated]
+
+
+def test_a_block_saves_two_gathered_gemm_inputs(small_gpt) -> None:
+    block = small_gpt.regions["block"]
+    gathered = _gathered(block)
+    # the attention's QKV input and the MLP's first Linear's input, each (b, s, h) in bf16
+    assert len(gathered) == 2
+    h, s = 1024, 1024
+    assert all(q.nbytes == s * h * 2 for q in gathered)
+    # the inputs of the row-parallel Linears are TP-sharded, not replicated
+    assert any(q.gemm_input and q.exps.t > 0.5 for q in block.saved)
+
+
+def test_executor_sp_keeps_the_gathered_inputs_whole(small_gpt, a100) -> None:
+    block = small_gpt.regions["block"]
+    tp = 4
+    shape = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=tp, sp=tp)
+    megatron = dataclasses.replace(a100, activation_memory="megatron")
+    executor_saved = region_time(block, a100, shape).saved_bytes
+    megatron_saved = region_time(block, megatron, shape).saved_bytes
+    whole = sum(q.nbytes for q in _gathered(block))
+    assert abs((executor_saved - megatron_saved) - whole * (1 - 1 / tp)) < 1.0
+    # without SP the two agree: nothing is gathered
+    plain = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=tp, sp=1.0)
+    assert region_time(block, a100, plain).saved_bytes == region_time(block, megatron, plain).saved_bytes
