@@ -196,6 +196,17 @@ class StageTerms:
         return other
 
 
+def _pipeline_buffer_bytes(cfg: Config, cluster: Cluster, tokens_bytes: float, sp: float) -> float:
+    """One receive buffer of torch pipelining (``StageTerms.pipeline_buffer_bytes``): the hidden state
+    a stage hands on, sequence-sharded under SP, in the dtype the wrapped model computes in -- the
+    training dtype under FSDP2's param_dtype (ZeRO 2-3, ZeRO-1 over more than one rank), fp32 under
+    the autocast of the other data-parallel kinds (their residual stream stays fp32)."""
+    if cfg.pp == 1 or not cluster.pipeline_buffers_per_microbatch:
+        return 0.0
+    fsdp = cfg.zero >= 2 or (cfg.zero == 1 and cfg.dp * cfg.cp > 1)
+    return tokens_bytes / sp * (1.0 if fsdp else 4.0 / cfg.dtype_bytes)
+
+
 def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     """Coefficients of the step-time and memory model for ``cfg`` (see module docstring)."""
     if cfg.offload.any:  # issue 14: priced over the same config's terms without offload
@@ -314,7 +325,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         tied_params=tied,
         reserve_bytes=reserve_bytes(cluster, cfg, tokens_bytes),
         capacity_bytes=cluster.memory_bytes,
-        pipeline_buffer_bytes=tokens_bytes if cfg.pp > 1 and cluster.pipeline_buffers_per_microbatch else 0.0,
+        pipeline_buffer_bytes=_pipeline_buffer_bytes(cfg, cluster, tokens_bytes, sp),
         zero3_root_params_per_byte=float(d) if cfg.zero == 3 else 0.0,
         zero3_gather_bytes=block_params * d if cfg.zero == 3 else 0.0,
     )

@@ -31,7 +31,7 @@ from autopar.executor import chain_pipeline as chain_pipe
 from autopar.executor import hf_attention
 from autopar.executor import pipeline_parallel as pipe
 from autopar.executor.context_parallel import ContextParallelAttention, apply_cp, position_kwargs
-from autopar.executor.data_parallel import DataParallelResult, apply_data_parallel, build_optimizer, uses_fsdp
+from autopar.executor.data_parallel import DTYPES, DataParallelResult, apply_data_parallel, build_optimizer, uses_fsdp
 from autopar.executor.introspect import ModelSpec
 from autopar.executor.mesh import ParallelMesh
 from autopar.executor.recompute import apply_recompute
@@ -441,6 +441,13 @@ def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.devic
     kwargs = shaped.io.step_kwargs(batch)
     with torch.no_grad():
         hidden = _differentiable(first(**kwargs))  # what a stage receives has a gradient to send back
+    dtype = DTYPES[plan.training.dtype]
+    if uses_fsdp(par.zero, par.dp * par.cp) and isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
+        # Chunk 0 ran here on fp32 parameters, before FSDP2 wraps it; wrapped, it computes in its
+        # param_dtype and hands on a hidden state of the training dtype (the receive buffers torch
+        # pipelining keeps per micro-batch are of that dtype). Autocast, on the other kinds, keeps the
+        # residual stream in fp32, as found here.
+        hidden = _differentiable(hidden.to(dtype))
     out = []
     for c, part in zip(shaped.chunk_ids, shaped.parts):
         inputs = () if c == 0 else (hidden,)
