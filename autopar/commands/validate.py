@@ -19,10 +19,12 @@ Measured, per rank:
   step, and on until the times settle within 10 % of the late steps' median, at most half the
   steps) is left out (autopar.executor.steady). ``--steps`` defaults to about
   AUTO_STEPS_SECONDS of predicted steps, MIN_AUTO_STEPS to MAX_AUTO_STEPS;
-* peak memory, allocator-level on every device, plus the profile's framework reserve (what the
-  prediction holds for the CUDA context / the Python, torch and gloo process): on GPU
-  ``torch.cuda.max_memory_allocated``; on CPU, which has no allocator statistics, one more
-  (untimed) step after the timed ones under ``autopar.profiler.memory.step_allocated_bytes`` -- the
+* peak memory over the training steps (the build's peak reset away). On GPU, measured whole: the
+  device use at the caching allocator's peak (``max_memory_reserved`` plus what lives outside the
+  allocator -- CUDA context, cuBLAS workspaces, NCCL buffers -- from ``mem_get_info``), with
+  ``max_memory_allocated`` per rank beside it, so the profile's reserve is checked, not assumed. On CPU,
+  allocator-level plus the profile's framework reserve (the Python, torch and gloo process): the
+  CPU has no allocator statistics, so one more (untimed) step after the timed ones under ``autopar.profiler.memory.step_allocated_bytes`` -- the
   bytes of the tensors alive before it (parameters, buffers, optimizer states, DDP's gradient
   buckets) plus the peak of what its ops allocate. Like ``max_memory_allocated`` it leaves out
   allocator slack (glibc keeps freed heap pages: at 4 ranks on 2 cores the peak RSS of a DP rank
@@ -224,14 +226,17 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
         load_after = _load_average()
         drift = _machine_drift(mf, plan, prediction.get("reference"), device, log)
         if device.type == "cuda":
-            allocated = float(torch.cuda.max_memory_allocated(device))
+            from autopar.executor.train import cuda_device_peak_bytes
+
+            allocated, device_peak = map(float, cuda_device_peak_bytes(device))
+            peak = device_peak  # measured whole: the reserve is read, not assumed
         else:
             if log:
                 log("measuring one more step's memory")
             allocated = float(sum(_cpu_step_allocated(exe, mf, args.steps, args.seed)))
-        peak = allocated + prediction["reserve_bytes"]
+            peak = allocated + prediction["reserve_bytes"]
         rss = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        mine = torch.tensor([peak, float(baseline), rss], dtype=torch.float64, device=device)
+        mine = torch.tensor([peak, float(baseline), rss, allocated], dtype=torch.float64, device=device)
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
         if rank == 0:
@@ -333,11 +338,11 @@ def build_report(plan, result, per_rank: list[list[float]], prediction: dict[str
     step = steady.step_time_s
     stage_mem = prediction.get("stage_memory_bytes")
     ranks = []
-    for r, (peak, baseline, rss) in enumerate(per_rank):
+    for r, (peak, baseline, rss, *rest) in enumerate(per_rank):
         pp_rank = r // (par.tp * par.cp * par.dp)
         pred_mem = stage_mem[pp_rank] if stage_mem else None
         ranks.append({"rank": r, "pp_rank": pp_rank, "measured_peak_bytes": peak, "baseline_bytes": baseline,
-                      "peak_rss_bytes": rss,
+                      "peak_rss_bytes": rss, "allocated_peak_bytes": rest[0] if rest else None,
                       "executor_growth_bytes": result.peak_memory_bytes[r], "predicted_peak_bytes": pred_mem,
                       "memory_error_pct": _err(peak, pred_mem)})
     peak = max(r["measured_peak_bytes"] for r in ranks)
@@ -353,7 +358,8 @@ def build_report(plan, result, per_rank: list[list[float]], prediction: dict[str
         "peak_memory_bytes": {"measured": peak, "predicted": prediction["peak_memory_bytes"],
                               "error_pct": _err(peak, prediction["peak_memory_bytes"])},
         "memory_measure": ("allocated tensor bytes of one step (LiveBytes) + reserve" if device_type == "cpu"
-                           else "torch.cuda.max_memory_allocated + reserve"),
+                           else "device use at the allocator's peak over the steps: max_memory_reserved + what "
+                                "lives outside the allocator (CUDA context, NCCL buffers; mem_get_info)"),
         "reserve_bytes": prediction["reserve_bytes"],
         "ranks": ranks,
         "notes": list(result.notes),

@@ -128,6 +128,18 @@ def _autocast(plan: Plan, device: torch.device, fsdp: bool):
     return torch.autocast(device.type, dtype=DTYPES[plan.training.dtype])
 
 
+def cuda_device_peak_bytes(device: torch.device) -> tuple[int, int]:
+    """(tensor peak, device-level peak) of this process on a CUDA device since the last
+    ``reset_peak_memory_stats``: ``max_memory_allocated``, and what the device held at the allocator's
+    peak -- the caching allocator's peak reservation plus everything outside it (the CUDA context,
+    cuBLAS workspaces, NCCL's buffers: device use from ``mem_get_info`` less the allocator's current
+    reservation). The second is what must fit the GPU; their difference is the measured reserve
+    and the allocator's slack."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = (total - free) - torch.cuda.memory_reserved(device)
+    return int(torch.cuda.max_memory_allocated(device)), int(outside + torch.cuda.max_memory_reserved(device))
+
+
 def peak_memory_bytes(device: torch.device, baseline: int) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -273,6 +285,8 @@ def train(
     hooks = hooks or StepHooks()
     guard = hooks.guard or (lambda phase: nullcontext())
     baseline = rss_baseline()
+    if device.type == "cuda":  # the steps' peak, not the build's (materialising, sharding, lazy init)
+        torch.cuda.reset_peak_memory_stats(device)
     trainer = _Trainer(exe, mf)
     losses, times = [], []
     for step in range(start_step, steps):

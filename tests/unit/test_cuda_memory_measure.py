@@ -1,0 +1,20 @@
+"""What `autopar validate` reports as a CUDA rank's peak (torch.cuda mocked: the CPU suite has no GPU):
+the device use at the caching allocator's peak -- its peak reservation plus what lives outside it
+(CUDA context, NCCL buffers) -- beside the tensor peak, so the profile's reserve is measured."""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.executor import train
+
+
+def test_device_peak_adds_what_lives_outside_the_allocator(monkeypatch) -> None:
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 80 * gib))  # 50 GiB used now
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 46 * gib)  # 4 GiB outside torch
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 70 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 66 * gib)
+    allocated, device_peak = train.cuda_device_peak_bytes(torch.device("cuda", 0))
+    assert allocated == 66 * gib
+    assert device_peak == 74 * gib  # the allocator's 70 GiB peak reservation + 4 GiB of context and NCCL
