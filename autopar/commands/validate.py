@@ -22,14 +22,14 @@ Measured, per rank:
 * peak memory over the training steps (the build's peak reset away). On GPU, measured whole: the
   device use at the caching allocator's peak (``max_memory_reserved`` plus what lives outside the
   allocator -- CUDA context, cuBLAS workspaces, NCCL buffers -- from ``mem_get_info``), with
-  ``max_memory_allocated`` per rank beside it, so the profile's reserve is checked, not assumed. On CPU,
-  allocator-level plus the profile's framework reserve (the Python, torch and gloo process): the
-  CPU has no allocator statistics, so one more (untimed) step after the timed ones under ``autopar.profiler.memory.step_allocated_bytes`` -- the
-  bytes of the tensors alive before it (parameters, buffers, optimizer states, DDP's gradient
-  buckets) plus the peak of what its ops allocate. Like ``max_memory_allocated`` it leaves out
-  allocator slack (glibc keeps freed heap pages: at 4 ranks on 2 cores the peak RSS of a DP rank
-  grew ~60 MiB between steps 1 and 2 with no tensor more) and the communication library's own
-  buffers. The peak RSS (``ru_maxrss``) and the executor's RSS growth are reported beside it.
+  ``max_memory_allocated`` per rank beside it, so the profile's reserve is checked, not assumed.
+  On CPU, allocator-level plus the profile's framework reserve (the Python, torch and gloo
+  process): the CPU has no allocator statistics, so one more (untimed) step runs after the timed
+  ones under ``autopar.profiler.memory.step_allocated_bytes`` -- the bytes of every tensor alive
+  before it plus the peak of what its ops allocate. It leaves out allocator slack (glibc keeps
+  freed heap pages: at 4 ranks on 2 cores the peak RSS of a DP rank grew ~60 MiB between steps 1
+  and 2 with no tensor more) and gloo's own buffers. The peak RSS (``ru_maxrss``) and the
+  executor's RSS growth are reported beside it.
 * the machine's drift (CPU runs priced from a profile with a contention curve): after training,
   every rank times the profile's reference block at once; its median against the profile's curve
   at the run's ranks is the factor the machine moved by since profiling, and the step-time error

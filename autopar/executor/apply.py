@@ -19,6 +19,7 @@ Order (each step sees the result of the previous one):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.executor import chain_pipeline as chain_pipe
 from autopar.executor import hf_attention
 from autopar.executor import pipeline_parallel as pipe
+from autopar.executor.checks import check_host_build, host_available_bytes
 from autopar.executor.context_parallel import ContextParallelAttention, apply_cp, position_kwargs
 from autopar.executor.data_parallel import DTYPES, DataParallelResult, apply_data_parallel, build_optimizer, uses_fsdp
 from autopar.executor.introspect import ModelSpec
@@ -336,6 +338,9 @@ def place(
     # 4. materialise from the seed-built full model (fake: storage only). ZeRO / FSDP2 parts are
     # filled block by block inside step 5, each just before it is sharded (``sharded_fill``); a
     # rehearsal and expert parallelism (whose experts are wrapped before the blocks) fill whole.
+    if not fake:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        check_host_build(shaped.model, max(1, local_ranks), host_available_bytes())
     reference = None if fake else reference_model(mf, seed)
     perms = {**shaped.perms, **(expert.rows if expert else {})}
     fills: list[Callable[[nn.Module], None] | None] = []

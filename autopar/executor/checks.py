@@ -138,3 +138,33 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
         raise AutoparError("training.dtype fp16 needs loss scaling, which autopar run does not do; "
                            "use bf16 (same memory and speed) or fp32")
     return spec, warnings
+
+
+def host_available_bytes() -> int | None:
+    """The host memory Linux says a new allocation can get (MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_build(model: nn.Module, local_ranks: int, available_bytes: int | None) -> None:
+    """Every rank builds the whole model on the host (its seed-built reference) before it takes its
+    part; ``local_ranks`` processes on one node do so at once. Refuse, in one line, a build that
+    cannot fit the node's available host memory -- where the kernel's OOM killer would otherwise end
+    a rank mid-build with no message. ``model``: the meta model (sizes only)."""
+    if available_bytes is None:
+        return
+    each = sum(p.numel() * p.element_size() for p in model.parameters())
+    each += sum(b.numel() * b.element_size() for b in model.buffers())
+    if each * local_ranks <= available_bytes:
+        return
+    gib = 2**30
+    raise AutoparError(
+        f"each of the {local_ranks} rank(s) on this node builds the whole model on the host before taking its "
+        f"part ({each / gib:,.1f} GiB each, {each * local_ranks / gib:,.1f} GiB in all) and the node has "
+        f"{available_bytes / gib:,.1f} GiB available: start fewer ranks per node or use nodes with more host memory")

@@ -18,3 +18,17 @@ def test_device_peak_adds_what_lives_outside_the_allocator(monkeypatch) -> None:
     allocated, device_peak = train.cuda_device_peak_bytes(torch.device("cuda", 0))
     assert allocated == 66 * gib
     assert device_peak == 74 * gib  # the allocator's 70 GiB peak reservation + 4 GiB of context and NCCL
+
+
+def test_a_host_build_that_cannot_fit_is_one_line() -> None:
+    import pytest
+
+    from autopar.errors import AutoparError
+    from autopar.executor.checks import check_host_build
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(1024, 1024)  # 4 MiB of fp32 parameters
+    check_host_build(model, 8, 64 * 2**20)  # 8 ranks x 4 MiB fits 64 MiB
+    check_host_build(model, 8, None)  # unknown: no check
+    with pytest.raises(AutoparError, match="each of the 8 rank.*start fewer ranks per node"):
+        check_host_build(model, 8, 16 * 2**20)
