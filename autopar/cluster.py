@@ -129,6 +129,9 @@ class Cluster:
     activation_memory: str = "measured"
     main_grad_bytes: float = 0.0
     pipeline_buffers_per_microbatch: bool = True
+    # Sequence parallelism as DTensor runs it (autopar run, torchtitan): a column-parallel Linear saves
+    # its all-gathered, full-sequence input for backward; Megatron-LM saves the shard and gathers again.
+    sp_saves_gathered_input: bool = True
     # issue 14 (CPU and activation offload), the profile's optional ``host:`` section. 0 = not given:
     # the search offers no offload on this cluster and estimating an offload plan is an error
     # naming the missing figure (autopar.cost.offload.require_host).
@@ -280,7 +283,8 @@ FSDP_KEYS = {"gather_s_per_tensor": "fsdp_gather_s_per_tensor", "reduce_s_per_te
              "optimizer_s_per_tensor": "dtensor_optimizer_s_per_tensor"}
 
 _SOFTWARE_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "async_tp_backward", "pipeline_scatter_gather",
-                  "tp_comm_overlap", "fused_grad_accumulation", "pipeline_buffers_per_microbatch")
+                  "tp_comm_overlap", "fused_grad_accumulation", "pipeline_buffers_per_microbatch",
+                  "sp_saves_gathered_input")
 ACTIVATION_MEMORY = ("measured", "megatron")
 MAIN_GRAD_BYTES = (0, 2, 4)
 

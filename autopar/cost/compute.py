@@ -152,8 +152,9 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
     saved = core_saved = 0.0
     # Sequence parallelism as DTensor runs it (torchtitan, the executor): a column-parallel Linear
     # saves its input after the all-gather, at the full sequence; Megatron-LM saves the shard and
-    # gathers it again in backward (its activations: cost/megatron_memory.py).
-    gathered = _no_sp(shape) if cluster.activation_memory != "megatron" else shape
+    # gathers it again in backward (``sp_saves_gathered_input: false``; Megatron-Core's activations:
+    # cost/megatron_memory.py).
+    gathered = _no_sp(shape) if cluster.sp_saves_gathered_input and cluster.activation_memory != "megatron" else shape
     for q in fit.saved:
         if q.exps.quadratic:
             b = q.nbytes * core_shape.scale(q.exps)

@@ -1,8 +1,9 @@
 """Sequence parallelism as DTensor runs it: a column-parallel Linear saves its input after the
 all-gather, at the full sequence (what the executor and torchtitan keep for backward), where
 Megatron-LM saves the sequence shard and gathers it again. The trace marks a block's saved GEMM
-inputs; the cost model keeps the replicated ones whole under SP unless the profile's activations are
-Megatron's."""
+inputs; the cost model keeps the replicated ones whole under SP where the profile's software saves
+them so (``sp_saves_gathered_input``: autopar run, torchtitan), and divides them where it does not
+(Megatron-LM, the ``a100-80g`` profile of its SC21 runs)."""
 
 from __future__ import annotations
 
@@ -28,14 +29,18 @@ def test_a_block_saves_two_gathered_gemm_inputs(small_gpt) -> None:
 
 
 def test_executor_sp_keeps_the_gathered_inputs_whole(small_gpt, a100) -> None:
+    from autopar.cluster import load_cluster
+
     block = small_gpt.regions["block"]
     tp = 4
     shape = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=tp, sp=tp)
-    megatron = dataclasses.replace(a100, activation_memory="megatron")
-    executor_saved = region_time(block, a100, shape).saved_bytes
+    executor = load_cluster("h100-80g")
+    assert executor.sp_saves_gathered_input and not a100.sp_saves_gathered_input
+    megatron = dataclasses.replace(executor, sp_saves_gathered_input=False)
+    executor_saved = region_time(block, executor, shape).saved_bytes
     megatron_saved = region_time(block, megatron, shape).saved_bytes
     whole = sum(q.nbytes for q in _gathered(block))
     assert abs((executor_saved - megatron_saved) - whole * (1 - 1 / tp)) < 1.0
     # without SP the two agree: nothing is gathered
     plain = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=tp, sp=1.0)
-    assert region_time(block, a100, plain).saved_bytes == region_time(block, megatron, plain).saved_bytes
+    assert region_time(block, executor, plain).saved_bytes == region_time(block, megatron, plain).saved_bytes
