@@ -132,6 +132,10 @@ class Cluster:
     # Sequence parallelism as DTensor runs it (autopar run, torchtitan): a column-parallel Linear saves
     # its all-gathered, full-sequence input for backward; Megatron-LM saves the shard and gathers again.
     sp_saves_gathered_input: bool = True
+    # autopar run trains the data-parallel kinds without FSDP2 (DDP, FSDP2's replicate, a single
+    # rank) under torch.autocast over fp32 parameters: every Linear saves the bf16 copy of its weight
+    # for backward, one per micro-batch in flight. Megatron keeps bf16 parameters instead.
+    autocast_weight_copies: bool = True
     # issue 14 (CPU and activation offload), the profile's optional ``host:`` section. 0 = not given:
     # the search offers no offload on this cluster and estimating an offload plan is an error
     # naming the missing figure (autopar.cost.offload.require_host).
@@ -284,7 +288,7 @@ FSDP_KEYS = {"gather_s_per_tensor": "fsdp_gather_s_per_tensor", "reduce_s_per_te
 
 _SOFTWARE_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "async_tp_backward", "pipeline_scatter_gather",
                   "tp_comm_overlap", "fused_grad_accumulation", "pipeline_buffers_per_microbatch",
-                  "sp_saves_gathered_input")
+                  "sp_saves_gathered_input", "autocast_weight_copies")
 ACTIVATION_MEMORY = ("measured", "megatron")
 MAIN_GRAD_BYTES = (0, 2, 4)
 

@@ -196,6 +196,14 @@ class StageTerms:
         return other
 
 
+def _autocast_copies(cluster: Cluster, cfg: Config) -> bool:
+    """Whether a micro-batch keeps 16-bit copies of the weights (``Cluster.autocast_weight_copies``):
+    training in 16 bits under autocast, i.e. a data-parallel kind without FSDP2's param_dtype (ZeRO-0,
+    or ZeRO-1 on one data-parallel rank)."""
+    fsdp = cfg.zero >= 2 or (cfg.zero == 1 and cfg.dp * cfg.cp > 1)
+    return cluster.autocast_weight_copies and cfg.dtype_bytes < 4 and not fsdp
+
+
 def _pipeline_buffer_bytes(cfg: Config, cluster: Cluster, tokens_bytes: float, sp: float) -> float:
     """One receive buffer of torch pipelining (``StageTerms.pipeline_buffer_bytes``): the hidden state
     a stage hands on, sequence-sharded under SP, in the dtype the wrapped model computes in -- the
@@ -450,6 +458,8 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
     else:
         recompute, act = 0.0, rt.saved_bytes
     params = graph.params["block"].per_rank(cfg.tp)
+    if cfg.recompute != "full" and _autocast_copies(cluster, cfg):
+        act += params * cfg.dtype_bytes  # each Linear's cast weight, saved per micro-batch in flight
     bwd = rt.bwd_s + tp_b + cp_b + recompute
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)
     zero += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # issue 18: FSDP2's own time

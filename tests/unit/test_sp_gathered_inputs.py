@@ -44,3 +44,20 @@ def test_executor_sp_keeps_the_gathered_inputs_whole(small_gpt, a100) -> None:
     # without SP the two agree: nothing is gathered
     plain = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=tp, sp=1.0)
     assert region_time(block, executor, plain).saved_bytes == region_time(block, megatron, plain).saved_bytes
+
+
+def test_autocast_kinds_keep_a_weight_copy_per_micro_batch(small_gpt, a100, make_config) -> None:
+    """ZeRO-0 under autopar run trains under autocast over fp32 parameters: each Linear saves its
+    weight's 16-bit copy per micro-batch; FSDP2's param_dtype (ZeRO-3 here) and Megatron do not."""
+    from autopar.cluster import load_cluster
+    from autopar.cost.stage import build_terms
+
+    executor = load_cluster("h100-80g")
+    z0 = build_terms(small_gpt, executor, make_config(dp=8, zero=0)).block
+    z3 = build_terms(small_gpt, executor, make_config(dp=8, zero=3)).block
+    assert z0.act_bytes - z3.act_bytes == z0.params * 2  # fp16 training: 2 bytes per weight
+    full = build_terms(small_gpt, executor, make_config(dp=8, zero=0, recompute="full")).block
+    assert full.act_bytes == build_terms(small_gpt, executor, make_config(dp=8, zero=3, recompute="full")).block.act_bytes
+    m0 = build_terms(small_gpt, a100, make_config(dp=8, zero=0)).block
+    m3 = build_terms(small_gpt, a100, make_config(dp=8, zero=3)).block
+    assert m0.act_bytes == m3.act_bytes
