@@ -277,6 +277,7 @@ def record(trace: Trace, state: _State, param_ids: set[int]) -> Iterator[None]:
     seen: set[tuple[int, int, int]] = set()
     saved_ids: set[int] = set()
     keep: list[torch.Tensor] = []  # keeps saved tensors alive so ids stay unique while recording
+    saved_at: list[tuple[int, int]] = []  # (index in trace.saved, id of the root it saves)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         root = t._base if t._base is not None else t
@@ -291,7 +292,6 @@ def record(trace: Trace, state: _State, param_ids: set[int]) -> Iterator[None]:
             trace.saved.append(SavedRecord(region=state.region, nbytes=float(_nbytes(t))))
         return t
 
-    saved_at: list[tuple[int, int]] = []  # (index in trace.saved, id of the root it saves)
     recorder = _Recorder(trace, state)
     with _CudaLikeFunctions(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
         yield

@@ -2,9 +2,10 @@
 
 ``torch.distributed._tools.mem_tracker.MemTracker`` counts every storage an op creates (forward,
 backward, recompute, optimizer) and labels it: parameter, buffer, gradient, activation (made in
-forward or recompute), temporary (made in backward), optimizer state. A rehearsal's fake tensors
-live on the CPU device, so sizes are exact bytes, not rounded up to the CUDA caching allocator's
-512-byte blocks (at full scale a difference far below a percent). It works on fake tensors: storage sizes are known without data.
+forward or recompute), temporary (made in backward), optimizer state. It works on fake tensors:
+storage sizes are known without data. A rehearsal's fake tensors live on the CPU device, so sizes
+are exact bytes, not rounded up to the CUDA caching allocator's 512-byte blocks (at full scale a
+difference far below a percent).
 
 A training step runs the root module once per micro-batch (gradient accumulation, pipeline
 schedules); MemTracker takes a second forward of a root module for the next iteration and stops
