@@ -13,10 +13,21 @@ schedule keeps per micro-batch (torch.distributed.pipelining allocates a receive
 micro-batch of a step, activations forward and gradients backward, and keeps them). So a rehearsal
 runs as many micro-batches as reach the peak, not the plan's hundreds (``rehearsed_microbatches``):
 without a pipeline, the first, a middle and the last (the first has no gradients yet, the last
-reduces them); with 1F1B or interleaved 1F1B, 2 pp and 3 pp micro-batches (every rank's schedule
-is full by 2 pp: at most pp - r micro-batches, 2 (pp - r - 1) + (v - 1) pp + 1 chunks, in flight),
-and the peak at the plan's M is the line through the two (affine in M from there on: only the
-per-micro-batch buffers grow); GPipe holds every micro-batch, so it runs them all.
+reduces them); with a pipeline, two counts M1 < M2 = M1 + pp at which every rank's schedule reaches
+its steady state, and the peak at the plan's M is the line through the two (affine in M from there
+on: only the per-micro-batch buffers grow); GPipe holds every micro-batch, so it runs them all.
+
+Steady means more than full. 1F1B (v = 1) is full by 2 pp (at most pp - r micro-batches in flight).
+Interleaved 1F1B (torch's ``ScheduleInterleaved1F1B``: a warm-up of (v - 1) pp + 2 (pp - 1 - r)
+chunk forwards, then one forward and one backward per step, backwards walking the local chunks
+last to first a round of pp micro-batches each) reaches the state it then repeats only once its
+1F1B phase has run a round on every local chunk: each chunk has then made its unsharded fp32
+gradient (ZeRO-1 accumulates it), and the schedule's prefetch window (``_add_unshard_reshard``,
+three chunks gathered at a time) has cycled. Below that the peak depends on which chunks happen
+to be gathered, not on M, and a line through two such counts runs away: at pp 4, v 4, counts
+(8, 12) put Llama-3 70B's gathered parameters at twice the whole stage, where a step of the
+plan's 32 holds three quarters of it. So M1 is the least multiple of pp (at least 2 pp) with
+v M1 - warm-up(rank 0) >= v pp.
 
 What a rehearsal cannot do: read tensor values. The training loop's check that a loss is next-token
 cross-entropy (context parallelism) reads them, so it is skipped here (``autopar run`` makes it);
@@ -56,9 +67,24 @@ def rehearsed_microbatches(plan: Plan) -> tuple[int, ...]:
     par, m = plan.parallel, plan.num_microbatches
     if par.pp == 1:
         return (min(m, 3),)
-    if par.pp_schedule == "gpipe" or m <= 3 * par.pp:
+    if par.pp_schedule == "gpipe":
         return (m,)
-    return (2 * par.pp, 3 * par.pp)  # multiples of pp, as interleaved 1F1B needs
+    first = steady_microbatches(par.pp, par.pp_virtual_stages if par.pp_schedule == "interleaved-1f1b" else 1)
+    if m <= first + par.pp:
+        return (m,)
+    return (first, first + par.pp)  # multiples of pp, as interleaved 1F1B needs
+
+
+def steady_microbatches(pp: int, v: int) -> int:
+    """The least micro-batches per step at which every pipeline rank's 1F1B or interleaved 1F1B
+    schedule (``v`` local chunks) is in the state it repeats (module docstring): 2 pp, or the
+    least multiple of pp whose 1F1B phase on rank 0 (the longest warm-up) runs a round of pp
+    micro-batches on each of its v chunks."""
+    warmup = (v - 1) * pp + 2 * (pp - 1)  # torch's interleaved warm-up, rank 0
+    m = 2 * pp
+    while v > 1 and v * m - warmup < v * pp:
+        m += pp
+    return m
 
 
 def with_microbatches(plan: Plan, m: int) -> Plan:
