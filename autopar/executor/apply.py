@@ -370,7 +370,8 @@ def place(
             policy = cpu_offload_policy(device)
         wrapped.append(apply_data_parallel(part, blocks, dp_mesh, zero=zero, dtype=plan.training.dtype, device=device,
                                            pipelined=par.pp > 1 or par.tp > 1, offload_policy=policy,
-                                           ddp_stand_in=fake, fill=fill))
+                                           ddp_stand_in=fake, fill=fill,
+                                           host_masters=par.offload.optimizer and not par.offload.params))
     del reference
 
     # 6. pipeline schedule, optimizer, tied-weight groups

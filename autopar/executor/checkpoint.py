@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from autopar.errors import AutoparError
 from autopar.executor.apply import Executable, original_name
 from autopar.executor.checkpoint_meta import FORMAT, LATEST, MAX_META_BYTES, META, CheckpointError, CheckpointMeta  # noqa: F401  (re-exported: the checkpoint's names)
+from autopar.executor.offload import HostOptimizer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -195,6 +196,20 @@ def _optimizer_state(exe: Executable, p: torch.Tensor) -> dict[str, Any] | None:
     return state.get(p)
 
 
+def _shaped_as(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a host tensor of ``p``'s local shape: its master or a state) laid out as ``p``: a
+    DTensor with ``p``'s mesh and placements when ``p`` is one, sharing ``local``'s storage so a load
+    writes into it. Built as FSDP2 builds its host-offloaded shards (``DTensor.from_local`` would
+    move a host tensor to the mesh's device)."""
+    if not isinstance(p, DTensor):
+        return local
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(p.device_mesh, tuple(p.placements),
+                       tensor_meta=TensorMeta(p.shape, p.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
 def _local_params(exe: Executable) -> list[tuple[str, str, torch.Tensor]]:
     """(canonical name, original name, parameter) of every distinct local parameter."""
     seen: set[int] = set()
@@ -210,6 +225,10 @@ def _local_params(exe: Executable) -> list[tuple[str, str, torch.Tensor]]:
 
 
 def _full_unpermuted(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor) and t.to_local().device.type != t.device_mesh.device_type:
+        # a host master (optimizer offload): gathered over the mesh's backend from its device
+        t = DTensor.from_local(t.to_local(), t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                               stride=t.stride())
     full = t.full_tensor() if isinstance(t, DTensor) else t
     return full.detach()[torch.argsort(perm.to(full.device))].clone()
 
@@ -242,10 +261,17 @@ def build_state(exe: Executable, *, rng: bool, for_load: bool) -> tuple[dict[str
         else:
             state[key] = _full_unpermuted(value, perm)
 
+    host = exe.optimizer if isinstance(exe.optimizer, HostOptimizer) else None
     for canon, orig, p in _local_params(exe):
         perm = exe.permutations.get(orig)
-        put(f"model/{canon}", p, perm)
-        st = _optimizer_state(exe, p)
+        copy = host.host_copy(p) if host is not None else None
+        if copy is not None:  # optimizer offload: the fp32 master on the host is the parameter's value
+            put(f"model/{canon}", _shaped_as(p, copy[0]), perm)
+            st = {k: _shaped_as(p, v) if isinstance(v, torch.Tensor) and v.shape == copy[0].shape else v
+                  for k, v in copy[1].items()}
+        else:
+            put(f"model/{canon}", p, perm)
+            st = _optimizer_state(exe, p)
         for sname, value in sorted((st or {}).items()):
             if isinstance(value, torch.Tensor):
                 same = tuple(value.shape) == tuple(p.shape)
@@ -292,7 +318,8 @@ def init_optimizer_state(exe: Executable) -> None:
     """Create the optimizer's state tensors (zero gradients, lr 0) so DCP has targets to load into.
     Collective: ZeRO-1 broadcasts its updated shards. AdamW with lr 0 leaves the weights unchanged."""
     opt = exe.optimizer
-    params = [p for g in opt.param_groups for p in g["params"]]
+    # HostOptimizer: its groups hold the host masters; the step reads the device gradients
+    params = opt.device_params if isinstance(opt, HostOptimizer) else [p for g in opt.param_groups for p in g["params"]]
     for p in params:
         p.grad = torch.zeros_like(p)
     lrs = [g["lr"] for g in opt.param_groups]
@@ -417,6 +444,8 @@ def load(exe: Executable, path: Path) -> tuple[CheckpointMeta, list[str]]:
     for fix in fixups:
         if isinstance(fix, _Alias):
             _apply_alias(fix)
+    if isinstance(exe.optimizer, HostOptimizer):  # optimizer offload: the loaded masters go up
+        exe.optimizer.push_masters()
     r = dist.get_rank()
     if same_layout:
         torch.set_rng_state(state[f"rng/rank{r}/cpu"])

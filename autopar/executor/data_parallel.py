@@ -79,6 +79,7 @@ def apply_data_parallel(
     offload_policy: object | None = None,
     ddp_stand_in: bool = False,
     fill: Callable[[nn.Module], None] | None = None,
+    host_masters: bool = False,
 ) -> DataParallelResult:
     """Wrap ``part`` (real tensors, already TP/CP/recompute-applied) for data parallelism.
 
@@ -96,15 +97,27 @@ def apply_data_parallel(
     ``fill`` (FSDP2 kinds, ``apply.sharded_fill``): ``part`` is still on meta; ``fill(m)`` gives
     block ``m`` (or, for ``part``, what lies outside the blocks) its storage and values, called
     just before that module is sharded, so at most the root's parameters and one block are whole
-    on the device at once (an 80 GB GPU cannot hold a ZeRO-3 plan's stage unsharded)."""
+    on the device at once (an 80 GB GPU cannot hold a ZeRO-3 plan's stage unsharded).
+
+    ``host_masters`` (optimizer offload, executor/offload.py ``HostOptimizer``): the fp32 masters
+    live on the host, so an FSDP2 part's sharded parameters -- and with them their gradients, which
+    FSDP2 reduces in fp32 and stores in the parameter's dtype -- are held on the device in the
+    training dtype, as ZeRO-Offload and Megatron-LM's CPU optimizer do: 2 + 2 bytes per sharded
+    parameter instead of 4 + 4, what autopar.cost.offload prices. Each module is cast just before
+    it is sharded."""
     if uses_fsdp(zero, mesh.size()):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32) if dtype != "fp32" else MixedPrecisionPolicy()
         reshard = zero == 3
+        blocks = list(blocks)
         extra = {"offload_policy": offload_policy} if offload_policy is not None else {}  # host offload
         if fill is not None:
             fill(part)  # the root's own parameters (embedding, head, norms), sharded last
+        stored = DTYPES[dtype] if host_masters and dtype != "fp32" else None
+        if stored is not None:  # optimizer offload: the root's own parameters, before blocks are sharded
+            in_blocks = {id(p) for block in blocks for p in block.parameters()}
+            _cast_parameters(part, stored, lambda p: id(p) not in in_blocks)
 
         def ignored(module: nn.Module) -> dict[str, Any]:
             # 0-d parameters (a learnable scale) cannot be sharded: kept whole, averaged by hooks
@@ -114,6 +127,8 @@ def apply_data_parallel(
         for block in blocks:
             if fill is not None:
                 fill(block)
+            if stored is not None:
+                _cast_parameters(block, stored, lambda p: True)
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, **ignored(block))
         # Root: FSDP2's default (None) keeps the root's parameters gathered from forward to backward,
         # which comes right after -- re-gathering them would only add an all-gather.
@@ -185,6 +200,15 @@ def _average_grads_of(params: list[nn.Parameter], mesh: DeviceMesh) -> list[nn.P
     for p in trainable:
         p.register_post_accumulate_grad_hook(hook)
     return list(params)
+
+
+def _cast_parameters(module: nn.Module, dtype: torch.dtype, chosen: Callable[[nn.Parameter], bool]) -> None:
+    """Floating-point parameters of ``module`` that ``chosen`` picks, cast to ``dtype`` in place
+    (``.data``: the Parameter objects stay, so tied weights stay tied; buffers are left alone)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.is_floating_point() and p.dtype != dtype and chosen(p):
+                p.data = p.data.to(dtype)
 
 
 def zero1_microbatch(module: nn.Module, last: bool) -> None:

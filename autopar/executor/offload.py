@@ -65,6 +65,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 master = _host_like(_local(p), pin_memory)
                 master.copy_(_local(p))
                 self.masters.append(master)
+        self._index = {id(p): i for i, p in enumerate(self.device_params)}
         self.inner = make_inner(self.masters)
         # Not Optimizer.__init__: the inner optimizer owns the groups and the state.
         self.defaults = self.inner.defaults
@@ -93,6 +94,22 @@ class HostOptimizer(torch.optim.Optimizer):
         self.inner.step()  # 2. the update, on the CPU
         for p, master in zip(self.device_params, self.masters):  # 3. updated values up
             _local(p).copy_(master, non_blocking=self._pin)
+
+    def host_copy(self, p: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]] | None:
+        """The fp32 master of device parameter ``p`` and the inner optimizer's state of it (what a
+        checkpoint saves and loads in place of the device's copy); None for a parameter it does
+        not step."""
+        i = self._index.get(id(p))
+        if i is None:
+            return None
+        master = self.masters[i]
+        return master, self.inner.state.get(master, {})
+
+    @torch.no_grad()
+    def push_masters(self) -> None:
+        """Copy every master up to its device parameter (after a checkpoint loaded the masters)."""
+        for p, master in zip(self.device_params, self.masters):
+            _local(p).copy_(master)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.device_params:

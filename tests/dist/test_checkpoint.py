@@ -67,6 +67,14 @@ ACTIONS = [
     Action(name="first3-llama-fsdp-tp", case=_l("l-fsdp-tp", dp=2, tp=2, zero=2), steps=3, save="C", every=3),
     Action(name="reshard-C-pp2xdp2-zero3", case=_l("l-pp2xdp2", pp=2, dp=2, zero=3, pp_schedule="gpipe"),
            steps=STEPS, load="C"),
+    # optimizer offload: the masters and moments live on the host (HostOptimizer); a checkpoint
+    # carries them both ways, into and out of a plan without offload
+    Action(name="reshard-A-zero1-dp4-offload", case=_g("zero1-off", dp=4, zero=1, offload={"optimizer": True}),
+           steps=STEPS, load="A", params=True),
+    Action(name="first3-offload", case=_g("pp2-dp2-off", pp=2, dp=2, zero=1, pp_schedule="1f1b",
+                                            offload={"optimizer": True}), steps=3, save="D", every=3),
+    Action(name="reshard-D-dp2xtp2", case=_g("dp2xtp2-d", dp=2, tp=2, sequence_parallel=True), steps=STEPS, load="D",
+           params=True),
 ]
 
 
@@ -172,7 +180,8 @@ def test_resume_same_plan_equals_uninterrupted_run() -> None:
 
 
 @pytest.mark.parametrize("name", ["reshard-pp2xdp2", "reshard-zero3-dp4", "reshard-zero1-dp4", "reshard-dp2xtp2-zero2",
-                                  "reshard-B-zero1-dp4", "reshard-C-pp2xdp2-zero3"])
+                                  "reshard-B-zero1-dp4", "reshard-C-pp2xdp2-zero3", "reshard-A-zero1-dp4-offload",
+                                  "reshard-D-dp2xtp2"])
 def test_reshard_equals_uninterrupted_run(name: str) -> None:
     got = _got(name)
     model = "llama" if "-C-" in name else "gpt"

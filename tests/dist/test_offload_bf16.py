@@ -1,0 +1,99 @@
+"""Optimizer offload in 16-bit training keeps the device's sharded parameters and gradients in the
+training dtype (2 gloo ranks, bf16, ZeRO-1 over FSDP2).
+
+The fp32 masters and Adam's moments live on the host (executor/offload.py ``HostOptimizer``), so the
+device holds 2 + 2 bytes per sharded parameter, as ZeRO-Offload does and autopar.cost.offload
+prices -- not FSDP2's default fp32 shard plus an fp32 gradient. Compared with the same plan without
+offload: the first step's loss is the same (both compute with the bf16 weights), later steps stay
+within bf16 rounding (the masters start from the bf16 weights), and the device's parameter bytes
+are half.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from harness import Case, _free_port, gloo_rank
+
+pytestmark = pytest.mark.dist
+
+PLAIN = Case(name="bf16-dp2-zero1", model="gpt", parallel={"dp": 2, "zero": 1})
+OFFLOAD = Case(name="bf16-dp2-zero1-offload-optimizer", model="gpt",
+               parallel={"dp": 2, "zero": 1, "offload": {"optimizer": True}})
+
+
+def _bf16_plan(case: Case):
+    from autopar.plan import plan_from_dict
+
+    d = case.plan_dict()
+    d["training"]["dtype"] = "bf16"
+    return plan_from_dict(d)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _one(case: Case) -> dict:
+    from autopar.executor.apply import build_executable
+    from autopar.executor.checks import preflight
+    from autopar.executor.mesh import build_mesh
+    from autopar.executor.offload import HostOptimizer
+    from autopar.executor.train import train
+    from autopar.modelfile import load_model_file
+
+    plan = _bf16_plan(case)
+    mf = load_model_file(plan.model.file)
+    spec, _ = preflight(plan, mf, dist.get_world_size())
+    exe = build_executable(plan, mf, spec, build_mesh(plan, torch.device("cpu")), seed=7, lr=1e-3, loss_fn=mf.loss_fn)
+    params = [p for part in exe.parts for p in part.parameters()]
+    grad_dtypes: set[str] = set()
+
+    def grab(step: int) -> None:
+        grad_dtypes.update(str(_local(p.grad).dtype) for p in params if p.grad is not None)
+
+    result = train(exe, mf, steps=3, seed=7, on_grads=grab)
+    opt = exe.optimizer
+    return {"losses": list(result.losses),
+            "param_dtypes": sorted({str(_local(p).dtype) for p in params}),
+            "grad_dtypes": sorted(grad_dtypes),
+            "param_bytes": sum(_local(p).untyped_storage().nbytes() for p in params),
+            "master_dtypes": sorted({str(m.dtype) for m in opt.masters}) if isinstance(opt, HostOptimizer) else []}
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    with gloo_rank(rank, world, port):
+        for case in (PLAIN, OFFLOAD):
+            got = _one(case)
+            if rank == 0:
+                torch.save(got, Path(out_dir) / f"{case.name}.pt")
+            dist.barrier()
+
+
+@functools.lru_cache(maxsize=None)
+def _results() -> dict:
+    with tempfile.TemporaryDirectory(prefix="autopar-offload-bf16-") as out_dir:
+        mp.spawn(_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+        return {p.stem: torch.load(p, weights_only=False) for p in Path(out_dir).glob("*.pt")}
+
+
+def test_optimizer_offload_keeps_bf16_params_and_grads_on_the_device() -> None:
+    plain, off = _results()[PLAIN.name], _results()[OFFLOAD.name]
+    assert plain["param_dtypes"] == ["torch.float32"], plain  # FSDP2's shard is the fp32 master
+    assert off["param_dtypes"] == ["torch.bfloat16"], off
+    assert off["grad_dtypes"] == ["torch.bfloat16"], off
+    assert off["master_dtypes"] == ["torch.float32"], off
+    assert off["param_bytes"] * 2 == plain["param_bytes"]
+
+
+def test_optimizer_offload_in_bf16_trains_like_the_plan_without_it() -> None:
+    plain, off = _results()[PLAIN.name], _results()[OFFLOAD.name]
+    assert off["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-6)
+    for step, (a, b) in enumerate(zip(off["losses"], plain["losses"])):
+        assert abs(a - b) <= 5e-3 * abs(b), f"step {step}: loss {a} with offload vs {b} without"
