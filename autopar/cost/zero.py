@@ -27,6 +27,9 @@ At pp > 1 torch.distributed.pipelining's stage defers an FSDP module's gradient 
 last backward and keeps its parameters gathered between micro-batches (``set_requires_gradient_sync``
 and ``set_reshard_after_backward`` in PipelineStage), so ZeRO-2 runs as ZeRO-1 there
 (``autopar.layout.executed_zero``, the one copy of the rule): priced, explained and searched as ZeRO-1.
+ZeRO-3 keeps its per-micro-batch reduce-scatter and resharding there: the executor turns the
+stage's switches off for ZeRO-3 modules (``executor/data_parallel.sync_every_microbatch``), so it
+holds ZeRO-3's memory and is priced as ZeRO-3 at any pp.
 """
 
 from __future__ import annotations

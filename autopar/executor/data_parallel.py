@@ -202,6 +202,25 @@ def _average_grads_of(params: list[nn.Parameter], mesh: DeviceMesh) -> list[nn.P
     return list(params)
 
 
+def sync_every_microbatch(stage_module: nn.Module) -> None:
+    """ZeRO-3 under a pipeline schedule keeps ZeRO-3's memory. torch.distributed.pipelining's stage
+    turns an FSDP module's gradient sync and its resharding after backward off before every
+    micro-batch's backward and reduces once, after the step's last (``perform_reduce_grad``): right
+    for ZeRO-1/2 (one reduce-scatter per step), but under ZeRO-3 it holds the stage's whole fp32
+    gradients and, between a backward and the next forward, its whole gathered parameters --
+    ZeRO-1's memory, which is not what a plan asks for when it asks for ZeRO-3 (nor what the cost
+    model prices). So on a ZeRO-3 stage module the stage's two switches are no-ops: each
+    micro-batch's backward reduce-scatters its gradients into the shards and frees the block's
+    gathered parameters, as FSDP2 does without a pipeline, and the stage's final reduce finds
+    nothing left to reduce (FSDP2's post_backward is idempotent)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(stage_module, FSDPModule):
+        keep = lambda *args, **kwargs: None  # noqa: E731
+        stage_module.set_requires_gradient_sync = keep  # type: ignore[method-assign]
+        stage_module.set_reshard_after_backward = keep  # type: ignore[method-assign]
+
+
 def _cast_parameters(module: nn.Module, dtype: torch.dtype, chosen: Callable[[nn.Parameter], bool]) -> None:
     """Floating-point parameters of ``module`` that ``chosen`` picks, cast to ``dtype`` in place
     (``.data``: the Parameter objects stay, so tied weights stay tied; buffers are left alone)."""

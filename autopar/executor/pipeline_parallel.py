@@ -335,6 +335,11 @@ def build_schedule(
 
     par = plan.parallel
     n_chunks = par.num_stage_chunks
+    if par.zero == 3:  # ZeRO-3's per-micro-batch reduce-scatter and resharding (data_parallel.py)
+        from autopar.executor.data_parallel import sync_every_microbatch
+
+        for mod in stage_modules:
+            sync_every_microbatch(mod)
     shapes = stage_shapes or [(None, None)] * len(chunk_ids)
     stages = [
         PipelineStage(mod, stage_index=c, num_stages=n_chunks, device=device, group=pp_group,

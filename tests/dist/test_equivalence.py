@@ -48,6 +48,10 @@ CASES_4 = [
     Case(name="gpt-dp2xtp2-zero3", model="gpt", parallel={"dp": 2, "tp": 2, "zero": 3}),
     # tied embedding/head across stages with FSDP2-sharded gradients
     Case(name="gpt-pp2xdp2-zero3", model="gpt", parallel={"pp": 2, "dp": 2, "zero": 3, "pp_schedule": "gpipe"}),
+    # ZeRO-3 keeps its per-micro-batch reduce-scatter under interleaved 1F1B (sync_every_microbatch)
+    Case(name="gpt-pp2xdp2-zero3-interleaved", model="gpt",
+         parallel={"pp": 2, "dp": 2, "zero": 3, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 2},
+         global_batch_size=8),
     # plain data parallelism under a pipeline (several forwards before their backwards: FSDP2 replicate)
     Case(name="llama-pp2xdp2-zero0", model="llama", parallel={"pp": 2, "dp": 2, "pp_schedule": "1f1b"},
          global_batch_size=8),
