@@ -32,6 +32,7 @@ from autopar.cost.memory import inflight_microbatches, loss_inflight_microbatche
 from autopar.cost.zero import (
     ddp_fixed_sync_s,
     gradient_bytes_per_param,
+    held_reduce_input_bytes_per_param,
     overlapped,
     per_microbatch_exposed,
     per_step_sync,
@@ -146,6 +147,9 @@ class StageTerms:
     # gathered parameters prefetched while the loss runs; 0 elsewhere
     zero3_root_params_per_byte: float = 0.0
     zero3_gather_bytes: float = 0.0
+    # FSDP2's held reduce-scatter input: one block's gradients in fp32, held while the next block's
+    # backward runs (cost.zero.held_reduce_input_bytes_per_param); 0 where it is not in the peak
+    held_reduce_bytes: float = 0.0
 
     @property
     def after_sync_s_per_param(self) -> float:
@@ -162,15 +166,53 @@ class StageTerms:
         c = self.config
         return loss_inflight_microbatches(c.schedule, c.pp, c.num_microbatches)
 
-    def rank_other_bytes(self, rank: int, last_rank: int, working: float = 0.0) -> float:
+    def mix_working_bytes(self, rank: int, last_rank: int, counts: Mapping[str, int]) -> float:
+        """What a per-stage recompute mix (``counts``: blocks of each mode on ``rank``) adds to the
+        rank's other memory (``rank_other_bytes(rank, last_rank) +`` this is its other memory).
+
+        A block of mode m re-runs during its own backward, holding m's working set, and by then its
+        micro-batch has already run the backward of every block after it -- a rank's blocks take
+        full first, then selective, then none (``Plan.block_recompute``), and backward walks them
+        in reverse -- so the activations that micro-batch saved in its later modes' blocks are
+        released: mode m adds max(0, work_m - sum over later modes m' of n_m' a_m'), a_m' one
+        micro-batch's saved bytes of a block of m', and the rank pays the largest over the modes
+        it uses. (A none block re-runs nothing: its backward is the phase ``rank_other_bytes``
+        already holds.)"""
+        if self.recompute_parts is None or self.recompute_working_bytes is None:
+            return 0.0
+        extra = 0.0
+        for i, mode in enumerate(RECOMPUTE_ORDER):
+            if counts.get(mode, 0) <= 0:
+                continue
+            released = sum(counts.get(later, 0) * self.recompute_parts[later].act_bytes for later in RECOMPUTE_ORDER[i + 1:])
+            extra = max(extra, self.mode_working_bytes(rank, last_rank, mode) - released)
+        return extra
+
+    def mode_working_bytes(self, rank: int, last_rank: int, mode: str) -> float:
+        """What using recompute ``mode`` adds to a mixed rank's other memory before any release
+        (``mix_working_bytes``): its working set, and its own block's activations in place of a
+        none block's beside FSDP2's held reduce-scatter input."""
+        assert self.recompute_parts is not None and self.recompute_working_bytes is not None
+        return (self.rank_other_bytes(rank, last_rank, self.recompute_working_bytes[mode],
+                                      own_act=self.recompute_parts[mode].act_bytes)
+                - self.rank_other_bytes(rank, last_rank))
+
+    def rank_other_bytes(self, rank: int, last_rank: int, working: float = 0.0, own_act: float | None = None) -> float:
         """Memory of pipeline rank ``rank`` beyond its model states, its saved activations and the
         reserve (the estimate's "other" less the reserve), whatever its block count. The step
         peaks in one of three phases, whichever holds most:
 
         * a block's backward: the config's transients (ZeRO-3's gathered block, its prefetched
-          neighbour and the block's unsharded gradients; a single-mode recompute's re-run block)
-          + ``working`` (a recompute mix's largest re-run block) + the block's temporaries
-          (gradients of activations: ``Part.peak_bytes``, graph/live.py);
+          neighbour and the block's unsharded gradients; FSDP2's held reduce-scatter input; a
+          single-mode recompute's re-run block) + ``working`` (a recompute mix's largest re-run
+          block) + the block's temporaries (gradients of activations: ``Part.peak_bytes``,
+          graph/live.py), less, on the last rank, the saved activations of the micro-batch's own
+          head and loss (``post.act_bytes``, counted with the activations): its loss backward has
+          run and released them before its first block's backward starts; and FSDP2's held
+          reduce-scatter input (``held_reduce_bytes``), which a block's backward meets only once
+          the block after it has finished its backward and released its activations (``own_act``,
+          one micro-batch's saved bytes of a block of the mode in question; default the config's
+          block): the larger of the two;
         * the last rank's loss: its temporaries (the fp32 copies of the logits and their
           gradients) + under ZeRO-3 the first block's gathered parameters, prefetched for backward;
         * the first rank's embedding backward (its temporaries);
@@ -182,7 +224,9 @@ class StageTerms:
         ``working``: a mix pays the largest working set of the modes it uses."""
         c = self.config
         first, last = rank == 0, rank == last_rank
-        phases = [self.transient_bytes + working + self.block.peak_bytes]
+        own = self.block.act_bytes if own_act is None else own_act
+        phases = [self.transient_bytes + working + self.block.peak_bytes - (self.post.act_bytes if last else 0.0)
+                  + max(0.0, self.held_reduce_bytes - own)]
         if last:
             phases.append(self.post.peak_bytes + self.zero3_gather_bytes)
         if first:
@@ -194,6 +238,10 @@ class StageTerms:
             receiving = 2 * c.virtual_stages - first - last
             other += c.num_microbatches * receiving * self.pipeline_buffer_bytes
         return other
+
+
+# A rank's blocks in forward order under a per-stage recompute mix (Plan.block_recompute).
+RECOMPUTE_ORDER = ("full", "selective", "none")
 
 
 def _autocast_copies(cluster: Cluster, cfg: Config) -> bool:
@@ -328,6 +376,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         optimizer_s_per_param=optimizer_s,
         framework_s_per_param=framework,
         transient_bytes=transient,
+        held_reduce_bytes=block.params * held_reduce_input_bytes_per_param(cfg, cluster),
         tied_params=tied,
         reserve_bytes=reserve_bytes(cluster, cfg, tokens_bytes),
         capacity_bytes=cluster.memory_bytes,

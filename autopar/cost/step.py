@@ -119,7 +119,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
                 time[r] += k * terms.recompute_parts[mode].time_s
                 bwd[r] += k * terms.recompute_parts[mode].bwd_s
                 act[r] += k * terms.recompute_parts[mode].act_bytes
-            working[r] = max((terms.recompute_working_bytes[mode] for mode, k in counts.items() if k > 0), default=0.0)
+            working[r] = terms.mix_working_bytes(r, chunk_rank(last, pp), counts)
     ranks = []
     for r in range(pp):
         sync = params[r] * terms.grad_sync_s_per_param
@@ -151,7 +151,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         memory = {
             **memory,
             "activations": activations,
-            "other": terms.rank_other_bytes(r, chunk_rank(last, pp), working[r]) + terms.reserve_bytes,
+            "other": terms.rank_other_bytes(r, chunk_rank(last, pp)) + working[r] + terms.reserve_bytes,
         }
         ranks.append(RankCost(rank=r, num_blocks=blocks[r], time_s=time[r], backward_s=bwd[r], tail_s=tail,
                               params=params[r], memory_bytes=memory))

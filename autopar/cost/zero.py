@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autopar.cost.comm import GroupLink, collective_time_s
-from autopar.layout import executed_zero  # noqa: F401  (re-exported: the rule's old home)
+from autopar.layout import executed_zero
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
@@ -131,6 +131,24 @@ def gradient_bytes_per_param(cfg: "Config", sharded_grads: float, uses_ddp: bool
     if cfg.zero == 0 and uses_ddp:
         return 2 * sharded_grads
     return sharded_grads
+
+
+def held_reduce_input_bytes_per_param(cfg: "Config", cluster: "Cluster") -> float:
+    """Bytes per block parameter of the gradient reduce-scatter input FSDP2 still holds while the
+    next block's backward runs: it keeps the last reduce-scatter's flat input, in the reduce dtype
+    (fp32, data_parallel.py), alive until the next unit's reduce (``FSDPParamGroup``'s
+    ``reduce_scatter_states``, at most ``reduce_scatter_max_input_buffers`` = 1 by default), so the
+    allocator cannot hand it out while the collective may still read it. It is in the peak where
+    gradients are reduce-scattered block by block inside backward: ZeRO-3 at any pp, ZeRO-1/2
+    without a pipeline (ZeRO-1 on its last micro-batch). At pp > 1 ZeRO-1/2 reduce after the last
+    backward, when the activations are gone; software with a gradient buffer of its own
+    (``Cluster.main_grad_bytes``, Megatron-Core) reduces in place. Measured by rehearsal (Llama-3
+    405B, ZeRO-3: 11.9 GiB, a block's 3.2 B parameters in fp32)."""
+    from autopar.cost.framework import dp_wrapper
+
+    if cluster.main_grad_bytes or dp_wrapper(cfg) != "fully_shard":
+        return 0.0
+    return float(FP32_BYTES) if executed_zero(cfg.zero, cfg.pp) == 3 or cfg.pp == 1 else 0.0
 
 
 def describe(cfg: "Config", asked_zero: int) -> str:

@@ -21,11 +21,15 @@ while a block of mode m re-runs). Parameters do not depend on the mode (pi, sigm
                 Z >= floor + (c sync + gather + opt) P_r                 for all r    (tail)
                 Z >= ((1 + c) sync + gather + opt) P_r - b_r      for all r    (unhidden sync)
                 (without overlap of the sync: Z >= (sync + gather + opt) P_r alone, as in search.ilp)
-                n_{r,m} <= L u_{r,m},   W_r >= w_m u_{r,m}        for all r, m (working set)
+                n_{r,m} <= L u_{r,m},                             for all r, m
+                W_r >= w_m u_{r,m} - sum_{m' after m} a_{m'} n_{r,m'}    for all r, m (working set)
                 sigma P_r + I_r (sum_m alpha_m n_{r,m} + a_r) + W_r + other <= capacity  (memory)
                 host rows over the N_r, as in ``search.ilp``              (host memory, offload)
 
-which is exactly ``cost.step.evaluate`` with ``recompute_blocks`` (the tests check it against a
+where a_{m'} is one micro-batch's saved bytes of a block of mode m' and "after" is the order of a
+rank's blocks (full, selective, none: ``cost.stage.RECOMPUTE_ORDER``): while a block of mode m
+re-runs, its micro-batch has released what its later blocks saved (``StageTerms.mix_working_bytes``).
+That is exactly ``cost.step.evaluate`` with ``recompute_blocks`` (the tests check it against a
 walk of every split and every mix). Integer scaling as in ``search.ilp``: time in TIME_UNITS of one
 micro-batch of the whole model without recompute, bytes as bytes (coefficients rounded up, capacity
 down). Modes outside ``modes`` (the ones the model's executor cannot run, or selective where it
@@ -55,7 +59,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cost.host import HostFamily
-from autopar.cost.stage import StageTerms
+from autopar.cost.stage import RECOMPUTE_ORDER, StageTerms
 from autopar.plan import RECOMPUTE_MODES
 from autopar.search.ilp import SplitILP, deal_chunks, run_cp_sat
 
@@ -105,9 +109,12 @@ class MixedSplitILP:
                            for m, p in parts.items()} for r in self.ranks]
         # per rank and mode: what using the mode adds to the rank's other memory (its working set,
         # unless the loss's phase holds more: StageTerms.rank_other_bytes, exact since monotone)
-        self.work = [{m: math.ceil(t.rank_other_bytes(r, self.base.last_rank, t.recompute_working_bytes[m])
-                                   - t.rank_other_bytes(r, self.base.last_rank)) for m in self.modes}
+        self.work = [{m: max(0, math.ceil(t.mode_working_bytes(r, self.base.last_rank, m))) for m in self.modes}
                      for r in self.ranks]
+        # one micro-batch's saved bytes of a block of each mode, released before earlier modes re-run
+        self.alpha1 = {m: math.floor(p.act_bytes) for m, p in parts.items()}
+        self.later = {m: tuple(x for x in RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(m) + 1:] if x in self.modes)
+                      for m in self.modes}
         self.room = [self._room(r) for r in self.ranks]
         m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
         self.t_weight, self.z_weight, self.v = m * v - 1, v, v
@@ -150,7 +157,9 @@ class MixedSplitILP:
         for r in self.ranks:
             best = -1
             for m in self.modes:
-                per, room = self.mem_coeff[r][m], self.room[r] - self.work[r][m]
+                # a mix can fit more blocks than its modes alone (its later blocks shrink the working
+                # set, mix_working_bytes), so only a single-mode program may subtract the working set
+                per, room = self.mem_coeff[r][m], self.room[r] - (self.work[r][m] if len(self.modes) == 1 else 0)
                 best = max(best, room // per if per > 0 else (10**9 if room >= 0 else -1))
             caps.append(best)
         if host and self.host_caps is not None:
@@ -186,13 +195,17 @@ class MixedSplitILP:
         for r in self.ranks:
             mem = np.array([self.mem_coeff[r][m] for m in modes], dtype=np.int64)
             work_a = np.array([self.work[r][m] for m in modes], dtype=np.int64)
+            # released[m] = sum over the modes after m of a_m' n_m': a (modes x modes) matrix
+            release = np.array([[self.alpha1[b] if b in self.later[a] else 0 for a in modes] for b in modes],
+                               dtype=np.int64)
             room, f, g = self.room[r], self.fixed_ns[r], self.fixed_bwd_ns[r]
             c1, k1, c2, k2 = self.tail[r]
             per_n: dict[int, list[tuple[int, int, dict[str, int]]]] = {}
             for n in range(v, min(top, caps[r]) + 1):
                 base_z = max(0, c1 + k1 * n)
                 mixes = _compositions(n, len(modes))  # (count, k), in _mixes' order
-                used = mixes @ mem + np.max(np.where(mixes > 0, work_a, 0), axis=1)
+                working = np.maximum(work_a - mixes @ release, 0)
+                used = mixes @ mem + np.max(np.where(mixes > 0, working, 0), axis=1)
                 ok = used <= room
                 if not ok.any():
                     continue
@@ -440,7 +453,8 @@ class MixedSplitILP:
                 if self.work[r][m] > 0:
                     u = self.model.NewBoolVar(f"u_{r}_{m}")
                     self.model.Add(x <= self.L * u)
-                    self.model.Add(w_r >= self.work[r][m] * u)
+                    released = sum(self.alpha1[b] * row[b] for b in self.later[m] if b in row)
+                    self.model.Add(w_r >= self.work[r][m] * u - released)
             self.model.Add(sum(self.mem_coeff[r][m] * x for m, x in row.items()) + w_r <= self.room[r])
 
     def _add_host_constraints(self) -> None:
