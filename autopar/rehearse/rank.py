@@ -29,6 +29,9 @@ to be gathered, not on M, and a line through two such counts runs away: at pp 4,
 plan's 32 holds three quarters of it. So M1 is the least multiple of pp (at least 2 pp) with
 v M1 - warm-up(rank 0) >= v pp.
 
+Kernels: for a GPU profile the step runs the kernels the GPU would where a CPU's save other tensors
+for backward (dropout's mask, SDPA: ``_target_device_functions``); for a CPU profile, the CPU's.
+
 What a rehearsal cannot do: read tensor values. The training loop's check that a loss is next-token
 cross-entropy (context parallelism) reads them, so it is skipped here (``autopar run`` makes it);
 a model file whose forward reads values (``.item()``, data-dependent shapes) fails with one line.
@@ -134,13 +137,32 @@ def rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> PeakMemory
                 _create_optimizer_states(exe)
                 tracker = StepTracker(**_host_resident(plan, exe))
                 tracker.track_external(*exe.parts, exe.optimizer)
-                with tracker:
+                with tracker, _target_device_functions(plan):
                     trainer.step(batch)
             except AutoparError:
                 raise
             except Exception as exc:  # the user's model on fake tensors, or the executor on this plan
                 raise AutoparError(_one_line(mf, rank, exc)) from None
     return peak_of(tracker)
+
+
+def _target_device_functions(plan: Plan) -> Any:
+    """The kernels the plan's GPUs run where a CPU's differ in what they save for backward: on a
+    GPU profile the step runs under the trace's function mode (graph/trace.py
+    ``cuda_like_functions``): dropout keeps CUDA's 1-byte mask, not the CPU kernel's mask in the
+    activation dtype (GPT-3's attention dropout: 128 MiB a layer at 2,048 tokens), and SDPA runs
+    the flash kernel CUDA picks. A CPU profile's plan runs the CPU's own kernels, as its real run
+    does (the rehearsal then equals that run, tests/dist/test_rehearse.py)."""
+    import contextlib
+
+    from autopar.cluster import load_cluster
+    from autopar.graph.trace import cuda_like_functions
+    from autopar.profile_conditions import profile_conditions
+
+    conditions = profile_conditions(load_cluster(plan.cluster.profile))
+    if conditions is not None and conditions.device_type == "cpu":
+        return contextlib.nullcontext()
+    return cuda_like_functions()
 
 
 def _host_resident(plan: Plan, exe: Any) -> dict[str, Any]:
