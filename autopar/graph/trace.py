@@ -235,6 +235,29 @@ def cuda_like_functions() -> TorchFunctionMode:
     return _CudaLikeFunctions()
 
 
+@contextmanager
+def cuda_like_functions_everywhere() -> Iterator[None]:
+    """``cuda_like_functions`` for a whole process, backward included: dropout and SDPA are replaced
+    in ``torch.nn.functional`` itself, so the recompute that ``torch.utils.checkpoint`` runs inside
+    backward -- where a function mode entered around the step is not -- runs the same kernels as
+    the forward it repeats (checkpoint compares what the two saved). For a process of its own (a
+    rehearsal's rank); restored on exit."""
+    dropout, sdpa = F.dropout, F.scaled_dot_product_attention
+
+    def routed_sdpa(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        F.scaled_dot_product_attention = sdpa  # _flash_sdpa falls back to SDPA itself (GQA with a mask)
+        try:
+            return _flash_sdpa(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention = routed_sdpa
+
+    F.dropout, F.scaled_dot_product_attention = _dropout, routed_sdpa
+    try:
+        yield
+    finally:
+        F.dropout, F.scaled_dot_product_attention = dropout, sdpa
+
+
 def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
     if not training or p == 0.0:
         return input

@@ -149,20 +149,21 @@ def rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> PeakMemory
 def _target_device_functions(plan: Plan) -> Any:
     """The kernels the plan's GPUs run where a CPU's differ in what they save for backward: on a
     GPU profile the step runs under the trace's function mode (graph/trace.py
-    ``cuda_like_functions``): dropout keeps CUDA's 1-byte mask, not the CPU kernel's mask in the
-    activation dtype (GPT-3's attention dropout: 128 MiB a layer at 2,048 tokens), and SDPA runs
-    the flash kernel CUDA picks. A CPU profile's plan runs the CPU's own kernels, as its real run
-    does (the rehearsal then equals that run, tests/dist/test_rehearse.py)."""
+    ``cuda_like_functions_everywhere``, backward's recompute included): dropout keeps CUDA's
+    1-byte mask, not the CPU kernel's mask in the activation dtype (GPT-3's attention dropout: 128
+    MiB a layer at 2,048 tokens), and SDPA runs the flash kernel CUDA picks. A CPU profile's plan
+    runs the CPU's own kernels, as its real run does (the rehearsal then equals that run,
+    tests/dist/test_rehearse.py)."""
     import contextlib
 
     from autopar.cluster import load_cluster
-    from autopar.graph.trace import cuda_like_functions
+    from autopar.graph.trace import cuda_like_functions_everywhere
     from autopar.profile_conditions import profile_conditions
 
     conditions = profile_conditions(load_cluster(plan.cluster.profile))
     if conditions is not None and conditions.device_type == "cpu":
         return contextlib.nullcontext()
-    return cuda_like_functions()
+    return cuda_like_functions_everywhere()
 
 
 def _host_resident(plan: Plan, exe: Any) -> dict[str, Any]:
