@@ -246,19 +246,19 @@ RECOMPUTE_ORDER = ("full", "selective", "none")
 
 def _autocast_copies(cluster: Cluster, cfg: Config) -> bool:
     """Whether a micro-batch keeps 16-bit copies of the weights (``Cluster.autocast_weight_copies``):
-    training in 16 bits under autocast, i.e. a data-parallel kind without FSDP2's param_dtype (ZeRO-0,
-    or ZeRO-1 on one data-parallel rank)."""
-    return cluster.autocast_weight_copies and cfg.dtype_bytes < 4 and dp_wrapper(cfg) != "fully_shard"
+    training in 16 bits under autocast, i.e. a data-parallel kind without FSDP2's param_dtype (DDP,
+    or one data-parallel rank; ``replicate`` takes FSDP2's policy)."""
+    return cluster.autocast_weight_copies and cfg.dtype_bytes < 4 and dp_wrapper(cfg) in ("ddp", "none")
 
 
 def _pipeline_buffer_bytes(cfg: Config, cluster: Cluster, tokens_bytes: float, sp: float) -> float:
     """One receive buffer of torch pipelining (``StageTerms.pipeline_buffer_bytes``): the hidden state
     a stage hands on, sequence-sharded under SP, in the dtype the wrapped model computes in -- the
-    training dtype under FSDP2's param_dtype (ZeRO 2-3, ZeRO-1 over more than one rank), fp32 under
-    the autocast of the other data-parallel kinds (their residual stream stays fp32)."""
+    training dtype under FSDP2's param_dtype (ZeRO 2-3, ZeRO-1 over more than one rank, and
+    ``replicate``), fp32 under the autocast of an unwrapped stage (its residual stream stays fp32)."""
     if cfg.pp == 1 or not cluster.pipeline_buffers_per_microbatch:
         return 0.0
-    return tokens_bytes / sp * (1.0 if dp_wrapper(cfg) == "fully_shard" else 4.0 / cfg.dtype_bytes)
+    return tokens_bytes / sp * (1.0 if dp_wrapper(cfg) in ("fully_shard", "replicate") else 4.0 / cfg.dtype_bytes)
 
 
 def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:

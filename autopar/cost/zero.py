@@ -123,11 +123,16 @@ def per_step_sync(cfg: "Config", link: GroupLink, cluster: "Cluster") -> tuple[f
 def gradient_bytes_per_param(cfg: "Config", sharded_grads: float, uses_ddp: bool) -> float:
     """Gradient bytes per parameter on a rank as the executor holds them (``sharded_grads``: the
     ZeRO formula's figure, autopar.cost.memory). ZeRO-1 accumulates whole gradients over the
-    micro-batches, in fp32 when training in 16 bits; DDP (ZeRO-0 without DTensors) keeps its
+    micro-batches, in fp32 when training in 16 bits, and ``replicate`` (ZeRO-0 with DTensors or a
+    pipeline) holds them in its fp32 parameters' dtype; DDP (ZeRO-0 without DTensors) keeps its
     communication buckets beside the gradients (gradient_as_bucket_view is off,
     executor/data_parallel.py)."""
     if cfg.zero == 1 and cfg.dp * cfg.cp > 1 and cfg.num_microbatches > 1 and cfg.dtype_bytes < FP32_BYTES:
         return float(FP32_BYTES)
+    from autopar.cost.framework import dp_wrapper
+
+    if dp_wrapper(cfg) == "replicate" and cfg.dtype_bytes < FP32_BYTES:
+        return float(FP32_BYTES)  # FSDP2's replicate: gradients in the fp32 parameters' dtype
     if cfg.zero == 0 and uses_ddp:
         return 2 * sharded_grads
     return sharded_grads

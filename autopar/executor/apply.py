@@ -448,11 +448,12 @@ def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.devic
     with torch.no_grad():
         hidden = _differentiable(first(**kwargs))  # what a stage receives has a gradient to send back
     dtype = DTYPES[plan.training.dtype]
-    if uses_fsdp(par.zero, par.dp * par.cp) and isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
-        # Chunk 0 ran here on fp32 parameters, before FSDP2 wraps it; wrapped, it computes in its
-        # param_dtype and hands on a hidden state of the training dtype (the receive buffers torch
-        # pipelining keeps per micro-batch are of that dtype). Autocast, on the other kinds, keeps the
-        # residual stream in fp32, as found here.
+    wrapped = uses_fsdp(par.zero, par.dp * par.cp) or par.dp * par.cp > 1  # FSDP2 or replicate (a pipeline's ZeRO-0)
+    if wrapped and isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
+        # Chunk 0 ran here on fp32 parameters, before FSDP2 (or replicate) wraps it; wrapped, it
+        # computes in its param_dtype and hands on a hidden state of the training dtype (the receive
+        # buffers torch pipelining keeps per micro-batch are of that dtype). Autocast, on an
+        # unwrapped part (one data-parallel rank), keeps the residual stream in fp32, as found here.
         hidden = _differentiable(hidden.to(dtype))
     out = []
     for c, part in zip(shaped.chunk_ids, shaped.parts):

@@ -122,7 +122,8 @@ def rank_batch(exe: Executable, mf: ModelFile, step: int, seed: int) -> Any:
 
 
 def _autocast(plan: Plan, device: torch.device, fsdp: bool):
-    """bf16/fp16 autocast for the non-FSDP paths (FSDP2 casts via its MixedPrecisionPolicy)."""
+    """bf16/fp16 autocast for DDP and unwrapped parts (``fsdp``: FSDP2 and ``replicate`` cast via
+    their MixedPrecisionPolicy)."""
     if plan.training.dtype == "fp32" or fsdp:
         return nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[plan.training.dtype])
@@ -168,7 +169,7 @@ class _Trainer:
         """
         exe, plan = self.exe, self.plan
         par, mbs, m = plan.parallel, plan.training.micro_batch_size, plan.num_microbatches
-        fsdp = any(w.kind == "fsdp" for w in exe.dp)
+        fsdp = any(w.kind in ("fsdp", "replicate") for w in exe.dp)
         with _autocast(plan, exe.mesh.device, fsdp), loss_context(par.tp):
             if exe.schedule is not None:
                 contrib = self._pipeline_step(batch)

@@ -7,6 +7,9 @@ prices -- not FSDP2's default fp32 shard plus an fp32 gradient. Compared with th
 offload: the first step's loss is the same (both compute with the bf16 weights), later steps stay
 within bf16 rounding (the masters start from the bf16 weights), and the device's parameter bytes
 are half.
+
+And ZeRO-0 under a pipeline (FSDP2's ``replicate``, 4 gloo ranks) trains in bf16 under FSDP2's
+mixed-precision policy, not autocast: it computes what ZeRO-1 computes there.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ def _one(case: Case) -> dict:
     exe = build_executable(plan, mf, spec, build_mesh(plan, torch.device("cpu")), seed=7, lr=1e-3, loss_fn=mf.loss_fn)
     params = [p for part in exe.parts for p in part.parameters()]
     grad_dtypes: set[str] = set()
+    hidden_dtypes: set[str] = set()  # the residual stream between blocks
+    for part in exe.parts:
+        for m in part.modules():
+            if "GPTBlock" in type(m).__name__:
+                m.register_forward_hook(lambda _m, _a, out: hidden_dtypes.add(str(_local(out).dtype)))
 
     def grab(step: int) -> None:
         grad_dtypes.update(str(_local(p.grad).dtype) for p in params if p.grad is not None)
@@ -63,13 +71,20 @@ def _one(case: Case) -> dict:
     return {"losses": list(result.losses),
             "param_dtypes": sorted({str(_local(p).dtype) for p in params}),
             "grad_dtypes": sorted(grad_dtypes),
+            "hidden_dtypes": sorted(hidden_dtypes),
             "param_bytes": sum(_local(p).untyped_storage().nbytes() for p in params),
             "master_dtypes": sorted({str(m.dtype) for m in opt.masters}) if isinstance(opt, HostOptimizer) else []}
 
 
+# ZeRO-0 under a pipeline is FSDP2's replicate, which trains in bf16 under the same mixed-precision
+# policy as FSDP2 (not autocast over fp32 weights): it computes what ZeRO-1 computes
+PP_ZERO1 = Case(name="bf16-pp2-dp2-zero1", model="gpt", parallel={"pp": 2, "dp": 2, "zero": 1, "pp_schedule": "1f1b"})
+PP_ZERO0 = Case(name="bf16-pp2-dp2-zero0", model="gpt", parallel={"pp": 2, "dp": 2, "zero": 0, "pp_schedule": "1f1b"})
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     with gloo_rank(rank, world, port):
-        for case in (PLAIN, OFFLOAD):
+        for case in ((PLAIN, OFFLOAD) if world == 2 else (PP_ZERO1, PP_ZERO0)):
             got = _one(case)
             if rank == 0:
                 torch.save(got, Path(out_dir) / f"{case.name}.pt")
@@ -77,9 +92,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _results() -> dict:
+def _results(world: int = 2) -> dict:
     with tempfile.TemporaryDirectory(prefix="autopar-offload-bf16-") as out_dir:
-        mp.spawn(_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), out_dir), nprocs=world, join=True)
         return {p.stem: torch.load(p, weights_only=False) for p in Path(out_dir).glob("*.pt")}
 
 
@@ -97,3 +112,13 @@ def test_optimizer_offload_in_bf16_trains_like_the_plan_without_it() -> None:
     assert off["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-6)
     for step, (a, b) in enumerate(zip(off["losses"], plain["losses"])):
         assert abs(a - b) <= 5e-3 * abs(b), f"step {step}: loss {a} with offload vs {b} without"
+
+
+def test_replicate_trains_in_bf16_under_fsdp2s_policy() -> None:
+    zero1, zero0 = _results(4)[PP_ZERO1.name], _results(4)[PP_ZERO0.name]
+    assert zero0["param_dtypes"] == ["torch.float32"], zero0  # the fp32 parameters are the optimizer's
+    assert zero0["grad_dtypes"] == ["torch.float32"], zero0
+    # autocast over fp32 weights kept the residual stream in fp32 (twice the activations priced)
+    assert zero0["hidden_dtypes"] == zero1["hidden_dtypes"] == ["torch.bfloat16"], (zero0, zero1)
+    for step, (a, b) in enumerate(zip(zero0["losses"], zero1["losses"])):
+        assert abs(a - b) <= 1e-3 * abs(b), f"step {step}: loss {a} under replicate vs {b} under FSDP2"

@@ -288,7 +288,8 @@ def test_zero3_cuts_state_memory_and_adds_zero_comm(small_gpt, a100, make_plan) 
     base = _est(small_gpt, a100, make_plan, dp=8, tp=8, zero=0)
     z3 = _est(small_gpt, a100, make_plan, dp=8, tp=8, zero=3)
     states = lambda e: e.memory_bytes["params"] + e.memory_bytes["grads"] + e.memory_bytes["optimizer"]  # noqa: E731
-    assert states(z3) == pytest.approx(states(base) / 8)
+    # ZeRO-0 at tp > 1 is FSDP2's replicate, whose gradients are fp32 (2 bytes more per parameter)
+    assert states(z3) == pytest.approx((states(base) - 2 * base.ranks[0].params) / 8)
     assert base.time_breakdown_s["zero_comm"] == 0.0 and z3.time_breakdown_s["zero_comm"] > 0.0
     assert z3.memory_bytes["other"] > base.memory_bytes["other"]  # the gathered layer is a transient buffer
     # each ZeRO stage holds less than the one before (at tp 1, DDP's bucket copy in ZeRO-0)

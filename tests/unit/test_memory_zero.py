@@ -150,7 +150,9 @@ def test_rank_state_bytes_from_independent_parameter_count(a100, make_plan, zero
         assert m["params"] == pytest.approx(expected * state.params, rel=1e-12)
         ddp = 2 if runs_as == 0 and tp == 1 and dp * cp > 1 else 1  # DDP's bucket copy of the gradients
         # ZeRO-1 accumulates whole gradients over the micro-batches in fp32 (FSDP2's reduce dtype)
-        grads = 4.0 if runs_as == 1 and micro_batches > 1 and dp * cp > 1 else state.grads * ddp
+        # and FSDP2's replicate (ZeRO-0 at tp or pp > 1) holds them in its fp32 parameters' dtype
+        replicate = runs_as == 0 and dp * cp > 1 and (tp > 1 or pp > 1)
+        grads = 4.0 if (runs_as == 1 and micro_batches > 1 and dp * cp > 1) or replicate else state.grads * ddp
         assert m["grads"] == pytest.approx(expected * grads, rel=1e-12)
         assert m["optimizer"] == pytest.approx(expected * state.optimizer, rel=1e-12)
     assert sum(r.num_blocks for r in est.ranks) == layers
