@@ -132,9 +132,9 @@ class Cluster:
     # Sequence parallelism as DTensor runs it (autopar run, torchtitan): a column-parallel Linear saves
     # its all-gathered, full-sequence input for backward; Megatron-LM saves the shard and gathers again.
     sp_saves_gathered_input: bool = True
-    # autopar run trains the data-parallel kinds without FSDP2 (DDP, FSDP2's replicate, a single
-    # rank) under torch.autocast over fp32 parameters: every Linear saves the bf16 copy of its weight
-    # for backward, one per micro-batch in flight. Megatron keeps bf16 parameters instead.
+    # autopar run trains the data-parallel kinds without FSDP2's mixed-precision policy (DDP, a
+    # single rank) under torch.autocast over fp32 parameters: every Linear saves the bf16 copy of its
+    # weight for backward, one per micro-batch in flight. Megatron keeps bf16 parameters instead.
     autocast_weight_copies: bool = True
     # issue 14 (CPU and activation offload), the profile's optional ``host:`` section. 0 = not given:
     # the search offers no offload on this cluster and estimating an offload plan is an error

@@ -53,6 +53,13 @@ def dp_wrapper(cfg: "Config") -> str:
     return "replicate" if cfg.tp > 1 or cfg.pp > 1 else "ddp"
 
 
+def trains_under_autocast(cfg: "Config") -> bool:
+    """Whether the executor trains ``cfg`` under ``torch.autocast`` over fp32 parameters (DDP, or a
+    part on one data-parallel rank) rather than through FSDP2's mixed-precision policy
+    (``fully_shard`` and ``replicate``: data_parallel.MIXED_PRECISION_KINDS)."""
+    return dp_wrapper(cfg) in ("ddp", "none")
+
+
 def has_dtensor_params(cfg: "Config") -> bool:
     """Whether the optimizer steps DTensor parameters (FSDP2 shards, replicate, tensor parallel)."""
     return cfg.tp > 1 or dp_wrapper(cfg) in ("fully_shard", "replicate")

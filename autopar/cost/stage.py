@@ -26,7 +26,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time, usable_layer_table
 from autopar.cost.evolve import evolve
-from autopar.cost.framework import dp_wrapper, per_microbatch_s, per_step_s_per_param
+from autopar.cost.framework import per_microbatch_s, per_step_s_per_param, trains_under_autocast
 from autopar.cost.megatron_memory import layer_widths, megatron_activations
 from autopar.cost.memory import inflight_microbatches, loss_inflight_microbatches, state_bytes_per_param
 from autopar.cost.zero import (
@@ -248,7 +248,7 @@ def _autocast_copies(cluster: Cluster, cfg: Config) -> bool:
     """Whether a micro-batch keeps 16-bit copies of the weights (``Cluster.autocast_weight_copies``):
     training in 16 bits under autocast, i.e. a data-parallel kind without FSDP2's param_dtype (DDP,
     or one data-parallel rank; ``replicate`` takes FSDP2's policy)."""
-    return cluster.autocast_weight_copies and cfg.dtype_bytes < 4 and dp_wrapper(cfg) in ("ddp", "none")
+    return cluster.autocast_weight_copies and cfg.dtype_bytes < 4 and trains_under_autocast(cfg)
 
 
 def _pipeline_buffer_bytes(cfg: Config, cluster: Cluster, tokens_bytes: float, sp: float) -> float:
@@ -258,7 +258,7 @@ def _pipeline_buffer_bytes(cfg: Config, cluster: Cluster, tokens_bytes: float, s
     ``replicate``), fp32 under the autocast of an unwrapped stage (its residual stream stays fp32)."""
     if cfg.pp == 1 or not cluster.pipeline_buffers_per_microbatch:
         return 0.0
-    return tokens_bytes / sp * (1.0 if dp_wrapper(cfg) in ("fully_shard", "replicate") else 4.0 / cfg.dtype_bytes)
+    return tokens_bytes / sp * (4.0 / cfg.dtype_bytes if trains_under_autocast(cfg) else 1.0)
 
 
 def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:

@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autopar.cost.comm import GroupLink, collective_time_s
+from autopar.cost.framework import dp_wrapper
 from autopar.layout import executed_zero
 
 if TYPE_CHECKING:
@@ -129,8 +130,6 @@ def gradient_bytes_per_param(cfg: "Config", sharded_grads: float, uses_ddp: bool
     executor/data_parallel.py)."""
     if cfg.zero == 1 and cfg.dp * cfg.cp > 1 and cfg.num_microbatches > 1 and cfg.dtype_bytes < FP32_BYTES:
         return float(FP32_BYTES)
-    from autopar.cost.framework import dp_wrapper
-
     if dp_wrapper(cfg) == "replicate" and cfg.dtype_bytes < FP32_BYTES:
         return float(FP32_BYTES)  # FSDP2's replicate: gradients in the fp32 parameters' dtype
     if cfg.zero == 0 and uses_ddp:
@@ -149,8 +148,6 @@ def held_reduce_input_bytes_per_param(cfg: "Config", cluster: "Cluster") -> floa
     backward, when the activations are gone; software with a gradient buffer of its own
     (``Cluster.main_grad_bytes``, Megatron-Core) reduces in place. Measured by rehearsal (Llama-3
     405B, ZeRO-3: 11.9 GiB, a block's 3.2 B parameters in fp32)."""
-    from autopar.cost.framework import dp_wrapper
-
     if cluster.main_grad_bytes or dp_wrapper(cfg) != "fully_shard":
         return 0.0
     return float(FP32_BYTES) if executed_zero(cfg.zero, cfg.pp) == 3 or cfg.pp == 1 else 0.0

@@ -33,7 +33,15 @@ from autopar.executor import hf_attention
 from autopar.executor import pipeline_parallel as pipe
 from autopar.executor.checks import check_host_build, host_available_bytes
 from autopar.executor.context_parallel import ContextParallelAttention, apply_cp, position_kwargs
-from autopar.executor.data_parallel import DTYPES, DataParallelResult, apply_data_parallel, build_optimizer, uses_fsdp
+from autopar.executor.data_parallel import (
+    DTYPES,
+    MIXED_PRECISION_KINDS,
+    DataParallelResult,
+    apply_data_parallel,
+    build_optimizer,
+    uses_fsdp,
+    wrap_kind,
+)
 from autopar.executor.introspect import ModelSpec
 from autopar.executor.mesh import ParallelMesh
 from autopar.executor.recompute import apply_recompute
@@ -448,8 +456,8 @@ def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.devic
     with torch.no_grad():
         hidden = _differentiable(first(**kwargs))  # what a stage receives has a gradient to send back
     dtype = DTYPES[plan.training.dtype]
-    wrapped = uses_fsdp(par.zero, par.dp * par.cp) or par.dp * par.cp > 1  # FSDP2 or replicate (a pipeline's ZeRO-0)
-    if wrapped and isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
+    cast = wrap_kind(par.zero, par.dp * par.cp, replicated=True) in MIXED_PRECISION_KINDS  # a stage: never DDP
+    if cast and isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
         # Chunk 0 ran here on fp32 parameters, before FSDP2 (or replicate) wraps it; wrapped, it
         # computes in its param_dtype and hands on a hidden state of the training dtype (the receive
         # buffers torch pipelining keeps per micro-batch are of that dtype). Autocast, on an

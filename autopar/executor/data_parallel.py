@@ -69,6 +69,21 @@ def uses_fsdp(zero: int, dp_size: int) -> bool:
     return zero >= 2 or (zero == 1 and dp_size > 1)
 
 
+# The wraps that cast through FSDP2's MixedPrecisionPolicy; the others train under autocast (train.py)
+MIXED_PRECISION_KINDS = ("fsdp", "replicate")
+
+
+def wrap_kind(zero: int, dp_size: int, *, replicated: bool) -> str:
+    """How ``apply_data_parallel`` wraps a part: "fsdp" (``uses_fsdp``), "none" (one data-parallel
+    rank), "replicate" (``replicated``: DTensor parameters or a pipeline stage, which DDP cannot
+    take) or "ddp"."""
+    if uses_fsdp(zero, dp_size):
+        return "fsdp"
+    if dp_size == 1:
+        return "none"
+    return "replicate" if replicated else "ddp"
+
+
 def apply_data_parallel(
     part: nn.Module,
     blocks: Iterable[nn.Module],
@@ -110,7 +125,8 @@ def apply_data_parallel(
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32) if dtype != "fp32" else MixedPrecisionPolicy()
-    if uses_fsdp(zero, mesh.size()):
+    kind = wrap_kind(zero, mesh.size(), replicated=pipelined or _has_dtensor(part))
+    if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
         reshard = zero == 3
@@ -139,9 +155,9 @@ def apply_data_parallel(
         fully_shard(part, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=mp, **ignored(part))
         _average_grads_of([p for p in part.parameters() if p.dim() == 0], mesh)
         return DataParallelResult(module=part, kind="fsdp", sharded_optimizer=False, zero1=zero == 1)
-    if mesh.size() == 1:
+    if kind == "none":
         return DataParallelResult(module=part, kind="none", sharded_optimizer=False)
-    if _has_dtensor(part) or pipelined:
+    if kind == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         # FSDP2's mixed precision, not autocast: autocast over fp32 parameters kept a 16-bit copy

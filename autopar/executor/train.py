@@ -49,7 +49,7 @@ from autopar.executor.context_parallel import (
     position_kwargs,
     shard_batch,
 )
-from autopar.executor.data_parallel import DTYPES, build_optimizer, zero1_microbatch
+from autopar.executor.data_parallel import DTYPES, MIXED_PRECISION_KINDS, build_optimizer, zero1_microbatch
 from autopar.executor.pipeline_parallel import run_schedule, sync_tied_grads
 from autopar.executor.steady import steady_state
 from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
@@ -169,7 +169,7 @@ class _Trainer:
         """
         exe, plan = self.exe, self.plan
         par, mbs, m = plan.parallel, plan.training.micro_batch_size, plan.num_microbatches
-        fsdp = any(w.kind in ("fsdp", "replicate") for w in exe.dp)
+        fsdp = any(w.kind in MIXED_PRECISION_KINDS for w in exe.dp)
         with _autocast(plan, exe.mesh.device, fsdp), loss_context(par.tp):
             if exe.schedule is not None:
                 contrib = self._pipeline_step(batch)

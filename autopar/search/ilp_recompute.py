@@ -191,13 +191,13 @@ class MixedSplitILP:
         tau_a = np.array([self.tau[m] for m in modes], dtype=np.int64)
         beta_a = np.array([self.beta[m] for m in modes], dtype=np.int64)
         overlap = self.terms.grad_sync_overlaps
+        # released[m] = sum over the modes after m of a_m' n_m': mixes @ release, a (modes x modes) matrix
+        release = np.array([[self.alpha1[b] if b in self.later[a] else 0 for a in modes] for b in modes],
+                           dtype=np.int64)
         out = []
         for r in self.ranks:
             mem = np.array([self.mem_coeff[r][m] for m in modes], dtype=np.int64)
             work_a = np.array([self.work[r][m] for m in modes], dtype=np.int64)
-            # released[m] = sum over the modes after m of a_m' n_m': a (modes x modes) matrix
-            release = np.array([[self.alpha1[b] if b in self.later[a] else 0 for a in modes] for b in modes],
-                               dtype=np.int64)
             room, f, g = self.room[r], self.fixed_ns[r], self.fixed_bwd_ns[r]
             c1, k1, c2, k2 = self.tail[r]
             per_n: dict[int, list[tuple[int, int, dict[str, int]]]] = {}
