@@ -76,7 +76,8 @@ MIXED_PRECISION_KINDS = ("fsdp", "replicate")
 def wrap_kind(zero: int, dp_size: int, *, replicated: bool) -> str:
     """How ``apply_data_parallel`` wraps a part: "fsdp" (``uses_fsdp``), "none" (one data-parallel
     rank), "replicate" (``replicated``: DTensor parameters or a pipeline stage, which DDP cannot
-    take) or "ddp"."""
+    take) or "ddp". The cost model prices the same rule from a plan's degrees
+    (``autopar.cost.framework.dp_wrapper``: planner code does not import the executor)."""
     if uses_fsdp(zero, dp_size):
         return "fsdp"
     if dp_size == 1:
