@@ -17,7 +17,7 @@ import tempfile
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -160,6 +160,19 @@ def leave_rank() -> None:
     from autopar.commands.main import leave_process
 
     leave_process(0)
+
+
+def spawn_again_on_abort(worker: Callable[..., None], world: int, *args: Any) -> None:
+    """``mp.spawn(worker, args=(world, port, *args), nprocs=world)``, spawned once more (on a new
+    port) when a rank died by a signal rather than a Python error: a native abort in the gloo stack
+    (glibc's heap check, a joinable thread destroyed) seen now and then on shared CPUs. The worker
+    must be safe to rerun whole; a Python error, or a second abort, is raised."""
+    try:
+        mp.spawn(worker, args=(world, _free_port(), *args), nprocs=world, join=True)
+    except mp.ProcessExitedException as exc:
+        if exc.signal_name is None:
+            raise
+        mp.spawn(worker, args=(world, _free_port(), *args), nprocs=world, join=True)
 
 
 def _worker(rank: int, world: int, port: int, cases: list[Case], out_dir: str) -> None:

@@ -6,8 +6,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-from harness import _free_port, gloo_rank
+from harness import _free_port, gloo_rank, spawn_again_on_abort
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -29,7 +28,7 @@ def test_two_rank_gloo_comm_profile_fits_every_collective() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "comm.pt")
-        mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+        spawn_again_on_abort(_worker, 2, out)
         result = torch.load(out, weights_only=False)
     ranks, link, baseline, rendezvous = result.pop("_meta")
     fsdp = result.pop("_fsdp")

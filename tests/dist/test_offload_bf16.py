@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from harness import Case, _free_port, gloo_rank
+from harness import Case, _free_port, gloo_rank, spawn_again_on_abort
 
 pytestmark = pytest.mark.dist
 
@@ -94,7 +93,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @functools.lru_cache(maxsize=None)
 def _results(world: int = 2) -> dict:
     with tempfile.TemporaryDirectory(prefix="autopar-offload-bf16-") as out_dir:
-        mp.spawn(_worker, args=(world, _free_port(), out_dir), nprocs=world, join=True)
+        spawn_again_on_abort(_worker, world, out_dir)
         return {p.stem: torch.load(p, weights_only=False) for p in Path(out_dir).glob("*.pt")}
 
 

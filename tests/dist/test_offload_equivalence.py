@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from harness import Case, _free_port, _run_case, gloo_rank, reference_for
+from harness import Case, _free_port, _run_case, gloo_rank, reference_for, spawn_again_on_abort
 
 pytestmark = pytest.mark.dist
 
@@ -79,7 +78,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @functools.lru_cache(maxsize=None)
 def _results() -> dict:
     with tempfile.TemporaryDirectory(prefix="autopar-offload-") as out_dir:
-        mp.spawn(_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+        spawn_again_on_abort(_worker, 2, out_dir)
         out = {p.stem: torch.load(p, weights_only=False) for p in Path(out_dir).glob("*.pt")}
         for p in Path(out_dir).glob("*.built"):
             out[p.stem]["built"] = torch.load(p, weights_only=False)

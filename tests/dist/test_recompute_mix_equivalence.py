@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from harness import SEED, Case, _free_port, _run_case, gloo_rank, reference_for
+from harness import SEED, Case, _free_port, _run_case, gloo_rank, reference_for, spawn_again_on_abort
 
 pytestmark = pytest.mark.dist
 
@@ -62,7 +61,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory(prefix="autopar-mix-") as out_dir:
-        mp.spawn(_worker, args=(2, _free_port(), out_dir), nprocs=2, join=True)
+        spawn_again_on_abort(_worker, 2, out_dir)
         out = {}
         for case in CASES:
             ranks = [json.loads((Path(out_dir) / f"{case.name}.rank{r}.json").read_text()) for r in range(2)]

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from harness import MODELS, Case
 
+from autopar.commands.run import add_arguments
+from autopar.commands.run import main as run_main
 from autopar.errors import AutoparError
 from autopar.executor.checks import preflight
-from autopar.commands.run import add_arguments, main as run_main
 from autopar.modelfile import load_model_file
 from autopar.plan import plan_from_dict, save_plan
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from harness import SEED, Case, _free_port, gloo_rank
+from harness import SEED, Case, _free_port, gloo_rank, spawn_again_on_abort
 from torch.distributed.tensor import DTensor
 
 pytestmark = pytest.mark.dist
@@ -82,7 +81,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
     with tempfile.TemporaryDirectory(prefix="autopar-build-") as out:
-        mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+        spawn_again_on_abort(_worker, 2, out)
         return {c.name: torch.load(Path(out) / f"{c.name}.pt", weights_only=False) for c in CASES}
 
 

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from harness import SEED, Case, _free_port, _run_case, gloo_rank, reference_for
+from harness import SEED, Case, _free_port, _run_case, gloo_rank, reference_for, spawn_again_on_abort
 
 pytestmark = pytest.mark.dist
 
@@ -81,7 +80,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @functools.lru_cache(maxsize=None)
 def _results() -> dict:
     with tempfile.TemporaryDirectory(prefix="autopar-zero1-") as out_dir:
-        mp.spawn(_worker, args=(4, _free_port(), out_dir), nprocs=4, join=True)
+        spawn_again_on_abort(_worker, 4, out_dir)
         return {p.stem: torch.load(p, weights_only=False) for p in Path(out_dir).glob("*.pt")}
 
 
