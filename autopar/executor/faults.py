@@ -9,7 +9,11 @@
   distributed error, ``guard`` reads the trace and raises ``CollectiveFailure``: one line with the
   rank, the phase (``step 4``), the last collective (``gloo:all_reduce`` on ``mesh_dp`` ranks [0, 2],
   sequence number) and what to do. Under ``torchrun --max-restarts R`` the failure makes the job
-  restart and resume from the last checkpoint.
+  restart and resume from the last checkpoint. On NCCL a rank waiting for a hung peer blocks in a
+  CUDA sync, not in the collective, and ProcessGroupNCCL's watchdog aborts it at the timeout before
+  Python can report: the watchdog dumps the recorder first (``TORCH_NCCL_DUMP_ON_TIMEOUT``) into the
+  launcher's status directory, and the launcher's line names the hung rank and that collective
+  (launch/flight_recorder.py, launch/local.py).
 * **Watchdog.** A daemon thread fails the rank when one phase runs longer than ``2 x timeout + 60 s``
   (a hang in code that holds no collective, or a collective that never times out): it prints the
   same kind of line and ``os._exit(EXIT_FAULT)``.
@@ -32,11 +36,11 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
 
 from autopar.errors import EXIT_FAULT, AutoparError
+from autopar.launch.flight_recorder import CollectiveRecord, dump_prefix, record_from_trace
 
 
 class CollectiveFailure(AutoparError):
@@ -45,29 +49,21 @@ class CollectiveFailure(AutoparError):
     exit_code = EXIT_FAULT
 
 
-@dataclass(frozen=True, kw_only=True)
-class CollectiveRecord:
-    """The flight recorder's last collective of this rank (the one a failure happened in, since a
-    rank issues its collectives in order and a failed one is the newest entry)."""
-
-    name: str  # e.g. "gloo:all_gather"
-    group: str  # group description, e.g. "mesh_dp" or "default_pg"
-    ranks: str  # e.g. "[0, 2]"
-    seq: int  # the group's collective sequence number
-    sizes: str  # input sizes, e.g. "[[5184]]"
-
-    def describe(self) -> str:
-        return f"{self.name} #{self.seq} on group {self.group} ranks {self.ranks}, input sizes {self.sizes}"
-
-
 def enable_flight_recorder(entries: int = 2000) -> None:
-    """Turn on torch's collective flight recorder. Call before ``init_process_group``."""
+    """Turn on torch's collective flight recorder. Call before ``init_process_group``. Under
+    autopar's launcher (``AUTOPAR_STATUS_DIR``), NCCL's watchdog also dumps it there when a
+    collective times out, before it aborts the process (launch/flight_recorder.py): the launcher
+    reads those dumps to name the rank that hung and the collective."""
     import torch
 
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(entries))
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     if (major, minor) < (2, 8):  # the older name; newer torch warns on every rank when it is set
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(entries))
+    status_dir = os.environ.get("AUTOPAR_STATUS_DIR")
+    if status_dir:
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", dump_prefix(status_dir))
 
 
 def set_group_timeouts(seconds: float) -> None:
@@ -103,28 +99,38 @@ def _group_table() -> dict[str, tuple[str, str]]:
     return out
 
 
-def last_collective() -> CollectiveRecord | None:
-    """The newest collective in torch's flight recorder (None when the recorder is off)."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+def _recorder_trace() -> dict | None:
+    """This process's recorder as a dict: ProcessGroupNCCL's own recorder where the build has one
+    and it holds entries (NCCL records there), else the generic one (gloo); None when off."""
+    import torch._C._distributed_c10d as c10d_c
 
-        trace = json.loads(_dump_fr_trace_json(True, False))
-    except Exception:  # noqa: BLE001 - no recorder (disabled or unsupported): no detail
-        return None
-    entries = trace.get("entries") or []
-    if not entries:
-        return None
-    e = max(entries, key=lambda x: x.get("record_id", 0))
-    pg = list(e.get("process_group") or ["?", "?"]) + ["?"]
+    for fn in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
+        dump = getattr(c10d_c, fn, None)
+        if dump is None:
+            continue
+        try:
+            trace = json.loads(dump(True, False))
+        except Exception:  # noqa: BLE001 - disabled or unsupported: try the next
+            continue
+        if trace.get("entries"):
+            return trace
+    return None
+
+
+def last_collective() -> CollectiveRecord | None:
+    """The collective this rank failed or is stuck in (launch/flight_recorder.py: on NCCL the oldest
+    one not completed, on gloo the newest); None when the recorder is off or empty."""
     try:
-        desc, ranks = _group_table().get(str(pg[0]), (str(pg[1]), "?"))
+        trace = _recorder_trace()
+    except Exception:  # noqa: BLE001 - no recorder: no detail
+        return None
+    if trace is None:
+        return None
+    try:
+        groups = _group_table()
     except Exception:  # noqa: BLE001 - the table is a courtesy
-        desc, ranks = str(pg[1]), "?"
-    return CollectiveRecord(
-        name=str(e.get("profiling_name", "?")), group=desc, ranks=ranks,
-        seq=int(e.get("collective_seq_id", 0) or e.get("p2p_seq_id", 0) or 0),
-        sizes=str(e.get("input_sizes", "?")).replace(" ", ""),
-    )
+        groups = {}
+    return record_from_trace(trace, groups)
 
 
 def _is_distributed_error(exc: BaseException) -> bool:

@@ -17,7 +17,10 @@ rank code is the same under either, and adds:
   ``REPORT_GRACE_S`` to report their own view, then are stopped. The launcher prints one line
   and exits with 4 for a rank that died or hung (naming the rank that died, its last phase from
   its status file, and the collective the survivors were in), 2 when the ranks reported bad input
-  (a damaged checkpoint, NaN losses), 1 for an internal error of a rank.
+  (a damaged checkpoint, NaN losses), 1 for an internal error of a rank. Ranks that NCCL's
+  watchdog aborted at a collective timeout (SIGABRT, after dumping their flight recorder into the
+  status directory: flight_recorder.py) are survivors, not the rank that died: the line names the
+  rank they waited for and the collective, read from their dumps.
 * **Restarts.** ``max_restarts`` > 0: after a fault the whole job is started again (a warning
   line), ``TORCHELASTIC_RESTART_COUNT`` counting up; the ranks resume from the last checkpoint.
 * **Signals.** SIGTERM, SIGINT and SIGHUP to the launcher are forwarded to every rank (each in
@@ -45,6 +48,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from autopar.errors import EXIT_FAULT, EXIT_INTERNAL, EXIT_OK, EXIT_OUT_OF_MEMORY, EXIT_SIGNAL, EXIT_USAGE
+from autopar.launch.flight_recorder import CollectiveRecord, rank_dump, read_dump
 
 REPORT_GRACE_S = 3.0  # after the first failure: time the other ranks get to exit with their own line
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
@@ -189,6 +193,40 @@ class Outcome:
     line: str | None
 
 
+def _watchdog_aborts(dead: Sequence[_Rank], codes: Mapping[int, int | None],
+                     status_dir: Path) -> dict[int, tuple[CollectiveRecord | None, bool]]:
+    """Ranks NCCL's watchdog aborted after a collective timed out: dead by SIGABRT with the flight
+    recorder dump it writes first (flight_recorder.py) -> (their stuck collective, anything pending)."""
+    out: dict[int, tuple[CollectiveRecord | None, bool]] = {}
+    for r in dead:
+        if codes[r.rank] == -signal.SIGABRT:
+            got = read_dump(rank_dump(status_dir, r.rank))
+            if got is not None:
+                out[r.rank] = got
+    return out
+
+
+def _hang_verdict(aborted: Mapping[int, tuple[CollectiveRecord | None, bool]], hung: Sequence[int],
+                  status_dir: Path) -> Outcome:
+    """Every dead rank was aborted by NCCL's watchdog: the root cause is a rank that never joined --
+    one still running (stopped by the launcher) or one aborted with no collective pending."""
+    waiting = sorted(r for r, (_, pending) in aborted.items() if pending)
+    culprits = list(hung) or sorted(r for r, (_, pending) in aborted.items() if not pending)
+    waited = next((aborted[r][0] for r in waiting if aborted[r][0] is not None), None)
+    resume = "resume with --resume, or run with --max-restarts to restart"
+    if culprits:
+        who = f"rank{'s' if len(culprits) > 1 else ''} {', '.join(map(str, culprits))}"
+        where = _phase(status_dir, culprits[0])
+        line = f"{who} hung" + (f" in {where}" if where else "")
+        if waited is not None:
+            line += (f"; rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited for it in "
+                     f"collective {waited.describe()} until NCCL's watchdog aborted them after --timeout")
+        return Outcome(code=EXIT_FAULT, line=f"{line}; {resume}")
+    stuck = "; ".join(f"rank {r} in {rec.describe()}" for r, (rec, _) in sorted(aborted.items()) if rec is not None)
+    return Outcome(code=EXIT_FAULT, line=f"every rank timed out inside a collective (NCCL's watchdog aborted them: "
+                   f"{stuck or 'no trace'}); the ranks issued different collectives; {resume}")
+
+
 def _verdict(ranks: Sequence[_Rank], first: _Rank | None, status_dir: Path, stopped_after: set[int]) -> Outcome:
     codes = {r.rank: r.exited() for r in ranks}
     if first is None and all(c == 0 for c in codes.values()):
@@ -201,12 +239,21 @@ def _verdict(ranks: Sequence[_Rank], first: _Rank | None, status_dir: Path, stop
     tail = (f"; rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} "
             f"{'were' if len(hung) > 1 else 'was'} still running (hung) and {'were' if len(hung) > 1 else 'was'} stopped"
             if hung else "")
+    aborted = _watchdog_aborts(dead, codes, status_dir)
+    if aborted:  # NCCL's watchdog took these down: survivors, not the root cause
+        dead = [r for r in dead if r.rank not in aborted]
+        if not dead:
+            return _hang_verdict(aborted, hung, status_dir)
     if dead:
         d = dead[0]
         where = _phase(status_dir, d.rank)
         line = f"rank {d.rank} died ({_signal_name(codes[d.rank])})" + (f" in {where}" if where else "")
+        waited = next((rec for rec, _ in aborted.values() if rec is not None), None)
         if faults:
             line += f"; {faults[0]}"
+        elif waited is not None:
+            line += (f"; the others waited for it in collective {waited.describe()} until NCCL's watchdog "
+                     "aborted them; resume with --resume, or run with --max-restarts to restart")
         else:
             line += "; the other ranks were stopped; resume with --resume, or run with --max-restarts to restart"
         return Outcome(code=EXIT_FAULT, line=line)
