@@ -84,6 +84,9 @@ def chosen_device_type() -> str:
     return "cpu" if choice == "cpu" or not torch.cuda.is_available() else "cuda"
 
 
+PINNED_ROUND_MB = 16  # pinned host buffers above this size are not rounded up (device_for_rank)
+
+
 def device_for_rank() -> torch.device:
     """This rank's device: ``AUTOPAR_DEVICE`` (``--device``) cpu, cuda, or auto (CUDA when present,
     else CPU with gloo). On CUDA each rank takes GPU ``LOCAL_RANK``, which must exist: a host showing
@@ -106,8 +109,16 @@ def device_for_rank() -> torch.device:
     if local >= count:
         raise AutoparError(f"local rank {local} has no GPU: this host shows {count} CUDA device(s); start at most "
                            f"{count} rank(s) per node (--nproc-per-node {count}), or run on the CPU with --device cpu")
+    user_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     torch.cuda.set_device(local)
+    settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if settings is not None and "pinned" not in user_conf:
+        # Host offload's pinned buffers (activations, the host optimizer's masters): the caching host
+        # allocator rounds each one up to a power of two, up to 2x the host memory priced
+        # (cost/offload.py); above PINNED_ROUND_MB they are kept at their size. A torch without
+        # the setting ignores it.
+        settings(f"pinned_max_round_threshold_mb:{PINNED_ROUND_MB}")
     return torch.device("cuda", local)
 
 

@@ -23,6 +23,7 @@ activations            ``OffloadSavedTensors`` around each block's forward: ever
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterable
 
 import torch
@@ -126,7 +127,8 @@ class HostOptimizer(torch.optim.Optimizer):
 
 
 class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
-    """Saved tensors to host memory on save, back to their device on use (parameters excepted).
+    """Saved tensors to host memory on save, back to their device on use (parameters and views of
+    them excepted).
     ``host_bytes`` counts the bytes copied to the host by every instance (what explain prices as
     activation offload traffic, one direction)."""
 
@@ -134,8 +136,11 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, pin_memory: bool) -> None:
         def pack(t: torch.Tensor) -> Any:
-            if isinstance(t, nn.Parameter):
-                return t  # a weight: resident anyway (and under FSDP2 re-gathered for backward)
+            if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+                # a weight, or a view of one (Linear saves weight.t(); under TP a DTensor view, under
+                # FSDP2 a view of the unsharded parameter): resident anyway, so not an activation
+                # to copy (FSDP2 re-gathers it for backward). An autocast copy is not a view: it goes.
+                return t
             local = t.to_local() if isinstance(t, DTensor) else t
             # On a CPU rank the host is the device: the copy still runs (the same code path).
             host = torch.empty(local.shape, dtype=local.dtype, device=HOST, pin_memory=pin_memory)
@@ -178,7 +183,20 @@ def offload_block_activations(blocks: Iterable[nn.Module], device: torch.device)
     return count
 
 
+def host_step_threads(device: torch.device, cpu_count: int | None, local_world: int) -> int | None:
+    """Intra-op threads for the host optimizer's step on a GPU rank: its share of the node's cores
+    (the step is CPU work, priced at the host's vectorised rate, and ranks start with
+    OMP_NUM_THREADS=1 under torchrun and autopar's launcher). None on a CPU rank, which has its share
+    already (rank_main)."""
+    if device.type == "cpu":
+        return None
+    return max(1, (cpu_count or 1) // max(1, local_world))
+
+
 def build_host_optimizer(params: list[nn.Parameter], make_inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                          device: torch.device) -> HostOptimizer:
     """The optimizer-only offload of ``params`` (module docstring)."""
+    threads = host_step_threads(device, os.cpu_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    if threads is not None:
+        torch.set_num_threads(threads)
     return HostOptimizer(params, make_inner, pin_memory=device.type == "cuda")

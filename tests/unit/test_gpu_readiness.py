@@ -101,3 +101,26 @@ def test_tied_gradients_on_the_host_are_reduced_on_the_device_under_nccl(monkeyp
     grad = torch.ones(3)
     pipe.all_reduce_on_group_device(grad, object())
     assert seen == [("to", "cuda:0"), ("all_reduce", "cpu")] and grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_pinned_host_buffers_are_not_rounded_up_to_powers_of_two(monkeypatch) -> None:
+    """Host offload pins each buffer through CUDA's caching host allocator, which rounds it up to a
+    power of two (up to 2x the priced host memory): a GPU rank caps that rounding, unless the user
+    configured the allocator's pinned settings."""
+    from autopar.executor import mesh
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv(mesh.DEVICE_ENV, "cuda")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert mesh.device_for_rank() == torch.device("cuda", 0)
+    assert calls == [f"pinned_max_round_threshold_mb:{mesh.PINNED_ROUND_MB}"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_max_round_threshold_mb:1024")
+    calls.clear()
+    mesh.device_for_rank()
+    assert calls == []  # the user's own setting stands
