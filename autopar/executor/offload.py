@@ -24,10 +24,12 @@ activations            ``OffloadSavedTensors`` around each block's forward: ever
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 HOST = torch.device("cpu")
@@ -126,15 +128,51 @@ class HostOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict)
 
 
+class _HostStorage:
+    """One device storage's bytes on the host, shared by every saved view of it (softmax saves its
+    output, the next matmul a view of it: the device holds those bytes once, so the host copies and
+    returns them once). Brought back once: a later view is built on the storage an earlier
+    unpacked view still holds."""
+
+    __slots__ = ("host", "device", "_back")
+
+    def __init__(self, host: torch.Tensor, device: torch.device) -> None:
+        self.host, self.device, self._back = host, device, None
+
+    def view(self, dtype: torch.dtype, size: tuple, stride: tuple, offset: int, non_blocking: bool) -> torch.Tensor:
+        alive = self._back() if self._back is not None else None
+        storage = alive.untyped_storage() if alive is not None else \
+            self.host.to(self.device, non_blocking=non_blocking).untyped_storage()
+        out = torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
+        self._back = weakref.ref(out)
+        return out
+
+
 class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
     """Saved tensors to host memory on save, back to their device on use (parameters and views of
-    them excepted).
-    ``host_bytes`` counts the bytes copied to the host by every instance (what explain prices as
-    activation offload traffic, one direction)."""
+    them excepted). A storage saved through several views (within one block's forward: one
+    instance) is copied once and restored once. ``host_bytes`` counts the bytes copied to the host
+    by every instance (what explain prices as activation offload traffic, one direction)."""
 
     host_bytes = 0
 
     def __init__(self, pin_memory: bool) -> None:
+        copies: dict[int, tuple[weakref.ref, _HostStorage]] = {}
+
+        def host_storage(t: torch.Tensor, local: torch.Tensor) -> _HostStorage:
+            storage = local.untyped_storage()
+            hit = copies.get(storage.data_ptr())
+            # the first view still alive: its storage is, so the address is not a new allocation's
+            if hit is not None and hit[0]() is not None and hit[1].host.numel() == storage.nbytes():
+                return hit[1]
+            whole = torch.empty(0, dtype=torch.uint8, device=local.device).set_(storage)
+            host = torch.empty(whole.numel(), dtype=torch.uint8, device=HOST, pin_memory=pin_memory)
+            host.copy_(whole)  # on a CPU rank the host is the device: the copy still runs (same code path)
+            OffloadSavedTensors.host_bytes += host.numel()
+            shared = _HostStorage(host, local.device)
+            copies[storage.data_ptr()] = (weakref.ref(t), shared)
+            return shared
+
         def pack(t: torch.Tensor) -> Any:
             if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
                 # a weight, or a view of one (Linear saves weight.t(); under TP a DTensor view, under
@@ -142,22 +180,32 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
                 # to copy (FSDP2 re-gathers it for backward). An autocast copy is not a view: it goes.
                 return t
             local = t.to_local() if isinstance(t, DTensor) else t
-            # On a CPU rank the host is the device: the copy still runs (the same code path).
-            host = torch.empty(local.shape, dtype=local.dtype, device=HOST, pin_memory=pin_memory)
-            host.copy_(local)
-            OffloadSavedTensors.host_bytes += host.numel() * host.element_size()
+            if isinstance(local, AsyncCollectiveTensor):  # a functional collective's (TP's) result
+                local = local.wait()
+            try:
+                shared = host_storage(t, local)
+                view = (local.dtype, tuple(local.shape), tuple(local.stride()), local.storage_offset())
+            except RuntimeError:  # no plain storage (a wrapper subclass's): the tensor's own bytes
+                host = torch.empty(local.shape, dtype=local.dtype, device=HOST, pin_memory=pin_memory)
+                host.copy_(local)
+                OffloadSavedTensors.host_bytes += host.numel() * host.element_size()
+                shared, view = None, (host, local.device)
             if isinstance(t, DTensor):
-                return ("dtensor", local.device, host, t.device_mesh, t.placements, t.shape, t.stride())
-            return ("tensor", t.device, host)
+                return ("dtensor", shared, view, t.device_mesh, t.placements, t.shape, t.stride())
+            return ("tensor", shared, view)
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
+            if packed[1] is None:
+                host, device = packed[2]
+                local = host.to(device, non_blocking=pin_memory)
+            else:
+                local = packed[1].view(*packed[2], non_blocking=pin_memory)
             if packed[0] == "tensor":
-                return packed[2].to(packed[1], non_blocking=pin_memory)
-            _, device, host, mesh, placements, shape, stride = packed
-            return DTensor.from_local(host.to(device, non_blocking=pin_memory), mesh, placements, run_check=False,
-                                      shape=shape, stride=stride)
+                return local
+            _, _, _, mesh, placements, shape, stride = packed
+            return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
         super().__init__(pack, unpack)
 

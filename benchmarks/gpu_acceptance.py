@@ -1,0 +1,500 @@
+"""The one-GPU acceptance run: what a careful read of the executor says may break or mis-measure on
+CUDA + NCCL (../shared/reviews/gpu-readiness.md, "One-GPU acceptance script"), checked on the GPU.
+
+Twelve checks, each under about a minute on one H100/H200, each printing what it measured and
+PASS / FAIL / INFO (a figure to record, no verdict) / SKIP (needs what this machine lacks). The
+finding each covers is in brackets. Run it first whenever a GPU is at hand, and commit its output to
+docs/results.md:
+
+    python benchmarks/gpu_acceptance.py                 # cuda when present
+    python benchmarks/gpu_acceptance.py --device cpu    # dry run: every code path on CPU ranks
+    python benchmarks/gpu_acceptance.py --only 1,2,4 --json out.json
+
+Exit 0 when no check FAILs. The dry run is part of the tests (tests/cli/test_gpu_acceptance.py), so
+the script itself is known to work before the GPU's minutes are spent on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+SMALL = REPO / "examples" / "gpt_small.py"
+GIB = 2**30
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _autopar(args: list[str], device: str, timeout_s: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = dict(os.environ, AUTOPAR_DEVICE=device, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "autopar", *args], cwd=REPO, env=full, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def _errors(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("autopar: error:")]
+
+
+def _probe(name: str, device: str, work: Path, timeout_s: float = 240) -> dict:
+    """Run ``--probe name`` in a fresh process (its own CUDA context and process group)."""
+    proc = subprocess.run([sys.executable, __file__, "--probe", name, "--device", device, "--work", str(work)],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    raise RuntimeError(f"probe {name} exit {proc.returncode}: {tail[:300]}")
+
+
+# -- plans ----------------------------------------------------------------------------------------
+
+def profile_for(device: str) -> str:
+    """The shipped profile of this machine's device (the dry run plans for the CPU profile)."""
+    if device == "cpu":
+        return "cpu-local-2"
+    import torch
+
+    return "h200-141g" if "H200" in torch.cuda.get_device_name(0) else "h100-80g"
+
+
+def plan_dict(device: str, **parallel: Any) -> dict:
+    """A one-rank plan of examples/gpt_small.py (8 blocks, seq 128), ``parallel`` keys as in YAML: bf16
+    on the GPU, fp32 on the dry run (the CPU profile was measured in fp32)."""
+    par = {"dp": 1, "tp": 1, "pp": 1, **parallel}
+    n = par["dp"] * par["tp"] * par["pp"] * par.get("cp", 1)
+    return {"version": 1, "model": {"file": str(SMALL), "num_blocks": 8},
+            "cluster": {"profile": profile_for(device), "num_gpus": n, "gpus_per_node": 8},
+            "training": {"global_batch_size": 8, "micro_batch_size": 4, "seq_len": 128,
+                         "dtype": "bf16" if device == "cuda" else "fp32",
+                         "optimizer": "adamw"},
+            "parallel": par}
+
+
+def write_plan(work: Path, name: str, device: str, **parallel: Any) -> Path:
+    import yaml
+
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(plan_dict(device, **parallel), sort_keys=False))
+    return path
+
+
+# -- probes (run in a child process) ---------------------------------------------------------------
+
+def _init_world1(device: str) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    return dev
+
+
+def probe_recorder(device: str, work: Path) -> dict:
+    """[B7, C1, M5, M4] NCCL at world 1: recorder entries after 8 all-reduces, and the device memory
+    the CUDA context, the first cuBLAS GEMM and NCCL take (the reserve the profile prices)."""
+    import torch
+    import torch.distributed as dist
+
+    from autopar.executor.faults import enable_flight_recorder, last_collective
+
+    out: dict[str, Any] = {}
+    used = []
+    if device == "cuda":
+        torch.cuda.init()
+        free, total = torch.cuda.mem_get_info()
+        used.append(("context", total - free))
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        (a @ a).sum().item()
+        del a
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used.append(("first GEMM", total - free))
+    enable_flight_recorder()
+    dev = _init_world1(device)
+    x = torch.ones(1024, device=dev)
+    for _ in range(8):
+        dist.all_reduce(x)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used.append(("NCCL + 8 all-reduces", total - free))
+    import torch._C._distributed_c10d as c10d_c
+
+    for fn in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
+        dump = getattr(c10d_c, fn, None)
+        try:
+            out[fn] = len(json.loads(dump(True, False)).get("entries") or []) if dump else None
+        except Exception as exc:  # noqa: BLE001 - recorded as what it is
+            out[fn] = f"error: {type(exc).__name__}"
+    rec = last_collective()
+    out["last_collective"] = rec.describe() if rec else None
+    if device == "cuda":
+        try:
+            dist.all_reduce(torch.ones(1))  # a CPU tensor over NCCL: refused (the reason for B4's device copy)
+            out["cpu_tensor_over_nccl"] = "accepted"
+        except Exception as exc:  # noqa: BLE001
+            out["cpu_tensor_over_nccl"] = f"refused ({type(exc).__name__})"
+        out["total_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    out["used_bytes"] = used
+    dist.destroy_process_group()
+    return out
+
+
+def _build(device: str, work: Path, **parallel: Any) -> tuple[Any, Any, Any]:
+    from autopar.executor.apply import build_executable
+    from autopar.executor.checks import preflight
+    from autopar.executor.mesh import build_mesh
+    from autopar.modelfile import load_model_file
+    from autopar.plan import plan_from_dict
+
+    dev = _init_world1(device)
+    plan = plan_from_dict(plan_dict(device, **parallel))
+    mf = load_model_file(plan.model.file)
+    spec, _ = preflight(plan, mf, 1)
+    exe = build_executable(plan, mf, spec, build_mesh(plan, dev), seed=0, lr=1e-3, loss_fn=mf.loss_fn)
+    return plan, mf, exe
+
+
+def probe_zero3_build(device: str, work: Path) -> dict:
+    """[B2, M8] ZeRO-3 + parameter offload at world 1: device bytes right after the build, against
+    the fp32 model (4 P)."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    plan, mf, exe = _build(device, work, zero=3, offload={"params": True, "grads": True, "optimizer": True})
+    params = sum(p.numel() for part in exe.parts for p in part.parameters())
+    out = {"params": params, "fp32_bytes": 4 * params}
+    if device == "cuda":
+        out["build_peak_bytes"] = torch.cuda.max_memory_allocated()
+    from autopar.executor.train import train
+
+    result = train(exe, mf, steps=2, seed=0)
+    out["losses"] = list(result.losses)
+    return out
+
+
+def probe_activation_offload(device: str, work: Path) -> dict:
+    """[M8] One step with activation offload: bytes copied to the host against the block activations
+    the cost model prices for the same plan without offload."""
+    from autopar import api
+    from autopar.executor.offload import OffloadSavedTensors
+    from autopar.executor.train import train
+
+    plan, mf, exe = _build(device, work, offload={"activations": True})
+    before = OffloadSavedTensors.host_bytes
+    train(exe, mf, steps=1, seed=0)
+    host = OffloadSavedTensors.host_bytes - before
+    weights = sum(p.numel() * p.element_size() for part in exe.parts for p in part.parameters())
+    est = api.estimate(None, str(write_plan(work, "act-none", device)))
+    return {"host_bytes": host, "weight_bytes": weights, "priced_activation_bytes": est.memory_bytes["activations"],
+            "micro_batches": plan.training.global_batch_size // plan.training.micro_batch_size}
+
+
+def probe_host_optimizer(device: str, work: Path) -> dict:
+    """[M8] HostOptimizer.step over about 100M parameters (25 M on the dry run) against the priced
+    CPU Adam rate per GPU."""
+    import torch
+    from torch import nn
+
+    from autopar.cluster import load_cluster
+    from autopar.executor.offload import build_host_optimizer
+
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    n = 25 if device == "cuda" else 6
+    params = [nn.Parameter(torch.randn(4 * 2**20, device=dev, dtype=torch.bfloat16)) for _ in range(n)]
+    opt = build_host_optimizer(params, lambda ms: torch.optim.AdamW(ms, lr=1e-3), dev)
+    times = []
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    cluster = load_cluster(profile_for(device) if device == "cuda" else "h100-80g")
+    rate = cluster.cpu_optimizer_params_per_s / cluster.gpus_per_node
+    count = sum(p.numel() for p in params)
+    return {"params": count, "step_s": min(times[1:]), "priced_s": count / rate, "threads": torch.get_num_threads()}
+
+
+PROBES: dict[str, Callable[[str, Path], dict]] = {
+    "recorder": probe_recorder, "zero3_build": probe_zero3_build, "activation_offload": probe_activation_offload,
+    "host_optimizer": probe_host_optimizer,
+}
+
+
+# -- checks (run in the parent) --------------------------------------------------------------------
+
+Result = tuple[str, str]  # (status, what was measured)
+
+
+def check_env(device: str, work: Path) -> Result:
+    """1 [B9, M5] torch, CUDA and NCCL; the device's memory against the profile's capacity; the
+    torch APIs the executor calls."""
+    import torch
+
+    from autopar.cluster import load_cluster
+    from autopar.executor.checks import torch_support_reason
+
+    lacking = torch_support_reason()
+    text = f"torch {torch.__version__}"
+    if device == "cpu":
+        return ("FAIL" if lacking else "PASS"), text + ("; " + lacking if lacking else "; executor APIs present")
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = load_cluster(profile_for(device)).memory_bytes
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    text += (f", CUDA {torch.version.cuda}, NCCL {nccl}, {torch.cuda.get_device_name(0)}: total {total / GIB:.2f} GiB, "
+             f"profile {profile_for(device)} {cap / GIB:.2f} GiB")
+    ok = not lacking and abs(total - cap) <= 0.01 * cap
+    return ("PASS" if ok else "FAIL"), text + ("; " + lacking if lacking else "")
+
+
+def check_recorder(device: str, work: Path) -> Result:
+    """2-3 [B7, C1, M5, M4] the flight recorder at world 1 and the measured reserve."""
+    from autopar.cluster import load_cluster
+
+    got = _probe("recorder", device, work)
+    counts = f"entries: nccl {got.get('_dump_nccl_trace_json')}, generic {got.get('_dump_fr_trace_json')}"
+    used = ", ".join(f"{k} {v / GIB:.2f}" for k, v in got.get("used_bytes", []))
+    text = f"{counts}; last collective: {got.get('last_collective')}"
+    if device == "cuda":
+        cluster = load_cluster(profile_for(device))
+        text += (f"; device use GiB: {used} (profile prices {cluster.framework_reserve_bytes / GIB:.2f} + "
+                 f"{cluster.nccl_bytes_per_group / GIB:.2f} per NCCL group); CPU tensor over NCCL "
+                 f"{got.get('cpu_tensor_over_nccl')}")
+    return ("PASS" if got.get("last_collective") else "FAIL"), text
+
+
+def _validate(device: str, work: Path, name: str, **parallel: Any) -> tuple[dict, list[float], str]:
+    plan = write_plan(work, name, device, **parallel)
+    report = work / f"{name}.json"
+    steps = "8" if device == "cuda" else "3"
+    proc = _autopar(["validate", str(plan), "--steps", steps, "--cluster", profile_for(device),
+                     "--report", str(report), "--device", device], device)
+    if proc.returncode != 0:
+        raise RuntimeError(f"validate {name} exit {proc.returncode}: {(_errors(proc) or [proc.stderr[-300:]])[0]}")
+    losses = [float(m) for m in re.findall(r"step \d+/\d+\s+loss ([-\d.e+naif]+)", proc.stderr)]
+    return json.loads(report.read_text()), losses, proc.stdout
+
+
+def check_validate(device: str, work: Path) -> Result:
+    """4 [M2, M4] validate a one-rank bf16 plan, ZeRO 0 (autocast) and ZeRO 3 (FSDP2): memory within
+    10 % of the price, finite losses, equal first losses; step time against the price (a measured
+    profile's, once check 6 wrote one, is the fair comparison)."""
+    import math
+
+    parts, ok = [], True
+    first = []
+    for zero in (0, 3):
+        rep, losses, _ = _validate(device, work, f"validate-zero{zero}", zero=zero)
+        mem, t = rep["peak_memory_bytes"], rep["step_time_s"]
+        ok &= abs(mem["error_pct"]) <= 10 and bool(losses) and all(math.isfinite(v) for v in losses)
+        first.append(losses[0] if losses else float("nan"))
+        parts.append(f"zero {zero}: memory {mem['measured'] / GIB:.3f} vs {mem['predicted'] / GIB:.3f} GiB "
+                     f"({mem['error_pct']:+.1f} %), step {t['measured'] * 1e3:.1f} vs {t['predicted'] * 1e3:.1f} ms "
+                     f"({t['error_pct']:+.1f} %)")
+    same = abs(first[0] - first[1]) <= 0.02 * abs(first[0])
+    parts.append(f"first losses {first[0]:.4f} / {first[1]:.4f}")
+    return ("PASS" if ok and same else "FAIL"), "; ".join(parts)
+
+
+def check_zero3_build(device: str, work: Path) -> Result:
+    """5 [B2] ZeRO-3 + parameter offload: the build holds far less than the fp32 model on the device."""
+    got = _probe("zero3_build", device, work)
+    text = f"{got['params'] / 1e6:.1f} M params ({got['fp32_bytes'] / GIB:.3f} GiB fp32); losses {got['losses']}"
+    if device != "cuda":
+        return "INFO", text + "; device bytes after the build: measured on CUDA only"
+    peak = got["build_peak_bytes"]
+    return ("PASS" if peak < 0.5 * got["fp32_bytes"] else "FAIL"), text + f"; build peak {peak / GIB:.3f} GiB"
+
+
+def check_profile(device: str, work: Path) -> Result:
+    """6 [M3, M6, B1] autopar profile at cp 1, 2: ring / all-gather saved bytes against Ulysses, the
+    memory bandwidth, kernel overhead and GEMM rate it fits; plan reads the file."""
+    import yaml
+
+    out = work / "measured.yaml"
+    args = ["profile", str(SMALL), "--device", device, "--cp", "1,2", "--micro-batch", "1", "-o", str(out)]
+    if device == "cpu":
+        args += ["--no-comm", "--load-ranks", "1", "--repeats", "3", "--warmup", "1"]
+    proc = _autopar(args, device, timeout_s=300)
+    if proc.returncode != 0:
+        return "FAIL", f"profile exit {proc.returncode}: {(_errors(proc) or [proc.stderr[-300:]])[0]}"
+    m = yaml.safe_load(out.read_text())["measured"]
+    saved = {e.get("cp_kind"): e["saved_bytes"] for e in m["layers"]["block"] if e.get("cp") == 2 and e.get("tp", 1) == 1}
+    ratio = max(saved.get("ring", 0), saved.get("allgather", 0)) / max(saved.get("ulysses", 1), 1)
+    fit = m["fitted"]
+    gemm = max(g["flops_per_s"] for g in m["gemm"])
+    text = (f"cp 2 saved ring/allgather/ulysses {saved.get('ring', 0) / 2**20:.2f}/{saved.get('allgather', 0) / 2**20:.2f}/"
+            f"{saved.get('ulysses', 0) / 2**20:.2f} MiB; bandwidth {fit['memory_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, "
+            f"kernel overhead {fit['kernel_overhead_s'] * 1e6:.1f} us, best GEMM {gemm / 1e12:.1f} TFLOP/s")
+    plan = _autopar(["plan", str(SMALL), "--gpus", "1", "--profile", str(out), "--quiet", "-o", str(work / "p.yaml")],
+                    device)
+    ok = ratio <= 2.0 and plan.returncode == 0
+    if device == "cuda":
+        ok &= fit["memory_bandwidth_bytes_per_s"] >= 2.8e12 and fit["kernel_overhead_s"] <= 6e-6 and gemm >= 600e12
+    return ("PASS" if ok else "FAIL"), text + f"; plan --profile exit {plan.returncode}"
+
+
+def check_activation_offload(device: str, work: Path) -> Result:
+    """7 [M8] activation offload copies the activations, not the weights."""
+    got = _probe("activation_offload", device, work)
+    priced = got["priced_activation_bytes"]
+    text = (f"host {got['host_bytes'] / 2**20:.1f} MiB in one step ({got['micro_batches']} micro-batches), priced "
+            f"activations {priced / 2**20:.1f} MiB per micro-batch in flight, weights {got['weight_bytes'] / 2**20:.1f} MiB")
+    per_mb = got["host_bytes"] / max(got["micro_batches"], 1)
+    return ("PASS" if per_mb <= 1.1 * priced else "FAIL"), text
+
+
+def check_host_optimizer(device: str, work: Path) -> Result:
+    """8 [M8] the host optimizer's step against its priced rate."""
+    got = _probe("host_optimizer", device, work)
+    text = (f"{got['params'] / 1e6:.0f} M params: step {got['step_s']:.3f} s vs priced {got['priced_s']:.3f} s "
+            f"({got['threads']} threads)")
+    if device != "cuda":
+        return "INFO", text + " (the priced rate is an H100 host's)"
+    return ("PASS" if got["step_s"] <= 3 * got["priced_s"] else "FAIL"), text
+
+
+def check_fp16(device: str, work: Path) -> Result:
+    """9 [B5] fp16 has no loss scaler: refused in one line, exit 2."""
+    import yaml
+
+    path = write_plan(work, "fp16", device)
+    d = yaml.safe_load(path.read_text())
+    d["training"]["dtype"] = "fp16"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    proc = _autopar(["run", str(path), "--steps", "1", "--device", device], device)
+    errs = _errors(proc)
+    ok = proc.returncode == 2 and len(errs) == 1 and "loss scaling" in errs[0]
+    return ("PASS" if ok else "FAIL"), f"exit {proc.returncode}: {errs[0][:120] if errs else proc.stderr[-200:]}"
+
+
+def check_oom(device: str, work: Path) -> Result:
+    """10 [B6] an out-of-memory ends in one line, exit 3, within seconds."""
+    path = write_plan(work, "oom", device)
+    t0 = time.perf_counter()
+    proc = _autopar(["run", str(path), "--steps", "3", "--device", device], device,
+                    env={"AUTOPAR_TEST_OOM_AT_STEP": "1", "AUTOPAR_TEST_OOM_RANK": "0"})
+    took = time.perf_counter() - t0
+    errs = _errors(proc)
+    ok = proc.returncode == 3 and len(errs) == 1 and "ran out of device memory" in errs[0]
+    text = f"exit {proc.returncode} after {took:.1f} s: {errs[0][:110] if errs else proc.stderr[-200:]}"
+    if device == "cuda":  # torch's own error type from a real allocation, the one rank_main catches
+        import torch
+
+        try:
+            torch.empty(int(torch.cuda.get_device_properties(0).total_memory * 2), dtype=torch.uint8, device="cuda")
+            ok, text = False, text + "; a 2x-capacity allocation succeeded?"
+        except torch.OutOfMemoryError:
+            text += "; a real 2x-capacity allocation raised torch.OutOfMemoryError"
+    return ("PASS" if ok else "FAIL"), text
+
+
+def check_device_override(device: str, work: Path) -> Result:
+    """11 [B8] more ranks than GPUs, or --device cuda without one: one line, exit 2."""
+    if device == "cuda":
+        import torch
+
+        n = torch.cuda.device_count()
+        path = write_plan(work, "too-many", device, dp=n + 1)
+        proc = _autopar(["run", str(path), "--steps", "1", "--device", "cuda"], device)
+    else:
+        path = write_plan(work, "no-gpu", device)
+        proc = _autopar(["run", str(path), "--steps", "1", "--device", "cuda"], "cuda")
+    errs = _errors(proc)
+    ok = proc.returncode == 2 and len(errs) == 1 and "Traceback" not in proc.stderr
+    return ("PASS" if ok else "FAIL"), f"exit {proc.returncode}: {errs[0][:140] if errs else proc.stderr[-200:]}"
+
+
+def check_timing(device: str, work: Path) -> Result:
+    """12 [C4, M11] ten steps: steps 3-10 within 5 % of each other."""
+    path = write_plan(work, "timing", device)
+    report = work / "timing.json"
+    proc = _autopar(["run", str(path), "--steps", "10", "--device", device, "--report", str(report)], device)
+    if proc.returncode != 0:
+        return "FAIL", f"run exit {proc.returncode}: {(_errors(proc) or [proc.stderr[-200:]])[0]}"
+    rep = json.loads(report.read_text())
+    times = rep.get("step_times_s") or rep.get("step_time_s", {}).get("all_steps_s") or []
+    steady = sorted(times[2:])
+    if not steady:
+        return "FAIL", f"no step times in the run report ({sorted(rep)[:8]})"
+    spread = (steady[-1] - steady[0]) / steady[len(steady) // 2]
+    text = f"steps 3-10: {steady[0] * 1e3:.1f}-{steady[-1] * 1e3:.1f} ms, spread {spread * 100:.1f} %"
+    if device != "cuda":
+        return "INFO", text + " (CPU timings move 20-40 % on a shared machine)"
+    return ("PASS" if spread <= 0.05 else "FAIL"), text
+
+
+CHECKS: list[tuple[int, str, Callable[[str, Path], Result]]] = [
+    (1, "environment", check_env), (2, "flight recorder + reserve", check_recorder),
+    (4, "validate zero 0 / 3", check_validate), (5, "ZeRO-3 offload build", check_zero3_build),
+    (6, "profile", check_profile), (7, "activation offload", check_activation_offload),
+    (8, "optimizer offload", check_host_optimizer), (9, "fp16 refused", check_fp16), (10, "out of memory", check_oom),
+    (11, "device override", check_device_override), (12, "timing", check_timing),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when present")
+    ap.add_argument("--only", default="", help="comma-separated check numbers")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.probe:
+        print(json.dumps(PROBES[args.probe](args.device, Path(args.work))))
+        return 0
+    only = {int(x) for x in args.only.split(",") if x.strip()}
+    rows, results, t_all = [], [], time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="autopar-gpu-acceptance-") as tmp:
+        for number, name, fn in CHECKS:
+            if only and number not in only:
+                continue
+            t0 = time.perf_counter()
+            try:
+                status, text = fn(args.device, Path(tmp))
+            except Exception as exc:  # noqa: BLE001 - one check's failure is its row, not the run's end
+                status, text = "FAIL", f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+            took = time.perf_counter() - t0
+            results.append({"check": number, "name": name, "status": status, "measured": text, "seconds": took})
+            print(f"{number:>2}  {name:<26} {status:<4}  {took:5.1f} s  {text}", flush=True)
+            rows.append(status)
+    fails = rows.count("FAIL")
+    print(f"{len(rows)} checks on {args.device} in {time.perf_counter() - t_all:.0f} s: "
+          f"{rows.count('PASS')} pass, {fails} fail, {rows.count('INFO')} info, {rows.count('SKIP')} skipped")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": args.device, "checks": results}, indent=1))
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

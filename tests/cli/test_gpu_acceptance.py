@@ -1,0 +1,24 @@
+"""benchmarks/gpu_acceptance.py, the one-GPU acceptance run, works before a GPU's minutes are spent
+on it: its dry run (--device cpu) runs every check's code path on CPU ranks, and none fails."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_dry_run_passes_every_check(tmp_path: Path) -> None:
+    out = tmp_path / "acceptance.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_acceptance.py"), "--device", "cpu",
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    checks = json.loads(out.read_text())["checks"]
+    assert [c["check"] for c in checks] == [1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert all(c["status"] in ("PASS", "INFO") for c in checks), checks
+    by = {c["check"]: c for c in checks}
+    assert "gloo:all_reduce" in by[2]["measured"]  # the recorder read back
+    assert "first losses" in by[4]["measured"] and "exit 3" in by[10]["measured"]
