@@ -128,6 +128,11 @@ class Cluster:
     # (``pipeline_buffers_per_microbatch``); Megatron's schedules allocate them as they go.
     activation_memory: str = "measured"
     main_grad_bytes: float = 0.0
+    # Bytes per gradient element the data-parallel reduction (all-reduce / reduce-scatter) sends;
+    # 0 = the training dtype's. autopar run reduces in fp32 at any training dtype (FSDP2's
+    # reduce_dtype, DDP over fp32 parameters, ZeRO-1's fp32 accumulators): 4 in its profiles.
+    # A Megatron profile's ``main_grad_bytes`` decides instead (it reduces its buffer in place).
+    grad_reduce_bytes: float = 0.0
     pipeline_buffers_per_microbatch: bool = True
     # Sequence parallelism as DTensor runs it (autopar run, torchtitan): a column-parallel Linear saves
     # its all-gathered, full-sequence input for backward; Megatron-LM saves the shard and gathers again.
@@ -296,7 +301,7 @@ MAIN_GRAD_BYTES = (0, 2, 4)
 def _software(data: Any, where: str) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise ClusterError(f"{where} must be a mapping")
-    allowed = _SOFTWARE_KEYS + ("activation_memory", "main_grad_bytes")
+    allowed = _SOFTWARE_KEYS + ("activation_memory", "main_grad_bytes", "grad_reduce_bytes")
     unknown = sorted(set(data) - set(allowed), key=str)
     if unknown:
         raise ClusterError(f"{where}: unknown key '{unknown[0]}'; allowed: {', '.join(allowed)}")
@@ -307,6 +312,9 @@ def _software(data: Any, where: str) -> dict[str, Any]:
         elif key == "main_grad_bytes":
             if isinstance(value, bool) or value not in MAIN_GRAD_BYTES:
                 raise ClusterError(f"{where}: 'main_grad_bytes' must be 0 (as autopar run), 2 (bf16) or 4 (fp32)")
+        elif key == "grad_reduce_bytes":
+            if isinstance(value, bool) or value not in MAIN_GRAD_BYTES:
+                raise ClusterError(f"{where}: 'grad_reduce_bytes' must be 0 (the training dtype), 2 (bf16) or 4 (fp32)")
         elif not isinstance(value, bool):
             raise ClusterError(f"{where}: '{key}' must be true or false")
     return dict(data)

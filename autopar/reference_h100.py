@@ -241,8 +241,9 @@ PROFILES = {"megatron": "h100-80g-megatron", "fsdp": "h100-80g"}
 def software_cluster(run: PublicRun):  # noqa: ANN201 - returns (autopar.cluster.Cluster, profile name)
     """The H100 profile of the software ``run`` used, with the run's stated settings: Megatron-Core
     runs on h100-80g-megatron, PyTorch FSDP runs on h100-80g; a run that states it had TP
-    communication overlap off (the 340B recipe) gets that switch off -- a setting of the run, as
-    its recompute or micro-batch are, never a fitted term."""
+    communication overlap off (the 340B recipe) gets that switch off, llm-foundry's runs their bf16
+    gradient reduction (h100-80g prices autopar run's fp32) -- settings of the run, as its recompute
+    or micro-batch are, never fitted terms."""
     import dataclasses
 
     from autopar.cluster import load_cluster
@@ -251,4 +252,8 @@ def software_cluster(run: PublicRun):  # noqa: ANN201 - returns (autopar.cluster
     cluster = load_cluster(profile)
     if run.tp_comm_overlap is False:
         cluster = dataclasses.replace(cluster, tp_comm_overlap=False)
+    if run.group == "llm_foundry":
+        # its H100 benchmark sweep trains with fsdp_config mixed_precision PURE (llm-foundry
+        # scripts/train/benchmarking): parameters, gradients and their reduce-scatter in bf16
+        cluster = dataclasses.replace(cluster, grad_reduce_bytes=2)
     return cluster, profile

@@ -76,7 +76,7 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
         else:
             recompute, act, work = 0.0, rt.saved_bytes, 0.0
         bwd = rt.bwd_s + recompute
-        zero = per_microbatch_exposed(cfg, float(unit.params), rt.fwd_s, bwd, dpcp_link, cluster.overlap_cost_fraction)
+        zero = per_microbatch_exposed(cfg, float(unit.params), rt.fwd_s, bwd, dpcp_link, cluster)
         parts.append(Part(fwd_s=rt.fwd_s, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=0.0, cp_comm_s=0.0,
                           zero_comm_s=zero, act_bytes=act, params=float(unit.params), fwd_flops=rt.fwd_flops,
                           bwd_flops=rt.bwd_flops))

@@ -201,9 +201,8 @@ def zero_exposed_s(cfg: "Config", cluster: "Cluster", cost: ExpertCost, fwd_s: f
     dp x cp ranks, its E / ep experts over their dp x cp / ep edp ranks (both prefetched behind the
     block's compute, as autopar.cost.zero prices them)."""
     edp_link = group_link(cluster, cfg.dp * cfg.cp // cfg.ep, cfg.tp * cfg.ep)
-    frac = cluster.overlap_cost_fraction
-    return (per_microbatch_exposed(cfg, cost.dense_params, fwd_s, bwd_s, dpcp_link, frac)
-            + per_microbatch_exposed(cfg, cost.expert_params, fwd_s, bwd_s, edp_link, frac))
+    return (per_microbatch_exposed(cfg, cost.dense_params, fwd_s, bwd_s, dpcp_link, cluster)
+            + per_microbatch_exposed(cfg, cost.expert_params, fwd_s, bwd_s, edp_link, cluster))
 
 
 def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, float | int | str]:

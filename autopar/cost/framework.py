@@ -60,6 +60,17 @@ def trains_under_autocast(cfg: "Config") -> bool:
     return dp_wrapper(cfg) in ("ddp", "none")
 
 
+def grad_reduce_bytes(cfg: "Config", cluster: "Cluster") -> float:
+    """Bytes per gradient element the data-parallel reduction sends: a Megatron profile's gradient
+    buffer dtype (``main_grad_bytes``, reduced in place), else the software's reduce dtype
+    (``grad_reduce_bytes``: autopar run's fp32), else the training dtype."""
+    if cluster.main_grad_bytes:
+        return float(cluster.main_grad_bytes)
+    if cluster.grad_reduce_bytes:
+        return float(cluster.grad_reduce_bytes)
+    return float(cfg.dtype_bytes)
+
+
 def has_dtensor_params(cfg: "Config") -> bool:
     """Whether the optimizer steps DTensor parameters (FSDP2 shards, replicate, tensor parallel)."""
     return cfg.tp > 1 or dp_wrapper(cfg) in ("fully_shard", "replicate")

@@ -143,6 +143,6 @@ def _with_host_copies(cfg: "Config", part: "Part", link: Any, cluster: "Cluster"
     """``part`` with its ZeRO-3 collectives each extended by the host copy of its shard."""
     bwd_plain = part.bwd_s - part.zero_comm_s
     copy_s = part.params * cfg.dtype_bytes / n / bw
-    zero = per_microbatch_exposed(cfg, part.params, part.fwd_s, bwd_plain, link, cluster.overlap_cost_fraction,
+    zero = per_microbatch_exposed(cfg, part.params, part.fwd_s, bwd_plain, link, cluster,
                                   host_copy_s=copy_s)
     return evolve(part, bwd_s=bwd_plain + zero, zero_comm_s=zero)

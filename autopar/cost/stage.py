@@ -26,7 +26,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time, usable_layer_table
 from autopar.cost.evolve import evolve
-from autopar.cost.framework import per_microbatch_s, per_step_s_per_param, trains_under_autocast
+from autopar.cost.framework import grad_reduce_bytes, per_microbatch_s, per_step_s_per_param, trains_under_autocast
 from autopar.cost.megatron_memory import layer_widths, megatron_activations
 from autopar.cost.memory import inflight_microbatches, loss_inflight_microbatches, state_bytes_per_param
 from autopar.cost.zero import (
@@ -361,7 +361,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         params=model_params, units=graph.num_blocks + cfg.pp * cfg.virtual_stages, link=dpcp_link)
     fixed_sync = 0.0
     if uses_ddp and not cluster.overlap_grad_reduce and expert is None and not graph.chain:
-        fixed_sync = ddp_fixed_sync_s(model_params, d, per_param_sync, dpcp_link)
+        fixed_sync = ddp_fixed_sync_s(model_params, grad_reduce_bytes(cfg, cluster), per_param_sync, dpcp_link)
     return StageTerms(
         expert=expert,
         config=cfg, block=block, pre=pre, post=post, p2p_s=p2p,
@@ -508,7 +508,7 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
     if cfg.recompute != "full" and _autocast_copies(cluster, cfg):
         act += params * cfg.dtype_bytes  # each Linear's cast weight, saved per micro-batch in flight
     bwd = rt.bwd_s + tp_b + cp_b + recompute
-    zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)
+    zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
     zero += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # issue 18: FSDP2's own time
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b,
                 zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
@@ -549,7 +549,7 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
     params = graph.params[region].per_rank(1 if replicated else cfg.tp)
     if region == "post":
         params += graph.params["loss"].count
-    zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster.overlap_cost_fraction)
+    zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
     tensors = graph.params[region].tensors + (graph.params["loss"].tensors if region == "post" else 0)
     zero += sum(per_microbatch_s(cfg, cluster, tensors))  # issue 18: FSDP2's own time
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=0.0, tp_comm_s=tp, cp_comm_s=0.0, zero_comm_s=zero,

@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autopar.cost.comm import GroupLink, collective_time_s
-from autopar.cost.framework import dp_wrapper
+from autopar.cost.framework import dp_wrapper, grad_reduce_bytes
 from autopar.layout import executed_zero
 
 if TYPE_CHECKING:
@@ -80,16 +80,18 @@ def overlapped(comm_s: float, window_s: float, cost_fraction: float) -> float:
 
 
 def per_microbatch_exposed(cfg: "Config", params: float, fwd_s: float, bwd_s: float, link: GroupLink,
-                           cost_fraction: float, host_copy_s: float = 0.0) -> float:
+                           cluster: "Cluster", host_copy_s: float = 0.0) -> float:
     """ZeRO-2/3 collectives of one micro-batch of a piece holding ``params`` parameters, each
-    prefetched behind the compute of its own pass (module docstring); 0 for ZeRO-0/1.
-    ``host_copy_s`` (issue 14, FSDP2 CPU offload): the host copy of this piece's shard that runs on
-    the same stream right before each all-gather and right after each reduce-scatter."""
-    nbytes = params * cfg.dtype_bytes  # the gathered (unsharded) parameters of this piece
+    prefetched behind the compute of its own pass (module docstring); 0 for ZeRO-0/1. The
+    all-gather moves the training dtype, the reduce-scatter the software's reduce dtype
+    (framework.grad_reduce_bytes). ``host_copy_s`` (issue 14, FSDP2 CPU offload): the host copy of
+    this piece's shard that runs on the same stream right before each all-gather and right after
+    each reduce-scatter."""
     if cfg.zero not in (2, 3):
         return 0.0
-    ag = collective_time_s("all_gather", nbytes, link) + host_copy_s
-    rs = collective_time_s("reduce_scatter", nbytes, link) + host_copy_s
+    cost_fraction = cluster.overlap_cost_fraction
+    ag = collective_time_s("all_gather", params * cfg.dtype_bytes, link) + host_copy_s
+    rs = collective_time_s("reduce_scatter", params * grad_reduce_bytes(cfg, cluster), link) + host_copy_s
     if cfg.zero == 3:
         return overlapped(ag, fwd_s, cost_fraction) + overlapped(ag + rs, bwd_s, cost_fraction)
     return overlapped(ag, fwd_s, cost_fraction) + overlapped(rs, bwd_s, cost_fraction)
@@ -105,10 +107,11 @@ def per_step_sync(cfg: "Config", link: GroupLink, cluster: "Cluster") -> tuple[f
     of the two, so never optimistic); otherwise it runs after the optimizer (second term)."""
     if cfg.zero not in (0, 1) or link.size <= 1:
         return 0.0, 0.0, 0.0
-    d = cfg.dtype_bytes
     probe = 1e9  # parameters: a large message, as the whole gradient is one stream of buckets
+    reduce_bytes = grad_reduce_bytes(cfg, cluster)
 
     def per_param(kind: str) -> float:
+        d = cfg.dtype_bytes if kind == "all_gather" else reduce_bytes  # parameters vs gradients
         return collective_time_s(kind, probe * d, link) / probe
 
     floor_kind = "all_reduce" if cfg.zero == 0 else "reduce_scatter"

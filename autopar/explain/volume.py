@@ -20,7 +20,8 @@ Calls per step on one rank of pipeline rank r, and the message (full, unsharded 
                    allgather: all-gather n·KV forward, reduce-scatter n·KV backward, per block
                    ulysses: all-to-all of n·X/tp twice (Q, O) and of n·KV once (K and V), forward
                    and again backward, per block; full recompute repeats the forward ones
-    DP   (dp·cp > 1, over the dp_cp group, message P_r·d)
+    DP   (dp·cp > 1, over the dp_cp group, message P_r·d; gradients in the software's reduce dtype:
+                   fp32 under autopar run, cost/framework.grad_reduce_bytes)
                    ZeRO-0 all-reduce of gradients, once per step (in buckets, overlapped)
                    ZeRO-1 reduce-scatter of gradients + all-gather of updated parameters, once each
                           per step, whatever M (gradients accumulate unsharded)
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.estimate import config_from_plan
+from autopar.cost.framework import grad_reduce_bytes
 from autopar.cost.stage import StageTerms, build_terms
 from autopar.cost.step import chunk_rank, evaluate
 from autopar.graph.model_graph import ModelGraph
@@ -129,6 +131,7 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
     chunks = [end - start for start, end in plan.stage_ranges()]
     last = len(chunks) - 1
     m = cfg.num_microbatches
+    reduce_bytes = grad_reduce_bytes(cfg, cluster)
     ranks = evaluate(terms, chunks, 0.0, 1.0, cluster.peak_flops,  # parameters per pipeline rank
                      recompute_blocks=plan.parallel.recompute_blocks).ranks
     out = []
@@ -153,12 +156,12 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
         _cp_items(add, graph, cfg, blocks * m, x, rerun * m)
         if expert is not None:  # expert parallelism: dense parameters over dp x cp, experts over edp, tokens over ep
             params -= blocks * (expert.block_params - expert.dense_params)
-            _dp_items(add, cfg, blocks * expert.expert_params * cfg.dtype_bytes, m, axis="edp", label="experts: ")
+            _dp_items(add, cfg, blocks * expert.expert_params, m, reduce_bytes, axis="edp", label="experts: ")
             a2a_calls = (blocks + rerun) * m * 2
             add("EP dispatch + combine (forward" + (", and again in recompute)" if rerun else ")"),
                 "all_to_all", "ep", a2a_calls, expert.a2a_bytes)
             add("EP dispatch + combine (backward)", "all_to_all", "ep", blocks * m * 2, expert.a2a_bytes)
-        _dp_items(add, cfg, params * cfg.dtype_bytes, m)
+        _dp_items(add, cfg, params, m, reduce_bytes)
         if cfg.pp > 1:
             sends = m * (sum(c < last for c in local) + sum(c > 0 for c in local))
             if cluster.pipeline_scatter_gather and not cfg.sequence_parallel and cfg.tp > 1:
@@ -221,16 +224,20 @@ def _cp_items(add, graph: ModelGraph, cfg, block_calls: float, x: float, rerun_c
         add("CP Ulysses K,V all-to-all (backward)", "all_to_all", "cp", block_calls * 2, kv / 2)
 
 
-def _dp_items(add, cfg, state_bytes: float, m: int, axis: str = "dp_cp", label: str = "") -> None:  # noqa: ANN001
+def _dp_items(add, cfg, params: float, m: int, reduce_bytes: float, axis: str = "dp_cp",  # noqa: ANN001
+              label: str = "") -> None:
+    """The data-parallel collectives of ``params`` parameters: gradients in the software's reduce
+    dtype (cost/framework.grad_reduce_bytes), parameters in the training dtype."""
+    grads, weights = params * reduce_bytes, params * cfg.dtype_bytes
     if cfg.zero == 0:
-        add(label + "DP gradient all-reduce (bucketed)", "all_reduce", axis, 1, state_bytes)
+        add(label + "DP gradient all-reduce (bucketed)", "all_reduce", axis, 1, grads)
     elif cfg.zero == 1:
-        add(label + "ZeRO-1 gradient reduce-scatter", "reduce_scatter", axis, 1, state_bytes)
-        add(label + "ZeRO-1 parameter all-gather", "all_gather", axis, 1, state_bytes)
+        add(label + "ZeRO-1 gradient reduce-scatter", "reduce_scatter", axis, 1, grads)
+        add(label + "ZeRO-1 parameter all-gather", "all_gather", axis, 1, weights)
     elif cfg.zero == 2:
-        add(label + "ZeRO-2 gradient reduce-scatter (every micro-batch)", "reduce_scatter", axis, m, state_bytes)
-        add(label + "ZeRO-2 parameter all-gather (every micro-batch)", "all_gather", axis, m, state_bytes)
+        add(label + "ZeRO-2 gradient reduce-scatter (every micro-batch)", "reduce_scatter", axis, m, grads)
+        add(label + "ZeRO-2 parameter all-gather (every micro-batch)", "all_gather", axis, m, weights)
     else:
-        add(label + "ZeRO-3 parameter all-gather (forward)", "all_gather", axis, m, state_bytes)
-        add(label + "ZeRO-3 parameter all-gather (backward)", "all_gather", axis, m, state_bytes)
-        add(label + "ZeRO-3 gradient reduce-scatter", "reduce_scatter", axis, m, state_bytes)
+        add(label + "ZeRO-3 parameter all-gather (forward)", "all_gather", axis, m, weights)
+        add(label + "ZeRO-3 parameter all-gather (backward)", "all_gather", axis, m, weights)
+        add(label + "ZeRO-3 gradient reduce-scatter", "reduce_scatter", axis, m, grads)
