@@ -4,8 +4,12 @@
   cluster profile's curve ``peak * prod_d d / (d + half_dim)`` (least squares on log FLOP/s, peak in
   closed form, half_dim by a grid search); written as ``peak_flops`` with ``gemm_max = 1``.
 * Memory bandwidth: ``y.copy_(x)`` over sizes; bytes/s = 2 * size / seconds. The profile's
-  bandwidth is the median over sizes >= 1 MiB (past the caches), efficiency 1.
-* Kernel overhead: the median time of an add of two 1-element tensors (launch + dispatch).
+  bandwidth is the median over sizes past the caches (>= 1 MiB on CPU; on CUDA >= 4 x the L2, with
+  sizes up to 1 GiB), efficiency 1.
+* Kernel overhead: the median time of an add of two 1-element tensors (launch + dispatch; on CUDA
+  the time per launch of a batch of back-to-back ones, not a synchronize round trip).
+* Timing on CUDA: batches of back-to-back calls between CUDA events (``_time``), so a small kernel
+  is not read as the ~10 us of a synchronize.
 * Optimizer: one ``torch.optim.AdamW`` step (what the executor runs) over the model's own
   parameter shapes when the profiler is given them (the one-block model's: its edges and one block,
   up to OPTIMIZER_MAX_PARAMS), else 16 tensors of 256 Ki parameters; written as the
@@ -28,19 +32,46 @@ import torch
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+CUDA_BATCH_S = 1e-3  # a timed batch of back-to-back launches on CUDA lasts at least this long
+
+
 def _time(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median seconds of one ``fn()``. On CPU each call is timed on its own. On CUDA a call is
+    asynchronous and a synchronize round trip (~10 us) would swamp small kernels: each sample is a
+    batch of back-to-back calls between two CUDA events (at least CUDA_BATCH_S long), divided by
+    its size -- the kernels' own time, launch overhead included only where it is not hidden."""
     for _ in range(warmup):
         fn()
+    if device.type != "cuda":
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+    inner = 1
     samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append(time.perf_counter() - t0)
+    for i in range(repeats + 1):  # the first batch (one call) sizes the others
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        per_call = start.elapsed_time(end) / 1e3 / inner
+        if i == 0:
+            inner = batch_size(per_call)
+        else:
+            samples.append(per_call)
     return statistics.median(samples)
+
+
+def batch_size(per_call_s: float, limit: int = 1000) -> int:
+    """Calls per timed CUDA batch: enough for CUDA_BATCH_S, at most ``limit``."""
+    if per_call_s <= 0:
+        return limit
+    return max(1, min(limit, math.ceil(CUDA_BATCH_S / per_call_s)))
 
 
 def gemm_shapes(device: torch.device) -> list[tuple[int, int, int]]:
@@ -62,9 +93,17 @@ def gemm_curve(device: torch.device, dtype: str, warmup: int = 2, repeats: int =
     return rows
 
 
+def cache_bytes(device: torch.device) -> float:
+    """The last-level cache a copy must outgrow to measure memory (the GPU's L2; 1 MiB on CPU,
+    whose copies of that size already stream from DRAM at this fit's precision)."""
+    if device.type == "cuda":
+        return float(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 2**26)
+    return float(2**20)
+
+
 def bandwidth_curve(device: torch.device, warmup: int = 2, repeats: int = 5) -> list[dict[str, float]]:
     rows = []
-    top = 28 if device.type == "cuda" else 26
+    top = 30 if device.type == "cuda" else 26  # on a GPU up to 1 GiB: 4 x an H100's 50 MB L2 and more
     for p in range(16, top + 1, 2):
         n = 2**p // 4
         x = torch.randn(n, device=device)
@@ -109,8 +148,10 @@ def fit_gemm(rows: list[dict[str, float]]) -> tuple[float, float]:
     return best[1], max(best[2], 1e-3)
 
 
-def fit_bandwidth(rows: list[dict[str, float]]) -> float:
-    big = [r["bytes_per_s"] for r in rows if r["bytes"] >= 2**20] or [r["bytes_per_s"] for r in rows]
+def fit_bandwidth(rows: list[dict[str, float]], min_bytes: float = 2**20) -> float:
+    """The median bandwidth of the copies of at least ``min_bytes`` (past the caches: 4 x the GPU's
+    L2 on CUDA, profile_kernels), else of all."""
+    big = [r["bytes_per_s"] for r in rows if r["bytes"] >= min_bytes] or [r["bytes_per_s"] for r in rows]
     return statistics.median(big)
 
 
@@ -121,7 +162,7 @@ def profile_kernels(device: torch.device, dtype: str,
     gemm = gemm_curve(device, dtype)
     bw = bandwidth_curve(device)
     peak, half = fit_gemm(gemm)
-    bandwidth = fit_bandwidth(bw)
+    bandwidth = fit_bandwidth(bw, 4 * cache_bytes(device) if device.type == "cuda" else 2**20)
     return {
         "gemm": gemm,
         "memory_bandwidth": bw,

@@ -1,0 +1,58 @@
+"""The kernel profiler on CUDA times batches of back-to-back launches between CUDA events (GPU
+readiness, M6): one launch between two synchronizes reads a ~10 us round trip as a small GEMM's
+time or as the launch overhead; and memory bandwidth is fitted on copies past the GPU's L2 (a
+16 MiB copy's read and write fit in an H100's 50 MB L2). Guarded with a stand-in CUDA event clock."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from autopar.profiler import kernels
+
+
+class _Event:
+    """torch.cuda.Event's timing contract, on the host clock."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other: "_Event") -> float:
+        return (other.t - self.t) * 1e3  # milliseconds, as CUDA events report
+
+
+def test_cuda_samples_are_batches_between_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    calls = []
+
+    def kernel() -> None:  # 50 us of "GPU work" per launch
+        calls.append(1)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 5e-5:
+            pass
+
+    got = kernels._time(kernel, torch.device("cuda", 0), warmup=2, repeats=3)
+    inner = kernels.batch_size(5e-5)
+    assert 10 <= inner <= 40  # about CUDA_BATCH_S of launches per sample
+    assert len(calls) >= 2 + 1 + 3 * 10  # warm-up, the sizing call, three batches
+    assert 4e-5 <= got <= 2e-4  # per launch, not per batch
+
+
+def test_batch_size_bounds() -> None:
+    assert kernels.batch_size(1.0) == 1  # a long kernel: one per sample
+    assert kernels.batch_size(1e-7) == 1000  # a tiny one: capped
+    assert kernels.batch_size(0.0) == 1000
+
+
+def test_bandwidth_is_fitted_past_the_cache() -> None:
+    rows = [{"bytes": float(2**p), "bytes_per_s": (9e12 if 2**p < 2**26 else 3.2e12)} for p in range(16, 31, 2)]
+    # an H100's L2 is 50 MB: copies below 4 x L2 run from the cache at several times HBM's rate
+    assert kernels.fit_bandwidth(rows, 4 * 50e6) == pytest.approx(3.2e12)
+    assert kernels.fit_bandwidth(rows) > 3.2e12  # the CPU rule (>= 1 MiB) would read the cache
+    assert kernels.cache_bytes(torch.device("cpu")) == 2**20
