@@ -108,6 +108,11 @@ class Cluster:
     # (``nccl_bytes_per_group`` per axis of size > 1; autopar.cost.stage.reserve_bytes).
     framework_reserve_bytes: float
     nccl_bytes_per_group: float = 0.0
+    # Dense FLOP/s of fp32 matmuls as autopar run executes them: TF32 tensor cores on CUDA (the
+    # executor sets float32 matmul precision "high"), half of a Hopper's or Ampere's bf16 peak.
+    # 0: the same as peak_flops (a CPU profile, measured in fp32). profile_conditions.price_for_run
+    # prices an fp32 plan on a datasheet GPU profile at this peak.
+    fp32_peak_flops: float = 0.0
     optimizer_bytes_per_param: float = 32.0  # HBM traffic of a fused Adam step per parameter
     # A collective hidden behind compute is not free: its kernels take SMs and HBM bandwidth from the
     # compute it overlaps. This fraction of the hidden time is added to the step.
@@ -235,6 +240,7 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
             inter_node=_link(_get(net, "inter_node", f"{where} network"), f"{where} network.inter_node"),
             framework_reserve_bytes=_num(gpu, "framework_reserve_bytes", f"{where} gpu"),
             nccl_bytes_per_group=_num(gpu, "nccl_bytes_per_group", f"{where} gpu", 0.0),
+            fp32_peak_flops=_num(gpu, "fp32_peak_flops", f"{where} gpu", 0.0),
             optimizer_bytes_per_param=_num(eff, "optimizer_bytes_per_param", f"{where} efficiency", 32.0),
             overlap_cost_fraction=_num(eff, "overlap_cost_fraction", f"{where} efficiency", 0.1),
             attention_half_seq=_num(eff, "attention_half_seq", f"{where} efficiency", 0.0),

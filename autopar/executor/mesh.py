@@ -112,6 +112,9 @@ def device_for_rank() -> torch.device:
     user_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     torch.cuda.set_device(local)
+    # fp32 matmuls on TF32 tensor cores, as the profiles price an fp32 plan (Cluster.fp32_peak_flops);
+    # bf16 and fp16 plans are unaffected
+    torch.set_float32_matmul_precision("high")
     settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if settings is not None and "pinned" not in user_conf:
         # Host offload's pinned buffers (activations, the host optimizer's masters): the caching host

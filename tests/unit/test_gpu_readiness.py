@@ -124,3 +124,28 @@ def test_pinned_host_buffers_are_not_rounded_up_to_powers_of_two(monkeypatch) ->
     calls.clear()
     mesh.device_for_rank()
     assert calls == []  # the user's own setting stands
+
+
+def test_fp32_plans_on_a_gpu_are_priced_at_tf32_and_run_on_it(monkeypatch) -> None:
+    """An fp32 plan on a datasheet GPU profile is priced at its TF32 peak (half the bf16 one), not
+    the bf16 peak; a GPU rank runs fp32 matmuls on TF32 tensor cores (precision "high"), as priced."""
+    from autopar.cluster import load_cluster
+    from autopar.executor import mesh
+    from autopar.profile_conditions import RunConditions, price_for_run
+
+    h100 = load_cluster("h100-80g")
+    fp32 = price_for_run(h100, RunConditions(dtype="fp32", ranks_on_host=8), profile_label="h100-80g").cluster
+    bf16 = price_for_run(h100, RunConditions(dtype="bf16", ranks_on_host=8), profile_label="h100-80g").cluster
+    assert fp32.peak_flops == 494.7e12 and bf16.peak_flops == 989.4e12
+    a100 = load_cluster("a100-80g")
+    assert price_for_run(a100, RunConditions(dtype="fp32", ranks_on_host=8), profile_label="a100-80g").cluster.peak_flops == 156e12
+
+    precision: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", precision.append)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv(mesh.DEVICE_ENV, "cuda")
+    mesh.device_for_rank()
+    assert precision == ["high"]
