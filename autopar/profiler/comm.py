@@ -40,7 +40,14 @@ import torch.distributed as dist
 
 from autopar.profile_tables import COLLECTIVES, CollectiveFit
 
-DEFAULT_SIZES = tuple(2**p for p in range(10, 25, 2))  # 1 KiB .. 16 MiB
+DEFAULT_SIZES = tuple(2**p for p in range(10, 25, 2))  # 1 KiB .. 16 MiB (CPU ranks)
+# NCCL reaches its bus bandwidth only at hundreds of MiB (nccl-tests sweep to GBs): a fit to small
+# messages under-reads it and over-prices FSDP's block gathers and DDP's 25 MiB buckets.
+CUDA_SIZES = tuple(2**p for p in range(10, 31, 2))  # 1 KiB .. 1 GiB
+
+
+def sizes_for(device: torch.device) -> tuple[int, ...]:
+    return CUDA_SIZES if device.type == "cuda" else DEFAULT_SIZES
 
 
 def hops_and_volume(kind: str, n: int, message_bytes: float) -> tuple[float, float]:
@@ -215,22 +222,35 @@ def _rendezvous_time(device: torch.device, pair: Any, repeats: int) -> float:
     return max(0.0, statistics.median(samples))
 
 
+def pair_layout(world: int, local_world: int) -> list[tuple[int, int]]:
+    """Disjoint rank pairs that all exchange at once to measure the two-rank link: on one node
+    (0, 1), (2, 3), ...; across nodes each rank with its peer on the next node, (r, r + local_world)
+    for the nodes taken two by two, so the "inter_node" fit crosses the network, not NVLink."""
+    if local_world >= world or local_world <= 0:
+        return [(first, first + 1) for first in range(0, world - 1, 2)]
+    nodes = world // local_world
+    return [(k * local_world + i, (k + 1) * local_world + i)
+            for k in range(0, nodes - 1, 2) for i in range(local_world)]
+
+
 def _pair_groups() -> Any:
-    """Disjoint pairs (0, 1), (2, 3), ... of the world (collective: every rank creates every
-    group); this rank's pair, or None for the odd rank out."""
+    """This rank's group of ``pair_layout`` (collective: every rank creates every group), or None
+    for a rank left out (an odd rank, or a node without a partner)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     mine = None
-    for first in range(0, world - 1, 2):
-        group = dist.new_group([first, first + 1])
-        if rank in (first, first + 1):
+    for pair in pair_layout(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))):
+        group = dist.new_group(list(pair))
+        if rank in pair:
             mine = group
     return mine
 
 
-def profile_comm(device: torch.device, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5,
+def profile_comm(device: torch.device, sizes: tuple[int, ...] | None = None, repeats: int = 5,
                  log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Measure and fit every collective (collective call: every rank must make it). Returns the
-    ``comm`` section and ``memory_baseline_bytes`` (max over ranks of the RSS before the sweep)."""
+    """Measure and fit every collective (collective call: every rank must make it) over ``sizes``
+    (default ``sizes_for(device)``). Returns the ``comm`` section and ``memory_baseline_bytes`` (max
+    over ranks of the RSS before the sweep)."""
+    sizes = sizes or sizes_for(device)
     world = dist.get_world_size()
     # What a rank holds before its model: python, torch, the process group after a first
     # collective -- measured before the sweep's large messages inflate the peak.

@@ -56,3 +56,19 @@ def test_bandwidth_is_fitted_past_the_cache() -> None:
     assert kernels.fit_bandwidth(rows, 4 * 50e6) == pytest.approx(3.2e12)
     assert kernels.fit_bandwidth(rows) > 3.2e12  # the CPU rule (>= 1 MiB) would read the cache
     assert kernels.cache_bytes(torch.device("cpu")) == 2**20
+
+
+def test_comm_pairs_cross_the_network_across_nodes() -> None:
+    """(M7) the two-rank fit of a multi-node world measures a rank with its peer on the next node
+    (the link "inter_node" names), not NVLink neighbours; on one node, neighbours."""
+    from autopar.profiler.comm import CUDA_SIZES, DEFAULT_SIZES, pair_layout, sizes_for
+
+    assert pair_layout(4, 4) == [(0, 1), (2, 3)]
+    assert pair_layout(5, 5) == [(0, 1), (2, 3)]
+    assert pair_layout(16, 8) == [(i, 8 + i) for i in range(8)]
+    assert pair_layout(24, 8) == [(i, 8 + i) for i in range(8)]  # the third node has no partner
+    pairs = pair_layout(32, 8)
+    assert len(pairs) == 16 and all(b - a == 8 for a, b in pairs) and len({r for p in pairs for r in p}) == 32
+    # (M7) messages up to 1 GiB on a GPU, where NCCL reaches its bus bandwidth
+    assert max(sizes_for(torch.device("cuda", 0))) == 2**30 == max(CUDA_SIZES)
+    assert sizes_for(torch.device("cpu")) == DEFAULT_SIZES
