@@ -133,12 +133,21 @@ def last_collective() -> CollectiveRecord | None:
     return record_from_trace(trace, groups)
 
 
+# NCCL errors that repeat on a restart (ncclInvalidUsage, ncclInvalidArgument, ncclUnhandledCudaError,
+# an out-of-memory in a communicator's set-up): not a lost peer -- exit 4 would make --max-restarts
+# start the same failure again and again.
+DETERMINISTIC_NCCL = ("invalid usage", "invalid argument", "unhandled cuda error", "out of memory")
+
+
 def _is_distributed_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a lost or hung peer (exit 4, restartable), not a failure of this rank."""
     import torch.distributed as dist
 
+    text = str(exc)
+    if any(s in text.lower() for s in DETERMINISTIC_NCCL):
+        return False
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
-    text = str(exc)
     dcp_failure = type(exc).__name__ == "CheckpointException"
     return (isinstance(exc, RuntimeError) or dcp_failure) and any(
         s in text for s in ("Timed out", "timed out", "Connection closed", "Connection reset", "gloo", "NCCL", "Broken pipe")

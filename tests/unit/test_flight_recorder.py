@@ -157,3 +157,21 @@ def test_mismatched_collectives_name_each_ranks(tmp_path: Path) -> None:
     _dump(tmp_path, 1, _entry(1, "started", False, 5, "nccl:broadcast"))
     out = local._verdict(ranks, ranks[0], tmp_path, set())
     assert out.code == EXIT_FAULT and "rank 0 in nccl:all_reduce #5" in out.line and "rank 1 in nccl:broadcast #5" in out.line
+
+
+def test_deterministic_nccl_errors_are_not_peer_faults() -> None:
+    """An NCCL error that repeats on a restart (invalid usage, an unhandled CUDA error, an
+    out-of-memory in a communicator's set-up) is this rank's failure, not exit 4 (which
+    --max-restarts would restart into the same error); a lost or hung peer still is."""
+    import torch.distributed as dist
+
+    from autopar.executor.faults import _is_distributed_error
+
+    backend_error = getattr(dist, "DistBackendError", RuntimeError)
+    assert not _is_distributed_error(backend_error("NCCL error in: ProcessGroupNCCL.cpp:2040, invalid usage "
+                                                   "(run with NCCL_DEBUG=WARN for details), NCCL version 2.21.5"))
+    assert not _is_distributed_error(RuntimeError("NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO)"))
+    assert not _is_distributed_error(backend_error("NCCL error: Failed to CUDA calloc 33554432 bytes: out of memory"))
+    assert _is_distributed_error(backend_error("NCCL error: remote process exited or there was a network error"))
+    assert _is_distributed_error(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert _is_distributed_error(RuntimeError("Timed out waiting 10000ms for recv operation to complete"))
