@@ -67,15 +67,18 @@ def _init_process_group(backend: str, timeout: timedelta) -> None:
     if os.environ.get("AUTOPAR_LOOPBACK_STORE") == "1" or os.environ.get("AUTOPAR_LOCAL_WORLD") == "1":
         _init_loopback(backend, timeout)
         return
+    from autopar.launch.local import process_group_options
+
+    options = process_group_options(backend)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **options)
         return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"/autopar/attempt_{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+                            world_size=world, timeout=timeout, **options)
 
 
 def _init_loopback(backend: str, timeout: timedelta) -> None:

@@ -10,8 +10,9 @@ rank code is the same under either, and adds:
 
 * **Loopback only.** The launcher binds the store's listening socket to ``127.0.0.1`` and hands
   its file descriptor to rank 0 (``AUTOPAR_STORE_FD``), which serves the TCPStore on it
-  (``master_listen_fd``); gloo is pinned to the loopback interface (``GLOO_SOCKET_IFNAME``). No
-  socket of the job listens beyond loopback.
+  (``master_listen_fd``); gloo and NCCL's bootstrap are pinned to the loopback interface
+  (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, unless set). No socket of the job listens beyond
+  loopback.
 * **One contract for failures.** Each rank's stderr passes through, except its
   ``autopar: error:`` lines, which are collected. When a rank fails, the others get
   ``REPORT_GRACE_S`` to report their own view, then are stopped. The launcher prints one line
@@ -278,13 +279,11 @@ def _verdict(ranks: Sequence[_Rank], first: _Rank | None, status_dir: Path, stop
                    + (f" in {where}" if where else "") + " (an internal error: its output is above; please report it)")
 
 
-def _attempt(job: LocalJob, attempt: int, run_id: str, status_dir: Path, stopper: _Stopper) -> Outcome | int:
-    """Run the job once; an Outcome, or the signal number that stopped it."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(max(128, job.nproc * 4))
-    port = listener.getsockname()[1]
+def rank_env(job: LocalJob, attempt: int, run_id: str, status_dir: Path, port: int, lo: str | None) -> dict[str, str]:
+    """The environment every rank of an attempt starts from (torchrun's contract plus ours). With a
+    loopback interface ``lo``, gloo and NCCL's bootstrap sockets are pinned to it (NCCL otherwise
+    listens on the first non-loopback interface; its data goes over NVLink / shared memory on one
+    node either way) unless the user chose an interface."""
     base = dict(os.environ, **job.env)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(job.nproc),
                 LOCAL_WORLD_SIZE=str(job.nproc), GROUP_RANK="0", ROLE_RANK="0", ROLE_WORLD_SIZE=str(job.nproc),
@@ -292,9 +291,32 @@ def _attempt(job: LocalJob, attempt: int, run_id: str, status_dir: Path, stopper
                 TORCHELASTIC_RUN_ID=run_id, AUTOPAR_STATUS_DIR=str(status_dir), AUTOPAR_LOOPBACK_STORE="1",
                 AUTOPAR_LAUNCHER_PID=str(os.getpid()))
     base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    lo = loopback_interface()
-    if lo and "GLOO_SOCKET_IFNAME" not in job.env:
-        base["GLOO_SOCKET_IFNAME"] = lo
+    if lo:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if var not in job.env and var not in os.environ:
+                base[var] = lo
+    return base
+
+
+def process_group_options(backend: str) -> dict:
+    """Extra ``init_process_group`` arguments: on NCCL the rank's device (``device_id``), so the
+    communicator starts at once -- a peer missing at start-up fails the join, within --timeout,
+    not the first collective -- and DeviceMesh's sub-groups split it (ncclCommSplit)."""
+    if backend != "nccl":
+        return {}
+    import torch
+
+    return {"device_id": torch.device("cuda", torch.cuda.current_device())}
+
+
+def _attempt(job: LocalJob, attempt: int, run_id: str, status_dir: Path, stopper: _Stopper) -> Outcome | int:
+    """Run the job once; an Outcome, or the signal number that stopped it."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(max(128, job.nproc * 4))
+    port = listener.getsockname()[1]
+    base = rank_env(job, attempt, run_id, status_dir, port, loopback_interface())
     ranks: list[_Rank] = []
     try:
         for rank in range(job.nproc):
@@ -382,8 +404,9 @@ def join_process_group(backend: str, timeout: timedelta) -> None:
     import torch.distributed as dist
 
     ours = os.environ.get("AUTOPAR_LOOPBACK_STORE") == "1" or os.environ.get("AUTOPAR_LOCAL_WORLD") == "1"
+    options = process_group_options(backend)
     if not ours and under_launcher():
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **options)
         return
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and "AUTOPAR_STORE_FD" not in os.environ:
@@ -393,7 +416,7 @@ def join_process_group(backend: str, timeout: timedelta) -> None:
                               master_listen_fd=int(os.environ["AUTOPAR_STORE_FD"]), use_libuv=False)
     else:
         store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, False, timeout, use_libuv=False)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **options)
 
 
 def write_status(phase: str) -> None:

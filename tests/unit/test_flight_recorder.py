@@ -175,3 +175,24 @@ def test_deterministic_nccl_errors_are_not_peer_faults() -> None:
     assert _is_distributed_error(backend_error("NCCL error: remote process exited or there was a network error"))
     assert _is_distributed_error(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
     assert _is_distributed_error(RuntimeError("Timed out waiting 10000ms for recv operation to complete"))
+
+
+def test_nccl_joins_with_its_device_and_bootstraps_on_loopback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """NCCL process groups start with the rank's device (``device_id``: the communicator comes up at
+    the join, a missing peer fails there), gloo without; the launcher pins gloo's and NCCL's
+    bootstrap sockets to loopback unless the user chose an interface."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert local.process_group_options("nccl") == {"device_id": torch.device("cuda", 3)}
+    assert local.process_group_options("gloo") == {}
+
+    job = local.LocalJob(argv=("-m", "autopar"), nproc=2)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    env = local.rank_env(job, 0, "run", tmp_path, 1234, "lo")
+    assert env["NCCL_SOCKET_IFNAME"] == "lo" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert local.rank_env(job, 0, "run", tmp_path, 1234, "lo")["NCCL_SOCKET_IFNAME"] == "ib0"
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    assert "NCCL_SOCKET_IFNAME" not in local.rank_env(job, 0, "run", tmp_path, 1234, None)  # no loopback found
