@@ -154,8 +154,10 @@ def _layers_main(args: argparse.Namespace) -> int:
         measured.update({k: kernels[k] for k in ("gemm", "memory_bandwidth")})
         measured["fitted"] = {**measured.get("fitted", {}), **kernels["fitted"]}
     data["measured"] = measured
-    derived_spec(data, out.stem, info, measured, args.gpus_per_node)
+    notes = derived_spec(data, out.stem, info, measured, args.gpus_per_node)
     write_profile(out, data)
+    for note in notes:
+        log(note.replace("THIS_FILE", str(out)))
     print(f"profile written to {out} ({sum(len(v) for v in measured['layers'].values())} layer points, "
           f"device {info['name']}, {dtype}, {info['threads']} thread(s) per rank, {load_ranks} concurrent rank(s))")
     if device.type == "cpu" and not args.no_comm and load_ranks >= 2:

@@ -46,6 +46,8 @@ def device_info(device: Any, threads: int, *, dtype: str | None = None, concurre
                             "host": platform.node(), "cores": usable_cores()}
     if dtype is not None:
         info["dtype"] = dtype
+    if device.type == "cuda":
+        info["device_count"] = torch.cuda.device_count()  # the node's GPUs, for a new profile's network
     info["load_ranks"] = info["concurrent_ranks"] = concurrent_ranks
     return info
 
@@ -65,9 +67,11 @@ def read_profile(path: Path) -> dict[str, Any]:
 
 
 def derived_spec(data: dict[str, Any], name: str, info: dict[str, Any], measured: dict[str, Any],
-                  gpus_per_node: int | None) -> None:
+                  gpus_per_node: int | None) -> list[str]:
     """Fill gpu/network/efficiency of a profile that has none (existing sections are kept). A CPU
-    profile describes runs on this one machine: its ``gpus_per_node`` is at least the cores."""
+    profile describes runs on this one machine: its ``gpus_per_node`` is at least the cores; a
+    CUDA one the GPUs the node shows. Returns notes for the user (a network that is a placeholder)."""
+    notes: list[str] = []
     f = measured.get("fitted", {})
     data.setdefault("name", name)
     if "gpu" not in data:
@@ -82,8 +86,13 @@ def derived_spec(data: dict[str, Any], name: str, info: dict[str, Any], measured
         ranks = gpus_per_node or measured.get("comm", {}).get("ranks", 1) or 1
         if info.get("type") == "cpu" and not gpus_per_node:
             ranks = max(ranks, int(info.get("cores") or usable_cores()))
+        if info.get("type") == "cuda" and not gpus_per_node:  # the GPUs this node shows, not 1
+            ranks = max(ranks, int(info.get("device_count") or 1))
         data["network"] = {"gpus_per_node": ranks,
                            "intra_node": dict(link), "inter_node": dict(link)}
+        if "all_reduce" not in comm and info.get("type") == "cuda":
+            notes.append(f"network: {ranks} GPU(s) per node with placeholder links (1 GB/s, 50 us): measure them "
+                         "with autopar profile --comm, or plan with --cluster h100-80g --profile THIS_FILE")
     elif data["gpu"].get("name") == info.get("name"):  # a profile of this device: keep it in step with the fits
         for key, src in (("peak_flops", "peak_flops"), ("memory_bandwidth_bytes_per_s", "memory_bandwidth_bytes_per_s")):
             if src in f:
@@ -96,6 +105,7 @@ def derived_spec(data: dict[str, Any], name: str, info: dict[str, Any], measured
                               "kernel_overhead_s": f.get("kernel_overhead_s", 5e-6)}
     if info.get("type") == "cpu" and data["gpu"].get("name") == info.get("name"):
         _cpu_overlap(data, info, measured)
+    return notes
 
 
 def _cpu_overlap(data: dict[str, Any], info: dict[str, Any], measured: dict[str, Any]) -> None:

@@ -61,3 +61,19 @@ def test_load_helpers_keep_a_core_busy_until_stopped() -> None:
         stop_load(procs)
     assert procs[0].poll() is not None
     assert start_load(2, "cuda", "examples/gpt_small.py", 1) == []
+
+
+def test_a_new_cuda_profile_takes_the_nodes_gpus(monkeypatch) -> None:
+    """(GPU readiness, M10) a CUDA profile written without --gpus-per-node or a --comm run takes the
+    GPUs the node shows (it took 1: plan then refused tp > 1 as crossing nodes) and says its links
+    are placeholders."""
+    monkeypatch.setattr(profile_file, "_device_memory_bytes", lambda info: 85520809984.0)
+    info = {"name": "NVIDIA H100 80GB HBM3", "type": "cuda", "threads": 1, "load_ranks": 1, "device_count": 8}
+    data: dict = {}
+    notes = profile_file.derived_spec(data, "p", info, {"fitted": {"peak_flops": 7e14}}, None)
+    assert data["network"]["gpus_per_node"] == 8
+    assert len(notes) == 1 and "placeholder links" in notes[0] and "--comm" in notes[0]
+    assert cluster_from_dict(data, "p").gpus_per_node == 8
+    data = {}
+    profile_file.derived_spec(data, "p", info, {}, 4)
+    assert data["network"]["gpus_per_node"] == 4  # --gpus-per-node wins
