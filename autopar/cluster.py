@@ -270,6 +270,8 @@ def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
                 "optimizer_bytes_per_param"):
         if key in f:
             changes[key] = f[key]
+    if "peak_flops" in f:  # measured in the profile's dtype: no datasheet TF32 figure applies
+        changes["fp32_peak_flops"] = 0.0
     if "attention_efficiency" in f:
         changes["attention_efficiency"] = f["attention_efficiency"]
     if "gemm_max" in f or "gemm_half_dim" in f:

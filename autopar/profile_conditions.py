@@ -141,10 +141,12 @@ def _reprofile(cond: MeasuredConditions, label: str, model: str, **flags: Any) -
 
 def price_for_run(cluster: Cluster, run: RunConditions, *, profile_label: str, model_label: str = "MODEL.py") -> Priced:
     """See the module docstring. ``profile_label``: the profile as the user named it (in messages)."""
+    if run.dtype == "fp32" and 0 < cluster.fp32_peak_flops < cluster.peak_flops:
+        # a datasheet peak is bf16's; an fp32 plan runs at the TF32 one (a measured peak was
+        # measured in the profile's own dtype: with_measured clears fp32_peak_flops)
+        cluster = dataclasses.replace(cluster, peak_flops=cluster.fp32_peak_flops)
     cond = profile_conditions(cluster)
-    if cond is None:  # a datasheet profile: its bf16 peak, or for an fp32 plan its TF32 one
-        if run.dtype == "fp32" and 0 < cluster.fp32_peak_flops < cluster.peak_flops:
-            return Priced(cluster=dataclasses.replace(cluster, peak_flops=cluster.fp32_peak_flops))
+    if cond is None:
         return Priced(cluster=cluster)
     warnings: list[str] = []
     if cond.measures_compute and cond.dtype and cond.dtype != run.dtype:
