@@ -222,9 +222,11 @@ class StepIO:
         return self.output.rebuild(out if isinstance(out, (tuple, list)) else (out,))
 
     @staticmethod
-    def row_target(batch: Any, device: torch.device) -> torch.Tensor:
-        """The schedule's target: the batch's row indices (split into micro-batches with it)."""
-        return torch.arange(tensors_of(batch)[0].shape[0], device=device)
+    def row_target(batch: Any) -> torch.Tensor:
+        """The schedule's target: the batch's row indices (split into micro-batches with it). On the
+        host: the loss reads each micro-batch's first and last row, and on a GPU reading them off
+        the device would synchronize the stream once per micro-batch."""
+        return torch.arange(tensors_of(batch)[0].shape[0])
 
     def loss(self, loss_fn: Callable[[Any, Any], torch.Tensor], *, row_target: bool) -> Callable:
         """The schedule's loss_fn: the model file's ``loss_fn`` on the rebuilt output and, with
@@ -362,8 +364,7 @@ def _static_args(inputs: Any, outputs: Any) -> dict[str, Any]:
     return {"input_args": ins, "output_args": outs, "input_grads": ins, "output_grads": outs}
 
 
-def run_schedule(schedule: Any, io: StepIO, batch: Any, *, is_last: bool, target: Any,
-                 device: torch.device) -> list[torch.Tensor]:
+def run_schedule(schedule: Any, io: StepIO, batch: Any, *, is_last: bool, target: Any) -> list[torch.Tensor]:
     """One schedule step on this pp rank: every stage gets the micro-batches' inputs (keyword
     arguments); the last gets the loss target (``None``: the row indices, see ``StepIO.loss``).
     Returns the last stage's per-micro-batch losses (empty elsewhere)."""
@@ -372,7 +373,7 @@ def run_schedule(schedule: Any, io: StepIO, batch: Any, *, is_last: bool, target
     losses: list[torch.Tensor] = []
     try:
         if is_last:
-            tgt = io.row_target(batch, device) if target is None else target
+            tgt = io.row_target(batch) if target is None else target
             schedule.step(target=tgt, losses=losses, return_outputs=False, **kwargs)
         else:
             schedule.step(**kwargs)

@@ -252,7 +252,7 @@ class _Trainer:
                 exe.schedule.step()
         else:
             losses = run_schedule(exe.schedule, exe.pipe_io, batch, is_last=is_last,
-                                  target=target if par.cp > 1 else None, device=exe.mesh.device)
+                                  target=target if par.cp > 1 else None)
         if is_last and losses:
             # tp > 1: the schedule's loss_fn ran on vocab-sharded logits; its losses are replicated DTensors.
             return torch.stack([(l.full_tensor() if isinstance(l, DTensor) else l).detach().float()
