@@ -43,6 +43,13 @@ what validate measured minutes later, with wall time. CPU with several threads p
 Memory: ``LiveBytes`` (allocator-level, see autopar.profiler.memory) -- ``saved_bytes`` is what
 a region's forward leaves allocated for backward (for the block: its activations per micro-batch);
 ``peak_bytes`` the peak of live bytes over the whole one-block forward+backward.
+
+Precision: a 16-bit profile runs the one-block model cast to that dtype (floating inputs too), as
+FSDP2's mixed-precision policy runs the executor's parts and as the meta trace measures -- not under
+autocast, whose per-forward copy of every Linear weight would be counted as the block's
+activations (2 bytes per block parameter per micro-batch; about 70 % too much on a Llama-7B block
+at 4k tokens). The cost model adds those copies itself where the executor trains under autocast
+(cost/stage.py ``_autocast_copies``).
 """
 
 from __future__ import annotations
@@ -228,7 +235,8 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
     small = one_block_model(meta, blocks_attr)
     seq = mf.seq_len or 0
     seqs = sorted({seq // cp for cp in cfg.cps if seq and seq % cp == 0 and seq // cp >= 1}, reverse=True) or [seq]
-    autocast = nullcontext() if cfg.dtype == "fp32" else torch.autocast(device.type, dtype=DTYPES[cfg.dtype])
+    autocast = nullcontext()  # 16 bits: the model and its floating inputs are cast instead (module docstring)
+    dtype = DTYPES[cfg.dtype]
     regions: dict[str, list[LayerPoint]] = {r: [] for r in ("pre", "block", "post", "loss")}
     cp_runs = [(cp, kind) for cp in cfg.cps if cp > 1 and seq and seq % cp == 0 for kind in cfg.cp_kinds]
     for tp in cfg.tps:
@@ -236,10 +244,12 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
             continue
         rank_model, vocab = _rank_model(small, blocks_attr, tp_plan, tp, spec.tp.local_attrs)
         model = materialise(rank_model, device)
+        if dtype != torch.float32:
+            model = model.to(dtype)
         model.train()
         block = model.get_submodule(blocks_attr)[0]
         shapes = [(s, b) for s in seqs for b in cfg.micro_batches]
-        measured = _measure(mf, model, block, [_inputs(mf, b, device, seq, s, vocab) for s, b in shapes], device,
+        measured = _measure(mf, model, block, [_inputs(mf, b, device, seq, s, vocab, dtype) for s, b in shapes], device,
                             autocast, cfg)
         for (s, b), (med, saved, peak) in zip(shapes, measured):
             for region in regions:  # at tp > 1 the edges too are this tp rank's vocabulary shard
@@ -255,7 +265,7 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
             s = seq // cp
             with _cp_core(block, core_name, kind, cp, seq):
                 try:
-                    measured = _measure(mf, model, block, [_inputs(mf, b, device, seq, s, vocab) for b in cfg.micro_batches],
+                    measured = _measure(mf, model, block, [_inputs(mf, b, device, seq, s, vocab, dtype) for b in cfg.micro_batches],
                                         device, autocast, cfg)
                 except RuntimeError as exc:  # e.g. ulysses with heads not divisible by cp
                     if log:
@@ -274,10 +284,13 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
                       edges_replicated=False, regions={r: tuple(p) for r, p in regions.items() if p})
 
 
-def _inputs(mf: ModelFile, b: int, device: torch.device, seq: int, s: int, vocab: int | None) -> Any:
+def _inputs(mf: ModelFile, b: int, device: torch.device, seq: int, s: int, vocab: int | None,
+            dtype: torch.dtype = torch.float32) -> Any:
     inputs = mf.example_inputs(b, device)
     if seq and s != seq:
         inputs = slice_sequence(inputs, seq, s)
+    if dtype != torch.float32:  # as FSDP2's cast_forward_inputs: floating inputs in the model's dtype
+        inputs = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)
     return _clamp_tokens(inputs, vocab)
 
 

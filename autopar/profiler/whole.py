@@ -61,9 +61,11 @@ def whole_model_rows(mf: ModelFile, device: torch.device, table: LayerTable, mic
     if any(c is None for c in composed.values()):
         return None
     model = materialise(meta, device)
+    if dtype != "fp32":  # the table's regime: the model cast, no autocast (profiler/layers.py)
+        model = model.to(DTYPES[dtype])
     model.train()
-    autocast = nullcontext() if dtype == "fp32" else torch.autocast(device.type, dtype=DTYPES[dtype])
-    inputs = {b: _inputs(mf, b, device, seq, seq, None) for b in micro_batches}
+    autocast = nullcontext()
+    inputs = {b: _inputs(mf, b, device, seq, seq, None, DTYPES[dtype]) for b in micro_batches}
     samples: dict[int, list[tuple[float, float]]] = {b: [] for b in micro_batches}
     for i in range(warmup + repeats):
         for b in micro_batches:  # in turns, as the table's shapes: a slow spell falls on all alike
