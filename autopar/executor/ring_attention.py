@@ -164,8 +164,10 @@ def _peer(group: dist.ProcessGroup, group_rank: int) -> int:
 
 
 def send_recv(t: torch.Tensor, to: int, frm: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Send ``t`` to group rank ``to`` while receiving a tensor like it from ``frm``."""
-    out = torch.empty_like(t)
+    """Send ``t`` to group rank ``to`` while receiving a tensor like it from ``frm``. The receive
+    buffer is dense whatever ``t``'s strides (empty_like would keep a permuted layout; NCCL and gloo
+    write a contiguous buffer)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     ops = [dist.P2POp(dist.isend, t.contiguous(), _peer(group, to), group),
            dist.P2POp(dist.irecv, out, _peer(group, frm), group)]
     for req in dist.batch_isend_irecv(ops):

@@ -31,3 +31,26 @@ def test_piece_matches_sdpa(dq: int, dv: int, heads: int, kv_heads: int, causal:
     torch.testing.assert_close(gq, q.grad)
     torch.testing.assert_close(gk, k.grad)
     torch.testing.assert_close(gv, v.grad)
+
+
+def test_send_recv_receives_into_a_dense_buffer(monkeypatch) -> None:
+    """(GPU readiness, C6) a permuted tensor sent round the ring is received into a contiguous
+    buffer: empty_like kept the permuted strides, and NCCL and gloo write a dense one."""
+    import torch.distributed as dist
+
+    from autopar.executor import ring_attention
+
+    seen: list = []
+
+    class _Op:
+        def __init__(self, op, tensor, peer, group) -> None:  # noqa: ANN001
+            seen.append((op, tensor))
+
+    monkeypatch.setattr(dist, "P2POp", _Op)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [])
+    monkeypatch.setattr(ring_attention, "_peer", lambda group, r: r)
+    t = torch.randn(2, 3, 5, 4).permute(0, 2, 1, 3)  # (b, s, h, d) view of (b, h, s, d): not contiguous
+    assert not t.is_contiguous()
+    out = ring_attention.send_recv(t, 1, 1, None)
+    assert out.is_contiguous() and out.shape == t.shape and out.dtype == t.dtype
+    assert all(x.is_contiguous() for _, x in seen)
