@@ -273,7 +273,7 @@ def check_env(device: str, work: Path) -> Result:
 
 
 def check_recorder(device: str, work: Path) -> Result:
-    """2-3 [B7, C1, M5, M4] the flight recorder at world 1 and the measured reserve."""
+    """2 [B7, C1, M5, M4] the flight recorder at world 1 and the measured reserve."""
     from autopar.cluster import load_cluster
 
     got = _probe("recorder", device, work)
@@ -319,6 +319,27 @@ def check_validate(device: str, work: Path) -> Result:
     same = abs(first[0] - first[1]) <= 0.02 * abs(first[0])
     parts.append(f"first losses {first[0]:.4f} / {first[1]:.4f}")
     return ("PASS" if ok and same else "FAIL"), "; ".join(parts)
+
+
+def check_fp32(device: str, work: Path) -> Result:
+    """3 [M9] an fp32 plan: priced at the TF32 peak and run on TF32 tensor cores; step time and memory
+    against the price."""
+    import yaml
+
+    path = write_plan(work, "fp32", device)
+    d = yaml.safe_load(path.read_text())
+    d["training"]["dtype"] = "fp32"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    report = work / "fp32.json"
+    proc = _autopar(["validate", str(path), "--steps", "8" if device == "cuda" else "3", "--cluster",
+                     profile_for(device), "--report", str(report), "--device", device], device)
+    if proc.returncode != 0:
+        return "FAIL", f"validate exit {proc.returncode}: {(_errors(proc) or [proc.stderr[-300:]])[0]}"
+    rep = json.loads(report.read_text())
+    mem, t = rep["peak_memory_bytes"], rep["step_time_s"]
+    text = (f"memory {mem['measured'] / GIB:.3f} vs {mem['predicted'] / GIB:.3f} GiB ({mem['error_pct']:+.1f} %), "
+            f"step {t['measured'] * 1e3:.1f} vs {t['predicted'] * 1e3:.1f} ms ({t['error_pct']:+.1f} %)")
+    return ("PASS" if abs(mem["error_pct"]) <= 10 else "FAIL"), text
 
 
 def check_zero3_build(device: str, work: Path) -> Result:
@@ -451,7 +472,7 @@ def check_timing(device: str, work: Path) -> Result:
 
 CHECKS: list[tuple[int, str, Callable[[str, Path], Result]]] = [
     (1, "environment", check_env), (2, "flight recorder + reserve", check_recorder),
-    (4, "validate zero 0 / 3", check_validate), (5, "ZeRO-3 offload build", check_zero3_build),
+    (3, "fp32 on TF32", check_fp32), (4, "validate zero 0 / 3", check_validate), (5, "ZeRO-3 offload build", check_zero3_build),
     (6, "profile", check_profile), (7, "activation offload", check_activation_offload),
     (8, "optimizer offload", check_host_optimizer), (9, "fp16 refused", check_fp16), (10, "out of memory", check_oom),
     (11, "device override", check_device_override), (12, "timing", check_timing),
