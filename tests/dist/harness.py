@@ -5,6 +5,10 @@ Rank 0 of each case saves ``{case}.pt`` = {"losses": [...], "params": {name: ful
 result directory; the test process compares them with ``run_reference`` of the same seed and data.
 A case that raises aborts the whole spawn (its peers would otherwise wait in a collective); the
 cases already finished keep their results and the rest report the error.
+
+``AUTOPAR_TEST_BACKEND=nccl`` runs the same cases on NCCL, one GPU per rank (a machine with at least
+the world size in GPUs): the ranks train on ``cuda:<rank>`` and their results come back on the host,
+compared with the same single-process CPU reference. The default is gloo on CPU.
 """
 
 from __future__ import annotations
@@ -85,17 +89,17 @@ def _run_case(case: Case, out_dir: Path) -> None:
     plan = case.plan()
     mf = load_model_file(plan.model.file)
     spec, _ = preflight(plan, mf, dist.get_world_size())
-    mesh = build_mesh(plan, torch.device("cpu"))
+    mesh = build_mesh(plan, test_device())
     exe = build_executable(plan, mf, spec, mesh, seed=SEED, lr=LR, loss_fn=mf.loss_fn)
     first_grads: dict[str, torch.Tensor] = {}
 
     def grab(step: int) -> None:
         if step == 0:
-            first_grads.update(full_parameters(exe, grads=True))
+            first_grads.update(_on_host(full_parameters(exe, grads=True)))
 
     vocab_sharded = tp_vocab_sharded(exe)
     result = train(exe, mf, steps=STEPS, seed=SEED, on_grads=grab)
-    params = full_parameters(exe)
+    params = _on_host(full_parameters(exe))
     c = mesh.coords
     mine = (params, first_grads, vocab_sharded) if (c.dp, c.cp, c.tp) == (0, 0, 0) else None
     everything: list[Any] = [None] * dist.get_world_size()
@@ -143,12 +147,30 @@ def gloo_rank(rank: int, world: int, port: int) -> Iterator[None]:
     body returns, the process leaves at once (``leave_rank``): nothing may follow the ``with``."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = test_device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
     leave_rank()
+
+
+def test_device(rank: int | None = None) -> torch.device:
+    """Where a spawned rank trains: ``cuda:<rank>`` under ``AUTOPAR_TEST_BACKEND=nccl``, else the CPU."""
+    if os.environ.get("AUTOPAR_TEST_BACKEND", "gloo") == "nccl":
+        return torch.device("cuda", dist.get_rank() if rank is None else rank)
+    return torch.device("cpu")
+
+
+def _on_host(x: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, x)
 
 
 def leave_rank() -> None:
