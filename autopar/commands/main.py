@@ -101,15 +101,21 @@ def run_command(command: Callable[[argparse.Namespace], int | None], args: argpa
 
 
 def exit_process(code: int) -> None:
-    """Exit with ``code``. Under torchrun (``TORCHELASTIC_RUN_ID`` set), once the command has
-    returned -- process group destroyed, reports written -- the rank leaves with ``os._exit`` after
-    flushing its streams: at interpreter teardown a native thread of the distributed stack was, now
-    and then, destroyed while still joinable ("terminate called without an active exception", a
-    SIGABRT after the run had succeeded: about 1 CPU run in 20 here), which made torchrun report a
-    failed job. Elsewhere: a normal exit."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    """Exit with ``code``. Where this process ran a rank -- under torchrun (``TORCHELASTIC_RUN_ID``)
+    or a one-rank run in the calling process (``AUTOPAR_LOCAL_WORLD``) -- once the command has
+    returned (process group destroyed, reports written) it leaves with ``os._exit`` after flushing
+    its streams: at interpreter teardown a native thread of the distributed stack was, now and
+    then, destroyed while still joinable ("terminate called without an active exception", a SIGABRT
+    after the command had finished: about 1 CPU run in 20 here), which made torchrun report a failed
+    job and turned a one-rank run's exit code 3 into -6. Elsewhere: a normal exit."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and os.environ.get("AUTOPAR_LOCAL_WORLD") != "1":
         raise SystemExit(code)
     leave_process(code)
+
+
+def entry() -> None:
+    """The ``autopar`` console script: ``main`` then ``exit_process``."""
+    exit_process(main())
 
 
 def leave_process(code: int) -> None:
