@@ -29,8 +29,7 @@ def test_exit_process_leaves_where_a_rank_ran(monkeypatch, env: dict, leaves: bo
 
 
 def test_console_script_goes_through_exit_process() -> None:
-    import tomllib
     from pathlib import Path
 
-    scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["autopar"] == "autopar.commands.main:entry"
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert 'autopar = "autopar.commands.main:entry"' in pyproject
