@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -156,7 +156,7 @@ class _Clock:
 
 
 def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable | None, device: torch.device,
-             autocast: Any, live: LiveBytes | None) -> tuple[dict[str, float], dict[str, float]]:
+             live: LiveBytes | None) -> tuple[dict[str, float], dict[str, float]]:
     """One forward+backward; (seconds per region/phase, saved bytes per region). With an attention
     core in ``block`` (the executor's rule), also ``block.core_fwd``: the core's forward alone."""
     clock = _Clock(device)
@@ -189,11 +189,10 @@ def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable 
                     core.register_forward_hook(lambda mod, args, out: note("core_out"))]
     try:
         note("start")
-        with autocast:
-            out = call_model(model, inputs)
-            note("loss_start")
-            y = _first_tensor(out)
-            loss = loss_fn(out, inputs) if loss_fn is not None else y.float().mean()
+        out = call_model(model, inputs)
+        note("loss_start")
+        y = _first_tensor(out)
+        loss = loss_fn(out, inputs) if loss_fn is not None else y.float().mean()
         if y is not None and y.requires_grad:
             y.register_hook(lambda g: note("bwd_loss_end"))
         note("loss_end")
@@ -235,8 +234,7 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
     small = one_block_model(meta, blocks_attr)
     seq = mf.seq_len or 0
     seqs = sorted({seq // cp for cp in cfg.cps if seq and seq % cp == 0 and seq // cp >= 1}, reverse=True) or [seq]
-    autocast = nullcontext()  # 16 bits: the model and its floating inputs are cast instead (module docstring)
-    dtype = DTYPES[cfg.dtype]
+    dtype = DTYPES[cfg.dtype]  # 16 bits: the model and its floating inputs are cast (module docstring)
     regions: dict[str, list[LayerPoint]] = {r: [] for r in ("pre", "block", "post", "loss")}
     cp_runs = [(cp, kind) for cp in cfg.cps if cp > 1 and seq and seq % cp == 0 for kind in cfg.cp_kinds]
     for tp in cfg.tps:
@@ -250,7 +248,7 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
         block = model.get_submodule(blocks_attr)[0]
         shapes = [(s, b) for s in seqs for b in cfg.micro_batches]
         measured = _measure(mf, model, block, [_inputs(mf, b, device, seq, s, vocab, dtype) for s, b in shapes], device,
-                            autocast, cfg)
+                            cfg)
         for (s, b), (med, saved, peak) in zip(shapes, measured):
             for region in regions:  # at tp > 1 the edges too are this tp rank's vocabulary shard
                 regions[region].append(LayerPoint(
@@ -266,7 +264,7 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
             with _cp_core(block, core_name, kind, cp, seq):
                 try:
                     measured = _measure(mf, model, block, [_inputs(mf, b, device, seq, s, vocab, dtype) for b in cfg.micro_batches],
-                                        device, autocast, cfg)
+                                        device, cfg)
                 except RuntimeError as exc:  # e.g. ulysses with heads not divisible by cp
                     if log:
                         log(f"s={s} tp={tp} cp={cp} {kind}: not measured ({str(exc).splitlines()[0]})")
@@ -295,7 +293,7 @@ def _inputs(mf: ModelFile, b: int, device: torch.device, seq: int, s: int, vocab
 
 
 def _measure(mf: ModelFile, model: nn.Module, block: nn.Module, inputs: list[Any], device: torch.device,
-             autocast: Any, cfg: LayerProfileConfig) -> list[tuple[dict[str, float], dict[str, float], float]]:
+             cfg: LayerProfileConfig) -> list[tuple[dict[str, float], dict[str, float], float]]:
     """Per shape of ``inputs``: (median seconds per region/phase, saved bytes per region, peak live
     bytes). The shapes take turns, one run each per round, so that a slow spell of a shared machine
     falls on all of them alike instead of on whichever shape was being measured (a 4-rank profile
@@ -303,7 +301,7 @@ def _measure(mf: ModelFile, model: nn.Module, block: nn.Module, inputs: list[Any
     samples: list[dict[str, list[float]]] = [{} for _ in inputs]
     for i in range(cfg.warmup + cfg.repeats):
         for j, x in enumerate(inputs):
-            times, _ = _one_run(model, block, x, mf.loss_fn, device, autocast, None)
+            times, _ = _one_run(model, block, x, mf.loss_fn, device, None)
             if i >= cfg.warmup:
                 for k, v in times.items():
                     samples[j].setdefault(k, []).append(v)
@@ -311,7 +309,7 @@ def _measure(mf: ModelFile, model: nn.Module, block: nn.Module, inputs: list[Any
     for j, x in enumerate(inputs):
         live = LiveBytes()
         with live:
-            _, saved = _one_run(model, block, x, mf.loss_fn, device, autocast, live)
+            _, saved = _one_run(model, block, x, mf.loss_fn, device, live)
         out.append(({k: statistics.median(v) for k, v in samples[j].items()}, saved, float(live.peak_bytes)))
     return out
 

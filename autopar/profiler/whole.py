@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -64,12 +63,11 @@ def whole_model_rows(mf: ModelFile, device: torch.device, table: LayerTable, mic
     if dtype != "fp32":  # the table's regime: the model cast, no autocast (profiler/layers.py)
         model = model.to(DTYPES[dtype])
     model.train()
-    autocast = nullcontext()
     inputs = {b: _inputs(mf, b, device, seq, seq, None, DTYPES[dtype]) for b in micro_batches}
     samples: dict[int, list[tuple[float, float]]] = {b: [] for b in micro_batches}
     for i in range(warmup + repeats):
         for b in micro_batches:  # in turns, as the table's shapes: a slow spell falls on all alike
-            times = _one_whole_run(model, inputs[b], mf.loss_fn, autocast, _Clock(device))
+            times = _one_whole_run(model, inputs[b], mf.loss_fn, _Clock(device))
             if i >= warmup:
                 samples[b].append(times)
     rows = []
@@ -111,13 +109,12 @@ def _composed(table: LayerTable, b: int, s: int, num_blocks: int) -> tuple[float
     return (fwd, bwd) if fwd > 0 and bwd > 0 else None
 
 
-def _one_whole_run(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None, autocast: Any,
+def _one_whole_run(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None,
                    clock: Any) -> tuple[float, float]:
     """(forward with the loss, backward) seconds of one whole-model step, on the table's clock."""
     clock.mark("start")
-    with autocast:
-        out = call_model(model, inputs)
-        loss = loss_fn(out, inputs) if loss_fn is not None else out.float().mean()
+    out = call_model(model, inputs)
+    loss = loss_fn(out, inputs) if loss_fn is not None else out.float().mean()
     clock.mark("fwd")
     loss.backward()
     clock.mark("bwd")
