@@ -51,11 +51,16 @@ def dump_prefix(status_dir: str | Path) -> str:
     return str(Path(status_dir) / DUMP_PREFIX)
 
 
+def _pending(entry: Mapping[str, Any]) -> bool:
+    """Whether a recorder entry's collective had not completed (NCCL: scheduled or started, not retired)."""
+    return str(entry.get("state", "")) in ("scheduled", "started") and not entry.get("retired", False)
+
+
 def stuck_entry(entries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The entry a rank is stuck in (module docstring): the oldest not completed, else the newest."""
     if not entries:
         return None
-    pending = [e for e in entries if str(e.get("state", "")) in ("scheduled", "started") and not e.get("retired", False)]
+    pending = [e for e in entries if _pending(e)]
     if pending:
         return min(pending, key=lambda e: int(e.get("record_id", 0) or 0))
     return max(entries, key=lambda e: int(e.get("record_id", 0) or 0))
@@ -99,9 +104,7 @@ def read_dump(path: str | Path) -> tuple[CollectiveRecord | None, bool] | None:
         return None
     if not isinstance(trace, Mapping):
         return None
-    entries = list(trace.get("entries") or [])
-    pending = any(str(e.get("state", "")) in ("scheduled", "started") and not e.get("retired", False) for e in entries)
-    return record_from_trace(trace), pending
+    return record_from_trace(trace), any(_pending(e) for e in trace.get("entries") or [])
 
 
 def rank_dump(status_dir: str | Path, rank: int) -> Path:

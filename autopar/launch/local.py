@@ -54,6 +54,7 @@ from autopar.launch.flight_recorder import CollectiveRecord, rank_dump, read_dum
 REPORT_GRACE_S = 3.0  # after the first failure: time the other ranks get to exit with their own line
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
 ERROR_PREFIX = "autopar: error: "
+RESUME_HINT = "resume with --resume, or run with --max-restarts to restart"  # ends a fault's line
 _PR_SET_PDEATHSIG = 1
 
 
@@ -214,7 +215,6 @@ def _hang_verdict(aborted: Mapping[int, tuple[CollectiveRecord | None, bool]], h
     waiting = sorted(r for r, (_, pending) in aborted.items() if pending)
     culprits = list(hung) or sorted(r for r, (_, pending) in aborted.items() if not pending)
     waited = next((aborted[r][0] for r in waiting if aborted[r][0] is not None), None)
-    resume = "resume with --resume, or run with --max-restarts to restart"
     if culprits:
         who = f"rank{'s' if len(culprits) > 1 else ''} {', '.join(map(str, culprits))}"
         where = _phase(status_dir, culprits[0])
@@ -222,10 +222,10 @@ def _hang_verdict(aborted: Mapping[int, tuple[CollectiveRecord | None, bool]], h
         if waited is not None:
             line += (f"; rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited for it in "
                      f"collective {waited.describe()} until NCCL's watchdog aborted them after --timeout")
-        return Outcome(code=EXIT_FAULT, line=f"{line}; {resume}")
+        return Outcome(code=EXIT_FAULT, line=f"{line}; {RESUME_HINT}")
     stuck = "; ".join(f"rank {r} in {rec.describe()}" for r, (rec, _) in sorted(aborted.items()) if rec is not None)
     return Outcome(code=EXIT_FAULT, line=f"every rank timed out inside a collective (NCCL's watchdog aborted them: "
-                   f"{stuck or 'no trace'}); the ranks issued different collectives; {resume}")
+                   f"{stuck or 'no trace'}); the ranks issued different collectives; {RESUME_HINT}")
 
 
 def _verdict(ranks: Sequence[_Rank], first: _Rank | None, status_dir: Path, stopped_after: set[int]) -> Outcome:
@@ -253,10 +253,9 @@ def _verdict(ranks: Sequence[_Rank], first: _Rank | None, status_dir: Path, stop
         if faults:
             line += f"; {faults[0]}"
         elif waited is not None:
-            line += (f"; the others waited for it in collective {waited.describe()} until NCCL's watchdog "
-                     "aborted them; resume with --resume, or run with --max-restarts to restart")
+            line += f"; the others waited for it in collective {waited.describe()} until NCCL's watchdog aborted them; {RESUME_HINT}"
         else:
-            line += "; the other ranks were stopped; resume with --resume, or run with --max-restarts to restart"
+            line += f"; the other ranks were stopped; {RESUME_HINT}"
         return Outcome(code=EXIT_FAULT, line=line)
     if oom:  # the root cause: the others then lose it as a peer
         return Outcome(code=EXIT_OUT_OF_MEMORY, line=oom[0])
