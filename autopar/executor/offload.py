@@ -23,6 +23,7 @@ activations            ``OffloadSavedTensors`` around each block's forward: ever
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from typing import Any, Callable, Iterable
@@ -182,29 +183,25 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
             local = t.to_local() if isinstance(t, DTensor) else t
             if isinstance(local, AsyncCollectiveTensor):  # a functional collective's (TP's) result
                 local = local.wait()
-            try:
-                shared = host_storage(t, local)
-                view = (local.dtype, tuple(local.shape), tuple(local.stride()), local.storage_offset())
+            try:  # restore(non_blocking=...) brings the saved tensor back to its device
+                restore = functools.partial(host_storage(t, local).view, local.dtype, tuple(local.shape),
+                                            tuple(local.stride()), local.storage_offset())
             except RuntimeError:  # no plain storage (a wrapper subclass's): the tensor's own bytes
                 host = torch.empty(local.shape, dtype=local.dtype, device=HOST, pin_memory=pin_memory)
                 host.copy_(local)
                 OffloadSavedTensors.host_bytes += host.numel() * host.element_size()
-                shared, view = None, (host, local.device)
+                restore = functools.partial(host.to, local.device)
             if isinstance(t, DTensor):
-                return ("dtensor", shared, view, t.device_mesh, t.placements, t.shape, t.stride())
-            return ("tensor", shared, view)
+                return ("dtensor", restore, t.device_mesh, t.placements, t.shape, t.stride())
+            return ("tensor", restore)
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            if packed[1] is None:
-                host, device = packed[2]
-                local = host.to(device, non_blocking=pin_memory)
-            else:
-                local = packed[1].view(*packed[2], non_blocking=pin_memory)
+            local = packed[1](non_blocking=pin_memory)
             if packed[0] == "tensor":
                 return local
-            _, _, _, mesh, placements, shape, stride = packed
+            _, _, mesh, placements, shape, stride = packed
             return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
         super().__init__(pack, unpack)
