@@ -72,24 +72,24 @@ def profile_for(device: str) -> str:
     return "h200-141g" if "H200" in torch.cuda.get_device_name(0) else "h100-80g"
 
 
-def plan_dict(device: str, **parallel: Any) -> dict:
-    """A one-rank plan of examples/gpt_small.py (8 blocks, seq 128), ``parallel`` keys as in YAML: bf16
-    on the GPU, fp32 on the dry run (the CPU profile was measured in fp32)."""
+def plan_dict(device: str, dtype: str | None = None, **parallel: Any) -> dict:
+    """A one-rank plan of examples/gpt_small.py (8 blocks, seq 128), ``parallel`` keys as in YAML;
+    ``dtype`` by default bf16 on the GPU, fp32 on the dry run (the CPU profile was measured in fp32)."""
     par = {"dp": 1, "tp": 1, "pp": 1, **parallel}
     n = par["dp"] * par["tp"] * par["pp"] * par.get("cp", 1)
     return {"version": 1, "model": {"file": str(SMALL), "num_blocks": 8},
             "cluster": {"profile": profile_for(device), "num_gpus": n, "gpus_per_node": 8},
             "training": {"global_batch_size": 8, "micro_batch_size": 4, "seq_len": 128,
-                         "dtype": "bf16" if device == "cuda" else "fp32",
+                         "dtype": dtype or ("bf16" if device == "cuda" else "fp32"),
                          "optimizer": "adamw"},
             "parallel": par}
 
 
-def write_plan(work: Path, name: str, device: str, **parallel: Any) -> Path:
+def write_plan(work: Path, name: str, device: str, dtype: str | None = None, **parallel: Any) -> Path:
     import yaml
 
     path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(plan_dict(device, **parallel), sort_keys=False))
+    path.write_text(yaml.safe_dump(plan_dict(device, dtype, **parallel), sort_keys=False))
     return path
 
 
@@ -288,8 +288,9 @@ def check_recorder(device: str, work: Path) -> Result:
     return ("PASS" if got.get("last_collective") else "FAIL"), text
 
 
-def _validate(device: str, work: Path, name: str, **parallel: Any) -> tuple[dict, list[float], str]:
-    plan = write_plan(work, name, device, **parallel)
+def _validate(device: str, work: Path, name: str, dtype: str | None = None,
+              **parallel: Any) -> tuple[dict, list[float]]:
+    plan = write_plan(work, name, device, dtype, **parallel)
     report = work / f"{name}.json"
     steps = "8" if device == "cuda" else "3"
     proc = _autopar(["validate", str(plan), "--steps", steps, "--cluster", profile_for(device),
@@ -297,7 +298,14 @@ def _validate(device: str, work: Path, name: str, **parallel: Any) -> tuple[dict
     if proc.returncode != 0:
         raise RuntimeError(f"validate {name} exit {proc.returncode}: {(_errors(proc) or [proc.stderr[-300:]])[0]}")
     losses = [float(m) for m in re.findall(r"step \d+/\d+\s+loss ([-\d.e+naif]+)", proc.stderr)]
-    return json.loads(report.read_text()), losses, proc.stdout
+    return json.loads(report.read_text()), losses
+
+
+def _against_price(rep: dict) -> str:
+    """A validate report's measured memory and step time against the price, as one phrase."""
+    mem, t = rep["peak_memory_bytes"], rep["step_time_s"]
+    return (f"memory {mem['measured'] / GIB:.3f} vs {mem['predicted'] / GIB:.3f} GiB ({mem['error_pct']:+.1f} %), "
+            f"step {t['measured'] * 1e3:.1f} vs {t['predicted'] * 1e3:.1f} ms ({t['error_pct']:+.1f} %)")
 
 
 def check_validate(device: str, work: Path) -> Result:
@@ -309,13 +317,10 @@ def check_validate(device: str, work: Path) -> Result:
     parts, ok = [], True
     first = []
     for zero in (0, 3):
-        rep, losses, _ = _validate(device, work, f"validate-zero{zero}", zero=zero)
-        mem, t = rep["peak_memory_bytes"], rep["step_time_s"]
-        ok &= abs(mem["error_pct"]) <= 10 and bool(losses) and all(math.isfinite(v) for v in losses)
+        rep, losses = _validate(device, work, f"validate-zero{zero}", zero=zero)
+        ok &= abs(rep["peak_memory_bytes"]["error_pct"]) <= 10 and bool(losses) and all(math.isfinite(v) for v in losses)
         first.append(losses[0] if losses else float("nan"))
-        parts.append(f"zero {zero}: memory {mem['measured'] / GIB:.3f} vs {mem['predicted'] / GIB:.3f} GiB "
-                     f"({mem['error_pct']:+.1f} %), step {t['measured'] * 1e3:.1f} vs {t['predicted'] * 1e3:.1f} ms "
-                     f"({t['error_pct']:+.1f} %)")
+        parts.append(f"zero {zero}: {_against_price(rep)}")
     same = abs(first[0] - first[1]) <= 0.02 * abs(first[0])
     parts.append(f"first losses {first[0]:.4f} / {first[1]:.4f}")
     return ("PASS" if ok and same else "FAIL"), "; ".join(parts)
@@ -324,22 +329,8 @@ def check_validate(device: str, work: Path) -> Result:
 def check_fp32(device: str, work: Path) -> Result:
     """3 [M9] an fp32 plan: priced at the TF32 peak and run on TF32 tensor cores; step time and memory
     against the price."""
-    import yaml
-
-    path = write_plan(work, "fp32", device)
-    d = yaml.safe_load(path.read_text())
-    d["training"]["dtype"] = "fp32"
-    path.write_text(yaml.safe_dump(d, sort_keys=False))
-    report = work / "fp32.json"
-    proc = _autopar(["validate", str(path), "--steps", "8" if device == "cuda" else "3", "--cluster",
-                     profile_for(device), "--report", str(report), "--device", device], device)
-    if proc.returncode != 0:
-        return "FAIL", f"validate exit {proc.returncode}: {(_errors(proc) or [proc.stderr[-300:]])[0]}"
-    rep = json.loads(report.read_text())
-    mem, t = rep["peak_memory_bytes"], rep["step_time_s"]
-    text = (f"memory {mem['measured'] / GIB:.3f} vs {mem['predicted'] / GIB:.3f} GiB ({mem['error_pct']:+.1f} %), "
-            f"step {t['measured'] * 1e3:.1f} vs {t['predicted'] * 1e3:.1f} ms ({t['error_pct']:+.1f} %)")
-    return ("PASS" if abs(mem["error_pct"]) <= 10 else "FAIL"), text
+    rep, _ = _validate(device, work, "fp32", "fp32")
+    return ("PASS" if abs(rep["peak_memory_bytes"]["error_pct"]) <= 10 else "FAIL"), _against_price(rep)
 
 
 def check_zero3_build(device: str, work: Path) -> Result:
@@ -402,12 +393,7 @@ def check_host_optimizer(device: str, work: Path) -> Result:
 
 def check_fp16(device: str, work: Path) -> Result:
     """9 [B5] fp16 has no loss scaler: refused in one line, exit 2."""
-    import yaml
-
-    path = write_plan(work, "fp16", device)
-    d = yaml.safe_load(path.read_text())
-    d["training"]["dtype"] = "fp16"
-    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    path = write_plan(work, "fp16", device, "fp16")
     proc = _autopar(["run", str(path), "--steps", "1", "--device", device], device)
     errs = _errors(proc)
     ok = proc.returncode == 2 and len(errs) == 1 and "loss scaling" in errs[0]
