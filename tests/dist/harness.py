@@ -214,28 +214,39 @@ def spawn_cases(world: int, cases: list[Case]) -> dict[str, Any]:
 
 
 def _spawn_cases_in(world: int, cases: list[Case], out_dir: str) -> dict[str, Any]:
+    return spawn_named(_worker, world, cases, out_dir)
+
+
+def spawn_named(worker: Callable[..., None], world: int, items: list[Any], out_dir: str,
+                prepare: Callable[[list[Any]], None] | None = None) -> dict[str, Any]:
+    """``mp.spawn(worker, args=(world, port, todo, out_dir))`` over named ``items`` (each ``.name``),
+    whose worker saves ``{name}.pt`` (rank 0) or ``{name}.err`` per item in ``out_dir``; returns
+    {name: the loaded result, or the error text}. A second spawn runs only the items without a
+    result, and only when the first died without a Python error (a native abort in gloo, seen
+    rarely here and once in CI). ``prepare(todo)`` runs before each spawn (e.g. to start a
+    half-written output over)."""
     error = None
-    todo = list(cases)
+    todo = list(items)
     for _attempt in range(2):
-        # A second attempt runs only the cases without a result, and only when the first spawn
-        # died without a Python error (a native abort in gloo, seen rarely on this machine).
+        if prepare is not None:
+            prepare(todo)
         try:
-            mp.spawn(_worker, args=(world, _free_port(), todo, out_dir), nprocs=world, join=True)
+            mp.spawn(worker, args=(world, _free_port(), todo, out_dir), nprocs=world, join=True)
             break
-        except Exception as exc:  # noqa: BLE001 - reported per case below
+        except Exception as exc:  # noqa: BLE001 - reported per item below
             error = f"spawn failed: {exc}"
-            if any((Path(out_dir) / f"{c.name}.err").exists() for c in todo):
+            if any((Path(out_dir) / f"{i.name}.err").exists() for i in todo):
                 break
-            todo = [c for c in todo if not (Path(out_dir) / f"{c.name}.pt").exists()]
+            todo = [i for i in todo if not (Path(out_dir) / f"{i.name}.pt").exists()]
     results: dict[str, Any] = {}
-    for case in cases:
-        ok, err = Path(out_dir) / f"{case.name}.pt", Path(out_dir) / f"{case.name}.err"
+    for item in items:
+        ok, err = Path(out_dir) / f"{item.name}.pt", Path(out_dir) / f"{item.name}.err"
         if ok.exists():
-            results[case.name] = torch.load(ok, weights_only=False)
+            results[item.name] = torch.load(ok, weights_only=False)
         elif err.exists():
-            results[case.name] = err.read_text()
+            results[item.name] = err.read_text()
         else:
-            results[case.name] = error or "case did not run"
+            results[item.name] = error or "did not run"
     return results
 
 

@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from harness import LR, SEED, Case, _free_port, gloo_rank
+from harness import LR, SEED, Case, gloo_rank, spawn_named
 
 pytestmark = pytest.mark.dist
 STEPS = 6
@@ -119,9 +118,9 @@ def _run(action: Action, root: Path) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, root: str, names: list[str]) -> None:
+def _worker(rank: int, world: int, port: int, actions: list[Action], root: str) -> None:
     with gloo_rank(rank, world, port):
-        for action in (a for a in ACTIONS if a.name in names):
+        for action in actions:
             try:
                 out = _run(action, Path(root))
                 if rank == 0:
@@ -138,26 +137,15 @@ def _worker(rank: int, world: int, port: int, root: str, names: list[str]) -> No
 @functools.lru_cache(maxsize=None)
 def _results() -> tuple[dict, dict]:
     root = tempfile.mkdtemp(prefix="autopar-ckpt-")
-    err, todo = "did not run", list(ACTIONS)
-    for _attempt in range(2):
-        # As harness.spawn_cases: a second spawn only after a native abort with no Python error
-        # (glibc's heap check in the gloo stack, seen once in CI), running the actions without a
-        # result; the checkpoints the finished ones saved stay, a half-written one is started over.
+
+    def fresh_checkpoints(todo: list[Action]) -> None:
+        # a respawn (harness.spawn_named) keeps the checkpoints the finished actions saved and
+        # starts a half-written one over
         for a in todo:
             if a.save:
                 shutil.rmtree(Path(root) / a.save, ignore_errors=True)
-        try:
-            mp.spawn(_worker, args=(4, _free_port(), root, [a.name for a in todo]), nprocs=4, join=True)
-            break
-        except Exception as exc:  # noqa: BLE001 - reported per action
-            err = f"spawn failed: {exc}"
-            if any((Path(root) / f"{a.name}.err").exists() for a in todo):
-                break
-            todo = [a for a in todo if not (Path(root) / f"{a.name}.pt").exists()]
-    out = {}
-    for a in ACTIONS:
-        ok, bad = Path(root) / f"{a.name}.pt", Path(root) / f"{a.name}.err"
-        out[a.name] = torch.load(ok, weights_only=False) if ok.exists() else (bad.read_text() if bad.exists() else err)
+
+    out = spawn_named(_worker, 4, ACTIONS, root, prepare=fresh_checkpoints)
     listing = json.loads((Path(root) / "listing.json").read_text()) if (Path(root) / "listing.json").exists() else {}
     shutil.rmtree(root, ignore_errors=True)
     return out, listing
