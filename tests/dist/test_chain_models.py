@@ -76,5 +76,6 @@ def test_chain_model_trains_like_one_rank(case: ChainCase) -> None:
         # Elements whose gradient is rounding noise (a ViT's key bias: softmax ignores a shift of all
         # logits, so its true gradient is 0) take lr-sized AdamW steps in any direction; compare the rest.
         g = ref_grads.get(name)
-        keep = g.abs() > 1e-5 * float(g.abs().max()) if g is not None and float(g.abs().max()) > 0 else torch.ones_like(ref, dtype=torch.bool)
+        keep = (g.abs() > 1e-5 * float(g.abs().max()) if g is not None and float(g.abs().max()) > 0
+                else torch.ones_like(ref, dtype=torch.bool))
         torch.testing.assert_close(got["params"][name][keep], ref[keep], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")

@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from harness import _free_port, gloo_rank, spawn_again_on_abort
+from harness import gloo_rank, spawn_again_on_abort
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:

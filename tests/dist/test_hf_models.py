@@ -1,8 +1,9 @@
 """Issue 11, build point 3: the executor runs real module code -- Hugging Face ``*ForCausalLM`` models
 (keyword block arguments, rotary tuples from the prologue, ``ModelOutput`` results, dict inputs with
 the loss inside the model), a network under an attribute named ``model``, bare ``nn.Parameter``s and
-tuple-returning blocks, post-LN blocks under SP (BERT), 0-d parameters under ZeRO -- under every dimension the planner offers, training like one rank (fp32,
-losses rel 1e-4 over 3 steps, step-1 gradients and final parameters).
+tuple-returning blocks, post-LN blocks under SP (BERT), 0-d parameters under ZeRO -- under every
+dimension the planner offers, training like one rank (fp32, losses rel 1e-4 over 3 steps, step-1
+gradients and final parameters).
 
 One spawn per world size (2 and 4 gloo ranks) runs its cases in sequence (tests/dist/harness.py).
 """

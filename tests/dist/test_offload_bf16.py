@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness import Case, _free_port, gloo_rank, spawn_again_on_abort
+from harness import Case, gloo_rank, spawn_again_on_abort
 
 pytestmark = pytest.mark.dist
 

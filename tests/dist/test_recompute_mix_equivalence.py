@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness import SEED, Case, _free_port, _run_case, gloo_rank, reference_for, spawn_again_on_abort
+from harness import SEED, Case, _run_case, gloo_rank, reference_for, spawn_again_on_abort
 
 pytestmark = pytest.mark.dist
 

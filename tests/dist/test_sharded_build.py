@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import SEED, Case, _free_port, gloo_rank, spawn_again_on_abort
+from harness import SEED, Case, gloo_rank, spawn_again_on_abort
 from torch.distributed.tensor import DTensor
 
 pytestmark = pytest.mark.dist
