@@ -138,6 +138,15 @@ class Cluster:
     # reduce_dtype, DDP over fp32 parameters, ZeRO-1's fp32 accumulators): 4 in its profiles.
     # A Megatron profile's ``main_grad_bytes`` decides instead (it reduces its buffer in place).
     grad_reduce_bytes: float = 0.0
+    # The optimizer's own precision (autopar.cost.memory.optimizer_state_bytes_per_param):
+    # ``optimizer_moment_bytes`` per element of each moment (4: fp32, as torch's Adam over fp32
+    # parameters and Megatron's distributed optimizer keep them; 2: bf16 state, Apex's
+    # DistributedFusedAdam with ``dtype`` bf16 as NeMo's ``optim.dtype: bf16`` sets it);
+    # ``master_weight_bytes`` per parameter of the master copy beside a 16-bit parameter (None: an
+    # fp32 master when the training dtype is 16-bit; 2: Apex's ``store_param_remainders``, the low
+    # 16 bits of the fp32 master; 0: no master, the optimizer updates the 16-bit parameter).
+    optimizer_moment_bytes: float = 4.0
+    master_weight_bytes: float | None = None
     pipeline_buffers_per_microbatch: bool = True
     # Sequence parallelism as DTensor runs it (autopar run, torchtitan): a column-parallel Linear saves
     # its all-gathered, full-sequence input for backward; Megatron-LM saves the shard and gathers again.
@@ -304,12 +313,15 @@ _SOFTWARE_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "async_tp_backw
                   "sp_saves_gathered_input", "autocast_weight_copies")
 ACTIVATION_MEMORY = ("measured", "megatron")
 MAIN_GRAD_BYTES = (0, 2, 4)
+MOMENT_BYTES = (2, 4)
+MASTER_BYTES = (0, 2, 4)
 
 
 def _software(data: Any, where: str) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise ClusterError(f"{where} must be a mapping")
-    allowed = _SOFTWARE_KEYS + ("activation_memory", "main_grad_bytes", "grad_reduce_bytes")
+    allowed = _SOFTWARE_KEYS + ("activation_memory", "main_grad_bytes", "grad_reduce_bytes", "optimizer_moment_bytes",
+                                "master_weight_bytes")
     unknown = sorted(set(data) - set(allowed), key=str)
     if unknown:
         raise ClusterError(f"{where}: unknown key '{unknown[0]}'; allowed: {', '.join(allowed)}")
@@ -323,6 +335,13 @@ def _software(data: Any, where: str) -> dict[str, Any]:
         elif key == "grad_reduce_bytes":
             if isinstance(value, bool) or value not in MAIN_GRAD_BYTES:
                 raise ClusterError(f"{where}: 'grad_reduce_bytes' must be 0 (the training dtype), 2 (bf16) or 4 (fp32)")
+        elif key == "optimizer_moment_bytes":
+            if isinstance(value, bool) or value not in MOMENT_BYTES:
+                raise ClusterError(f"{where}: 'optimizer_moment_bytes' must be 2 (bf16 state) or 4 (fp32)")
+        elif key == "master_weight_bytes":
+            if isinstance(value, bool) or value not in MASTER_BYTES:
+                raise ClusterError(f"{where}: 'master_weight_bytes' must be 0 (no master copy), 2 (the fp32 "
+                                   "master's low 16 bits) or 4 (an fp32 master)")
         elif not isinstance(value, bool):
             raise ClusterError(f"{where}: '{key}' must be true or false")
     return dict(data)

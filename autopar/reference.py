@@ -17,7 +17,10 @@ from autopar.graph import ModelGraph, build_graph
 from autopar.models.gpt import GPTConfig, model_file
 
 REPO = Path(__file__).resolve().parent.parent
-_CAL_DIRS = (REPO.parent / "shared" / "calibration", REPO / "calibration")
+# The repository's calibration/ first: it is the published figures of ../shared/calibration with
+# what the project has added to them since (each addition names its source); the shared copy only
+# where the repository has no such file.
+_CAL_DIRS = (REPO / "calibration", REPO.parent / "shared" / "calibration")
 
 
 def calibration_file(name: str) -> Path:

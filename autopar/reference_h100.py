@@ -54,6 +54,9 @@ class PublicRun:
     assumed: tuple[str, ...] = field(default=())
     software: str = "megatron"  # megatron | fsdp: what the run's framework overlaps (profiles/*-megatron.yaml)
     tp_comm_overlap: bool | None = None  # False: the source says this run had TP communication overlap off
+    # NeMo's optimizer as the run's config names it: (optim name, state dtype); None: Megatron's
+    # distributed optimizer with fp32 state (``nemo_optimizer_precision``)
+    nemo_optimizer: tuple[str, str] | None = None
 
     @property
     def layout(self) -> str:
@@ -165,7 +168,9 @@ def _dict_rows(group: str, data: dict) -> list[PublicRun]:
             micro_batch=r["mbs"], seq_len=seq, tp=r["tp"], pp=r["pp"], dp=r["dp"], virtual_stages=r.get("vp") or 1,
             zero=r["zero"], sequence_parallel=bool(r.get("sp", False)), recompute=r["recompute"], step_time_s=step,
             derived=derived, assumed=tuple(r.get("inferred", ())), software="megatron" if r["zero"] < 3 else "fsdp",
-            tp_comm_overlap=False if "no TP comm overlap" in str(r.get("notes", "")) else None))
+            tp_comm_overlap=False if "no TP comm overlap" in str(r.get("notes", "")) else None,
+            nemo_optimizer=(str(r["optimizer"]["name"]), str(r["optimizer"].get("dtype", "fp32")))
+            if "optimizer" in r else None))
     return out
 
 
@@ -238,12 +243,28 @@ def public_plan(run: PublicRun, profile: str):  # noqa: ANN201 - returns autopar
 PROFILES = {"megatron": "h100-80g-megatron", "fsdp": "h100-80g"}
 
 
+def nemo_optimizer_precision(name: str, dtype: str) -> tuple[float, float | None]:
+    """(bytes per Adam moment element, bytes per parameter of the master copy; None: fp32) of NeMo
+    1.x / 24.x's optimizer ``name`` with ``optim.dtype`` ``dtype``, for a bf16 model (megatron_amp_O2).
+    NeMo's MegatronBaseModel.setup_optimization (v2.0.0, the 24.09 container) gives Apex's
+    DistributedFusedAdam its state dtype from ``optim.dtype`` (default fp32) and, training in bf16,
+    keeps no master copy when that dtype is the model's (store_params False) or only the fp32
+    master's low 16 bits when it is fp32 (store_param_remainders). ``mcore_distributed_optim`` is
+    Megatron-Core's distributed optimizer: fp32 master and moments."""
+    if name != "distributed_fused_adam":
+        return 4.0, None
+    if dtype in ("bf16", "bfloat16"):
+        return 2.0, 0.0
+    return 4.0, 2.0
+
+
 def software_cluster(run: PublicRun):  # noqa: ANN201 - returns (autopar.cluster.Cluster, profile name)
     """The H100 profile of the software ``run`` used, with the run's stated settings: Megatron-Core
     runs on h100-80g-megatron, PyTorch FSDP runs on h100-80g; a run that states it had TP
     communication overlap off (the 340B recipe) gets that switch off, llm-foundry's runs their bf16
-    gradient reduction (h100-80g prices autopar run's fp32) -- settings of the run, as its recompute
-    or micro-batch are, never fitted terms."""
+    gradient reduction (h100-80g prices autopar run's fp32), a run whose config names NeMo's
+    optimizer its state precision -- settings of the run, as its recompute or micro-batch are,
+    never fitted terms."""
     import dataclasses
 
     from autopar.cluster import load_cluster
@@ -256,4 +277,7 @@ def software_cluster(run: PublicRun):  # noqa: ANN201 - returns (autopar.cluster
         # its H100 benchmark sweep trains with fsdp_config mixed_precision PURE (llm-foundry
         # scripts/train/benchmarking): parameters, gradients and their reduce-scatter in bf16
         cluster = dataclasses.replace(cluster, grad_reduce_bytes=2)
+    if run.nemo_optimizer is not None:
+        moment, master = nemo_optimizer_precision(*run.nemo_optimizer)
+        cluster = dataclasses.replace(cluster, optimizer_moment_bytes=moment, master_weight_bytes=master)
     return cluster, profile

@@ -178,7 +178,8 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     experts = all_experts / ep
     dense = max(0.0, block_params - all_experts)
     edp = cfg.dp * cfg.cp // ep
-    state = state_bytes_per_param(zero=cfg.zero, shard_degree=edp, dtype_bytes=cfg.dtype_bytes, optimizer=cfg.optimizer)
+    state = state_bytes_per_param(zero=cfg.zero, shard_degree=edp, dtype_bytes=cfg.dtype_bytes, optimizer=cfg.optimizer,
+                                  moment_bytes=cluster.optimizer_moment_bytes, master_bytes=cluster.master_weight_bytes)
     uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1
     state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
     equivalent = dense + experts * state.total / dense_state_bytes

@@ -8,6 +8,10 @@ same weights:
     ZeRO-0   d + d + K            ZeRO-2   d + (d + K) / N
     ZeRO-1   d + d + K / N        ZeRO-3   (d + d + K) / N
 
+K is the software's: Apex's DistributedFusedAdam keeps bf16 moments and no master (K = 4) or the
+fp32 master's low 16 bits (K = 10) where NeMo asks it to (``Cluster.optimizer_moment_bytes``,
+``master_weight_bytes``).
+
 In-flight micro-batches held by pipeline rank r (0-based) of p with M micro-batches:
 GPipe M; 1F1B min(M, p - r); interleaved with v chunks per rank, counted in chunks of n_r / v
 blocks: min(M v, 2 (p - r - 1) + (v - 1) p + 1) (Megatron's warm-up; for r = 0 this is
@@ -21,14 +25,20 @@ from functools import lru_cache
 
 from autopar.errors import PlanError
 
+MOMENTS = {"adam": 2, "adamw": 2, "sgd": 1}  # state tensors per parameter (Adam: m and v; SGD: momentum)
 
-def optimizer_state_bytes_per_param(optimizer: str, dtype_bytes: int) -> float:
-    """fp32 bytes per parameter the optimizer keeps beyond the training-dtype parameter."""
-    master = 4.0 if dtype_bytes < 4 else 0.0
-    moments = {"adam": 8.0, "adamw": 8.0, "sgd": 4.0}.get(optimizer)
+
+def optimizer_state_bytes_per_param(optimizer: str, dtype_bytes: int, *, moment_bytes: float = 4.0,
+                                    master_bytes: float | None = None) -> float:
+    """Bytes per parameter the optimizer keeps beyond the training-dtype parameter: its moments at
+    ``moment_bytes`` each and the master copy (``master_bytes``; None: fp32 beside a 16-bit
+    parameter, none where the parameter is fp32). The defaults are torch's and Megatron's (fp32
+    state); ``Cluster.optimizer_moment_bytes`` / ``master_weight_bytes`` describe other software."""
+    moments = MOMENTS.get(optimizer)
     if moments is None:
         raise PlanError(f"unknown optimizer {optimizer!r}; use adam, adamw or sgd")
-    return master + moments
+    master = (4.0 if dtype_bytes < 4 else 0.0) if master_bytes is None else master_bytes
+    return master + moments * moment_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,14 +54,16 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
-@lru_cache(maxsize=4096)  # a pure function of four scalars, asked tens of thousands of times per search
-def state_bytes_per_param(*, zero: int, shard_degree: int, dtype_bytes: int, optimizer: str) -> StateBytes:
-    """Model-state bytes per parameter on one rank (see the module docstring)."""
+@lru_cache(maxsize=4096)  # a pure function of six scalars, asked tens of thousands of times per search
+def state_bytes_per_param(*, zero: int, shard_degree: int, dtype_bytes: int, optimizer: str,
+                          moment_bytes: float = 4.0, master_bytes: float | None = None) -> StateBytes:
+    """Model-state bytes per parameter on one rank (see the module docstring); ``moment_bytes`` and
+    ``master_bytes``: the optimizer's precision (``optimizer_state_bytes_per_param``)."""
     if zero not in (0, 1, 2, 3):
         raise PlanError(f"zero must be 0, 1, 2 or 3; got {zero}")
     n = max(1, shard_degree)
     d = float(dtype_bytes)
-    k = optimizer_state_bytes_per_param(optimizer, dtype_bytes)
+    k = optimizer_state_bytes_per_param(optimizer, dtype_bytes, moment_bytes=moment_bytes, master_bytes=master_bytes)
     if zero == 0:
         return StateBytes(params=d, grads=d, optimizer=k)
     if zero == 1:

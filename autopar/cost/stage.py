@@ -280,7 +280,8 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     else:
         core_shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=kv_ratio, t=cfg.tp, sp=1.0)
     state = state_bytes_per_param(zero=cfg.zero, shard_degree=cfg.dp * cfg.cp, dtype_bytes=cfg.dtype_bytes,
-                                  optimizer=cfg.optimizer)
+                                  optimizer=cfg.optimizer, moment_bytes=cluster.optimizer_moment_bytes,
+                                  master_bytes=cluster.master_weight_bytes)
     # As the executor holds gradients (autopar.cost.zero): ZeRO-1's whole fp32 accumulator, DDP's buckets.
     uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1  # else FSDP2 replicate
     if cluster.main_grad_bytes and cfg.zero in (0, 1):  # the software's own whole gradient buffer

@@ -30,10 +30,13 @@ from autopar.search.ilp import block_capacities
 
 def upper_capacity(base: StageTerms, *, zero: int, offload: Offload, schedule: str, pp: int, virtual_stages: int,
                    num_microbatches: int, shard_degree: int, dtype_bytes: int, optimizer: str,
-                   capacity_bytes: float, block_act_bytes: float) -> list[int]:
+                   capacity_bytes: float, block_act_bytes: float, moment_bytes: float = 4.0,
+                   master_bytes: float | None = None) -> list[int]:
     """An upper bound on each pipeline rank's block capacity (module docstring); ``base``: terms of
-    the same block cost without a pipeline, ``block_act_bytes``: the least activations a block keeps."""
-    state = state_bytes_per_param(zero=zero, shard_degree=shard_degree, dtype_bytes=dtype_bytes, optimizer=optimizer)
+    the same block cost without a pipeline, ``block_act_bytes``: the least activations a block keeps,
+    ``moment_bytes`` / ``master_bytes``: the optimizer's precision (cost.memory)."""
+    state = state_bytes_per_param(zero=zero, shard_degree=shard_degree, dtype_bytes=dtype_bytes, optimizer=optimizer,
+                                  moment_bytes=moment_bytes, master_bytes=master_bytes)
     sigma = 0.0 if offload.params else state.total - (state.optimizer if offload.optimizer else 0.0)
     inflight = [inflight_microbatches(schedule, pp, r, num_microbatches, virtual_stages) for r in range(pp)]
     return block_capacities(base, pp=pp, virtual_stages=virtual_stages, inflight=inflight,

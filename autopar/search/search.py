@@ -84,8 +84,8 @@ def search(
                                             branch.num_microbatches))
         # Two memory bounds (host offload): without offload (the first pass) and with the most frugal
         # offload the branch allows (the second), so the first pass prunes as it did before offload.
-        mem_plain = _memory_lb(graph, base, branch)
-        mem_off = _memory_lb(graph, base, branch, True) if cluster.has_host else mem_plain
+        mem_plain = _memory_lb(graph, cluster, base, branch)
+        mem_off = _memory_lb(graph, cluster, base, branch, True) if cluster.has_host else mem_plain
         bounded.append((lb, mem_plain, mem_off, branch))
     bounded.sort(key=lambda x: x[0])
 
@@ -140,7 +140,7 @@ def search(
                 # (the labels come subsets first: optimizer before params, activations before both).
                 rejected["dominated: more offload than a plan that fits needs"] += len(branch.schedules)
                 continue
-            if off.any and _memory_lb(graph, base_terms[branch.block_key], branch, True, zero, off) > \
+            if off.any and _memory_lb(graph, cluster, base_terms[branch.block_key], branch, True, zero, off) > \
                     cluster.memory_bytes:
                 rejected["memory: cannot fit even with an ideal split"] += len(branch.schedules)
                 continue
@@ -232,7 +232,7 @@ def search(
     )
 
 
-def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch, has_host: bool = False,
+def _memory_lb(graph: ModelGraph, cluster: Cluster, base: StageTerms, branch: Branch, has_host: bool = False,
                zero: int | None = None, offload: Offload | None = None) -> float:
     """A lower bound on the peak memory of any config of ``branch``: the average rank's model
     states (under its most sharded ZeRO stage) and one micro-batch of activations (every rank
@@ -244,7 +244,8 @@ def _memory_lb(graph: ModelGraph, base: StageTerms, branch: Branch, has_host: bo
     params = graph.num_blocks * base.block.params + base.pre.params + base.post.params
     state = state_bytes_per_param(zero=max(branch.zero_stages) if zero is None else zero,
                                   shard_degree=branch.dp * branch.cp,
-                                  dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer)
+                                  dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer,
+                                  moment_bytes=cluster.optimizer_moment_bytes, master_bytes=cluster.master_weight_bytes)
     best = state.total
     block_act = _least_block_act(base, graph)
     if offload is not None:
@@ -311,7 +312,8 @@ def _upper_capacity(base: StageTerms, branch: Branch, zero: int, off: Offload, s
                           virtual_stages=schedule[1], num_microbatches=branch.num_microbatches,
                           shard_degree=branch.dp * branch.cp, dtype_bytes=space.dtype_bytes,
                           optimizer=space.optimizer, capacity_bytes=cluster.memory_bytes,
-                          block_act_bytes=_least_block_act(base, graph))
+                          block_act_bytes=_least_block_act(base, graph), moment_bytes=cluster.optimizer_moment_bytes,
+                          master_bytes=cluster.master_weight_bytes)
 
 
 def _least_block_act(base: StageTerms, graph: ModelGraph) -> float:
