@@ -9,8 +9,8 @@ Order (each step sees the result of the previous one):
 4. **materialise**: ``to_empty`` on the device, then every parameter is filled from a full model
    built on CPU from the seed (``torch.manual_seed(seed); build_model()``), sliced to this rank's
    TP shard. The weights are therefore exactly the single-process model's for the same seed, for
-   any plan. (This needs the full model once in host memory per rank -- fine for CPU-sized and
-   mid-sized models; a per-shard initialiser is future work.) Done before step 5 because DDP
+   any plan. The full model is built once per node and mapped by its ranks (host_reference.py).
+   Done before step 5 because DDP
    broadcasts whatever real tensors it is given; under ZeRO / FSDP2 each block is filled inside
    step 5, right before it is sharded, so no rank holds its whole part unsharded on the device;
 5. **ZeRO / FSDP2 / DDP** over the dp x cp mesh;
@@ -19,9 +19,8 @@ Order (each step sees the result of the previous one):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +41,7 @@ from autopar.executor.data_parallel import (
     uses_fsdp,
     wrap_kind,
 )
+from autopar.executor.host_reference import host_copies, reference_tensors
 from autopar.executor.introspect import ModelSpec
 from autopar.executor.mesh import ParallelMesh
 from autopar.executor.recompute import apply_recompute
@@ -118,9 +118,11 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
             param.copy_(full)
 
 
-def materialise(part: nn.Module, reference: nn.Module | None, device: torch.device, perms: dict[str, torch.Tensor],
+def materialise(part: nn.Module, reference: Mapping[str, torch.Tensor] | None, device: torch.device,
+                perms: dict[str, torch.Tensor],
                 *, within: nn.Module | None = None, outside: Sequence[nn.Module] = ()) -> None:
-    """Allocate ``part`` on ``device`` and copy the seed-initialised ``reference`` values in.
+    """Allocate ``part`` on ``device`` and copy the seed-initialised ``reference`` values in
+    (``host_reference.reference_tensors``: the full model's tensors by name).
 
     ``to_empty`` gives every module its own new Parameter (meta and real tensors cannot share a
     storage swap), which would silently untie shared weights (GPT's embedding = output head), so
@@ -149,13 +151,11 @@ def materialise(part: nn.Module, reference: nn.Module | None, device: torch.devi
             setattr(part.get_submodule(owner) if owner else part, leaf, keep)
     if reference is None:  # storage only (a rehearsal on fake tensors)
         return
-    ref = dict(reference.named_parameters(remove_duplicate=False))
-    ref.update(dict(reference.named_buffers(remove_duplicate=False)))
     for name, t in list(part.named_parameters()) + list(part.named_buffers()):
         if not in_scope(name):
             continue
         key = original_name(name, part)
-        full = ref[key].detach()
+        full = reference[key]
         if key in perms:
             full = full[perms[key]]
         _copy_into(t, full.to(device))
@@ -169,8 +169,8 @@ def _in_scope(part: nn.Module, owners: set[int]) -> Callable[[str], bool]:
     return test
 
 
-def sharded_fill(part: nn.Module, blocks: Sequence[nn.Module], reference: nn.Module | None, device: torch.device,
-                 perms: dict[str, torch.Tensor]) -> Callable[[nn.Module], None] | None:
+def sharded_fill(part: nn.Module, blocks: Sequence[nn.Module], reference: Mapping[str, torch.Tensor] | None,
+                 device: torch.device, perms: dict[str, torch.Tensor]) -> Callable[[nn.Module], None] | None:
     """For ZeRO / FSDP2: a function that fills one block (or, given ``part``, everything outside
     the blocks) just before ``fully_shard`` shards it, so the device never holds the whole
     unsharded part (torchtitan shards on meta first; here each block is filled from the seed-built
@@ -202,12 +202,6 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out[name] = first.setdefault(id(p), name)
     return out
-
-
-def reference_model(mf: ModelFile, seed: int) -> nn.Module:
-    """The single-process model for ``seed``: what every plan's weights must equal."""
-    torch.manual_seed(seed)
-    return mf.build("cpu")
 
 
 @dataclass(kw_only=True)
@@ -347,9 +341,8 @@ def place(
     # filled block by block inside step 5, each just before it is sharded (``sharded_fill``); a
     # rehearsal and expert parallelism (whose experts are wrapped before the blocks) fill whole.
     if not fake:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        check_host_build(shaped.model, max(1, local_ranks), host_available_bytes())
-    reference = None if fake else reference_model(mf, seed)
+        check_host_build(shaped.model, host_copies(), host_available_bytes())
+    reference = None if fake else reference_tensors(mf, seed)
     perms = {**shaped.perms, **(expert.rows if expert else {})}
     fills: list[Callable[[nn.Module], None] | None] = []
     for part in parts:

@@ -152,19 +152,21 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def check_host_build(model: nn.Module, local_ranks: int, available_bytes: int | None) -> None:
-    """Every rank builds the whole model on the host (its seed-built reference) before it takes its
-    part; ``local_ranks`` processes on one node do so at once. Refuse, in one line, a build that
-    cannot fit the node's available host memory -- where the kernel's OOM killer would otherwise end
-    a rank mid-build with no message. ``model``: the meta model (sizes only)."""
+def check_host_build(model: nn.Module, copies: int, available_bytes: int | None) -> None:
+    """A rank takes its part of the whole model built on the host from the seed: ``copies`` whole
+    models are on the node at once (``host_reference.host_copies``: the one built, and the file its
+    ranks share). Refuse, in one line, a build that cannot fit the node's available host memory --
+    where the kernel's OOM killer would otherwise end a rank mid-build with no message. ``model``:
+    the meta model (sizes only)."""
     if available_bytes is None:
         return
     each = sum(p.numel() * p.element_size() for p in model.parameters())
     each += sum(b.numel() * b.element_size() for b in model.buffers())
-    if each * local_ranks <= available_bytes:
+    if each * copies <= available_bytes:
         return
     gib = 2**30
+    held = "the model" if copies == 1 else f"{copies} copies of the model (the one built and the one its ranks share)"
     raise AutoparError(
-        f"each of the {local_ranks} rank(s) on this node builds the whole model on the host before taking its "
-        f"part ({each / gib:,.1f} GiB each, {each * local_ranks / gib:,.1f} GiB in all) and the node has "
-        f"{available_bytes / gib:,.1f} GiB available: start fewer ranks per node or use nodes with more host memory")
+        f"this node builds the whole model on the host before its ranks take their parts and holds {held}: "
+        f"{each * copies / gib:,.1f} GiB, with {available_bytes / gib:,.1f} GiB available: use nodes with more "
+        "host memory" + (" or start one rank per node" if copies > 1 else ""))

@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
-from autopar.executor.apply import Executable, reference_model
+from autopar.executor.apply import Executable
 from autopar.executor.batch import rows, to_device
 from autopar.executor.context_parallel import (
     cp_next_token_loss,
@@ -50,6 +50,7 @@ from autopar.executor.context_parallel import (
     shard_batch,
 )
 from autopar.executor.data_parallel import DTYPES, MIXED_PRECISION_KINDS, build_optimizer, zero1_microbatch
+from autopar.executor.host_reference import build_reference
 from autopar.executor.pipeline_parallel import run_schedule, sync_tied_grads
 from autopar.executor.steady import steady_state
 from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
@@ -343,7 +344,7 @@ def run_reference(
     mf: ModelFile, plan: Plan, *, steps: int, seed: int, lr: float, on_grads: Callable[[int, nn.Module], None] | None = None
 ) -> tuple[list[float], nn.Module]:
     """Single-process run of the same model, seed, data and optimizer: the equivalence oracle."""
-    model = reference_model(mf, seed)
+    model = build_reference(mf, seed)
     opt = build_optimizer(list(model.parameters()), plan.training.optimizer, lr, False, None)
     g, mbs = plan.training.global_batch_size, plan.training.micro_batch_size
     n = g // mbs

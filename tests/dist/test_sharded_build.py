@@ -97,11 +97,11 @@ def test_at_most_the_root_and_one_block_are_whole(results, case: str) -> None:
 
 @pytest.mark.parametrize("case", [c.name for c in CASES])
 def test_weights_are_the_seed_models(results, case: str) -> None:
-    from autopar.executor.apply import reference_model
+    from autopar.executor.host_reference import build_reference
     from autopar.modelfile import load_model_file
 
     plan = CASES[[c.name for c in CASES].index(case)].plan()
-    ref = dict(reference_model(load_model_file(plan.model.file), SEED).named_parameters())
+    ref = dict(build_reference(load_model_file(plan.model.file), SEED).named_parameters())
     got = results[case]["params"]
     if plan.parallel.pp > 1:
         pytest.skip("rank 0 holds stage 0 only")

@@ -88,7 +88,7 @@ def test_apply_plan_in_a_world_of_one(repo, make_plan, tmp_path) -> None:
     import torch
     import torch.distributed as dist
 
-    from autopar.executor.apply import reference_model
+    from autopar.executor.host_reference import build_reference
     from autopar.modelfile import load_model_file
 
     model = repo / "tests" / "dist" / "models" / "tiny_gpt.py"
@@ -99,7 +99,7 @@ def test_apply_plan_in_a_world_of_one(repo, make_plan, tmp_path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         exe = autopar.apply_plan(str(model), plan, seed=7)
-        ref = dict(reference_model(load_model_file(model), 7).named_parameters())
+        ref = dict(build_reference(load_model_file(model), 7).named_parameters())
         got = exe.named_parameters()
         assert set(got) == set(ref)
         for name, p in got.items():

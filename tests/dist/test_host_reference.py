@@ -1,0 +1,108 @@
+"""The seed-built model is built once per node and mapped by its ranks (GPU readiness, B3).
+
+Four gloo ranks stand for two nodes of two (``LOCAL_WORLD_SIZE`` 2, ``GROUP_RANK`` 0 and 1, as a
+launcher sets them) and build a tp 2 x dp 2 ZeRO-1 plan of the tiny GPT: each rank's reference is
+the file its node's first rank wrote, mapped (it appears in the rank's memory maps) rather than a
+model the rank built; the weights every rank takes are the single-process model's; the files are
+gone once the build returns. A node without room for the file builds a copy per rank, as before.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from harness import SEED, Case, gloo_rank, spawn_again_on_abort
+
+pytestmark = pytest.mark.dist
+
+CASE = Case(name="gpt-tp2-dp2-zero1", model="gpt", parallel={"dp": 2, "tp": 2, "zero": 1, "sequence_parallel": True})
+
+
+def _mapped_reference_files() -> list[str]:
+    from autopar.executor.host_reference import FILE_PREFIX
+
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        # the path, " (deleted)" once the node's first rank has unlinked it (the pages stay mapped)
+        return sorted({line.split(None, 5)[-1].strip().removesuffix(" (deleted)") for line in f if FILE_PREFIX in line})
+
+
+def _build(out_dir: Path, no_room: bool) -> None:
+    import torch.distributed as dist
+
+    import autopar.executor.apply as apply_mod
+    import autopar.executor.host_reference as host_ref
+    from autopar.executor.checks import preflight
+    from autopar.executor.mesh import build_mesh
+    from autopar.modelfile import load_model_file
+
+    rank = dist.get_rank()
+    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2), GROUP_RANK=str(rank // 2))
+    plan = CASE.plan()
+    mf = load_model_file(plan.model.file)
+    spec, _ = preflight(plan, mf, dist.get_world_size())
+    mesh = build_mesh(plan, torch.device("cpu"))
+    seen: dict[str, object] = {}
+    real_tensors, real_dir = apply_mod.reference_tensors, host_ref.file_dir
+
+    def tensors(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = real_tensors(*args, **kwargs)
+        seen["mapped"] = _mapped_reference_files()
+        return out
+
+    apply_mod.reference_tensors = tensors
+    if no_room:
+        host_ref.file_dir = lambda nbytes, candidates=None: None
+    try:
+        exe = apply_mod.build_executable(plan, mf, spec, mesh, seed=SEED, lr=1e-3, loss_fn=mf.loss_fn)
+    finally:
+        apply_mod.reference_tensors, host_ref.file_dir = real_tensors, real_dir
+    dist.barrier()
+    seen["left"] = sorted(p.name for d in (host_ref.SHARED_MEMORY, Path(tempfile.gettempdir())) if d.is_dir()
+                          for p in d.glob(f"{host_ref.FILE_PREFIX}*"))
+    seen["params"] = apply_mod.full_parameters(exe)
+    torch.save(seen, out_dir / f"{'no-room' if no_room else 'shared'}-{rank}.pt")
+    dist.barrier()
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    with gloo_rank(rank, world, port):
+        for no_room in (False, True):
+            _build(Path(out_dir), no_room)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    with tempfile.TemporaryDirectory(prefix="autopar-hostref-") as out:
+        spawn_again_on_abort(_worker, 4, out)
+        return {p.stem: torch.load(p, weights_only=False) for p in Path(out).glob("*.pt")}
+
+
+def test_every_rank_maps_its_nodes_file(results) -> None:
+    names = {r: results[f"shared-{r}"]["mapped"] for r in range(4)}
+    for r, mapped in names.items():
+        assert len(mapped) == 1, (r, mapped)
+    assert names[0] == names[1] and names[2] == names[3]  # one file per node ...
+    assert names[0] != names[2] and "node0" in names[0][0] and "node1" in names[2][0]  # ... each its own
+
+
+def test_no_file_is_left(results) -> None:
+    for key, got in results.items():
+        assert got["left"] == [], key
+
+
+@pytest.mark.parametrize("kind", ["shared", "no-room"])
+def test_weights_are_the_seed_models(results, kind: str) -> None:
+    from autopar.executor.host_reference import build_reference
+    from autopar.modelfile import load_model_file
+
+    ref = dict(build_reference(load_model_file(CASE.plan().model.file), SEED).named_parameters(remove_duplicate=False))
+    for r in range(4):
+        got = results[f"{kind}-{r}"]["params"]
+        assert set(got) == set(ref)
+        for name, t in ref.items():
+            assert torch.equal(got[name], t.detach()), (kind, r, name)
+    assert all(results[f"no-room-{r}"]["mapped"] == [] for r in range(4))  # every rank built its own
