@@ -16,14 +16,37 @@ In-flight micro-batches held by pipeline rank r (0-based) of p with M micro-batc
 GPipe M; 1F1B min(M, p - r); interleaved with v chunks per rank, counted in chunks of n_r / v
 blocks: min(M v, 2 (p - r - 1) + (v - 1) p + 1) (Megatron's warm-up; for r = 0 this is
 Korthikanti's p v (1 + (p - 1)/(p v))).
+
+Interleaved 1F1B, chunk by chunk (``inflight_states``). A rank of an interleaved pipeline does not
+keep the same number of micro-batches in flight on each of its v chunks, nor the same numbers over
+the step. torch's ``ScheduleInterleaved1F1B`` (and Megatron's interleaved schedule, the same order)
+runs a warm-up of W_r = (v - 1) g + 2 (p - 1 - r) forwards (at most M v), g the micro-batches of one
+round (M / max(1, M // p): p when p divides M), then one forward and one backward per step, then
+the remaining backwards; forward s runs local chunk (s // g) mod v, backward s (counted from the
+end of the warm-up) chunk v - 1 - (s // g) mod v. So the first chunks fill while the last ones
+drain: at p 4, v 6, M 32 rank 0 passes through 8, 8, 4, 4, 3, 0 micro-batches on its six chunks
+(27 in all: the warm-up plus one), not 27 / 6 on each. A rank's activations take the most, over
+the states it passes through after each forward, of sum_c n_c A_c (A_c: what one micro-batch of
+chunk c saves -- its blocks, and the embedding on the first rank's first chunk). The average above
+times all of a rank's blocks is that only where every chunk saves the same: with a rank's blocks
+dealt 4, 4, 3, 3, 3, 3 (the larger first, as the planner dealt them) the chunks that hold the most
+save the most (Llama-3 70B on 1,024 H100s rehearsed 4 % above the average's price on its first
+stage; the planner now deals the larger chunks last, ``dealt_sizes``), and with a recompute
+mix whose none blocks (the largest) sit in the last chunk, which holds the fewest, the average
+overpriced GPT-3 175B's later stages by 5-9 %. Only maximal states matter (bytes are non-negative).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Mapping, Sequence
 
 from autopar.errors import PlanError
+
+# A rank's blocks in execution order take their recompute modes in this order (plan.Plan.block_recompute).
+RECOMPUTE_ORDER = ("full", "selective", "none")
 
 MOMENTS = {"adam": 2, "adamw": 2, "sgd": 1}  # state tensors per parameter (Adam: m and v; SGD: momentum)
 
@@ -100,3 +123,152 @@ def inflight_microbatches(schedule: str, pp: int, rank: int, num_microbatches: i
         chunks = min(m * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1)
         return chunks / v
     raise PlanError(f"unknown pipeline schedule {schedule!r}")
+
+
+@lru_cache(maxsize=8192)
+def inflight_states(schedule: str, pp: int, rank: int, num_microbatches: int,
+                    virtual_stages: int = 1) -> tuple[tuple[int, ...], ...]:
+    """The maximal per-chunk in-flight counts rank ``rank`` passes through (module docstring):
+    each a tuple of v counts, local chunk order; one state for a one-chunk schedule."""
+    v, m = virtual_stages, num_microbatches
+    if schedule != "interleaved-1f1b" or v == 1 or pp == 1:
+        n = inflight_microbatches(schedule, pp, rank, m, 1)
+        return ((int(n),) + (0,) * (v - 1),) if v > 1 else ((int(n),),)
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    counts = [0] * v
+    for forward in range(warmup):  # the warm-up only adds: its last state holds every earlier one
+        counts[(forward // per_round) % v] += 1
+    if warmup == m * v:
+        return (tuple(counts),)
+    # Past the warm-up every forward is followed by a backward, so every state after a forward holds
+    # warm-up + 1 micro-batches: none holds another (they differ only by where those are), and each
+    # holds the warm-up's states. The cool-down's backwards only release. Forwards and backwards
+    # walk the chunks with a period of v rounds, each chunk gaining and losing a round's worth in
+    # it: the states repeat after v rounds.
+    seen: dict[tuple[int, ...], None] = {}
+    for step in range(min(m * v - warmup, v * per_round)):
+        counts[((warmup + step) // per_round) % v] += 1
+        seen[tuple(counts)] = None
+        counts[v - 1 - (step // per_round) % v] -= 1
+    return tuple(seen)
+
+
+def peak_bytes(states: Sequence[Sequence[int]], chunk_bytes: Sequence[float]) -> float:
+    """The most activation bytes over ``states``: max over states of sum_c n_c chunk_bytes[c]."""
+    return max(sum(n * a for n, a in zip(state, chunk_bytes)) for state in states)
+
+
+def dealt_sizes(num_blocks: int, virtual_stages: int) -> list[int]:
+    """A rank's blocks dealt over its v chunks as evenly as possible, the larger chunks last
+    (``search.ilp.deal_chunks``). In every state of the schedule a chunk holds at least as many
+    micro-batches as the next (forwards fill the chunks in order, backwards drain them last to
+    first), so with the larger chunks last every block position sits in a chunk holding no more
+    than under any other arrangement: the least activations, whatever modes the positions take."""
+    base, extra = divmod(num_blocks, virtual_stages)
+    return [base + (1 if k >= virtual_stages - extra else 0) for k in range(virtual_stages)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class InflightTable:
+    """A rank's schedule states (``inflight_states``) with the sums the search's capacities read:
+    ``total``, the micro-batches every state holds in all (past the warm-up each forward is
+    followed by a backward, so every state holds the same; one state: its own), ``held[s][k]``,
+    state s's micro-batches on chunks k..v-1 (k = 0..v), and ``most[k]``, the most any state
+    holds there."""
+
+    states: tuple[tuple[int, ...], ...]
+    total: int
+    held: tuple[tuple[int, ...], ...]
+    most: tuple[int, ...]
+    # the states that can hold the most of act on chunks k..v-1 plus first on chunk 0 for some k
+    # and some act, first >= 0: for each k, those no other state beats on both (its first chunk, and
+    # chunks k..v-1)
+    frontier: tuple[int, ...]
+
+    def held_last(self, act_per_block_bytes: float, first_chunk_bytes: float) -> list[float]:
+        """For k = 0..v: the most any state holds of ``act_per_block_bytes`` per micro-batch on its
+        chunks k..v-1 plus ``first_chunk_bytes`` per micro-batch on its first chunk."""
+        if first_chunk_bytes == 0:
+            return [act_per_block_bytes * n for n in self.most]
+        return [max(act_per_block_bytes * self.held[i][k] + first_chunk_bytes * self.states[i][0]
+                    for i in self.frontier) for k in range(len(self.most))]
+
+    def uniform_peak_bytes(self, num_blocks: int, act_per_block_bytes: float, first_chunk_bytes: float = 0.0) -> float:
+        """``peak_bytes`` of ``num_blocks`` blocks of ``act_per_block_bytes`` each dealt over the
+        chunks (``dealt_sizes``), ``first_chunk_bytes`` more on the first: with N = b v + e the dealt
+        chunks hold b blocks each and one more on the last e, so state s holds b total + held[s][v - e]
+        blocks' activations."""
+        v = len(self.states[0])
+        b, e = divmod(num_blocks, v)
+        return act_per_block_bytes * b * self.total + self.held_last(act_per_block_bytes, first_chunk_bytes)[v - e]
+
+
+@lru_cache(maxsize=8192)
+def inflight_table(schedule: str, pp: int, rank: int, num_microbatches: int, virtual_stages: int = 1) -> InflightTable:
+    """``inflight_states`` with its sums (``InflightTable``), once per schedule and rank."""
+    states = inflight_states(schedule, pp, rank, num_microbatches, virtual_stages)
+    if len(states) == 1 and len(states[0]) == 1:  # one chunk, one state (no interleaving)
+        (n,), = states
+        return InflightTable(states=states, total=n, held=((n, 0),), most=(n, 0), frontier=(0,))
+    totals = {sum(s) for s in states}
+    if len(totals) != 1:
+        raise ValueError("schedule states of different totals")
+    v = len(states[0])
+    held = tuple(_suffix_sums(s) for s in states)
+    frontier: set[int] = set()
+    groups: dict[int, list[int]] = {}
+    for i, state in enumerate(states):
+        groups.setdefault(state[0], []).append(i)
+    by_first = [groups[f] for f in sorted(groups, reverse=True)]
+    for k in range(v + 1):  # first chunk from most to least: a state is kept if it holds more on k..v-1
+        best = -1
+        for group in by_first:
+            i = max(group, key=lambda i: held[i][k])
+            if held[i][k] > best:
+                frontier.add(i)
+                best = held[i][k]
+    return InflightTable(states=states, total=totals.pop(), held=held,
+                         most=tuple(max(h[k] for h in held) for k in range(v + 1)), frontier=tuple(sorted(frontier)))
+
+
+def _suffix_sums(state: tuple[int, ...]) -> tuple[int, ...]:
+    """state[k:] summed, for k = 0..v."""
+    out, running = [0], 0
+    for n in reversed(state):
+        running += n
+        out.append(running)
+    return tuple(reversed(out))
+
+
+def most_blocks(table: InflightTable, *, per_block_bytes: float, act_per_block_bytes: float,
+                first_chunk_bytes: float, room_bytes: float, limit: int = 10**9) -> int:
+    """The most blocks N a rank can hold in ``room_bytes``: N x ``per_block_bytes`` (model states)
+    plus ``table.uniform_peak_bytes`` of N blocks; -1 where not even none fit, ``limit`` where any
+    number does. In closed form: for each e = N mod v the bytes are linear in b = N div v, so
+    b <= (room - per_block e - the most held on the last e chunks) / (per_block v + act total);
+    one byte is kept spare for float rounding, so a count found here fits the sums evaluate makes."""
+    v, best = len(table.states[0]), -1
+    held_last = table.held_last(act_per_block_bytes, first_chunk_bytes)
+    slope = per_block_bytes * v + act_per_block_bytes * table.total
+    for e in range(v):
+        spare = room_bytes - 1.0 - per_block_bytes * e - held_last[v - e]
+        if spare < 0:
+            continue
+        bound = min(limit, math.floor(spare / slope)) if slope > 0 else limit
+        best = max(best, min(limit, bound * v + e))
+    return best
+
+
+def chunk_activation_bytes(sizes: Sequence[int], act_bytes: Mapping[str, float], counts: Mapping[str, int]) -> list[float]:
+    """Bytes one micro-batch of each chunk saves: a rank's blocks in execution order (its chunks in
+    order, each chunk's blocks ascending) take its ``counts`` of each mode, full first, then
+    selective, then none (``plan.Plan.block_recompute``); ``act_bytes``: one block's per mode."""
+    modes = [m for m in RECOMPUTE_ORDER for _ in range(counts.get(m, 0))]
+    if len(modes) != sum(sizes):
+        raise ValueError(f"mode counts {counts} do not cover the rank's {sum(sizes)} blocks")
+    out, at = [], 0
+    for n in sizes:
+        out.append(sum(act_bytes[m] for m in modes[at:at + n]))
+        at += n
+    return out

@@ -20,7 +20,7 @@ collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
@@ -28,7 +28,15 @@ from autopar.cost.compute import graph_region_time, usable_layer_table
 from autopar.cost.evolve import evolve
 from autopar.cost.framework import grad_reduce_bytes, per_microbatch_s, per_step_s_per_param, trains_under_autocast
 from autopar.cost.megatron_memory import layer_widths, megatron_activations
-from autopar.cost.memory import inflight_microbatches, loss_inflight_microbatches, state_bytes_per_param
+from autopar.cost.memory import (
+    RECOMPUTE_ORDER,
+    InflightTable,
+    inflight_microbatches,
+    inflight_table,
+    loss_inflight_microbatches,
+    peak_bytes,
+    state_bytes_per_param,
+)
 from autopar.cost.zero import (
     ddp_fixed_sync_s,
     gradient_bytes_per_param,
@@ -161,6 +169,17 @@ class StageTerms:
         c = self.config
         return inflight_microbatches(c.schedule, c.pp, rank, c.num_microbatches, c.virtual_stages)
 
+    def inflight_table(self, rank: int) -> InflightTable:
+        """The per-chunk in-flight counts ``rank``'s schedule peaks in (cost.memory.inflight_table)."""
+        c = self.config
+        return inflight_table(c.schedule, c.pp, rank, c.num_microbatches, c.virtual_stages)
+
+    def rank_activation_bytes(self, rank: int, chunk_bytes: Sequence[float]) -> float:
+        """The saved activations of ``rank``'s blocks (and the embedding's, on rank 0) at its peak:
+        ``chunk_bytes[k]``, what one micro-batch of its k-th local chunk saves, weighed by the
+        schedule's in-flight counts per chunk (cost.memory); the head and loss come on top."""
+        return peak_bytes(self.inflight_table(rank).states, chunk_bytes)
+
     def loss_inflight(self) -> float:
         """Micro-batches of the last chunk (head, loss) in flight on the last rank (cost.memory)."""
         c = self.config
@@ -238,10 +257,6 @@ class StageTerms:
             receiving = 2 * c.virtual_stages - first - last
             other += c.num_microbatches * receiving * self.pipeline_buffer_bytes
         return other
-
-
-# A rank's blocks in forward order under a per-stage recompute mix (Plan.block_recompute).
-RECOMPUTE_ORDER = ("full", "selective", "none")
 
 
 def _autocast_copies(cluster: Cluster, cfg: Config) -> bool:

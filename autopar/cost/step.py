@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from autopar.cost.memory import chunk_activation_bytes
 from autopar.cost.stage import StageTerms
 
 
@@ -93,14 +94,12 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
     bwd = [0.0] * pp
     params = [0.0] * pp
     blocks = [0] * pp
-    act = [0.0] * pp
     for c, n in enumerate(chunk_blocks):
         r = chunk_rank(c, pp)
         blocks[r] += n
         if mix is None:
             time[r] += n * b.time_s
             bwd[r] += n * b.bwd_s
-            act[r] += n * b.act_bytes
         params[r] += n * b.params
         if pp > 1:
             time[r] += terms.p2p_s * ((c < last) + (c > 0))
@@ -112,13 +111,19 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             time[r] += post.time_s
             bwd[r] += post.bwd_s
             params[r] += post.params + terms.tied_params
+    # what one micro-batch of each of a rank's chunks saves, in local chunk order (cost.memory)
+    if mix is None:
+        chunk_act = [[n * b.act_bytes for n in chunk_blocks[r::pp]] for r in range(pp)]
+    else:
+        act_by_mode = {mode: part.act_bytes for mode, part in terms.recompute_parts.items()}
+        chunk_act = [chunk_activation_bytes(list(chunk_blocks[r::pp]), act_by_mode, counts)
+                     for r, counts in enumerate(mix)]
     working = [0.0] * pp  # issue 14: a mixed rank's recompute working set
     if mix is not None:
         for r, counts in enumerate(mix):
             for mode, k in counts.items():
                 time[r] += k * terms.recompute_parts[mode].time_s
                 bwd[r] += k * terms.recompute_parts[mode].bwd_s
-                act[r] += k * terms.recompute_parts[mode].act_bytes
             working[r] = terms.mix_working_bytes(r, chunk_rank(last, pp), counts)
     ranks = []
     for r in range(pp):
@@ -131,10 +136,10 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         else:
             tail = sync + (terms.grad_sync_fixed_s if sync > 0 else 0.0)
         tail += params[r] * terms.after_sync_s_per_param
-        inflight = terms.inflight(r)
-        activations = inflight * act[r]
-        if r == 0:
-            activations += inflight * pre.act_bytes
+        chunks = chunk_act[r]
+        if r == 0:  # the embedding runs in the first chunk
+            chunks = [chunks[0] + pre.act_bytes, *chunks[1:]]
+        activations = terms.rank_activation_bytes(r, chunks)
         if r == chunk_rank(last, pp):
             activations += terms.loss_inflight() * post.act_bytes
         split = terms.state_split

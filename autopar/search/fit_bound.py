@@ -22,7 +22,7 @@ cannot hold the L blocks, neither can the real ones.
 
 from __future__ import annotations
 
-from autopar.cost.memory import inflight_microbatches, loss_inflight_microbatches, state_bytes_per_param
+from autopar.cost.memory import inflight_table, loss_inflight_microbatches, state_bytes_per_param
 from autopar.cost.stage import StageTerms
 from autopar.plan import Offload
 from autopar.search.ilp import block_capacities
@@ -38,8 +38,8 @@ def upper_capacity(base: StageTerms, *, zero: int, offload: Offload, schedule: s
     state = state_bytes_per_param(zero=zero, shard_degree=shard_degree, dtype_bytes=dtype_bytes, optimizer=optimizer,
                                   moment_bytes=moment_bytes, master_bytes=master_bytes)
     sigma = 0.0 if offload.params else state.total - (state.optimizer if offload.optimizer else 0.0)
-    inflight = [inflight_microbatches(schedule, pp, r, num_microbatches, virtual_stages) for r in range(pp)]
-    return block_capacities(base, pp=pp, virtual_stages=virtual_stages, inflight=inflight,
+    tables = [inflight_table(schedule, pp, r, num_microbatches, virtual_stages) for r in range(pp)]
+    return block_capacities(base, pp=pp, virtual_stages=virtual_stages, tables=tables,
                             loss_inflight=loss_inflight_microbatches(schedule, pp, num_microbatches), sigma=sigma,
                             block_act_bytes=0.0 if offload.activations else block_act_bytes,
                             other_bytes=[base.reserve_bytes] * pp, tied_params=0.0, capacity_bytes=capacity_bytes)

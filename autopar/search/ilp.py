@@ -19,8 +19,14 @@ of rank r:
                 T >= t_r                              for all r     (slowest stage)
                 Z >= floor + (c sync + gather + opt) P_r        for all r  (tail: last bucket, update)
                 Z >= ((1 + c) sync + gather + opt) P_r - b_r  for all r  (tail: unhidden gradient sync)
-                sigma P_r + I_r (alpha N_r + a_r) + other <= capacity   for all r   (memory)
+                sigma P_r + max_s sum_k s_k A_{r,k} + other <= capacity  for all r   (memory)
                 sum_{r on node} G (h_s P_r + I_r h_a N_r) <= H        for every node  (host memory)
+
+The memory family: s runs over the states of the schedule (s_k micro-batches in flight on the
+rank's local chunk k; cost.memory.inflight_states: one state, I_r, for 1F1B and GPipe) and A_{r,k}
+is what one micro-batch of chunk k saves, alpha times its blocks (N_r dealt as below) plus the
+embedding's a_r on rank 0's first chunk; non-decreasing in N_r, so it is a cap on N_r
+(``block_capacities``).
 
 The host family exists only with host offload: h_s model-state bytes per parameter and h_a
 activation bytes per block kept on the host, G GPUs of each pipeline rank on the node, H its host
@@ -31,6 +37,8 @@ filling the cheapest rank first: the parametric method's sum test stays exact. `
 checks a row as it fixes the row's last rank.
 
 A rank's N_r blocks are dealt to its v chunks as evenly as possible (sizes differ by at most one),
+the larger chunks last -- the first chunks hold the most micro-batches in flight (cost.memory), so
+that arrangement keeps the least activations whatever the recompute mix --
 because the fill/drain term sum_r t_r / v assumes a rank's chunks take equal time; the split is
 uneven across ranks, where it pays off (embedding and head, 1F1B in-flight memory). Every cost term
 depends on the chunks only through N_r, so the ILP needs one variable per rank, not per chunk,
@@ -82,7 +90,7 @@ from typing import Any, Iterator, Sequence
 
 from autopar.cost.evolve import evolve
 from autopar.cost.host import HostFamily
-from autopar.cost.memory import inflight_microbatches, loss_inflight_microbatches
+from autopar.cost.memory import InflightTable, dealt_sizes, inflight_table, loss_inflight_microbatches, most_blocks
 from autopar.cost.stage import StageTerms
 from autopar.cost.step import chunk_rank
 
@@ -507,7 +515,7 @@ class SplitILP:
                 self.model.Add(self.Z >= const + coeff * self.N[r])
 
     def _add_memory_constraints(self) -> None:
-        """sigma P_r + I_r (alpha N_r + a_r) + other <= capacity, solved for the integer N_r once
+        """The memory family (module docstring), solved for the integer N_r once
         (``rank_block_capacity``), so the ILP and the search's pre-check read one rule."""
         for r, cap in enumerate(self.caps):
             self.model.Add(self.N[r] <= cap)
@@ -566,8 +574,8 @@ def rank_block_capacity(terms: StageTerms, schedule: tuple[str, int] | None = No
     name, v = schedule or (cfg.schedule, cfg.virtual_stages)
     if (name, v) != (cfg.schedule, cfg.virtual_stages):  # what the schedule holds beyond its blocks
         t = evolve(t, config=evolve(cfg, schedule=name, virtual_stages=v))
-    inflight = [inflight_microbatches(name, cfg.pp, r, cfg.num_microbatches, v) for r in range(cfg.pp)]
-    return block_capacities(t, pp=cfg.pp, virtual_stages=v, inflight=inflight,
+    tables = [inflight_table(name, cfg.pp, r, cfg.num_microbatches, v) for r in range(cfg.pp)]
+    return block_capacities(t, pp=cfg.pp, virtual_stages=v, tables=tables,
                             loss_inflight=loss_inflight_microbatches(name, cfg.pp, cfg.num_microbatches),
                             sigma=t.state_bytes_per_param,
                             block_act_bytes=t.block.act_bytes,
@@ -576,37 +584,45 @@ def rank_block_capacity(terms: StageTerms, schedule: tuple[str, int] | None = No
                             tied_params=t.tied_params, capacity_bytes=t.capacity_bytes)
 
 
-def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, inflight: Sequence[float], loss_inflight: float,
-                     sigma: float, block_act_bytes: float, other_bytes: Sequence[float], tied_params: float,
-                     capacity_bytes: float) -> list[int]:
-    """The memory family solved for each rank's block count: floor((C - fixed_r) / (sigma pi + I_r
-    alpha)), with ``t``'s block, embedding and head parameters and the embedding's and head's
-    activations; the rest given (``rank_block_capacity`` passes ``t``'s own, search.fit_bound
-    lower bounds of them). Coefficients rounded up, room down, as the ILP reads them."""
+def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Sequence[InflightTable],
+                     loss_inflight: float, sigma: float, block_act_bytes: float, other_bytes: Sequence[float],
+                     tied_params: float, capacity_bytes: float) -> list[int]:
+    """The memory family solved for each rank's block count: the most blocks N whose model states
+    (sigma pi N) and activations fit beside the rank's fixed memory, the activations as the
+    schedule holds them chunk by chunk (``tables[r]``: cost.memory.inflight_table; N dealt over
+    the v chunks as ``deal_chunks`` deals it, the embedding in rank 0's first chunk), with ``t``'s
+    block, embedding and head parameters and the embedding's and head's activations; the rest given
+    (``rank_block_capacity`` passes ``t``'s own, search.fit_bound lower bounds of them). The same
+    sums as ``cost.step.evaluate`` (``cost.memory.most_blocks``, one byte spare for float rounding)."""
     last_rank = chunk_rank(pp * virtual_stages - 1, pp)
     caps = []
     for r in range(pp):
-        per_block = math.ceil(sigma * t.block.params + inflight[r] * block_act_bytes)
         fixed_p = (t.pre.params if r == 0 else 0.0) + (t.post.params + tied_params if r == last_rank else 0.0)
         fixed = sigma * fixed_p + other_bytes[r]
-        if r == 0:
-            fixed += inflight[r] * t.pre.act_bytes
         if r == last_rank:
             fixed += loss_inflight * t.post.act_bytes
         room = math.floor(capacity_bytes - fixed)
-        caps.append(room // per_block if per_block > 0 else (10**9 if room >= 0 else -1))
+        pre = t.pre.act_bytes if r == 0 else 0.0
+        per_block = sigma * t.block.params
+        if virtual_stages == 1:  # one chunk, one state: I_r micro-batches of every block (integer sums)
+            inflight = tables[r].total
+            per_block_int = math.ceil(per_block + inflight * block_act_bytes)
+            room_int = math.floor(room - inflight * pre)
+            caps.append(room_int // per_block_int if per_block_int > 0 else (10**9 if room_int >= 0 else -1))
+            continue
+        caps.append(most_blocks(tables[r], per_block_bytes=per_block,
+                                act_per_block_bytes=block_act_bytes, first_chunk_bytes=pre, room_bytes=room))
     return caps
 
 
 def deal_chunks(rank_blocks: list[int], virtual_stages: int) -> tuple[int, ...]:
     """Chunk sizes in chunk order (chunk c on rank c mod pp) from per-rank block counts: each rank's
-    blocks dealt over its chunks as evenly as possible, the larger chunks first."""
+    blocks dealt over its chunks as evenly as possible, the larger chunks last (cost.memory.dealt_sizes)."""
     pp = len(rank_blocks)
     sizes = [0] * (pp * virtual_stages)
     for r, n in enumerate(rank_blocks):
-        base, extra = divmod(n, virtual_stages)
-        for k in range(virtual_stages):
-            sizes[r + k * pp] = base + (1 if k < extra else 0)
+        for k, size in enumerate(dealt_sizes(n, virtual_stages)):
+            sizes[r + k * pp] = size
     return tuple(sizes)
 
 

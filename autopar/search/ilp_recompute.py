@@ -23,9 +23,16 @@ while a block of mode m re-runs). Parameters do not depend on the mode (pi, sigm
                 (without overlap of the sync: Z >= (sync + gather + opt) P_r alone, as in search.ilp)
                 n_{r,m} <= L u_{r,m},                             for all r, m
                 W_r >= w_m u_{r,m} - sum_{m' after m} a_{m'} n_{r,m'}    for all r, m (working set)
-                sigma P_r + I_r (sum_m alpha_m n_{r,m} + a_r) + W_r + other <= capacity  (memory)
+                sigma P_r + A_{r,s} + W_r + other <= capacity     for all r, s  (memory)
                 host rows over the N_r, as in ``search.ilp``              (host memory, offload)
 
+with A_{r,s} = sum_k s_k (a_r [k = 0] + sum_m alpha_m x_{r,k,m}) for each state s of the schedule
+(s_k micro-batches in flight on local chunk k: cost.memory.inflight_states), x_{r,k,m} the blocks
+of mode m in chunk k: N_r dealt over the chunks with the larger ones last (q_r = N_r div v each,
+one more in the last N_r mod v), the full blocks first, then the selective, then the none
+(``Plan.block_recompute``) -- linear through sum_{k' <= k} x_{r,k',full} = min(n_{r,full}, S_{r,k})
+and the same for full + selective, S_{r,k} the blocks of chunks 0..k. One state, whose only count
+is I_r, for 1F1B and GPipe.
 where a_{m'} is one micro-batch's saved bytes of a block of mode m' and "after" is the order of a
 rank's blocks (full, selective, none: ``cost.stage.RECOMPUTE_ORDER``): while a block of mode m
 re-runs, its micro-batch has released what its later blocks saved (``StageTerms.mix_working_bytes``).
@@ -59,6 +66,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cost.host import HostFamily
+from autopar.cost.memory import dealt_sizes, most_blocks
 from autopar.cost.stage import RECOMPUTE_ORDER, StageTerms
 from autopar.plan import RECOMPUTE_MODES
 from autopar.search.ilp import SplitILP, deal_chunks, run_cp_sat
@@ -105,8 +113,6 @@ class MixedSplitILP:
         self.fixed_ns = self.base.fixed_ns
         self.fixed_bwd_ns = [round(self.base._fixed_bwd_s(r) * ns) for r in self.ranks]
         self.tail = [self._tail_rows(r) for r in self.ranks]  # per rank: (c1, k1, c2, k2): see _z
-        self.mem_coeff = [{m: math.ceil(t.state_bytes_per_param * t.block.params + t.inflight(r) * p.act_bytes)
-                           for m, p in parts.items()} for r in self.ranks]
         # per rank and mode: what using the mode adds to the rank's other memory (its working set,
         # unless the loss's phase holds more: StageTerms.rank_other_bytes, exact since monotone)
         self.work = [{m: max(0, math.ceil(t.mode_working_bytes(r, self.base.last_rank, m))) for m in self.modes}
@@ -115,6 +121,13 @@ class MixedSplitILP:
         self.alpha1 = {m: math.floor(p.act_bytes) for m, p in parts.items()}
         self.later = {m: tuple(x for x in RECOMPUTE_ORDER[RECOMPUTE_ORDER.index(m) + 1:] if x in self.modes)
                       for m in self.modes}
+        # the activations as the schedule holds them, chunk by chunk (cost.memory.inflight_states),
+        # as cost.step.evaluate prices them: ``used`` (the fronts, the capacities) and CP-SAT's rows
+        # (``_chunk_modes``)
+        self.state_per_block = t.state_bytes_per_param * t.block.params
+        self.act = {m: p.act_bytes for m, p in parts.items()}
+        self.tables = [t.inflight_table(r) for r in self.ranks]
+        self.states = [table.states for table in self.tables]
         self.room = [self._room(r) for r in self.ranks]
         m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
         self.t_weight, self.z_weight, self.v = m * v - 1, v, v
@@ -139,15 +152,38 @@ class MixedSplitILP:
         return c1, k1, c2, k2
 
     def _room(self, r: int) -> int:
-        """Capacity less everything that does not depend on the counts (rounded down)."""
+        """Capacity less everything that does not depend on the counts (rounded down); the
+        embedding's activations are ``used``'s (they weigh with the first chunk's count)."""
         t, base = self.terms, self.base
         fixed = (t.state_bytes_per_param * base._fixed_params(r) + t.reserve_bytes
                  + t.rank_other_bytes(r, base.last_rank))
-        if r == 0:
-            fixed += t.inflight(r) * t.pre.act_bytes
         if r == base.last_rank:
             fixed += t.loss_inflight() * t.post.act_bytes
         return math.floor(t.capacity_bytes - fixed)
+
+    def used(self, r: int, n: int, mixes):  # noqa: ANN001, ANN201 -- (count, k) int64 arrays in and out
+        """Rank ``r``'s memory that depends on its mix (``mixes``: rows of counts over ``modes``,
+        each summing to ``n``): the blocks' model states and the activations at the schedule's
+        peak, the rank's blocks taking full, then selective, then none in execution order over its
+        chunks as dealt (``Plan.block_recompute``), the embedding in rank 0's first chunk; rounded
+        up. Not the working set (``work``)."""
+        import numpy as np
+
+        v = self.cfg.virtual_stages
+        chunk_of = np.repeat(np.arange(v), dealt_sizes(n, v))  # each block position's local chunk
+        col = {m: mixes[:, i] for i, m in enumerate(self.modes)}
+        zero = np.zeros(len(mixes), dtype=np.int64)
+        b1 = col.get("full", zero)
+        b2 = b1 + col.get("selective", zero)
+        a_full, a_sel, a_none = (self.act.get(m, 0.0) for m in RECOMPUTE_ORDER)
+        pre = self.terms.pre.act_bytes if r == 0 else 0.0
+        states = np.asarray(self.states[r], dtype=np.float64)  # (states, v)
+        # prefix[s, k]: micro-batches in flight, in state s, summed over the first k block positions
+        prefix = np.zeros((len(states), n + 1))
+        np.cumsum(states[:, chunk_of], axis=1, out=prefix[:, 1:])
+        act = (a_full * prefix[:, b1] + a_sel * (prefix[:, b2] - prefix[:, b1])
+               + a_none * (prefix[:, n:n + 1] - prefix[:, b2]) + pre * states[:, :1])
+        return np.ceil(self.state_per_block * n + act.max(axis=0)).astype(np.int64)
 
     def capacity(self, host: bool = True) -> list[int]:
         """The most blocks each rank can hold, every block under its most frugal allowed mode, and
@@ -159,8 +195,11 @@ class MixedSplitILP:
             for m in self.modes:
                 # a mix can fit more blocks than its modes alone (its later blocks shrink the working
                 # set, mix_working_bytes), so only a single-mode program may subtract the working set
-                per, room = self.mem_coeff[r][m], self.room[r] - (self.work[r][m] if len(self.modes) == 1 else 0)
-                best = max(best, room // per if per > 0 else (10**9 if room >= 0 else -1))
+                room = self.room[r] - (self.work[r][m] if len(self.modes) == 1 else 0)
+                cap = most_blocks(self.tables[r], per_block_bytes=self.state_per_block,
+                                  act_per_block_bytes=self.act[m], room_bytes=room,
+                                  first_chunk_bytes=self.terms.pre.act_bytes if r == 0 else 0.0)
+                best = max(best, cap)
             caps.append(best)
         if host and self.host_caps is not None:
             caps = [min(a, b) for a, b in zip(caps, self.host_caps)]
@@ -196,7 +235,6 @@ class MixedSplitILP:
                            dtype=np.int64)
         out = []
         for r in self.ranks:
-            mem = np.array([self.mem_coeff[r][m] for m in modes], dtype=np.int64)
             work_a = np.array([self.work[r][m] for m in modes], dtype=np.int64)
             room, f, g = self.room[r], self.fixed_ns[r], self.fixed_bwd_ns[r]
             c1, k1, c2, k2 = self.tail[r]
@@ -205,7 +243,7 @@ class MixedSplitILP:
                 base_z = max(0, c1 + k1 * n)
                 mixes = _compositions(n, len(modes))  # (count, k), in _mixes' order
                 working = np.maximum(work_a - mixes @ release, 0)
-                used = mixes @ mem + np.max(np.where(mixes > 0, working, 0), axis=1)
+                used = self.used(r, n, mixes) + np.max(np.where(mixes > 0, working, 0), axis=1)
                 ok = used <= room
                 if not ok.any():
                     continue
@@ -455,7 +493,45 @@ class MixedSplitILP:
                     self.model.Add(x <= self.L * u)
                     released = sum(self.alpha1[b] * row[b] for b in self.later[m] if b in row)
                     self.model.Add(w_r >= self.work[r][m] * u - released)
-            self.model.Add(sum(self.mem_coeff[r][m] * x for m, x in row.items()) + w_r <= self.room[r])
+            chunks = self._chunk_modes(r, row)
+            pre = math.ceil(self.terms.pre.act_bytes) if r == 0 else 0
+            per_block = math.ceil(self.state_per_block)
+            act = {m: math.ceil(a) for m, a in self.act.items()}
+            for state in self.states[r]:  # the schedule's peak states (cost.memory.inflight_states)
+                self.model.Add(per_block * self.N[r] + pre * state[0] + w_r
+                               + sum(n * act[m] * chunk[m] for n, chunk in zip(state, chunks) for m in chunk)
+                               <= self.room[r])
+
+    def _chunk_modes(self, r: int, row: dict) -> list[dict]:  # noqa: ANN201 -- per local chunk: mode -> linear expr
+        """Rank ``r``'s blocks of each mode in each local chunk, as ``used`` places them: N_r dealt
+        over the v chunks with the larger ones last (q = N_r // v in each, one more in the last
+        N_r mod v), then full, selective and none in execution order -- the full blocks up to chunk
+        k are min(n_full, S_k), with S_k the blocks of chunks 0..k, and full or selective ones
+        min(n_full + n_sel, S_k)."""
+        v, L, model = self.cfg.virtual_stages, self.L, self.model
+        q = model.NewIntVar(0, L, f"q_{r}")
+        e = model.NewIntVar(0, v - 1, f"e_{r}")
+        model.AddDivisionEquality(q, self.N[r], v)
+        model.AddModuloEquality(e, self.N[r], v)
+        full = row.get("full", 0)
+        full_sel = model.NewIntVar(0, L, f"fs_{r}")
+        model.Add(full_sel == full + row.get("selective", 0))
+        out, before, prev_f, prev_fs = [], 0, 0, 0
+        for k in range(v):
+            extra = model.NewBoolVar(f"x_{r}_{k}")
+            model.Add(e >= v - k).OnlyEnforceIf(extra)
+            model.Add(e <= v - k - 1).OnlyEnforceIf(extra.Not())
+            size = q + extra
+            upto = model.NewIntVar(0, L, f"S_{r}_{k}")
+            model.Add(upto == before + size)
+            f_k = model.NewIntVar(0, L, f"F_{r}_{k}")
+            fs_k = model.NewIntVar(0, L, f"FS_{r}_{k}")
+            model.AddMinEquality(f_k, [full, upto] if "full" in row else [0, upto])
+            model.AddMinEquality(fs_k, [full_sel, upto])
+            modes = {"full": f_k - prev_f, "selective": fs_k - f_k - (prev_fs - prev_f), "none": size - (fs_k - prev_fs)}
+            out.append({m: x for m, x in modes.items() if m in self.act})
+            before, prev_f, prev_fs = upto, f_k, fs_k
+        return out
 
     def _add_host_constraints(self) -> None:
         """The nodes' host memory (host offload): N_r <= its one-rank cap, and each several-rank row."""

@@ -108,7 +108,7 @@ def test_ilp_uneven_split_beats_even_when_the_head_is_heavy() -> None:
 
 
 def test_deal_chunks_round_robin_and_balanced() -> None:
-    assert deal_chunks([5, 3], 2) == (3, 2, 2, 1)
+    assert deal_chunks([5, 3], 2) == (2, 1, 3, 2)  # rank 0: 2 then 3 blocks, rank 1: 1 then 2 (larger last)
     assert valid_split(deal_chunks([7, 4, 9], 3), 3)
     assert not valid_split([3, 1, 1, 1], 2)
 

@@ -1,0 +1,141 @@
+"""Interleaved 1F1B's activations chunk by chunk (cost.memory.inflight_states): the schedule's states
+are torch's own, a rank's peak is the largest weighted state, the planner deals the larger chunks
+last (the least memory for any recompute mix), and the split program prices what evaluate prices."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from autopar.cluster import load_cluster
+from autopar.cost.memory import chunk_activation_bytes, dealt_sizes, inflight_microbatches, inflight_states, peak_bytes
+from autopar.cost.stage import Config, build_terms
+from autopar.cost.step import evaluate
+from autopar.models.gpt import GPTConfig
+from autopar.reference import gpt_graph
+from autopar.search.ilp import deal_chunks, rank_block_capacity
+
+
+def _torch_peak(pp: int, v: int, m: int, rank: int, chunk_bytes: list[float]) -> float:
+    """The peak of sum_c n_c chunk_bytes[c] along torch's own op list for ``rank``."""
+    from torch.distributed.pipelining.schedules import _ComputationType, _get_1f1b_rank_ops, _get_warmup_ops
+
+    per_round = m // max(1, m // pp)
+    warmup = _get_warmup_ops(rank, v, per_round, pp, m, multiply_factor=2)
+    steady = v * m - warmup
+    ops = _get_1f1b_rank_ops(v, pp, warmup, steady, v * m - steady, rank,
+                             lambda s: ((s // per_round) % v) * pp + rank,
+                             lambda s: (v - 1 - ((s - warmup) // per_round) % v) * pp + rank)
+    counts, best = [0] * v, 0.0
+    for op in ops:
+        if op is None:
+            continue
+        counts[op.stage_index // pp] += 1 if op.computation_type == _ComputationType.FORWARD else -1
+        best = max(best, sum(n * a for n, a in zip(counts, chunk_bytes)))
+    return best
+
+
+@pytest.mark.parametrize("pp,v", [(2, 2), (3, 3), (4, 2), (4, 6), (8, 5)])
+def test_states_are_torchs_interleaved_schedule(pp: int, v: int) -> None:
+    rng = random.Random(pp * 10 + v)
+    for m in sorted({pp, 2 * pp, 3 * pp, 4 * pp, 8 * pp}):
+        for rank in range(pp):
+            chunk_bytes = [rng.randint(1, 9) for _ in range(v)]
+            states = inflight_states("interleaved-1f1b", pp, rank, m, v)
+            assert peak_bytes(states, chunk_bytes) == _torch_peak(pp, v, m, rank, chunk_bytes), (m, rank)
+            # the total in flight at the peak is the warm-up plus one, as the average counts it
+            assert max(map(sum, states)) == round(v * inflight_microbatches("interleaved-1f1b", pp, rank, m, v))
+
+
+def test_the_first_chunks_fill_while_the_last_drain() -> None:
+    states = inflight_states("interleaved-1f1b", 4, 0, 32, 6)
+    assert (7, 4, 4, 4, 4, 4) in states and (8, 8, 4, 4, 3, 0) in states  # warm-up + 1, then drifting
+    for state in states:  # every state: a chunk holds at least as many as the next
+        assert list(state) == sorted(state, reverse=True)
+
+
+def test_one_chunk_schedules_have_one_state() -> None:
+    assert inflight_states("1f1b", 4, 1, 16) == ((3,),)
+    assert inflight_states("gpipe", 4, 1, 16) == ((16,),)
+    assert inflight_states("1f1b", 1, 0, 16) == ((1,),)
+
+
+def test_larger_chunks_last_keep_the_least_whatever_the_modes() -> None:
+    rng = random.Random(7)
+    act = {"full": 1.0, "selective": 3.0, "none": 8.0}
+    for n, v in ((7, 3), (10, 4), (13, 5)):
+        assert dealt_sizes(n, v) == sorted(dealt_sizes(n, v)) and sum(dealt_sizes(n, v)) == n
+        states = inflight_states("interleaved-1f1b", 4, 0, 16, v)
+        arrangements = set(itertools.permutations(dealt_sizes(n, v)))
+        for _ in range(5):
+            f = rng.randint(0, n)
+            s = rng.randint(0, n - f)
+            counts = {"full": f, "selective": s, "none": n - f - s}
+            dealt = peak_bytes(states, chunk_activation_bytes(dealt_sizes(n, v), act, counts))
+            assert all(dealt <= peak_bytes(states, chunk_activation_bytes(a, act, counts)) for a in arrangements)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return gpt_graph(GPTConfig(num_layers=12, hidden_size=128, num_heads=4, seq_len=64, vocab_size=256))
+
+
+def _terms(tiny, recompute: str = "none", memory_mib: float = 1e6):  # noqa: ANN001, ANN202
+    cluster = dataclasses.replace(load_cluster("a100-80g"), memory_bytes=memory_mib * 2**20, framework_reserve_bytes=0.0,
+                                  nccl_bytes_per_group=0.0)
+    cfg = Config(dp=1, tp=1, pp=2, cp=1, cp_kind="ring", sequence_parallel=False, zero=0, recompute=recompute,
+                 schedule="interleaved-1f1b", virtual_stages=3, micro_batch=2, global_batch=16, seq_len=64,
+                 dtype_bytes=2, optimizer="adam")
+    return build_terms(tiny, cluster, cfg)
+
+
+def test_evaluate_weighs_each_chunk_by_its_in_flight_micro_batches(tiny) -> None:
+    terms = _terms(tiny)
+    split = deal_chunks([7, 5], 3)  # rank 0: 2, 2, 3 blocks; rank 1: 1, 2, 2
+    est = evaluate(terms, list(split), 1.0, 1.0, 1.0)
+    for r in range(2):
+        chunks = [n * terms.block.act_bytes for n in split[r::2]]
+        if r == 0:
+            chunks[0] += terms.pre.act_bytes
+        want = peak_bytes(inflight_states("interleaved-1f1b", 2, r, 8, 3), chunks)
+        if r == 1:
+            want += terms.loss_inflight() * terms.post.act_bytes
+        assert est.ranks[r].memory_bytes["activations"] == pytest.approx(want, rel=1e-12)
+
+
+def test_block_capacity_is_where_evaluate_stops_fitting(tiny) -> None:
+    """The cap of each rank: its blocks fit with the other rank at its least (v blocks), one more does not."""
+    probe = _terms(tiny)
+    one = evaluate(probe, list(deal_chunks([6, 6], 3)), 1.0, 1.0, 1.0)
+    memory_mib = one.peak_memory_bytes / 2**20 * 0.9  # binds between 3 and 12 blocks a rank
+    terms = _terms(tiny, memory_mib=memory_mib)
+    caps = rank_block_capacity(terms)
+    for r in range(2):
+        for n, fits in ((caps[r], True), (caps[r] + 1, False)):
+            if n < 3:
+                continue
+            counts = [n, 3] if r == 0 else [3, n]
+            est = evaluate(terms, list(deal_chunks(counts, 3)), 1.0, 1.0, 1.0)
+            assert est.ranks[r].peak_bytes <= terms.capacity_bytes if fits else est.ranks[r].peak_bytes > \
+                terms.capacity_bytes, (r, n, caps)
+
+
+@pytest.mark.parametrize("pp,v,m,rank", [(4, 6, 32, 0), (4, 6, 32, 3), (8, 5, 64, 0), (8, 5, 64, 7), (2, 3, 2, 0)])
+def test_the_closed_forms_are_the_general_sum(pp: int, v: int, m: int, rank: int) -> None:
+    """``InflightTable.uniform_peak_bytes`` (the split program's sum) is ``peak_bytes`` over the dealt
+    chunks, and ``most_blocks`` is the most blocks that sum lets fit."""
+    from autopar.cost.memory import inflight_table, most_blocks
+
+    table = inflight_table("interleaved-1f1b", pp, rank, m, v)
+    for first in (0.0, 5.0):
+        for n in range(1, 4 * v):
+            chunks = [k * 3.0 for k in dealt_sizes(n, v)]
+            chunks[0] += first
+            assert table.uniform_peak_bytes(n, 3.0, first) == pytest.approx(peak_bytes(table.states, chunks))
+        room = 1000.0
+        cap = most_blocks(table, per_block_bytes=7.0, act_per_block_bytes=3.0, first_chunk_bytes=first, room_bytes=room)
+        used = lambda n: 7.0 * n + table.uniform_peak_bytes(n, 3.0, first)  # noqa: E731
+        assert used(cap) <= room < used(cap + 1)
