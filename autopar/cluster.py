@@ -15,8 +15,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from autopar.errors import ClusterError
+from autopar.errors import AutoparError, ClusterError
 from autopar.profile_tables import MeasuredProfile, measured_from_dict, parse_number
+from autopar.yamlload import load_yaml
 
 # The shipped profiles: the repository's profiles/ (editable install, source checkout), or the copy
 # a regular install puts under <prefix>/share/autopar/profiles (pyproject data-files).
@@ -392,8 +393,8 @@ def list_profiles() -> dict[str, Path]:
         if d.is_dir():
             for f in sorted(d.glob("*.yaml")):
                 try:
-                    head = yaml.safe_load(f.read_text(encoding="utf-8"))
-                except yaml.YAMLError:
+                    head = load_yaml(f.read_text(encoding="utf-8"), str(f))
+                except (yaml.YAMLError, AutoparError, OSError, UnicodeDecodeError):
                     continue
                 if isinstance(head, Mapping) and ("gpu" in head and "network" in head or "base" in head):
                     found[f.stem] = f
@@ -408,9 +409,13 @@ _CACHE: dict[str, tuple[tuple[int, int], Cluster]] = {}
 
 def _read_yaml(path: Path) -> Any:
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return load_yaml(path.read_text(encoding="utf-8"), f"cluster profile {path}")
     except yaml.YAMLError as exc:
         raise ClusterError(f"cluster profile {path} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    except ClusterError:
+        raise
+    except AutoparError as exc:
+        raise ClusterError(str(exc)) from None
     except OSError as exc:
         raise ClusterError(f"cannot read profile {path}: {exc.strerror}") from None
 

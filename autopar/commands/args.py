@@ -20,6 +20,17 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+MAX_GPUS = 2**20  # above the largest clusters built (about 10^5 GPUs); the search's work grows with the count
+
+
+def gpu_counts(text: str) -> tuple[int, ...]:
+    """``int_list`` of GPU counts, each at most ``MAX_GPUS``."""
+    values = int_list(text)
+    if max(values) > MAX_GPUS:
+        raise argparse.ArgumentTypeError(f"autopar plans for at most {MAX_GPUS:,} GPUs, got {max(values):,}")
+    return values
+
+
 def positive_int(text: str) -> int:
     """One positive integer."""
     try:

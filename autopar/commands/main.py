@@ -15,12 +15,15 @@ contract: docs/reliability.md.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import signal
 import sys
+import threading
 from typing import Callable, Sequence
 
 from autopar.commands import estimate, explain, launch, plan, profile, profiles, rehearse, run, validate
-from autopar.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, AutoparError
+from autopar.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SIGNAL, EXIT_USAGE, AutoparError
 from autopar.version import __version__
 
 
@@ -80,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if threading.current_thread() is threading.main_thread() and "LOCAL_RANK" not in os.environ:
+        # exit 143 and one line; a rank (LOCAL_RANK: torchrun's or the launcher's) keeps SIGTERM's
+        # default, so a launcher stopping it is obeyed inside a collective too
+        signal.signal(signal.SIGTERM, _on_sigterm)
     configure(hard_exit=True)  # a model-file call that ignores its time limit ends the process (usercode.py)
     return run_command(args.func, args)
 
@@ -93,11 +100,47 @@ def run_command(command: Callable[[argparse.Namespace], int | None], args: argpa
     except AutoparError as exc:
         print(f"autopar: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Terminated:
+        print("autopar: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_SIGNAL + signal.SIGTERM
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         return EXIT_OK
+    except OSError as exc:  # the file system said no: name why, and what to change
+        print(f"autopar: error: {os_error_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is (``main`` installs the handler): what cleans up on
+    Ctrl-C (temporary files, a forked solver) cleans up here too, and the exit code is 143."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+# errno -> what to change (the error's own text names the cause)
+_OS_HINTS = {errno.ENAMETOOLONG: "use a shorter path (at most 255 characters a name)",
+             errno.ENOSPC: "free space there or write elsewhere",
+             errno.EDQUOT: "free space there or write elsewhere",
+             errno.EROFS: "write to a writable location",
+             errno.EACCES: "check its permissions", errno.EPERM: "check its permissions",
+             errno.ENOENT: "check the path", errno.ENOTDIR: "check the path",
+             errno.EISDIR: "give a file, not a directory"}
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an OSError: its cause, the path (shortened past 80 characters) and what to change."""
+    name = exc.filename if exc.filename is not None else ""
+    path = str(name)
+    if len(path) > 80:
+        path = f"{path[:40]}...{path[-30:]} ({len(path):,} characters)"
+    cause = exc.strerror or type(exc).__name__
+    hint = _OS_HINTS.get(exc.errno or 0)
+    return f"{cause}: {path}" + (f"; {hint}" if hint else "") if path else cause + (f"; {hint}" if hint else "")
 
 
 def exit_process(code: int) -> None:

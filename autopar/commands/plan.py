@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autopar.commands.args import check_moe_imbalance, int_list, positive_int, warn
+from autopar.commands.args import check_moe_imbalance, gpu_counts, int_list, positive_int, warn
 from autopar.errors import AutoparError
 from autopar.plan import CP_KINDS, DTYPES, OFFLOAD_LABELS, OPTIMIZERS
 from autopar.search.space import SEARCH_RECOMPUTE_MODES
@@ -47,7 +47,7 @@ def on_off_list(text: str) -> tuple[bool, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.py", help="model file (see the model-file contract in README)")
-    p.add_argument("--gpus", type=int_list, required=True, metavar="N[,N...]",
+    p.add_argument("--gpus", type=gpu_counts, required=True, metavar="N[,N...]",
                    help="number of GPUs to plan for; a list (64,128,256) sweeps and prints one table")
     p.add_argument("--gpus-per-node", type=positive_int, metavar="G", help="GPUs per node (default: the profile's)")
     p.add_argument("--cluster", metavar="NAME|PATH",

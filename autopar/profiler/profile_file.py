@@ -57,8 +57,10 @@ def read_profile(path: Path) -> dict[str, Any]:
 
     if not path.exists():
         return {}
+    from autopar.yamlload import load_yaml
+
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"), str(path))
     except (OSError, yaml.YAMLError) as exc:
         raise AutoparError(f"cannot update {path}: not a readable YAML profile ({exc})") from None
     if not isinstance(data, dict):

@@ -41,7 +41,7 @@ class _Child:
 
         ctx = multiprocessing.get_context("fork")
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child_conn,), daemon=True, name="autopar-cp-sat")
+        self.process = ctx.Process(target=_serve, args=(child_conn, os.getpid()), daemon=True, name="autopar-cp-sat")
         self.process.start()
         child_conn.close()
         self.lost = False  # the child stopped answering: every program is solved locally
@@ -86,13 +86,34 @@ class _Child:
 _ACTIVE: _Child | None = None
 
 
-def _serve(conn: Any) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this child when its parent dies (PR_SET_PDEATHSIG), even by SIGKILL,
+    which no handler of the parent sees; a parent already gone by then (``getppid`` changed) ends it
+    now. A killed ``plan`` left its 128 MB solver child alive for good before."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _serve(conn: Any, parent: int) -> None:
     """The child: import CP-SAT at once, then solve programs until told to stop."""
     import signal
 
     global _ACTIVE
     _ACTIVE = None  # the parent's child object came along with the fork: never route to it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's exit-143 handler
+    _die_with_parent(parent)
     __import__(CP_SAT_MODULE)
     while True:
         try:

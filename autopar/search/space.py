@@ -100,7 +100,17 @@ def _legal_offloads(labels: tuple[str, ...], zero: int, recompute: str, ep: int,
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order, found up to its square root (a trillion GPUs is
+    a million steps, not a trillion)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -46,6 +46,8 @@ def _run_plan(t: Path, **sections) -> Path:
     return _plan(t, RUN_GOOD, "run.yaml", **sections)
 
 
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(  # a "billion laughs" in 1 KB
+    f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
 OUT = "out.yaml"  # relative to tmp_path: must not exist after a failure
 # (id, argv builder, expected exit code, substrings of the error line)
 Row = tuple[str, Callable[[Path], list], int, list[str]]
@@ -53,6 +55,12 @@ CASES: list[Row] = [
     # --- plan
     ("plan-missing-model", lambda t: ["plan", t / "nope.py", "--gpus", "8", "-o", t / OUT], 2, ["nope.py"]),
     ("plan-zero-gpus", lambda t: ["plan", GPT12, "--gpus", "0", "-o", t / OUT], 2, ["--gpus"]),
+    ("plan-a-trillion-gpus", lambda t: ["plan", GPT12, "--gpus", "1000000000000", "-o", t / OUT], 2,
+     ["--gpus", "at most 1,048,576"]),
+    ("plan-path-too-long", lambda t: ["plan", GPT12, "--gpus", "8", "-o", t / ("a" * 5000 + ".yaml")], 2,
+     ["File name too long", "5,", "shorter path"]),
+    ("estimate-alias-bomb", lambda t: ["estimate", GPT12, _write(t, "bomb.yaml", "version: 1\n" + LAUGHS)], 2,
+     ["aliases expand"]),
     ("plan-negative-micro-batch", lambda t: ["plan", GPT12, "--gpus", "8", "--micro-batch", "-1", "-o", t / OUT], 2,
      ["--micro-batch"]),
     ("plan-model-syntax-error", lambda t: ["plan", MODELS / "syntax_error.py", "--gpus", "8", "-o", t / OUT], 2,
