@@ -4,7 +4,11 @@ Data: the model file's ``dataset(global_batch_size, step, seed)`` when it define
 global batch in ``example_inputs`` form); otherwise synthetic: the shapes and dtypes of
 ``example_inputs(global_batch_size)`` with values redrawn per step from a generator seeded by
 (seed, step) -- integers uniform in [0, max(example)] (token ids stay inside the vocabulary),
-floats standard normal. Every rank builds the same global batch and takes its dp slice (rows
+floats standard normal. ``example_inputs`` itself runs under torch's random state seeded by (seed,
+step) and restored after (``torch.random.fork_rng``): a model file that draws its example with
+``torch.randint`` would otherwise set the range from whatever state training had left -- which
+dropout and the plan's micro-batching change -- and a run resumed under another plan would train
+on other data. A step's batch is a function of (seed, step) alone. Every rank builds the same global batch and takes its dp slice (rows
 [d·G/dp, (d+1)·G/dp)), then micro-batches of ``micro_batch_size``; the single-process reference
 (``run_reference``) walks the same rows, so losses and parameters must match.
 
@@ -111,8 +115,11 @@ def global_batch(mf: ModelFile, size: int, step: int, seed: int) -> Any:
     dataset = getattr(mf.module, "dataset", None)
     if callable(dataset):
         return dataset(size, step, seed)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return _redraw(mf.example_inputs(size, "cpu"), g)
+    step_seed = seed * 1_000_003 + step
+    with torch.random.fork_rng(devices=[]):  # the example's own draws: of (seed, step), not the run so far
+        torch.manual_seed(step_seed)
+        example = mf.example_inputs(size, "cpu")
+    return _redraw(example, torch.Generator().manual_seed(step_seed))
 
 
 def rank_batch(exe: Executable, mf: ModelFile, step: int, seed: int) -> Any:
