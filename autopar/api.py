@@ -96,13 +96,10 @@ def as_plan(plan: PlanLike) -> Plan:
 
 
 def plan_model_path(plan: Plan, plan_path: str | os.PathLike[str] | None = None) -> str:
-    """The plan's ``model.file``, taken relative to the plan's directory when it is not found as is."""
-    p = Path(plan.model.file)
-    if plan_path is not None and not p.is_absolute() and not p.exists():
-        beside = Path(plan_path).parent / p
-        if beside.exists():
-            return str(beside)
-    return plan.model.file
+    """The plan's ``model.file`` (``autopar.plan.model_path``: beside the plan, else as given)."""
+    from autopar.plan import model_path
+
+    return model_path(plan.model.file, plan_path)
 
 
 def _model_for(plan: Plan, model: ModelLike | None, plan_path: Any = None) -> "ModelFile":

@@ -562,6 +562,37 @@ def parse_plan(text: str, source: str = "<plan>") -> Plan:
         raise PlanError(f"{source}: malformed plan ({exc})") from None
 
 
+def model_path(model_file: str, plan_path: str | os.PathLike[str] | None) -> str:
+    """Where a plan's ``model.file`` is: a relative path is taken beside the plan (``save_plan``
+    writes it so), else as given (relative to the working directory: plans written before)."""
+    p = Path(model_file)
+    if plan_path is not None and not p.is_absolute():
+        beside = Path(plan_path).parent / p
+        if beside.exists():
+            return str(beside)
+    return model_file
+
+
+MAX_UP_LEVELS = 2  # a model further from the plan than ../../ is written as an absolute path
+
+
+def portable_model_path(model_file: str, plan_path: str | os.PathLike[str]) -> str:
+    """``model_file`` as ``autopar plan`` writes it into the plan at ``plan_path``: a path given
+    relative to the working directory becomes relative to the plan's directory (``model_path``
+    finds it from any directory, and a plan moved with its model keeps working), or absolute where
+    that would climb more than ``MAX_UP_LEVELS`` directories; an absolute path is kept."""
+    if Path(model_file).is_absolute():
+        return model_file
+    target = Path(model_file).resolve()
+    try:
+        relative = Path(os.path.relpath(target, Path(plan_path).resolve().parent))
+    except ValueError:  # another drive
+        return str(target)
+    if relative.parts[:MAX_UP_LEVELS + 1].count("..") > MAX_UP_LEVELS:
+        return str(target)
+    return relative.as_posix()
+
+
 def dump_plan(plan: Plan) -> str:
     return yaml.safe_dump(plan_to_dict(plan), sort_keys=False, default_flow_style=None, width=100)
 

@@ -214,10 +214,14 @@ def _verify(found: Any, args: argparse.Namespace) -> tuple[dict[str, list[str]],
 
 
 def _save(plan: Any, output: Path) -> None:
-    from autopar.plan import save_plan
+    import dataclasses
 
+    from autopar.plan import portable_model_path, save_plan
+
+    # the plan runs from any directory (autopar.plan.model_path reads the path back)
+    model = dataclasses.replace(plan.model, file=portable_model_path(plan.model.file, output))
     try:
-        save_plan(plan, output)
+        save_plan(dataclasses.replace(plan, model=model), output)
     except OSError as exc:
         raise AutoparError(f"cannot write {output}: {exc.strerror}") from None
 

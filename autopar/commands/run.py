@@ -68,12 +68,9 @@ def _under_torchrun() -> bool:
 
 
 def _model_path(args: argparse.Namespace, plan_path: Path, plan_file: str) -> str:
-    if args.model:
-        return args.model
-    p = Path(plan_file)
-    if not p.is_absolute() and not p.exists() and (plan_path.parent / p).exists():
-        return str(plan_path.parent / p)  # model.file relative to the plan
-    return plan_file
+    from autopar.plan import model_path
+
+    return args.model or model_path(plan_file, plan_path)
 
 
 def _relaunch(args: argparse.Namespace, model: str) -> int:

@@ -168,12 +168,12 @@ def _launch(args: argparse.Namespace, model: str, nproc: int, prediction: dict[s
 def main(args: argparse.Namespace) -> int:
     from autopar.executor.checks import check_world_size, preflight
     from autopar.modelfile import load_model_file
-    from autopar.plan import load_plan
+    from autopar.plan import load_plan, model_path
 
     if args.steps is not None and args.steps < 2:
         raise AutoparError(f"--steps must be >= 2 (the first step is warm-up), got {args.steps}")
     plan = load_plan(args.plan)
-    model = args.model or plan.model.file
+    model = args.model or model_path(plan.model.file, args.plan)
     mf = load_model_file(model)
     if not under_launcher():
         from autopar.commands.run import set_device_choice

@@ -375,8 +375,8 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException (a BaseException) gathers every rank's
             if _is_peer_loss(exc):
                 raise
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise CheckpointError(f"cannot write checkpoint {tmp}: {first}"[:600]) from None
+            raise CheckpointError(f"cannot write checkpoint {tmp}: {failure_line(exc)}; {LATEST} still names the "
+                                  "previous one"[:600]) from None
         dist.barrier()  # every rank's shards are on disk
         if before_publish is not None:
             before_publish()
@@ -436,8 +436,7 @@ def load(exe: Executable, path: Path) -> tuple[CheckpointMeta, list[str]]:
     except AutoparError:
         raise
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        first = str(exc).strip().splitlines()
-        raise CheckpointError(f"cannot load {path}: {first[0] if first else type(exc).__name__}"[:600]) from None
+        raise CheckpointError(f"cannot load {path}: {failure_line(exc)}"[:600]) from None
     for fix in fixups:  # un-permute first: an alias may copy from a permuted tensor's live target
         if isinstance(fix, _Gathered):
             _apply_fixup(fix, state[fix.key])
@@ -452,6 +451,32 @@ def load(exe: Executable, path: Path) -> tuple[CheckpointMeta, list[str]]:
         if f"rng/rank{r}/cuda" in state:
             torch.cuda.set_rng_state(state[f"rng/rank{r}/cuda"], exe.mesh.device)
     return meta, notes
+
+
+def failure_line(exc: BaseException) -> str:
+    """What went wrong in a DCP save or load, in a few words: each rank's own exception (DCP gathers
+    them into a CheckpointException whose text begins "CheckpointException ranks:dict_keys([0, 1])"),
+    an OSError by its cause ("No space left on device"), the ranks that met each."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return _cause(exc)
+    ranks: dict[str, list[int]] = {}
+    for rank, failure in sorted(failures.items()):
+        ranks.setdefault(_cause(failure[0] if isinstance(failure, tuple) else failure), []).append(rank)
+    return "; ".join(f"{cause} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})" for cause, r in ranks.items())
+
+
+def _cause(exc: BaseException) -> str:
+    """An OSError's cause anywhere in ``exc``'s chain, else its first line."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        if isinstance(link, OSError) and link.strerror:
+            return link.strerror
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _describe(par: dict[str, Any]) -> str:

@@ -112,7 +112,7 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
     if par.ep > 1:  # issue 15: what expert parallelism needs of the model and the other degrees
         from autopar.executor.expert_parallel import check_expert_parallel
 
-        check_expert_parallel(plan, spec, where)
+        check_expert_parallel(plan, spec, where, mf)
     if par.tp > 1:
         reason = tp_heads_reason(par.tp, spec.num_heads, spec.num_kv_heads)
         if reason:

@@ -45,7 +45,7 @@ from autopar.errors import AutoparError
 _HF_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
-def check_expert_parallel(plan: Any, spec: Any, where: str) -> None:
+def check_expert_parallel(plan: Any, spec: Any, where: str, mf: Any) -> None:
     """Preflight: the one-line reason ``plan``'s ep cannot run on the model of ``spec``, if any."""
     par = plan.parallel
     if par.ep == 1:
@@ -57,16 +57,14 @@ def check_expert_parallel(plan: Any, spec: Any, where: str) -> None:
         raise AutoparError(f"ep = {par.ep} does not divide the {moe.num_experts} experts of {where}; "
                            f"pick an ep that divides {moe.num_experts}")
     if moe.experts_kind == "stacked":
-        params = [p for p in inspect.signature(_experts_forward_of(spec, plan)).parameters][1:]
+        params = [p for p in inspect.signature(_experts_forward_of(spec, mf)).parameters][1:]
         if tuple(params[:3]) != _HF_ARGS:
             raise AutoparError(f"{where}: stacked experts whose forward is not (hidden_states, top_k_index, "
                                f"top_k_weights) cannot be expert-parallel yet (found {tuple(params)}); plan with ep = 1")
 
 
-def _experts_forward_of(spec: Any, plan: Any) -> Callable:
-    from autopar.modelfile import load_model_file
-
-    model = load_model_file(plan.model.file).build("meta")
+def _experts_forward_of(spec: Any, mf: Any) -> Callable:
+    model = mf.build("meta")
     block = model.get_submodule(spec.blocks_path)[0]
     return type(block.get_submodule(spec.moe.experts_path)).forward
 
