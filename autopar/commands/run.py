@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.executor.run_options import DEFAULT_LR, DEFAULT_SEED, DEFAULT_STEPS, RunOptions
+from autopar.executor.run_options import DEFAULT_LR, DEFAULT_MAX_LOSS_RATIO, DEFAULT_SEED, DEFAULT_STEPS, RunOptions
 
 _LOCKS: list[Any] = []  # checkpoint-directory locks of this process (checkpoint.lock_directory)
 
@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL.py", nargs="?", help="model file (default: the plan's model.file)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"AdamW learning rate (default {DEFAULT_LR})")
+    parser.add_argument("--max-loss-ratio", type=float, default=DEFAULT_MAX_LOSS_RATIO, metavar="R",
+                        help=f"stop (exit 2, last good checkpoint kept) when a step's loss exceeds R times the "
+                             f"first step's: training diverged (default {DEFAULT_MAX_LOSS_RATIO:g}; 0 never stops)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="weights and synthetic data seed (default 0)")
     parser.add_argument("--nproc-per-node", type=int, metavar="N",
                         help="start N rank processes on this node (autopar's loopback launcher; not needed under torchrun)")
@@ -79,7 +82,7 @@ def _relaunch(args: argparse.Namespace, model: str) -> int:
     from autopar.launch.local import LocalJob, run_local
 
     cmd = ["-m", "autopar", "run", args.plan, model, "--steps", str(args.steps), "--lr", repr(args.lr),
-           "--seed", str(args.seed), "--timeout", repr(args.timeout)]
+           "--seed", str(args.seed), "--timeout", repr(args.timeout), "--max-loss-ratio", repr(args.max_loss_ratio)]
     for flag, value in (("--report", args.report), ("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace)):
         if value is not None:
             cmd += [flag, str(value)]

@@ -24,6 +24,20 @@ class NonFiniteLoss(AutoparError):
     """A step's loss is NaN or infinite: the run stops (exit 2) and keeps the last good checkpoint."""
 
 
+class DivergedLoss(AutoparError):
+    """A step's loss rose past ``--max-loss-ratio`` times the run's first: the run stops (exit 2)
+    and keeps the last good checkpoint."""
+
+
+def check_divergence(done: int, loss: float, first: float | None, ratio: float, kept: str) -> None:
+    """Raise ``DivergedLoss`` when ``loss`` (step ``done``) is above ``ratio`` times ``first``, the
+    run's first loss (none, or not positive: nothing to compare); ``ratio`` 0 never stops."""
+    if ratio and first is not None and first > 0 and loss > ratio * first:
+        raise DivergedLoss(f"the loss of step {done} is {loss:.4g}, more than {ratio:g}x the first step's "
+                           f"{first:.4g}: training diverged; it stopped before saving that step and {kept}; lower "
+                           f"--lr, or raise --max-loss-ratio (0 never stops)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ResumeDecision:
     """Where this attempt starts: a checkpoint path, or None (from the seed)."""
@@ -205,10 +219,11 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
 
         def after_step(done: int, loss: float) -> None:
             loss = poison_loss(done, loss)
+            kept = f"the last good checkpoint {last_saved[0]} is kept" if last_saved[0] else "no checkpoint was written"
             if not math.isfinite(loss):  # every rank holds the same all-reduced loss: all stop here
-                kept = f"the last good checkpoint {last_saved[0]} is kept" if last_saved[0] else "no checkpoint was written"
                 raise NonFiniteLoss(f"the loss of step {done} is {loss}; training stopped before saving it and {kept}; "
                                     "lower --lr, or check the model's numerics and data")
+            check_divergence(done, loss, history[0] if history else None, options.max_loss_ratio, kept)
             history.append(loss)
             if ck is not None and ck.due(done, options.steps):
                 last_saved[0] = ck.save(exe, done, history, before_publish=lambda: inject_save_fault(rank))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from autopar.errors import AutoparError
 
 DEFAULT_STEPS, DEFAULT_LR, DEFAULT_SEED = 3, 1e-3, 0
+DEFAULT_MAX_LOSS_RATIO = 10.0  # a loss 10x its first step's has diverged (--lr 30 took 5 to 16,343)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,12 +34,16 @@ class RunOptions:
     trace_path: str | None = None
     trace_steps: int = 2
     trace_all_ranks: bool = False
+    # divergence: a step's loss above this times the run's first loss stops the run (0: never)
+    max_loss_ratio: float = DEFAULT_MAX_LOSS_RATIO
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise AutoparError(f"--steps must be >= 1, got {self.steps}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise AutoparError(f"--lr must be a positive number, got {self.lr}")
+        if not (math.isfinite(self.max_loss_ratio) and (self.max_loss_ratio == 0 or self.max_loss_ratio > 1)):
+            raise AutoparError(f"--max-loss-ratio must be 0 (never stop) or a number above 1, got {self.max_loss_ratio}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise AutoparError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
         for flag, value, low in (("--checkpoint-every", self.checkpoint_every, 0),
@@ -56,4 +61,5 @@ class RunOptions:
         return cls(plan_path=args.plan, steps=args.steps, lr=args.lr, seed=args.seed,
                    timeout_s=args.timeout, report_path=args.report, checkpoint_dir=args.checkpoint_dir,
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
-                   trace_path=args.trace, trace_steps=args.trace_steps, trace_all_ranks=args.trace_all_ranks)
+                   trace_path=args.trace, trace_steps=args.trace_steps, trace_all_ranks=args.trace_all_ranks,
+                   max_loss_ratio=args.max_loss_ratio)
