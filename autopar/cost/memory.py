@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Mapping, Sequence
 
 from autopar.errors import PlanError
@@ -181,10 +181,25 @@ class InflightTable:
     total: int
     held: tuple[tuple[int, ...], ...]
     most: tuple[int, ...]
-    # the states that can hold the most of act on chunks k..v-1 plus first on chunk 0 for some k
-    # and some act, first >= 0: for each k, those no other state beats on both (its first chunk, and
-    # chunks k..v-1)
-    frontier: tuple[int, ...]
+
+    @cached_property
+    def frontier(self) -> tuple[int, ...]:
+        """The states that can hold the most of act on chunks k..v-1 plus first on chunk 0 for
+        some k and some act, first >= 0: for each k, those no other state beats on both (its first
+        chunk, and chunks k..v-1). Only the first rank (the embedding) asks: made on first use."""
+        frontier: set[int] = set()
+        groups: dict[int, list[int]] = {}
+        for i, state in enumerate(self.states):
+            groups.setdefault(state[0], []).append(i)
+        by_first = [groups[f] for f in sorted(groups, reverse=True)]
+        for k in range(len(self.most)):  # first chunk from most to least: kept if it holds more on k..v-1
+            best = -1
+            for group in by_first:
+                i = max(group, key=lambda i: self.held[i][k])
+                if self.held[i][k] > best:
+                    frontier.add(i)
+                    best = self.held[i][k]
+        return tuple(sorted(frontier))
 
     def held_last(self, act_per_block_bytes: float, first_chunk_bytes: float) -> list[float]:
         """For k = 0..v: the most any state holds of ``act_per_block_bytes`` per micro-batch on its
@@ -210,26 +225,14 @@ def inflight_table(schedule: str, pp: int, rank: int, num_microbatches: int, vir
     states = inflight_states(schedule, pp, rank, num_microbatches, virtual_stages)
     if len(states) == 1 and len(states[0]) == 1:  # one chunk, one state (no interleaving)
         (n,), = states
-        return InflightTable(states=states, total=n, held=((n, 0),), most=(n, 0), frontier=(0,))
+        return InflightTable(states=states, total=n, held=((n, 0),), most=(n, 0))
     totals = {sum(s) for s in states}
     if len(totals) != 1:
         raise ValueError("schedule states of different totals")
     v = len(states[0])
     held = tuple(_suffix_sums(s) for s in states)
-    frontier: set[int] = set()
-    groups: dict[int, list[int]] = {}
-    for i, state in enumerate(states):
-        groups.setdefault(state[0], []).append(i)
-    by_first = [groups[f] for f in sorted(groups, reverse=True)]
-    for k in range(v + 1):  # first chunk from most to least: a state is kept if it holds more on k..v-1
-        best = -1
-        for group in by_first:
-            i = max(group, key=lambda i: held[i][k])
-            if held[i][k] > best:
-                frontier.add(i)
-                best = held[i][k]
     return InflightTable(states=states, total=totals.pop(), held=held,
-                         most=tuple(max(h[k] for h in held) for k in range(v + 1)), frontier=tuple(sorted(frontier)))
+                         most=tuple(max(h[k] for h in held) for k in range(v + 1)))
 
 
 def _suffix_sums(state: tuple[int, ...]) -> tuple[int, ...]:
