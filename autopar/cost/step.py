@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from autopar.cost.memory import chunk_activation_bytes
+from autopar.cost.memory import chunk_activation_bytes, dealt_sizes
 from autopar.cost.stage import StageTerms
 
 
@@ -111,13 +111,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             time[r] += post.time_s
             bwd[r] += post.bwd_s
             params[r] += post.params + terms.tied_params
-    # what one micro-batch of each of a rank's chunks saves, in local chunk order (cost.memory)
-    if mix is None:
-        chunk_act = [[n * b.act_bytes for n in chunk_blocks[r::pp]] for r in range(pp)]
-    else:
-        act_by_mode = {mode: part.act_bytes for mode, part in terms.recompute_parts.items()}
-        chunk_act = [chunk_activation_bytes(list(chunk_blocks[r::pp]), act_by_mode, counts)
-                     for r, counts in enumerate(mix)]
+    act_by_mode = {mode: part.act_bytes for mode, part in (terms.recompute_parts or {}).items()}
     working = [0.0] * pp  # issue 14: a mixed rank's recompute working set
     if mix is not None:
         for r, counts in enumerate(mix):
@@ -136,10 +130,15 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         else:
             tail = sync + (terms.grad_sync_fixed_s if sync > 0 else 0.0)
         tail += params[r] * terms.after_sync_s_per_param
-        chunks = chunk_act[r]
-        if r == 0:  # the embedding runs in the first chunk
-            chunks = [chunks[0] + pre.act_bytes, *chunks[1:]]
-        activations = terms.rank_activation_bytes(r, chunks)
+        first = pre.act_bytes if r == 0 else 0.0  # the embedding runs in the first chunk
+        sizes = list(chunk_blocks[r::pp])
+        if mix is None and sizes == dealt_sizes(blocks[r], v):
+            # the planner's own dealing: the schedule table's closed form (cost.memory), the same sum
+            activations = terms.inflight_table(r).uniform_peak_bytes(blocks[r], b.act_bytes, first)
+        else:  # what one micro-batch of each of the rank's chunks saves, in local chunk order
+            chunks = ([n * b.act_bytes for n in sizes] if mix is None
+                      else chunk_activation_bytes(sizes, act_by_mode, mix[r]))
+            activations = terms.rank_activation_bytes(r, [chunks[0] + first, *chunks[1:]])
         if r == chunk_rank(last, pp):
             activations += terms.loss_inflight() * post.act_bytes
         split = terms.state_split
