@@ -129,6 +129,9 @@ def damage(path: Path, share: int = 0, of: int = 1) -> str | None:
         return str(exc)
     if not meta.files:
         return "it has no integrity record (written by an older autopar)"
+    named = _STEP_DIR.match(path.name)
+    if named and int(named.group(1)) != meta.step:  # the newest is found by its name: a renamed one misleads
+        return f"its directory is named for step {named.group(1)} but it holds step {meta.step} (renamed?)"
     if ".metadata" not in meta.files:
         return "its integrity record does not list .metadata"
     for i, (name, rec) in enumerate(sorted(meta.files.items())):
