@@ -412,9 +412,7 @@ def _read_yaml(path: Path) -> Any:
         return load_yaml(path.read_text(encoding="utf-8"), f"cluster profile {path}")
     except yaml.YAMLError as exc:
         raise ClusterError(f"cluster profile {path} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    except ClusterError:
-        raise
-    except AutoparError as exc:
+    except AutoparError as exc:  # the reader's bounds (yamlload): a profile's error
         raise ClusterError(str(exc)) from None
     except OSError as exc:
         raise ClusterError(f"cannot read profile {path}: {exc.strerror}") from None

@@ -563,8 +563,9 @@ def parse_plan(text: str, source: str = "<plan>") -> Plan:
 
 
 def model_path(model_file: str, plan_path: str | os.PathLike[str] | None) -> str:
-    """Where a plan's ``model.file`` is: a relative path is taken beside the plan (``save_plan``
-    writes it so), else as given (relative to the working directory: plans written before)."""
+    """Where a plan's ``model.file`` is: a relative path is taken beside the plan (``autopar plan``
+    writes it so: ``portable_model_path``), else as given (relative to the working directory, as
+    plans written before and ``save_plan`` of an API plan have it)."""
     p = Path(model_file)
     if plan_path is not None and not p.is_absolute():
         beside = Path(plan_path).parent / p

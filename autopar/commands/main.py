@@ -138,9 +138,11 @@ def os_error_line(exc: OSError) -> str:
     path = str(name)
     if len(path) > 80:
         path = f"{path[:40]}...{path[-30:]} ({len(path):,} characters)"
-    cause = exc.strerror or type(exc).__name__
+    line = exc.strerror or type(exc).__name__
+    if path:
+        line += f": {path}"
     hint = _OS_HINTS.get(exc.errno or 0)
-    return f"{cause}: {path}" + (f"; {hint}" if hint else "") if path else cause + (f"; {hint}" if hint else "")
+    return f"{line}; {hint}" if hint else line
 
 
 def exit_process(code: int) -> None:

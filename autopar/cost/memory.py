@@ -209,15 +209,6 @@ class InflightTable:
         return [max(act_per_block_bytes * self.held[i][k] + first_chunk_bytes * self.states[i][0]
                     for i in self.frontier) for k in range(len(self.most))]
 
-    def uniform_peak_bytes(self, num_blocks: int, act_per_block_bytes: float, first_chunk_bytes: float = 0.0) -> float:
-        """``peak_bytes`` of ``num_blocks`` blocks of ``act_per_block_bytes`` each dealt over the
-        chunks (``dealt_sizes``), ``first_chunk_bytes`` more on the first: with N = b v + e the dealt
-        chunks hold b blocks each and one more on the last e, so state s holds b total + held[s][v - e]
-        blocks' activations."""
-        v = len(self.states[0])
-        b, e = divmod(num_blocks, v)
-        return act_per_block_bytes * b * self.total + self.held_last(act_per_block_bytes, first_chunk_bytes)[v - e]
-
 
 @lru_cache(maxsize=8192)
 def inflight_table(schedule: str, pp: int, rank: int, num_microbatches: int, virtual_stages: int = 1) -> InflightTable:
@@ -247,8 +238,11 @@ def _suffix_sums(state: tuple[int, ...]) -> tuple[int, ...]:
 def most_blocks(table: InflightTable, *, per_block_bytes: float, act_per_block_bytes: float,
                 first_chunk_bytes: float, room_bytes: float, limit: int = 10**9) -> int:
     """The most blocks N a rank can hold in ``room_bytes``: N x ``per_block_bytes`` (model states)
-    plus ``table.uniform_peak_bytes`` of N blocks; -1 where not even none fit, ``limit`` where any
-    number does. In closed form: for each e = N mod v the bytes are linear in b = N div v, so
+    plus ``peak_bytes`` of N blocks of ``act_per_block_bytes`` dealt over the chunks
+    (``dealt_sizes``), ``first_chunk_bytes`` more on the first; -1 where not even none fit,
+    ``limit`` where any number does. In closed form: with N = b v + e the dealt chunks hold b blocks
+    each and one more on the last e, so state s holds b total + held[s][v - e] blocks' activations,
+    linear in b for each e:
     b <= (room - per_block e - the most held on the last e chunks) / (per_block v + act total);
     one byte is kept spare for float rounding, so a count found here fits the sums evaluate makes."""
     v, best = len(table.states[0]), -1

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from autopar.cost.memory import chunk_activation_bytes, dealt_sizes
+from autopar.cost.memory import chunk_activation_bytes
 from autopar.cost.stage import StageTerms
 
 
@@ -130,15 +130,13 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         else:
             tail = sync + (terms.grad_sync_fixed_s if sync > 0 else 0.0)
         tail += params[r] * terms.after_sync_s_per_param
-        first = pre.act_bytes if r == 0 else 0.0  # the embedding runs in the first chunk
+        # what one micro-batch of each of the rank's chunks saves, in local chunk order; the
+        # embedding runs in the first chunk
         sizes = list(chunk_blocks[r::pp])
-        if mix is None and sizes == dealt_sizes(blocks[r], v):
-            # the planner's own dealing: the schedule table's closed form (cost.memory), the same sum
-            activations = terms.inflight_table(r).uniform_peak_bytes(blocks[r], b.act_bytes, first)
-        else:  # what one micro-batch of each of the rank's chunks saves, in local chunk order
-            chunks = ([n * b.act_bytes for n in sizes] if mix is None
-                      else chunk_activation_bytes(sizes, act_by_mode, mix[r]))
-            activations = terms.rank_activation_bytes(r, [chunks[0] + first, *chunks[1:]])
+        chunks = [n * b.act_bytes for n in sizes] if mix is None else chunk_activation_bytes(sizes, act_by_mode, mix[r])
+        if r == 0:
+            chunks[0] += pre.act_bytes
+        activations = terms.rank_activation_bytes(r, chunks)
         if r == chunk_rank(last, pp):
             activations += terms.loss_inflight() * post.act_bytes
         split = terms.state_split

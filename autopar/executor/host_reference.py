@@ -68,9 +68,14 @@ def host_copies() -> int:
     return 1 if local_world()[1] == 1 else 2
 
 
-def file_dir(nbytes: int, candidates: tuple[Path, ...] | None = None) -> Path | None:
-    """The first of shared memory and the temporary directory with room for ``nbytes`` (None: neither)."""
-    for d in candidates if candidates is not None else (SHARED_MEMORY, Path(tempfile.gettempdir())):
+def file_dirs() -> tuple[Path, Path]:
+    """Where a node's file may go, in order of preference: shared memory, the temporary directory."""
+    return SHARED_MEMORY, Path(tempfile.gettempdir())
+
+
+def file_dir(nbytes: int) -> Path | None:
+    """The first of ``file_dirs`` with room for ``nbytes`` (None: neither)."""
+    for d in file_dirs():
         try:
             if d.is_dir() and os.access(d, os.W_OK) and shutil.disk_usage(d).free >= nbytes * HEADROOM:
                 return d
@@ -90,7 +95,7 @@ def reference_tensors(mf: ModelFile, seed: int, *, wait_s: float = 3600.0) -> Ma
     dist.broadcast_object_list(token)
     name = f"{FILE_PREFIX}{token[0]}-node{node}"
     marker = Path(tempfile.gettempdir()) / f"{name}.none"
-    places = [d / f"{name}.pt" for d in (SHARED_MEMORY, Path(tempfile.gettempdir()))]
+    places = [d / f"{name}.pt" for d in file_dirs()]
     if local_rank == 0:
         model = build_reference(mf, seed)
         tensors = model_tensors(model)

@@ -8,9 +8,10 @@ floats standard normal. ``example_inputs`` itself runs under torch's random stat
 step) and restored after (``torch.random.fork_rng``): a model file that draws its example with
 ``torch.randint`` would otherwise set the range from whatever state training had left -- which
 dropout and the plan's micro-batching change -- and a run resumed under another plan would train
-on other data. A step's batch is a function of (seed, step) alone. Every rank builds the same global batch and takes its dp slice (rows
-[d·G/dp, (d+1)·G/dp)), then micro-batches of ``micro_batch_size``; the single-process reference
-(``run_reference``) walks the same rows, so losses and parameters must match.
+on other data. A step's batch is a function of (seed, step) alone. Every rank builds the same
+global batch and takes its dp slice (rows [d·G/dp, (d+1)·G/dp)), then micro-batches of
+``micro_batch_size``; the single-process reference (``run_reference``) walks the same rows, so
+losses and parameters must match.
 
 Loss semantics (= the reference): the mean over all micro-batches of ``loss_fn`` per micro-batch.
 With tp > 1 the output head returns logits sharded on the vocabulary and the loss runs

@@ -55,13 +55,13 @@ def _build(out_dir: Path, no_room: bool) -> None:
 
     apply_mod.reference_tensors = tensors
     if no_room:
-        host_ref.file_dir = lambda nbytes, candidates=None: None
+        host_ref.file_dir = lambda nbytes: None
     try:
         exe = apply_mod.build_executable(plan, mf, spec, mesh, seed=SEED, lr=1e-3, loss_fn=mf.loss_fn)
     finally:
         apply_mod.reference_tensors, host_ref.file_dir = real_tensors, real_dir
     dist.barrier()
-    seen["left"] = sorted(p.name for d in (host_ref.SHARED_MEMORY, Path(tempfile.gettempdir())) if d.is_dir()
+    seen["left"] = sorted(p.name for d in host_ref.file_dirs() if d.is_dir()
                           for p in d.glob(f"{host_ref.FILE_PREFIX}*"))
     seen["params"] = apply_mod.full_parameters(exe)
     torch.save(seen, out_dir / f"{'no-room' if no_room else 'shared'}-{rank}.pt")
