@@ -22,7 +22,14 @@ from autopar.layout import Layout, cp_seq_reason, tp_node_reason, world_size_rea
 PLAN_VERSION = 1
 CP_KINDS = ("ring", "allgather", "ulysses")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+# The modes a per-stage mix counts (``recompute_blocks``), by how much each keeps: none keeps every
+# saved tensor, selective drops the attention core's, full keeps only each block's input.
 RECOMPUTE_MODES = ("none", "selective", "full")
+# Every mode ``parallel.recompute`` takes: the mix modes, and ``op`` (per-op selective recompute,
+# torchtitan's ``selective_ac_option: op``: a block keeps its input, every other matrix product's
+# output and the attention kernel's output, and re-runs the rest; executor/recompute.py). A
+# uniform mode: it is not counted in ``recompute_blocks``.
+PLAN_RECOMPUTE_MODES = (*RECOMPUTE_MODES, "op")
 DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -215,7 +222,7 @@ class Parallel:
         _check_int("parallel.zero", self.zero, minimum=0)
         if self.zero > 3:
             raise PlanError(f"parallel.zero must be 0, 1, 2 or 3; got {self.zero}")
-        _check_choice("parallel.recompute", self.recompute, RECOMPUTE_MODES)
+        _check_choice("parallel.recompute", self.recompute, PLAN_RECOMPUTE_MODES)
         _check_choice("parallel.pp_schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_schedule == "interleaved-1f1b":
             if self.pp < 2 or self.pp_virtual_stages < 2:

@@ -57,6 +57,8 @@ class PublicRun:
     # NeMo's optimizer as the run's config names it: (optim name, state dtype); None: Megatron's
     # distributed optimizer with fp32 state (``nemo_optimizer_precision``)
     nemo_optimizer: tuple[str, str] | None = None
+    # Peak device memory the source reports (torchtitan's max_reserved GiB), bytes; None: not reported
+    published_peak_bytes: float | None = None
 
     @property
     def layout(self) -> str:
@@ -170,7 +172,8 @@ def _dict_rows(group: str, data: dict) -> list[PublicRun]:
             derived=derived, assumed=tuple(r.get("inferred", ())), software="megatron" if r["zero"] < 3 else "fsdp",
             tp_comm_overlap=False if "no TP comm overlap" in str(r.get("notes", "")) else None,
             nemo_optimizer=(str(r["optimizer"]["name"]), str(r["optimizer"].get("dtype", "fp32")))
-            if "optimizer" in r else None))
+            if "optimizer" in r else None,
+            published_peak_bytes=float(pub["peak_memory_gib"]) * 2**30 if "peak_memory_gib" in pub else None))
     return out
 
 
@@ -242,6 +245,13 @@ def public_plan(run: PublicRun, profile: str):  # noqa: ANN201 - returns autopar
 
 PROFILES = {"megatron": "h100-80g-megatron", "fsdp": "h100-80g"}
 
+# The H100 96 GB HBM2e of torchtitan's Grand Teton hosts: six 16 GiB stacks (98,304 MiB) where the
+# 80 GB part has five (81,920 MiB). The 80 GB part gives a process 81,082 MiB (torch's total_memory,
+# profiles/h100-80g.yaml); the same share of six stacks is 97,298 MiB (95.0 GiB), the device memory
+# a torchtitan run there had. Only the capacity differs from h100-80g here: the run's time is
+# informational (a 500 W part of unknown clocks).
+GRAND_TETON_MEMORY_BYTES = 98304 * 81082 // 81920 * 2**20
+
 
 def nemo_optimizer_precision(name: str, dtype: str) -> tuple[float, float | None]:
     """(bytes per Adam moment element, bytes per parameter of the master copy; None: fp32) of NeMo
@@ -262,7 +272,8 @@ def software_cluster(run: PublicRun):  # noqa: ANN201 - returns (autopar.cluster
     """The H100 profile of the software ``run`` used, with the run's stated settings: Megatron-Core
     runs on h100-80g-megatron, PyTorch FSDP runs on h100-80g; a run that states it had TP
     communication overlap off (the 340B recipe) gets that switch off, llm-foundry's runs their bf16
-    gradient reduction (h100-80g prices autopar run's fp32), a run whose config names NeMo's
+    gradient reduction (h100-80g prices autopar run's fp32), torchtitan's its 96 GB device memory
+    (``GRAND_TETON_MEMORY_BYTES``), a run whose config names NeMo's
     optimizer its state precision -- settings of the run, as its recompute or micro-batch are,
     never fitted terms."""
     import dataclasses
@@ -277,6 +288,8 @@ def software_cluster(run: PublicRun):  # noqa: ANN201 - returns (autopar.cluster
         # its H100 benchmark sweep trains with fsdp_config mixed_precision PURE (llm-foundry
         # scripts/train/benchmarking): parameters, gradients and their reduce-scatter in bf16
         cluster = dataclasses.replace(cluster, grad_reduce_bytes=2)
+    if run.group == "torchtitan":
+        cluster = dataclasses.replace(cluster, memory_bytes=GRAND_TETON_MEMORY_BYTES)
     if run.nemo_optimizer is not None:
         moment, master = nemo_optimizer_precision(*run.nemo_optimizer)
         cluster = dataclasses.replace(cluster, optimizer_moment_bytes=moment, master_weight_bytes=master)

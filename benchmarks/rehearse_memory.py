@@ -8,6 +8,10 @@ for the CUDA context and communication buffers is the same on both sides). Targe
 GPT-3 175B, Llama-3 70B and 405B at 64 and 1,024 GPUs and for three zoo models (docs/rehearse.md).
 
     python benchmarks/rehearse_memory.py [--cases gpt3-175b@64,...] [--cluster h100-80g]
+
+A case ``model@gpus:mode`` plans with recompute ``mode`` only (``llama3-8b@8:op``: torchtitan's Llama
+3.1 8B FSDP run of calibration/h100_public.yaml, per-op selective recompute, global batch 16 of
+micro-batches of 2 as it ran).
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from autopar import api  # noqa: E402
 from autopar.models.llama import LlamaConfig, model_file  # noqa: E402
 from autopar.report import table  # noqa: E402
 
+LLAMA3_8B = LlamaConfig(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336,
+                        seq_len=8192, vocab_size=128256)
+BATCH = {"llama3-8b": dict(global_batch=16, micro_batch=[2])}  # torchtitan's run (calibration/h100_public.yaml)
 LLAMA3_405B = LlamaConfig(num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8, ffn_hidden_size=53248,
                           seq_len=8192, vocab_size=128256)
 ZOO = {"hf-llama": "hf_llama.py", "hf-mixtral": "hf_mixtral.py", "vit": "vit.py", "torch-encoder": "torch_encoder.py"}
@@ -38,16 +45,16 @@ def model_path(name: str, work: Path) -> str:
         return str(REPO / "examples" / "gpt.py")
     if name == "llama3-70b":
         return str(REPO / "examples" / "llama.py")
-    if name == "llama3-405b":
-        path = work / "llama3_405b.py"
-        path.write_text(model_file(LLAMA3_405B), encoding="utf-8")
+    if name in ("llama3-8b", "llama3-405b"):
+        path = work / f"{name.replace('-', '_')}.py"
+        path.write_text(model_file(LLAMA3_8B if name == "llama3-8b" else LLAMA3_405B), encoding="utf-8")
         return str(path)
     if name in ZOO:
         text = (REPO / "examples" / "zoo" / ZOO[name]).read_text(encoding="utf-8")
         path = work / ZOO[name]
         path.write_text(text.replace('SIZE = "tiny"', 'SIZE = "full"'), encoding="utf-8")
         return str(path)
-    raise SystemExit(f"unknown model {name}; known: gpt3-175b, llama3-70b, llama3-405b, {', '.join(ZOO)}")
+    raise SystemExit(f"unknown model {name}; known: gpt3-175b, llama3-8b, llama3-70b, llama3-405b, {', '.join(ZOO)}")
 
 
 def main() -> int:
@@ -58,17 +65,20 @@ def main() -> int:
     rows, worst = [], 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):
-            name, gpus = case.split("@")
+            name, _, rest = case.partition("@")
+            gpus, _, mode = rest.partition(":")
             path = model_path(name, Path(tmp))
+            options = dict(BATCH.get(name, {}), **({"recompute_modes": (mode,)} if mode else {}))
             t0 = time.perf_counter()
-            plan = api.plan(path, int(gpus), args.cluster, top=1)
+            plan = api.plan(path, int(gpus), args.cluster, top=1, **options)
             plan_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             reh = api.rehearsal(plan, path, args.cluster,
                                 progress=lambda text: print(f"  {case}: {text}", file=sys.stderr, flush=True))
             reh_s = time.perf_counter() - t0
             par = plan.parallel
-            layout = f"dp{par.dp} tp{par.tp} pp{par.pp} cp{par.cp} z{par.zero} mb{plan.training.micro_batch_size}"
+            layout = (f"dp{par.dp} tp{par.tp} pp{par.pp} cp{par.cp} z{par.zero} mb{plan.training.micro_batch_size} "
+                      f"{par.recompute if par.recompute_blocks is None else 'mixed'}")
             for r in reh.ranks:
                 worst = max(worst, abs(r.tensor_error_pct))
                 rows.append([case, layout if r is reh.ranks[0] else "", r.stage, f"{r.predicted_peak_bytes / GIB:.2f}",

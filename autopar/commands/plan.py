@@ -83,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp", type=int_list, metavar="C", help="context-parallel degrees")
     g.add_argument("--zero", type=zero_list, metavar="Z", help="ZeRO stages (0-3)")
     g.add_argument("--recompute", type=choice_list(SEARCH_RECOMPUTE_MODES), metavar="|".join(SEARCH_RECOMPUTE_MODES),
-                   help="activation recompute modes; mixed: per pipeline rank, how many blocks use each mode, "
+                   help="activation recompute modes; op: per-op selective (every other matrix product's output and "
+                        "attention's kept); mixed: per pipeline rank, how many blocks use each mode, "
                         "chosen by the split program, for every configuration (by default only the top plans are "
                         "solved again as mixes of the modes allowed here)")
     g.add_argument("--schedule", type=choice_list(SCHEDULES, {"interleaved": "interleaved-1f1b"}),

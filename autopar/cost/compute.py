@@ -39,6 +39,7 @@ from autopar.cluster import Cluster
 from autopar.cost.memo import IdentityMemo
 from autopar.graph.scaling import FitOp, RegionFit, Shape
 from autopar.profile_tables import LayerTable
+from autopar.recompute_ops import COUNTED_GEMMS, SAVED_ATTENTION, saves_gemm
 
 if TYPE_CHECKING:
     from autopar.graph.model_graph import ModelGraph
@@ -58,6 +59,10 @@ class RegionTime:
     saved_bytes: float  # activations kept for backward without recompute
     core_saved_bytes: float  # the attention-core part of saved_bytes (selective recompute drops it)
     peak_bytes: float = 0.0  # how far the live tensors rise above the saved ones here (RegionFit.peaks)
+    # Per-op selective recompute (autopar.recompute_ops): the outputs it keeps of the ops it saves,
+    # and those ops' forward time, which its recompute does not re-run.
+    op_saved_bytes: float = 0.0
+    op_saved_fwd_s: float = 0.0
 
 
 def is_core(op: FitOp) -> bool:
@@ -130,8 +135,25 @@ def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shap
                              lambda: _region_time(fit, cluster, shape, core_shape, seq_len))
 
 
+def op_saved(op: FitOp, gemms_before: int, shape: Shape, core_shape: Shape) -> float | None:
+    """Bytes per-op selective recompute keeps of forward op ``op`` (None: it recomputes it);
+    ``gemms_before``: counted GEMMs earlier in the block's forward. A GEMM's output is evaluated
+    without SP's division (inside the TP region it holds the gathered sequence, or the partial sum
+    a row-parallel layer reduce-scatters), the attention kernel's at ``core_shape``."""
+    if op.name in COUNTED_GEMMS:
+        if not saves_gemm(gemms_before + 1):
+            return None
+        where = _no_sp(shape)
+    elif op.name in SAVED_ATTENTION:
+        where = core_shape
+    else:
+        return None
+    return op.out_bytes * where.scale(op.out_exps) if op.out_exps is not None else 0.0
+
+
 def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shape, seq_len: int) -> RegionTime:
-    fwd = bwd = core = fwd_f = bwd_f = bwd_gemm = fwd_gemm = 0.0
+    fwd = bwd = core = fwd_f = bwd_f = bwd_gemm = fwd_gemm = op_bytes = op_s = 0.0
+    gemms = 0
     sequence_model = any(op.bytes_exps.s > 0.5 for op in fit.ops)
     for op in fit.ops:
         core_op = is_core(op)
@@ -144,6 +166,11 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
                 core += secs
             if op.kind == "gemm":
                 fwd_gemm += secs
+            kept = op_saved(op, gemms, shape, core_shape)
+            gemms += op.name in COUNTED_GEMMS
+            if kept is not None:
+                op_bytes += kept
+                op_s += secs
         else:
             bwd += secs
             bwd_f += flops
@@ -167,7 +194,8 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
     peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks), default=0.0)
     return RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
                       fwd_flops=fwd_f, bwd_flops=bwd_f,
-                      saved_bytes=saved, core_saved_bytes=core_saved, peak_bytes=peak)
+                      saved_bytes=saved, core_saved_bytes=core_saved, peak_bytes=peak,
+                      op_saved_bytes=op_bytes, op_saved_fwd_s=op_s)
 
 
 def usable_layer_table(graph: "ModelGraph", cluster: Cluster) -> LayerTable | None:
@@ -231,4 +259,5 @@ def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape:
             else rt.core_fwd_s * f_ratio)
     return replace(rt, fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=rt.bwd_gemm_s * b_ratio,
                    fwd_gemm_s=rt.fwd_gemm_s * f_ratio,
-                   saved_bytes=saved, core_saved_bytes=rt.core_saved_bytes * s_ratio)
+                   saved_bytes=saved, core_saved_bytes=rt.core_saved_bytes * s_ratio,
+                   op_saved_bytes=rt.op_saved_bytes * s_ratio, op_saved_fwd_s=rt.op_saved_fwd_s * f_ratio)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.cluster import Cluster
-from autopar.cost.stage import Config, build_terms
+from autopar.cost.stage import Config, build_terms, software_recompute_reason
 from autopar.cost.step import Estimate, evaluate
 from autopar.cost.zero import executed_zero
 from autopar.errors import PlanError
@@ -45,6 +45,8 @@ def check_plan_against_model(plan: Plan, graph: ModelGraph) -> None:
     reason = graph.tp_allowed(par.tp)
     if reason:
         raise PlanError(f"parallel.tp = {par.tp} is not possible: {reason}")
+    if par.recompute_blocks is None and par.recompute != "none" and graph.supports(par.recompute):
+        raise PlanError(f"parallel.recompute {par.recompute} is not possible: {graph.supports(par.recompute)}")
     if par.recompute_blocks is not None:  # issue 14
         if graph.chain:
             raise PlanError(f"parallel.recompute_blocks: {graph.name} is a chain of distinct units, not repeated "
@@ -76,6 +78,9 @@ def check_plan_against_model(plan: Plan, graph: ModelGraph) -> None:
 def estimate_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, moe_imbalance: float = 1.0) -> Estimate:
     """The cost model's prediction for ``plan`` (graph measured at the plan's seq_len)."""
     check_plan_against_model(plan, graph)
+    reason = software_recompute_reason(cluster, plan.parallel.recompute)
+    if reason and plan.parallel.recompute_blocks is None:
+        raise PlanError(f"parallel.recompute {plan.parallel.recompute} is not possible on {cluster.name}: {reason}")
     cfg = config_from_plan(plan, moe_imbalance)
     if graph.chain:
         if cfg.offload.any:  # issue 14

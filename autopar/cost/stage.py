@@ -62,7 +62,7 @@ class Config:
     cp_kind: str
     sequence_parallel: bool
     zero: int
-    recompute: str  # none | selective | full, or "mixed" (issue 14: per-rank counts, priced by cost.step.evaluate)
+    recompute: str  # none | selective | full | op, or "mixed" (issue 14: per-rank counts, priced by cost.step.evaluate)
     schedule: str
     virtual_stages: int
     micro_batch: int
@@ -402,13 +402,25 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     )
 
 
+def software_recompute_reason(cluster: Cluster, mode: str) -> str | None:
+    """Why the software a profile prices cannot run recompute ``mode`` (None: it can). Megatron-Core
+    (``activation_memory: megatron``) checkpoints whole layers or the core attention, never per op."""
+    if mode == "op" and cluster.activation_memory == "megatron":
+        return ("the profile prices Megatron-Core, whose recompute is full or selective (core attention), "
+                "not per op; use recompute none, selective or full")
+    return None
+
+
 def _recompute_working(graph: ModelGraph, cluster: Cluster, cfg: Config, shape: Shape, core_shape: Shape) -> float:
-    """What recompute re-materialises while a block's backward runs: the whole block (full) or its
-    attention core (selective), as the model file saves them."""
-    if cfg.recompute not in ("full", "selective"):
+    """What recompute re-materialises while a block's backward runs: the whole block (full, and
+    per-op selective, whose re-run forward saves for backward what the block saves without
+    recompute -- its kept outputs among them, counted here and in the block's activations alike, a
+    bound above by at most those outputs) or its attention core (selective), as the model file
+    saves them."""
+    if cfg.recompute not in ("full", "selective", "op"):
         return 0.0
     rt = graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind)
-    return rt.saved_bytes if cfg.recompute == "full" else rt.core_saved_bytes
+    return rt.core_saved_bytes if cfg.recompute == "selective" else rt.saved_bytes
 
 
 # Transformer Engine's userbuffers for TP communication overlap: one buffer of the full local
@@ -518,10 +530,18 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
     elif cfg.recompute == "selective":
         # The checkpointed core is the whole cp attention: its recompute re-runs the cp transfers too.
         recompute, act = rt.core_fwd_s + cp_f, rt.saved_bytes - rt.core_saved_bytes
+    elif cfg.recompute == "op":
+        # Per-op selective (autopar.recompute_ops): the block's input plus the outputs it keeps; the
+        # other forward ops run again, with their collectives (SP's all-gathers; its reduce-scatters
+        # are kept; without SP the all-reduces are not) and the cp transfers of attention.
+        tp_again = tp_f / 2 if cfg.sequence_parallel else tp_f
+        recompute = rt.fwd_s - rt.op_saved_fwd_s + tp_again + cp_f
+        act = tokens_bytes / (cfg.tp if cfg.sequence_parallel else 1) + rt.op_saved_bytes
     else:
         recompute, act = 0.0, rt.saved_bytes
     params = graph.params["block"].per_rank(cfg.tp)
-    if cfg.recompute != "full" and _autocast_copies(cluster, cfg):
+    # each Linear's autocast copy of its weight is an op output that full and per-op recompute do not keep
+    if cfg.recompute not in ("full", "op") and _autocast_copies(cluster, cfg):
         act += params * cfg.dtype_bytes  # each Linear's cast weight, saved per micro-batch in flight
     bwd = rt.bwd_s + tp_b + cp_b + recompute
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)

@@ -55,7 +55,8 @@ def check_world_size(plan: Plan, world_size: int) -> None:
 
 _DIM_NAMES = {"tp": "tensor parallelism", "sp": "sequence parallelism", "pp": "pipeline parallelism",
               "cp": "context parallelism", "zero3": "ZeRO-3", "selective": "selective recompute",
-              "full": "full recompute", "cp_pp": "context parallelism with pipeline stages"}
+              "full": "full recompute", "op": "per-op selective recompute",
+              "cp_pp": "context parallelism with pipeline stages"}
 
 
 def _dimensions_used(plan: Plan) -> list[tuple[str, bool, str]]:
@@ -70,6 +71,7 @@ def _dimensions_used(plan: Plan) -> list[tuple[str, bool, str]]:
         ("zero3", par.zero == 3, "use zero 0, 1 or 2"),
         ("selective", "selective" in modes, "use recompute none or full"),
         ("full", "full" in modes, "use recompute none"),
+        ("op", "op" in modes, "use recompute none or full"),
         ("cp_pp", par.cp > 1 and par.pp > 1, "plan with pp = 1 or cp = 1"),
     ]
 

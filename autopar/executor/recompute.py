@@ -4,8 +4,12 @@
   is re-run in backward.
 * ``selective`` (Korthikanti et al.): only the attention core (the s^2 softmax part, GPT's
   ``attn.core`` / Llama's ``attention.core``) is recomputed.
-* a per-stage mix (issue 14, ``parallel.recompute_blocks``): each block gets its own mode, by the
-  rule of ``Plan.block_recompute`` (a rank's first blocks full, then selective, then none).
+* ``op`` (per-op selective, torchtitan's ``selective_ac_option: op``): each block runs under
+  checkpoint with torch's selective checkpoint contexts; the policy of autopar.recompute_ops keeps
+  every other matrix product's output, the attention kernel's and a reduce-scatter's, and backward
+  re-runs the rest.
+* a per-stage mix (``parallel.recompute_blocks``): each block gets its own mode, by the rule of
+  ``Plan.block_recompute`` (a rank's first blocks full, then selective, then none).
 
 The checkpoint is installed by overriding the module instance's ``forward`` rather than wrapping the
 module, so parameter names do not change (plans, state dicts and FSDP2 see the same names). Applied
@@ -16,20 +20,51 @@ recompute runs, as in torchtitan's order (AC inside, FSDP outside).
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from collections import Counter
+from typing import Any, Callable, Sequence
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.executor.introspect import ModelSpec
+from autopar.recompute_ops import COUNTED_GEMMS, SAVED_ATTENTION, SAVED_COLLECTIVES, saves_gemm
 
 
-def _checkpoint_forward(module: nn.Module) -> None:
+def _packets(namespace: Any, names: Sequence[str]) -> frozenset:
+    return frozenset(getattr(namespace, n) for n in names if hasattr(namespace, n))
+
+
+_GEMMS = _packets(torch.ops.aten, COUNTED_GEMMS)
+_KEPT = _GEMMS | _packets(torch.ops.aten, SAVED_ATTENTION) | _packets(torch.ops._c10d_functional, SAVED_COLLECTIVES)
+
+
+def op_policy_context() -> tuple[Any, Any]:
+    """The context pair one checkpointed call of a block runs under (``context_fn``): a fresh GEMM
+    count per call, kept apart for the forward and its recompute, so both number a block's GEMMs
+    alike and the recompute finds each kept output where the forward left it."""
+    counts: Counter = Counter()
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        packet = getattr(func, "_overloadpacket", func)
+        if packet not in _KEPT:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if packet in _GEMMS:
+            counts[ctx.is_recompute] += 1
+            if not saves_gemm(counts[ctx.is_recompute]):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpoint_forward(module: nn.Module, context_fn: Callable[[], tuple[Any, Any]] | None = None) -> None:
     inner = module.forward  # bound method of the class (or an earlier override)
+    extra = {} if context_fn is None else {"context_fn": context_fn}
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = forward  # instance attribute shadows the class method
 
@@ -62,6 +97,8 @@ def apply_recompute(part: nn.Module, spec: ModelSpec, mode: str, block_modes: Se
             continue
         if mode == "full":
             _checkpoint_forward(block)
+        elif mode == "op":
+            _checkpoint_forward(block, op_policy_context)
         elif mode == "selective":
             assert spec.core_name is not None, "preflight guarantees an attention core"
             _checkpoint_forward(block.get_submodule(spec.core_name))

@@ -20,6 +20,9 @@ class OpRecord:
     flops: float
     bytes: float
     dims: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a GEMM
+    # Bytes of the tensors it returns: what per-op selective recompute keeps of an op whose output
+    # it saves (cost/compute.py ``op_saved``).
+    out_bytes: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -75,6 +75,8 @@ class FitOp:
     dims: tuple[int, int, int, int] | None
     dims_exps: tuple[Exps, Exps, Exps, Exps] | None
     name: str = ""  # the aten op (e.g. native_dropout: a memory model counts its masks)
+    out_bytes: float = 0.0  # bytes it returns (records.OpRecord.out_bytes) and their exponents
+    out_exps: Exps | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +170,8 @@ def fit_region(
             phase=op.phase, kind=op.kind,
             flops=op.flops, flops_exps=_exps(op.flops, pick("b", "flops"), pick("s", "flops"), pick("t", "flops")),
             bytes=op.bytes, bytes_exps=_exps(op.bytes, pick("b", "bytes"), pick("s", "bytes"), pick("t", "bytes")),
-            dims=op.dims, dims_exps=dims_exps, name=op.name,
+            dims=op.dims, dims_exps=dims_exps, name=op.name, out_bytes=op.out_bytes,
+            out_exps=_exps(op.out_bytes, pick("b", "out_bytes"), pick("s", "out_bytes"), pick("t", "out_bytes")),
         ))
     saved = _fit_saved(region, base, b2, s_half, t2)
     comm = _fit_comm(region, base, b2, s_half, t2)

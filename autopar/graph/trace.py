@@ -153,7 +153,8 @@ class _Recorder(TorchDispatchMode):
                 for o in flat_out:
                     self._note_view(o, flat_in[0])
             return out
-        moved = sum(_nbytes(t) for t in flat_in) + sum(_nbytes(t) for t in flat_out)
+        out_bytes = sum(_nbytes(t) for t in flat_out)
+        moved = sum(_nbytes(t) for t in flat_in) + out_bytes
         flops = 0.0
         packet = func._overloadpacket
         if packet in flop_registry:
@@ -170,7 +171,7 @@ class _Recorder(TorchDispatchMode):
             kind = "attn"
         self.trace.ops.append(
             OpRecord(name=name, phase=self.state.phase, region=self.state.region, kind=kind,
-                     flops=flops, bytes=float(moved), dims=dims)
+                     flops=flops, bytes=float(moved), dims=dims, out_bytes=float(out_bytes))
         )
         self.io.append((tuple((self._rid(t), _nbytes(t)) for t in flat_in),
                         tuple((id(t), _nbytes(t)) for t in flat_out)))

@@ -36,8 +36,9 @@ from typing import Callable, Sequence
 from autopar.cluster import Cluster
 from autopar.cost.evolve import evolve
 from autopar.cost.host import evaluate_with_host, host_family, host_lower_bound
-from autopar.cost.stage import Config, StageTerms, build_terms
+from autopar.cost.stage import Config, StageTerms, build_terms, software_recompute_reason
 from autopar.cost.step import evaluate
+from autopar.errors import PlanError
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import NO_OFFLOAD, Offload, even_stage_ranges
 from autopar.search.candidates import Candidate, SearchResult, TopK
@@ -61,6 +62,13 @@ def search(
         return search_chain(graph, cluster, space, top_k=top_k, progress=progress)
     start = time.perf_counter()
     rejected: Counter = Counter()
+    reason = software_recompute_reason(cluster, "op")
+    if reason and "op" in space.recompute_modes:
+        left = tuple(m for m in space.recompute_modes if m != "op")
+        if not left:
+            raise PlanError(f"recompute op is not possible: {reason}")
+        space = replace(space, recompute_modes=left)
+        rejected[f"recompute op: {reason}"] += 1
     tokens = space.global_batch * space.seq_len
     model_flops = graph.model_flops_per_sample() * space.global_batch
     flop_lb_s = model_flops / (space.num_gpus * cluster.peak_flops)  # even 100 % MFU needs this

@@ -22,11 +22,11 @@ from typing import Iterator
 from autopar.cost.stage import Config
 from autopar.graph.model_graph import ModelGraph
 from autopar.layout import cp_seq_reason, executed_zero, ring_balance_reason, tp_node_reason
-from autopar.plan import CP_KINDS, OFFLOAD_LABELS, RECOMPUTE_MODES, Offload, offload_reason
+from autopar.plan import CP_KINDS, OFFLOAD_LABELS, PLAN_RECOMPUTE_MODES, RECOMPUTE_MODES, Offload, offload_reason
 
 # Per-stage recompute: "mixed" is a per-rank mix of the modes, the split program choosing the counts
 # (search.ilp_recompute); searched on request (``plan --recompute mixed``), not by default.
-SEARCH_RECOMPUTE_MODES = (*RECOMPUTE_MODES, "mixed")
+SEARCH_RECOMPUTE_MODES = (*PLAN_RECOMPUTE_MODES, "mixed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +41,7 @@ class SearchSpace:
     dtype_bytes: int = 2
     optimizer: str = "adam"
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    recompute_modes: tuple[str, ...] = RECOMPUTE_MODES
+    recompute_modes: tuple[str, ...] = PLAN_RECOMPUTE_MODES
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
     cp_kinds: tuple[str, ...] = CP_KINDS
     max_virtual_stages: int = 16

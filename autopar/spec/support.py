@@ -7,7 +7,8 @@ a dimension on more models, the predicate here is what changes.
 
 Keys: ``tp`` (tensor parallelism), ``sp`` (Megatron sequence parallelism inside tp), ``pp``
 (pipeline stages), ``cp`` (context parallelism), ``zero3`` (FSDP2 fully sharded), ``selective``
-(selective recompute of the attention core), ``full`` (full recompute), ``cp_pp`` (context
+(selective recompute of the attention core), ``full`` (full recompute), ``op`` (per-op selective
+recompute, autopar.recompute_ops), ``cp_pp`` (context
 parallelism and pipeline stages in one plan: each is checked alone by its own key, this one says
 whether the two combine).
 """
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.spec import ModelSpec
 
-DIMENSIONS = ("tp", "sp", "pp", "cp", "zero3", "selective", "full", "cp_pp")
+DIMENSIONS = ("tp", "sp", "pp", "cp", "zero3", "selective", "full", "op", "cp_pp")
 
 
 def tp_support(spec: "ModelSpec") -> str | None:
@@ -120,9 +121,22 @@ def full_support(spec: "ModelSpec") -> str | None:
     return None
 
 
+def op_support(spec: "ModelSpec") -> str | None:
+    # The executor checkpoints each repeated block under the per-op policy; the cost model prices
+    # the policy from a block's traced ops (cost/compute.py op_saved), which a layer chain's units
+    # and a routed layer's expert GEMMs (priced apart, cost/expert.py) do not go through.
+    if spec.chain is not None:
+        return "a layer chain is priced per unit, not per repeated block; use recompute none or full"
+    if spec.moe is not None:
+        return (f"the blocks hold a mixture of experts ({spec.moe.experts_path}), whose expert GEMMs are "
+                "priced apart from the block's traced ops; use recompute none, selective or full")
+    return None
+
+
 PREDICATES: dict[str, Callable[["ModelSpec"], str | None]] = {
     "tp": tp_support, "sp": sp_support, "pp": pp_support, "cp": cp_support,
-    "zero3": zero3_support, "selective": selective_support, "full": full_support, "cp_pp": cp_pp_support,
+    "zero3": zero3_support, "selective": selective_support, "full": full_support, "op": op_support,
+    "cp_pp": cp_pp_support,
 }
 
 

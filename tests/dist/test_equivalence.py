@@ -41,11 +41,17 @@ CASES_2 = _model_cases("gpt") + _model_cases("llama") + [
     Case(name="mlp-pp2", model="mlp", parallel={"pp": 2, "pp_schedule": "1f1b"}),
     # a loss_fn that cannot run on vocab-sharded logits: the executor all-gathers them instead
     Case(name="gpt-gather-loss-tp2", model="gpt-gather-loss", parallel={"tp": 2}),
+    # per-op selective recompute across pipeline stages and around the ring's attention
+    Case(name="llama-pp2-1f1b-op", model="llama", parallel={"pp": 2, "pp_schedule": "1f1b", "recompute": "op"}),
+    Case(name="gpt-cp2-ring-op", model="gpt", parallel={"cp": 2, "cp_kind": "ring", "recompute": "op"}),
 ]
 CASES_4 = [
     Case(name=f"{m}-dp2xtp2", model=m, parallel={"dp": 2, "tp": 2, "sequence_parallel": True}) for m in ("gpt", "llama")
 ] + [
     Case(name="gpt-dp2xtp2-zero3", model="gpt", parallel={"dp": 2, "tp": 2, "zero": 3}),
+    # per-op selective recompute under FSDP2 and DTensor TP + SP (its reduce-scatters kept)
+    Case(name="llama-dp2xtp2-sp-zero3-op", model="llama",
+         parallel={"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 3, "recompute": "op"}),
     # tied embedding/head across stages with FSDP2-sharded gradients
     Case(name="gpt-pp2xdp2-zero3", model="gpt", parallel={"pp": 2, "dp": 2, "zero": 3, "pp_schedule": "gpipe"}),
     # ZeRO-3 keeps its per-micro-batch reduce-scatter under interleaved 1F1B (sync_every_microbatch)

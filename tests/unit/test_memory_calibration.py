@@ -20,23 +20,28 @@ def test_megatron_functional_test_peaks_within_5_percent(run) -> None:
     assert states <= run.resident_allocated_bytes  # what stays allocated between steps holds the states
 
 
-# The runs of h100_public.yaml ran on 80 GB H100s: the model must admit them. Nemotron-4 340B's
-# config (optim distributed_fused_adam, dtype bf16) keeps bf16 Adam state and no fp32 master: priced
-# as fp32 state it was 1.8 GiB over. torchtitan's 8B ran on a 96 GB H100 with per-op selective
-# checkpointing, which autopar's recompute modes do not express (informational).
-NOT_ADMITTED = {"llama3.1-8b-fsdp8": None}
-
-
+# The runs of h100_public.yaml ran: the model must admit each on the device it ran on (80 GB H100s;
+# torchtitan's on Grand Teton's 96 GB H100s, reference_h100.GRAND_TETON_MEMORY_BYTES). Nemotron-4
+# 340B's config (optim distributed_fused_adam, dtype bf16) keeps bf16 Adam state and no fp32 master:
+# priced as fp32 state it was 1.8 GiB over. torchtitan's 8B runs used per-op selective recompute
+# (recompute: op): priced with selective (the attention core only) they were 49 GiB over.
 @pytest.mark.parametrize("run", [r for r in public_runs()], ids=lambda r: r.name)
 def test_published_h100_runs_fit_the_device_they_ran_on(run) -> None:
     cluster, profile = software_cluster(run)
     est = estimate_plan(public_plan(run, profile), run_graph(run), cluster)
-    if run.name in NOT_ADMITTED:
-        margin = NOT_ADMITTED[run.name]
-        if margin is not None:
-            assert est.peak_memory_bytes - est.capacity_bytes <= margin
-        return
     assert est.fits, (run.name, est.peak_memory_bytes / 2**30)
+
+
+# torchtitan's published memory is the caching allocator's max reserved; autopar prices its own
+# executor's tensors plus what it holds outside them, for the same model and configuration. The two
+# rows are priced 11-12 % under it (docs/results.md), both by about 9 GiB: what the allocator reserves
+# above the tensors it holds is not priced, and has not been measured here. The bound keeps the
+# figure from drifting further.
+@pytest.mark.parametrize("run", [r for r in public_runs("torchtitan")], ids=lambda r: r.name)
+def test_torchtitan_runs_priced_within_15_percent_of_their_published_memory(run) -> None:
+    cluster, profile = software_cluster(run)
+    est = estimate_plan(public_plan(run, profile), run_graph(run), cluster)
+    assert est.peak_memory_bytes == pytest.approx(run.published_peak_bytes, rel=0.15)
 
 
 def test_a_te_layer_keeps_34_h_bytes_per_token_for_llama3_8b_shapes() -> None:
