@@ -12,6 +12,10 @@ each with published, predicted and error, and the mean and max |error| per table
    (informational: that hardware is not h100-80g). One profile per GPU and software; no per-row terms.
 
 Usage: python benchmarks/calibration.py        (exit code 1 if any target is missed; runs in about a minute)
+       python benchmarks/calibration.py --holdout   (leave-one-source-out: each H100 source's runs predicted
+                                                     with the fitted constants re-derived without it,
+                                                     autopar.reference_fit; targets: held-out mean <= 5 %,
+                                                     max <= 10 % per source)
 """
 
 from __future__ import annotations
@@ -233,8 +237,49 @@ def memory_tables() -> None:
     print()
 
 
+def holdout_table() -> None:
+    """Leave-one-source-out (autopar.reference_fit): per H100 source, the step-time error of its runs
+    with the shipped constants (in-sample: chosen with these runs) and with constants fitted without
+    them (held-out), and the constants of each fold."""
+    from autopar.reference_fit import FITTED, SOURCES, holdout, shipped_values
+
+    folds = holdout(progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True))
+    rows = []
+    for f in folds:
+        def stats(errs: tuple[float, ...]) -> tuple[str, str]:
+            return f"{100 * sum(map(abs, errs)) / len(errs):.1f}", f"{100 * max(map(abs, errs)):.1f}"
+
+        fitted = f.source in SOURCES
+        rows.append((f.source, len(f.names), *stats(f.in_sample), *stats(f.held_out),
+                     "" if fitted else "never fitted (other hardware)",
+                     ", ".join(f"{k} kept" for k in f.kept)))
+        if fitted:
+            errs = [abs(e) for e in f.held_out]
+            check(sum(errs) / len(errs) <= 0.05, f"held-out {f.source} mean <= 5 %")
+            check(max(errs) <= 0.10, f"held-out {f.source} max <= 10 %")
+    print("h100_public.yaml, leave one source out: step-time |error| % of each source's runs")
+    print(table(["left out", "runs", "in-sample mean", "in-sample max", "held-out mean", "held-out max", "",
+                 "constants"], rows, align="lrrrrrll"))
+    print()
+    shipped = shipped_values()
+    consts = [(k.name, ", ".join(k.profiles), f"{shipped[k.name]:.3f}",
+               *(f"{f.values[k.name]:.3f}" + ("*" if k.name in f.kept else "") for f in folds)) for k in FITTED]
+    print("fitted constants: shipped, and fitted without each source (the last column: on every source; * kept)")
+    print(table(["constant", "profiles", "shipped", *(f"w/o {f.source}" if f.source in SOURCES else "all sources"
+                                                      for f in folds)], consts, align="ll" + "r" * (len(folds) + 1)))
+    print()
+
+
 def main() -> int:
     start = time.perf_counter()
+    if "--holdout" in sys.argv[1:]:
+        holdout_table()
+        elapsed = time.perf_counter() - start
+        if FAILURES:
+            print(f"FAIL ({len(FAILURES)} targets missed: {'; '.join(FAILURES)}) in {elapsed:.1f} s")
+            return 1
+        print(f"PASS: every held-out target met in {elapsed:.1f} s")
+        return 0
     cluster = load_cluster("a100-80g")
     megatron_table(cluster)
     table4(cluster)

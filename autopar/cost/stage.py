@@ -26,7 +26,13 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time, usable_layer_table
 from autopar.cost.evolve import evolve
-from autopar.cost.framework import grad_reduce_bytes, per_microbatch_s, per_step_s_per_param, trains_under_autocast
+from autopar.cost.framework import (
+    dp_wrapper,
+    grad_reduce_bytes,
+    per_microbatch_s,
+    per_step_s_per_param,
+    trains_under_autocast,
+)
 from autopar.cost.megatron_memory import layer_widths, megatron_activations
 from autopar.cost.memory import (
     RECOMPUTE_ORDER,
@@ -158,6 +164,9 @@ class StageTerms:
     # FSDP2's held reduce-scatter input: one block's gradients in fp32, held while the next block's
     # backward runs (cost.zero.held_reduce_input_bytes_per_param); 0 where it is not in the peak
     held_reduce_bytes: float = 0.0
+    # The share of the rank's gradient memory not yet allocated at its loss, where a step's loss
+    # meets no gradient (``loss_free_grads_share``); 0 where the loss meets them all
+    loss_free_grads: float = 0.0
 
     @property
     def after_sync_s_per_param(self) -> float:
@@ -216,7 +225,15 @@ class StageTerms:
                                       own_act=self.recompute_parts[mode].act_bytes)
                 - self.rank_other_bytes(rank, last_rank))
 
-    def rank_other_bytes(self, rank: int, last_rank: int, working: float = 0.0, own_act: float | None = None) -> float:
+    def loss_other_bytes(self, rank: int) -> float:
+        """The loss phase of ``rank_other_bytes`` alone, on a rank without a pipeline (first and
+        last): the loss's temporaries, ZeRO-3's prefetched first block and its root parameters."""
+        assert self.config.pp == 1, "the loss phase alone is asked of a rank without a pipeline"
+        root = self.zero3_root_params_per_byte * (self.pre.params + self.post.params)
+        return root + self.post.peak_bytes + self.zero3_gather_bytes
+
+    def rank_other_bytes(self, rank: int, last_rank: int, working: float = 0.0, own_act: float | None = None,
+                         loss: bool = True) -> float:
         """Memory of pipeline rank ``rank`` beyond its model states, its saved activations and the
         reserve (the estimate's "other" less the reserve), whatever its block count. The step
         peaks in one of three phases, whichever holds most:
@@ -240,13 +257,14 @@ class StageTerms:
         gathered from forward to backward) and the pipeline's receive buffers
         (``pipeline_buffer_bytes`` per micro-batch and receiving chunk: every chunk but the first
         receives activations, every one but the last their gradients). Non-decreasing in
-        ``working``: a mix pays the largest working set of the modes it uses."""
+        ``working``: a mix pays the largest working set of the modes it uses. ``loss`` False: the
+        loss phase left out (``loss_other_bytes`` alone)."""
         c = self.config
         first, last = rank == 0, rank == last_rank
         own = self.block.act_bytes if own_act is None else own_act
         phases = [self.transient_bytes + working + self.block.peak_bytes - (self.post.act_bytes if last else 0.0)
                   + max(0.0, self.held_reduce_bytes - own)]
-        if last:
+        if last and loss:
             phases.append(self.post.peak_bytes + self.zero3_gather_bytes)
         if first:
             phases.append(self.pre.peak_bytes)
@@ -264,6 +282,21 @@ def _autocast_copies(cluster: Cluster, cfg: Config) -> bool:
     training in 16 bits under autocast, i.e. a data-parallel kind without FSDP2's param_dtype (DDP,
     or one data-parallel rank; ``replicate`` takes FSDP2's policy)."""
     return cluster.autocast_weight_copies and cfg.dtype_bytes < 4 and trains_under_autocast(cfg)
+
+
+def loss_free_grads_share(cfg: Config, cluster: Cluster) -> float:
+    """The share of a rank's gradient memory (``state_split['grads']``) that does not exist yet at
+    the loss of a step with one micro-batch and no pipeline: the step's first backward starts at
+    the loss, and the executor sets gradients to None after each optimizer step
+    (executor/train.py), so FSDP2's sharded or replicated gradients and a lone rank's are made
+    during the backward that follows. DDP's communication buckets (half its figure,
+    ``cost.zero.gradient_bytes_per_param``) persist from construction, and so does a gradient
+    buffer of the software's own (Megatron-Core's ``main_grad_bytes``). With more micro-batches, or
+    under a pipeline, a loss meets the gradients of the micro-batches before it: 0. Rehearsal of
+    Llama-3 8B, FSDP2 over 8 ranks, one micro-batch of 2 (docs/results.md): no gradient at the peak."""
+    if cfg.pp > 1 or cfg.num_microbatches > 1 or cluster.main_grad_bytes or cluster.activation_memory == "megatron":
+        return 0.0
+    return 0.5 if dp_wrapper(cfg) == "ddp" else 1.0
 
 
 def _pipeline_buffer_bytes(cfg: Config, cluster: Cluster, tokens_bytes: float, sp: float) -> float:
@@ -393,6 +426,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         framework_s_per_param=framework,
         transient_bytes=transient,
         held_reduce_bytes=block.params * held_reduce_input_bytes_per_param(cfg, cluster),
+        loss_free_grads=loss_free_grads_share(cfg, cluster),
         tied_params=tied,
         reserve_bytes=reserve_bytes(cluster, cfg, tokens_bytes),
         capacity_bytes=cluster.memory_bytes,

@@ -171,6 +171,12 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
         _die_with(f"rank {os.environ.get('RANK', '0')} could not join the process group within --timeout "
                   f"{options.timeout_s:g} s ({first}); another rank died or hung at start-up (see its log)", 4)
     rank = dist.get_rank()
+    if dist.get_world_size() > 1:
+        from autopar.executor.same_model import check_same_model
+
+        different = check_same_model(mf.build("meta"), device)
+        if different:
+            _die_with(different, 2)
     watchdog = Watchdog(rank, limit_s=2 * options.timeout_s + 60, timeout_s=options.timeout_s)
     tracer = None
     report_error: str | None = None

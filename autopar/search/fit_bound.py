@@ -10,7 +10,8 @@ same memory family (``search.ilp.block_capacities``) with
 
     sigma_lb  the ZeRO formula's state bytes per parameter (autopar.cost.memory; the executor's
               fp32 ZeRO-1 accumulator and DDP's buckets only add), less what the offload mode
-              moves to the host,
+              moves to the host, and less the gradients where a step's only micro-batch without a
+              pipeline may meet none at its loss,
     alpha_lb  the block's activations (0 under activation offload; a recompute mix: its most
               frugal mode's),
     I_r       the schedule's in-flight micro-batches,
@@ -38,6 +39,8 @@ def upper_capacity(base: StageTerms, *, zero: int, offload: Offload, schedule: s
     state = state_bytes_per_param(zero=zero, shard_degree=shard_degree, dtype_bytes=dtype_bytes, optimizer=optimizer,
                                   moment_bytes=moment_bytes, master_bytes=master_bytes)
     sigma = 0.0 if offload.params else state.total - (state.optimizer if offload.optimizer else 0.0)
+    if pp == 1 and num_microbatches == 1:  # the loss may meet no gradient (cost.stage.loss_free_grads_share)
+        sigma = max(0.0, sigma - state.grads)
     tables = [inflight_table(schedule, pp, r, num_microbatches, virtual_stages) for r in range(pp)]
     return block_capacities(base, pp=pp, virtual_stages=virtual_stages, tables=tables,
                             loss_inflight=loss_inflight_microbatches(schedule, pp, num_microbatches), sigma=sigma,

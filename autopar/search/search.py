@@ -243,8 +243,9 @@ def search(
 def _memory_lb(graph: ModelGraph, cluster: Cluster, base: StageTerms, branch: Branch, has_host: bool = False,
                zero: int | None = None, offload: Offload | None = None) -> float:
     """A lower bound on the peak memory of any config of ``branch``: the average rank's model
-    states (under its most sharded ZeRO stage) and one micro-batch of activations (every rank
-    keeps at least one in flight), plus the framework reserve. ``has_host`` (host offload): offload is
+    states (under its most sharded ZeRO stage; without gradients where a step's only micro-batch
+    may meet none at its loss) and one micro-batch of activations (every rank keeps at least one
+    in flight), plus the framework reserve. ``has_host`` (host offload): offload is
     searched, so the bound takes what the most frugal offload mode of the branch leaves on the GPU;
     ``zero`` and ``offload`` given: the bound of that ZeRO stage and offload mode only."""
     from autopar.cost.memory import state_bytes_per_param
@@ -255,6 +256,8 @@ def _memory_lb(graph: ModelGraph, cluster: Cluster, base: StageTerms, branch: Br
                                   dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer,
                                   moment_bytes=cluster.optimizer_moment_bytes, master_bytes=cluster.master_weight_bytes)
     best = state.total
+    if branch.pp == 1 and branch.num_microbatches == 1:  # the loss may meet no gradient (stage.loss_free_grads_share)
+        best -= state.grads
     block_act = _least_block_act(base, graph)
     if offload is not None:
         offs: Sequence[Offload] = (offload,)

@@ -136,3 +136,60 @@ def test_run_cli_relaunches_and_matches_reference(tmp_path: Path) -> None:
     torch.set_num_threads(2)
     ref, _ = run_reference(load_model_file(MODELS["gpt"]), case.plan(), steps=2, seed=7, lr=1e-3)
     assert got["losses"] == pytest.approx(ref, rel=1e-4)
+
+
+RANK_DEPENDENT_MODEL = '''
+import os
+import torch
+from torch import nn
+
+WIDTH = 16 + 8 * int(os.environ.get("RANK", "0"))  # a model file that reads its rank: a different width on each
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(micro_batch_size):
+    return torch.randn(micro_batch_size, 8)
+'''
+
+
+def test_ranks_that_build_different_models_are_named_in_one_line(tmp_path: Path) -> None:
+    model = tmp_path / "rank_model.py"
+    model.write_text(RANK_DEPENDENT_MODEL)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(json.dumps({
+        "version": 1, "model": {"file": str(model), "num_blocks": 2},
+        "cluster": {"profile": "cpu-local-2", "num_gpus": 2, "gpus_per_node": 2},
+        "training": {"global_batch_size": 4, "micro_batch_size": 1, "seq_len": 1, "dtype": "fp32"},
+        "parallel": {"dp": 2, "tp": 1, "pp": 1}}))
+    cmd = [sys.executable, "-m", "autopar", "run", str(plan), "--nproc-per-node", "2", "--steps", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("autopar: error:")]
+    assert errors and "the ranks built different models -- rank 0 " in errors[-1], proc.stderr[-3000:]
+    assert "rank 1 " in errors[-1] and "Traceback" not in proc.stderr

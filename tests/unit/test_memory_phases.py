@@ -97,3 +97,55 @@ def test_a_mix_releases_its_later_blocks_before_an_earlier_block_re_runs() -> No
     # the two none blocks cost their activations, not their activations on top of full's working set
     added = est.memory_bytes["activations"] - pure.memory_bytes["activations"]
     assert est.peak_memory_bytes - pure.peak_memory_bytes <= added - min(work_full, 2 * none_act) + 1
+
+
+BIG_VOCAB = GPTConfig(num_layers=4, hidden_size=512, num_heads=8, seq_len=2048, vocab_size=65536)
+
+
+def _one_microbatch_plan(cfg: GPTConfig = CFG, **par) -> Plan:
+    dp = par.get("dp", 1)
+    n = dp * par.get("pp", 1) * par.get("tp", 1)
+    return Plan(model=ModelRef(file=str(gpt_model_path(cfg)), num_blocks=cfg.num_layers),
+                cluster=ClusterRef(profile="h100-80g", num_gpus=n, gpus_per_node=8),
+                training=Training(global_batch_size=dp, micro_batch_size=1, seq_len=cfg.seq_len, dtype="bf16"),
+                parallel=Parallel(**par))
+
+
+@pytest.mark.parametrize("par,share", [
+    ({"dp": 8, "zero": 3}, 1.0),  # FSDP2 makes its sharded gradients in backward
+    ({"dp": 8, "zero": 1}, 1.0),
+    ({"dp": 1}, 1.0),  # a lone rank: autograd's own
+    ({"dp": 8, "zero": 0}, 0.5),  # DDP: its buckets persist, the gradients beside them do not
+])
+def test_a_steps_only_micro_batch_meets_its_loss_without_gradients(par: dict, share: float) -> None:
+    from autopar.cost.stage import loss_free_grads_share
+
+    cfg = _config(_one_microbatch_plan(**par))
+    assert cfg.num_microbatches == 1
+    assert loss_free_grads_share(cfg, load_cluster("h100-80g")) == share
+    assert loss_free_grads_share(cfg, load_cluster("h100-80g-megatron")) == 0.0  # its gradient buffer persists
+    assert loss_free_grads_share(_config(_plan(**par)), load_cluster("h100-80g")) == 0.0  # 8 micro-batches
+
+
+@pytest.mark.parametrize("model,loss_peaks", [(BIG_VOCAB, True), (CFG, False)], ids=["vocab-64k", "vocab-8k"])
+def test_the_peak_is_the_larger_of_the_loss_without_gradients_and_the_rest_with_them(model, loss_peaks) -> None:
+    cluster = load_cluster("h100-80g")
+    graph = gpt_graph(model)
+    plan = _one_microbatch_plan(model, dp=8, zero=3, recompute="full")
+    t = build_terms(graph, cluster, _config(plan))
+    est = estimate_plan(plan, graph, cluster)
+    params = model.num_layers * t.block.params + t.pre.params + t.post.params
+    grads = params * t.state_split["grads"]
+    states = params * t.state_bytes_per_param
+    act = est.memory_bytes["activations"]
+    at_loss, rest = t.loss_other_bytes(0), t.rank_other_bytes(0, 0, loss=False)
+    assert (at_loss - grads > rest) == loss_peaks
+    want = max(states + act + rest, states - grads + act + at_loss) + t.reserve_bytes
+    assert est.peak_memory_bytes == pytest.approx(want)
+    assert est.memory_bytes["grads"] == (0.0 if loss_peaks else pytest.approx(grads))
+    # with a second micro-batch its loss meets the first one's gradients
+    two = estimate_plan(dataclasses.replace(plan, training=dataclasses.replace(plan.training, global_batch_size=16)),
+                        graph, cluster)
+    assert two.memory_bytes["grads"] == pytest.approx(grads)
+    assert two.peak_memory_bytes == pytest.approx(states + two.memory_bytes["activations"] + max(at_loss, rest)
+                                                  + t.reserve_bytes)
