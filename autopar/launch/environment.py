@@ -67,8 +67,9 @@ def environment_fault(environ: Mapping[str, str], nproc_per_node: int | None) ->
     port = _int(environ, "MASTER_PORT")
     if port is None or not 1 <= port <= 65535:
         return f"MASTER_PORT={environ['MASTER_PORT']} in the environment is not a port number (1-65535); fix it"
-    if rank == 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        # rank 0 serves the rendezvous store on MASTER_PORT (env:// without torchrun's agent store)
+    if rank == 0 and "TORCHELASTIC_RUN_ID" not in environ:
+        # a hand-made launch (no torchrun agent, which owns its ports): rank 0 serves the env://
+        # rendezvous store on MASTER_PORT
         busy = port_in_use(environ["MASTER_ADDR"], port)
         if busy:
             return (f"MASTER_PORT={port} is already in use on {environ['MASTER_ADDR']} (another job, or a rank of "

@@ -247,7 +247,8 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
         model.train()
         block = model.get_submodule(blocks_attr)[0]
         shapes = [(s, b) for s in seqs for b in cfg.micro_batches]
-        measured = _measure(mf, model, block, [_inputs(mf, b, device, seq, s, vocab, dtype) for s, b in shapes], device,
+        rank_loss = _RankLoss(mf.loss_fn, tp) if mf.loss_fn is not None else None
+        measured = _measure(rank_loss, model, block, [_inputs(mf, b, device, seq, s, vocab, dtype) for s, b in shapes], device,
                             cfg)
         for (s, b), (med, saved, peak) in zip(shapes, measured):
             for region in regions:  # at tp > 1 the edges too are this tp rank's vocabulary shard
@@ -263,8 +264,8 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
             s = seq // cp
             with _cp_core(block, core_name, kind, cp, seq):
                 try:
-                    measured = _measure(mf, model, block, [_inputs(mf, b, device, seq, s, vocab, dtype) for b in cfg.micro_batches],
-                                        device, cfg)
+                    measured = _measure(rank_loss, model, block,
+                                        [_inputs(mf, b, device, seq, s, vocab, dtype) for b in cfg.micro_batches], device, cfg)
                 except RuntimeError as exc:  # e.g. ulysses with heads not divisible by cp
                     if log:
                         log(f"s={s} tp={tp} cp={cp} {kind}: not measured ({str(exc).splitlines()[0]})")
@@ -277,6 +278,8 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
                 if log:
                     log(f"b={b} s={s} tp={tp} cp={cp} {kind}: block fwd {med['block.fwd'] * 1e3:.2f} ms bwd "
                         f"{med['block.bwd'] * 1e3:.2f} ms, saved {saved['block'] / 2**20:.1f} MiB")
+        if log and rank_loss is not None and rank_loss.note:
+            log(rank_loss.note)
         del model
     return LayerTable(model_name=mf.name, model_sha256=mf.sha256, dtype=cfg.dtype, seq_len=seq or 1,
                       edges_replicated=False, regions={r: tuple(p) for r, p in regions.items() if p})
@@ -292,7 +295,31 @@ def _inputs(mf: ModelFile, b: int, device: torch.device, seq: int, s: int, vocab
     return _clamp_tokens(inputs, vocab)
 
 
-def _measure(mf: ModelFile, model: nn.Module, block: nn.Module, inputs: list[Any], device: torch.device,
+class _RankLoss:
+    """The model file's loss as one tp rank of the executor runs it (executor/tensor_parallel.py):
+    on the rank's vocabulary slice of the logits, or, for a loss_fn that cannot take a slice (it
+    reshapes by the whole vocabulary, or gathers by token id), on the whole logits, which the
+    executor then all-gathers first. The slice repeated tp times stands for the gathered logits: the
+    same shape, so the same work. ``note`` says when the whole logits were used."""
+
+    def __init__(self, loss_fn: Callable, tp: int) -> None:
+        self.loss_fn, self.tp = loss_fn, tp
+        self.note: str | None = None
+
+    def __call__(self, out: Any, inputs: Any) -> torch.Tensor:
+        if self.note is None:
+            try:
+                return self.loss_fn(out, inputs)
+            except Exception as exc:  # noqa: BLE001 - the user's loss on a slice it was not written for
+                if self.tp == 1 or not isinstance(out, torch.Tensor):
+                    raise
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+                self.note = (f"tp={self.tp}: loss_fn does not run on one rank's vocabulary slice ({type(exc).__name__}: "
+                             f"{first}); its loss is timed on the whole logits, as the executor gathers them")
+        return self.loss_fn(torch.cat([out] * self.tp, dim=-1), inputs)
+
+
+def _measure(loss_fn: Callable | None, model: nn.Module, block: nn.Module, inputs: list[Any], device: torch.device,
              cfg: LayerProfileConfig) -> list[tuple[dict[str, float], dict[str, float], float]]:
     """Per shape of ``inputs``: (median seconds per region/phase, saved bytes per region, peak live
     bytes). The shapes take turns, one run each per round, so that a slow spell of a shared machine
@@ -301,7 +328,7 @@ def _measure(mf: ModelFile, model: nn.Module, block: nn.Module, inputs: list[Any
     samples: list[dict[str, list[float]]] = [{} for _ in inputs]
     for i in range(cfg.warmup + cfg.repeats):
         for j, x in enumerate(inputs):
-            times, _ = _one_run(model, block, x, mf.loss_fn, device, None)
+            times, _ = _one_run(model, block, x, loss_fn, device, None)
             if i >= cfg.warmup:
                 for k, v in times.items():
                     samples[j].setdefault(k, []).append(v)
@@ -309,7 +336,7 @@ def _measure(mf: ModelFile, model: nn.Module, block: nn.Module, inputs: list[Any
     for j, x in enumerate(inputs):
         live = LiveBytes()
         with live:
-            _, saved = _one_run(model, block, x, mf.loss_fn, device, live)
+            _, saved = _one_run(model, block, x, loss_fn, device, live)
         out.append(({k: statistics.median(v) for k, v in samples[j].items()}, saved, float(live.peak_bytes)))
     return out
 

@@ -41,11 +41,16 @@ def test_each_fault_is_one_line_naming_what_to_change(env: dict, nproc: int | No
     ({}, None), ({}, 2), (GOOD, None), ({"WORLD_SIZE": "1"}, None), ({"RANK": "0", "WORLD_SIZE": "1"}, None),
     # a rank autopar's own launcher started carries its own variables (launch/local.py rank_env)
     ({**GOOD, "AUTOPAR_LOOPBACK_STORE": "1", "AUTOPAR_LAUNCHER_PID": "1"}, 2),
-    # torchrun's agent serves the store: rank 0 does not bind MASTER_PORT
-    ({**GOOD, "RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}, None),
+    # under torchrun its agent owns the ports: a busy MASTER_PORT is not rank 0's to check
+    ({**GOOD, "RANK": "0", "MASTER_PORT": "BUSY", "TORCHELASTIC_RUN_ID": "x"}, None),
 ])
 def test_a_sound_environment_passes(env: dict, nproc: int | None) -> None:
-    assert environment_fault(env, nproc) is None
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        if env.get("MASTER_PORT") == "BUSY":
+            env = {**env, "MASTER_PORT": str(taken.getsockname()[1])}
+        assert environment_fault(env, nproc) is None
 
 
 def test_a_busy_port_is_named_for_the_rank_that_serves_the_store() -> None:

@@ -61,6 +61,8 @@ def test_wrong_world_size_under_torchrun_fails_before_init(tmp_path: Path, monke
     plan = _save(Case(name="dp2", model="gpt", parallel={"dp": 2}), tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
+    for var, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("TORCHELASTIC_USE_AGENT_STORE", "True")):
+        monkeypatch.setenv(var, value)  # as torchrun sets them
     with pytest.raises(AutoparError, match=r"needs 2 processes .* but 3 were started"):
         run_main(_args(str(plan)))
     assert not dist.is_initialized()
