@@ -1,19 +1,22 @@
-"""Leave-one-source-out validation of the H100 constants fitted to published runs.
+"""Leave-one-source-out validation of the profile constants fitted to published runs.
 
-The H100 profiles carry a few efficiencies that no datasheet gives and that were chosen against
-the runs of calibration/h100_public.yaml (``FITTED``): the GEMMs' best fraction of peak, each
-software's fused attention efficiency and the share of an overlapped collective's time that still
-costs. An error measured on the runs those constants were chosen on says little about a run they
-were not; so, for each public source in turn, every fitted constant is re-derived from the other
-sources' runs alone (``fit``) and the left-out source's runs are predicted with them
-(``holdout``). That held-out error is the accuracy to state.
+The GPU profiles carry a few efficiencies that no datasheet gives and that were chosen against
+published measurements (``FITTED``): on H100 (calibration/h100_public.yaml) the GEMMs' best
+fraction of peak, each software's fused attention efficiency and the share of an overlapped
+collective's time that still costs; on A100 (``a100-80g``: Megatron-LM SC21 Table 1 and
+Korthikanti et al. 2022 Table 4) the GEMMs' best fraction and half-efficiency size, the fused
+attention's efficiency and the element-wise kernels' share of HBM bandwidth. An error measured on
+the runs those constants were chosen on says little about a run they were not; so, for each
+public source in turn, every constant of its GPU is re-derived from that GPU's other sources alone
+(``fit``) and the left-out source is predicted with them (``holdout``). That held-out error is the
+accuracy to state.
 
-The fit minimises the mean squared relative step-time error (predicted / published - 1) over its
-runs (Levenberg-Marquardt from the shipped values, inside each constant's physical bounds). A
-constant that no remaining run depends on (its profile priced none of them) cannot be re-derived:
-it keeps its shipped value and the fold says so (``Fold.kept``), its held-out figure then
-optimistic for that constant. torchtitan's runs ran on a 500 W part of
-unknown clocks (reference_h100): they are predicted in every fold, never fitted.
+The fit minimises the mean squared relative error (predicted / published - 1) over its figures
+(Levenberg-Marquardt from the shipped values, inside each constant's physical bounds). A constant
+that no remaining figure depends on (its profile priced none of them) cannot be re-derived: it
+keeps its shipped value and the fold says so (``Fold.kept``), its held-out figure then optimistic
+for that constant. torchtitan's runs ran on a 500 W part of unknown clocks (reference_h100): they
+are predicted in every fold, never fitted.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from typing import Callable, Sequence
 from autopar.cluster import Cluster
 from autopar.reference_h100 import PublicRun, public_plan, public_runs, run_graph, software_cluster
 
-SOURCES = ("dgxc", "megatron_core_r08", "llm_foundry")  # fitted and held out in turn
+# Fitted and held out in turn, per GPU: each source's runs are predicted with the constants fitted
+# on the other sources of its GPU (the other GPU's constants do not touch them).
+SOURCES = ("dgxc", "megatron_core_r08", "llm_foundry", "sc21", "korthikanti_t4")
 PREDICTED_ONLY = ("torchtitan",)  # other hardware: predicted with each fold's constants, never fitted
 
 
@@ -50,6 +55,10 @@ def _field(name: str) -> tuple[Callable[[Cluster], float], Callable[[Cluster, fl
     return (lambda c: getattr(c, name)), (lambda c, v: dataclasses.replace(c, **{name: v}))
 
 
+def _gemm_half_dim(c: Cluster, v: float) -> Cluster:
+    return dataclasses.replace(c, gemm=dataclasses.replace(c.gemm, half_dim=v))
+
+
 FITTED = (
     # the hardware's: one value for every software on it (h100-80g-megatron inherits h100-80g's)
     FittedConstant(name="gemm_max", profiles=("h100-80g", "h100-80g-megatron"), low=0.55, high=0.95,
@@ -62,6 +71,14 @@ FITTED = (
                    get=_field("overlap_cost_fraction")[0], put=_field("overlap_cost_fraction")[1]),
     FittedConstant(name="overlap cost (Megatron)", profiles=("h100-80g-megatron",), low=0.0, high=0.9,
                    get=_field("overlap_cost_fraction")[0], put=_field("overlap_cost_fraction")[1]),
+    FittedConstant(name="A100 gemm_max", profiles=("a100-80g",), low=0.55, high=0.95,
+                   get=lambda c: c.gemm.max, put=_gemm_max),
+    FittedConstant(name="A100 gemm_half_dim", profiles=("a100-80g",), low=16.0, high=1024.0,
+                   get=lambda c: c.gemm.half_dim, put=_gemm_half_dim),
+    FittedConstant(name="A100 attention", profiles=("a100-80g",), low=0.15, high=0.9,
+                   get=_field("attention_efficiency")[0], put=_field("attention_efficiency")[1]),
+    FittedConstant(name="A100 memory", profiles=("a100-80g",), low=0.4, high=0.95,
+                   get=_field("memory_efficiency")[0], put=_field("memory_efficiency")[1]),
 )
 
 ITERATIONS = 30
@@ -70,19 +87,74 @@ FD_STEP = 1e-3  # of a constant's bounds: the forward difference of the Jacobian
 
 @dataclass(frozen=True, kw_only=True)
 class _Row:
-    run: PublicRun
+    """One published figure: its source, the profile that prices it with the run's own settings
+    (``base``), the figure, and how the cost model predicts it on a cluster."""
+
+    name: str
+    source: str
     profile: str
-    base: Cluster  # the run's software profile with its stated settings (software_cluster)
-    plan: object
-    graph: object
+    base: Cluster
+    published: float
+    predict: Callable[[Cluster], float]
 
 
-def _rows(runs: Sequence[PublicRun]) -> list[_Row]:
+def _h100_rows(runs: Sequence[PublicRun]) -> list[_Row]:
+    from autopar.cost.estimate import estimate_plan
+
     out = []
     for run in runs:
         cluster, profile = software_cluster(run)
-        out.append(_Row(run=run, profile=profile, base=cluster, plan=public_plan(run, profile), graph=run_graph(run)))
+        plan, graph = public_plan(run, profile), run_graph(run)
+        out.append(_Row(name=run.name, source=run.group, profile=profile, base=cluster, published=run.step_time_s,
+                        predict=lambda c, plan=plan, graph=graph: estimate_plan(plan, graph, c).step_time_s))
     return out
+
+
+def _sc21_rows() -> list[_Row]:
+    """Megatron-LM SC21 Table 1: iteration time of each published configuration (fp16, full recompute)."""
+    from autopar.cluster import load_cluster
+    from autopar.cost.estimate import estimate_plan
+    from autopar.reference import gpt_graph, megatron_plan, megatron_rows
+
+    base = load_cluster("a100-80g")
+    out = []
+    for row in megatron_rows():
+        plan, graph = megatron_plan(row), gpt_graph(row.config, "fp16")
+        out.append(_Row(name=f"{row.params_billion:g}B", source="sc21", profile="a100-80g", base=base,
+                        published=row.iteration_time_s,
+                        predict=lambda c, plan=plan, graph=graph: estimate_plan(plan, graph, c).step_time_s))
+    return out
+
+
+def _table4_rows() -> list[_Row]:
+    """Korthikanti et al. 2022 Table 4: forward and backward ms of one layer of the 22B model at tp 8."""
+    from autopar.cluster import load_cluster
+    from autopar.cost.stage import Config, build_terms
+    from autopar.reference import KORTHIKANTI_22B, TABLE4_MODES, gpt_graph, load_calibration
+
+    base = load_cluster("a100-80g")
+    graph = gpt_graph(KORTHIKANTI_22B, "fp16")
+    out = []
+    for name, fwd, bwd, _ in load_calibration("korthikanti_2022.yaml")["table4_one_layer_of_22B_model_ms"]["rows"]:
+        sp, recompute = TABLE4_MODES[name]
+        cfg = Config(dp=1, tp=8, pp=1, cp=1, cp_kind="ring", sequence_parallel=sp, zero=0, recompute=recompute,
+                     schedule="1f1b", virtual_stages=1, micro_batch=4, global_batch=4, seq_len=2048, dtype_bytes=2,
+                     optimizer="adam")
+        for phase, ms in (("fwd", fwd), ("bwd", bwd)):
+            out.append(_Row(name=f"{name} {phase}", source="korthikanti_t4", profile="a100-80g", base=base,
+                            published=ms / 1e3,
+                            predict=lambda c, cfg=cfg, phase=phase: getattr(build_terms(graph, c, cfg).block,
+                                                                            f"{phase}_s")))
+    return out
+
+
+def source_rows(source: str) -> list[_Row]:
+    """The published figures of ``source`` (one of SOURCES or PREDICTED_ONLY)."""
+    if source == "sc21":
+        return _sc21_rows()
+    if source == "korthikanti_t4":
+        return _table4_rows()
+    return _h100_rows(public_runs(source))
 
 
 def shipped_values() -> dict[str, float]:
@@ -101,10 +173,8 @@ def _cluster(row: _Row, values: dict[str, float]) -> Cluster:
 
 
 def errors(rows: Sequence[_Row], values: dict[str, float]) -> list[float]:
-    """Signed step-time error (predicted / published - 1) of each row under ``values``."""
-    from autopar.cost.estimate import estimate_plan
-
-    return [estimate_plan(r.plan, r.graph, _cluster(r, values)).step_time_s / r.run.step_time_s - 1 for r in rows]
+    """Signed error (predicted / published - 1) of each row under ``values``."""
+    return [r.predict(_cluster(r, values)) / r.published - 1 for r in rows]
 
 
 def fit(rows: Sequence[_Row], start: dict[str, float], *, iterations: int = ITERATIONS) -> tuple[dict[str, float],
@@ -130,13 +200,16 @@ def fit(rows: Sequence[_Row], start: dict[str, float], *, iterations: int = ITER
     x = np.clip((np.array([start[k.name] for k in free]) - lo) / span, 0.0, 1.0)
     r = residuals(x)
     damping = 1e-2
-    for _ in range(iterations):
+    insensitive: set[str] = set()
+    for it in range(iterations):
         jac = np.empty((len(r), len(free)))
         for j in range(len(free)):
             h = FD_STEP if x[j] + FD_STEP <= 1.0 else -FD_STEP
             step = x.copy()
             step[j] += h
             jac[:, j] = (residuals(step) - r) / h
+        if it == 0:  # a constant no figure responds to (e.g. attention where every row runs unfused) is kept too
+            insensitive = {k.name for k, col in zip(free, jac.T) if not np.any(col)}
         normal = jac.T @ jac
         grad = jac.T @ r
         while damping < 1e6:
@@ -149,7 +222,8 @@ def fit(rows: Sequence[_Row], start: dict[str, float], *, iterations: int = ITER
             damping *= 10
         else:
             break  # no step lowers the squares: a minimum within the bounds
-    return {**start, **{k.name: float(v) for k, v in zip(free, lo + span * x)}}, kept
+    fitted = {**start, **{k.name: float(v) for k, v in zip(free, lo + span * x)}}
+    return fitted, tuple(k.name for k in FITTED if k.name in kept or k.name in insensitive)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,14 +243,29 @@ def holdout(sources: Sequence[str] = SOURCES, progress: Callable[[str], None] | 
     """Each source of ``sources`` left out in turn (module docstring); torchtitan's rows follow, predicted
     with the constants fitted on every source."""
     shipped = shipped_values()
-    by_source = {s: _rows(public_runs(s)) for s in (*sources, *PREDICTED_ONLY)}
+    by_source = {s: source_rows(s) for s in (*sources, *PREDICTED_ONLY)}
     folds = []
     for source in (*sources, *PREDICTED_ONLY):
         if progress:
             progress(f"fitting without {source}")
-        train = [r for s in sources if s != source for r in by_source[s]]
-        values, kept = fit(train, shipped)
         test = by_source[source]
+        gpu = {r.profile for r in test}
+        # the left-out source's GPU: only its constants are fitted (the others do not touch its rows)
+        train = [r for s in sources if s != source for r in by_source[s] if _same_gpu(r.profile, gpu)]
+        values, kept = fit(train, shipped)
+        kept = tuple(k for k in kept if any(_same_gpu(p, gpu) for p in _constant(k).profiles))
         folds.append(Fold(source=source, values=values, kept=kept, in_sample=tuple(errors(test, shipped)),
-                          held_out=tuple(errors(test, values)), names=tuple(r.run.name for r in test)))
+                          held_out=tuple(errors(test, values)), names=tuple(r.name for r in test)))
     return folds
+
+
+def _gpu(profile: str) -> str:
+    return profile.split("-")[0]
+
+
+def _same_gpu(profile: str, profiles: set[str]) -> bool:
+    return any(_gpu(profile) == _gpu(p) for p in profiles)
+
+
+def _constant(name: str) -> FittedConstant:
+    return next(k for k in FITTED if k.name == name)

@@ -12,8 +12,8 @@ each with published, predicted and error, and the mean and max |error| per table
    (informational: that hardware is not h100-80g). One profile per GPU and software; no per-row terms.
 
 Usage: python benchmarks/calibration.py        (exit code 1 if any target is missed; runs in about a minute)
-       python benchmarks/calibration.py --holdout   (leave-one-source-out: each H100 source's runs predicted
-                                                     with the fitted constants re-derived without it,
+       python benchmarks/calibration.py --holdout   (leave-one-source-out: each H100 and A100 source predicted
+                                                     with its GPU's fitted constants re-derived without it,
                                                      autopar.reference_fit; targets: held-out mean <= 5 %,
                                                      max <= 10 % per source)
 """
@@ -238,7 +238,7 @@ def memory_tables() -> None:
 
 
 def holdout_table() -> None:
-    """Leave-one-source-out (autopar.reference_fit): per H100 source, the step-time error of its runs
+    """Leave-one-source-out (autopar.reference_fit): per source, the error of its published figures
     with the shipped constants (in-sample: chosen with these runs) and with constants fitted without
     them (held-out), and the constants of each fold."""
     from autopar.reference_fit import FITTED, SOURCES, holdout, shipped_values
@@ -257,15 +257,16 @@ def holdout_table() -> None:
             errs = [abs(e) for e in f.held_out]
             check(sum(errs) / len(errs) <= 0.05, f"held-out {f.source} mean <= 5 %")
             check(max(errs) <= 0.10, f"held-out {f.source} max <= 10 %")
-    print("h100_public.yaml, leave one source out: step-time |error| % of each source's runs")
+    print("leave one source out: |error| % of each source's published figures (H100 step times; A100: SC21 iteration "
+          "times, Table 4 layer fwd/bwd)")
     print(table(["left out", "runs", "in-sample mean", "in-sample max", "held-out mean", "held-out max", "",
                  "constants"], rows, align="lrrrrrll"))
     print()
     shipped = shipped_values()
     consts = [(k.name, ", ".join(k.profiles), f"{shipped[k.name]:.3f}",
                *(f"{f.values[k.name]:.3f}" + ("*" if k.name in f.kept else "") for f in folds)) for k in FITTED]
-    print("fitted constants: shipped, and fitted without each source (the last column: on every source; * kept)")
-    print(table(["constant", "profiles", "shipped", *(f"w/o {f.source}" if f.source in SOURCES else "all sources"
+    print("fitted constants: shipped, and fitted without each source (the last column: on every H100 source; * kept)")
+    print(table(["constant", "profiles", "shipped", *(f"w/o {f.source}" if f.source in SOURCES else "all H100"
                                                       for f in folds)], consts, align="ll" + "r" * (len(folds) + 1)))
     print()
 
