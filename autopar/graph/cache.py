@@ -4,11 +4,13 @@ Contract:
 
 - Where: ``$XDG_CACHE_HOME/autopar/graphs`` (else ``~/.cache/autopar/graphs``), one JSON file per
   entry. Deleting the directory, or any file in it, is always safe: a missing entry is rebuilt.
-- Key: the sha256 of everything the graph depends on -- the model file's bytes (not what it
-  imports: edit a module it imports and pass ``--no-cache``), its name, the tracing inputs
+- Key: the sha256 of everything the graph depends on -- the model file's bytes, its name, the tracing inputs
   (sequence length, dtype), the torch version (read from package metadata: no import), autopar's
   version, the source of autopar's tracing code (``autopar/graph``, ``autopar/spec``, ``modelfile.py``,
   ``autopar/models``) and the shape of the ModelGraph dataclasses. Any change is a new key.
+- Beyond the key: what the build read besides the file's bytes -- the environment variables its
+  code read, the files it opened outside the installed packages (a config file, a module beside
+  it) -- is stored with the entry and must read the same for a hit (graph/build_inputs.py).
 - Format: JSON, never pickle -- a cache file is data, not code. ``ModelGraph`` is serialised
   generically from its dataclass fields and their type hints (nested dataclasses, dicts, tuples,
   optionals; the networkx graph is not stored, it is a view of the other fields), so a field added
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from autopar.errors import ModelFileError
+from autopar.graph.build_inputs import recording, unchanged
 from autopar.graph.model_graph import ModelGraph
 
 SCHEMA_VERSION = 1  # bump when the entry layout (not ModelGraph: that is fingerprinted) changes
@@ -238,6 +241,9 @@ def load_entry(key: dict[str, Any]) -> tuple[ModelGraph, int | None] | None:
         if not isinstance(entry, dict) or entry.get("key") != key:
             raise _Corrupt("another key")
         declared = decode(int | None, entry.get("declared_seq_len"), "declared_seq_len")
+        inputs = decode(dict[str, dict[str, str | None]], entry.get("inputs", {}), "inputs")
+        if not unchanged(inputs):  # the build read an environment variable or file that now differs
+            return None
         graph = decode(ModelGraph, entry.get("graph"))
     except (OSError, UnicodeDecodeError, ValueError, _Corrupt, RecursionError):
         return None
@@ -246,12 +252,14 @@ def load_entry(key: dict[str, Any]) -> tuple[ModelGraph, int | None] | None:
     return graph, declared
 
 
-def store_entry(key: dict[str, Any], graph: ModelGraph, declared_seq_len: int | None) -> Path | None:
-    """Write the entry atomically (a reader never sees half of one); None if the cache is not writable."""
+def store_entry(key: dict[str, Any], graph: ModelGraph, declared_seq_len: int | None,
+                inputs: dict[str, dict[str, str | None]] | None = None) -> Path | None:
+    """Write the entry atomically (a reader never sees half of one); None if the cache is not
+    writable. ``inputs``: what the build read besides the file's bytes (graph/build_inputs.py)."""
     path = _entry_path(key)
     try:
-        text = json.dumps({"key": key, "declared_seq_len": declared_seq_len, "graph": encode(graph)},
-                          separators=(",", ":"))
+        text = json.dumps({"key": key, "declared_seq_len": declared_seq_len, "inputs": inputs or {},
+                           "graph": encode(graph)}, separators=(",", ":"))
     except (TypeError, ValueError):
         return None  # a value JSON cannot hold exactly: do not cache rather than cache it wrong
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -302,13 +310,14 @@ def cached_graph(model: Any, *, seq_len: int | None, dtype: str, use_cache: bool
     from autopar.modelcheck import check_example_inputs
     from autopar.modelfile import load_model_file
 
-    mf = mf or load_model_file(path)
-    check_example_inputs(mf)  # the contract check; a hit's bytes passed it when they were traced
-    if mf.sha256 != sha:  # the file changed between hashing and importing: key the bytes imported
-        key = graph_key(file_sha256=mf.sha256, name=path.stem, seq_len=seq_len, dtype=dtype)
-    graph = build_graph(mf, seq_len=seq_len, dtype=dtype)
+    with recording(path) as inputs:  # what the build reads besides the file's bytes: part of the entry
+        mf = mf or load_model_file(path)
+        check_example_inputs(mf)  # the contract check; a hit's bytes passed it when they were traced
+        if mf.sha256 != sha:  # the file changed between hashing and importing: key the bytes imported
+            key = graph_key(file_sha256=mf.sha256, name=path.stem, seq_len=seq_len, dtype=dtype)
+        graph = build_graph(mf, seq_len=seq_len, dtype=dtype, memo=not use_cache)
     if use_cache:
-        store_entry(key, graph, mf.seq_len)
+        store_entry(key, graph, mf.seq_len, inputs)
     return graph, ModelSource(path=mf.path, sha256=mf.sha256, declared_seq_len=mf.seq_len)
 
 

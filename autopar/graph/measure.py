@@ -21,14 +21,15 @@ _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 
 
 def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtype: str = "bf16",
-                time_limit_s: float | None = None) -> ModelGraph:
-    """Measure ``model_file`` on meta and return its ModelGraph (cached per file, seq_len, dtype).
-    Building, probing and tracing together end within ``time_limit_s`` seconds of CPU time (default:
-    the AUTOPAR_TRACE_TIMEOUT_S environment variable, else 60; autopar.graph.time_limit) or raise a
-    one-line ModelFileError."""
+                time_limit_s: float | None = None, memo: bool = True) -> ModelGraph:
+    """Measure ``model_file`` on meta and return its ModelGraph (cached in this process per file,
+    seq_len, dtype; ``memo`` False: traced afresh -- the graph cache's miss, whose file may build
+    another model from the same bytes, graph/build_inputs.py). Building, probing and tracing
+    together end within ``time_limit_s`` seconds of CPU time (default: the AUTOPAR_TRACE_TIMEOUT_S
+    environment variable, else 60; autopar.graph.time_limit) or raise a one-line ModelFileError."""
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
     key = (str(mf.path.resolve()), mf.sha256, seq_len, dtype)
-    if key not in _CACHE:
+    if not memo or key not in _CACHE:
         with measure_time_limit(mf.path, time_limit_s):
             _CACHE[key] = _build(mf, seq_len, dtype)
     return _CACHE[key]

@@ -209,3 +209,50 @@ def test_warm_plan_runs_without_torch_and_equals_the_cold_plan(tiny_model, tmp_p
     _cli(["estimate", tiny_model, tmp_path / "cold.yaml", "--no-rank"], xdg, tmp_path)
     est = _cli(["estimate", tiny_model, tmp_path / "cold.yaml", "--no-rank"], no_torch, tmp_path)
     assert est.returncode == 0, est.stderr
+
+
+SIZED_BY_ENV = TINY.replace('CONFIG = GPTConfig(num_layers=2, hidden_size=64,',
+                            'import os\nCONFIG = GPTConfig(num_layers=2, hidden_size=int(os.environ.get("TINY_WIDTH", "64")),')
+SIZED_BY_MODULE = TINY.replace('CONFIG = GPTConfig(num_layers=2, hidden_size=64,',
+                               'from tiny_sizes import WIDTH\nCONFIG = GPTConfig(num_layers=2, hidden_size=WIDTH,')
+SIZED_BY_FILE = TINY.replace('CONFIG = GPTConfig(num_layers=2, hidden_size=64,',
+                             'import json, pathlib\nWIDTH = json.loads((pathlib.Path(__file__).parent / "sizes.json")'
+                             '.read_text())["width"]\nCONFIG = GPTConfig(num_layers=2, hidden_size=WIDTH,')
+
+
+def test_a_file_sized_by_an_environment_variable_is_not_served_the_cached_size(cache_home, tmp_path, monkeypatch):
+    path = tmp_path / "env_sized.py"
+    path.write_text(SIZED_BY_ENV, encoding="utf-8")
+    monkeypatch.setenv("TINY_WIDTH", "64")
+    small, _, missed = _graph(path)
+    assert missed
+    assert _graph(path)[2] is False  # the same environment: a hit
+    monkeypatch.setenv("TINY_WIDTH", "128")
+    big, _, missed = _graph(path)
+    assert missed and big.num_params > small.num_params
+    monkeypatch.setenv("TINY_WIDTH", "64")
+    again, _, missed = _graph(path)  # one entry per key: the last build's, traced again for this environment
+    assert missed and again.num_params == small.num_params
+
+
+@pytest.mark.parametrize("source,edit", [
+    (SIZED_BY_MODULE, ("tiny_sizes.py", "WIDTH = 64\n", "WIDTH = 128\n")),
+    (SIZED_BY_FILE, ("sizes.json", '{"width": 64}', '{"width": 128}')),
+], ids=["imported-module", "config-file"])
+def test_a_file_sized_by_a_file_beside_it_misses_when_that_file_changes(cache_home, tmp_path, monkeypatch, source,
+                                                                       edit):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(tmp_path))  # the module beside the model file is importable
+    name, before, after = edit
+    path = tmp_path / "sized.py"
+    path.write_text(source, encoding="utf-8")
+    (tmp_path / name).write_text(before, encoding="utf-8")
+    sys.modules.pop("tiny_sizes", None)
+    small, _, missed = _graph(path)
+    assert missed and _graph(path)[2] is False
+    (tmp_path / name).write_text(after, encoding="utf-8")
+    sys.modules.pop("tiny_sizes", None)
+    importlib.invalidate_caches()
+    big, _, missed = _graph(path)
+    assert missed and big.num_params > small.num_params
