@@ -156,13 +156,13 @@ class Cluster:
     # single rank) under torch.autocast over fp32 parameters: every Linear saves the bf16 copy of its
     # weight for backward, one per micro-batch in flight. Megatron keeps bf16 parameters instead.
     autocast_weight_copies: bool = True
-    # issue 14 (CPU and activation offload), the profile's optional ``host:`` section. 0 = not given:
+    # CPU and activation offload: the profile's optional ``host:`` section. 0 = not given:
     # the search offers no offload on this cluster and estimating an offload plan is an error
     # naming the missing figure (autopar.cost.offload.require_host).
     host_memory_bytes_per_node: float = 0.0  # host DRAM of one node, shared by its GPUs
     host_link_bandwidth_bytes_per_s: float = 0.0  # GPU <-> host copies, per GPU with all GPUs copying at once
     cpu_optimizer_params_per_s: float = 0.0  # CPU Adam updates per second of one node (all its sockets)
-    # issue 18: FSDP2 / DTensor CPU time per parameter tensor beyond the collectives' bytes
+    # framework time: FSDP2 / DTensor CPU time per parameter tensor beyond the collectives' bytes
     # (autopar.cost.framework), from a measured profile's ``measured.comm.fsdp``; 0 = not measured.
     fsdp_gather_s_per_tensor: float = 0.0
     fsdp_reduce_s_per_tensor: float = 0.0
@@ -296,7 +296,7 @@ def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
         changes[measured.comm_link] = dataclasses.replace(
             link, fits=fits, bandwidth_bytes_per_s=base.bandwidth_bytes_per_s, latency_s=base.latency_s,
             max_efficiency=1.0, half_efficiency_bytes=0.0, rendezvous_s=measured.comm_rendezvous_s)
-    for key, name in FSDP_KEYS.items():  # issue 18: measured with the collectives, on the same ranks
+    for key, name in FSDP_KEYS.items():  # framework time: measured with the collectives, on the same ranks
         if key in measured.comm_fsdp:
             changes[name] = measured.comm_fsdp[key]
     try:
@@ -305,7 +305,7 @@ def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
         raise ClusterError(f"measured profile over {cluster.name}: {exc}") from None
 
 
-# measured.comm.fsdp key -> Cluster field (issue 18, autopar.cost.framework)
+# measured.comm.fsdp key -> Cluster field (framework time, autopar.cost.framework)
 FSDP_KEYS = {"gather_s_per_tensor": "fsdp_gather_s_per_tensor", "reduce_s_per_tensor": "fsdp_reduce_s_per_tensor",
              "optimizer_s_per_tensor": "dtensor_optimizer_s_per_tensor"}
 
@@ -354,7 +354,7 @@ _HOST_KEYS = {"memory_bytes_per_node": "host_memory_bytes_per_node",
 
 
 def _host(data: Any, where: str) -> dict[str, float]:
-    """The optional ``host:`` section (issue 14); absent keys keep the Cluster defaults (0 = not given)."""
+    """The optional ``host:`` section (host offload); absent keys keep the Cluster defaults (0 = not given)."""
     if not isinstance(data, Mapping):
         raise ClusterError(f"{where} must be a mapping")
     unknown = sorted(set(data) - set(_HOST_KEYS), key=str)

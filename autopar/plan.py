@@ -291,7 +291,7 @@ def _normalise_stages(stages: Any) -> tuple[tuple[int, int], ...]:
 
 
 def _normalise_recompute_blocks(value: Any, pp: int) -> tuple[tuple[int, int, int], ...]:
-    """Issue 14: ``[{none: n, selective: n, full: n}, ...]`` (one mapping per pipeline rank; an
+    """Per-stage recompute: ``[{none: n, selective: n, full: n}, ...]`` (one mapping per pipeline rank; an
     omitted mode counts 0) as (none, selective, full) tuples. Already-normalised tuples pass."""
     key = "parallel.recompute_blocks"
     if not isinstance(value, (list, tuple)) or len(value) != pp:

@@ -9,7 +9,7 @@ prediction would be meaningless. The rules (docs/profiles.md, "Conditions"):
 
 * **dtype** differs (profile measured in fp32, plan in bf16): an **error**. Both the layer tables
   and the fitted kernel figures (peak FLOP/s, memory bandwidth) are of the measured dtype; a bf16
-  plan priced from fp32 kernels was +301 % off on a CPU (issue 18). ``plan`` takes the profile's
+  plan priced from fp32 kernels was +301 % off on a CPU. ``plan`` takes the profile's
   dtype by default, so the error needs an explicit ``--dtype``.
 * **device type** differs (validate on cuda with a cpu profile): an **error**.
 * **concurrent ranks** (CPU profiles, where the ranks of one run share the cores): the run's ranks
@@ -188,7 +188,7 @@ def price_for_run(cluster: Cluster, run: RunConditions, *, profile_label: str, m
             if abs(fc - 1.0) > 1e-9:
                 link = cluster.measured.comm_link if cluster.measured is not None else "intra_node"
                 changes[link] = _scaled_link(getattr(cluster, link), fc)
-                # issue 18: FSDP2's per-tensor CPU time was measured on the same ranks as the collectives
+                # framework time: FSDP2's per-tensor CPU time was measured on the same ranks as the collectives
                 for name in ("fsdp_gather_s_per_tensor", "fsdp_reduce_s_per_tensor", "dtensor_optimizer_s_per_tensor"):
                     changes[name] = getattr(cluster, name) * fc
         if not cond.comm_ranks and R > 1:

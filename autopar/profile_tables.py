@@ -196,7 +196,7 @@ class MeasuredProfile:
     comm_ranks: int = 0
     comm: Mapping[str, CollectiveFit] = field(default_factory=dict)
     comm_rendezvous_s: float = 0.0  # extra per blocking collective between compute (autopar.profiler.comm)
-    # issue 18: FSDP2 / DTensor seconds per parameter tensor (autopar.profiler.fsdp; cost.framework)
+    # framework time: FSDP2 / DTensor seconds per parameter tensor (autopar.profiler.fsdp; cost.framework)
     comm_fsdp: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -370,7 +370,7 @@ FSDP_FIGURES = ("gather_s_per_tensor", "reduce_s_per_tensor", "optimizer_s_per_t
 
 
 def _fsdp(value: Any, where: str) -> dict[str, float]:
-    """``measured.comm.fsdp`` (issue 18): the three per-tensor figures, each >= 0; absent: {}."""
+    """``measured.comm.fsdp`` (framework time): the three per-tensor figures, each >= 0; absent: {}."""
     data = _mapping(value, where)
     unknown = sorted(set(data) - set(FSDP_FIGURES) - {"tensors", "units"}, key=str)
     if unknown:
@@ -401,6 +401,6 @@ def comm_to_dict(fits: Mapping[str, CollectiveFit], ranks: int, link: str, rende
     out = {"ranks": ranks, "link": link, "rendezvous_s": rendezvous_s, "collectives": {
         k: {"latency_s": f.latency_s, "bandwidth_bytes_per_s": f.bandwidth_bytes_per_s,
             "points": [list(p) for p in f.points]} for k, f in fits.items()}}
-    if fsdp:  # issue 18 (absent from profiles measured before it)
+    if fsdp:  # framework time (absent from profiles measured before it)
         out["fsdp"] = dict(fsdp)
     return out

@@ -30,7 +30,7 @@ def config_from_plan(plan: Plan, moe_imbalance: float = 1.0) -> Config:
         schedule=par.pp_schedule, virtual_stages=par.pp_virtual_stages,
         micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_len=tr.seq_len,
         dtype_bytes=tr.dtype_bytes, optimizer=tr.optimizer, ep=par.ep, moe_imbalance=moe_imbalance,
-        offload=par.offload,  # issue 14
+        offload=par.offload,  # host offload
     )
 
 
@@ -47,7 +47,7 @@ def check_plan_against_model(plan: Plan, graph: ModelGraph) -> None:
         raise PlanError(f"parallel.tp = {par.tp} is not possible: {reason}")
     if par.recompute_blocks is None and par.recompute != "none" and graph.supports(par.recompute):
         raise PlanError(f"parallel.recompute {par.recompute} is not possible: {graph.supports(par.recompute)}")
-    if par.recompute_blocks is not None:  # issue 14
+    if par.recompute_blocks is not None:  # per-stage recompute
         if graph.chain:
             raise PlanError(f"parallel.recompute_blocks: {graph.name} is a chain of distinct units, not repeated "
                             "blocks; remove recompute_blocks and set parallel.recompute")
@@ -55,7 +55,7 @@ def check_plan_against_model(plan: Plan, graph: ModelGraph) -> None:
             if total and mode != "none" and graph.supports(mode):
                 raise PlanError(f"parallel.recompute_blocks has {total} {mode} blocks but {graph.name} cannot run "
                                 f"{mode} recompute: {graph.supports(mode)}")
-    if par.ep > 1:  # issue 15
+    if par.ep > 1:  # expert parallelism
         from autopar.cost.expert import check_ep
 
         reason = check_ep(graph, par.ep, par.dp * par.cp)
@@ -83,7 +83,7 @@ def estimate_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, moe_imbalance
         raise PlanError(f"parallel.recompute {plan.parallel.recompute} is not possible on {cluster.name}: {reason}")
     cfg = config_from_plan(plan, moe_imbalance)
     if graph.chain:
-        if cfg.offload.any:  # issue 14
+        if cfg.offload.any:  # host offload
             raise PlanError(f"parallel.offload: {graph.name} is a chain of distinct units, which autopar plans "
                             "without offload; remove parallel.offload")
         return _estimate_chain(plan, graph, cluster, cfg)
@@ -93,7 +93,7 @@ def estimate_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, moe_imbalance
     flops = graph.model_flops_per_sample() * plan.training.global_batch_size
     est = evaluate(terms, chunk_blocks, flops, tokens, cluster.peak_flops,
                    recompute_blocks=plan.parallel.recompute_blocks)
-    if terms.offload is not None:  # issue 14: host memory and offload traffic
+    if terms.offload is not None:  # host offload: host memory and offload traffic
         from autopar.cost.host import with_host
 
         est = with_host(terms, est, plan.cluster.gpus_per_node)
@@ -125,8 +125,8 @@ def estimate_json(est: Estimate) -> dict[str, Any]:
         "fits": est.fits,
         "bubble_fraction": est.bubble_fraction,
         "time_breakdown_s": dict(est.time_breakdown_s),
-        **({"moe": dict(est.moe)} if est.moe else {}),  # issue 15: only for expert-parallel plans
-        **dict(getattr(est, "host", None) or {}),  # issue 14: host_memory_bytes ..., only for offload plans
+        **({"moe": dict(est.moe)} if est.moe else {}),  # only for expert-parallel plans
+        **dict(getattr(est, "host", None) or {}),  # host offload: host_memory_bytes ..., only for offload plans
         "stages": [
             {"rank": r.rank, "num_blocks": r.num_blocks, "microbatch_time_s": r.time_s,
              "peak_memory_bytes": r.peak_bytes, "memory_bytes": dict(r.memory_bytes)}

@@ -1,4 +1,4 @@
-"""What FSDP2 and DTensor cost beyond their collectives: CPU time per parameter tensor (issue 18).
+"""What FSDP2 and DTensor cost beyond their collectives: CPU time per parameter tensor.
 
 The collectives of ZeRO are priced by bytes (autopar.cost.zero). The software around them costs
 per *tensor*: each ``fully_shard`` unit's all-gather copies every shard into one buffer and splits

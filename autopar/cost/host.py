@@ -1,8 +1,8 @@
-"""Host memory per node and offload traffic of an estimated offload plan (issue 14).
+"""Host memory per node and offload traffic of an estimated offload plan.
 
 The pricing is autopar.cost.offload's; this module adds what an estimate of a whole split shows
 (``OffloadedEstimate``) and the per-node host-memory constraint: as rows of the split programs
-(``host_family``, issue 17) where a node holds whole pipeline ranks or lies inside one, and in every
+(``host_family``) where a node holds whole pipeline ranks or lies inside one, and in every
 case checked again on the split the search picks (``fits``).
 """
 

@@ -1,4 +1,4 @@
-"""CPU and activation offload (issue 14): what it moves to host memory, what it costs, per rank and node.
+"""CPU and activation offload: what it moves to host memory, what it costs, per rank and node.
 
 Priced as autopar's executor runs it (autopar/executor/offload.py), over the terms of the same
 configuration without offload (``offloaded_terms``). With P the parameters of a rank, N = dp * cp

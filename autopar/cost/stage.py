@@ -68,7 +68,7 @@ class Config:
     cp_kind: str
     sequence_parallel: bool
     zero: int
-    recompute: str  # none | selective | full | op, or "mixed" (issue 14: per-rank counts, priced by cost.step.evaluate)
+    recompute: str  # none | selective | full | op, or "mixed" (per-stage recompute: per-rank counts, priced by cost.step.evaluate)
     schedule: str
     virtual_stages: int
     micro_batch: int
@@ -76,9 +76,9 @@ class Config:
     seq_len: int
     dtype_bytes: int
     optimizer: str
-    ep: int = 1  # issue 15: expert parallelism (autopar.cost.expert)
+    ep: int = 1  # expert parallelism (autopar.cost.expert)
     moe_imbalance: float = 1.0  # the busiest ep rank's expert load over the mean
-    offload: Offload = NO_OFFLOAD  # issue 14: host-memory offload (autopar.cost.offload)
+    offload: Offload = NO_OFFLOAD  # host-memory offload (autopar.cost.offload)
 
     @property
     def num_microbatches(self) -> int:
@@ -132,21 +132,21 @@ class StageTerms:
     grad_sync_s_per_param: float  # end-of-step DP/ZeRO collectives per parameter on the rank
     grad_sync_floor_s: float  # the part that can never overlap (last bucket)
     grad_sync_overlaps: bool  # False: the whole gradient collective runs after backward
-    # issue 18: DDP's per-bucket latency and rendezvous, once per step, where the sync does not
+    # framework time: DDP's per-bucket latency and rendezvous, once per step, where the sync does not
     # overlap (autopar.cost.zero.ddp_fixed_sync_s); 0 elsewhere
     grad_sync_fixed_s: float = 0.0
     overlap_cost_fraction: float = 0.1  # share of an overlapped collective's time that still costs
     param_gather_s_per_param: float  # ZeRO-1/2 all-gather of updated parameters
     optimizer_s_per_param: float
-    # issue 18: FSDP2 / DTensor CPU time per step per rank parameter (autopar.cost.framework), in
+    # framework time: FSDP2 / DTensor CPU time per step per rank parameter (autopar.cost.framework), in
     # the tail beside the optimizer; 0 on profiles that did not measure it
     framework_s_per_param: float = 0.0
     transient_bytes: float  # ZeRO-3 gathered block, recompute working set
     tied_params: float  # tied embedding copy the last stage also holds (pp > 1)
     reserve_bytes: float
     capacity_bytes: float
-    expert: Any = None  # issue 15: autopar.cost.expert.ExpertCost of one block, None without ep
-    # issue 14 (per-stage recompute, config.recompute == "mixed"): the block priced under each mode
+    expert: Any = None  # autopar.cost.expert.ExpertCost of one block, None without ep
+    # per-stage recompute (config.recompute == "mixed"): the block priced under each mode
     # and that mode's recompute working set, held while a block of that mode re-runs (a rank pays
     # the largest of the modes it uses); ``block`` is then the "none" block and ``transient_bytes``
     # everything else (ZeRO-3's buffers). None for a single-mode config.
@@ -171,7 +171,7 @@ class StageTerms:
     @property
     def after_sync_s_per_param(self) -> float:
         """Seconds per rank parameter the tail adds after the gradient sync: ZeRO-1's unhidden
-        parameter gather, the optimizer and FSDP2's per-tensor time (issue 18)."""
+        parameter gather, the optimizer and FSDP2's per-tensor time (framework time)."""
         return self.param_gather_s_per_param + self.optimizer_s_per_param + self.framework_s_per_param
 
     def inflight(self, rank: int) -> float:
@@ -311,7 +311,7 @@ def _pipeline_buffer_bytes(cfg: Config, cluster: Cluster, tokens_bytes: float, s
 
 def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     """Coefficients of the step-time and memory model for ``cfg`` (see module docstring)."""
-    if cfg.offload.any:  # issue 14: priced over the same config's terms without offload
+    if cfg.offload.any:  # host offload: priced over the same config's terms without offload
         from autopar.cost.offload import offloaded_terms
 
         return offloaded_terms(graph, cluster, cfg, build_terms)
@@ -341,7 +341,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
 
     block = _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes)
     expert, transient_ep_saving = None, 0.0
-    if cfg.ep > 1:  # issue 15: experts sharded over ep ranks (autopar.cost.expert)
+    if cfg.ep > 1:  # experts sharded over ep ranks (autopar.cost.expert)
         from autopar.cost.expert import expert_cost
 
         expert = expert_cost(graph, cluster, cfg, dense_state_bytes=state.total,
@@ -360,7 +360,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
 
             bwd_plain = block.bwd_s - block.zero_comm_s
             zero_ep = zero_exposed_s(cfg, cluster, expert, block.fwd_s, bwd_plain, dpcp_link)
-            zero_ep += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # issue 18
+            zero_ep += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # framework time
             block = replace(block, bwd_s=bwd_plain + zero_ep, zero_comm_s=zero_ep)
         block = replace(block, fwd_s=block.fwd_s + fwd_extra, bwd_s=block.bwd_s + bwd_extra + recompute_extra,
                         recompute_s=block.recompute_s + recompute_extra, params=expert.block_params,
@@ -391,7 +391,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         # FSDP2 in a block's backward: the block's gathered parameters and the next one's, prefetched
         # (its gradients are reduce-scattered as soon as they are whole); measured by rehearsal
         transient += 2 * block_params * d
-        if expert is not None:  # issue 15
+        if expert is not None:
             transient -= transient_ep_saving
     widths = layer_widths(graph) if cluster.activation_memory == "megatron" else None
     if widths is None:
@@ -477,7 +477,7 @@ def reserve_bytes(cluster: Cluster, cfg: Config, tokens_bytes: float) -> float:
 
 
 def _mixed_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
-    """Issue 14: the terms of a per-rank recompute mix, each mode's block priced exactly as a
+    """Per-stage recompute: the terms of a per-rank recompute mix, each mode's block priced exactly as a
     single-mode config prices it (so a rank of one mode costs what that config costs)."""
     from autopar.plan import RECOMPUTE_MODES
 
@@ -579,7 +579,7 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
         act += params * cfg.dtype_bytes  # each Linear's cast weight, saved per micro-batch in flight
     bwd = rt.bwd_s + tp_b + cp_b + recompute
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
-    zero += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # issue 18: FSDP2's own time
+    zero += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # framework time: FSDP2's own time
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b,
                 zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
                 peak_bytes=rt.peak_bytes)
@@ -621,7 +621,7 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
         params += graph.params["loss"].count
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
     tensors = graph.params[region].tensors + (graph.params["loss"].tensors if region == "post" else 0)
-    zero += sum(per_microbatch_s(cfg, cluster, tensors))  # issue 18: FSDP2's own time
+    zero += sum(per_microbatch_s(cfg, cluster, tensors))  # framework time: FSDP2's own time
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=0.0, tp_comm_s=tp, cp_comm_s=0.0, zero_comm_s=zero,
                 act_bytes=sum(p.saved_bytes for p in parts), params=params,
                 fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts),

@@ -59,7 +59,7 @@ class Estimate:
     ranks: tuple[RankCost, ...] = field(default=())
     bubble_fraction: float = 0.0
     reserve_bytes: float = 0.0  # of "other": what no tensor holds (context, NCCL, ...; cost/stage.py reserve_bytes)
-    # issue 15: expert parallelism's figures (autopar.cost.expert.moe_summary), None without ep
+    # expert parallelism's figures (autopar.cost.expert.moe_summary), None without ep
     moe: dict[str, Any] | None = None
 
     @property
@@ -81,7 +81,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
              recompute_blocks: Sequence[Sequence[int]] | None = None) -> Estimate:
     """Cost ``terms`` with ``chunk_blocks[c]`` blocks in chunk c (len = pp * v).
 
-    ``recompute_blocks`` (issue 14; required by, and only for, the terms of a "mixed" config): per
+    ``recompute_blocks`` (per-stage recompute; required by, and only for, the terms of a "mixed" config): per
     pipeline rank the (none, selective, full) block counts, summing to the rank's blocks. A rank's
     block terms are then the sum over modes of count x that mode's block, and its transient memory
     the largest working set among the modes it uses; every cost term depends on the counts only."""
@@ -112,7 +112,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             bwd[r] += post.bwd_s
             params[r] += post.params + terms.tied_params
     act_by_mode = {mode: part.act_bytes for mode, part in (terms.recompute_parts or {}).items()}
-    working = [0.0] * pp  # issue 14: a mixed rank's recompute working set
+    working = [0.0] * pp  # per-stage recompute: a mixed rank's recompute working set
     if mix is not None:
         for r, counts in enumerate(mix):
             for mode, k in counts.items():
@@ -145,7 +145,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             "grads": params[r] * split["grads"],
             "optimizer": params[r] * split["optimizer"],
         }
-        if terms.expert is not None:  # issue 15: the same total, each expert byte under its own kind
+        if terms.expert is not None:  # the same total, each expert byte under its own kind
             ex = terms.expert
             equivalent = blocks[r] * (ex.block_params - ex.dense_params)
             for kind in ("params", "grads", "optimizer"):
@@ -173,7 +173,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
     if mix is None:
         def blocks_sum(name: str) -> float:
             return n_blocks_total * getattr(b, name)
-    else:  # issue 14: each mode's blocks at that mode's terms
+    else:  # per-stage recompute: each mode's blocks at that mode's terms
         def blocks_sum(name: str) -> float:
             return sum(k * getattr(terms.recompute_parts[mode], name) for counts in mix for mode, k in counts.items())
     per_mb = {
@@ -185,7 +185,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         "zero_comm": blocks_sum("zero_comm_s") + pre.zero_comm_s + post.zero_comm_s,
         "pp_comm": terms.p2p_s * 2 * last if pp > 1 else 0.0,
     }
-    if cfg.ep > 1:  # issue 15: the experts' all-to-alls (a key only where ep is used: old outputs unchanged)
+    if cfg.ep > 1:  # the experts' all-to-alls (a key only where ep is used: old outputs unchanged)
         per_mb["ep_comm"] = blocks_sum("ep_comm_s")
     # Each part's share of the step: M micro-batches of work spread over pp ranks; the rest of the
     # pipeline time is bubble (fill/drain and imbalance between stages). The parts sum to the step.
@@ -212,7 +212,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
 
 def _mode_counts(terms: StageTerms, chunk_blocks: Sequence[int],
                  recompute_blocks: Sequence[Sequence[int]] | None) -> list[dict[str, int]] | None:
-    """Issue 14: the per-rank mode counts as {mode: count}, checked against the split; None for a
+    """Per-stage recompute: the per-rank mode counts as {mode: count}, checked against the split; None for a
     single-mode config."""
     from autopar.plan import RECOMPUTE_MODES
 

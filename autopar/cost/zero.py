@@ -84,7 +84,7 @@ def per_microbatch_exposed(cfg: "Config", params: float, fwd_s: float, bwd_s: fl
     """ZeRO-2/3 collectives of one micro-batch of a piece holding ``params`` parameters, each
     prefetched behind the compute of its own pass (module docstring); 0 for ZeRO-0/1. The
     all-gather moves the training dtype, the reduce-scatter the software's reduce dtype
-    (framework.grad_reduce_bytes). ``host_copy_s`` (issue 14, FSDP2 CPU offload): the host copy of
+    (framework.grad_reduce_bytes). ``host_copy_s`` (FSDP2's CPU offload): the host copy of
     this piece's shard that runs on the same stream right before each all-gather and right after
     each reduce-scatter."""
     if cfg.zero not in (2, 3):

@@ -62,7 +62,7 @@ _DIM_NAMES = {"tp": "tensor parallelism", "sp": "sequence parallelism", "pp": "p
 def _dimensions_used(plan: Plan) -> list[tuple[str, bool, str]]:
     """(dimension, whether the plan uses it, what to change instead) for every spec dimension."""
     par = plan.parallel
-    modes = set(plan.block_recompute()) if par.recompute_blocks is not None else {par.recompute}  # issue 14
+    modes = set(plan.block_recompute()) if par.recompute_blocks is not None else {par.recompute}  # per-stage recompute
     return [
         ("tp", par.tp > 1, "plan with tp = 1"),
         ("sp", par.tp > 1 and par.sequence_parallel, "set sequence_parallel: false"),
@@ -105,13 +105,13 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
         raise AutoparError(
             f"the plan's training.seq_len = {plan.training.seq_len} but {where} has SEQ_LEN = {mf.seq_len}"
         )
-    if par.recompute_blocks is not None and spec.chain is not None:  # issue 14: counts are of repeated blocks
+    if par.recompute_blocks is not None and spec.chain is not None:  # per-stage recompute: counts are of repeated blocks
         raise AutoparError(f"parallel.recompute_blocks: {where} is a chain of distinct units, not repeated blocks; "
                            "remove recompute_blocks and set parallel.recompute")
     for dim, used, change in _dimensions_used(plan):
         if used and spec.support_reason(dim):
             raise AutoparError(f"{_DIM_NAMES[dim]} cannot run on {where}: {spec.support_reason(dim)}; {change}")
-    if par.ep > 1:  # issue 15: what expert parallelism needs of the model and the other degrees
+    if par.ep > 1:  # what expert parallelism needs of the model and the other degrees
         from autopar.executor.expert_parallel import check_expert_parallel
 
         check_expert_parallel(plan, spec, where, mf)

@@ -1,4 +1,4 @@
-"""Expert parallelism (plan ``parallel.ep``, issue 15): the experts of every MoE block sharded over
+"""Expert parallelism (plan ``parallel.ep``): the experts of every MoE block sharded over
 ``ep`` ranks, tokens sent to their experts and back with an all-to-all of uneven splits.
 
 Layout (Megatron-Core's and torchtitan's): the ep ranks are drawn from the dp x cp ranks, ep

@@ -85,7 +85,7 @@ def _register(name: str, mask_of: str | None) -> None:
 def install(part: nn.Module, blocks_path: str, module_name: str, *, recompute: bool,
             make_cp: Callable[[], nn.Module] | None = None, recompute_keys: set[str] | None = None) -> int:
     """Route every block's attention ``module_name`` of ``part`` through ``autopar_attention``:
-    under checkpoint (``recompute``; with ``recompute_keys``, issue 14, only the blocks of those
+    under checkpoint (``recompute``; with ``recompute_keys``, per-stage recompute, only the blocks of those
     names: every block is routed all the same, since its HF config object is shared) and/or
     context-parallel (``make_cp`` builds one ContextParallelAttention per module).
     Returns the number of modules routed."""

@@ -1,4 +1,4 @@
-"""CPU and activation offload (issue 14, ``parallel.offload``), as autopar.cost.offload prices it.
+"""CPU and activation offload (``parallel.offload``), as autopar.cost.offload prices it.
 
 =====================  =========================================================================
 offload                mechanism

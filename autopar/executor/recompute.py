@@ -84,7 +84,7 @@ def _blocks(part: nn.Module, spec: ModelSpec) -> list[tuple[str, nn.Module]]:
 def apply_recompute(part: nn.Module, spec: ModelSpec, mode: str, block_modes: Sequence[str] | None = None) -> int:
     """Install recompute on every block of ``part``; returns how many modules were wrapped.
 
-    ``block_modes`` (issue 14, a plan's ``recompute_blocks``: ``Plan.block_recompute``): the mode
+    ``block_modes`` (per-stage recompute, a plan's ``recompute_blocks``: ``Plan.block_recompute``): the mode
     of each block by its index in the whole model, instead of ``mode`` for all. Blocks keep their
     original indices as names in a pipeline chunk, so a chunk reads its own blocks' modes."""
     if mode == "none" and block_modes is None:

@@ -99,7 +99,7 @@ def format_explanation(ex: Explanation, *, max_groups: int = 4) -> str:
 
 
 def _offload_section(ex: Explanation) -> list[str]:
-    """Issue 14: host memory per node and the offload traffic of one step (only for offload plans)."""
+    """Host offload: host memory per node and the offload traffic of one step (only for offload plans)."""
     host = getattr(ex.estimate, "host", None)
     if not host:
         return []
@@ -245,7 +245,7 @@ def _comm_section(ex: Explanation) -> list[str]:
 
 
 def _moe_section(ex: Explanation) -> list[str]:
-    """Issue 15: the experts' layout, the all-to-all volume per step and the imbalance factor's effect."""
+    """The experts' layout, the all-to-all volume per step and the imbalance factor's effect."""
     moe, par = ex.moe, ex.plan.parallel
     if moe is None:
         return []

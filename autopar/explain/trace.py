@@ -108,7 +108,7 @@ def _one_f_one_b(fwd: list[Op], bwd: list[Op], warmup: int) -> list[Op]:
 
 
 def chunk_modes(plan: Plan) -> list[dict[str, int]] | None:
-    """Issue 14: per chunk, its blocks under each recompute mode (``Plan.block_recompute``'s rule);
+    """Per-stage recompute: per chunk, its blocks under each recompute mode (``Plan.block_recompute``'s rule);
     None for a plan without ``recompute_blocks``."""
     if plan.parallel.recompute_blocks is None:
         return None

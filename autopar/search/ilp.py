@@ -142,7 +142,7 @@ class SplitILP:
                  gpu_caps: Sequence[int] | None = None) -> None:
         """``gpu_caps``: ``rank_block_capacity(terms)`` when the caller has it already."""
         self.terms = terms
-        # Issue 17: the nodes' host memory (offload) as rows of the program, so the split chosen is
+        # The nodes' host memory (offload) as rows of the program, so the split chosen is
         # the best one that fits the host too; one-rank rows are block caps like the GPU's.
         self.host = host
         self.host_rows = host.shared_rows if host is not None else ()

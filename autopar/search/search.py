@@ -105,7 +105,7 @@ def search(
     optimal = True
     min_mem, min_mem_cfg = math.inf, None
     visited = 0
-    # Issue 14: two passes over the branches, without offload and then with it. Offload only adds
+    # Host offload: two passes over the branches, without offload and then with it. Offload only adds
     # time, so the first pass's plans give the second a tight threshold to prune with; each config is
     # visited once (pass 2 counts no branch-level rejection again).
     fits_plain: dict[int, set[int]] = {}  # per branch, ZeRO stages with a plan that fits without offload
@@ -140,7 +140,7 @@ def search(
             # 1F1B is not legal) keeps the fewest micro-batches in flight, so if it cannot fit,
             # no schedule of this stage can.
             if off.any and zero in plain_fits:
-                # Issue 14: offload only adds time to a config; where it fits without, it is not needed.
+                # Host offload: offload only adds time to a config; where it fits without, it is not needed.
                 rejected["dominated: offload where the plan fits without it"] += len(branch.schedules)
                 continue
             if off.any and any(_within(f, off) for f in fits_off.get((id(branch), zero), ())):
@@ -274,7 +274,7 @@ def _memory_lb(graph: ModelGraph, cluster: Cluster, base: StageTerms, branch: Br
 
 
 def _offload_tail_lb(terms: StageTerms, num_blocks: int) -> float:
-    """Issue 14: with offload, the step's tail holds the CPU update of the slowest rank, at least the
+    """Host offload: with offload, the step's tail holds the CPU update of the slowest rank, at least the
     average rank's (max >= mean): params / pp x optimizer seconds per parameter. 0 without offload."""
     if terms.offload is None:
         return 0.0
@@ -307,7 +307,7 @@ def _within(a: Offload, b: Offload) -> bool:
 
 
 def _offloads(branch: Branch, zero: int, cluster: Cluster, rejected: Counter) -> tuple:
-    """Issue 14: the offload modes of ``branch`` at ``zero``; none but "no offload" on a cluster whose
+    """Host offload: the offload modes of ``branch`` at ``zero``; none but "no offload" on a cluster whose
     profile gives no host figures (autopar.cluster.Cluster.has_host)."""
     offs = branch.offloads(zero)
     return offs if cluster.has_host else tuple(o for o in offs if not o.any)
@@ -438,7 +438,7 @@ def _block_capacity(terms: StageTerms, graph: ModelGraph) -> list[int]:
 
 def _solve_mixed(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: float, tokens: float,
                  time_limit_s: float, threshold_s: float) -> "Candidate | None | str":
-    """Issue 14: the split and per-rank recompute counts of a "mixed" config (search.ilp_recompute).
+    """Per-stage recompute: the split and per-rank recompute counts of a "mixed" config (search.ilp_recompute).
     The bound of ``_capped_lb`` holds: every block takes at least the "none" block's time
     (``terms.block``), and no rank holds more than its most frugal mode allows."""
     from autopar.search.ilp_recompute import MixedSplitILP
@@ -466,7 +466,7 @@ def _solve_mixed(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_f
 
 def _refine_with_mixes(top: TopK, graph: ModelGraph, cluster: Cluster, space: SearchSpace, model_flops: float,
                        tokens: float, time_limit_s: float) -> int:
-    """Issue 14: each top-K single-mode plan solved again as a per-rank recompute mix of the same
+    """Per-stage recompute: each top-K single-mode plan solved again as a per-rank recompute mix of the same
     degrees (same split program, counts per mode); a faster mix joins the top K. Done only when the
     space allows every mode the mix would use (a user's ``--recompute selective`` pins one mode)
     and the search did not already cost mixes everywhere (``--recompute mixed``). Not exhaustive: a
@@ -540,7 +540,7 @@ def smallest_memory(graph: ModelGraph, cluster: Cluster, space: SearchSpace) -> 
     rc = "full" if "full" in space.recompute_modes else space.recompute_modes[-1]
     mb = min(space.micro_batches)
     best: tuple[float, Config | None] = (math.inf, None)
-    # Issue 14: with offload, recompute none may need less (activation offload runs without recompute).
+    # Host offload: with offload, recompute none may need less (activation offload runs without recompute).
     rcs = {rc} | ({"none"} & set(space.recompute_modes) if cluster.has_host and not graph.chain else set())
     for cfg in enumerate_configs(graph, space, Counter()):
         if cfg.recompute not in rcs or cfg.micro_batch != mb:

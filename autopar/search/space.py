@@ -133,7 +133,7 @@ class Branch:
     chain: bool = False  # a layer-chain model, planned without host offload
 
     def offloads(self, zero: int) -> tuple[Offload, ...]:
-        """Issue 14: the offload modes legal at ``zero`` in this branch, no offload first."""
+        """Host offload: the offload modes legal at ``zero`` in this branch, no offload first."""
         return _legal_offloads(self.space.offload_modes, zero, self.recompute, self.ep, self.chain)
 
     @property
@@ -250,7 +250,7 @@ def _recompute_reason(graph: ModelGraph, mode: str) -> str | None:
 
 
 def mix_modes(graph: ModelGraph) -> tuple[str, ...]:
-    """Issue 14: the modes a "mixed" config mixes: none, and each recompute the model supports;
+    """Per-stage recompute: the modes a "mixed" config mixes: none, and each recompute the model supports;
     selective only where it saves memory (blocks with s^2 activations; without them it keeps
     what none keeps, in more time: search.search drops it alike)."""
     selective_saves = any(q.exps.quadratic for q in graph.regions["block"].saved)
@@ -259,7 +259,7 @@ def mix_modes(graph: ModelGraph) -> tuple[str, ...]:
 
 
 def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: int, rejected: Counter) -> tuple[int, ...]:
-    """Issue 15: the legal ep degrees (ep divides the experts and dp x cp, at any tp and pp:
+    """The legal ep degrees (ep divides the experts and dp x cp, at any tp and pp:
     executor/expert_parallel.py). 1 is always legal (dense experts)."""
     if graph.moe is None or graph.chain:  # dense, or a layer chain (priced without ep: cost/expert.py)
         return (1,) if space.allows("ep_degrees", 1) else ()

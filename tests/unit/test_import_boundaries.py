@@ -156,3 +156,13 @@ def test_no_new_folder_circles():
     circles = sorted(sorted(c) for c in nx.strongly_connected_components(folder_graph()) if len(c) > 1)
     new = [c for c in circles if c not in KNOWN_FOLDER_CIRCLES]
     assert new == [], "folder circles among: " + "; ".join(", ".join(c) for c in new)
+
+
+def test_library_code_names_features_not_tickets() -> None:
+    """A reader cannot look up "issue 14": comments and docstrings name the feature instead."""
+    import re
+
+    hits = [f"{path.relative_to(PACKAGE.parent)}:{n}" for path in sorted(PACKAGE.rglob("*.py"))
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if re.search(r"\b[Ii]ssue #?\d+", line)]
+    assert hits == []
