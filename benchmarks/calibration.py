@@ -271,16 +271,21 @@ def holdout_table() -> None:
     print()
 
 
+def _verdict(what: str, start: float) -> int:
+    """The closing line (FAIL with the targets missed, or PASS) and the exit code."""
+    elapsed = time.perf_counter() - start
+    if FAILURES:
+        print(f"FAIL ({len(FAILURES)} targets missed: {'; '.join(FAILURES)}) in {elapsed:.1f} s")
+        return 1
+    print(f"PASS: every {what} target met in {elapsed:.1f} s")
+    return 0
+
+
 def main() -> int:
     start = time.perf_counter()
     if "--holdout" in sys.argv[1:]:
         holdout_table()
-        elapsed = time.perf_counter() - start
-        if FAILURES:
-            print(f"FAIL ({len(FAILURES)} targets missed: {'; '.join(FAILURES)}) in {elapsed:.1f} s")
-            return 1
-        print(f"PASS: every held-out target met in {elapsed:.1f} s")
-        return 0
+        return _verdict("held-out", start)
     cluster = load_cluster("a100-80g")
     megatron_table(cluster)
     table4(cluster)
@@ -288,12 +293,7 @@ def main() -> int:
     zero_table()
     h100_tables()
     memory_tables()
-    elapsed = time.perf_counter() - start
-    if FAILURES:
-        print(f"FAIL ({len(FAILURES)} targets missed: {'; '.join(FAILURES)}) in {elapsed:.1f} s")
-        return 1
-    print(f"PASS: every calibration target met in {elapsed:.1f} s")
-    return 0
+    return _verdict("calibration", start)
 
 
 if __name__ == "__main__":
