@@ -10,12 +10,13 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autopar.errors import ModelFileError
-from autopar.graph.build import one_block_model, shard_for_tp, slice_sequence, trace_model
+from autopar.graph.build import one_block_model, slice_sequence, trace_model
 from autopar.graph.model_graph import ModelGraph, MoEFacts, RegionParams
 from autopar.graph.scaling import RegionFit, fit_region
 from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit
 from autopar.modelfile import ModelFile, load_model_file
 from autopar.spec import model_spec
+from autopar.spec.tp_shard import shard_for_tp
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

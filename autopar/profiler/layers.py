@@ -65,13 +65,14 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autopar.graph.build import first_tensor as _first_tensor
-from autopar.graph.build import one_block_model, shard_for_tp, slice_sequence, vocab_size_of
+from autopar.graph.build import one_block_model, slice_sequence
 from autopar.modelfile import ModelFile, call_model
 from autopar.profile_tables import LayerPoint, LayerTable
 from autopar.profiler.cores import usable_cores
 from autopar.profiler.memory import LiveBytes
 from autopar.spec import find_core as _find_core  # the executor's own rule for the attention core
 from autopar.spec import model_spec
+from autopar.spec.tp_shard import shard_for_tp, vocab_size_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

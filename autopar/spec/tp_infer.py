@@ -6,7 +6,7 @@ qkv -> o; gate, up -> down; fc1 -> fc2), each group valid only when no source's 
 is reduced, indexed or mixed on the way and nothing of it escapes the block. Module names play no
 part. Every group is then *checked by running it sharded* before it is offered:
 
-* on meta, block 0 with the group's Linear layers at tp = 2 widths (graph/build.shard_block_for_tp)
+* on meta, block 0 with the group's Linear layers at tp = 2 widths (spec/tp_shard.shard_block_for_tp)
   must run on the block's real inputs (shapes);
 * on CPU, when the block is small enough, a simulated 2-way split: two threads each run a copy of
   the block holding one rank's slice of every pair (fused projections permuted as the executor
@@ -119,7 +119,7 @@ def _attr_candidates(block: nn.Module, pair: Pair, flow: Flow) -> list[str]:
 
 
 def _meta_check(block: nn.Module, flow: Flow, styles: dict[str, str], attrs: tuple[str, ...]) -> str | None:
-    from autopar.graph.build import shard_block_for_tp
+    from autopar.spec.tp_shard import shard_block_for_tp
 
     sharded = shard_block_for_tp(copy.deepcopy(block), styles, 2, attrs)
     try:
@@ -146,7 +146,7 @@ class _Shapes(TorchDispatchMode):
 
 def _op_shapes(block: nn.Module, flow: Flow, styles: dict[str, str] | None, attrs: tuple[str, ...]) -> list:
     """The op output shapes of one meta run of ``block`` (sharded at tp = 2 unless ``styles`` is None)."""
-    from autopar.graph.build import shard_block_for_tp
+    from autopar.spec.tp_shard import shard_block_for_tp
 
     run = copy.deepcopy(block) if styles is None else shard_block_for_tp(copy.deepcopy(block), styles, 2, attrs)
     rec = _Shapes()

@@ -225,9 +225,10 @@ def test_a_loss_with_the_vocabulary_constant_keeps_tp(tmp_path: Path) -> None:
 def test_hf_style_patterns_resolve_the_same_in_planner_and_executor(tmp_path: Path) -> None:
     """``layers.*.x`` patterns (as HF writes them) become the block-relative plan that the graph
     (planner) shards and the executor's apply_tp / fused permutations read: one source."""
-    from autopar.graph.build import match_tp_style, one_block_model, shard_for_tp
+    from autopar.graph.build import one_block_model
     from autopar.graph.measure import build_graph
     from autopar.spec.tp_plan import fused_factors
+    from autopar.spec.tp_shard import match_tp_style, shard_for_tp
 
     plan = "{" + ", ".join(f"'layers.*.{k}': '{v}'" for k, v in GPT_TP_PLAN.items()) + "}"
     loss = "return output.float().mean()"
@@ -249,7 +250,8 @@ def test_hf_style_patterns_resolve_the_same_in_planner_and_executor(tmp_path: Pa
 
 def test_conv1d_shards_in_the_planner() -> None:
     pytest.importorskip("transformers")
-    from autopar.graph.build import one_block_model, shard_for_tp
+    from autopar.graph.build import one_block_model
+    from autopar.spec.tp_shard import shard_for_tp
 
     mf = load_model_file(ZOO / "hf_gpt2.py")
     spec = model_spec(mf)

@@ -1,0 +1,103 @@
+"""A model's tensor-parallel plan applied to its shapes on the meta device: one tp rank's copy.
+
+What the executor's DTensor plan does to parameter shapes (executor/tensor_parallel.py), without
+a process group: a colwise Linear (or Hugging Face ``Conv1D``) keeps 1/tp of its outputs, a rowwise
+one 1/tp of its inputs, the token embedding and output head 1/tp of the vocabulary, and the
+block's ``local_attrs`` (head counts the attention reads) are divided by tp. The spec's checks of
+an inferred plan (spec/tp_infer.py), the trace of a tp rank's block (graph/measure.py) and the
+layer profiler (profiler/layers.py) build their rank copies here.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from autopar.spec.tp_plan import is_tp_linear, set_local_attrs
+
+
+def match_tp_style(block_relative_name: str, tp_plan: Mapping[str, str], blocks_attr: str) -> str | None:
+    """The tp_plan style of a submodule of a block. Patterns may be block-relative ("attn.qkv")
+    or model-relative with a wildcard index ("layers.*.attn.qkv", as Hugging Face writes them)."""
+    full = f"{blocks_attr}.0.{block_relative_name}"
+    for pattern, style in tp_plan.items():
+        if fnmatch.fnmatchcase(block_relative_name, pattern) or fnmatch.fnmatchcase(full, pattern.replace(".*.", ".0.")):
+            return style
+    return None
+
+
+def vocab_size_of(model: nn.Module) -> int | None:
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return max(sizes) if sizes else None
+
+
+def _narrowed(mod: nn.Module, style: str, tp: int) -> nn.Module:
+    """A meta layer of ``mod``'s kind with one tp rank's width: nn.Linear (weight (out, in)) or HF's
+    ``Conv1D`` (weight (in, out), ``nf`` / ``nx`` its widths, read by its forward)."""
+    if isinstance(mod, nn.Linear):
+        in_f, out_f = (mod.in_features, mod.out_features // tp) if style == "colwise" else (mod.in_features // tp, mod.out_features)
+        return nn.Linear(in_f, out_f, bias=mod.bias is not None, device="meta", dtype=mod.weight.dtype)
+    new = copy.copy(mod)  # Conv1D: same class and attributes, fresh parameters
+    new._parameters = dict(mod._parameters)  # type: ignore[attr-defined]
+    nx, nf = mod.weight.shape
+    nx, nf = (nx, nf // tp) if style == "colwise" else (nx // tp, nf)
+    new.weight = nn.Parameter(torch.empty(nx, nf, device="meta", dtype=mod.weight.dtype))
+    if getattr(mod, "bias", None) is not None:
+        width = nf if style == "colwise" else mod.bias.shape[0]
+        new.bias = nn.Parameter(torch.empty(width, device="meta", dtype=mod.bias.dtype))
+    if hasattr(new, "nf"):
+        new.nf, new.nx = nf, nx
+    return new
+
+
+def shard_block_for_tp(block: nn.Module, tp_plan: Mapping[str, str], tp: int, local_attrs: tuple[str, ...] = (),
+                       blocks_attr: str = "") -> nn.Module:
+    """``block`` (changed in place and returned) with its tp-planned Linear / Conv1D layers at one tp
+    rank's width and its ``local_attrs`` divided by tp."""
+    for name, mod in list(block.named_modules()):
+        style = match_tp_style(name, tp_plan, blocks_attr) if name else None
+        if style not in ("colwise", "rowwise") or not is_tp_linear(mod):
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(block.get_submodule(parent_name) if parent_name else block, leaf, _narrowed(mod, style, tp))
+    set_local_attrs(block, local_attrs, tp)
+    return block
+
+
+def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str], tp: int,
+                 local_attrs: tuple[str, ...] = (), *, vocab: bool = True) -> nn.Module:
+    """A meta copy whose first block's Linear layers and vocabulary edges hold 1/tp of their width,
+    as each tensor-parallel rank of the executor holds them: the token embedding vocab/tp rows, the
+    output head vocab/tp output columns (executor/tensor_parallel.py), a tied embedding/head weight
+    still one parameter. A vocabulary that tp does not divide stays whole, as the executor keeps
+    such edges replicated; ``vocab=False`` keeps the edges whole regardless. Only shapes matter on
+    meta. HF ``Conv1D`` layers shard like Linear layers (their weight is transposed);
+    ``local_attrs`` (TPPlan.local_attrs) are divided by tp."""
+    sharded = copy.deepcopy(model)
+    shard_block_for_tp(sharded.get_submodule(blocks_attr)[0], tp_plan, tp, local_attrs, blocks_attr)
+    if not vocab:
+        return sharded
+    vocab = vocab_size_of(sharded)
+    if vocab is not None and vocab % tp == 0:
+        new_by_old: dict[int, nn.Parameter] = {}  # id(old weight) -> its sharded replacement (ties)
+        for name, mod in list(sharded.named_modules()):
+            if name.startswith(blocks_attr + ".") or name == blocks_attr:
+                continue
+            new: nn.Module | None = None
+            if isinstance(mod, nn.Embedding) and mod.num_embeddings == vocab:
+                new = nn.Embedding(vocab // tp, mod.embedding_dim, device="meta", dtype=mod.weight.dtype)
+            elif isinstance(mod, nn.Linear) and mod.out_features == vocab:
+                new = nn.Linear(mod.in_features, vocab // tp, bias=mod.bias is not None, device="meta", dtype=mod.weight.dtype)
+            if new is None:
+                continue
+            tied = new_by_old.get(id(mod.weight))
+            if tied is not None and tied.shape == new.weight.shape:
+                new.weight = tied  # a tied embedding/head stays one parameter, as on a tp rank
+            new_by_old[id(mod.weight)] = new.weight
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(sharded.get_submodule(parent_name) if parent_name else sharded, leaf, new)
+    return sharded
