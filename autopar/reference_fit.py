@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from autopar.cluster import Cluster
 from autopar.reference_h100 import PublicRun, public_plan, public_runs, run_graph, software_cluster
@@ -37,48 +37,43 @@ PREDICTED_ONLY = ("torchtitan",)  # other hardware: predicted with each fold's c
 @dataclass(frozen=True, kw_only=True)
 class FittedConstant:
     """One profile constant chosen against published runs: its name, the profiles it sits in, its
-    physical bounds, and how a cluster takes a value of it."""
+    physical bounds, and where a Cluster holds it (``field``: an attribute, or ``gemm.<attribute>``
+    of its GEMM efficiency)."""
 
     name: str
     profiles: tuple[str, ...]
     low: float
     high: float
-    get: Callable[[Cluster], float]
-    put: Callable[[Cluster, float], Cluster]
+    field: str
+
+    def get(self, cluster: Cluster) -> float:
+        value: Any = cluster
+        for part in self.field.split("."):
+            value = getattr(value, part)
+        return float(value)
+
+    def put(self, cluster: Cluster, value: float) -> Cluster:
+        head, _, leaf = self.field.rpartition(".")
+        if not head:
+            return dataclasses.replace(cluster, **{leaf: value})
+        return dataclasses.replace(cluster, **{head: dataclasses.replace(getattr(cluster, head), **{leaf: value})})
 
 
-def _gemm_max(c: Cluster, v: float) -> Cluster:
-    return dataclasses.replace(c, gemm=dataclasses.replace(c.gemm, max=v))
-
-
-def _field(name: str) -> tuple[Callable[[Cluster], float], Callable[[Cluster, float], Cluster]]:
-    return (lambda c: getattr(c, name)), (lambda c, v: dataclasses.replace(c, **{name: v}))
-
-
-def _gemm_half_dim(c: Cluster, v: float) -> Cluster:
-    return dataclasses.replace(c, gemm=dataclasses.replace(c.gemm, half_dim=v))
-
-
+H100 = ("h100-80g", "h100-80g-megatron")  # one GPU: h100-80g-megatron inherits h100-80g's hardware figures
 FITTED = (
-    # the hardware's: one value for every software on it (h100-80g-megatron inherits h100-80g's)
-    FittedConstant(name="gemm_max", profiles=("h100-80g", "h100-80g-megatron"), low=0.55, high=0.95,
-                   get=lambda c: c.gemm.max, put=_gemm_max),
+    FittedConstant(name="gemm_max", profiles=H100, low=0.55, high=0.95, field="gemm.max"),
     FittedConstant(name="attention (torch flash)", profiles=("h100-80g",), low=0.15, high=0.75,
-                   get=_field("attention_efficiency")[0], put=_field("attention_efficiency")[1]),
+                   field="attention_efficiency"),
     FittedConstant(name="attention (TE cuDNN)", profiles=("h100-80g-megatron",), low=0.15, high=0.75,
-                   get=_field("attention_efficiency")[0], put=_field("attention_efficiency")[1]),
+                   field="attention_efficiency"),
     FittedConstant(name="overlap cost (FSDP2)", profiles=("h100-80g",), low=0.0, high=0.9,
-                   get=_field("overlap_cost_fraction")[0], put=_field("overlap_cost_fraction")[1]),
+                   field="overlap_cost_fraction"),
     FittedConstant(name="overlap cost (Megatron)", profiles=("h100-80g-megatron",), low=0.0, high=0.9,
-                   get=_field("overlap_cost_fraction")[0], put=_field("overlap_cost_fraction")[1]),
-    FittedConstant(name="A100 gemm_max", profiles=("a100-80g",), low=0.55, high=0.95,
-                   get=lambda c: c.gemm.max, put=_gemm_max),
-    FittedConstant(name="A100 gemm_half_dim", profiles=("a100-80g",), low=16.0, high=1024.0,
-                   get=lambda c: c.gemm.half_dim, put=_gemm_half_dim),
-    FittedConstant(name="A100 attention", profiles=("a100-80g",), low=0.15, high=0.9,
-                   get=_field("attention_efficiency")[0], put=_field("attention_efficiency")[1]),
-    FittedConstant(name="A100 memory", profiles=("a100-80g",), low=0.4, high=0.95,
-                   get=_field("memory_efficiency")[0], put=_field("memory_efficiency")[1]),
+                   field="overlap_cost_fraction"),
+    FittedConstant(name="A100 gemm_max", profiles=("a100-80g",), low=0.55, high=0.95, field="gemm.max"),
+    FittedConstant(name="A100 gemm_half_dim", profiles=("a100-80g",), low=16.0, high=1024.0, field="gemm.half_dim"),
+    FittedConstant(name="A100 attention", profiles=("a100-80g",), low=0.15, high=0.9, field="attention_efficiency"),
+    FittedConstant(name="A100 memory", profiles=("a100-80g",), low=0.4, high=0.95, field="memory_efficiency"),
 )
 
 ITERATIONS = 30
@@ -249,23 +244,18 @@ def holdout(sources: Sequence[str] = SOURCES, progress: Callable[[str], None] | 
         if progress:
             progress(f"fitting without {source}")
         test = by_source[source]
-        gpu = {r.profile for r in test}
+        gpus = {r.base.gpu_name for r in test}
         # the left-out source's GPU: only its constants are fitted (the others do not touch its rows)
-        train = [r for s in sources if s != source for r in by_source[s] if _same_gpu(r.profile, gpu)]
+        train = [r for s in sources if s != source for r in by_source[s] if r.base.gpu_name in gpus]
         values, kept = fit(train, shipped)
-        kept = tuple(k for k in kept if any(_same_gpu(p, gpu) for p in _constant(k).profiles))
+        kept = tuple(name for name in kept if _gpu_of(name) in gpus)
         folds.append(Fold(source=source, values=values, kept=kept, in_sample=tuple(errors(test, shipped)),
                           held_out=tuple(errors(test, values)), names=tuple(r.name for r in test)))
     return folds
 
 
-def _gpu(profile: str) -> str:
-    return profile.split("-")[0]
+def _gpu_of(name: str) -> str:
+    """The GPU whose profiles hold the fitted constant ``name``."""
+    from autopar.cluster import load_cluster
 
-
-def _same_gpu(profile: str, profiles: set[str]) -> bool:
-    return any(_gpu(profile) == _gpu(p) for p in profiles)
-
-
-def _constant(name: str) -> FittedConstant:
-    return next(k for k in FITTED if k.name == name)
+    return load_cluster(next(k for k in FITTED if k.name == name).profiles[0]).gpu_name

@@ -175,7 +175,7 @@ def _check_resume(args: argparse.Namespace, plan) -> list[str]:
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``autopar run`` (see the module docstring). Returns the exit code."""
     from autopar.executor.checks import check_world_size, preflight
-    from autopar.launch.environment import environment_fault
+    from autopar.launch.environment import check_environment
     from autopar.launch.local import arm_parent_death_signal
     from autopar.modelcheck import check_example_inputs
     from autopar.modelfile import load_model_file
@@ -184,9 +184,7 @@ def main(args: argparse.Namespace) -> int:
 
     arm_parent_death_signal()  # a rank of autopar's launcher dies with it (a no-op elsewhere)
     options = validate_args(args)
-    fault = environment_fault(os.environ, args.nproc_per_node)
-    if fault:  # before any rank starts: a stale or partial torchrun environment never meets
-        raise AutoparError(fault)
+    check_environment(args.nproc_per_node)  # before any rank starts: a stale or partial torchrun environment
     set_device_choice(args.device, args.nproc_per_node)
     configure(timeout_s=args.timeout)  # the model file's import, build_model and example_inputs too
     plan = load_plan(args.plan)

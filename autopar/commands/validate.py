@@ -167,15 +167,13 @@ def _launch(args: argparse.Namespace, model: str, nproc: int, prediction: dict[s
 
 def main(args: argparse.Namespace) -> int:
     from autopar.executor.checks import check_world_size, preflight
-    from autopar.launch.environment import environment_fault
+    from autopar.launch.environment import check_environment
     from autopar.modelfile import load_model_file
     from autopar.plan import load_plan, model_path
 
     if args.steps is not None and args.steps < 2:
         raise AutoparError(f"--steps must be >= 2 (the first step is warm-up), got {args.steps}")
-    fault = environment_fault(os.environ, args.nproc_per_node)
-    if fault:  # before any rank starts: a stale or partial torchrun environment never meets
-        raise AutoparError(fault)
+    check_environment(args.nproc_per_node)  # before any rank starts: a stale or partial torchrun environment
     plan = load_plan(args.plan)
     model = args.model or model_path(plan.model.file, args.plan)
     mf = load_model_file(model)

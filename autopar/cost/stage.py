@@ -225,12 +225,27 @@ class StageTerms:
                                       own_act=self.recompute_parts[mode].act_bytes)
                 - self.rank_other_bytes(rank, last_rank))
 
-    def loss_other_bytes(self, rank: int) -> float:
-        """The loss phase of ``rank_other_bytes`` alone, on a rank without a pipeline (first and
-        last): the loss's temporaries, ZeRO-3's prefetched first block and its root parameters."""
-        assert self.config.pp == 1, "the loss phase alone is asked of a rank without a pipeline"
-        root = self.zero3_root_params_per_byte * (self.pre.params + self.post.params)
-        return root + self.post.peak_bytes + self.zero3_gather_bytes
+    def _root_bytes(self, first: bool, last: bool) -> float:
+        """ZeRO-3's root parameters on a rank: FSDP2 keeps the root unit (embedding, head) gathered."""
+        return self.zero3_root_params_per_byte * ((self.pre.params if first else 0.0) +
+                                                  (self.post.params if last else 0.0))
+
+    @property
+    def _loss_phase_bytes(self) -> float:
+        """The last rank's loss phase of ``rank_other_bytes``: the loss's temporaries and ZeRO-3's
+        first block, prefetched for backward."""
+        return self.post.peak_bytes + self.zero3_gather_bytes
+
+    def one_microbatch_other_bytes(self, rank: int, grads_bytes: float) -> tuple[float, float]:
+        """(other bytes, gradient bytes at the peak) of a rank without a pipeline whose step has one
+        micro-batch (``loss_free_grads`` > 0): its loss meets ``loss_free_grads`` of the rank's
+        ``grads_bytes`` not yet made, so the step peaks at the loss only where that phase, without
+        them, holds more than the others with them."""
+        assert self.config.pp == 1, "a rank without a pipeline: first and last"
+        absent = self.loss_free_grads * grads_bytes
+        at_loss = self._root_bytes(True, True) + self._loss_phase_bytes
+        rest = self.rank_other_bytes(rank, rank, loss=False)
+        return (at_loss, grads_bytes - absent) if at_loss - absent > rest else (rest, grads_bytes)
 
     def rank_other_bytes(self, rank: int, last_rank: int, working: float = 0.0, own_act: float | None = None,
                          loss: bool = True) -> float:
@@ -258,19 +273,17 @@ class StageTerms:
         (``pipeline_buffer_bytes`` per micro-batch and receiving chunk: every chunk but the first
         receives activations, every one but the last their gradients). Non-decreasing in
         ``working``: a mix pays the largest working set of the modes it uses. ``loss`` False: the
-        loss phase left out (``loss_other_bytes`` alone)."""
+        loss phase left out (``one_microbatch_other_bytes``)."""
         c = self.config
         first, last = rank == 0, rank == last_rank
         own = self.block.act_bytes if own_act is None else own_act
         phases = [self.transient_bytes + working + self.block.peak_bytes - (self.post.act_bytes if last else 0.0)
                   + max(0.0, self.held_reduce_bytes - own)]
         if last and loss:
-            phases.append(self.post.peak_bytes + self.zero3_gather_bytes)
+            phases.append(self._loss_phase_bytes)
         if first:
             phases.append(self.pre.peak_bytes)
-        root = self.zero3_root_params_per_byte * ((self.pre.params if first else 0.0) +
-                                                  (self.post.params if last else 0.0))
-        other = root + max(phases)
+        other = self._root_bytes(first, last) + max(phases)
         if c.pp > 1 and self.pipeline_buffer_bytes > 0:
             receiving = 2 * c.virtual_stages - first - last
             other += c.num_microbatches * receiving * self.pipeline_buffer_bytes

@@ -150,16 +150,10 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             equivalent = blocks[r] * (ex.block_params - ex.dense_params)
             for kind in ("params", "grads", "optimizer"):
                 memory[kind] += blocks[r] * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
-        other = terms.rank_other_bytes(r, chunk_rank(last, pp)) + working[r]
-        if terms.loss_free_grads > 0 and mix is None:
-            # the loss of a step's only micro-batch meets no gradient (stage.loss_free_grads_share):
-            # it peaks there only if its phase holds more than the others with the gradients made
-            at_loss, rest = terms.loss_other_bytes(r), terms.rank_other_bytes(r, r, loss=False)
-            absent = terms.loss_free_grads * memory["grads"]
-            other = rest
-            if at_loss - absent > rest:
-                memory["grads"] -= absent
-                other = at_loss
+        if terms.loss_free_grads > 0 and mix is None:  # a step's only micro-batch (stage.loss_free_grads_share)
+            other, memory["grads"] = terms.one_microbatch_other_bytes(r, memory["grads"])
+        else:
+            other = terms.rank_other_bytes(r, chunk_rank(last, pp)) + working[r]
         memory = {**memory, "activations": activations, "other": other + terms.reserve_bytes}
         ranks.append(RankCost(rank=r, num_blocks=blocks[r], time_s=time[r], backward_s=bwd[r], tail_s=tail,
                               params=params[r], memory_bytes=memory))

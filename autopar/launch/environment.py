@@ -11,6 +11,7 @@ says instead, in one line, what to change (exit 2).
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from typing import Mapping
 
@@ -76,6 +77,16 @@ def environment_fault(environ: Mapping[str, str], nproc_per_node: int | None) ->
                     "an earlier run still alive), so rank 0 cannot serve the rendezvous there; pick a free port "
                     "or stop that process")
     return None
+
+
+def check_environment(nproc_per_node: int | None) -> None:
+    """Raise the one-line ``AutoparError`` of ``environment_fault`` for this process's environment:
+    the start of a command that starts or joins ranks (``run``, ``validate``), before any rank starts."""
+    from autopar.errors import AutoparError
+
+    fault = environment_fault(os.environ, nproc_per_node)
+    if fault:
+        raise AutoparError(fault)
 
 
 def port_in_use(address: str, port: int) -> bool:
