@@ -8,6 +8,7 @@ missing required key, wrong type and impossible value is a ``PlanError`` that na
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -336,6 +337,56 @@ def even_stage_ranges(num_blocks: int, num_chunks: int) -> tuple[tuple[int, int]
     return tuple(ranges)
 
 
+# What a plan was chosen for (``objective``, optional; absent = throughput). ``time-to-target``:
+# the GPU count and global batch that reach a target loss soonest, from the gradient noise scale
+# (autopar/search/time_to_target.py, docs/batch-size.md).
+OBJECTIVES = ("throughput", "time-to-target")
+_TIME_TO_TARGET_KEYS = ("noise_scale", "target_steps", "at_batch")
+
+
+def _check_positive_number(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanError(f"{key} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise PlanError(f"{key} must be a positive finite number, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Objective:
+    """``objective``: what the search optimised when it chose this plan, and its inputs.
+
+    ``throughput`` (the default, and what a plan without the key means): the fastest step at the
+    plan's global batch. ``time-to-target``: the least time to reach a target loss over a sweep of
+    GPU counts and global batches, with the steps at each batch from the empirical model
+    S(B) = S_min (1 + B_noise / B) anchored at ``target_steps`` steps at ``at_batch`` samples
+    (``autopar.search.time_to_target``). ``noise_scale`` is B_noise in samples (the unit of
+    ``training.global_batch_size``); ``noise_scale_from`` the run report it was read from, if any.
+    The objective says why this layout was chosen; it changes nothing that runs."""
+
+    kind: str = "throughput"
+    noise_scale: float | None = None
+    target_steps: float | None = None
+    at_batch: int | None = None
+    noise_scale_from: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("objective.kind", self.kind, OBJECTIVES)
+        if self.kind == "throughput":
+            for key in (*_TIME_TO_TARGET_KEYS, "noise_scale_from"):
+                if getattr(self, key) is not None:
+                    raise PlanError(f"objective.{key} is for kind time-to-target, not {self.kind}")
+            return
+        for key in _TIME_TO_TARGET_KEYS:
+            if getattr(self, key) is None:
+                raise PlanError(f"missing required key 'objective.{key}' (kind time-to-target)")
+        _check_positive_number("objective.noise_scale", self.noise_scale)
+        _check_positive_number("objective.target_steps", self.target_steps)
+        _check_int("objective.at_batch", self.at_batch)
+        if self.noise_scale_from is not None and (not isinstance(self.noise_scale_from, str)
+                                                  or not self.noise_scale_from):
+            raise PlanError(f"objective.noise_scale_from must be a path string, got {self.noise_scale_from!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """A complete, self-consistent parallel plan (plan YAML v1)."""
@@ -346,6 +397,9 @@ class Plan:
     parallel: Parallel
     prediction: Mapping[str, Any] | None = field(default=None, compare=False)
     version: int = PLAN_VERSION
+    # What the plan was chosen for (Objective); None = throughput, and nothing is written. Like
+    # ``prediction`` it is not part of the layout, so two plans that run alike compare equal.
+    objective: Objective | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.version != PLAN_VERSION:
@@ -442,7 +496,8 @@ _SECTIONS: dict[str, tuple[type, set[str], set[str]]] = {
     ),
 }
 _TOP_REQUIRED = {"version", "model", "cluster", "training", "parallel"}
-_TOP_OPTIONAL = {"prediction"}
+_TOP_OPTIONAL = {"prediction", "objective"}
+_OBJECTIVE_KEYS = {"kind", *_TIME_TO_TARGET_KEYS, "noise_scale_from"}
 
 
 def plan_from_dict(data: Any) -> Plan:
@@ -463,7 +518,14 @@ def plan_from_dict(data: Any) -> Plan:
     prediction = data.get("prediction")
     if prediction is not None and not isinstance(prediction, dict):
         raise PlanError("prediction must be a mapping (it is written by autopar and ignored on load)")
-    return Plan(version=PLAN_VERSION, prediction=None, **parts)
+    objective = None
+    if "objective" in data:  # optional: what the plan was chosen for
+        body = data["objective"]
+        if not isinstance(body, dict):
+            raise PlanError(f"objective must be a mapping, got {type(body).__name__}")
+        _check_keys("objective", body, {"kind"}, _OBJECTIVE_KEYS - {"kind"})
+        objective = Objective(**body)
+    return Plan(version=PLAN_VERSION, prediction=None, objective=objective, **parts)
 
 
 def _check_keys(where: str, body: dict, required: set[str], optional: set[str]) -> None:
@@ -507,6 +569,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "training": dataclasses.asdict(plan.training),
         "parallel": par,
     }
+    if plan.objective is not None:  # written only when present: a throughput plan reads as before
+        out["objective"] = {k: v for k, v in dataclasses.asdict(plan.objective).items() if v is not None}
     if plan.prediction:
         out["prediction"] = _plain(plan.prediction)
     return out

@@ -109,6 +109,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from autopar.usercode import add_timeout_argument
 
     add_timeout_argument(p)
+    o = p.add_argument_group("objective", "what the best plan minimises (docs/batch-size.md)")
+    o.add_argument("--objective", choices=("throughput", "time-to-target"), default="throughput",
+                   help="throughput (default): the fastest step at each global batch; time-to-target: the GPU count "
+                        "and batch of the sweep that reach the target soonest, S(B) = S_min (1 + B_noise/B) steps "
+                        "anchored at --target-steps at --at-batch, times the best plan's step time")
+    o.add_argument("--noise-scale", type=float, metavar="B",
+                   help="time-to-target: the gradient noise scale B_noise, in samples (the unit of --global-batch)")
+    o.add_argument("--noise-scale-from", metavar="RUN.json",
+                   help="time-to-target: read the noise scale (gradient_noise_scale.b_simple) from the report of "
+                        "'autopar run --report'")
+    o.add_argument("--target-steps", type=float, metavar="S0",
+                   help="time-to-target: the optimizer steps to reach the target at --at-batch")
+    o.add_argument("--at-batch", type=int, metavar="B0", help="time-to-target: the global batch (samples) of S0")
 
 
 def constraints_of(args: argparse.Namespace) -> dict[str, tuple]:
@@ -135,6 +148,10 @@ def _plan(args: argparse.Namespace) -> int:
     cluster = api.choose_cluster(args.cluster, args.profile)  # loaded once, priced for each point
     constraints = constraints_of(args)
     batches, seqs = args.global_batch or (None,), args.seq_len or (None,)
+    from autopar.search.time_to_target import objective_of
+
+    objective = objective_of(kind=args.objective, noise_scale=args.noise_scale, noise_scale_from=args.noise_scale_from,
+                             target_steps=args.target_steps, at_batch=args.at_batch, seq_lens=seqs)
     sweep = len(args.gpus) * len(batches) * len(seqs) > 1
     if args.verify and sweep:
         raise AutoparError("--verify rehearses the plans of one point: drop the lists, or rehearse each plan with "
@@ -180,10 +197,20 @@ def _plan(args: argparse.Namespace) -> int:
                             extra=extra))
         for line in dropped:
             print(line)
-        _save(found.plans[best], output)
+        chosen = found.plans[best]
+        if objective is not None:  # time to target of the one point
+            from autopar.search import time_to_target as ttt
+
+            model = ttt.step_model_of(objective)
+            row = ttt.time_to_target_row(gpus=args.gpus[0], global_batch_samples=chosen.training.global_batch_size,
+                                         step_time_s=chosen.prediction["step_time_s"], model=model,
+                                         plan_label=f"#{best + 1}")
+            print("\n" + ttt.time_to_target_report([row], model))
+            chosen = ttt.with_objective(chosen, objective, row, best=True)
+        _save(chosen, output)
         print(f"\n{'best plan' if best == 0 else f'plan #{best + 1}'} written to {output}")
         return 0
-    return _sweep(args, plan_point, batches, seqs, plotting)
+    return _sweep(args, plan_point, batches, seqs, plotting, objective=objective)
 
 
 def _verify(found: Any, args: argparse.Namespace) -> tuple[dict[str, list[str]], int, list[str]]:
@@ -227,7 +254,8 @@ def _save(plan: Any, output: Path) -> None:
         raise AutoparError(f"cannot write {output}: {exc.strerror}") from None
 
 
-def _sweep(args: argparse.Namespace, plan_point: Any, batches: tuple, seqs: tuple, plotting: Any) -> int:
+def _sweep(args: argparse.Namespace, plan_point: Any, batches: tuple, seqs: tuple, plotting: Any,
+           objective: Any = None) -> int:
     from autopar.search.result import constraint_text
     from autopar.search.sweep import run_sweep, sweep_points, sweep_report
 
@@ -244,7 +272,16 @@ def _sweep(args: argparse.Namespace, plan_point: Any, batches: tuple, seqs: tupl
         if first.found.fixed:
             print(f"fixed    {constraint_text(first.found.fixed)} (by you)")
         print()
-    print(sweep_report(done))
+    ttt_rows, ttt_best = None, None
+    if objective is not None:  # time to target: steps x step time per point, the least marked
+        from autopar.search import time_to_target as ttt
+
+        model = ttt.step_model_of(objective)
+        ttt_rows = ttt.rows_of_sweep(done, model)
+        ttt_best = ttt.best_index(ttt_rows)
+        print(ttt.time_to_target_report(ttt_rows, model))
+    else:
+        print(sweep_report(done))
     for p in done:
         if p.error:
             print(f"{p.gpus} GPUs: {p.error}", file=sys.stderr)
@@ -258,11 +295,25 @@ def _sweep(args: argparse.Namespace, plan_point: Any, batches: tuple, seqs: tupl
             name += f"-gb{p.found.space.global_batch}"
         if len(seqs) > 1:
             name += f"-seq{p.found.space.seq_len}"
-        _save(p.found.plans[0], outdir / f"{name}.yaml")
+        best_plan = p.found.plans[0]
+        if ttt_rows is not None:
+            i = next(k for k, q in enumerate(done) if q is p)
+            best_plan = ttt.with_objective(best_plan, objective, ttt_rows[i], best=i == ttt_best)
+            if i == ttt_best:
+                chosen_file = outdir / f"{name}.yaml"
+        _save(best_plan, outdir / f"{name}.yaml")
     print(f"best plans written to {outdir}/ ({len(ok)} files)")
+    if ttt_rows is not None:
+        print(f"{ttt.best_line(ttt_rows[ttt_best])}: {chosen_file}")
     if plotting is not None:
         from autopar.explain.plot import plot_sweep
 
-        plot_sweep(done, args.plot)
-        print(f"scaling plot written to {args.plot}")
+        if ttt_rows is not None:
+            from autopar.explain.plot import plot_time_to_target
+
+            plot_time_to_target(ttt_rows, args.plot)
+            print(f"time-to-target plot written to {args.plot}")
+        else:
+            plot_sweep(done, args.plot)
+            print(f"scaling plot written to {args.plot}")
     return 0

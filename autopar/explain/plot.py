@@ -1,5 +1,6 @@
 """Pictures: ``explain --plot`` (memory per pipeline stage, time breakdown) and a sweep's scaling
-curve (``plan --gpus a,b,c --plot``). matplotlib is an optional extra (``pip install autopar[plot]``);
+curve (``plan --gpus a,b,c --plot``), or its time to target (``plan --objective time-to-target
+--plot``). matplotlib is an optional extra (``pip install autopar[plot]``);
 without it ``require_matplotlib`` raises a one-line AutoparError saying how to get it.
 
 Every number drawn comes from the cost model's Estimate (the same one ``estimate`` prints), and the
@@ -18,6 +19,7 @@ from autopar.errors import AutoparError
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.explain.explanation import Explanation
     from autopar.search.sweep import SweepPoint
+    from autopar.search.time_to_target import TimeToTargetRow
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "other")
 INSTALL_HINT = "plotting needs matplotlib: pip install 'autopar[plot]' (or pip install matplotlib)"
@@ -139,6 +141,38 @@ def plot_sweep(points: Sequence["SweepPoint"], path: str | os.PathLike[str]) -> 
     ax_m.set_title("scaling efficiency and MFU", fontsize=10)
     g = ok[0].found.graph
     fig.suptitle(f"{g.name} on {ok[0].found.cluster.name}: best plan per point", fontsize=11)
+    fig.tight_layout()
+    _save(fig, target)
+    plt.close(fig)
+    return target
+
+
+def plot_time_to_target(rows: Sequence[TimeToTargetRow], path: str | Path, *, title: str = "") -> Path:
+    """Time to target (hours, log) against the global batch, one line per GPU count, the best point
+    ringed. Needs matplotlib (``autopar[plot]``): a one-line AutoparError without it."""
+    from autopar.search.time_to_target import best_index
+
+    target = _check_target(path)
+    plt = require_matplotlib()
+    timed = [r for r in rows if r.time_to_target_s is not None]
+    if not timed:
+        raise AutoparError("nothing to plot: no point has a plan that fits")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for n in sorted({r.gpus for r in timed}):
+        mine = sorted((r for r in timed if r.gpus == n), key=lambda r: r.global_batch_samples)
+        ax.plot([r.global_batch_samples for r in mine], [r.time_to_target_s / 3600 for r in mine], marker="o",
+                label=f"{n:,} GPUs")
+    best = rows[best_index(rows)]
+    ax.plot([best.global_batch_samples], [best.time_to_target_s / 3600], marker="o", markersize=14,
+            markerfacecolor="none", color="black", linestyle="none", label="least time to target")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    batches = sorted({r.global_batch_samples for r in timed})
+    ax.set_xticks(batches, [f"{b:,}" for b in batches])
+    ax.set_xlabel("global batch (samples)")
+    ax.set_ylabel("time to target (hours)")
+    ax.legend(fontsize=8)
+    ax.set_title(title or "time to target: S(B) steps x the best plan's step time", fontsize=10)
     fig.tight_layout()
     _save(fig, target)
     plt.close(fig)

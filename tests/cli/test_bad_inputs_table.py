@@ -49,6 +49,7 @@ def _run_plan(t: Path, **sections) -> Path:
 LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(  # a "billion laughs" in 1 KB
     f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
 OUT = "out.yaml"  # relative to tmp_path: must not exist after a failure
+TTT = ["--objective", "time-to-target", "--target-steps", "1000", "--at-batch", "16"]  # all but the noise scale
 # (id, argv builder, expected exit code, substrings of the error line)
 Row = tuple[str, Callable[[Path], list], int, list[str]]
 CASES: list[Row] = [
@@ -71,6 +72,25 @@ CASES: list[Row] = [
      ["tpu-v5"]),
     ("plan-infeasible-memory", lambda t: ["plan", REPO / "examples" / "gpt.py", "--gpus", "1", "--quiet", "-o", t / OUT],
      2, ["no plan fits"]),
+    # time to target: the objective's inputs are checked before any search
+    ("plan-time-to-target-no-noise-scale", lambda t: ["plan", GPT12, "--gpus", "8", *TTT, "-o", t / OUT], 2,
+     ["--objective time-to-target needs the gradient noise scale"]),
+    ("plan-zero-noise-scale", lambda t: ["plan", GPT12, "--gpus", "8", *TTT, "--noise-scale", "0", "-o", t / OUT], 2,
+     ["--noise-scale must be a positive"]),
+    ("plan-negative-noise-scale", lambda t: ["plan", GPT12, "--gpus", "8", *TTT, "--noise-scale=-64", "-o", t / OUT],
+     2, ["--noise-scale must be a positive"]),
+    ("plan-zero-target-steps", lambda t: ["plan", GPT12, "--gpus", "8", *TTT[:2], "--target-steps", "0", "--at-batch",
+                                          "16", "--noise-scale", "64", "-o", t / OUT], 2, ["--target-steps"]),
+    ("plan-negative-at-batch", lambda t: ["plan", GPT12, "--gpus", "8", *TTT[:4], "--at-batch=-16", "--noise-scale",
+                                          "64", "-o", t / OUT], 2, ["--at-batch"]),
+    ("plan-noise-scale-from-missing", lambda t: ["plan", GPT12, "--gpus", "8", *TTT, "--noise-scale-from",
+                                                 t / "run.json", "-o", t / OUT], 2, ["run.json", "no such file"]),
+    ("plan-noise-scale-from-not-json", lambda t: ["plan", GPT12, "--gpus", "8", *TTT, "--noise-scale-from",
+                                                  _write(t, "run.json", "step 1 loss 2.3"), "-o", t / OUT], 2,
+     ["run.json", "not JSON"]),
+    ("plan-noise-scale-from-no-key", lambda t: ["plan", GPT12, "--gpus", "8", *TTT, "--noise-scale-from",
+                                                _write(t, "run.json", '{"step_time_s": 1.0}'), "-o", t / OUT], 2,
+     ["gradient_noise_scale.b_simple"]),
     # --- estimate
     ("estimate-malformed-yaml", lambda t: ["estimate", GPT12, _write(t, "bad.yaml", "version: 1\nmodel: [\n")], 2,
      ["not valid YAML"]),
