@@ -149,6 +149,8 @@ def best_index(rows: Sequence[TimeToTargetRow]) -> int | None:
 
 
 def _hours(h: float) -> str:
+    if h >= 1000:
+        return f"{h:,.0f}"
     return f"{h:,.1f}" if h >= 10 else f"{h:,.2f}" if h >= 0.01 else f"{h:.2g}"
 
 
@@ -206,10 +208,13 @@ def noise_scale_from_report(path: str | Path) -> float:
         raise AutoparError(f"--noise-scale-from {p} is not JSON ({exc}); give the report of 'autopar run --report'") \
             from None
     section = data.get(REPORT_KEY) if isinstance(data, dict) else None
-    value = section.get("b_simple") if isinstance(section, dict) else None
+    if not isinstance(section, dict) or "b_simple" not in section:
+        raise AutoparError(f"--noise-scale-from {p} has no {REPORT_KEY}.b_simple: a run at data-parallel degree 2 "
+                           "or more reports it ('autopar run --report'); or give --noise-scale B")
+    value = section["b_simple"]
     if value is None:
-        raise AutoparError(f"--noise-scale-from {p} has no {REPORT_KEY}.b_simple: the run measures it at "
-                           "data-parallel degree 2 or more; or give --noise-scale B")
+        raise AutoparError(f"--noise-scale-from {p}: {REPORT_KEY}.b_simple is null, the run did not pin it down "
+                           "(too few steps, or the noise small against the gradient); run longer or give --noise-scale B")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise AutoparError(f"--noise-scale-from {p}: {REPORT_KEY}.b_simple is {value!r}, not a positive noise scale "
                            "(too few steps measured?); give --noise-scale B")

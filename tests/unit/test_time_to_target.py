@@ -185,7 +185,7 @@ def test_noise_scale_from_a_run_report(tmp_path: Path) -> None:
     cases = {"missing.json": (None, "no such file"), "text.json": ("not json {", "is not JSON"),
              "list.json": ("[1, 2]", "has no gradient_noise_scale.b_simple"),
              "nokey.json": ('{"step_time_s": 1.0}', "has no gradient_noise_scale.b_simple"),
-             "null.json": ('{"gradient_noise_scale": {"b_simple": null}}', "has no gradient_noise_scale.b_simple"),
+             "null.json": ('{"gradient_noise_scale": {"b_simple": null}}', "b_simple is null"),
              "negative.json": ('{"gradient_noise_scale": {"b_simple": -2.0}}', "not a positive noise scale")}
     for name, (text, needle) in cases.items():
         if text is not None:
