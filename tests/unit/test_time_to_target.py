@@ -227,3 +227,14 @@ def test_plan_time_to_target_sweep_marks_and_records_the_best_point(tmp_path, mo
     starred = [line for line in printed.splitlines() if line.startswith("*")]
     assert len(starred) == 1 and starred[0].split()[1:3] == [str(best[0]), str(best[1])]
     assert f"least time to target: {best[0]} GPUs at global batch {best[1]}" in printed
+    # one point: the usual report, a one-row table below it, and the plan records the objective
+    one = tmp_path / "one.yaml"
+    assert main(["plan", str(small), "--gpus", "8", "--global-batch", "64", "--quiet", "--tp", "1",
+                 "--objective", "time-to-target", "--noise-scale", "32", "--target-steps", "1000", "--at-batch", "16",
+                 "-o", str(one)]) == 0
+    printed = capsys.readouterr().out
+    assert "searched " in printed and [line.split()[1:3] for line in printed.splitlines()
+                                       if line.startswith("*")] == [["8", "64"]]
+    assert load_plan(one).objective == plans[(8, 64)].objective
+    assert yaml.safe_load(one.read_text())["prediction"]["time_to_target"]["time_to_target_s"] == \
+        pytest.approx(times[(8, 64)], rel=1e-12)
