@@ -44,6 +44,7 @@ from autopar.plan import Plan, load_plan
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster import Cluster
     from autopar.cost.step import Estimate
+    from autopar.engines.config import EngineConfig
     from autopar.executor.apply import Executable
     from autopar.explain.explanation import Explanation
     from autopar.graph import ModelGraph
@@ -58,7 +59,8 @@ PlanLike = Any  # Plan | str | os.PathLike
 Warn = Callable[[str], None]
 
 _SPACE_KNOBS = ("zero_stages", "recompute_modes", "schedules", "cp_kinds", "max_virtual_stages", "dp_degrees",
-                "tp_degrees", "pp_degrees", "cp_degrees", "sequence_parallel", "virtual_stages")
+                "tp_degrees", "pp_degrees", "cp_degrees", "sequence_parallel", "virtual_stages", "ep_degrees",
+                "offload_modes", "refine_recompute_mix")
 
 DEFAULT_CLUSTER = "a100-80g"
 # A CPU profile's default global batch: 8 samples per rank -- seconds a step for the small models a
@@ -193,7 +195,7 @@ def plan_search(model: ModelLike, gpus: int, cluster: "str | Cluster | ClusterCh
            optimizer: str = "adam", top: int = 5, moe_imbalance: float = 1.0,
            constraints: Mapping[str, Sequence[Any]] | None = None,
            progress: Callable[[int, int, float], None] | None = None, use_cache: bool = True,
-           warn: Warn = python_warning, **knobs: Any) -> "PlanSearch":
+           warn: Warn = python_warning, engine: str = "autopar", **knobs: Any) -> "PlanSearch":
     """The ranked plans of one ``autopar plan`` request (``search.driver.PlanSearch``: the top
     ``top`` plans, fastest first, with the graph, the priced cluster and the space searched).
 
@@ -202,25 +204,67 @@ def plan_search(model: ModelLike, gpus: int, cluster: "str | Cluster | ClusterCh
     on a CPU profile ``CPU_SAMPLES_PER_RANK`` x ``gpus``. ``constraints`` (keys of
     ``search.driver.CONSTRAINTS``, ``plan --tp 8 ...``) narrow the space and are recorded in the
     plans as fixed by the user; ``knobs`` (``search.space.SearchSpace`` fields) narrow it silently.
+    ``engine`` (``autopar.engines``: megatron, torchtitan, deepspeed, accelerate): only plans that
+    engine runs, priced with its software profile where one exists (``plan --engine``).
     Raises ``InfeasibleError`` when nothing fits.
     """
+    from autopar.engines.capability import get_engine, search_knobs
     from autopar.profile_conditions import RunConditions, default_dtype, is_cpu_profile, ranks_on_host
     from autopar.search.driver import search_plans
 
-    knobs = _space_knobs(knobs)
-    choice = cluster if isinstance(cluster, ClusterChoice) else choose_cluster(cluster, profile)
+    eng = get_engine(engine)
+    knobs = {**search_knobs(eng, constraints or {}, dtype), **_space_knobs(knobs)}
+    choice = cluster if isinstance(cluster, ClusterChoice) else engine_cluster_choice(engine, cluster, profile, warn)
     dtype = dtype or default_dtype(choice.cluster)
     ranks = ranks_on_host(choice.cluster, gpus, gpus_per_node or choice.cluster.gpus_per_node)
     priced = price(choice, RunConditions(dtype=dtype, ranks_on_host=ranks), model_label=_model_label(model),
                    warn=warn)
     if global_batch is None and is_cpu_profile(choice.cluster):
         global_batch = CPU_SAMPLES_PER_RANK * gpus
-    return search_plans(_graph_source(model), gpus=gpus, cluster=priced, cluster_ref=choice.ref,
-                        gpus_per_node=gpus_per_node, global_batch=global_batch,
-                        micro_batches=(micro_batch,) if isinstance(micro_batch, int) else tuple(micro_batch),
-                        seq_len=seq_len, dtype=dtype, optimizer=optimizer, top_k=top,
-                        knobs={**knobs, "moe_imbalance": moe_imbalance}, constraints=constraints,
-                        progress=progress, use_cache=use_cache)
+    found = search_plans(_graph_source(model), gpus=gpus, cluster=priced, cluster_ref=choice.ref,
+                         gpus_per_node=gpus_per_node, global_batch=global_batch,
+                         micro_batches=(micro_batch,) if isinstance(micro_batch, int) else tuple(micro_batch),
+                         seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                         top_k=top if eng.name == "autopar" else top + ENGINE_TOP_MARGIN,
+                         knobs={**knobs, "moe_imbalance": moe_imbalance}, constraints=constraints,
+                         progress=progress, use_cache=use_cache)
+    return engine_plans(found, eng, top)
+
+
+# plan --engine: the search keeps this many plans beyond --top, so that dropping the few an engine's
+# knobs cannot exclude (engines.capability.plan_reason: e.g. Megatron-FSDP with pp) still leaves --top.
+ENGINE_TOP_MARGIN = 5
+
+
+def engine_plans(found: "PlanSearch", engine: Any, top: int) -> "PlanSearch":
+    """``found`` with only the plans ``engine`` runs (the first ``top`` of them); an InfeasibleError
+    when none is left."""
+    import dataclasses
+
+    from autopar.engines.capability import plan_reason
+    from autopar.errors import InfeasibleError
+
+    if engine.name == "autopar":
+        return found
+    keep = [i for i, p in enumerate(found.plans) if plan_reason(engine, p) is None][:top]
+    if not keep:
+        raise InfeasibleError(f"no plan fits that {engine.title} runs: "
+                              f"{plan_reason(engine, found.plans[0])}; plan without --engine to see autopar's")
+    result = dataclasses.replace(found.result, top=tuple(found.result.top[i] for i in keep))
+    return dataclasses.replace(found, result=result, plans=tuple(found.plans[i] for i in keep))
+
+
+def engine_cluster_choice(engine: str, cluster: "str | os.PathLike[str] | Cluster | None", profile: str | None,
+                          warn: Warn = python_warning) -> ClusterChoice:
+    """``choose_cluster`` for a plan an engine runs: a named cluster becomes the profile with the
+    engine's software figures where one exists (``h100-80g`` -> ``h100-80g-megatron``)."""
+    from autopar.engines.capability import engine_cluster, get_engine
+
+    if isinstance(cluster, (str, type(None))) and profile is None:
+        cluster, note = engine_cluster(get_engine(engine), cluster, DEFAULT_CLUSTER)
+        if note:
+            warn(note)
+    return choose_cluster(cluster, profile)
 
 
 def plan(model: ModelLike, gpus: int, cluster: "str | Cluster | None" = None, *, warn: Warn = python_warning,
@@ -291,17 +335,54 @@ def estimate(model: ModelLike | None, plan: PlanLike, cluster: "str | Cluster | 
     return estimation(model, plan, cluster, **options).estimate
 
 
-def rank(est: Estimation, *, top: int = 20, use_cache: bool = True) -> "PlanSearch":
+def rank(est: Estimation, *, top: int = 20, use_cache: bool = True, engine: str = "autopar") -> "PlanSearch":
     """The ``top`` plans ``autopar plan`` finds for the request ``est`` answers (its GPUs, GPUs per
     node, global batch, sequence, dtype, optimizer and routing imbalance, on its priced cluster):
-    where ``autopar estimate`` ranks a plan."""
+    where ``autopar estimate`` ranks a plan. ``engine``: among the plans that engine runs."""
+    from autopar.engines.capability import get_engine, search_knobs
     from autopar.search.driver import search_plans
 
     p, t = est.plan, est.plan.training
-    return search_plans(est.model, gpus=p.cluster.num_gpus, cluster=est.cluster, cluster_ref=est.cluster.name,
-                        gpus_per_node=p.cluster.gpus_per_node, global_batch=t.global_batch_size, seq_len=t.seq_len,
-                        dtype=t.dtype, optimizer=t.optimizer, top_k=top, use_cache=use_cache,
-                        knobs={"moe_imbalance": est.moe_imbalance})
+    eng = get_engine(engine)
+    found = search_plans(est.model, gpus=p.cluster.num_gpus, cluster=est.cluster, cluster_ref=est.cluster.name,
+                         gpus_per_node=p.cluster.gpus_per_node, global_batch=t.global_batch_size, seq_len=t.seq_len,
+                         dtype=t.dtype, optimizer=t.optimizer,
+                         top_k=top if eng.name == "autopar" else top + ENGINE_TOP_MARGIN, use_cache=use_cache,
+                         knobs={**search_knobs(eng, {}, None), "moe_imbalance": est.moe_imbalance})
+    return engine_plans(found, eng, top)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Imported:
+    """An engine's configuration file read back (``autopar estimate --from``): what it configures,
+    the plan that is, and that plan's estimate."""
+
+    config: "EngineConfig"
+    estimation: Estimation
+
+
+def estimation_from(engine: str, path: str | os.PathLike[str], model: ModelLike, cluster: str | None = None, *,
+                    gpus: int | None = None, gpus_per_node: int | None = None, global_batch: int | None = None,
+                    micro_batch: int | None = None, seq_len: int | None = None, moe_imbalance: float = 1.0,
+                    use_cache: bool = True, warn: Warn = python_warning) -> Imported:
+    """``autopar estimate MODEL --from ENGINE FILE``: the engine's file (Megatron-LM flags, a
+    torchtitan TOML, a DeepSpeed JSON, an accelerate config) read into a plan for ``model`` and
+    priced. ``cluster`` None: the file's ``autopar:`` header, else the default, with the engine's
+    software profile where one exists. The keyword values fill or override what the file says."""
+    from autopar.engines import read_config
+    from autopar.engines.config import to_plan
+    from autopar.search.driver import load_graph
+
+    cfg = read_config(engine, path).with_overrides(num_gpus=gpus, gpus_per_node=gpus_per_node,
+                                                     global_batch_size=global_batch, micro_batch_size=micro_batch,
+                                                     seq_len=seq_len)
+    choice = engine_cluster_choice(engine, cluster or cfg.cluster, None, warn)
+    graph, source = load_graph(_graph_source(model), seq_len=cfg.seq_len, dtype=cfg.dtype, use_cache=use_cache)
+    plan = to_plan(cfg, model_file=str(source.path), num_blocks=graph.num_blocks, sha256=source.sha256,
+                   cluster_ref=choice.ref, gpus_per_node=cfg.gpus_per_node or choice.cluster.gpus_per_node,
+                   default_seq_len=source.declared_seq_len)
+    est = estimation(model, plan, choice.ref, moe_imbalance=moe_imbalance, use_cache=use_cache, warn=warn)
+    return Imported(config=cfg, estimation=est)
 
 
 def explanation(plan: PlanLike, model: ModelLike | None = None, cluster: "str | Cluster | None" = None, *,

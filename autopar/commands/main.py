@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import Callable, Sequence
 
-from autopar.commands import estimate, explain, launch, plan, profile, profiles, rehearse, run, validate
+from autopar.commands import estimate, explain, export, launch, plan, profile, profiles, rehearse, run, validate
 from autopar.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SIGNAL, EXIT_USAGE, AutoparError
 from autopar.version import __version__
 
@@ -58,6 +58,10 @@ COMMANDS = (
      "tracker, and print each rank's measured peak beside the cost model's prediction."),
     ("explain", explain, "show a plan's mesh, stages, memory and communication",
      "Explain PLAN: rank groups per mesh axis, layers per stage, memory and communication per step."),
+    ("export", export, "write a plan as Megatron-LM flags, a torchtitan TOML, a DeepSpeed JSON or an accelerate config",
+     "Write PLAN in an engine's own configuration format (--to megatron|torchtitan|deepspeed|accelerate). A plan "
+     "feature the engine cannot express is an error naming it and 'autopar plan --engine ENGINE'. "
+     "'autopar estimate MODEL.py --from ENGINE FILE' reads the file back."),
     ("launch", launch, "print the torchrun lines or an sbatch script for a plan",
      "Print the per-node torchrun command lines (or a Slurm sbatch script) that run PLAN."),
 )

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.commands.args import check_moe_imbalance, gpu_counts, int_list, positive_int, warn
+from autopar.engines.capability import ENGINE_NAMES
 from autopar.errors import AutoparError
 from autopar.plan import CP_KINDS, DTYPES, OFFLOAD_LABELS, OPTIMIZERS
 from autopar.search.space import SEARCH_RECOMPUTE_MODES
@@ -62,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES,
                    help="training dtype (default: the measured profile's, else bf16)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="optimizer (default adam)")
+    p.add_argument("--engine", choices=ENGINE_NAMES, default="autopar",
+                   help="plan for this engine: only what it runs (its dimensions, schedules, ZeRO stages, recompute, "
+                        "offload), priced with its software profile where one exists (h100-80g -> "
+                        "h100-80g-megatron); then 'autopar export PLAN.yaml --to ENGINE' (docs/engines.md)")
     p.add_argument("--top", type=positive_int, default=5, metavar="K", help="how many plans to rank (default 5)")
     p.add_argument("-o", "--output", metavar="PLAN.yaml",
                    help="where to write the best plan (default plans/<model>-<N>gpu.yaml; in a sweep: a directory)")
@@ -145,7 +150,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     configure(timeout_s=args.timeout)
     check_moe_imbalance(args.moe_imbalance)
-    cluster = api.choose_cluster(args.cluster, args.profile)  # loaded once, priced for each point
+    # loaded once, priced for each point; an engine's software profile where one exists (plan --engine)
+    cluster = api.engine_cluster_choice(args.engine, args.cluster, args.profile, warn)
     constraints = constraints_of(args)
     batches, seqs = args.global_batch or (None,), args.seq_len or (None,)
     from autopar.search.time_to_target import objective_of
@@ -182,7 +188,7 @@ def _plan(args: argparse.Namespace) -> int:
         return api.plan_search(args.model, n, cluster, gpus_per_node=args.gpus_per_node, global_batch=batch,
                                seq_len=seq, dtype=args.dtype, optimizer=args.optimizer, top=args.top,
                                moe_imbalance=args.moe_imbalance, constraints=constraints, progress=progress,
-                               use_cache=not args.no_cache, warn=warn)
+                               use_cache=not args.no_cache, warn=warn, engine=args.engine)
 
     if not sweep:
         found = plan_point(args.gpus[0], batches[0], seqs[0])
@@ -209,6 +215,8 @@ def _plan(args: argparse.Namespace) -> int:
             chosen = ttt.with_objective(chosen, objective, row, best=True)
         _save(chosen, output)
         print(f"\n{'best plan' if best == 0 else f'plan #{best + 1}'} written to {output}")
+        if args.engine != "autopar":
+            print(f"for {args.engine}: autopar export {output} --to {args.engine}")
         return 0
     return _sweep(args, plan_point, batches, seqs, plotting, objective=objective)
 
