@@ -49,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
                         help="collective timeout in seconds (default 600): a hang becomes an error naming the rank "
                              "and the collective (exit 4); also the time limit of each call into the model file")
+    g = parser.add_argument_group("batch size: AdaScale (docs/batch-size.md)")
+    g.add_argument("--adascale", action="store_true",
+                   help="multiply the learning rate by AdaScale's gain ratio each step (dp >= 2; SGD, as FairScale)")
+    g.add_argument("--adascale-target", type=float, metavar="T",
+                   help="with --adascale: train until the scale-invariant step counter reaches T (instead of --steps)")
+    g.add_argument("--adascale-force", action="store_true",
+                   help="with --adascale: run it with Adam(W) too, for which AdaScale is not validated")
     g = parser.add_argument_group("checkpoints and faults (docs/reliability.md)")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="write sharded DCP checkpoints here (atomic; 'latest' pointer)")
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
@@ -88,7 +95,10 @@ def _relaunch(args: argparse.Namespace, model: str) -> int:
             cmd += [flag, str(value)]
     cmd += ["--checkpoint-every", str(args.checkpoint_every), "--keep-checkpoints", str(args.keep_checkpoints),
             "--trace-steps", str(args.trace_steps)]
-    cmd += [f for f, on in (("--resume", args.resume), ("--trace-all-ranks", args.trace_all_ranks)) if on]
+    cmd += [f for f, on in (("--resume", args.resume), ("--trace-all-ranks", args.trace_all_ranks),
+                            ("--adascale", args.adascale), ("--adascale-force", args.adascale_force)) if on]
+    if args.adascale_target is not None:
+        cmd += ["--adascale-target", repr(args.adascale_target)]
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "AUTOPAR_CKPT_LOCKED": "1"}
     return run_local(LocalJob(argv=tuple(cmd), nproc=args.nproc_per_node, max_restarts=args.max_restarts, env=env))
 
@@ -136,6 +146,28 @@ def validate_args(args: argparse.Namespace) -> RunOptions:
         for r in range(args.nproc_per_node or 1):
             check_output_file(trace_path(args.trace, r, True), "--trace", create_parent=False)
     return options
+
+
+def check_adascale(options: RunOptions, plan) -> list[str]:  # noqa: ANN001
+    """``--adascale`` against the plan (before any rank starts): it needs measured gradient statistics
+    (dp >= 2, cp 1, ep 1) and an optimizer it is validated for. Returns warnings to print."""
+    if not options.adascale:
+        return []
+    par = plan.parallel
+    if par.dp < 2:
+        raise AutoparError(f"--adascale needs data parallelism (dp >= 2): it compares the ranks' local gradients, "
+                           f"and this plan has dp {par.dp}; plan with more data-parallel ranks or run without --adascale")
+    for name, degree, why in (("cp", par.cp, "a cp rank's gradient covers part of each sample's tokens"),
+                              ("ep", par.ep, "experts reduce their gradients over their own groups")):
+        if degree > 1:
+            raise AutoparError(f"--adascale is not supported with {name} {degree} ({why}); run without --adascale")
+    if plan.training.optimizer in ("adam", "adamw"):
+        line = (f"AdaScale is not validated for Adam(W) (this plan's optimizer: {plan.training.optimizer}), only for "
+                "SGD with or without momentum, as FairScale documents")
+        if not options.adascale_force:
+            raise AutoparError(f"{line}; plan with 'optimizer: sgd', or pass --adascale-force to run it anyway")
+        return [f"warning: {line}; running it anyway (--adascale-force)"]
+    return []
 
 
 def _check_resume(args: argparse.Namespace, plan) -> list[str]:
@@ -195,11 +227,12 @@ def main(args: argparse.Namespace) -> int:
         # Host offload: HostOptimizer's states belong to its host masters, not to the model's parameters
         raise AutoparError("checkpoints of plans with optimizer-only offload are not supported yet; "
                            "run without --checkpoint-dir or offload params too (zero 3)")
+    adascale_warnings = check_adascale(options, plan)
     model = _model_path(args, Path(args.plan), plan.model.file)
     mf = load_model_file(model)
     if not _under_torchrun():
         check_example_inputs(mf)
-    resume_warnings = _check_resume(args, plan)
+    resume_warnings = _check_resume(args, plan) + adascale_warnings
     if args.checkpoint_dir is not None and os.environ.get("AUTOPAR_CKPT_LOCKED") != "1" and (
             not _under_torchrun() or os.environ.get("RANK") == "0"):
         from autopar.executor.checkpoint import lock_directory

@@ -140,7 +140,7 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
     )
     from autopar.executor.mesh import backend_for, build_mesh, device_for_rank
     from autopar.executor.tracing import make_tracer
-    from autopar.executor.train import StepHooks, train
+    from autopar.executor.train import AdaScaleOptions, StepHooks, train
     from autopar.launch.local import write_status
 
     device = device_for_rank()
@@ -236,7 +236,7 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
                 if log:
                     log(f"checkpoint {last_saved[0]}")
 
-        tracer = make_tracer(options.trace_path, rank, all_ranks=options.trace_all_ranks, steps_to_run=options.steps - start,
+        tracer = make_tracer(options.trace_path, rank, all_ranks=options.trace_all_ranks, steps_to_run=options.step_limit - start,
                              trace_steps=options.trace_steps)
         def before_step(step: int) -> None:
             phase[0] = f"step {step + 1}"
@@ -251,7 +251,9 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
                 log(f"note: {hint}")
         if log and start >= options.steps:
             log(f"the checkpoint already has {start} >= --steps {options.steps} steps; nothing to train")
-        result = train(exe, mf, steps=options.steps, seed=seed, log=log, start_step=start, hooks=hooks)
+        adascale = AdaScaleOptions(target_steps=options.adascale_target) if options.adascale else None
+        result = train(exe, mf, steps=options.step_limit, seed=seed, log=log, start_step=start, hooks=hooks,
+                       measure_noise=True, adascale=adascale)
         if tracer is not None:
             if tracer.close() and log:
                 log(f"trace written to {tracer.path}")

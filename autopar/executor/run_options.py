@@ -36,6 +36,11 @@ class RunOptions:
     trace_all_ranks: bool = False
     # divergence: a step's loss above this times the run's first loss stops the run (0: never)
     max_loss_ratio: float = DEFAULT_MAX_LOSS_RATIO
+    # AdaScale (executor/adascale.py): the learning rate times the gain ratio; with a target, train
+    # until the scale-invariant step counter reaches it (instead of --steps)
+    adascale: bool = False
+    adascale_target: float | None = None
+    adascale_force: bool = False  # Adam(W): AdaScale is not validated for it; run it anyway
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -50,10 +55,28 @@ class RunOptions:
                                  ("--keep-checkpoints", self.keep_checkpoints, 0), ("--trace-steps", self.trace_steps, 1)):
             if value < low:
                 raise AutoparError(f"{flag} must be >= {low}, got {value}")
+        self._check_adascale()
         if self.checkpoint_dir is None:
             for flag, on in (("--resume", self.resume), ("--checkpoint-every", self.checkpoint_every > 0)):
                 if on:
                     raise AutoparError(f"{flag} needs --checkpoint-dir DIR")
+
+    def _check_adascale(self) -> None:
+        if self.adascale_target is not None and not (math.isfinite(self.adascale_target) and self.adascale_target > 0):
+            raise AutoparError(f"--adascale-target must be a positive number of scale-invariant steps, got "
+                               f"{self.adascale_target}")
+        for flag, on in (("--adascale-target", self.adascale_target is not None), ("--adascale-force", self.adascale_force)):
+            if on and not self.adascale:
+                raise AutoparError(f"{flag} needs --adascale")
+        if self.adascale and (self.resume or self.checkpoint_dir is not None):
+            raise AutoparError("--adascale does not checkpoint its state (the gain's averages, the scale-invariant "
+                               "step counter) yet; run it without --checkpoint-dir and --resume")
+
+    @property
+    def step_limit(self) -> int:
+        """The most optimizer steps to run: --steps, or with --adascale-target that many (a gain of at
+        least 1 reaches the target in at most as many steps)."""
+        return math.ceil(self.adascale_target) if self.adascale_target is not None else self.steps
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunOptions:
@@ -62,4 +85,6 @@ class RunOptions:
                    timeout_s=args.timeout, report_path=args.report, checkpoint_dir=args.checkpoint_dir,
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
                    trace_path=args.trace, trace_steps=args.trace_steps, trace_all_ranks=args.trace_all_ranks,
-                   max_loss_ratio=args.max_loss_ratio)
+                   max_loss_ratio=args.max_loss_ratio, adascale=getattr(args, "adascale", False),
+                   adascale_target=getattr(args, "adascale_target", None),
+                   adascale_force=getattr(args, "adascale_force", False))

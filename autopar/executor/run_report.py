@@ -63,6 +63,9 @@ def build_report(plan, model_path: str, result, world: int, options: RunOptions,
         "error_pct": {k: _error_pct(v, pred.get(k)) for k, v in measured.items() if k in pred},
         "notes": list(result.notes),
         "warnings": warnings,
+        # docs/batch-size.md: null where the plan does not measure it (dp 1, cp > 1, ep > 1)
+        "gradient_noise_scale": result.noise_scale.to_json() if result.noise_scale is not None else None,
+        "adascale": result.adascale.to_json() if result.adascale is not None else None,
     }
 
 

@@ -22,6 +22,11 @@ and for the fallback to all-gathered logits when a loss_fn cannot run on a DTens
 Hugging Face causal-LM dict batch (``{"input_ids", "labels"}``) gets HF's label loss, the targets
 built from its labels (``_cp_dict_loss``).
 
+Gradient statistics (``train(measure_noise=True)``, ``adascale=``): the gradient noise scale of every
+step, from the squared norms of the local and the reduced gradient (grad_norms.py, noise_scale.py),
+and AdaScale's learning-rate gain driven by them (adascale.py). Measuring adds one all-reduce of four
+scalars per step, before the optimizer step (AdaScale needs the gain for that step's update).
+
 Peak memory per rank: ``torch.cuda.max_memory_allocated`` on GPU. On CPU there are no allocator
 statistics, so it is the growth of the process's peak RSS (``getrusage ru_maxrss``) over its value
 when the run started -- includes allocator slack and the full-model copy used for initialisation.
@@ -42,6 +47,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
+from autopar.executor.adascale import AdaScale, AdaScaleReport, scaled_lr
 from autopar.executor.apply import Executable
 from autopar.executor.batch import rows, to_device
 from autopar.executor.context_parallel import (
@@ -55,7 +61,9 @@ from autopar.executor.context_parallel import (
     shard_batch,
 )
 from autopar.executor.data_parallel import DTYPES, MIXED_PRECISION_KINDS, build_optimizer, zero1_microbatch
+from autopar.executor.grad_norms import GradNormMeter, Unmeasured, install
 from autopar.executor.host_reference import build_reference
+from autopar.executor.noise_scale import NoiseScaleEstimator, NoiseScaleReport, NormSample
 from autopar.executor.pipeline_parallel import run_schedule, sync_tied_grads
 from autopar.executor.steady import steady_state
 from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
@@ -77,6 +85,42 @@ class RunResult:
     memory_measure: str
     notes: tuple[str, ...] = ()
     start_step: int = 0  # index of the first step run here (> 0 after a resume); losses[i] is step start_step + i
+    noise_scale: NoiseScaleReport | None = None  # measured gradient noise scale (train(measure_noise=True))
+    noise_scale_note: str | None = None  # why it was not measured, where it was asked for and not measured
+    adascale: AdaScaleReport | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaScaleOptions:
+    """``autopar run --adascale``: scale the learning rate by AdaScale's gain (adascale.py); with
+    ``target_steps``, stop once the scale-invariant step counter reaches it."""
+
+    target_steps: float | None = None
+
+
+class _Statistics:
+    """The gradient noise scale and AdaScale of one run (every rank holds identical ones)."""
+
+    def __init__(self, meter: GradNormMeter, adascale: AdaScale | None) -> None:
+        self.meter, self.adascale = meter, adascale
+        self.noise = NoiseScaleEstimator()
+        self.step = 0
+        self.last_b_simple: float | None = None
+
+    def on_sample(self, sample: NormSample) -> float:
+        """Fold in a step's squared norms; the learning-rate gain of its update (1 without AdaScale)."""
+        self.step += 1
+        self.last_b_simple = self.noise.update(self.step, sample).b_simple
+        return self.adascale.update(self.step, sample).gain if self.adascale is not None else 1.0
+
+    def log_suffix(self) -> str:
+        b = self.last_b_simple
+        text = "  B_simple " + ("n/a" if b is None else f"{b:,.1f}")
+        if self.adascale is not None:
+            a = self.adascale
+            target = f"/{a.target:g}" if a.target is not None else ""
+            text += f"  gain {a.gain:.3f}  scale-invariant step {a.progress:.2f}{target}"
+        return text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +213,7 @@ class _Trainer:
         self.vocab_loss = VocabParallelLoss(mf.loss_fn)
         self.loss_fn: Callable = self.vocab_loss if exe.plan.parallel.tp > 1 else mf.loss_fn
         self.checked_cp_loss = False
+        self.stats: _Statistics | None = None  # train(measure_noise=True): gradient statistics per step
 
     def step(self, batch: Any, on_grads: Callable[[], None] | None = None) -> torch.Tensor:
         """One optimizer step on this rank's dp slice; returns this rank's loss contribution.
@@ -179,16 +224,22 @@ class _Trainer:
         exe, plan = self.exe, self.plan
         par, mbs, m = plan.parallel, plan.training.micro_batch_size, plan.num_microbatches
         fsdp = any(w.kind in MIXED_PRECISION_KINDS for w in exe.dp)
+        stats = self.stats
+        if stats is not None:
+            stats.meter.begin_step()
         with _autocast(plan, exe.mesh.device, fsdp), loss_context(par.tp):
             if exe.schedule is not None:
                 contrib = self._pipeline_step(batch)
             else:
                 contrib = self._flat_step(batch, mbs, m)
+        # the reduced gradients, before tied copies are summed (grad_norms.py); collective
+        gain = stats.on_sample(stats.meter.finish()) if stats is not None else 1.0
         if exe.tied:
             sync_tied_grads(exe.parameter_copies(), exe.tied)
         if on_grads is not None:
             on_grads()
-        exe.optimizer.step()
+        with scaled_lr(exe.optimizer, gain) if gain != 1.0 else nullcontext():
+            exe.optimizer.step()
         exe.optimizer.zero_grad(set_to_none=True)
         return contrib
 
@@ -283,12 +334,16 @@ def _time_left(times: list[float], remaining: int) -> str:
 def train(
     exe: Executable, mf: ModelFile, *, steps: int, seed: int, log: Callable[[str], None] | None = None,
     on_grads: Callable[[int], None] | None = None, start_step: int = 0, hooks: StepHooks | None = None,
+    measure_noise: bool = False, adascale: AdaScaleOptions | None = None,
 ) -> RunResult:
     """Run optimizer steps ``start_step .. steps - 1`` (collective). Every rank returns the same
     RunResult. Step ``s`` always trains on global batch ``s`` of ``seed`` (the data position), so a
     run resumed at ``start_step`` sees exactly the batches the uninterrupted run would have.
 
     ``on_grads(step)``: optional hook between backward and the optimizer step (see _Trainer.step).
+    ``measure_noise``: measure the gradient noise scale where the plan allows (grad_norms.install);
+    ``adascale``: also scale the learning rate by AdaScale's gain (needs a measured run; with a
+    target, the run stops early once the scale-invariant counter reaches it, ``steps`` a bound).
     """
     plan, device = exe.plan, exe.mesh.device
     par, g = plan.parallel, plan.training.global_batch_size
@@ -298,6 +353,11 @@ def train(
     if device.type == "cuda":  # the steps' peak, not the build's (materialising, sharding, lazy init)
         torch.cuda.reset_peak_memory_stats(device)
     trainer = _Trainer(exe, mf)
+    note = None
+    if measure_noise or adascale is not None:
+        trainer.stats, note = _start_statistics(exe, adascale, start_step)
+    stats = trainer.stats
+    target = adascale.target_steps if adascale is not None else None
     losses, times = [], []
     for step in range(start_step, steps):
         if hooks.before_step is not None:
@@ -311,21 +371,35 @@ def train(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - t0
-            stats = torch.tensor([float(contrib), elapsed], dtype=torch.float64, device=device)
-            total = stats[:1].clone()
+            measured = torch.tensor([float(contrib), elapsed], dtype=torch.float64, device=device)
+            total = measured[:1].clone()
             dist.all_reduce(total)
-            dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
+            dist.all_reduce(measured[1:], op=dist.ReduceOp.MAX)
         loss = float(total) / (par.dp * par.cp * par.tp)
         losses.append(loss)
-        times.append(float(stats[1]))
+        times.append(float(measured[1]))
         if log is not None:
-            log(f"step {step + 1}/{steps}  loss {loss:.6f}  time {times[-1] * 1e3:.1f} ms  "
-                f"tokens/s {g * plan.training.seq_len / times[-1]:.0f}" + _time_left(times, steps - step - 1))
+            of = "" if target is not None else f"/{steps}"
+            left = "" if target is not None else _time_left(times, steps - step - 1)
+            log(f"step {step + 1}{of}  loss {loss:.6f}  time {times[-1] * 1e3:.1f} ms  "
+                f"tokens/s {g * plan.training.seq_len / times[-1]:.0f}" + (stats.log_suffix() if stats else "") + left)
         if hooks.profile_step is not None:
             hooks.profile_step()
         if hooks.after_step is not None:
             with guard(f"checkpoint after step {step + 1}"):
                 hooks.after_step(step + 1, loss)
+        if stats is not None and stats.adascale is not None and stats.adascale.reached():
+            break
+    noise = stats.noise.report() if stats is not None and stats.noise.report().steps else None
+    if log is not None:
+        if noise is not None:
+            log(f"gradient noise scale: {noise.summary()}")
+        elif note is not None:
+            log(f"note: gradient noise scale not measured: {note}")
+        if stats is not None and stats.adascale is not None:
+            a = stats.adascale
+            log(f"adascale: {len(losses)} steps at scale {a.scale:g} made {a.progress:.2f} scale-invariant steps "
+                f"(mean gain {a.progress / max(1, len(losses)):.3f})")
     peak = torch.tensor([peak_memory_bytes(device, baseline if device.type != "cuda" else 0)], dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, peak)
@@ -345,7 +419,29 @@ def train(
         memory_measure="torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS growth (getrusage ru_maxrss)",
         notes=tuple(exe.notes) + loss_notes,
         start_step=start_step,
+        noise_scale=noise,
+        noise_scale_note=note,
+        adascale=stats.adascale.report() if stats is not None and stats.adascale is not None else None,
     )
+
+
+def _start_statistics(exe: Executable, adascale: AdaScaleOptions | None,
+                      start_step: int) -> tuple[_Statistics | None, str | None]:
+    """Hook the gradient statistics into ``exe`` (grad_norms.install), or why not. AdaScale's scale
+    is FairScale's: dp x micro-batches per step, one rank's micro-batch being scale 1."""
+    meter = install(exe)
+    if isinstance(meter, Unmeasured):
+        if adascale is not None:
+            raise AutoparError(f"--adascale needs the gradient statistics, which this plan does not measure: {meter.reason}")
+        return None, meter.reason
+    ada = None
+    if adascale is not None:
+        plan = exe.plan
+        ada = AdaScale(scale=plan.parallel.dp * plan.num_microbatches, unit_batch_samples=plan.training.micro_batch_size,
+                       target=adascale.target_steps)
+    stats = _Statistics(meter, ada)
+    stats.step = start_step
+    return stats, None
 
 
 def run_reference(

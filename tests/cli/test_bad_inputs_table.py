@@ -132,6 +132,13 @@ CASES: list[Row] = [
      ["import_error.py"]),
     ("run-unknown-key", lambda t: ["run", _run_plan(t, parallel={"pipeline": 2}), "--report", t / OUT], 2,
      ["parallel.pipeline"]),
+    ("run-adascale-at-dp1", lambda t: ["run", _run_plan(t, cluster={"num_gpus": 1}, parallel={"dp": 1},
+                                                        training={"optimizer": "sgd"}), "--adascale", "--report", t / OUT],
+     2, ["--adascale", "dp 1"]),
+    ("run-adascale-target-zero", lambda t: ["run", _run_plan(t, training={"optimizer": "sgd"}), "--adascale",
+                                            "--adascale-target", "0", "--report", t / OUT], 2, ["--adascale-target"]),
+    ("run-adascale-adam", lambda t: ["run", _run_plan(t), "--adascale", "--report", t / OUT], 2,
+     ["not validated for Adam", "--adascale-force"]),
     # --- profile
     ("profile-missing-model", lambda t: ["profile", t / "nope.py", "--device", "cpu", "-o", t / OUT], 2, ["nope.py"]),
     ("profile-model-syntax-error", lambda t: ["profile", MODELS / "syntax_error.py", "--device", "cpu", "-o", t / OUT], 2,
