@@ -9,6 +9,7 @@ export then import gives back the same plan. One module per engine; docs/engines
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from autopar.engines.capability import ENGINE_NAMES, ENGINES, EXPORT_ENGINES, get_engine, plan_reason
 from autopar.engines.config import EngineConfig
@@ -22,9 +23,10 @@ __all__ = ["ENGINES", "ENGINE_NAMES", "EXPORT_ENGINES", "EngineConfig", "export_
 SUFFIX = {"megatron": ".args", "torchtitan": ".toml", "deepspeed": ".json", "accelerate": ".yaml"}
 
 
-def export_config(plan: Plan, engine: str, *, plan_name: str) -> str:
+def export_config(plan: Plan, engine: str, *, plan_name: str, cluster: Any = None) -> str:
     """``plan`` in ``engine``'s own format; a feature the engine cannot express is one line naming it
-    (never a nearby configuration)."""
+    (never a nearby configuration). ``cluster``: the plan's priced profile (autopar.cluster.Cluster),
+    whose software switches an engine with matching flags writes too (Megatron-LM's overlaps)."""
     from autopar.engines import accelerate, deepspeed, megatron, torchtitan
 
     if engine not in EXPORT_ENGINES:
@@ -34,6 +36,8 @@ def export_config(plan: Plan, engine: str, *, plan_name: str) -> str:
         raise AutoparError(reason)
     writer = {"megatron": megatron.export_megatron, "torchtitan": torchtitan.export_torchtitan,
               "deepspeed": deepspeed.export_deepspeed, "accelerate": accelerate.export_accelerate}[engine]
+    if engine == "megatron":
+        return megatron.export_megatron(plan, plan_name=plan_name, cluster=cluster)
     return writer(plan, plan_name=plan_name)
 
 

@@ -52,8 +52,13 @@ class EngineConfig:
     num_gpus: int | None = None
     gpus_per_node: int | None = None
     num_layers: int | None = None  # what the file says the model has, checked against the model file
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
     cluster: str | None = None  # a cluster profile the file names (autopar's export header)
     ignored: tuple[str, ...] = ()  # settings autopar does not read
+    # Software settings the file states, as the Cluster fields that price them (e.g. Megatron's
+    # --tp-comm-overlap -> tp_comm_overlap): settings of the run, applied by ``priced_cluster``.
+    software: tuple[tuple[str, Any], ...] = ()
 
     def with_overrides(self, **values: object) -> "EngineConfig":
         """This config with the command line's values where given (not None)."""
@@ -61,13 +66,17 @@ class EngineConfig:
 
 
 def to_plan(cfg: EngineConfig, *, model_file: str, num_blocks: int, sha256: str | None, cluster_ref: str,
-            gpus_per_node: int, default_seq_len: int | None) -> Plan:
-    """The plan ``cfg`` runs on the model (``num_blocks`` blocks) and cluster given. Raises a one-line
-    AutoparError for what is missing (world size, batch) or contradicts the model or the world."""
+            gpus_per_node: int, default_seq_len: int | None, num_heads: int | None = None,
+            num_kv_heads: int | None = None) -> Plan:
+    """The plan ``cfg`` runs on the model (``num_blocks`` blocks, ``num_heads`` / ``num_kv_heads``
+    attention heads where it has them) and cluster given. Raises a one-line AutoparError for what is
+    missing (world size, batch) or contradicts the model or the world."""
     where = f"{cfg.source}"
-    if cfg.num_layers is not None and cfg.num_layers != num_blocks:
-        raise AutoparError(f"{where} configures {cfg.num_layers} layers but {model_file} has {num_blocks} blocks; "
-                           f"give the model file the configuration describes")
+    for what, said, has in (("layers", cfg.num_layers, num_blocks), ("attention heads", cfg.num_heads, num_heads),
+                            ("key/value heads", cfg.num_kv_heads, num_kv_heads)):
+        if said is not None and has is not None and said != has:
+            raise AutoparError(f"{where} configures {said} {what} but {model_file} has {has}; give the model file "
+                               f"the configuration describes")
     model_parallel = cfg.tp * cfg.pp * cfg.cp
     gpus = cfg.num_gpus
     if gpus is None and cfg.dp is not None:
@@ -109,7 +118,7 @@ def to_plan(cfg: EngineConfig, *, model_file: str, num_blocks: int, sha256: str 
             bounds.append((start, start + n))
             start += n
         stages = tuple(bounds)
-    parallel = Parallel(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, cp_kind=cfg.cp_kind,
+    parallel = Parallel(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, cp_kind=cfg.cp_kind if cfg.cp > 1 else "ring",
                         sequence_parallel=cfg.sequence_parallel and cfg.tp > 1, zero=cfg.zero,
                         recompute=cfg.recompute, pp_schedule=cfg.pp_schedule if cfg.pp > 1 else "1f1b",
                         pp_virtual_stages=v, stages=stages, ep=cfg.ep,
@@ -161,6 +170,27 @@ def read_header(text: str) -> dict[str, Any]:
     return out
 
 
+def split_launch(tokens: list[str], script_markers: tuple[str, ...] = ()) -> tuple[list[str], int | None]:
+    """A launch line's training flags (the tokens after its script: the last ``*.py`` or one of
+    ``script_markers``, e.g. ``torchtitan.train`` after ``-m``) and the GPU count its torchrun prefix
+    gives (``--nproc-per-node`` x ``--nnodes``), or the tokens as they are and None."""
+    scripts = [i for i, t in enumerate(tokens) if t.endswith(".py") or t in script_markers]
+    if not scripts:
+        return tokens, None
+    launch, flags = tokens[:scripts[-1]], tokens[scripts[-1] + 1:]
+    options, i = {}, 0
+    while i < len(launch):
+        t = launch[i]
+        if t.startswith("--"):
+            key, _, value = t[2:].partition("=")
+            if not value and i + 1 < len(launch) and not launch[i + 1].startswith("-"):
+                value, i = launch[i + 1], i + 1
+            options[key.replace("_", "-")] = value
+        i += 1
+    per_node, nodes = options.get("nproc-per-node", ""), options.get("nnodes", "1").split(":")[-1]
+    return flags, int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else None
+
+
 def weighted_split(num_layers: int, pp: int, rule: tuple, source: str) -> tuple[int, ...]:
     """torchtitan's split when no module names are given (its ``pipeline_parallel_layers_per_stage``
     and first/last-stage-less-layers rule): stages share num_layers + first + last evenly, extra to
@@ -179,3 +209,16 @@ def weighted_split(num_layers: int, pp: int, rule: tuple, source: str) -> tuple[
     sizes[0] -= first
     sizes[-1] -= last
     return tuple(sizes)
+
+
+# Cluster fields of Megatron-Core's memory model (cost/megatron_memory.py): they apply on a profile that
+# prices Megatron's buffers (main_grad_bytes > 0), never on one that prices autopar run's.
+MEGATRON_MEMORY_FIELDS = ("main_grad_bytes", "optimizer_moment_bytes", "master_weight_bytes")
+
+
+def priced_cluster(cluster: Any, cfg: EngineConfig) -> Any:
+    """``cluster`` (an autopar.cluster.Cluster) with the software settings ``cfg`` states."""
+    values = dict(cfg.software)
+    if not getattr(cluster, "main_grad_bytes", 0):
+        values = {k: v for k, v in values.items() if k not in MEGATRON_MEMORY_FIELDS}
+    return dataclasses.replace(cluster, **values) if values else cluster

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.engines.capability import block_recompute_layers
-from autopar.engines.config import EngineConfig, header_line, read_header
+from autopar.engines.config import EngineConfig, header_line, read_header, split_launch
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
@@ -52,7 +52,9 @@ READ_FLAGS = frozenset({
     "--data-parallel-sharding-strategy", "--use-torch-fsdp2", "--recompute-activations", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--recompute-modules", "--optimizer-cpu-offload",
     "--use-precision-aware-optimizer", "--micro-batch-size", "--global-batch-size", "--seq-length", "--bf16",
-    "--fp16", "--optimizer", "--num-layers"})
+    "--fp16", "--optimizer", "--num-layers", "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",
+    "--grad-reduce-in-bf16", "--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--main-params-dtype",
+    "--num-attention-heads", "--group-query-attention", "--num-query-groups"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -66,9 +68,10 @@ def megatron_source() -> str:
     return json.loads(ARGUMENTS_FILE.read_text())["source"]
 
 
-def export_megatron(plan: Plan, *, plan_name: str) -> str:
+def export_megatron(plan: Plan, *, plan_name: str, cluster: Any = None) -> str:
     """The plan as Megatron-LM flags, one per line, with a comment header (what it is, and the GPU
-    count and cluster autopar priced, which ``estimate --from megatron`` reads back)."""
+    count and cluster autopar priced, which ``estimate --from megatron`` reads back). ``cluster``
+    (the plan's priced profile) adds the software flags it prices (``software_flags``)."""
     par, tr = plan.parallel, plan.training
     lines = [f"# Megatron-LM flags for {plan_name}: {plan.cluster.num_gpus} GPUs, dp {par.dp} x tp {par.tp} x "
              f"pp {par.pp} x cp {par.cp} (autopar export --to megatron)",
@@ -101,7 +104,48 @@ def export_megatron(plan: Plan, *, plan_name: str) -> str:
     if tr.dtype in DTYPE_FLAG:
         lines.append(DTYPE_FLAG[tr.dtype])
     lines.append(f"--optimizer {'sgd' if tr.optimizer == 'sgd' else 'adam'}")
+    if cluster is not None:
+        lines += software_flags(plan, cluster)
     return "\n".join(lines) + "\n"
+
+
+def software_flags(plan: Plan, cluster: Any) -> list[str]:
+    """The Megatron-LM flags of the software switches ``cluster`` prices (autopar.cluster.Cluster:
+    overlap_grad_reduce, overlap_param_gather, tp_comm_overlap; on a Megatron profile also its
+    gradient-buffer and optimizer-state precisions), where the plan uses them."""
+    par = plan.parallel
+    out = []
+    if cluster.overlap_grad_reduce and par.dp > 1:
+        out.append("--overlap-grad-reduce")
+    if cluster.overlap_param_gather and par.dp > 1 and par.zero >= 1:  # Megatron: distributed optimizer only
+        out.append("--overlap-param-gather")
+    if cluster.tp_comm_overlap and par.tp > 1 and par.sequence_parallel:  # Megatron: needs sequence parallelism
+        out.append("--tp-comm-overlap")
+    if cluster.main_grad_bytes:
+        if cluster.main_grad_bytes == 2:
+            out.append("--grad-reduce-in-bf16")
+        if cluster.optimizer_moment_bytes == 2:
+            out += ["--use-precision-aware-optimizer", "--exp-avg-dtype bf16", "--exp-avg-sq-dtype bf16"]
+        if cluster.master_weight_bytes is not None:
+            if cluster.master_weight_bytes != 2:
+                raise AutoparError(f"{cluster.name} prices a master copy of {cluster.master_weight_bytes:g} bytes per "
+                                   f"parameter, which no Megatron-LM flag sets; export from a plan on a stock profile")
+            out += ["--use-precision-aware-optimizer", "--main-params-dtype fp16"]
+    return list(dict.fromkeys(out))
+
+
+def _software(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+    """The Cluster fields Megatron-LM's software flags set, as the flags say (absent = Megatron's
+    default: no overlap, fp32 main gradients with 16-bit training, fp32 optimizer states)."""
+    bf16_grads = args.grad_reduce_in_bf16 or args.main_grads_dtype == "bf16"
+    moments = 2.0 if args.use_precision_aware_optimizer and args.exp_avg_dtype == "bf16" \
+        and args.exp_avg_sq_dtype == "bf16" else 4.0
+    master = 2.0 if args.use_precision_aware_optimizer and args.main_params_dtype == "fp16" else None
+    return (("overlap_grad_reduce", bool(args.overlap_grad_reduce)),
+            ("overlap_param_gather", bool(args.overlap_param_gather)),
+            ("tp_comm_overlap", bool(args.tp_comm_overlap)),
+            ("main_grad_bytes", 2.0 if bf16_grads else 4.0),
+            ("optimizer_moment_bytes", moments), ("master_weight_bytes", master))
 
 
 def _pipeline_flags(plan: Plan) -> list[str]:
@@ -134,36 +178,13 @@ def _recompute_flags(plan: Plan) -> list[str]:
 
 def _tokens(text: str) -> tuple[list[str], int | None]:
     """The Megatron flags of a file (bare flags or a launch line) and the GPU count a torchrun
-    prefix gives (``--nproc-per-node`` x ``--nnodes``), if any."""
+    prefix gives, if any."""
     joined = re.sub(r"\\\r?\n", " ", text)
     try:
         tokens = shlex.split(joined, comments=True)
     except ValueError as exc:
         raise AutoparError(f"cannot read the flags: {exc}; give Megatron-LM flags as a shell would") from None
-    scripts = [i for i, t in enumerate(tokens) if t.endswith(".py")]
-    if not scripts:
-        return tokens, None
-    launch, flags = tokens[:scripts[-1]], tokens[scripts[-1] + 1:]
-    launch_args = _launch_options(launch)
-    per_node, nodes = launch_args.get("nproc-per-node"), launch_args.get("nnodes", "1")
-    gpus = None
-    if per_node is not None and per_node.isdigit() and nodes.split(":")[-1].isdigit():
-        gpus = int(per_node) * int(nodes.split(":")[-1])
-    return flags, gpus
-
-
-def _launch_options(tokens: list[str]) -> dict[str, str]:
-    out, i = {}, 0
-    while i < len(tokens):
-        t = tokens[i]
-        if t.startswith("--"):
-            key, _, value = t[2:].partition("=")
-            key = key.replace("_", "-")
-            if not value and i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
-                value, i = tokens[i + 1], i + 1
-            out[key] = value
-        i += 1
-    return out
+    return split_launch(tokens)
 
 
 class _Refuse(argparse.ArgumentParser):
@@ -206,8 +227,11 @@ def read_megatron(text: str, *, source: str) -> EngineConfig:
         global_batch_size=args.global_batch_size, seq_len=args.seq_length,
         dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
         optimizer="sgd" if args.optimizer == "sgd" else "adam", num_gpus=launch_gpus or header.get("gpus"),
-        gpus_per_node=header.get("gpus-per-node"), num_layers=num_layers, cluster=header.get("cluster"),
-        ignored=ignored, **_recompute(args, source))
+        gpus_per_node=header.get("gpus-per-node"), num_layers=num_layers, num_heads=args.num_attention_heads,
+        num_kv_heads=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
+        cluster=header.get("cluster"),
+        ignored=ignored, software=_software(args),
+        **_recompute(args, source))
     if cfg.global_batch_size is None and cfg.num_gpus is not None:  # Megatron's default: one micro-batch per dp rank
         cfg = cfg.with_overrides(global_batch_size=(cfg.micro_batch_size or 1) * cfg.num_gpus // (tp * pp * cp))
     return cfg

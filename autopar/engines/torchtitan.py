@@ -29,7 +29,7 @@ import re
 import shlex
 from typing import Any
 
-from autopar.engines.config import EngineConfig, header_line, read_header
+from autopar.engines.config import EngineConfig, header_line, read_header, split_launch
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
@@ -96,16 +96,14 @@ def overrides(config: dict[str, dict[str, Any]]) -> list[str]:
         for key, value in config.get(section, {}).items():
             if key == "module_fqns_per_model_part":
                 continue  # a list of lists has no command-line form in tyro: set it in your config function
-            out += [f"--{section}.{key}", _cli_value(value)]
+            if isinstance(value, bool):  # tyro's flags: --section.key / --section.no_key
+                out.append(f"--{section}.{'' if value else 'no_'}{key}")
+            else:
+                out += [f"--{section}.{key}", str(value)]
     mode = config.get("activation_checkpoint", {}).get("mode", "selective")
     out.append(f"activation_checkpoint:{mode}")
     return out
 
-
-def _cli_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "True" if value else "False"
-    return str(value)
 
 
 def export_torchtitan(plan: Plan, *, plan_name: str) -> str:
@@ -165,21 +163,27 @@ def _parse_overrides(text: str, source: str) -> dict[str, dict[str, Any]]:
         tokens = shlex.split(re.sub(r"\\\r?\n", " ", text), comments=True)
     except ValueError as exc:
         raise AutoparError(f"cannot read {source}: {exc}") from None
-    out: dict[str, dict[str, Any]] = {}
+    tokens, gpus = split_launch(tokens, ("torchtitan.train",))
+    out: dict[str, dict[str, Any]] = {"launch": {"gpus": gpus}} if gpus else {}
     i = 0
     while i < len(tokens):
         t = tokens[i]
         if t.startswith("activation_checkpoint:"):
             out.setdefault("activation_checkpoint", {})["mode"] = t.split(":", 1)[1]
         elif t.startswith("--") and "." in t:
-            key, _, value = t[2:].partition("=")
-            if not value and i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            key, eq, value = t[2:].partition("=")
+            if not eq and i + 1 < len(tokens) and not tokens[i + 1].startswith("--") \
+                    and not tokens[i + 1].startswith("activation_checkpoint:"):
                 value, i = tokens[i + 1], i + 1
             section, _, name = key.partition(".")
-            out.setdefault(section, {})[name.replace("-", "_")] = _scalar(value)
-        elif t.startswith("--"):
-            if i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
-                i += 1  # --module X / --config X: the model, not the parallel settings
+            name = name.replace("-", "_")
+            if not eq and value == "":  # a tyro flag: --section.key (true) or --section.no_key (false)
+                flag = not name.startswith("no_")
+                name, value = (name if flag else name[3:]), flag
+            out.setdefault(section, {})[name] = _scalar(value)
+        elif t.split("=")[0] in ("--module", "--config"):  # the model and its config function, not the layout
+            if "=" not in t:
+                i += 1
         else:
             raise AutoparError(f"{source}: cannot read {t!r}; give a torchtitan TOML or torchtitan 0.3 overrides "
                                f"(--section.key value)")
@@ -187,7 +191,9 @@ def _parse_overrides(text: str, source: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _scalar(text: str) -> Any:
+def _scalar(text: Any) -> Any:
+    if isinstance(text, bool):
+        return text
     if text in ("True", "true"):
         return True
     if text in ("False", "false"):
@@ -202,6 +208,7 @@ def read_torchtitan(text: str, *, source: str) -> EngineConfig:
     """The configuration a torchtitan TOML (or 0.3 overrides) runs, as ``EngineConfig``."""
     cfg = parse_file(text, source)
     tr, par, ac = cfg.get("training", {}), cfg.get("parallelism", {}), cfg.get("activation_checkpoint", {})
+    launch_gpus = cfg.pop("launch", {}).get("gpus")
     ignored = tuple(f"{s}.{k}" for s, values in cfg.items() for k in values if k not in READ_KEYS.get(s, ()))
     replicate, shard = int(par.get("data_parallel_replicate_degree", 1)), int(par.get("data_parallel_shard_degree", -1))
     tp, pp, cp = (int(par.get(k, 1)) for k in ("tensor_parallel_degree", "pipeline_parallel_degree",
@@ -235,7 +242,7 @@ def read_torchtitan(text: str, *, source: str) -> EngineConfig:
         offload="params" if tr.get("enable_cpu_offload") else "none", micro_batch_size=mbs,
         global_batch_size=None if gbs in (-1, None) else int(gbs),
         local_batch_size=int(local), seq_len=tr.get("seq_len", 2048), dtype=dtype,
-        num_gpus=(dp * tp * pp * cp if dp else None) or header.get("gpus"),
+        num_gpus=(dp * tp * pp * cp if dp else None) or launch_gpus or header.get("gpus"),
         gpus_per_node=header.get("gpus-per-node"), cluster=header.get("cluster"), ignored=ignored)
 
 

@@ -1,0 +1,10 @@
+# Megatron-LM README weak-scaling table (Megatron-Core r0.8.0), gpt-70b on 768 H100, as Megatron-LM flags:
+# the README states --overlap-grad-reduce --overlap-param-gather --tp-comm-overlap; micro-batch 1, no
+# recompute and no interleaving are assumed (it states none), gradients reduced in bf16 as autopar's
+# calibration prices these runs.
+torchrun --nproc-per-node 8 --nnodes 96 pretrain_gpt.py \
+    --num-layers 84 --hidden-size 8192 --num-attention-heads 64 --seq-length 4096 --max-position-embeddings 4096 \
+    --vocab-size 131072 --micro-batch-size 1 --global-batch-size 384 \
+    --tensor-model-parallel-size 8 --sequence-parallel --tp-comm-overlap --pipeline-model-parallel-size 2 \
+    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --grad-reduce-in-bf16 \
+    --bf16 --train-iters 100
