@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from autopar.engines.capability import EXPORT_ENGINES
+from autopar.errors import AutoparError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,17 +21,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the engine: megatron (Megatron-LM / NeMo flags), torchtitan (TOML, and torchtitan 0.3's "
                         "command-line overrides in its header), deepspeed (config JSON), accelerate (config YAML)")
     p.add_argument("-o", "--output", metavar="FILE", help="where to write it (default: print to stdout)")
+    p.add_argument("--check", action="store_true",
+                   help="before writing, load the export with the engine's own code (megatron-core's "
+                        "TransformerConfig, torchtitan's config classes, DeepSpeedConfig, accelerate's config loader; "
+                        "the engine must be installed) and compare the degrees and batch it reads with the plan's")
 
 
 def main(args: argparse.Namespace) -> int:
-    from autopar.api import as_plan
+    from autopar.api import as_plan, cluster_for
     from autopar.engines import export_config
     from autopar.outputs import check_output_file, write_text_atomic
 
     plan = as_plan(args.plan)
     if args.output:
         check_output_file(args.output, "-o")
-    text = export_config(plan, args.to, plan_name=Path(args.plan).name)
+    cluster = cluster_for(plan) if args.to == "megatron" else None  # its software flags (overlaps)
+    text = export_config(plan, args.to, plan_name=Path(args.plan).name, cluster=cluster)
+    if args.check:
+        from autopar.engines.check import PACKAGES, check_export
+
+        checked = check_export(plan, args.to, text)
+        if checked is None:
+            raise AutoparError(f"--check needs {PACKAGES[args.to]} installed (pip install {PACKAGES[args.to]}); "
+                               f"or export without --check")
+        print(f"{args.to}: {checked}", file=sys.stderr)
     if not args.output:
         sys.stdout.write(text)
         return 0

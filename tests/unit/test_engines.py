@@ -218,102 +218,44 @@ def test_a_file_of_the_wrong_engine_is_one_line(tmp_path: Path) -> None:
 
 # --- the engines' own parsers accept the exports ---------------------------------------------------------------------
 
-def test_megatron_core_accepts_the_exported_degrees(tmp_path: Path) -> None:
-    pytest.importorskip("megatron.core")
-    import torch
-    from megatron.core.transformer import TransformerConfig
+@pytest.mark.parametrize("engine", EXPORT_ENGINES)
+def test_the_engines_own_code_accepts_every_export(engine: str) -> None:
+    from autopar.engines.check import PACKAGES, check_export
 
-    for plan in ROUND_TRIPS["megatron"]:
-        cfg = read_config("megatron", _write(tmp_path, "m.args", export_config(plan, "megatron", plan_name="p")))
-        par = plan.parallel
-        layout = None
-        if cfg.chunk_layers is not None:  # the exported layout string, parsed by megatron-core itself
-            layout = next(ln.split(None, 1)[1].strip("'") for ln in (tmp_path / "m.args").read_text().splitlines()
-                          if ln.startswith("--pipeline-model-parallel-layout"))
-        full = plan.parallel.recompute == "full" or cfg.recompute_full_per_chunk is not None
-        tc = TransformerConfig(
-            num_layers=plan.model.num_blocks, hidden_size=1024, num_attention_heads=16,
-            tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
-            virtual_pipeline_model_parallel_size=par.pp_virtual_stages if par.pp_virtual_stages > 1 and not layout
-            else None, pipeline_model_parallel_layout=layout, context_parallel_size=par.cp,
-            expert_model_parallel_size=par.ep, num_moe_experts=8 if par.ep > 1 else None, add_bias_linear=par.ep == 1,
-            sequence_parallel=cfg.sequence_parallel and par.tp > 1, bf16=plan.training.dtype == "bf16",
-            fp16=plan.training.dtype == "fp16", pipeline_dtype=torch.bfloat16,
-            recompute_granularity="full" if full else "selective" if par.recompute == "selective" else None,
-            recompute_method=("block" if cfg.recompute_full_per_chunk else "uniform") if full else None,
-            recompute_num_layers=(cfg.recompute_full_per_chunk or 1) if full else None)
-        assert (tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size, tc.context_parallel_size) == (
-            par.tp, par.pp, par.cp)
+    pytest.importorskip({"megatron": "megatron.core"}.get(engine, PACKAGES[engine]))
+    for plan in ROUND_TRIPS[engine]:
+        text = export_config(plan, engine, plan_name="p")
+        assert check_export(plan, engine, text).startswith(f"checked with {PACKAGES[engine]}")
 
 
-def test_torchtitan_parses_the_exported_overrides() -> None:
-    tyro = pytest.importorskip("tyro")
+def test_an_engine_that_reads_other_degrees_is_caught() -> None:
+    """The check compares what the engine reads with the plan: a DeepSpeed JSON edited to another
+    batch is refused by DeepSpeed itself, one with another ZeRO stage by the comparison."""
+    pytest.importorskip("deepspeed")
+    from autopar.engines.check import check_export
+
+    plan = ROUND_TRIPS["deepspeed"][0]
+    edited = json.loads(export_config(plan, "deepspeed", plan_name="p"))
+    with pytest.raises(AutoparError, match="deepspeed .* refuses the export"):
+        check_export(plan, "deepspeed", json.dumps({**edited, "train_batch_size": 500}))
+    with pytest.raises(AutoparError, match="the engine reads the ZeRO stage 2, the plan has 3"):
+        check_export(plan, "deepspeed", json.dumps({**edited, "zero_optimization": {"stage": 2}}))
+
+
+def test_torchtitan_reads_the_recompute_policy_autopar_wrote() -> None:
     pytest.importorskip("torchtitan")
-    from torchtitan.config.configs import ParallelismConfig, TrainingConfig
+    import tyro
     from torchtitan.config.manager import ConfigManager, custom_registry
     from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig, FullAC, SelectiveAC
-    from torchtitan.distributed.parallel_dims import ParallelDims
 
     from autopar.engines.torchtitan import config_of, overrides
 
-    # the Trainer.Config fields autopar writes, as torchtitan's own dataclasses
     sections = dataclasses.make_dataclass("Sections", [
-        ("training", TrainingConfig, dataclasses.field(default_factory=TrainingConfig)),
-        ("parallelism", ParallelismConfig, dataclasses.field(default_factory=ParallelismConfig)),
         ("activation_checkpoint", ActivationCheckpointingConfig, dataclasses.field(default_factory=SelectiveAC.Config))])
-
     ConfigManager.register_tyro_rules(custom_registry)
-    for plan in ROUND_TRIPS["torchtitan"]:
-        parsed = tyro.cli(sections, args=overrides(config_of(plan)), registry=custom_registry)
-        p, par = parsed.parallelism, plan.parallel
-        dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-                            cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-                            ep=p.expert_parallel_degree, world_size=plan.cluster.num_gpus)
-        assert dims.dp_replicate * dims.dp_shard == par.dp and (dims.tp, dims.pp, dims.cp) == (par.tp, par.pp, par.cp)
-        assert parsed.training.global_batch_size == plan.training.global_batch_size
-        kind = {"full": FullAC.Config, "op": SelectiveAC.Config}.get(par.recompute)
-        assert isinstance(parsed.activation_checkpoint, kind) if kind else parsed.activation_checkpoint is None
-
-
-def test_deepspeed_config_accepts_the_exported_json(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("deepspeed")
-    from deepspeed.runtime import config as ds_config
-
-    for plan in ROUND_TRIPS["deepspeed"]:
-        par = plan.parallel
-
-        class DataParallel:  # what DeepSpeed asks a model-parallel unit for: the data-parallel world
-            def get_data_parallel_world_size(self) -> int:
-                return par.dp
-
-        monkeypatch.setattr(ds_config.dist, "get_rank", lambda: 0)
-        cfg = ds_config.DeepSpeedConfig(json.loads(export_config(plan, "deepspeed", plan_name="p")), mpu=DataParallel())
-        assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (plan.training.global_batch_size,
-                                                                             plan.training.micro_batch_size)
-        assert cfg.gradient_accumulation_steps * par.dp * plan.training.micro_batch_size == cfg.train_batch_size
-        assert cfg.zero_optimization_stage == par.zero
-        assert cfg.bfloat16_config.enabled == (plan.training.dtype == "bf16")
-
-
-def test_accelerate_loads_the_exported_config(tmp_path: Path) -> None:
-    pytest.importorskip("accelerate")
-    from accelerate.commands.config.config_args import load_config_from_file
-    from accelerate.parallelism_config import ParallelismConfig
-
-    for i, plan in enumerate(ROUND_TRIPS["accelerate"]):
-        path = _write(tmp_path, f"acc{i}.yaml", export_config(plan, "accelerate", plan_name="p"))
-        cfg = load_config_from_file(str(path))
-        assert cfg.num_processes == plan.cluster.num_gpus
-        if plan.parallel.zero >= 2:
-            pc = ParallelismConfig(**{k.removeprefix("parallelism_config_"): v
-                                      for k, v in cfg.parallelism_config.items()})
-            assert pc.total_size == plan.cluster.num_gpus and pc.tp_size == plan.parallel.tp
-            assert cfg.fsdp_config["fsdp_reshard_after_forward"] == (plan.parallel.zero == 3)
-
-
-def _write(tmp_path: Path, name: str, text: str) -> Path:
-    (tmp_path / name).write_text(text)
-    return tmp_path / name
+    for mode, kind in (("full", FullAC.Config), ("op", SelectiveAC.Config), ("none", type(None))):
+        args = [a for a in overrides(config_of(_plan(dp=64, zero=3, recompute=mode))) if a.startswith("activation")]
+        assert isinstance(tyro.cli(sections, args=args, registry=custom_registry).activation_checkpoint, kind)
 
 
 # --- the published Megatron runs, as a user writes their flags --------------------------------------------------------
