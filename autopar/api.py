@@ -213,7 +213,7 @@ def plan_search(model: ModelLike, gpus: int, cluster: "str | Cluster | ClusterCh
     from autopar.search.driver import search_plans
 
     eng = get_engine(engine)
-    knobs = {**search_knobs(eng, constraints or {}, dtype), **_space_knobs(knobs)}
+    knobs = {**search_knobs(eng, constraints or {}, dtype, optimizer), **_space_knobs(knobs)}
     choice = cluster if isinstance(cluster, ClusterChoice) else engine_cluster_choice(engine, cluster, profile, warn)
     dtype = dtype or default_dtype(choice.cluster)
     ranks = ranks_on_host(choice.cluster, gpus, gpus_per_node or choice.cluster.gpus_per_node)
@@ -370,7 +370,7 @@ def estimation_from(engine: str, path: str | os.PathLike[str], model: ModelLike,
     priced. ``cluster`` None: the file's ``autopar:`` header, else the default, with the engine's
     software profile where one exists. The keyword values fill or override what the file says."""
     from autopar.engines import read_config
-    from autopar.engines.config import to_plan
+    from autopar.engines.config import priced_cluster, to_plan
     from autopar.search.driver import load_graph
 
     cfg = read_config(engine, path).with_overrides(num_gpus=gpus, gpus_per_node=gpus_per_node,
@@ -380,8 +380,10 @@ def estimation_from(engine: str, path: str | os.PathLike[str], model: ModelLike,
     graph, source = load_graph(_graph_source(model), seq_len=cfg.seq_len, dtype=cfg.dtype, use_cache=use_cache)
     plan = to_plan(cfg, model_file=str(source.path), num_blocks=graph.num_blocks, sha256=source.sha256,
                    cluster_ref=choice.ref, gpus_per_node=cfg.gpus_per_node or choice.cluster.gpus_per_node,
-                   default_seq_len=source.declared_seq_len)
-    est = estimation(model, plan, choice.ref, moe_imbalance=moe_imbalance, use_cache=use_cache, warn=warn)
+                   default_seq_len=source.declared_seq_len, num_heads=graph.num_heads, num_kv_heads=graph.num_kv_heads)
+    # the file's software settings (Megatron's overlaps, buffer precisions) price it, as its degrees do
+    est = estimation(model, plan, priced_cluster(choice.cluster, cfg), moe_imbalance=moe_imbalance,
+                     use_cache=use_cache, warn=warn)
     return Imported(config=cfg, estimation=est)
 
 

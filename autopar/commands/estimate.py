@@ -187,8 +187,8 @@ def plan_changes(mine, best) -> str:  # noqa: ANN001 - two Plans
               ("recompute", a.recompute if a.recompute_blocks is None else "per stage",
                b.recompute if b.recompute_blocks is None else "per stage"),
               ("offload", a.offload.label, b.offload.label)]
-    if a.cp > 1 or b.cp > 1:
-        fields.append(("cp kind", a.cp_kind if a.cp > 1 else "-", b.cp_kind if b.cp > 1 else "-"))
+    if a.cp > 1 and b.cp > 1:
+        fields.append(("cp kind", a.cp_kind, b.cp_kind))
     changed = [f"{name} {new} instead of {old}" for name, old, new in fields if old != new]
     if not changed and mine.stage_ranges() != best.stage_ranges():
         changed.append("another stage split")

@@ -45,6 +45,7 @@ class Engine:
     offloads: tuple[str, ...]  # plan offload labels (Offload.label)
     dtypes: tuple[str, ...]
     source: str  # where these rows were read
+    optimizers: tuple[str, ...] = ("adam", "adamw", "sgd")
 
 
 ENGINES: dict[str, Engine] = {
@@ -124,6 +125,8 @@ def plan_reason(engine: Engine, plan: Plan) -> str | None:
         what = f"offload {par.offload.label} (it runs {', '.join(engine.offloads)})"
     elif tr.dtype not in engine.dtypes:
         what = f"dtype {tr.dtype}"
+    elif tr.optimizer not in engine.optimizers:
+        what = f"the {tr.optimizer} optimizer (it runs {', '.join(engine.optimizers)})"
     elif engine.name == "megatron" and par.zero >= 2 and par.pp > 1:
         what = "ZeRO stage 2-3 (Megatron-FSDP) with pipeline parallelism"
     elif engine.name == "megatron" and par.offload.optimizer and par.zero != 1:
@@ -165,13 +168,17 @@ def block_recompute_layers(plan: Plan) -> int | None:
     return counts.pop() if len(counts) == 1 else None
 
 
-def search_knobs(engine: Engine, constraints: Mapping[str, Sequence[Any]], dtype: str | None) -> dict[str, Any]:
+def search_knobs(engine: Engine, constraints: Mapping[str, Sequence[Any]], dtype: str | None,
+                 optimizer: str | None = None) -> dict[str, Any]:
     """The search-space knobs (``search.space.SearchSpace`` fields) that keep ``plan --engine`` to what
     ``engine`` runs. A user constraint outside it is one line saying what the engine runs instead."""
     if engine.name == "autopar":
         return {}
     if dtype is not None and dtype not in engine.dtypes:
         raise AutoparError(f"{engine.title} does not train in {dtype}; use --dtype {' or '.join(engine.dtypes)}")
+    if optimizer is not None and optimizer not in engine.optimizers:
+        raise AutoparError(f"{engine.title} has no {optimizer} optimizer; use --optimizer "
+                           f"{' or '.join(engine.optimizers)}")
     allowed: dict[str, tuple] = {
         "zero": engine.zero_stages, "recompute": engine.recompute_modes, "schedule": engine.schedules,
         "cp_kind": engine.cp_kinds, "sp": engine.sequence_parallel, "offload": engine.offloads}

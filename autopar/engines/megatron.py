@@ -155,9 +155,25 @@ def _pipeline_flags(plan: Plan) -> list[str]:
     if len(set(sizes)) == 1:  # Megatron's own even split
         return ([f"--num-virtual-stages-per-pipeline-rank {par.pp_virtual_stages}"]
                 if par.pp_virtual_stages > 1 else [])
-    stages = [("E" if c == 0 else "") + (f"t*{n}" if n > 1 else "t") + ("L" if c == len(sizes) - 1 else "")
-              for c, n in enumerate(sizes)]
-    return [f"--pipeline-model-parallel-layout {shlex.quote('|'.join(stages))}"]
+    return [f"--pipeline-model-parallel-layout {shlex.quote(layout_string(sizes))}"]
+
+
+def layout_string(sizes: list[int]) -> str:
+    """Blocks per stage as megatron-core's layout string: E (embedding) on the first stage, L (loss) on
+    the last, and runs of equal middle stages as ``(t*n|)*k`` ("Et*3|(t*3|)*15(t*4|)*6t*4L")."""
+    def stage(n: int) -> str:
+        return f"t*{n}" if n > 1 else "t"
+
+    if len(sizes) == 1:
+        return f"E{stage(sizes[0])}L"
+    out, middle, c = [f"E{stage(sizes[0])}|"], sizes[1:-1], 0
+    while c < len(middle):
+        run = 1
+        while c + run < len(middle) and middle[c + run] == middle[c]:
+            run += 1
+        out.append(f"({stage(middle[c])}|)*{run}" if run > 1 else f"{stage(middle[c])}|")
+        c += run
+    return "".join(out) + f"{stage(sizes[-1])}L"
 
 
 def _recompute_flags(plan: Plan) -> list[str]:

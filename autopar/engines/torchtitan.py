@@ -46,7 +46,9 @@ READ_KEYS = {
                     "pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
                     "pipeline_parallel_last_stage_less_layers", "context_parallel_degree", "expert_parallel_degree"},
     "activation_checkpoint": {"mode", "selective_ac_option"},
+    "optimizer": {"name"},
 }
+_OPTIMIZER = {"adam": "adam", "adamw": "adamw"}  # torchtitan's optimizer factories (Adam, AdamW)
 
 
 def config_of(plan: Plan) -> dict[str, dict[str, Any]]:
@@ -71,7 +73,8 @@ def config_of(plan: Plan) -> dict[str, dict[str, Any]]:
     checkpoint: dict[str, Any] = {"mode": mode}
     if mode == "selective":
         checkpoint["selective_ac_option"] = "op"
-    return {"training": training, "parallelism": parallelism, "activation_checkpoint": checkpoint}
+    return {"training": training, "parallelism": parallelism, "activation_checkpoint": checkpoint,
+            "optimizer": {"name": {"adam": "Adam", "adamw": "AdamW"}[tr.optimizer]}}
 
 
 def module_fqns(plan: Plan) -> list[list[str]]:
@@ -112,7 +115,7 @@ def export_torchtitan(plan: Plan, *, plan_name: str) -> str:
     par = plan.parallel
     head = [f"# torchtitan configuration for {plan_name}: {plan.cluster.num_gpus} GPUs, dp {par.dp} x tp {par.tp} x "
             f"pp {par.pp} x cp {par.cp} (autopar export --to torchtitan)",
-            "# torchtitan <= 0.2: --job.config_file THIS_FILE (add your [model], [optimizer] and data sections).",
+            "# torchtitan <= 0.2: --job.config_file THIS_FILE (add your [model] and data sections).",
             "# torchtitan 0.3: --module MODEL --config YOUR_CONFIG " + shlex.join(overrides(config))]
     if par.pp > 1:
         head.append("#   and parallelism.module_fqns_per_model_part below, set in your config function")
@@ -232,6 +235,9 @@ def read_torchtitan(text: str, *, source: str) -> EngineConfig:
     dtype = {v: k for k, v in _DTYPE.items()}.get(tr.get("mixed_precision_param", "bfloat16"))
     if dtype is None:
         raise AutoparError(f"{source}: mixed_precision_param {tr['mixed_precision_param']} is not bfloat16 or float32")
+    optimizer = _OPTIMIZER.get(str(cfg.get("optimizer", {}).get("name", "AdamW")).lower())
+    if optimizer is None:
+        raise AutoparError(f"{source}: optimizer {cfg['optimizer']['name']} is not modelled; use Adam or AdamW")
     gbs = tr.get("global_batch_size", -1)
     header = read_header(text)
     return EngineConfig(
@@ -241,7 +247,7 @@ def read_torchtitan(text: str, *, source: str) -> EngineConfig:
         weighted_split=tuple(split) if isinstance(split, list) else None, ep=int(par.get("expert_parallel_degree", 1)),
         offload="params" if tr.get("enable_cpu_offload") else "none", micro_batch_size=mbs,
         global_batch_size=None if gbs in (-1, None) else int(gbs),
-        local_batch_size=int(local), seq_len=tr.get("seq_len", 2048), dtype=dtype,
+        local_batch_size=int(local), seq_len=tr.get("seq_len", 2048), dtype=dtype, optimizer=optimizer,
         num_gpus=(dp * tp * pp * cp if dp else None) or launch_gpus or header.get("gpus"),
         gpus_per_node=header.get("gpus-per-node"), cluster=header.get("cluster"), ignored=ignored)
 

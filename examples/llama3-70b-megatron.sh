@@ -1,0 +1,12 @@
+# Llama-3 70B on 64 H100s as NVIDIA's NeMo recipe lays it out (tp 4, pp 4 with 5 virtual stages, cp 2),
+# written as Megatron-LM flags: autopar estimate examples/llama.py --from megatron THIS_FILE --cluster h100-80g
+torchrun --nproc-per-node 8 --nnodes 8 pretrain_gpt.py \
+    --num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 \
+    --group-query-attention --num-query-groups 8 --swiglu --normalization RMSNorm \
+    --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear \
+    --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1 --global-batch-size 128 \
+    --tensor-model-parallel-size 4 --sequence-parallel --tp-comm-overlap \
+    --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4 \
+    --context-parallel-size 2 --cp-comm-type p2p \
+    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --grad-reduce-in-bf16 \
+    --bf16 --lr 1.5e-4 --train-iters 100 --tokenizer-type HuggingFaceTokenizer
