@@ -376,11 +376,14 @@ def estimation_from(engine: str, path: str | os.PathLike[str], model: ModelLike,
     cfg = read_config(engine, path).with_overrides(num_gpus=gpus, gpus_per_node=gpus_per_node,
                                                      global_batch_size=global_batch, micro_batch_size=micro_batch,
                                                      seq_len=seq_len)
-    choice = engine_cluster_choice(engine, cluster or cfg.cluster, None, warn)
+    notes: list[str] = []  # said once the file is known to describe a plan for this model
+    choice = engine_cluster_choice(engine, cluster or cfg.cluster, None, notes.append)
     graph, source = load_graph(_graph_source(model), seq_len=cfg.seq_len, dtype=cfg.dtype, use_cache=use_cache)
     plan = to_plan(cfg, model_file=str(source.path), num_blocks=graph.num_blocks, sha256=source.sha256,
                    cluster_ref=choice.ref, gpus_per_node=cfg.gpus_per_node or choice.cluster.gpus_per_node,
                    default_seq_len=source.declared_seq_len, num_heads=graph.num_heads, num_kv_heads=graph.num_kv_heads)
+    for note in notes:
+        warn(note)
     # the file's software settings (Megatron's overlaps, buffer precisions) price it, as its degrees do
     est = estimation(model, plan, priced_cluster(choice.cluster, cfg), moe_imbalance=moe_imbalance,
                      use_cache=use_cache, warn=warn)
