@@ -132,6 +132,7 @@ class MixedSplitILP:
         m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
         self.t_weight, self.z_weight, self.v = m * v - 1, v, v
         self._fronts: list | None = None
+        self._options_by_z: tuple | None = None  # (fronts, _OptionTable): the parametric search's lookups
 
     # -- coefficients ------------------------------------------------------------------------
     def _tail_rows(self, r: int) -> tuple[int, int, int, int]:
@@ -426,24 +427,64 @@ class MixedSplitILP:
 
     def _least_sum_value(self, fronts: list, t_cap: float, z_cap: float) -> int | None:
         """``_least_sum``'s value alone, the knapsack as numpy array minima (float64 holds these
-        integer sums exactly: they are below 2**53). numpy comes with ortools, which depends on it."""
+        integer sums exactly: they are below 2**53). numpy comes with ortools, which depends on it.
+        Each rank's options come from ``_option_table`` (one column per z cap) instead of a walk of
+        its fronts per call: the parametric search asks for tens of thousands of (T, Z) caps."""
         import numpy as np
 
         L = self.L
-        table = np.full(L + 1, np.inf)
+        table = np.full(L + 2, np.inf)  # table[L + 1] stays inf: where a shift reaches below 0 blocks
         table[0] = 0.0
-        used = np.arange(L + 1)
-        for per_n in fronts:
-            options = [(n, t) for n, t, _ in _options(per_n, t_cap, z_cap) if n <= L]
-            if not options:
-                return None
-            ns, ts = zip(*options)
+        lookup = self._option_table(fronts)
+        zi = lookup.z_index.get(z_cap)
+        for r, per_n in enumerate(fronts):
+            if zi is None:  # a cap off the fronts' z values: walk the fronts
+                options = [(n, t) for n, t, _ in _options(per_n, t_cap, z_cap) if n <= L]
+                if not options:
+                    return None
+                ns, ts = (np.array(x) for x in zip(*options))
+                source = np.arange(L + 1)[None, :] - ns[:, None]
+                source = np.where(source >= 0, source, L + 1)
+            else:
+                ts = lookup.first_t[r][:, zi]
+                keep = ts <= t_cap
+                if not keep.any():
+                    return None
+                ts, source = ts[keep], lookup.source[r][keep]
             # nxt[s] = min over the options (n, t) of table[s - n] + t: one (options x L + 1) array
             # of shifted tables, its minimum down the options.
-            src = used[None, :] - np.array(ns)[:, None]
-            shifted = np.where(src >= 0, table[np.maximum(src, 0)], np.inf) + np.array(ts, dtype=np.float64)[:, None]
-            table = shifted.min(axis=0)
+            nxt = (table[source] + ts[:, None]).min(axis=0)
+            table[: L + 1] = nxt
         return None if math.isinf(table[L]) else int(table[L])
+
+    def _option_table(self, fronts: list) -> "_OptionTable":
+        """Per rank, the t of its best mix per block count under every z cap among the fronts' z
+        values (``_options`` for all caps at once: the first entry of a front, in decreasing z, with
+        z <= the cap; inf where there is none). Built once per program."""
+        if self._options_by_z is not None and self._options_by_z[0] is fronts:
+            return self._options_by_z[1]
+        import numpy as np
+
+        z_values = sorted({z for per_n in fronts for front in per_n.values() for _, z, _ in front})
+        z_arr = np.array(z_values, dtype=np.float64)
+        ns, first_t = [], []
+        for per_n in fronts:
+            counts = [n for n in per_n if n <= self.L]
+            rows = np.full((len(counts), len(z_values)), np.inf)
+            for i, n in enumerate(counts):
+                t_front = np.array([t for t, _, _ in per_n[n]], dtype=np.float64)
+                neg_z = -np.array([z for _, z, _ in per_n[n]], dtype=np.float64)  # increasing
+                j = np.searchsorted(neg_z, -z_arr, side="left")  # first entry with z <= the cap
+                found = j < len(t_front)
+                rows[i, found] = t_front[j[found]]
+            ns.append(np.array(counts, dtype=np.int64))
+            first_t.append(rows)
+        # where each count's shift reads the table: s - n, or L + 1 (an inf cell) below 0 blocks
+        shift = [np.arange(self.L + 1)[None, :] - n[:, None] for n in ns]
+        source = [np.where(d >= 0, d, self.L + 1) for d in shift]
+        table = _OptionTable(z_index={z: i for i, z in enumerate(z_values)}, ns=ns, first_t=first_t, source=source)
+        self._options_by_z = (fronts, table)
+        return table
 
     # -- CP-SAT ----------------------------------------------------------------------------------
     def _build_model(self) -> None:
@@ -570,6 +611,17 @@ class MixedSplitILP:
         scale = self.base.ns * self.v
         return self._solution(mixes, name, solver.ObjectiveValue() / scale, solver.BestObjectiveBound() / scale,
                               "cp-sat")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _OptionTable:
+    """``MixedSplitILP._option_table``: z cap -> column, and per rank its block counts and the t of
+    each count's best mix under each z cap."""
+
+    z_index: dict
+    ns: list
+    first_t: list
+    source: list  # per rank, (counts x L + 1) table indices of each count's shift
 
 
 def _options(per_n: dict[int, list], t_cap: float, z_cap: float) -> list[tuple[int, int, dict[str, int]]]:
