@@ -4,8 +4,8 @@ For every model file in ``examples/zoo/`` one row:
 
 * ``plan64``: wall seconds of ``autopar plan FILE --gpus 64`` on the file's full size (a copy with
   ``SIZE = "full"``), as a subprocess with a 90 s limit; a timeout or a non-zero exit is a failure;
-* ``tp sp pp cp zero3``: whether autopar offers the dimension for this model (the reason when not);
-* ``dp2 tp2+sp pp2 cp2 zero3``: the tiny size trained 3 steps on 2 CPU ranks (gloo) under a plan of that
+* ``tp sp pp cp zero3 ep``: whether autopar offers the dimension for this model (the reason when not);
+* ``dp2 tp2+sp pp2 cp2 zero3 ep2``: the tiny size trained 3 steps on 2 CPU ranks (gloo) under a plan of that
   dimension, against the same model on one rank: every step's loss within 1e-4 (relative). A dimension
   that is not offered is ``n/a``; ``tp2+sp`` runs tp2 alone when tp is offered without SP.
 
@@ -66,8 +66,8 @@ def format_table(results: list[ModelResult], dims: list[str]) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in rows]
     lines += ["", f"columns: plan64 = autopar plan of the full size at 64 GPUs (s; '!' = over the {PLAN_GOAL_S:.0f} s goal); "
-              "tp? .. zero3? = offered by "
-              "autopar; dp2 .. zero3 = 2 CPU ranks vs 1 rank, 3 steps, losses within 1e-4; n/a* = not offered "
+              "tp? .. ep? = offered by "
+              "autopar; dp2 .. ep2 = 2 CPU ranks vs 1 rank, 3 steps, losses within 1e-4; n/a* = not offered "
               "although issue 11 expects it (zoo_lib.expected_offers)", ""]
     lines += notes
     return "\n".join(lines)

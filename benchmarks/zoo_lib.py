@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 ZOO_DIR = REPO / "examples" / "zoo"
-SUPPORT_KEYS = ("tp", "sp", "pp", "cp", "zero3")
+SUPPORT_KEYS = ("tp", "sp", "pp", "cp", "zero3", "ep")
 # Run cells: name -> the plan's parallel section (2 ranks), and the support keys it needs.
 RUNS: dict[str, dict[str, Any]] = {
     "dp2": {"dp": 2},
@@ -36,8 +36,10 @@ RUNS: dict[str, dict[str, Any]] = {
     "pp2": {"pp": 2},
     "cp2": {"cp": 2},
     "zero3": {"dp": 2, "zero": 3},
+    "ep2": {"dp": 2, "ep": 2},  # expert parallelism: the experts of each block over the 2 ranks
 }
-RUN_NEEDS: dict[str, tuple[str, ...]] = {"dp2": (), "tp2+sp": ("tp",), "pp2": ("pp",), "cp2": ("cp",), "zero3": ("zero3",)}
+RUN_NEEDS: dict[str, tuple[str, ...]] = {"dp2": (), "tp2+sp": ("tp",), "pp2": ("pp",), "cp2": ("cp",), "zero3": ("zero3",),
+                                         "ep2": ("ep",)}
 STEPS, GLOBAL_BATCH, MICRO_BATCH, RTOL = 3, 4, 1, 1e-4
 PLAN_TIMEOUT_S, SUPPORT_TIMEOUT_S, RUN_TIMEOUT_S = 90.0, 90.0, 180.0
 _OPTIONAL_PACKAGES = ("transformers",)

@@ -68,8 +68,11 @@ def check_ep(graph: "ModelGraph", ep: int, dp_cp: int) -> str | None:
     """Why ``ep`` is not legal for ``graph`` at dp x cp = ``dp_cp`` (None: it is)."""
     if ep == 1:
         return None
-    if graph.moe is None:
-        return f"ep = {ep} needs a mixture-of-experts model; {graph.name} has dense blocks"
+    reason = graph.supports("ep")  # what the model must have (autopar.spec.support.ep_support)
+    if reason:
+        return f"{graph.name}: {reason}"
+    if graph.moe is None:  # a graph measured without the ep predicate (older cache)
+        return f"ep = {ep} needs a mixture-of-experts model; {graph.name} has no experts in its blocks"
     if graph.chain:
         return f"{graph.name} has no repeated block list (a layer chain): expert parallelism is priced per block"
     if graph.moe.num_experts % ep:

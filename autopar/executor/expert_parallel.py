@@ -16,10 +16,14 @@ where DDP is told to leave the expert parameters alone).
 
 Two kinds of experts (``autopar.spec.moe``):
 
-* stacked (Hugging Face 5 ``MixtralExperts``, ``Qwen2MoeExperts``: 3-D parameters, expert first,
-  ``forward(hidden_states, top_k_index, top_k_weights)``): the module keeps its own rows of the
-  stacks and its forward becomes dispatch -> the model's own expert code on the received rows (top-1
-  to a local expert, weight 1) -> combine; the routing weights are applied on the sending rank.
+* stacked (Hugging Face 5 ``MixtralExperts``, ``Qwen2MoeExperts``, ``GptOssExperts`` with its
+  per-expert biases, a plain-torch grouped-experts module: parameters per expert, expert first; or
+  packed along the rows, E x f, as DBRX's ``w1`` / ``v1`` / ``w2``), called with the token rows,
+  the top-k expert indices and their weights, at whatever positions or keywords the spec saw
+  (``MoESpec.call``): the module keeps its own experts' rows of every parameter and its forward
+  becomes dispatch -> the model's own expert code on the received rows (top-1 to a local expert,
+  weight 1) -> combine; the routing weights are applied on the sending rank, so the expert code
+  must be linear in its weights (each expert's output times its weight, as all of these are).
 * an ``nn.ModuleList`` of expert modules called by the MoE module's own routing code: that code is
   opaque, so the MoE module runs twice per forward. The first run records which expert is called
   on which rows (experts answer zeros); the recorded rows are dispatched at once, the local experts
@@ -31,7 +35,6 @@ Two kinds of experts (``autopar.spec.moe``):
 
 from __future__ import annotations
 
-import inspect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -42,31 +45,20 @@ from torch import nn
 
 from autopar.errors import AutoparError
 
-_HF_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
-
 
 def check_expert_parallel(plan: Any, spec: Any, where: str, mf: Any) -> None:
-    """Preflight: the one-line reason ``plan``'s ep cannot run on the model of ``spec``, if any."""
+    """Preflight: the one-line reason ``plan``'s ep cannot run on the model of ``spec``, if any --
+    the model's (spec/support.py ``ep``, the one the search and ``estimate`` read) and the degree's."""
     par = plan.parallel
     if par.ep == 1:
         return
+    reason = spec.support_reason("ep")
+    if reason:
+        raise AutoparError(f"expert parallelism cannot run on {where}: {reason}; plan with ep = 1")
     moe = spec.moe
-    if moe is None:
-        raise AutoparError(f"ep = {par.ep} needs a mixture-of-experts model but {where} has dense blocks; plan with ep = 1")
     if moe.num_experts % par.ep:
         raise AutoparError(f"ep = {par.ep} does not divide the {moe.num_experts} experts of {where}; "
                            f"pick an ep that divides {moe.num_experts}")
-    if moe.experts_kind == "stacked":
-        params = [p for p in inspect.signature(_experts_forward_of(spec, mf)).parameters][1:]
-        if tuple(params[:3]) != _HF_ARGS:
-            raise AutoparError(f"{where}: stacked experts whose forward is not (hidden_states, top_k_index, "
-                               f"top_k_weights) cannot be expert-parallel yet (found {tuple(params)}); plan with ep = 1")
-
-
-def _experts_forward_of(spec: Any, mf: Any) -> Callable:
-    model = mf.build("meta")
-    block = model.get_submodule(spec.blocks_path)[0]
-    return type(block.get_submodule(spec.moe.experts_path)).forward
 
 
 # ---------------------------------------------------------------- groups
@@ -156,9 +148,29 @@ def _touch(y: torch.Tensor, params: list[nn.Parameter]) -> torch.Tensor:
 # ---------------------------------------------------------------- stacked experts (HF 5)
 
 
-def _stacked_forward(groups: ExpertGroups, original: Callable) -> Callable:
-    def forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+def _with(args: tuple, kwargs: dict, key: str, value: Any) -> tuple[tuple, dict]:
+    """``args`` / ``kwargs`` with the argument at ``key`` (a position "0", "1", ... or a keyword) replaced."""
+    if key.isdigit():
+        i = int(key)
+        return args[:i] + (value,) + args[i + 1:], kwargs
+    return args, {**kwargs, key: value}
+
+
+def _arg(args: tuple, kwargs: dict, key: str) -> Any:
+    return args[int(key)] if key.isdigit() else kwargs[key]
+
+
+def _stacked_forward(groups: ExpertGroups, original: Callable, call: tuple[str, str, str]) -> Callable:
+    """The experts module's forward under ep: its call's (rows, top-k indices, top-k weights) --
+    at the places ``call`` names (autopar.spec.moe.MoESpec.call) -- dispatched, the model's own
+    expert code run on the received rows (each row top-1 to its local expert, weight 1), combined,
+    weighted on the sending rank and summed per token in the shape of the rows it was given."""
+    rows_at, index_at, weights_at = call
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        hidden, top_k_index, top_k_weights = (_arg(args, kwargs, k) for k in call)
+        shape = hidden.shape
+        hidden = hidden.reshape(-1, shape[-1])
         tokens, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -168,26 +180,39 @@ def _stacked_forward(groups: ExpertGroups, original: Callable) -> Callable:
         def compute(rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
             ids = torch.repeat_interleave(torch.arange(len(per_expert), device=rows.device),
                                           torch.tensor(per_expert, device=rows.device))[:, None]
-            y = original(self, rows, ids, torch.ones(ids.shape, dtype=rows.dtype, device=rows.device))
-            return _touch(y, list(self.parameters(recurse=False)))
+            a, kw = _with(args, kwargs, rows_at, rows)
+            a, kw = _with(a, kw, index_at, ids)
+            a, kw = _with(a, kw, weights_at, torch.ones(ids.shape, dtype=rows.dtype, device=rows.device))
+            y = original(self, *a, **kw).reshape(rows.shape[0], -1)
+            return _touch(y, list(self.parameters()))
 
-        y = exchange(hidden_states[token_of], counts, groups, compute)
+        y = exchange(hidden[token_of], counts, groups, compute)
         y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
-        return torch.zeros_like(hidden_states).index_add(0, token_of, y.to(hidden_states.dtype))
+        return torch.zeros_like(hidden).index_add(0, token_of, y.to(hidden.dtype)).reshape(shape)
     return forward
 
 
-def _shard_stacked(experts: nn.Module, groups: ExpertGroups, prefix: str, rows: dict[str, torch.Tensor]) -> None:
-    """Keep this rank's rows of every stacked parameter (on meta: materialise copies them in)."""
-    local = groups.local_experts
-    for name, p in list(experts.named_parameters(recurse=False)):
-        setattr(experts, name, nn.Parameter(torch.empty((len(local),) + tuple(p.shape[1:]), dtype=p.dtype,
-                                                        device=p.device), requires_grad=p.requires_grad))
-        rows[f"{prefix}{name}"] = torch.arange(local.start, local.stop)
-    if hasattr(experts, "num_experts"):
-        experts.num_experts = len(local)  # the model's own expert loop runs over the local experts
+def _shard_stacked(experts: nn.Module, groups: ExpertGroups, prefix: str, rows: dict[str, torch.Tensor],
+                   call: tuple[str, str, str]) -> None:
+    """Keep this rank's rows of every per-expert parameter under ``experts`` (stacked: E leading;
+    packed: E x f rows, f per expert; on meta: materialise copies them in), and set the expert
+    count the model's own expert loop reads (an attribute equal to E whose name says experts) to
+    the local experts."""
+    local, num = groups.local_experts, groups.num_experts
+    for name, p in list(experts.named_parameters()):
+        owner_path, _, leaf = name.rpartition(".")
+        owner = experts.get_submodule(owner_path) if owner_path else experts
+        per = p.shape[0] // num  # rows per expert: 1 stacked, f packed
+        keep = torch.arange(local.start * per, local.stop * per)
+        setattr(owner, leaf, nn.Parameter(torch.empty((keep.numel(),) + tuple(p.shape[1:]), dtype=p.dtype,
+                                                      device=p.device), requires_grad=p.requires_grad))
+        rows[f"{prefix}{name}"] = keep
+    for mod in experts.modules():
+        for attr, value in list(vars(mod).items()):
+            if "expert" in attr and isinstance(value, int) and not isinstance(value, bool) and value == num:
+                setattr(mod, attr, len(local))  # the model's own expert loop runs over the local experts
     cls = type(experts)
-    experts.__class__ = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _stacked_forward(groups, cls.forward)})
+    experts.__class__ = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _stacked_forward(groups, cls.forward, call)})
 
 
 # ---------------------------------------------------------------- a ModuleList of experts
@@ -326,7 +351,7 @@ def _apply_to_part(part: nn.Module, spec: Any, state: ExpertParallel, prefix: st
         experts = block.get_submodule(moe.experts_path)
         base = f"{spec.blocks_path}.{idx}.{moe.experts_path}."
         if moe.experts_kind == "stacked":
-            _shard_stacked(experts, groups, base, state.rows)
+            _shard_stacked(experts, groups, base, state.rows, moe.call)
         else:
             _shard_list(block.get_submodule(owner_path) if owner_path else block, experts, groups)
         state.experts.append(experts)

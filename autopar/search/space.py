@@ -166,6 +166,10 @@ class Branch:
                     yield self.config(schedule, v, zero, offload=off)
 
 
+# spec/support.NO_EXPERTS (the spec imports torch, the search does not): ep's reason for a dense model
+_NO_EXPERTS = "no mixture of experts in the blocks"
+
+
 def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter) -> Iterator[Branch]:
     """Every legal branch; illegal combinations are counted in ``rejected`` by reason."""
     n, L = space.num_gpus, graph.num_blocks
@@ -177,6 +181,9 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
         rejected[f"sp: {graph.supports('sp')}"] += 1
     if 3 in space.zero_stages and graph.supports("zero3"):
         rejected[f"zero3: {graph.supports('zero3')}"] += 1
+    ep_reason = graph.supports("ep")  # said where the model has experts somewhere, or ep was asked for
+    if ep_reason and (not ep_reason.startswith(_NO_EXPERTS) or any(e > 1 for e in space.ep_degrees or ())):
+        rejected[f"ep: {ep_reason}"] += 1
     for tp in divisors(n):
         if not space.allows("tp_degrees", tp):
             rejected["constraint: tp"] += 1
@@ -261,7 +268,7 @@ def mix_modes(graph: ModelGraph) -> tuple[str, ...]:
 def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: int, rejected: Counter) -> tuple[int, ...]:
     """The legal ep degrees (ep divides the experts and dp x cp, at any tp and pp:
     executor/expert_parallel.py). 1 is always legal (dense experts)."""
-    if graph.moe is None or graph.chain:  # dense, or a layer chain (priced without ep: cost/expert.py)
+    if graph.moe is None or graph.chain or graph.supports("ep"):  # what the model must have: spec/support.py
         return (1,) if space.allows("ep_degrees", 1) else ()
     out = []
     for ep in divisors(graph.moe.num_experts):

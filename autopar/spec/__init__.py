@@ -87,6 +87,9 @@ class ModelSpec:
             return self.chain.units
         return tuple(f"{self.blocks_path}.{i}" for i in range(self.num_blocks))
     moe: MoESpec | None = None  # the blocks' mixture of experts (autopar.spec.moe), None when dense
+    # A chain (blocks that differ): the units holding experts (a router's top-k among expert
+    # weights), where ``moe`` (one repeated block's experts) is None; says why ep is not offered.
+    expert_units: tuple[str, ...] = ()
 
     @property
     def tp_plan(self) -> Mapping[str, str] | None:
@@ -136,6 +139,30 @@ def find_core(block: nn.Module) -> str | None:
                 continue  # an attention core is parameter-free by contract
             return name
     return None
+
+
+def _first_call(run: Callable[[], Any]) -> Callable[[nn.Module], tuple[tuple, dict] | None]:
+    """``call(module)``: the (args, kwargs) of ``module``'s first call in one meta forward (``run``)."""
+    def call(module: nn.Module) -> tuple[tuple, dict] | None:
+        seen: list[tuple[tuple, dict]] = []
+        hook = module.register_forward_pre_hook(
+            lambda _m, args, kwargs: seen.append((args, kwargs)) if not seen else None, with_kwargs=True)
+        try:
+            run()
+        except Exception:  # the probe's own run already succeeded; a failure here says nothing new
+            return None
+        finally:
+            hook.remove()
+        return seen[0] if seen else None
+    return call
+
+
+def expert_units(model: nn.Module, units: tuple[str, ...], observed_top_k: Callable[[], tuple[int, int] | None]
+                 ) -> tuple[str, ...]:
+    """The units (dotted paths) of a chain holding a mixture of experts (autopar.spec.moe)."""
+    if observed_top_k() is None:
+        return ()
+    return tuple(u for u in units if moe_of(model, model.get_submodule(u), observed_top_k) is not None)
 
 
 def _vocab_edges(model: nn.Module, blocks_path: str) -> tuple[str | None, str | None]:
@@ -255,7 +282,9 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     if blocks_path is None:
         chain = _meta_call(where, lambda: find_chain(model, run))
         if chain is not None:
-            return _with_support(_chain_spec(mf, model, chain, inputs))
+            spec = _chain_spec(mf, model, chain, inputs)
+            units = expert_units(model, chain.units, lambda: routing[0] if routing else None)
+            return _with_support(dataclasses.replace(spec, expert_units=units))
         mixed = heterogeneous_lists(model)
         hint = (f" ({', '.join(mixed[:3])} hold blocks whose parameter shapes differ)" if mixed else "")
         raise ModelFileError(
@@ -288,7 +317,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         isinstance(inputs, tuple) and all(isinstance(v, torch.Tensor) for v in inputs))
     token_batch = isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point()
     token_key, labels_key = token_dict_keys(inputs)
-    moe = moe_of(model, block, lambda: routing[0] if routing else None)
+    moe = moe_of(model, block, lambda: routing[0] if routing else None, _first_call(run))
     # MoE blocks are refused SP before any check (spec/support.py); a block without TP has none.
     sp_why, keyword_parents = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
                                if tp.styles and moe is None else (None, ()))

@@ -1,16 +1,28 @@
 """Mixture-of-experts facts about a model's block: where the experts are, how many, how many each
 token uses, and what they weigh (``MoESpec``; ``ModelSpec.moe``).
 
-Found from the block's structure, whatever the names:
+Found by behaviour, whatever the names: a router's top-k choice among E expert weights.
 
-* the experts: an ``nn.ModuleList`` of >= 2 identical modules inside the block (hand-written MoE,
-  older Hugging Face code), or a module whose parameters are all stacked per expert (3-D, one
-  leading dimension E >= 2: Hugging Face's ``MixtralExperts``, ``Qwen2MoeExperts``);
+* E and top-k: the ``torch.topk`` over E scores (or a top-1 ``argmax``) one meta forward of the model
+  calls (autopar.spec.meta's routing); top-k also from the model config (``num_experts_per_tok`` and
+  its aliases, nested configs such as DBRX's ``ffn_config`` included) or a ``top_k`` attribute of the
+  MoE modules.
 * the router: the block's module outside the experts whose 2-D weight maps the width to E scores
-  (an ``nn.Linear(d, E)``, HF's ``*TopKRouter``);
-* top-k: the model config (``num_experts_per_tok`` and its aliases), else a ``top_k`` attribute of
-  the MoE modules, else the ``torch.topk`` the router's forward calls (seen on meta). Without a
-  router module and without such a call, identical sub-modules are not taken for experts.
+  (an ``nn.Linear(d, E)``, HF's ``*TopKRouter``, with or without a bias).
+* the experts: an ``nn.ModuleList`` of E identical modules (hand-written MoE, older Hugging Face
+  code), or a module that does not hold the router and whose parameters are all per expert --
+  stacked with E leading (3-D weights, 2-D per-expert biases: Hugging Face's ``MixtralExperts``,
+  ``GptOssExperts``, a plain-torch grouped-experts module), or packed along their rows (E x f rows
+  viewed per expert inside the forward: DBRX's ``w1`` / ``v1`` / ``w2``). Without a routing call
+  seen, the experts are read from structure alone (a ModuleList, or 3-D stacks with one leading E)
+  and need a router module; identical sub-modules no router chooses among are not experts.
+* how stacked experts are called (``MoESpec.call``): the arguments of the experts module's forward
+  that carry the token rows, the top-k expert indices (integer, (tokens, k)) and their weights
+  (floating, (tokens, k)), by position or keyword, seen on meta. Expert parallelism calls the
+  model's own expert code on each rank's rows through them.
+* shared experts (a dense MLP every token goes through beside the routed ones, Qwen-MoE's or
+  DeepSeek's ``shared_experts``) are not experts here: they hold no per-expert parameters, so they
+  stay with the block's dense part (replicated over ep, sharded by TP where its plan says so).
 
 The graph counts expert compute at the expected tokens per expert (tokens x top_k / E, balanced
 routing; autopar.spec.meta); this object is what expert parallelism and the planner read.
@@ -21,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from autopar.spec.blocks import is_block_list
@@ -29,6 +42,10 @@ from autopar.spec.blocks import is_block_list
 _CONFIG_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "num_selected_experts",
                  "router_top_k", "n_activated_experts")
 _MODULE_TOP_K = _CONFIG_TOP_K + ("top_k", "k")
+# Sub-configs of a model config that may hold the MoE settings (DBRX's ffn_config).
+_SUB_CONFIGS = ("ffn_config", "moe_config", "text_config")
+# The roles of a stacked experts module's forward arguments (MoESpec.call): rows, indices, weights.
+CALL_ROLES = ("rows", "indices", "weights")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,12 +53,15 @@ class MoESpec:
     """One block's mixture of experts. Names are block-relative dotted paths."""
 
     experts_path: str
-    experts_kind: str  # "ModuleList" (one module per expert) | "stacked" (3-D parameters, E first)
+    experts_kind: str  # "ModuleList" (one module per expert) | "stacked" (parameters per expert, E first)
     num_experts: int
     top_k: int
     top_k_source: str  # "config" | "attribute" | "topk call"
     params_per_expert: int
     router_name: str | None
+    # stacked experts: where their forward takes (rows, top-k indices, top-k weights) -- a position
+    # ("0", "1", ...) or a keyword each; None where the meta forward showed no such call
+    call: tuple[str, str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.experts_kind not in ("ModuleList", "stacked"):
@@ -68,11 +88,15 @@ class MoESpec:
                 f"{self.params_per_expert:,} parameters each, router {self.router_name or 'not found'}")
 
 
-def _stacked_experts(mod: nn.Module) -> int | None:
-    """E when every parameter of ``mod`` (directly owned) is stacked per expert (>= 3-D, or a 2-D
-    per-expert bias next to them) with one leading dimension E >= 2."""
-    if type(mod).__module__.startswith("torch.nn"):
-        return None  # a torch layer (a Conv1d weight is 3-D too), never a stack of experts
+def _is_torch_layer(mod: nn.Module) -> bool:
+    return type(mod).__module__.startswith("torch.nn")  # a Conv1d weight is 3-D too: never a stack of experts
+
+
+def _structural_stack(mod: nn.Module) -> int | None:
+    """E when every parameter ``mod`` owns directly is stacked per expert (>= 3-D, or a 2-D
+    per-expert bias next to them) with one leading dimension E >= 2 (no routing call seen)."""
+    if _is_torch_layer(mod):
+        return None
     params = list(mod.parameters(recurse=False))
     if not params or not any(p.dim() >= 3 for p in params):
         return None
@@ -83,25 +107,48 @@ def _stacked_experts(mod: nn.Module) -> int | None:
     return e if e >= 2 else None
 
 
-def _find_experts(block: nn.Module) -> tuple[str, str, int, int] | None:
-    """(path, kind, E, params per expert) of the block's experts, the first found in module order."""
+def _per_expert_stack(mod: nn.Module, num_experts: int) -> bool:
+    """Whether every parameter under ``mod`` is per expert for E = ``num_experts``: stacked (E
+    leading, >= 2-D) or packed (E x f rows of a 2-D weight), with at least one that is not a plain
+    (E, d) matrix (which is what a router's weight looks like)."""
+    if any(_is_torch_layer(m) and any(True for _ in m.parameters(recurse=False)) for m in mod.modules()):
+        return False  # a module of torch layers (attention's Linears) is not a stack of experts
+    params = list(mod.parameters())
+    if not params or any(p.dim() < 2 or p.shape[0] % num_experts for p in params):
+        return False
+    return any(p.dim() >= 3 or p.shape[0] > num_experts for p in params)
+
+
+def _find_experts(block: nn.Module, num_experts: int | None, router: str | None,
+                  routed: Callable[[nn.Module], bool] = lambda _m: False) -> tuple[str, str, int, int] | None:
+    """(path, kind, E, params per expert) of the block's experts, the first found in module order.
+    ``num_experts``: E of the routing the meta forward saw (None: structure alone); ``router``: the
+    router's path, which an experts module never holds; ``routed(module)``: whether the meta
+    forward called it with the routing (needed of weights packed in 2-D, whose shapes alone could
+    be any layer's)."""
     for name, mod in block.named_modules():
         if not name:
             continue
-        if is_block_list(mod) and isinstance(mod, nn.ModuleList):
+        if is_block_list(mod) and isinstance(mod, nn.ModuleList) and num_experts in (None, len(mod)):
             per = sum(p.numel() for p in mod[0].parameters())
             if per > 0:
                 return name, "ModuleList", len(mod), per
-        e = _stacked_experts(mod)
+        if num_experts is None:
+            e = _structural_stack(mod)
+        else:
+            holds_router = router is not None and (router == name or router.startswith(name + "."))
+            e = num_experts if not holds_router and _per_expert_stack(mod, num_experts) else None
+            if e is not None and all(p.dim() == 2 for p in mod.parameters()) and not routed(mod):
+                e = None
         if e is not None:
             return name, "stacked", e, sum(p.numel() for p in mod.parameters()) // e
     return None
 
 
-def _find_router(block: nn.Module, experts_path: str, num_experts: int) -> str | None:
-    inside = experts_path + "."
+def _find_router(block: nn.Module, num_experts: int, outside: str | None = None) -> str | None:
+    """The block's module (outside ``outside``, the experts) mapping the width to ``num_experts`` scores."""
     for name, mod in block.named_modules():
-        if not name or name == experts_path or name.startswith(inside):
+        if not name or (outside is not None and (name == outside or name.startswith(outside + "."))):
             continue
         if isinstance(mod, nn.Linear):
             if mod.out_features == num_experts:
@@ -121,22 +168,64 @@ def _top_k_from(obj: Any, num_experts: int, attrs: tuple[str, ...]) -> int | Non
     return None
 
 
-def moe_of(model: nn.Module, block: nn.Module, observed_top_k: Callable[[], tuple[int, int] | None]) -> MoESpec | None:
-    """The MoESpec of ``block`` (a block of ``model``), None when it has no experts.
-    ``observed_top_k()`` returns (k, E) of the last router ``topk`` a meta forward called (or None);
-    the experts need a router module or that call, so that a list of identical layers is not
-    mistaken for experts."""
-    found = _find_experts(block)
-    if found is None:
+def _config_top_k(cfg: Any, num_experts: int) -> int | None:
+    for c in (cfg, *(getattr(cfg, n, None) for n in _SUB_CONFIGS)):
+        k = _top_k_from(c, num_experts, _CONFIG_TOP_K) if c is not None else None
+        if k is not None:
+            return k
+    return None
+
+
+def routed_call(args: tuple, kwargs: dict, top_k: int) -> tuple[str, str, str] | None:
+    """Where a stacked experts module's call (``args``, ``kwargs``, as its forward received them)
+    passes the token rows, the top-k indices and their weights (CALL_ROLES; positions as "0", "1",
+    ...), or None when the call does not carry them: indices an integer (tokens, k) tensor, weights
+    a floating tensor of that shape, rows a floating tensor of as many rows."""
+    items = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+    tensors = [(key, t) for key, t in items if isinstance(t, torch.Tensor)]
+    index = next(((key, t) for key, t in tensors if not t.is_floating_point() and t.dtype != torch.bool
+                  and t.dim() == 2 and t.shape[-1] == top_k), None)
+    if index is None:
         return None
-    path, kind, num_experts, per = found
-    router = _find_router(block, path, num_experts)
+    shape = tuple(index[1].shape)
+    weights = next((key for key, t in tensors if t.is_floating_point() and tuple(t.shape) == shape), None)
+    tokens = shape[0]
+    rows = next((key for key, t in tensors if key not in (index[0], weights) and t.is_floating_point()
+                 and t.dim() >= 2 and t.numel() == tokens * t.shape[-1]), None)
+    if weights is None or rows is None:
+        return None
+    return rows, index[0], weights
+
+
+def moe_of(model: nn.Module, block: nn.Module, observed_top_k: Callable[[], tuple[int, int] | None],
+           first_call: Callable[[nn.Module], tuple[tuple, dict] | None] = lambda _m: None) -> MoESpec | None:
+    """The MoESpec of ``block`` (a block of ``model``), None when it has no experts.
+    ``observed_top_k()`` returns (k, E) of the router ``topk`` a meta forward called (or None);
+    ``first_call(module)`` the (args, kwargs) a meta forward first called ``module`` with (None: not
+    called). The experts need a router module or that topk call, so that a list of identical
+    layers is not mistaken for experts."""
     seen = observed_top_k()
+    found, router = None, None
+    if seen is not None:  # by behaviour: E from the routing, the router mapping the width to E scores
+        def routed(mod: nn.Module) -> bool:
+            called = first_call(mod)
+            return called is not None and routed_call(*called, seen[0]) is not None
+
+        router = _find_router(block, seen[1])
+        found = _find_experts(block, seen[1], router, routed)
+        if found is not None and router is not None and (router + ".").startswith(found[0] + "."):
+            router = _find_router(block, seen[1], found[0])  # an expert's own layer, not the router
+    if found is None:  # by structure alone (no routing seen, or not in this block)
+        found = _find_experts(block, None, None)
+        if found is None:
+            return None
+        router = _find_router(block, found[2], found[0])
+    path, kind, num_experts, per = found
     routed = seen is not None and seen[1] == num_experts
     if router is None and not routed:
         return None  # identical sub-modules that no router chooses among are not experts
     cfg = getattr(model, "config", None)
-    top_k, source = (_top_k_from(cfg, num_experts, _CONFIG_TOP_K), "config") if cfg is not None else (None, "")
+    top_k, source = (_config_top_k(cfg, num_experts), "config") if cfg is not None else (None, "")
     if top_k is None:
         for _, mod in block.named_modules():
             top_k = _top_k_from(mod, num_experts, _MODULE_TOP_K)
@@ -147,5 +236,9 @@ def moe_of(model: nn.Module, block: nn.Module, observed_top_k: Callable[[], tupl
         if not routed:
             return None
         top_k, source = seen[0], "topk call"
+    call = None
+    if kind == "stacked":
+        called = first_call(block.get_submodule(path))
+        call = routed_call(*called, top_k) if called is not None else None
     return MoESpec(experts_path=path, experts_kind=kind, num_experts=num_experts, top_k=top_k,
-                   top_k_source=source, params_per_expert=per, router_name=router)
+                   top_k_source=source, params_per_expert=per, router_name=router, call=call)

@@ -10,7 +10,9 @@ Keys: ``tp`` (tensor parallelism), ``sp`` (Megatron sequence parallelism inside 
 (selective recompute of the attention core), ``full`` (full recompute), ``op`` (per-op selective
 recompute, autopar.recompute_ops), ``cp_pp`` (context
 parallelism and pipeline stages in one plan: each is checked alone by its own key, this one says
-whether the two combine).
+whether the two combine), ``ep`` (expert parallelism: what the model must have for any ep > 1; the
+degree's own rules, ep dividing the experts and dp x cp, are checked where the degree is known:
+cost/expert.check_ep, the search's ep degrees).
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.spec import ModelSpec
 
-DIMENSIONS = ("tp", "sp", "pp", "cp", "zero3", "selective", "full", "op", "cp_pp")
+# ep's reason for a model without experts (the search says other ep reasons in its rejected line)
+NO_EXPERTS = "no mixture of experts in the blocks"
+
+DIMENSIONS = ("tp", "sp", "pp", "cp", "zero3", "selective", "full", "op", "cp_pp", "ep")
 
 
 def tp_support(spec: "ModelSpec") -> str | None:
@@ -133,10 +138,30 @@ def op_support(spec: "ModelSpec") -> str | None:
     return None
 
 
+def ep_support(spec: "ModelSpec") -> str | None:
+    # executor/expert_parallel.py shards one repeated block's experts (spec/moe.py: a router's top-k
+    # among an nn.ModuleList of experts, or among per-expert stacked / packed weights called with the
+    # rows, the top-k indices and their weights) and the cost model prices them per repeated block.
+    moe = spec.moe
+    if moe is None and spec.expert_units:
+        units = spec.expert_units
+        listed = ", ".join(units[:3]) + (", ..." if len(units) > 3 else "")
+        return (f"the blocks differ: {len(units)} of {spec.num_blocks} hold experts ({listed}), the others "
+                "none; expert parallelism shards the experts of one repeated block")
+    if moe is None:
+        return f"{NO_EXPERTS} (no router choosing top-k among expert weights)"
+    if spec.chain is not None:
+        return "the blocks are cut as a layer chain, priced unit by unit; expert parallelism is priced per repeated block"
+    if moe.experts_kind == "stacked" and moe.call is None:
+        return (f"the stacked experts ({moe.experts_path}) are not called with the token rows, the top-k expert "
+                "indices and their weights, which expert parallelism sends to the ranks holding the experts")
+    return None
+
+
 PREDICATES: dict[str, Callable[["ModelSpec"], str | None]] = {
     "tp": tp_support, "sp": sp_support, "pp": pp_support, "cp": cp_support,
     "zero3": zero3_support, "selective": selective_support, "full": full_support, "op": op_support,
-    "cp_pp": cp_pp_support,
+    "cp_pp": cp_pp_support, "ep": ep_support,
 }
 
 

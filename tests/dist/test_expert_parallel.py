@@ -1,4 +1,4 @@
-"""Issue 15: expert parallelism trains like one rank. HF Mixtral (stacked experts, the model's own
+"""Expert parallelism trains like one rank. HF Mixtral (stacked experts, the model's own
 expert loop on each rank's rows) and a plain-torch top-k MoE (an ``nn.ModuleList`` of experts under
 the model's own routing code) under ep2 (2 gloo ranks) and ep2 x dp2 (4 ranks), with the router's
 natural uneven routing (asserted), give the single-process losses (rel 1e-4 over 3 steps),
@@ -6,7 +6,9 @@ step-1 gradients and final parameters; ZeRO-1 and ZeRO-3 shard the experts over 
 HF Mixtral also with ep drawn from the cp ranks (cp2 x ep2) and with one expert per rank under
 ZeRO-2 (ep4, 4 ranks); both with a pipeline (pp2 x dp2 x ep2, 4 ranks: 1F1B at ZeRO-1, GPipe at
 ZeRO-0) and with tensor parallelism (tp2 x dp2 x ep2, 4 ranks: the plain MoE's experts sharded over
-tp by its TP plan, HF Mixtral's whole on each tp rank).
+tp by its TP plan, HF Mixtral's whole on each tp rank). The other expert layouts found by behaviour
+at ep2: plain-torch 3-D stacks with per-expert biases and a shared expert, HF gpt-oss (biased router,
+per-expert biases, ZeRO-1) and HF DBRX (weights packed along their rows, ZeRO-3).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ pytestmark = pytest.mark.dist
 FILES = {
     "torch-moe": (ZOO / "torch_moe.py", 4, 32, False),
     "hf-mixtral": (ZOO / "hf_mixtral.py", 4, 32, True),
+    # experts found by behaviour beyond Mixtral's layout: 3-D stacks with per-expert biases beside a
+    # shared expert (plain torch), a biased router and other argument names (gpt-oss), weights packed
+    # along their rows (DBRX)
+    "torch-moe-stacked": (ZOO / "torch_moe_stacked.py", 4, 32, False),
+    "hf-gpt-oss": (ZOO / "hf_gpt_oss.py", 4, 32, True),
+    "hf-dbrx": (ZOO / "hf_dbrx.py", 4, 32, True),
 }
+_FIRST = ("torch-moe", "hf-mixtral")  # the layouts every combination of degrees is tested on
 
 
 def _has_transformers() -> bool:
@@ -54,15 +63,19 @@ class MoECase(Case):
         }
 
 
-def _models() -> list[str]:
-    return [m for m, (*_, hf) in FILES.items() if not hf or _has_transformers()]
+def _models(names: tuple[str, ...] = _FIRST) -> list[str]:
+    return [m for m in names if not FILES[m][3] or _has_transformers()]
 
 
 CASES_2 = [MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2}) for m in _models()] + [
     MoECase(name=f"{m}-ep2-zero3", model=m, parallel={"dp": 2, "ep": 2, "zero": 3}) for m in _models()] + [
     # ep drawn from the cp ranks: each holds half of every sequence (HF attention runs CP; the plain MoE has no core)
     MoECase(name="hf-mixtral-cp2-ep2", model="hf-mixtral", parallel={"cp": 2, "ep": 2, "cp_kind": "allgather"})
-    for m in _models() if m == "hf-mixtral"]
+    for m in _models() if m == "hf-mixtral"] + [
+    # the other expert layouts at ep2 (with ZeRO-1 and ZeRO-3 over their edp ranks)
+    MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2, **extra})
+    for m, extra in (("torch-moe-stacked", {}), ("hf-gpt-oss", {"zero": 1}), ("hf-dbrx", {"zero": 3}))
+    if m in _models(("torch-moe-stacked", "hf-gpt-oss", "hf-dbrx"))]
 CASES_4 = [MoECase(name=f"{m}-ep2xdp2", model=m, parallel={"dp": 4, "ep": 2}) for m in _models()] + [
     MoECase(name=f"{m}-ep2xdp2-zero1", model=m, parallel={"dp": 4, "ep": 2, "zero": 1}) for m in _models()] + [
     # one expert per rank under ZeRO-2 (what the planner picks for Mixtral-8x7B at 64 A100s)

@@ -74,7 +74,9 @@ def test_ep_legality_names_the_reason() -> None:
     assert "does not divide the model's 4 experts" in check_ep(g, 8, 8)
     assert "does not divide dp x cp = 6" in check_ep(g, 4, 6)
     dense = dataclasses.replace(g, moe=None)
-    assert "dense blocks" in check_ep(dense, 2, 8)
+    assert "has no experts in its blocks" in check_ep(dense, 2, 8)
+    refused = dataclasses.replace(g, support={**g.support, "ep": "the blocks differ"})  # spec/support.py's ep
+    assert check_ep(refused, 2, 8) == "torch_moe: the blocks differ"
     with pytest.raises(PlanError, match="parallel.ep = 8 is not possible"):
         estimate_plan(_plan(ep=8), g, load_cluster("a100-80g"))
 
@@ -314,7 +316,7 @@ def test_run_preflight_refuses_ep_on_a_dense_model() -> None:
     data["model"] = {"file": str(mf.path), "num_blocks": 4}
     data["parallel"] = {"dp": 8, "tp": 1, "pp": 1, "ep": 2}
     data["training"]["seq_len"] = mf.seq_len
-    with pytest.raises(AutoparError, match="needs a mixture-of-experts model"):
+    with pytest.raises(AutoparError, match="expert parallelism cannot run on .*: no mixture of experts in the blocks"):
         preflight(plan_from_dict(data), mf)
 
 

@@ -136,12 +136,13 @@ def test_table_gives_every_cell_a_result_or_a_numbered_reason_and_fails_on_any_f
     fail = zoo_lib.Cell(status="FAIL", detail="KeyError: 'cls_token'", tail="Traceback ...")
     result = zoo_lib.ModelResult(
         model=m, plan=zoo_lib.Cell(status="ok", detail="3.0 s", seconds=3.0), support=None,
-        support_cells={"tp": na, "sp": na, "pp": ok, "cp": zoo_lib.Cell(status="n/a", detail="no SEQ_LEN"), "zero3": ok},
+        support_cells={"tp": na, "sp": na, "pp": ok, "cp": zoo_lib.Cell(status="n/a", detail="no SEQ_LEN"), "zero3": ok,
+                       "ep": zoo_lib.Cell(status="n/a", detail="no experts")},
         runs={"dp2": ok, "pp2": fail})
     table = model_zoo.format_table([result], ["dp2", "pp2"])
     row = next(line for line in table.splitlines() if line.startswith("vit"))
-    assert row.split() == ["vit", "3.0", "s", "n/a*[1]", "n/a*[1]", "ok", "n/a[2]", "ok", "ok", "FAIL[3]"]
-    assert "[3] FAIL: KeyError: 'cls_token'" in table and "[1] n/a: no tp plan" in table
+    assert row.split() == ["vit", "3.0", "s", "n/a*[1]", "n/a*[1]", "ok", "n/a[2]", "ok", "n/a[3]", "ok", "FAIL[4]"]
+    assert "[4] FAIL: KeyError: 'cls_token'" in table and "[1] n/a: no tp plan" in table
     line, failures = model_zoo.summary([result])
     assert failures == 1 and "2 expected offers missing" in line and "vit" in line
     assert model_zoo.summary([result], strict_offers=True)[1] == 3
