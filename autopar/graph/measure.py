@@ -95,15 +95,22 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         try:
             t2 = run(sharded, inputs1)
         except ModelFileError as exc:
-            # A loss_fn may hold the vocabulary as a constant (logits.view(-1, VOCAB)): on meta it
-            # fails on the half-vocabulary logits of this trace, while the executor hands it DTensor
-            # logits of the full global shape, which run. Trace the tp = 2 variant again with the
-            # model's default loss: the edges keep their vocab-parallel exponents; the loss region is
-            # fitted without tp (measured at full vocabulary).
+            # A loss may hold the vocabulary as a constant: on meta it fails on the half-vocabulary
+            # logits of this trace, while the executor hands it DTensor logits of the full global
+            # shape, which run vocab-parallel. The model's own label loss (HF: labels in the inputs,
+            # logits viewed by config.vocab_size) runs on the rank's slice once the model's vocabulary
+            # attributes are divided too: the loss region keeps its vocab-parallel exponents. A
+            # loss_fn's own constant (logits.view(-1, VOCAB)): trace again with the model's default
+            # loss; the edges keep their vocab-parallel exponents, the loss region is fitted without
+            # tp (measured at full vocabulary).
+            local = shard_for_tp(small, blocks_attr, tp_plan, 2, spec.tp.local_attrs, vocab_constants=True)
             try:
-                t2, loss_t2 = run(sharded, inputs1, None), False
+                t2 = run(local, inputs1)
             except ModelFileError:
-                tp_reason = f"the block does not run on tp-sharded Linear layers ({exc})"
+                try:
+                    t2, loss_t2 = run(sharded, inputs1, None), False
+                except ModelFileError:
+                    tp_reason = f"the block does not run on tp-sharded Linear layers ({exc})"
     regions: dict[str, RegionFit] = {}
     for region in ("pre", "block", "post", "loss"):
         t2_region = t2.trace if t2 is not None and (loss_t2 or region != "loss") else None

@@ -126,7 +126,9 @@ def _rank_model(small: nn.Module, blocks_attr: str, tp_plan: dict[str, str], tp:
         return small, None
     vocab = vocab_size_of(small)
     rows = vocab // tp if vocab is not None and vocab % tp == 0 else vocab  # the executor's rule
-    return shard_for_tp(small, blocks_attr, tp_plan, tp, local_attrs), rows
+    # vocab_constants: a model's own label loss (HF: logits viewed by config.vocab_size) runs on the
+    # rank's vocabulary slice, as the executor's vocab-parallel loss runs it on the DTensor logits.
+    return shard_for_tp(small, blocks_attr, tp_plan, tp, local_attrs, vocab_constants=True), rows
 
 
 def _clamp_tokens(inputs: Any, high: int | None) -> Any:

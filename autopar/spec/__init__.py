@@ -227,6 +227,14 @@ def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Mod
     carried, label = model_carried_plan(model)
     if carried is not None:
         styles, notes = resolve(carried, block, blocks_path, prefixes, strict=False, where=where, model_names=names)
+        if styles and any(n.endswith("is not run by autopar") for n in notes):
+            # Part of the carried plan uses styles autopar does not run (GLM-4's gate_up_proj
+            # colwise_gather_output): when the data flow shards every layer the carried plan
+            # shards, the same way, and more, its plan -- checked as a whole -- replaces it.
+            inferred = infer().plan
+            if len(inferred.styles) > len(styles) and all(inferred.styles.get(n) == s for n, s in styles.items()):
+                return dataclasses.replace(inferred, detail=f"{inferred.detail}; the model's {label} covers "
+                                           f"{len(styles)} of these layers", dropped=tuple(notes) + inferred.dropped)
         if styles:
             # As the model's authors wrote it: colwise is sharded as laid out (factor 1), only
             # packed_colwise layers are de-interleaved by the width rule (spec/tp_plan.packed_names).

@@ -30,6 +30,26 @@ def match_tp_style(block_relative_name: str, tp_plan: Mapping[str, str], blocks_
     return None
 
 
+def localise_vocab_constants(model: nn.Module, vocab: int, tp: int) -> int:
+    """Divide by tp the integer vocabulary sizes ``model``'s code reads besides its layers' shapes:
+    attributes named ``*vocab*`` holding the vocabulary, on its modules and on their ``config``
+    (Hugging Face's label loss views the logits by ``config.vocab_size``). On a tp rank's meta copy
+    (``shard_for_tp(..., vocab_constants=True)``) such code then runs on the rank's vocabulary slice,
+    as the executor's vocab-parallel loss does on its DTensor logits of the global shape; returns how
+    many changed. Call on a copy: a config object is shared by the modules holding it."""
+    holders = {id(o): o for m in model.modules() for o in (m, getattr(m, "config", None)) if o is not None}
+    changed = 0
+    for obj in holders.values():
+        for name, value in list(vars(obj).items()):
+            if "vocab" in name.lower() and type(value) is int and value == vocab:
+                try:
+                    setattr(obj, name, vocab // tp)
+                except (AttributeError, TypeError, ValueError):  # a frozen config: left as it is
+                    continue
+                changed += 1
+    return changed
+
+
 def vocab_size_of(model: nn.Module) -> int | None:
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     return max(sizes) if sizes else None
@@ -69,14 +89,15 @@ def shard_block_for_tp(block: nn.Module, tp_plan: Mapping[str, str], tp: int, lo
 
 
 def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str], tp: int,
-                 local_attrs: tuple[str, ...] = (), *, vocab: bool = True) -> nn.Module:
+                 local_attrs: tuple[str, ...] = (), *, vocab: bool = True, vocab_constants: bool = False) -> nn.Module:
     """A meta copy whose first block's Linear layers and vocabulary edges hold 1/tp of their width,
     as each tensor-parallel rank of the executor holds them: the token embedding vocab/tp rows, the
     output head vocab/tp output columns (executor/tensor_parallel.py), a tied embedding/head weight
     still one parameter. A vocabulary that tp does not divide stays whole, as the executor keeps
     such edges replicated; ``vocab=False`` keeps the edges whole regardless. Only shapes matter on
     meta. HF ``Conv1D`` layers shard like Linear layers (their weight is transposed);
-    ``local_attrs`` (TPPlan.local_attrs) are divided by tp."""
+    ``local_attrs`` (TPPlan.local_attrs) are divided by tp; ``vocab_constants``: the model's integer
+    vocabulary attributes too (``localise_vocab_constants``), where the edges are sharded."""
     sharded = copy.deepcopy(model)
     shard_block_for_tp(sharded.get_submodule(blocks_attr)[0], tp_plan, tp, local_attrs, blocks_attr)
     if not vocab:
@@ -100,4 +121,6 @@ def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str],
             new_by_old[id(mod.weight)] = new.weight
             parent_name, _, leaf = name.rpartition(".")
             setattr(sharded.get_submodule(parent_name) if parent_name else sharded, leaf, new)
+        if vocab_constants:
+            localise_vocab_constants(sharded, vocab, tp)
     return sharded
