@@ -91,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # exit 143 and one line; a rank (LOCAL_RANK: torchrun's or the launcher's) keeps SIGTERM's
         # default, so a launcher stopping it is obeyed inside a collective too
         signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGINT, _on_sigint)
     configure(hard_exit=True)  # a model-file call that ignores its time limit ends the process (usercode.py)
     return run_command(args.func, args)
 
@@ -123,7 +124,33 @@ class Terminated(KeyboardInterrupt):
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
-    raise Terminated()
+    if not _deferred_in_import(signum, frame):
+        raise Terminated()
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    if not _deferred_in_import(signum, frame):
+        raise KeyboardInterrupt()
+
+
+# How soon a signal that arrived during an import is delivered again.
+SIGNAL_RETRY_S = 0.05
+
+
+def _deferred_in_import(signum: int, frame: object) -> bool:
+    """Whether the signal arrived while a module is being imported, in which case it is sent again
+    shortly instead of raising now. An exception raised inside an import can be swallowed by an
+    extension's initialisation: torch._C imports NumPy from C++ and treats any failure as NumPy being
+    absent, so a Ctrl-C or SIGTERM during ``import torch`` left a half-initialised NumPy behind and
+    the command failed later with a traceback instead of exiting 130 / 143."""
+    while frame is not None:
+        if getattr(frame, "f_code", None) is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
+            timer = threading.Timer(SIGNAL_RETRY_S, os.kill, (os.getpid(), signum))
+            timer.daemon = True
+            timer.start()
+            return True
+        frame = frame.f_back
+    return False
 
 
 # errno -> what to change (the error's own text names the cause)
