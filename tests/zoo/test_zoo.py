@@ -45,7 +45,7 @@ CASES = [
     pytest.param("hf_mixtral", "dp2", (), id="hf_mixtral-dp2"),
     pytest.param("hf_bert", "tp2+sp", ("tp", "sp"), id="hf_bert-tp2+sp"),  # post-LN under SP, a tied bias
     pytest.param("hf_qwen2", "cp2", ("cp",), id="hf_qwen2-cp2"),  # a dict of input_ids and labels, output.loss
-    pytest.param("hf_glm4", "tp2+sp", ("tp", "sp"), id="hf_glm4-tp2+sp"),  # output.loss from labels under tp + SP
+    # HF models trained through labels at tp 2 + SP (GLM-4, Cohere, MPT): tests/dist/test_hf_label_loss.py, one spawn
 ]
 
 
