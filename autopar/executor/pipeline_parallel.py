@@ -268,7 +268,10 @@ class StageModule(nn.Module):
             else:
                 out = call_model(self.chunk, inputs)
         except _StageExit as stop:
-            return stop.value
+            # the send to the next stage needs a dense tensor: a block may return a view (a
+            # transposed layout, timm-style blocks); contiguous() is free when it already is one
+            value = stop.value
+            return value.contiguous() if isinstance(value, torch.Tensor) else value
         finally:
             if self._inject is not None:
                 self._inject.value = None

@@ -36,9 +36,10 @@ MODELS = {
     "llama": HERE / "models" / "tiny_llama.py",
     "gpt-gather-loss": HERE / "models" / "tiny_gpt_gather_loss.py",  # a loss_fn that cannot take DTensor logits
     "mlp": HERE.parents[1] / "examples" / "mlp.py",
+    "strided": HERE / "models" / "strided_blocks.py",  # blocks return a non-contiguous view
 }
-BLOCKS = {"gpt": 4, "llama": 4, "mlp": 12, "gpt-gather-loss": 4}
-SEQ = {"gpt": 32, "llama": 32, "mlp": 1, "gpt-gather-loss": 32}
+BLOCKS = {"gpt": 4, "llama": 4, "mlp": 12, "gpt-gather-loss": 4, "strided": 4}
+SEQ = {"gpt": 32, "llama": 32, "mlp": 1, "gpt-gather-loss": 32, "strided": 16}
 STEPS, SEED, LR = 3, 1234, 1e-3
 
 

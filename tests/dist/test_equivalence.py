@@ -39,6 +39,8 @@ CASES_2 = _model_cases("gpt") + _model_cases("llama") + [
     Case(name="mlp-dp2", model="mlp", parallel={"dp": 2}),
     Case(name="mlp-zero3", model="mlp", parallel={"dp": 2, "zero": 3}),
     Case(name="mlp-pp2", model="mlp", parallel={"pp": 2, "pp_schedule": "1f1b"}),
+    # a stage boundary that is a view (a block returning transposed strides) is sent dense
+    Case(name="strided-pp2", model="strided", parallel={"pp": 2, "pp_schedule": "1f1b"}),
     # a loss_fn that cannot run on vocab-sharded logits: the executor all-gathers them instead
     Case(name="gpt-gather-loss-tp2", model="gpt-gather-loss", parallel={"tp": 2}),
     # per-op selective recompute across pipeline stages and around the ring's attention
