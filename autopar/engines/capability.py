@@ -184,8 +184,6 @@ def search_knobs(engine: Engine, constraints: Mapping[str, Sequence[Any]], dtype
         "cp_kind": engine.cp_kinds, "sp": engine.sequence_parallel, "offload": engine.offloads}
     for key, values in constraints.items():
         ok = allowed.get(key)
-        if key == "recompute" and "mixed" in values and engine.recompute_blocks:
-            values = tuple(v for v in values if v != "mixed")
         bad = [v for v in values if ok is not None and v not in ok]
         bad += [v for v in values if key in ("tp", "pp", "cp", "ep") and v > 1 and not _has_dim(engine, key)]
         if bad:
@@ -195,7 +193,9 @@ def search_knobs(engine: Engine, constraints: Mapping[str, Sequence[Any]], dtype
     knobs: dict[str, Any] = {
         "zero_stages": engine.zero_stages, "recompute_modes": engine.recompute_modes,
         "sequence_parallel": engine.sequence_parallel, "offload_modes": engine.offloads,
-        "refine_recompute_mix": engine.recompute_blocks}
+        # no per-stage mixes: the split program mixes all three modes with counts per rank, where
+        # Megatron's block method is full blocks first in every chunk, the same count in each
+        "refine_recompute_mix": False}
     if engine.schedules:
         knobs["schedules"] = engine.schedules
     else:
