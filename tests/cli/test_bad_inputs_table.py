@@ -139,27 +139,17 @@ CASES: list[Row] = [
                                             "--adascale-target", "0", "--report", t / OUT], 2, ["--adascale-target"]),
     ("run-adascale-adam", lambda t: ["run", _run_plan(t), "--adascale", "--report", t / OUT], 2,
      ["not validated for Adam", "--adascale-force"]),
-    # --- export and estimate --from: plans for other engines
+    # --- export and estimate --from: plans for other engines (the messages of the other refusals of a file:
+    # tests/unit/test_engines.py)
     ("export-unknown-engine", lambda t: ["export", _plan(t), "--to", "jax", "-o", t / OUT], 2, ["--to", "'jax'"]),
     ("export-feature-the-engine-lacks", lambda t: ["export", _plan(t), "--to", "accelerate", "-o", t / OUT], 2,
      ["Hugging Face accelerate cannot run tensor or context parallelism without FSDP2", "--engine accelerate"]),
-    ("estimate-from-unknown-engine", lambda t: ["estimate", GPT12, "--from", "jax", _write(t, "f.txt", "x")], 2,
-     ["unknown engine 'jax'"]),
     ("estimate-from-wrong-format", lambda t: ["estimate", GPT12, "--from", "deepspeed",
                                               _write(t, "flags.sh", "--tensor-model-parallel-size 2\n")], 2,
      ["not a DeepSpeed config JSON"]),
     ("estimate-from-degrees-vs-gpus", lambda t: ["estimate", GPT12, "--from", "megatron", _write(
         t, "flags.sh", "--tensor-model-parallel-size 4 --global-batch-size 16 --seq-length 64\n"), "--gpus", "6"], 2,
      ["does not divide 6 GPUs"]),
-    ("estimate-from-batch-not-divisible", lambda t: ["estimate", GPT12, "--from", "megatron", _write(
-        t, "flags.sh", "--tensor-model-parallel-size 4 --global-batch-size 3 --seq-length 64\n"), "--gpus", "8"], 2,
-     ["global batch 3 is not divisible by micro-batch 1 x dp 2"]),
-    ("estimate-from-not-a-megatron-flag", lambda t: ["estimate", GPT12, "--from", "megatron",
-                                                     _write(t, "flags.sh", "--tensor-paralel 2\n"), "--gpus", "8"], 2,
-     ["--tensor-paralel is not a Megatron-LM flag"]),
-    ("estimate-from-another-model", lambda t: ["estimate", GPT12, "--from", "megatron", _write(
-        t, "flags.sh", "--num-layers 32 --global-batch-size 16\n"), "--gpus", "8"], 2,
-     ["configures 32 layers", "has 4"]),
     ("estimate-from-missing-file", lambda t: ["estimate", GPT12, "--from", "megatron", t / "none.sh"], 2,
      ["none.sh"]),
     ("estimate-from-and-a-plan", lambda t: ["estimate", GPT12, _plan(t), "--from", "megatron",

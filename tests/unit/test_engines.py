@@ -208,6 +208,8 @@ def test_torchtitan_default_split_follows_torchtitans_rule(tmp_path: Path) -> No
 def test_a_file_of_the_wrong_engine_is_one_line(tmp_path: Path) -> None:
     args = tmp_path / "flags.sh"
     args.write_text("--tensor-model-parallel-size 8\n")
+    with pytest.raises(AutoparError, match="unknown engine 'jax'"):
+        read_config("jax", args)
     with pytest.raises(AutoparError, match="not a DeepSpeed config JSON"):
         read_config("deepspeed", args)
     with pytest.raises(AutoparError, match="not an accelerate config"):
