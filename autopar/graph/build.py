@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.errors import ModelFileError
 from autopar.graph.records import PeakRecord
@@ -29,15 +29,39 @@ from autopar.spec.tp_shard import match_tp_style
 REGIONS = ("pre", "block", "post", "loss")
 
 
-def slice_sequence(inputs: Any, seq_len: int, new_len: int) -> Any:
-    """Cut every tensor dimension of size ``seq_len`` (the first one per tensor) to ``new_len``."""
+def slice_sequence(inputs: Any, seq_len: int, new_len: int, keep: frozenset[tuple[int, int]] = frozenset()) -> Any:
+    """Cut, in every tensor leaf, the first dimension of size ``seq_len`` that is not in ``keep``
+    ((leaf index, dimension) pairs the model's flow showed are not the sequence: ``sequence_keep``)
+    to ``new_len``."""
+    leaves, spec = tree_flatten(inputs)
+    out = []
+    for i, v in enumerate(leaves):
+        if isinstance(v, torch.Tensor):
+            dim = next((d for d, n in enumerate(v.shape) if n == seq_len and (i, d) not in keep), None)
+            if dim is not None:
+                v = v.narrow(dim, 0, new_len)
+        out.append(v)
+    return tree_unflatten(out, spec)
 
-    def cut(v: Any) -> Any:
-        if isinstance(v, torch.Tensor) and seq_len in v.shape:
-            return v.narrow(list(v.shape).index(seq_len), 0, new_len)
-        return v
 
-    return tree_map(cut, inputs)
+def sequence_keep(inputs: Any, seq_len: int, new_len: int, runs: Callable[[Any], bool]) -> frozenset[tuple[int, int]]:
+    """The dimensions of size ``seq_len`` that are not the sequence, found by how the model takes them
+    (called once cutting every first such dimension failed): each candidate the model cannot take
+    shortened -- it fails with that one cut and the others kept whole -- is kept whole, and the first
+    set of kept dimensions with which the model runs is returned (empty: no choice runs). A channel
+    count that happens to equal SEQ_LEN (16 mel bins at SEQ_LEN 16) is kept; the tensor's next
+    dimension of that size, if any, is cut instead."""
+    leaves = tree_flatten(inputs)[0]
+    candidates = [(i, d) for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)
+                  for d, n in enumerate(v.shape) if n == seq_len]
+    keep: frozenset[tuple[int, int]] = frozenset()
+    for cand in candidates:
+        if runs(slice_sequence(inputs, seq_len, new_len, frozenset(candidates) - {cand})):
+            continue  # the model takes this dimension shortened
+        keep = keep | {cand}
+        if runs(slice_sequence(inputs, seq_len, new_len, keep)):
+            return keep
+    return frozenset()
 
 
 @dataclass(kw_only=True)

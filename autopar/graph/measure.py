@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autopar.errors import ModelFileError
-from autopar.graph.build import one_block_model, slice_sequence, trace_model
+from autopar.graph.build import one_block_model, sequence_keep, slice_sequence, trace_model
 from autopar.graph.model_graph import ModelGraph, MoEFacts, RegionParams
 from autopar.graph.scaling import RegionFit, fit_region
 from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit
@@ -58,18 +58,19 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     heads, kv_heads = spec.num_heads, spec.num_kv_heads
 
     base_seq = seq_len or mf.seq_len
-    inputs1 = _inputs(mf, 1, torch_dtype)
-    if base_seq is not None and mf.seq_len is not None and base_seq != mf.seq_len:
-        if base_seq > mf.seq_len:
-            raise ModelFileError(
-                f"{mf.path}: sequence length {base_seq} (--seq-len or the plan's training.seq_len) exceeds the "
-                f"model file's SEQ_LEN {mf.seq_len}"
-            )
-        inputs1 = slice_sequence(inputs1, mf.seq_len, base_seq)
+    if base_seq is not None and mf.seq_len is not None and base_seq > mf.seq_len:
+        raise ModelFileError(
+            f"{mf.path}: sequence length {base_seq} (--seq-len or the plan's training.seq_len) exceeds the "
+            f"model file's SEQ_LEN {mf.seq_len}"
+        )
     is_seq = base_seq is not None and base_seq >= 2 and base_seq % 2 == 0
-    inputs2 = _inputs(mf, 2, torch_dtype)
-    if is_seq and mf.seq_len != base_seq:
-        inputs2 = slice_sequence(inputs2, mf.seq_len, base_seq)
+    full1, full2 = _inputs(mf, 1, torch_dtype), _inputs(mf, 2, torch_dtype)
+    keep: frozenset[tuple[int, int]] = frozenset()  # dimensions of SEQ_LEN's size that are not the sequence
+
+    def sized(full: Any) -> Any:  # the inputs at base_seq
+        if base_seq is not None and mf.seq_len is not None and base_seq != mf.seq_len:
+            return slice_sequence(full, mf.seq_len, base_seq, keep)
+        return full
 
     small = one_block_model(model, blocks_attr)
 
@@ -85,9 +86,31 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
                 raise clock.error(mf.path) from None
             raise ModelFileError(f"{mf.path}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
 
-    base = run(small, inputs1)
-    b2 = run(small, inputs2)
-    s_half = run(small, slice_sequence(inputs1, base_seq, base_seq // 2)) if is_seq else None
+    def runs(inp: Any) -> bool:
+        try:
+            run(small, inp)
+        except ModelFileError:
+            return False
+        return True
+
+    try:
+        inputs1, inputs2 = sized(full1), sized(full2)
+        base = run(small, inputs1)
+        b2 = run(small, inputs2)
+        s_half = run(small, slice_sequence(inputs1, base_seq, base_seq // 2, keep)) if is_seq else None
+    except ModelFileError:
+        # a dimension of the sequence's size that is not the sequence (a channel count): found by
+        # how the model takes the inputs shortened, not by the size alone (sequence_keep)
+        seq0 = mf.seq_len or base_seq
+        if seq0 is None or seq0 < 2:
+            raise
+        keep = sequence_keep(full1, seq0, base_seq if base_seq != seq0 else seq0 // 2, runs)
+        if not keep:
+            raise
+        inputs1, inputs2 = sized(full1), sized(full2)
+        base = run(small, inputs1)
+        b2 = run(small, inputs2)
+        s_half = run(small, slice_sequence(inputs1, base_seq, base_seq // 2, keep)) if is_seq else None
     tp_reason = spec.support_reason("tp")
     t2, loss_t2 = None, True
     if tp_reason is None:
