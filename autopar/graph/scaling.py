@@ -194,19 +194,25 @@ def _fit_peaks(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuan
 
 
 def _fit_saved(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuantity, ...]:
+    """Each saved tensor of ``region`` at the base shape with its exponents, paired tensor by tensor
+    with the traces at the varied shapes. Where a variant saves another number of tensors -- a block
+    that loops over the sequence (a recurrent scan's reference kernel saves one state per step) --
+    the tensors cannot be paired, and every tensor takes that variable's exponent of the region's
+    total saved bytes: the total is fitted exactly, its split among the tensors is the base shape's."""
     rows = [r for r in base.saved if r.region == region]
-    lists: list[list[SavedRecord] | None] = []
+    total = sum(r.nbytes for r in rows)
+    lists: list[list[SavedRecord] | float | None] = []  # per variant: the paired list, its total, or None
     for trace in others:
         if trace is None:
             lists.append(None)
             continue
         other = [r for r in trace.saved if r.region == region]
-        lists.append(other if len(other) == len(rows) else None)
-        if len(other) != len(rows):
-            raise ValueError(f"region {region}: saved tensors change in number across shapes")
+        lists.append(other if len(other) == len(rows) else float(sum(r.nbytes for r in other)))
     out = []
     for i, r in enumerate(rows):
-        vals = [None if lst is None else lst[i].nbytes for lst in lists]
+        vals = [None if lst is None else (lst[i].nbytes if isinstance(lst, list) else r.nbytes * lst / total
+                                          if total else 0.0)
+                for lst in lists]
         out.append(FitQuantity(what="saved", phase="fwd", nbytes=r.nbytes, exps=_exps(r.nbytes, *vals),
                                gemm_input=r.gemm_input))
     return tuple(out)
