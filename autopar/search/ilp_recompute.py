@@ -339,7 +339,7 @@ class MixedSplitILP:
             return MixSolution(chunk_blocks=None, recompute_blocks=None, status="INFEASIBLE", objective_s=math.inf,
                                bound_s=math.inf, method="parametric")
         t_values = sorted({t for per_n in fronts for front in per_n.values() for t, _, _ in front})
-        z_values = sorted({z for per_n in fronts for front in per_n.values() for _, z, _ in front})
+        z_values = self._option_table(fronts).z_values  # every z cap the walk asks for is one of these
         wt, wz = self.t_weight, self.z_weight
         if self._least_sum(fronts, math.inf, z_values[-1]) is None:
             return MixSolution(chunk_blocks=None, recompute_blocks=None, status="INFEASIBLE", objective_s=math.inf,
@@ -436,21 +436,13 @@ class MixedSplitILP:
         table = np.full(L + 2, np.inf)  # table[L + 1] stays inf: where a shift reaches below 0 blocks
         table[0] = 0.0
         lookup = self._option_table(fronts)
-        zi = lookup.z_index.get(z_cap)
-        for r, per_n in enumerate(fronts):
-            if zi is None:  # a cap off the fronts' z values: walk the fronts
-                options = [(n, t) for n, t, _ in _options(per_n, t_cap, z_cap) if n <= L]
-                if not options:
-                    return None
-                ns, ts = (np.array(x) for x in zip(*options))
-                source = np.arange(L + 1)[None, :] - ns[:, None]
-                source = np.where(source >= 0, source, L + 1)
-            else:
-                ts = lookup.first_t[r][:, zi]
-                keep = ts <= t_cap
-                if not keep.any():
-                    return None
-                ts, source = ts[keep], lookup.source[r][keep]
+        zi = lookup.z_index[z_cap]  # the parametric walk's z caps are the fronts' z values
+        for r in range(len(fronts)):
+            ts = lookup.first_t[r][:, zi]
+            keep = ts <= t_cap
+            if not keep.any():
+                return None
+            ts, source = ts[keep], lookup.source[r][keep]
             # nxt[s] = min over the options (n, t) of table[s - n] + t: one (options x L + 1) array
             # of shifted tables, its minimum down the options.
             nxt = (table[source] + ts[:, None]).min(axis=0)
@@ -482,7 +474,8 @@ class MixedSplitILP:
         # where each count's shift reads the table: s - n, or L + 1 (an inf cell) below 0 blocks
         shift = [np.arange(self.L + 1)[None, :] - n[:, None] for n in ns]
         source = [np.where(d >= 0, d, self.L + 1) for d in shift]
-        table = _OptionTable(z_index={z: i for i, z in enumerate(z_values)}, ns=ns, first_t=first_t, source=source)
+        table = _OptionTable(z_values=z_values, z_index={z: i for i, z in enumerate(z_values)}, first_t=first_t,
+                             source=source)
         self._options_by_z = (fronts, table)
         return table
 
@@ -615,11 +608,11 @@ class MixedSplitILP:
 
 @dataclass(frozen=True, kw_only=True)
 class _OptionTable:
-    """``MixedSplitILP._option_table``: z cap -> column, and per rank its block counts and the t of
-    each count's best mix under each z cap."""
+    """``MixedSplitILP._option_table``: the z caps (value -> column) and, per rank, the t of each
+    block count's best mix under each z cap, with where each count's shift reads the knapsack table."""
 
+    z_values: list  # the fronts' z values, increasing
     z_index: dict
-    ns: list
     first_t: list
     source: list  # per rank, (counts x L + 1) table indices of each count's shift
 
