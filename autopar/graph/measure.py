@@ -65,13 +65,6 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         )
     is_seq = base_seq is not None and base_seq >= 2 and base_seq % 2 == 0
     full1, full2 = _inputs(mf, 1, torch_dtype), _inputs(mf, 2, torch_dtype)
-    keep: frozenset[tuple[int, int]] = frozenset()  # dimensions of SEQ_LEN's size that are not the sequence
-
-    def sized(full: Any) -> Any:  # the inputs at base_seq
-        if base_seq is not None and mf.seq_len is not None and base_seq != mf.seq_len:
-            return slice_sequence(full, mf.seq_len, base_seq, keep)
-        return full
-
     small = one_block_model(model, blocks_attr)
 
     def run(m: nn.Module, inp: Any, loss_fn: Any = mf.loss_fn) -> Any:
@@ -93,11 +86,21 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
             return False
         return True
 
+    def traces(keep: frozenset[tuple[int, int]]) -> tuple[Any, Any, Any, Any]:
+        """(the inputs at base_seq, and the traces at them, at twice the batch and at half the
+        sequence), cutting the sequence everywhere but the dimensions in ``keep``."""
+        def sized(full: Any) -> Any:
+            if base_seq is not None and mf.seq_len is not None and base_seq != mf.seq_len:
+                return slice_sequence(full, mf.seq_len, base_seq, keep)
+            return full
+
+        inp1 = sized(full1)
+        at_base, at_b2 = run(small, inp1), run(small, sized(full2))
+        half = run(small, slice_sequence(inp1, base_seq, base_seq // 2, keep)) if is_seq else None
+        return inp1, at_base, at_b2, half
+
     try:
-        inputs1, inputs2 = sized(full1), sized(full2)
-        base = run(small, inputs1)
-        b2 = run(small, inputs2)
-        s_half = run(small, slice_sequence(inputs1, base_seq, base_seq // 2, keep)) if is_seq else None
+        inputs1, base, b2, s_half = traces(frozenset())
     except ModelFileError:
         # a dimension of the sequence's size that is not the sequence (a channel count): found by
         # how the model takes the inputs shortened, not by the size alone (sequence_keep)
@@ -107,10 +110,7 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         keep = sequence_keep(full1, seq0, base_seq if base_seq != seq0 else seq0 // 2, runs)
         if not keep:
             raise
-        inputs1, inputs2 = sized(full1), sized(full2)
-        base = run(small, inputs1)
-        b2 = run(small, inputs2)
-        s_half = run(small, slice_sequence(inputs1, base_seq, base_seq // 2, keep)) if is_seq else None
+        inputs1, base, b2, s_half = traces(keep)
     tp_reason = spec.support_reason("tp")
     t2, loss_t2 = None, True
     if tp_reason is None:
