@@ -106,9 +106,7 @@ def to_plan(cfg: EngineConfig, *, model_file: str, num_blocks: int, sha256: str 
     if cfg.weighted_split is not None:
         chunk_layers = weighted_split(num_blocks, cfg.pp, cfg.weighted_split, where)
         v = len(chunk_layers) // cfg.pp
-        if (cfg.pp_schedule == "interleaved-1f1b") != (v > 1):
-            raise AutoparError(f"{where}: {cfg.pp_schedule} with {v} stages per pipeline rank; interleaved "
-                               f"schedules need 2 or more, the others 1")
+        check_virtual_stages(cfg.pp_schedule, v, where)
     if chunk_layers is not None:
         if sum(chunk_layers) != num_blocks:
             raise AutoparError(f"{where}: its pipeline stages hold {sum(chunk_layers)} layers but {model_file} "
@@ -131,6 +129,13 @@ def to_plan(cfg: EngineConfig, *, model_file: str, num_blocks: int, sha256: str 
     if cfg.recompute_full_per_chunk is not None:
         plan = _with_block_recompute(plan, cfg.recompute_full_per_chunk, where)
     return plan
+
+
+def check_virtual_stages(schedule: str, v: int, where: str) -> None:
+    """A file's schedule against its stages per pipeline rank: interleaved needs 2 or more, the others 1."""
+    if (schedule == "interleaved-1f1b") != (v > 1):
+        raise AutoparError(f"{where}: {schedule} with {v} stages per pipeline rank; interleaved schedules need "
+                           f"2 or more, the others 1")
 
 
 def _with_block_recompute(plan: Plan, full_per_chunk: int, where: str) -> Plan:

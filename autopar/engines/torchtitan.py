@@ -29,7 +29,7 @@ import re
 import shlex
 from typing import Any
 
-from autopar.engines.config import EngineConfig, header_line, read_header, split_launch
+from autopar.engines.config import EngineConfig, check_virtual_stages, header_line, read_header, split_launch
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
@@ -222,7 +222,7 @@ def read_torchtitan(text: str, *, source: str) -> EngineConfig:
     reshard = par.get("fsdp_reshard_after_forward", "default")
     zero = 0 if shard == 1 else (2 if reshard == "never" or (reshard == "default" and pp > 1) else 3)
     dp = replicate if shard == 1 else (shard if shard > 0 else None)
-    schedule, v, split = _pipeline(par, pp, source)
+    schedule, v, chunk_layers, rule = _pipeline(par, pp, source)
     mode = ac.get("mode", "selective")
     if mode == "selective" and str(ac.get("selective_ac_option", "op")) != "op":
         raise AutoparError(f"{source}: selective_ac_option {ac['selective_ac_option']} (every Nth layer) is not "
@@ -243,8 +243,8 @@ def read_torchtitan(text: str, *, source: str) -> EngineConfig:
     return EngineConfig(
         engine="torchtitan", source=source, dp=dp, tp=tp, pp=pp, cp=cp, cp_kind="allgather",
         sequence_parallel=bool(par.get("enable_sequence_parallel", True)), zero=zero, recompute=recompute,
-        pp_schedule=schedule, pp_virtual_stages=max(v, 1), chunk_layers=split if isinstance(split, tuple) else None,
-        weighted_split=tuple(split) if isinstance(split, list) else None, ep=int(par.get("expert_parallel_degree", 1)),
+        pp_schedule=schedule, pp_virtual_stages=v, chunk_layers=chunk_layers, weighted_split=rule,
+        ep=int(par.get("expert_parallel_degree", 1)),
         offload="params" if tr.get("enable_cpu_offload") else "none", micro_batch_size=mbs,
         global_batch_size=None if gbs in (-1, None) else int(gbs),
         local_batch_size=int(local), seq_len=tr.get("seq_len", 2048), dtype=dtype, optimizer=optimizer,
@@ -252,11 +252,14 @@ def read_torchtitan(text: str, *, source: str) -> EngineConfig:
         gpus_per_node=header.get("gpus-per-node"), cluster=header.get("cluster"), ignored=ignored)
 
 
-def _pipeline(par: dict[str, Any], pp: int, source: str) -> tuple[str, int, Any]:
-    """(schedule, virtual stages, split): split is a tuple of blocks per stage, a list
-    [stages, first_less, last_less] for torchtitan's weighted even split, or None (pp 1)."""
+def _pipeline(par: dict[str, Any], pp: int, source: str
+              ) -> tuple[str, int, tuple[int, ...] | None, tuple[int | None, int, int, int | None] | None]:
+    """(schedule, virtual stages, blocks per stage, torchtitan's weighted split rule): the blocks per
+    stage where module_fqns_per_model_part names them; else the rule (stages or None, first-less,
+    last-less, layers per stage or None), which ``to_plan`` resolves against the model's blocks (and
+    the virtual stages with it). Neither for pp 1."""
     if pp == 1:
-        return "1f1b", 1, None
+        return "1f1b", 1, None, None
     name = str(par.get("pipeline_parallel_schedule", "1F1B"))
     schedule = _SCHEDULE.get(name.lower())
     if schedule is None:
@@ -266,18 +269,11 @@ def _pipeline(par: dict[str, Any], pp: int, source: str) -> tuple[str, int, Any]
         sizes = tuple(sum(1 for n in part if re.fullmatch(r"layers\.\d+", n)) for part in fqns)
         if len(sizes) % pp:
             raise AutoparError(f"{source}: module_fqns_per_model_part has {len(sizes)} parts, not a multiple of pp {pp}")
-        v = len(sizes) // pp
-        return _check_v(schedule, v, source), v, sizes
+        check_virtual_stages(schedule, len(sizes) // pp, source)
+        return schedule, len(sizes) // pp, sizes, None
     first, last = int(par.get("pipeline_parallel_first_stage_less_layers", 1)), \
         int(par.get("pipeline_parallel_last_stage_less_layers", 1))
     per_stage = par.get("pipeline_parallel_layers_per_stage")
-    single = schedule != "interleaved-1f1b"
-    stages = None if per_stage is not None else pp * (1 if single else 2)
-    return schedule, (stages // pp if stages else 0), [stages, first, last, per_stage]
-
-
-def _check_v(schedule: str, v: int, source: str) -> str:
-    if (schedule == "interleaved-1f1b") != (v > 1):
-        raise AutoparError(f"{source}: {schedule} with {v} stages per pipeline rank; interleaved schedules need "
-                           f"2 or more, the others 1")
-    return schedule
+    # torchtitan's default without layers per stage: one stage per rank, two for a looped schedule
+    stages = None if per_stage is not None else pp * (2 if schedule == "interleaved-1f1b" else 1)
+    return schedule, 1, None, (stages, first, last, per_stage)
