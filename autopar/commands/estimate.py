@@ -157,7 +157,8 @@ def _estimate_from(args: argparse.Namespace) -> int:
         return 0
     imp = api.estimation_from(engine, path, model, args.cluster, **options)
     est = imp.estimation
-    print(f"read     {get_engine(engine).title} configuration {path}: {_layout_text(est.plan)}")
+    # the plan it runs is the report's "plan" line (report.plan_summary); only the GPU count is said here
+    print(f"read     {get_engine(engine).title} configuration {path}: {est.plan.cluster.num_gpus} GPUs")
     if imp.config.ignored:
         print(f"not read {', '.join(imp.config.ignored)} (settings that do not change what autopar prices, "
               f"or that the model file describes)")
@@ -166,14 +167,6 @@ def _estimate_from(args: argparse.Namespace) -> int:
         print("")
         print(_rank_text(est, args, engine=engine))
     return 0
-
-
-def _layout_text(plan) -> str:  # noqa: ANN001 - a Plan
-    par, tr = plan.parallel, plan.training
-    parts = [f"{plan.cluster.num_gpus} GPUs = dp {par.dp} x tp {par.tp} x pp {par.pp} x cp {par.cp}",
-             f"zero {par.zero}", f"micro-batch {tr.micro_batch_size}", f"global batch {tr.global_batch_size}",
-             f"seq {tr.seq_len}", f"recompute {par.recompute if par.recompute_blocks is None else 'per stage'}"]
-    return ", ".join(parts)
 
 
 def plan_changes(mine, best) -> str:  # noqa: ANN001 - two Plans

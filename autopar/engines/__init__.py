@@ -34,10 +34,10 @@ def export_config(plan: Plan, engine: str, *, plan_name: str, cluster: Any = Non
     reason = plan_reason(get_engine(engine), plan)
     if reason:
         raise AutoparError(reason)
-    writer = {"megatron": megatron.export_megatron, "torchtitan": torchtitan.export_torchtitan,
-              "deepspeed": deepspeed.export_deepspeed, "accelerate": accelerate.export_accelerate}[engine]
-    if engine == "megatron":
+    if engine == "megatron":  # the one format with flags for the profile's software switches
         return megatron.export_megatron(plan, plan_name=plan_name, cluster=cluster)
+    writer = {"torchtitan": torchtitan.export_torchtitan, "deepspeed": deepspeed.export_deepspeed,
+              "accelerate": accelerate.export_accelerate}[engine]
     return writer(plan, plan_name=plan_name)
 
 
