@@ -74,6 +74,25 @@ def plan_summary(plan: Plan) -> str:
     return " | ".join(parts)
 
 
+def plan_brief(plan: Plan) -> str:
+    """``dp4 tp8 pp4 sp z1 mb4 v13 none``: a plan's layout in one table cell (benchmarks' tables)."""
+    par, tr = plan.parallel, plan.training
+    parts = [f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}"]
+    if par.cp > 1:
+        parts.append(f"cp{par.cp}")
+    if par.ep > 1:
+        parts.append(f"ep{par.ep}")
+    if par.tp > 1 and par.sequence_parallel:
+        parts.append("sp")
+    parts += [f"z{par.zero}", f"mb{tr.micro_batch_size}"]
+    if par.pp > 1:
+        parts.append(f"v{par.pp_virtual_stages}" if par.pp_virtual_stages > 1 else par.pp_schedule)
+    parts.append(par.recompute if par.recompute_blocks is None else "mix")
+    if par.offload.any:
+        parts.append(f"off:{par.offload.label}")
+    return " ".join(parts)
+
+
 def estimate_report(plan: Plan, est: Estimate, model_name: str, num_params: float, cluster_name: str) -> str:
     """The human-readable output of ``autopar estimate``."""
     out = [

@@ -22,17 +22,9 @@ sys.path.insert(0, str(ROOT))
 from autopar import api  # noqa: E402
 from autopar.engines import EXPORT_ENGINES, export_config  # noqa: E402
 from autopar.engines.check import check_export  # noqa: E402
+from autopar.report import plan_brief  # noqa: E402
 
 MODELS = {"gpt": ("GPT-3 175B", ROOT / "examples" / "gpt.py"), "llama": ("Llama-3 70B", ROOT / "examples" / "llama.py")}
-
-
-def layout(plan) -> str:  # noqa: ANN001 - a Plan
-    par, tr = plan.parallel, plan.training
-    text = f"dp{par.dp} tp{par.tp} pp{par.pp} cp{par.cp} z{par.zero} mb{tr.micro_batch_size}"
-    if par.pp > 1:
-        text += f" {par.pp_schedule if par.pp_virtual_stages == 1 else f'v{par.pp_virtual_stages}'}"
-    rec = par.recompute if par.recompute_blocks is None else "mix"
-    return text + f" {rec}" + ("" if not par.offload.any else f" off:{par.offload.label}")
 
 
 def main() -> int:
@@ -57,7 +49,7 @@ def main() -> int:
                 path.write_text(text)
                 back = api.estimation_from(engine, path, model, plan.cluster.profile, warn=lambda m: None)
             want, got = plan.prediction["step_time_s"], back.estimation.estimate.step_time_s
-            rows.append((title, engine, found.cluster.name, layout(plan), want, got, (got / want - 1) * 100,
+            rows.append((title, engine, found.cluster.name, plan_brief(plan), want, got, (got / want - 1) * 100,
                          plan.prediction["mfu"] * 100, checked.removeprefix("checked with "), search_s))
             print(f"  {title} / {engine}: done", file=sys.stderr)
     head = ("model", "engine", "priced with", "plan", "plan step s", "--from step s", "diff %", "MFU %",

@@ -28,26 +28,10 @@ from autopar import api  # noqa: E402
 from autopar.engines.capability import get_engine, search_knobs  # noqa: E402
 from autopar.reference import gpt_model_path, megatron_plan, megatron_rows  # noqa: E402
 from autopar.reference_h100 import model_path, public_plan, public_runs, software_cluster  # noqa: E402
-from autopar.report import table  # noqa: E402
+from autopar.report import plan_brief, table  # noqa: E402
 from autopar.search.driver import search_plans  # noqa: E402
 
 MUCH_FASTER = 0.10  # a best plan this much faster than the recipe gets a line on where the time goes
-
-
-def layout(plan) -> str:  # noqa: ANN001 - a Plan
-    par, tr = plan.parallel, plan.training
-    parts = [f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}"]
-    if par.cp > 1:
-        parts.append(f"cp{par.cp}")
-    if par.tp > 1 and par.sequence_parallel:
-        parts.append("sp")
-    parts += [f"z{par.zero}", f"mb{tr.micro_batch_size}"]
-    if par.pp > 1:
-        parts.append(f"v{par.pp_virtual_stages}" if par.pp_virtual_stages > 1 else par.pp_schedule)
-    parts.append(par.recompute if par.recompute_blocks is None else "mix")
-    if par.offload.any:
-        parts.append(f"off:{par.offload.label}")
-    return " ".join(parts)
 
 
 def where_time_goes(recipe: dict[str, float], best: dict[str, float]) -> str:
@@ -95,8 +79,8 @@ def main() -> int:
         gain = recipe.step_time_s / best_est.step_time_s - 1
         if best_est.step_time_s > recipe.step_time_s * (1 + 1e-6):
             slower.append(name)
-        rows.append([group, name, str(plan.cluster.num_gpus), layout(plan), f"{recipe.step_time_s:.3f}",
-                     "yes" if recipe.fits else "NO", layout(best), f"{best_est.step_time_s:.3f}", f"{gain * 100:+.1f}",
+        rows.append([group, name, str(plan.cluster.num_gpus), plan_brief(plan), f"{recipe.step_time_s:.3f}",
+                     "yes" if recipe.fits else "NO", plan_brief(best), f"{best_est.step_time_s:.3f}", f"{gain * 100:+.1f}",
                      f"{time.perf_counter() - t0:.1f}"])
         if gain > MUCH_FASTER:
             notes.append(f"{name}: {where_time_goes(recipe.time_breakdown_s, best_est.time_breakdown_s)}")
