@@ -225,8 +225,7 @@ def plan_search(model: ModelLike, gpus: int, cluster: "str | Cluster | ClusterCh
                          gpus_per_node=gpus_per_node, global_batch=global_batch,
                          micro_batches=(micro_batch,) if isinstance(micro_batch, int) else tuple(micro_batch),
                          seq_len=seq_len, dtype=dtype, optimizer=optimizer,
-                         top_k=top if eng.name == "autopar" else top + ENGINE_TOP_MARGIN,
-                         knobs={**knobs, "moe_imbalance": moe_imbalance}, constraints=constraints,
+                         top_k=searched_top(eng, top), knobs={**knobs, "moe_imbalance": moe_imbalance}, constraints=constraints,
                          progress=progress, use_cache=use_cache)
     return engine_plans(found, eng, top)
 
@@ -234,6 +233,11 @@ def plan_search(model: ModelLike, gpus: int, cluster: "str | Cluster | ClusterCh
 # plan --engine: the search keeps this many plans beyond --top, so that dropping the few an engine's
 # knobs cannot exclude (engines.capability.plan_reason: e.g. Megatron-FSDP with pp) still leaves --top.
 ENGINE_TOP_MARGIN = 5
+
+
+def searched_top(engine: Any, top: int) -> int:
+    """How many plans to search for ``top`` plans ``engine`` runs (``engine_plans`` keeps those)."""
+    return top if engine.name == "autopar" else top + ENGINE_TOP_MARGIN
 
 
 def engine_plans(found: "PlanSearch", engine: Any, top: int) -> "PlanSearch":
@@ -347,7 +351,7 @@ def rank(est: Estimation, *, top: int = 20, use_cache: bool = True, engine: str 
     found = search_plans(est.model, gpus=p.cluster.num_gpus, cluster=est.cluster, cluster_ref=est.cluster.name,
                          gpus_per_node=p.cluster.gpus_per_node, global_batch=t.global_batch_size, seq_len=t.seq_len,
                          dtype=t.dtype, optimizer=t.optimizer,
-                         top_k=top if eng.name == "autopar" else top + ENGINE_TOP_MARGIN, use_cache=use_cache,
+                         top_k=searched_top(eng, top), use_cache=use_cache,
                          knobs={**search_knobs(eng, {}, None), "moe_imbalance": est.moe_imbalance})
     return engine_plans(found, eng, top)
 

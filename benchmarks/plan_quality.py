@@ -72,7 +72,7 @@ def main() -> int:
         knobs = {**search_knobs(get_engine(engine), {}, None), "moe_imbalance": 1.0}
         found = search_plans(model, gpus=plan.cluster.num_gpus, cluster=cluster, cluster_ref=cluster.name,
                              gpus_per_node=plan.cluster.gpus_per_node, global_batch=tr.global_batch_size,
-                             seq_len=tr.seq_len, dtype=tr.dtype, optimizer=tr.optimizer, top_k=1 + api.ENGINE_TOP_MARGIN,
+                             seq_len=tr.seq_len, dtype=tr.dtype, optimizer=tr.optimizer, top_k=api.searched_top(get_engine(engine), 1),
                              knobs=knobs, micro_batches=tuple(sorted({1, 2, 4, 8, tr.micro_batch_size})))
         found = api.engine_plans(found, get_engine(engine), 1)
         best, best_est = found.plans[0], found.result.top[0].estimate
