@@ -32,10 +32,12 @@ def test_two_rank_gloo_comm_profile_fits_every_collective() -> None:
         result = torch.load(out, weights_only=False)
     ranks, link, baseline, rendezvous = result.pop("_meta")
     fsdp = result.pop("_fsdp")
-    # issue 18: FSDP2's per-tensor time on the reference model (4 units of 4 layers + a root layer)
+    # FSDP2's per-tensor time on the reference model (4 units of 4 layers + a root layer)
     assert (fsdp["tensors"], fsdp["units"]) == (34, 5)
     assert all(fsdp[k] >= 0 for k in ("gather_s_per_tensor", "reduce_s_per_tensor", "optimizer_s_per_tensor"))
-    assert 0 < fsdp["optimizer_s_per_tensor"] < 0.05  # DTensor dispatch costs on CPU, not seconds per tensor
+    # DTensor dispatch costs on CPU, not seconds per tensor; a difference of two timings, clamped at zero
+    # when the shared machine's noise exceeds it
+    assert fsdp["optimizer_s_per_tensor"] < 0.05
     assert ranks == 2 and link == "intra_node"
     assert 0 <= rendezvous < 0.05  # a wait for a descheduled partner, at most a few time slices
     assert 50 * 2**20 < baseline < 4 * 2**30  # a python + torch process, not zero, not absurd
