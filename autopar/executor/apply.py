@@ -447,18 +447,22 @@ def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.devic
         batch = batch[:, : plan.training.seq_len // par.cp]
     kwargs = shaped.io.step_kwargs(batch)
     with torch.no_grad():
-        hidden = _differentiable(first(**kwargs))  # what a stage receives has a gradient to send back
+        handed = first(**kwargs)
+    # the hidden state, and the carried prologue outputs after it (pipeline_probe.Probe.carried)
+    handed = tuple(handed) if isinstance(handed, (tuple, list)) else (handed,)
     dtype = DTYPES[plan.training.dtype]
     cast = wrap_kind(par.zero, par.dp * par.cp, replicated=True) in MIXED_PRECISION_KINDS  # a stage: never DDP
-    if cast and isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
+    if cast:
         # Chunk 0 ran here on fp32 parameters, before FSDP2 (or replicate) wraps it; wrapped, it
         # computes in its param_dtype and hands on a hidden state of the training dtype (the receive
         # buffers torch pipelining keeps per micro-batch are of that dtype). Autocast, on an
         # unwrapped part (one data-parallel rank), keeps the residual stream in fp32, as found here.
-        hidden = _differentiable(hidden.to(dtype))
+        handed = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in handed)
+    handed = tuple(map(_differentiable, handed))  # what a stage receives has a gradient to send back
+    hidden = handed if len(handed) > 1 else handed[0]
     out = []
     for c, part in zip(shaped.chunk_ids, shaped.parts):
-        inputs = () if c == 0 else (hidden,)
+        inputs = () if c == 0 else handed
         if c == par.num_stage_chunks - 1:  # the model's outputs, as differentiable as in a run
             with torch.no_grad():
                 outputs = part(*inputs, **shaped.io.step_kwargs(batch))

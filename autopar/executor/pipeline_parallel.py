@@ -71,6 +71,7 @@ from torch import nn
 from autopar.executor.batch import rows
 from autopar.executor.introspect import ModelSpec
 from autopar.executor.pipeline_probe import Probe, Template, bare_holders, probe_structure, tensors_of
+from autopar.executor.stand_in import StandIn
 from autopar.modelfile import call_model
 from autopar.plan import Plan
 
@@ -99,7 +100,7 @@ def _as_block_output(block_out: Template, hidden: torch.Tensor) -> Any:
     return block_out.rebuild([hidden, *rest])
 
 
-class _Inject(nn.Module):
+class _Inject(StandIn):
     """First entry of a non-first chunk's block list: returns the received activation in the
     structure a block returns (extra tensor leaves, e.g. attention weights, as zeros)."""
 
@@ -113,7 +114,7 @@ class _Inject(nn.Module):
         return _as_block_output(self.block_out, self.value)
 
 
-class _Skip(nn.Module):
+class _Skip(StandIn):
     """Holds the place of a block of an earlier chunk in a non-first chunk's block list (see
     ``build_chunk``): passes its hidden-state input on in the structure a block returns. Its value
     is discarded (``_Inject`` replaces it); it exists so that model code reading per-layer settings
@@ -128,7 +129,7 @@ class _Skip(nn.Module):
         return _as_block_output(self.block_out, args[0] if args else kwargs[self.first_param])
 
 
-class _Exit(nn.Module):
+class _Exit(StandIn):
     """Last entry of a non-last chunk's block list: leaves the model's forward with the hidden state
     (the first positional input, or the block's first forward parameter passed by keyword)."""
 
@@ -153,7 +154,7 @@ class _ChunkBlocks(nn.ModuleList):
         return super().__getitem__(idx)
 
 
-class _ZeroStub(nn.Module):
+class _ZeroStub(StandIn):
     """Stands in for a parameter-holding prologue module on later stages: real zeros of the
     recorded structure (the value is discarded: the received activation replaces it)."""
 
@@ -165,7 +166,21 @@ class _ZeroStub(nn.Module):
         return self.out.zeros(self.device)
 
 
-class _Dropped(nn.Module):
+class _Carried(StandIn):
+    """Stands in, on a later stage, for a prologue module whose output the epilogue reads
+    (``Probe.carried``): returns the value the first stage computed, received beside the hidden state."""
+
+    def __init__(self, out: Template) -> None:
+        super().__init__()
+        self.out = out
+        self.value: Any = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.value is not None, "StageModule sets the carried value before the call"
+        return self.value
+
+
+class _Dropped(StandIn):
     """Stands in for an epilogue module on non-last stages; it is never reached."""
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -252,6 +267,15 @@ class StageModule(nn.Module):
         self.io = io
         self._inject: _Inject | None = None
         self.call_kwargs: dict[str, Any] = {}  # e.g. positions= of this cp rank's tokens
+        # Probe.carried: name -> (its output's structure, the stand-in receiving it here or None)
+        self._carried: dict[str, tuple[Template, _Carried | None]] = {}
+        self._captured: dict[str, Any] = {}
+
+    def carry(self, name: str, out: Template, stand_in: _Carried | None) -> None:
+        """Hand ``name``'s output on to the next stage (received into ``stand_in`` when given)."""
+        self._carried[name] = (out, stand_in)
+        self.chunk.get_submodule(name).register_forward_hook(
+            lambda m, a, o, n=name: self._captured.__setitem__(n, o))
 
     @property
     def chunk(self) -> nn.Module:
@@ -260,8 +284,8 @@ class StageModule(nn.Module):
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
         inputs = self.io.micro_batch(kwargs)
         if self._inject is not None:
-            assert len(args) == 1, "one activation tensor travels between stages"
             self._inject.value = args[0]
+            self._receive(args[1:])
         try:
             if self.call_kwargs:
                 out = self.chunk(inputs, **self.call_kwargs)
@@ -271,11 +295,29 @@ class StageModule(nn.Module):
             # the send to the next stage needs a dense tensor: a block may return a view (a
             # transposed layout, timm-style blocks); contiguous() is free when it already is one
             value = stop.value
-            return value.contiguous() if isinstance(value, torch.Tensor) else value
+            value = value.contiguous() if isinstance(value, torch.Tensor) else value
+            if not self._carried:
+                return value
+            carried = [t.contiguous() for n in self._carried for t in tensors_of(self._captured[n])]
+            return (value, *carried)
         finally:
             if self._inject is not None:
                 self._inject.value = None
+            for _, stand_in in self._carried.values():
+                if stand_in is not None:
+                    stand_in.value = None
+            self._captured.clear()
         return self.io.flatten_output(out) if self.is_last else out
+
+    def _receive(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Give each carried module's stand-in its value from the tensors after the hidden state."""
+        at = 0
+        for out, stand_in in self._carried.values():
+            n = sum(out.is_tensor)
+            if stand_in is not None:
+                stand_in.value = out.rebuild(list(tensors[at:at + n]))
+            at += n
+        assert at == len(tensors), "the previous stage hands on the hidden state and the carried values"
 
 
 def build_chunk(
@@ -294,26 +336,37 @@ def build_chunk(
             # (``config.layer_types[i]``: Gemma 2/3, GPT-OSS, Cohere 2), so the marker before this
             # chunk's first block sits at position start - 1, after place-holders for the rest.
             for i in range(block_range[0] - 1):
-                blocks.add_module(f"skip{i}", _Skip(probe.block_out, probe.block_first_param))
+                skip = _Skip(probe.block_out, probe.block_first_param)
+                blocks.add_module(f"skip{i}", skip.stand_for(old[i], f"{spec.blocks_path}.{i}"))
         inject = _Inject(probe.block_out)
-        blocks.add_module("inject", inject)
+        # every marker answers the attribute reads model code makes on the block it stands for
+        # (ModernBERT reads ``layer.attention_type`` before calling it): executor/stand_in.py
+        before = block_range[0] - 1
+        blocks.add_module("inject", inject.stand_for(old[before], f"{spec.blocks_path}.{before}"))
     for i in range(*block_range):
         blocks.add_module(str(i), old[i])  # original index = original parameter names
     if not is_last:
-        blocks.add_module("exit", _Exit(probe.block_first_param))
+        after = block_range[1]
+        blocks.add_module("exit", _Exit(probe.block_first_param).stand_for(old[after], f"{spec.blocks_path}.{after}"))
     _replace(chunk, spec.blocks_path, blocks)
+    carried: dict[str, _Carried | None] = {}
+    for name in probe.carried:
+        carried[name] = None if is_first else _Carried(probe.prologue[name][0])
     if not is_first:
         for name, (out, holds_params) in probe.prologue.items():
+            stub = carried.get(name) or _ZeroStub(out, device)
             if holds_params and name not in probe.shared:
-                _replace(chunk, name, _ZeroStub(out, device))
+                _replace(chunk, name, stub.stand_for(chunk.get_submodule(name), name))
     if not is_last:
         for name in probe.epilogue:
-            _replace(chunk, name, _Dropped())
+            _replace(chunk, name, _Dropped().stand_for(chunk.get_submodule(name), name))
     for name, phases in probe.bare.items():
         if not bare_holders(phases, index, num_chunks):
             _param_to_buffer(chunk, name)
     stage = StageModule(chunk, is_first=is_first, is_last=is_last, io=io)
     stage._inject = inject
+    for name, stand_in in carried.items():
+        stage.carry(name, probe.prologue[name][0], stand_in)
     return stage
 
 

@@ -68,6 +68,7 @@ class Probe:
     bare: dict[str, frozenset[str]]
     shared: tuple[str, ...]  # prologue modules kept real on every stage (probe_structure)
     output: Template  # what the whole model returns
+    carried: tuple[str, ...] = ()  # prologue modules whose output the stages after the first receive
 
 
 def _bare_parameters(model: nn.Module, blocks_path: str) -> dict[str, nn.Parameter]:
@@ -90,6 +91,7 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.watched, self.phase = watched, "prologue"
         self.reads: dict[str, set[str]] = {n: set() for n in watched.values()}
+        self.late: set[str] = set()  # marked sources a torch function of the epilogue reads
         self.taint: dict[int, frozenset[str]] = {}
         self._keep: list[torch.Tensor] = []  # tainted tensors stay alive: ids are not reused
 
@@ -120,6 +122,8 @@ class _Recorder(TorchFunctionMode):
             origins = self.origins((args, kwargs))
             if origins:
                 self.mark(out, origins)
+        elif self.phase == "epilogue":
+            self.late |= self.origins((args, kwargs))
         return out
 
 
@@ -140,7 +144,10 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
     self.wte.weight.T``). A parameter-holding prologue module whose output reaches a block other
     than through its hidden state (a learned bias passed as a keyword argument), or that also runs
     in the epilogue, is ``shared``: real on every stage, its gradients summed over the stages; a
-    bare parameter that reaches a block that way counts as read between the blocks.
+    bare parameter that reaches a block that way counts as read between the blocks. One whose
+    output the epilogue reads (CLIP's first tower, pooled into the contrastive loss after the other
+    tower's blocks) is ``carried``: the first stage computes it and every stage hands it on beside
+    the hidden state, so the last stage's loss sees the real value, not a stub's zeros.
     """
     from autopar.spec.meta import tolerant_meta
 
@@ -199,6 +206,7 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
             epilogue.append(name)
     ran = {n for k, n, _ in events if k == "mod"}
     shared = tuple(n for n in prologue if n in holders and (n in side or n in epilogue))
+    carried = tuple(n for n in prologue if n in holders and n not in shared and n in recorder.late)
     bare_names = set(_bare_parameters(model, spec.blocks_path))
     bare = {}
     for n, phases in recorder.reads.items():
@@ -207,7 +215,7 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
             bare[n] = frozenset(phases | ({"blocks"} if n in side else set()))
     return Probe(prologue=prologue, epilogue=tuple(n for n in epilogue if n not in shared),
                  block_out=Template.of(block_out[0]), block_first_param=first_param, bare=bare,
-                 shared=shared, output=Template.of(result))
+                 shared=shared, output=Template.of(result), carried=carried)
 
 
 def bare_holders(phases: frozenset[str], chunk: int, num_chunks: int) -> bool:

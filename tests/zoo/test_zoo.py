@@ -35,6 +35,8 @@ CASES = [
     pytest.param("hf_llama", "pp2", ("pp",), id="hf_llama-pp2"),
     pytest.param("hf_gemma2", "pp2", ("pp",), id="hf_gemma2-pp2"),  # masks picked by loop position
     pytest.param("hf_deepseek_v3", "pp2", ("pp",), id="hf_deepseek_v3-pp2"),  # dense then MoE blocks in one list
+    pytest.param("hf_clip", "pp2", ("pp",), id="hf_clip-pp2"),  # a tower's output carried to the loss
+    pytest.param("hf_swin", "pp2", ("pp",), id="hf_swin-pp2"),  # the encoder reads stage.downsample
     pytest.param("hf_gpt2", "tp2+sp", ("tp",), id="hf_gpt2-tp2"),
     pytest.param("hf_falcon", "tp2+sp", ("tp",), id="hf_falcon-tp2"),  # += on a row-parallel output
     pytest.param("odd_names_decoder", "tp2+sp", ("tp",), id="odd_names_decoder-tp2"),
