@@ -30,7 +30,12 @@ its block arguments -- HF's ``position_embeddings=`` (cos, sin), ``attention_mas
 
 and on a non-last chunk the epilogue modules are dropped and an ``_Exit`` marker ends the block
 list: it raises with the hidden state it is given (positional, or the block's first parameter by
-keyword), leaving the model's forward before the epilogue runs. Activations travel as tuples of
+keyword), leaving the model's forward before the epilogue runs. Every marker answers the attribute
+reads model code makes on the block or module it replaces (executor/stand_in.py: ModernBERT reads
+``layer.attention_type``, Swin ``stage.downsample``). A parameter-holding prologue module whose
+output the epilogue reads (CLIP's first tower, pooled into the loss after the other tower's blocks)
+is *carried*: each non-last stage hands its output on after the hidden state, and a ``_Carried``
+stand-in returns it on the stages after the first. Activations travel as tuples of
 tensors (the pipelining API's contract); the last stage's output -- a tensor, tuple, dict or HF
 ``ModelOutput`` -- is flattened to its tensors for the API and rebuilt before the model file's
 ``loss_fn`` sees it (``StepIO.loss``), which also receives the micro-batch's own inputs (dicts with
