@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from autopar.executor.pipeline_parallel import STAGE_ATTR, _Dropped, _replace, _StageExit
+from autopar.executor.stand_in import StandIn
 from autopar.modelfile import call_model
 from autopar.spec import ModelSpec
 from autopar.spec.meta import tolerant_meta
@@ -37,7 +38,7 @@ from autopar.spec.meta import tolerant_meta
 Shapes = dict[str, tuple[torch.Size, torch.dtype]]
 
 
-class _MetaStub(nn.Module):
+class _MetaStub(StandIn):
     """Stands in for a unit (or module) before the chunk: a meta tensor of the recorded shape."""
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
@@ -48,7 +49,7 @@ class _MetaStub(nn.Module):
         return torch.empty(self.shape, dtype=self.dtype, device="meta")
 
 
-class _Exit(nn.Module):
+class _Exit(StandIn):
     """The unit after the chunk: leaves the model's forward with its input (the next stage's)."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -152,16 +153,19 @@ def build_chain_chunk(model: nn.Module, spec: ModelSpec, shapes: Shapes, unit_ra
             stand_ins[name] = _Exit()
         elif i > end:
             stand_ins[name] = _Dropped()
+    for name, stand_in in stand_ins.items():  # answers what model code reads off the unit (stand_in.py)
+        stand_in.stand_for(chunk.get_submodule(name), name)
     _place_stand_ins(chunk, stand_ins)
     for name, positions in chain.modules.items():
         p = positions[0] if positions else 0
         if _runs_here(p, start, end):
             continue
+        original = chunk.get_submodule(name)
         if p <= start and name in shapes:
             shape, dtype = shapes[name]
-            _replace(chunk, name, _MetaStub(shape, dtype))
+            _replace(chunk, name, _MetaStub(shape, dtype).stand_for(original, name))
         else:
-            _replace(chunk, name, _Dropped())
+            _replace(chunk, name, _Dropped().stand_for(original, name))
     for name, positions in chain.bare.items():
         p = positions[0] if positions else 0
         if _runs_here(p, start, end):
