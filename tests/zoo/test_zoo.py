@@ -32,7 +32,7 @@ def _xfail(reason: str):
 # is not offered; a case that lists "sp" requires it.
 CASES = [
     pytest.param("hf_llama", "tp2+sp", ("tp", "sp"), id="hf_llama-tp2+sp"),
-    pytest.param("hf_llama", "pp2", ("pp",), id="hf_llama-pp2"),
+    # HF Llama under pp: tests/dist/test_hf_models.py (pp2 x tp2 + SP)
     pytest.param("hf_gemma2", "pp2", ("pp",), id="hf_gemma2-pp2"),  # masks picked by loop position
     pytest.param("hf_deepseek_v3", "pp2", ("pp",), id="hf_deepseek_v3-pp2"),  # dense then MoE blocks in one list
     pytest.param("hf_clip", "pp2", ("pp",), id="hf_clip-pp2"),  # a tower's output carried to the loss
