@@ -89,7 +89,7 @@ def op_time_s(op: FitOp, shape: Shape, cluster: Cluster, seq_len: int = 0,
         return flops / (cluster.peak_flops * eff) + cluster.kernel_overhead_s, flops
     if op.kind == "attn":
         flops = op.flops * shape.scale(op.flops_exps)
-        eff = cluster.attention_efficiency_at(shape.kv_ratio * seq_len)
+        eff = cluster.attention_efficiency_at(_key_length(op, shape, seq_len))
         return flops / (cluster.peak_flops * eff) + cluster.kernel_overhead_s, flops
     if parameter_sized:
         if cluster.fused_grad_accumulation:  # the weight-gradient GEMM accumulates in place
@@ -100,6 +100,17 @@ def op_time_s(op: FitOp, shape: Shape, cluster: Cluster, seq_len: int = 0,
     flops = op.flops * shape.scale(op.flops_exps)
     bw = cluster.memory_bandwidth_bytes_per_s * cluster.memory_efficiency
     return moved / bw + cluster.kernel_overhead_s, flops
+
+
+def _key_length(op: FitOp, shape: Shape, seq_len: int) -> float:
+    """Keys per query of a fused attention op at ``shape``: as traced, scaled with the sequence where
+    the fit says it grows with it (``kv_ratio``: under context parallelism every query still meets
+    the whole sequence's keys); image patches (a ViT's, CLIP's) and a fixed-length encoder output
+    (Whisper's cross-attention) keep their traced length. Graphs traced before attention recorded
+    its shape: the model's sequence."""
+    if op.dims is None or op.dims_exps is None:
+        return shape.kv_ratio * seq_len
+    return op.dims[2] * shape.kv_ratio ** op.dims_exps[2].s
 
 
 def _no_sp(shape: Shape) -> Shape:

@@ -19,7 +19,8 @@ class OpRecord:
     kind: str  # "gemm" | "attn" | "mem"
     flops: float
     bytes: float
-    dims: tuple[int, int, int, int] | None = None  # (batch, m, n, k) of a GEMM
+    # (batch, m, n, k) of a GEMM; (batch x heads, query length, key length, head dim) of fused attention
+    dims: tuple[int, int, int, int] | None = None
     # Bytes of the tensors it returns: what per-op selective recompute keeps of an op whose output
     # it saves (cost/compute.py ``op_saved``).
     out_bytes: float = 0.0

@@ -67,6 +67,21 @@ def _gemm_dims(name: str, args: tuple) -> tuple[int, int, int, int]:
     return (a.shape[0], a.shape[1], b.shape[2], a.shape[2])
 
 
+def _attention_dims(name: str, args: tuple) -> tuple[int, int, int, int] | None:
+    """(batch x heads, query length, key length, head dim) of a fused attention op: its key length
+    prices the kernel's efficiency (cost/compute.py), which is not the model's sequence where the
+    keys are image patches or a fixed-length encoder output. The backward ops take the output's
+    gradient first; ``_flash_attention_*`` keep (batch, seq, heads, dim), the others (batch, heads,
+    seq, dim)."""
+    at = 1 if name.endswith("_backward") else 0
+    q, k = (args[at], args[at + 1]) if len(args) > at + 1 else (None, None)
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 == k.dim()):
+        return None
+    if name.startswith("_flash_attention"):
+        return (q.shape[0] * q.shape[2], q.shape[1], k.shape[1], q.shape[3])
+    return (q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3])
+
+
 def _grouped_mm_cost(args: tuple, kwargs: dict) -> tuple[float, tuple[int, int, int, int]]:
     """(FLOPs, (batch, m, n, k)) of ``torch._grouped_mm(a, b, offs)``. Its four layouts (the
     group size G is the leading dimension of the 3-D operand, or of ``offs``):
@@ -168,7 +183,7 @@ class _Recorder(TorchDispatchMode):
             flops, dims = _grouped_mm_cost(args, kwargs)
             kind = "gemm"
         elif name in ATTENTION_OPS:
-            kind = "attn"
+            kind, dims = "attn", _attention_dims(name, args)
         self.trace.ops.append(
             OpRecord(name=name, phase=self.state.phase, region=self.state.region, kind=kind,
                      flops=flops, bytes=float(moved), dims=dims, out_bytes=float(out_bytes))
