@@ -141,13 +141,15 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
 
     Bare parameters (``Probe.bare``) are those registered on the root or an ancestor of the block
     list, and those of sibling modules that never run as modules (read directly: ``x @
-    self.wte.weight.T``). A parameter-holding prologue module whose output reaches a block other
-    than through its hidden state (a learned bias passed as a keyword argument), or that also runs
-    in the epilogue, is ``shared``: real on every stage, its gradients summed over the stages; a
-    bare parameter that reaches a block that way counts as read between the blocks. One whose
-    output the epilogue reads (CLIP's first tower, pooled into the contrastive loss after the other
-    tower's blocks) is ``carried``: the first stage computes it and every stage hands it on beside
-    the hidden state, so the last stage's loss sees the real value, not a stub's zeros.
+    self.wte.weight.T``). A parameter-holding prologue module that also runs in the epilogue is
+    ``shared``: real on every stage, its gradients summed over the stages. One whose output reaches
+    a block other than through its hidden state (an encoder's output that every decoder block
+    attends to, a learned bias passed as a keyword argument), or that the epilogue reads (CLIP's
+    first tower, pooled into the contrastive loss after the other tower's blocks), is ``carried``:
+    the first stage computes it once and every stage hands it on beside the hidden state, so later
+    stages see the real value (not a stub's zeros) without running the module again, and its
+    gradient flows back to the first stage. A bare parameter that reaches a block other than through
+    the hidden state counts as read between the blocks.
     """
     from autopar.spec.meta import tolerant_meta
 
@@ -205,8 +207,8 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
         elif i > last and name not in epilogue:
             epilogue.append(name)
     ran = {n for k, n, _ in events if k == "mod"}
-    shared = tuple(n for n in prologue if n in holders and (n in side or n in epilogue))
-    carried = tuple(n for n in prologue if n in holders and n not in shared and n in recorder.late)
+    shared = tuple(n for n in prologue if n in holders and n in epilogue)
+    carried = tuple(n for n in prologue if n in holders and n not in shared and (n in side or n in recorder.late))
     bare_names = set(_bare_parameters(model, spec.blocks_path))
     bare = {}
     for n, phases in recorder.reads.items():

@@ -47,8 +47,9 @@ def test_bare_parameters_live_on_the_stages_that_read_them() -> None:
     _, _, probe, (first, last) = _chunks(MODELS / "bare_params_vit.py", [(0, 2), (2, 4)])
     assert probe.bare == {"cls_token": frozenset({"prologue"}), "pos_embed": frozenset({"prologue"}),
                           "logit_scale": frozenset({"epilogue"})}
-    assert probe.shared == ("gain",)  # its output reaches the blocks as gain=: real on every stage
-    assert type(last.chunk.gain).__name__ == "Embedding" and type(last.chunk.patch).__name__ == "_ZeroStub"
+    # its output reaches the blocks as gain=: computed once on the first stage and handed on
+    assert probe.shared == () and probe.carried == ("gain",)
+    assert type(last.chunk.gain).__name__ == "_Carried" and type(last.chunk.patch).__name__ == "_ZeroStub"
     params = [{n for n, _ in named_full(c)} for c in (first, last)]
     buffers = [{n for n, _ in named_full(c, buffers=True)} for c in (first, last)]
     assert {"cls_token", "pos_embed"} <= params[0] and "logit_scale" in buffers[0]
@@ -71,6 +72,19 @@ def test_hf_llama_stubs_only_the_embedding_and_runs_rotary_for_real() -> None:
     assert type(last.chunk.model.embed_tokens).__name__ == "_ZeroStub"
     assert type(last.chunk.model.rotary_emb).__name__ == "LlamaRotaryEmbedding"
     assert spec.support_reason("pp") is None and spec.support_reason("sp") is None
+
+
+@pytest.mark.parametrize(("name", "carried", "block_list"), [
+    ("hf_whisper", ("model.encoder",), "model.decoder.layers"),  # every decoder block attends to it
+    ("hf_clip", ("vision_model", "visual_projection"), "text_model.encoder.layers"),  # into the loss after the text tower
+])
+def test_an_output_read_past_the_first_stage_is_carried_not_recomputed(name, carried, block_list) -> None:
+    pytest.importorskip("transformers")
+    _, spec, probe, (first, last) = _chunks(ZOO / f"{name}.py", [(0, 1), (1, 2)])
+    assert spec.blocks_path == block_list and probe.carried == carried and probe.shared == ()
+    held = last.chunk.get_submodule(carried[0])
+    assert type(held).__name__ == "_Carried" and not list(held.parameters())  # no second copy to run or train
+    assert first.chunk.get_submodule(carried[0]) is not None and list(first.chunk.get_submodule(carried[0]).parameters())
 
 
 def test_stage_io_rebuilds_outputs_and_dict_inputs() -> None:
