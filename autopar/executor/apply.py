@@ -33,7 +33,6 @@ from autopar.executor import pipeline_parallel as pipe
 from autopar.executor.checks import check_host_build, host_available_bytes
 from autopar.executor.context_parallel import ContextParallelAttention, apply_cp, position_kwargs
 from autopar.executor.data_parallel import (
-    DTYPES,
     MIXED_PRECISION_KINDS,
     DataParallelResult,
     apply_data_parallel,
@@ -48,6 +47,7 @@ from autopar.executor.recompute import apply_recompute
 from autopar.executor.tensor_parallel import apply_tp, fused_row_permutations, keep_grad_placements
 from autopar.modelfile import ModelFile
 from autopar.plan import Plan
+from autopar.torch_dtypes import TORCH_DTYPES
 
 
 def original_name(name: str, part: nn.Module) -> str:
@@ -450,7 +450,7 @@ def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.devic
         handed = first(**kwargs)
     # the hidden state, and the carried prologue outputs after it (pipeline_probe.Probe.carried)
     handed = tuple(handed) if isinstance(handed, (tuple, list)) else (handed,)
-    dtype = DTYPES[plan.training.dtype]
+    dtype = TORCH_DTYPES[plan.training.dtype]
     cast = wrap_kind(par.zero, par.dp * par.cp, replicated=True) in MIXED_PRECISION_KINDS  # a stage: never DDP
     if cast:
         # Chunk 0 ran here on fp32 parameters, before FSDP2 (or replicate) wraps it; wrapped, it

@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from autopar.torch_dtypes import TORCH_DTYPES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +125,7 @@ def apply_data_parallel(
     it is sharded."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32) if dtype != "fp32" else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[dtype], reduce_dtype=torch.float32) if dtype != "fp32" else MixedPrecisionPolicy()
     kind = wrap_kind(zero, mesh.size(), replicated=pipelined or _has_dtensor(part))
     if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -135,7 +135,7 @@ def apply_data_parallel(
         extra = {"offload_policy": offload_policy} if offload_policy is not None else {}  # host offload
         if fill is not None:
             fill(part)  # the root's own parameters (embedding, head, norms), sharded last
-        stored = DTYPES[dtype] if host_masters and dtype != "fp32" else None
+        stored = TORCH_DTYPES[dtype] if host_masters and dtype != "fp32" else None
         if stored is not None:  # optimizer offload: the root's own parameters, before blocks are sharded
             in_blocks = {id(p) for block in blocks for p in block.parameters()}
             _cast_parameters(part, stored, lambda p: id(p) not in in_blocks)

@@ -371,9 +371,10 @@ def wrap_experts(state: ExpertParallel, part: nn.Module, *, zero: int, dtype: st
         from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from autopar.executor.data_parallel import DTYPES
+        from autopar.torch_dtypes import TORCH_DTYPES
 
-        mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32) if dtype != "fp32" else MixedPrecisionPolicy()
+        mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[dtype], reduce_dtype=torch.float32) \
+            if dtype != "fp32" else MixedPrecisionPolicy()
         for m in state.experts:
             if zero == 0:
                 replicate(m, mesh=state.groups.edp_mesh, mp_policy=mp)

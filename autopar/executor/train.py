@@ -60,7 +60,7 @@ from autopar.executor.context_parallel import (
     position_kwargs,
     shard_batch,
 )
-from autopar.executor.data_parallel import DTYPES, MIXED_PRECISION_KINDS, build_optimizer, zero1_microbatch
+from autopar.executor.data_parallel import MIXED_PRECISION_KINDS, build_optimizer, zero1_microbatch
 from autopar.executor.grad_norms import GradNormMeter, Unmeasured, install
 from autopar.executor.host_reference import build_reference
 from autopar.executor.noise_scale import NoiseScaleEstimator, NoiseScaleReport, NormSample
@@ -69,6 +69,7 @@ from autopar.executor.steady import steady_state
 from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
 from autopar.modelfile import ModelFile, call_model
 from autopar.plan import Plan
+from autopar.torch_dtypes import TORCH_DTYPES
 
 CP_LOSS_ERROR = "context parallelism needs loss_fn to be mean next-token cross-entropy"
 
@@ -179,7 +180,7 @@ def _autocast(plan: Plan, device: torch.device, fsdp: bool):
     their MixedPrecisionPolicy)."""
     if plan.training.dtype == "fp32" or fsdp:
         return nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[plan.training.dtype])
+    return torch.autocast(device.type, dtype=TORCH_DTYPES[plan.training.dtype])
 
 
 def cuda_device_peak_bytes(device: torch.device) -> tuple[int, int]:

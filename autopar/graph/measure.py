@@ -17,8 +17,7 @@ from autopar.graph.time_limit import active_clock, enter_stage, measure_time_lim
 from autopar.modelfile import ModelFile, load_model_file
 from autopar.spec import model_spec
 from autopar.spec.tp_shard import shard_for_tp
-
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from autopar.torch_dtypes import TORCH_DTYPES
 
 
 def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtype: str = "bf16",
@@ -41,7 +40,7 @@ _CACHE: dict[tuple[str, str, int | None, str], ModelGraph] = {}
 
 def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     start = time.perf_counter()
-    torch_dtype = _TORCH_DTYPES[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     model = mf.build("meta")
     enter_stage("probing")
     spec = model_spec(mf, model)  # probed as built, with the file's own example inputs

@@ -52,13 +52,14 @@ def curve_ranks(cores: int, table_ranks: int) -> tuple[int, ...]:
 
 
 def reference_run(mf: ModelFile, micro_batch: int, dtype: str) -> Callable[[], None]:
-    from autopar.profiler.layers import DTYPES, materialise, one_block_meta
+    from autopar.profiler.layers import materialise, one_block_meta
+    from autopar.torch_dtypes import TORCH_DTYPES
 
     model = materialise(one_block_meta(mf), torch.device("cpu"))
     model.train()
     inputs = mf.example_inputs(micro_batch, "cpu")
 
-    autocast = nullcontext() if dtype == "fp32" else torch.autocast("cpu", dtype=DTYPES[dtype])
+    autocast = nullcontext() if dtype == "fp32" else torch.autocast("cpu", dtype=TORCH_DTYPES[dtype])
 
     def run() -> None:
         with autocast:

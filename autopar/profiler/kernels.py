@@ -29,8 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
+from autopar.torch_dtypes import TORCH_DTYPES
 
 CUDA_BATCH_S = 1e-3  # a timed batch of back-to-back launches on CUDA lasts at least this long
 
@@ -84,7 +83,7 @@ def gemm_shapes(device: torch.device) -> list[tuple[int, int, int]]:
 
 def gemm_curve(device: torch.device, dtype: str, warmup: int = 2, repeats: int = 5) -> list[dict[str, float]]:
     rows = []
-    dt = DTYPES[dtype]
+    dt = TORCH_DTYPES[dtype]
     for m, n, k in gemm_shapes(device):
         a = torch.randn(m, k, device=device, dtype=dt)
         b = torch.randn(k, n, device=device, dtype=dt)

@@ -73,8 +73,7 @@ from autopar.profiler.memory import LiveBytes
 from autopar.spec import find_core as _find_core  # the executor's own rule for the attention core
 from autopar.spec import model_spec
 from autopar.spec.tp_shard import shard_for_tp, vocab_size_of
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from autopar.torch_dtypes import TORCH_DTYPES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +236,7 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
     small = one_block_model(meta, blocks_attr)
     seq = mf.seq_len or 0
     seqs = sorted({seq // cp for cp in cfg.cps if seq and seq % cp == 0 and seq // cp >= 1}, reverse=True) or [seq]
-    dtype = DTYPES[cfg.dtype]  # 16 bits: the model and its floating inputs are cast (module docstring)
+    dtype = TORCH_DTYPES[cfg.dtype]  # 16 bits: the model and its floating inputs are cast (module docstring)
     regions: dict[str, list[LayerPoint]] = {r: [] for r in ("pre", "block", "post", "loss")}
     cp_runs = [(cp, kind) for cp in cfg.cps if cp > 1 and seq and seq % cp == 0 for kind in cfg.cp_kinds]
     for tp in cfg.tps:

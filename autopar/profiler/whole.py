@@ -42,8 +42,9 @@ def whole_model_rows(mf: ModelFile, device: torch.device, table: LayerTable, mic
                      log: Callable[[str], None] | None = None) -> list[dict[str, float]] | None:
     """``[{b, fwd_s, bwd_s, fwd_factor, bwd_factor}, ...]`` (module docstring), or None where the
     whole model is not timed (not CPU, too large, or a table without the tp = 1 points)."""
-    from autopar.profiler.layers import DTYPES, _Clock, _inputs, materialise
+    from autopar.profiler.layers import _Clock, _inputs, materialise
     from autopar.spec import model_spec
+    from autopar.torch_dtypes import TORCH_DTYPES
 
     if device.type != "cpu":
         return None
@@ -61,9 +62,9 @@ def whole_model_rows(mf: ModelFile, device: torch.device, table: LayerTable, mic
         return None
     model = materialise(meta, device)
     if dtype != "fp32":  # the table's regime: the model cast, no autocast (profiler/layers.py)
-        model = model.to(DTYPES[dtype])
+        model = model.to(TORCH_DTYPES[dtype])
     model.train()
-    inputs = {b: _inputs(mf, b, device, seq, seq, None, DTYPES[dtype]) for b in micro_batches}
+    inputs = {b: _inputs(mf, b, device, seq, seq, None, TORCH_DTYPES[dtype]) for b in micro_batches}
     samples: dict[int, list[tuple[float, float]]] = {b: [] for b in micro_batches}
     for i in range(warmup + repeats):
         for b in micro_batches:  # in turns, as the table's shapes: a slow spell falls on all alike
