@@ -32,6 +32,11 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # uniform mode: it is not counted in ``recompute_blocks``.
 PLAN_RECOMPUTE_MODES = (*RECOMPUTE_MODES, "op")
 DTYPES = ("bf16", "fp16", "fp32")
+# the words a refusal names each support key with (Plan.dimensions_used)
+DIMENSION_NAMES = {"tp": "tensor parallelism", "sp": "sequence parallelism", "pp": "pipeline parallelism",
+                   "cp": "context parallelism", "zero3": "ZeRO-3", "selective": "selective recompute",
+                   "full": "full recompute", "op": "per-op selective recompute",
+                   "cp_pp": "context parallelism with pipeline stages"}
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -449,6 +454,24 @@ class Plan:
         """Blocks on each pipeline rank (its chunks c = r, r + pp, ...)."""
         sizes = [end - start for start, end in self.stage_ranges()]
         return tuple(sum(sizes[r::self.parallel.pp]) for r in range(self.parallel.pp))
+
+    def dimensions_used(self) -> list[tuple[str, bool, str]]:
+        """(support key, whether this plan uses it, what to change instead) for every dimension a
+        model may not support (autopar.spec.support): the one list estimate and the executor's
+        preflight check a plan against, so both refuse what the search never offers."""
+        par = self.parallel
+        modes = set(self.block_recompute()) if par.recompute_blocks is not None else {par.recompute}
+        return [
+            ("tp", par.tp > 1, "plan with tp = 1"),
+            ("sp", par.tp > 1 and par.sequence_parallel, "set sequence_parallel: false"),
+            ("pp", par.pp > 1, "plan with pp = 1"),
+            ("cp", par.cp > 1, "plan with cp = 1"),
+            ("zero3", par.zero == 3, "use zero 0, 1 or 2"),
+            ("selective", "selective" in modes, "use recompute none or full"),
+            ("full", "full" in modes, "use recompute none"),
+            ("op", "op" in modes, "use recompute none or full"),
+            ("cp_pp", par.cp > 1 and par.pp > 1, "plan with pp = 1 or cp = 1"),
+        ]
 
     def block_recompute(self) -> tuple[str, ...]:
         """The recompute mode of every block, by block index (per-stage recompute). Without

@@ -16,7 +16,7 @@ from autopar.cost.zero import executed_zero
 from autopar.errors import PlanError
 from autopar.graph.model_graph import ModelGraph
 from autopar.layout import ring_balance_reason
-from autopar.plan import Plan
+from autopar.plan import DIMENSION_NAMES, Plan
 
 
 def config_from_plan(plan: Plan, moe_imbalance: float = 1.0) -> Config:
@@ -73,6 +73,10 @@ def check_plan_against_model(plan: Plan, graph: ModelGraph) -> None:
         reason = ring_balance_reason(par.cp, plan.training.seq_len) if par.cp_kind == "ring" else None
         if reason:
             raise PlanError(reason)
+    for dim, used, change in plan.dimensions_used():  # what the search offers, the executor runs
+        reason = graph.supports(dim) if used else None
+        if reason:
+            raise PlanError(f"{DIMENSION_NAMES[dim]} cannot run on {graph.name}: {reason}; {change}")
 
 
 def estimate_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, moe_imbalance: float = 1.0) -> Estimate:
