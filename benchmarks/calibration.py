@@ -9,7 +9,9 @@ each with published, predicted and error, and the mean and max |error| per table
 5. h100_public.yaml, one table per group: NVIDIA dgxc recipes and Megatron-Core's weak-scaling table on
    ``h100-80g-megatron`` (targets: mean <= 5 %, max <= 10 % over both groups together), llm-foundry's
    FSDP runs on ``h100-80g`` (target: mean <= 10 %), torchtitan's run on a slower 500 W H100 variant
-   (informational: that hardware is not h100-80g). One profile per GPU and software; no per-row terms.
+   (informational: that hardware is not h100-80g). One profile per GPU and software; no per-row terms;
+6. ranking: Kendall's tau of the predicted order of each multi-configuration source's configurations
+   against the published order (autopar.reference_rank; target: tau >= 0.8 with three or more).
 
 Usage: python benchmarks/calibration.py        (exit code 1 if any target is missed; runs in about a minute)
        python benchmarks/calibration.py --holdout   (leave-one-source-out: each H100 and A100 source predicted
@@ -271,6 +273,25 @@ def holdout_table() -> None:
     print()
 
 
+def ranking_table() -> None:
+    """Kendall's tau of the predicted against the published order, per multi-configuration source
+    (autopar.reference_rank); target tau >= 0.8 where a source has three or more configurations."""
+    from autopar.reference_rank import ranked_sources
+
+    rows = []
+    for src in ranked_sources():
+        agree, pairs = src.pairs
+        for name, pub, pred in zip(src.names, src.published, src.predicted):
+            rows.append((src.source, name, src.quantity, f"{pub:.4g}", f"{pred:.4g}", "", ""))
+        target = len(src.names) >= 3
+        rows[-1] = rows[-1][:5] + (f"{agree}/{pairs}", f"{src.tau:+.2f}" + (check(src.tau >= 0.8, f"tau {src.source}")
+                                                                           if target else " (a pair: informational)"))
+    print("ranking: the predicted order of each source's configurations against the published one (in-sample sources)")
+    print(table(["source", "configuration", "figure", "published", "predicted", "pairs in order", "Kendall tau"],
+                rows, align="lllrrrl"))
+    print()
+
+
 def _verdict(what: str, start: float) -> int:
     """The closing line (FAIL with the targets missed, or PASS) and the exit code."""
     elapsed = time.perf_counter() - start
@@ -293,6 +314,7 @@ def main() -> int:
     zero_table()
     h100_tables()
     memory_tables()
+    ranking_table()
     return _verdict("calibration", start)
 
 
