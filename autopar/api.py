@@ -446,7 +446,8 @@ def rehearsal(plan: PlanLike, model: ModelLike | None = None, cluster: "str | Cl
 
 def apply_plan(model: ModelLike, plan: PlanLike, *, seed: int = 0, lr: float = 1e-3,
                loss_fn: Any = None) -> "Executable":
-    """Apply ``plan`` to the model on this rank (the executor's ``build_executable``).
+    """Apply ``plan`` to the model on this rank (the executor's bring-up, ``executor.start.start``:
+    preflight, mesh, ``build_executable``).
 
     Collective: every rank of an initialised process group (``torchrun`` +
     ``torch.distributed.init_process_group``) of the plan's world size must call it. The weights are
@@ -464,12 +465,7 @@ def apply_plan(model: ModelLike, plan: PlanLike, *, seed: int = 0, lr: float = 1
             "apply_plan needs an initialised process group: start under torchrun and call "
             "torch.distributed.init_process_group() first (or use 'autopar run PLAN.yaml')"
         )
-    from autopar.executor.apply import build_executable
-    from autopar.executor.checks import preflight
-    from autopar.executor.mesh import build_mesh, device_for_rank
+    from autopar.executor.start import StartOptions, start
 
     p = as_plan(plan)
-    mf = _model_for(p, model)
-    spec, _warnings = preflight(p, mf, dist.get_world_size())
-    mesh = build_mesh(p, device_for_rank())
-    return build_executable(p, mf, spec, mesh, seed=seed, lr=lr, loss_fn=loss_fn or mf.loss_fn)
+    return start(p, _model_for(p, model), StartOptions(seed=seed, lr=lr, loss_fn=loss_fn))

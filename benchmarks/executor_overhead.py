@@ -41,13 +41,10 @@ def _plan(model_file: str, nproc: int, zero: int, gbs: int, mbs: int, seq: int, 
 
 
 def _autopar(plan, mf, steps: int) -> list[float]:
-    from autopar.executor.apply import build_executable
-    from autopar.executor.checks import preflight
-    from autopar.executor.mesh import build_mesh
+    from autopar.executor.start import StartOptions, start
     from autopar.executor.train import train
 
-    spec, _ = preflight(plan, mf, dist.get_world_size())
-    exe = build_executable(plan, mf, spec, build_mesh(plan, torch.device("cpu")), seed=0, lr=1e-3, loss_fn=mf.loss_fn)
+    exe = start(plan, mf, StartOptions(seed=0, lr=1e-3, device=torch.device("cpu")))  # the group is up (_worker)
     return list(train(exe, mf, steps=steps, seed=0).step_times_s)
 
 

@@ -160,17 +160,14 @@ def probe_recorder(device: str, work: Path) -> dict:
 
 
 def _build(device: str, work: Path, **parallel: Any) -> tuple[Any, Any, Any]:
-    from autopar.executor.apply import build_executable
-    from autopar.executor.checks import preflight
-    from autopar.executor.mesh import build_mesh
+    from autopar.executor.start import StartOptions, start
     from autopar.modelfile import load_model_file
     from autopar.plan import plan_from_dict
 
     dev = _init_world1(device)
     plan = plan_from_dict(plan_dict(device, **parallel))
     mf = load_model_file(plan.model.file)
-    spec, _ = preflight(plan, mf, 1)
-    exe = build_executable(plan, mf, spec, build_mesh(plan, dev), seed=0, lr=1e-3, loss_fn=mf.loss_fn)
+    exe = start(plan, mf, StartOptions(seed=0, lr=1e-3, device=dev))  # preflight at the world of one
     return plan, mf, exe
 
 

@@ -4,9 +4,9 @@ Launch is like ``autopar run``: outside torchrun, a plan of N > 1 ranks starts i
 host with autopar's own launcher (autopar.launch.local: loopback only, one line for a rank that
 dies or hangs, signals forwarded); ``--nproc-per-node`` may say N, and must agree with the plan. A
 1-rank plan runs in-process; under your own torchrun every rank runs as started. The plan is
-applied with the executor's public functions (checks.preflight, mesh.build_mesh,
-apply.build_executable, train.train) for ``--steps`` steps; rank 0 reports progress on stderr, one
-line per step with the time left.
+applied with the executor's one bring-up (executor/start.py: process group, mesh, executable,
+after this command's own preflight) and train.train for ``--steps`` steps; rank 0 reports
+progress on stderr, one line per step with the time left.
 
 Prediction: re-estimated with ``--profile`` / ``--cluster`` when given, else the plan's
 ``prediction`` mapping (step time and the peak-rank memory; per-rank memory needs a re-estimate).
@@ -46,7 +46,6 @@ import resource
 import statistics
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 from autopar.commands.args import warn as say_warning
@@ -205,23 +204,26 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
     import torch
     import torch.distributed as dist
 
-    from autopar.executor.apply import build_executable
-    from autopar.executor.mesh import backend_for, build_mesh, device_for_rank
+    from autopar.executor.mesh import device_for_rank
+    from autopar.executor.start import Join, StartOptions, start
     from autopar.executor.train import train
-    from autopar.launch.local import join_process_group
 
     t0 = time.monotonic()
     device = device_for_rank()
     if device.type == "cpu":
         torch.set_num_threads(1)
-    join_process_group(backend_for(device), timedelta(seconds=600))
+    before: dict[str, Any] = {}
+
+    def joined() -> None:  # the process's memory and the machine's load before the plan is applied
+        before["baseline"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        before["load"] = _load_average()
+
     try:
+        exe = start(plan, mf, StartOptions(seed=args.seed, lr=1e-3, device=device, spec=spec,
+                                           join=Join(timeout_s=600), after_join=joined))
         rank = dist.get_rank()
         log = (lambda s: _say(s)) if rank == 0 else None
-        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        load_before = _load_average()
-        mesh = build_mesh(plan, device)
-        exe = build_executable(plan, mf, spec, mesh, seed=args.seed, lr=1e-3, loss_fn=mf.loss_fn)
+        baseline, load_before = before["baseline"], before["load"]
         if log:
             log(f"plan applied on {world} rank(s) in {time.monotonic() - t0:.1f} s; training {args.steps} steps")
         result = train(exe, mf, steps=args.steps, seed=args.seed, log=log)
@@ -252,7 +254,8 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
                 write_text_atomic(args.report, json.dumps(report, indent=2) + "\n")
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a failed join leaves no group to destroy
+            dist.destroy_process_group()
     return 0
 
 

@@ -22,6 +22,8 @@ checkpoint_meta.py     ``meta.json``, the checkpoint's record (no torch); integr
 faults.py              per-group timeouts, flight-recorder failure messages (rank + collective),
                        watchdog, test fault injection
 tracing.py             ``--trace``: measured torch.profiler trace (Chrome format)
+start.py               the one bring-up of a plan on a rank: preflight -> process group -> mesh ->
+                       executable (run, validate, apply_plan and the benchmarks call it)
 rank_main.py           what each rank does: init, build, resume, train with hooks, report
 run_options.py         ``RunOptions``: the validated options of one run, handed to every rank
 run_report.py          the run's JSON report and measured-vs-predicted table

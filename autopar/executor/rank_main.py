@@ -1,6 +1,7 @@
 """What every rank of ``autopar run`` does once the arguments are validated (commands/run.py).
 
-init_process_group (flight recorder on) -> mesh -> executable -> per-group timeouts -> resume
+The bring-up (start.py: init_process_group with the flight recorder on, the same-model check,
+mesh, executable, per-group timeouts, under the watchdog) -> resume
 (``--resume``, or automatically after a torchrun restart) -> train with checkpoint / trace / fault
 hooks -> report (rank 0) -> destroy_process_group (always).
 """
@@ -12,12 +13,12 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 from autopar.errors import AutoparError, OutOfDeviceMemory
 from autopar.executor.run_options import RunOptions
 from autopar.executor.run_report import build_report, format_comparison
+from autopar.executor.start import die_with
 
 
 class NonFiniteLoss(AutoparError):
@@ -69,40 +70,6 @@ def resume_decision(checkpoint_dir: str | None, resume: bool, warn=None, gather=
     return ResumeDecision(path=latest, reason=why)
 
 
-def _init_process_group(backend: str, timeout: timedelta) -> None:
-    """init_process_group; under a torchrun agent store, with keys private to this restart attempt.
-
-    torchrun (c10d rendezvous, torch 2.13) hands every attempt the same agent TCPStore without a
-    per-attempt prefix, so after a restart gloo would read the dead attempt's peer addresses and
-    fail to connect ("Connection refused"). A PrefixStore per TORCHELASTIC_RESTART_COUNT avoids it.
-    """
-    import torch.distributed as dist
-
-    if os.environ.get("AUTOPAR_LOOPBACK_STORE") == "1" or os.environ.get("AUTOPAR_LOCAL_WORLD") == "1":
-        _init_loopback(backend, timeout)
-        return
-    from autopar.launch.local import process_group_options
-
-    options = process_group_options(backend)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout, **options)
-        return
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"/autopar/attempt_{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout, **options)
-
-
-def _init_loopback(backend: str, timeout: timedelta) -> None:
-    """The store of autopar's own launcher (launch/local.py), the rank side it shares with
-    ``validate`` and ``profile --comm``: nothing listens beyond loopback."""
-    from autopar.launch.local import join_process_group
-
-    join_process_group(backend, timeout)
-
-
 def _free_port() -> int:
     import socket
 
@@ -111,34 +78,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with(line: str, code: int) -> None:
-    """Print the one-line error and leave now: with a peer dead or stopped, destroying the process
-    group (or any other collective) could block forever, and the launcher is waiting for the line."""
-    print(f"autopar: error: {line}", file=sys.stderr, flush=True)
-    try:
-        sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
-    os._exit(code)
-
-
 def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: int) -> int:  # noqa: ANN001
     """Run ``plan`` on this rank (module docstring); 0 on success. ``plan``, ``mf`` (the model file)
     and ``spec`` (its model spec) come checked from the run command's preflight; ``warnings`` are printed by rank 0."""
     import torch
     import torch.distributed as dist
 
-    from autopar.executor.apply import build_executable
     from autopar.executor.checkpoint import Checkpointer, load
-    from autopar.executor.faults import (
-        Watchdog,
-        enable_flight_recorder,
-        inject_fault,
-        inject_save_fault,
-        poison_loss,
-        set_group_timeouts,
-    )
-    from autopar.executor.mesh import backend_for, build_mesh, device_for_rank
+    from autopar.executor.faults import Watchdog, inject_fault, inject_save_fault, poison_loss
+    from autopar.executor.mesh import device_for_rank
+    from autopar.executor.start import Join, StartOptions, start
     from autopar.executor.tracing import make_tracer
     from autopar.executor.train import AdaScaleOptions, StepHooks, train
     from autopar.launch.local import write_status
@@ -149,7 +98,7 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ["AUTOPAR_LOCAL_WORLD"] = "1"  # in-process store: no listening socket (_init_loopback)
+        os.environ["AUTOPAR_LOCAL_WORLD"] = "1"  # in-process store: no listening socket (start.py)
         from autopar.launch.local import loopback_interface
 
         lo = loopback_interface()
@@ -161,37 +110,33 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
 
     # FSDP2 warns on every wrapped block that returns a view; the executor never mutates outputs.
     _warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    enable_flight_recorder()
-    try:
-        _init_process_group(backend_for(device), timedelta(seconds=options.timeout_s))
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # noqa: BLE001 - a peer that never arrived: a fault, not a bug
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        _die_with(f"rank {os.environ.get('RANK', '0')} could not join the process group within --timeout "
-                  f"{options.timeout_s:g} s ({first}); another rank died or hung at start-up (see its log)", 4)
-    rank = dist.get_rank()
-    if dist.get_world_size() > 1:
-        from autopar.executor.same_model import check_same_model
+    # The watchdog names the rank, so it is made once the group is up (start's after_join), and it
+    # guards the collective part of the build.
+    watchdogs: list[Watchdog] = []
 
-        different = check_same_model(mf.build("meta"), device)
-        if different:
-            _die_with(different, 2)
-    watchdog = Watchdog(rank, limit_s=2 * options.timeout_s + 60, timeout_s=options.timeout_s)
+    def joined() -> None:
+        watchdogs.append(Watchdog(dist.get_rank(), limit_s=2 * options.timeout_s + 60, timeout_s=options.timeout_s))
+        if dist.get_rank() == 0:
+            for w in warnings:
+                print(f"autopar: {w}", file=sys.stderr)
+
+    def stop_watchdog() -> None:
+        for w in watchdogs:
+            w.stop()
+
     tracer = None
     report_error: str | None = None
     phase = ["setup"]  # where the rank is: named by an out-of-memory error
     try:
+        # A rank that cannot join, or holds another model, leaves inside start with one line (4, 2).
+        exe = start(plan, mf, StartOptions(
+            seed=options.seed, lr=options.lr, device=device, spec=spec,
+            join=Join(timeout_s=options.timeout_s, restartable=True, check_same_model=True, exit_on_failure=True),
+            after_join=joined, guard=lambda what: watchdogs[0].guard(what), group_timeout_s=options.timeout_s))
+        watchdog = watchdogs[0]
+        rank = dist.get_rank()
         rank0 = rank == 0
         log = (lambda s: print(f"autopar run: {s}", flush=True)) if rank0 else None
-        if rank0:
-            for w in warnings:
-                print(f"autopar: {w}", file=sys.stderr)
-        with watchdog.guard("setup"):
-            mesh = build_mesh(plan, device)
-            set_group_timeouts(options.timeout_s)
-            exe = build_executable(plan, mf, spec, mesh, seed=options.seed, lr=options.lr, loss_fn=mf.loss_fn)
-            set_group_timeouts(options.timeout_s)
         if log:
             for note in exe.notes:
                 log(f"note: {note}")
@@ -277,21 +222,22 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
         if report_error:
             raise AutoparError(report_error)
     except torch.OutOfMemoryError as exc:
-        oom = out_of_memory(rank, phase[0], exc, plan, options.plan_path)
+        oom = out_of_memory(dist.get_rank(), phase[0], exc, plan, options.plan_path)
         if world > 1:
-            watchdog.stop()
-            _die_with(str(oom), oom.exit_code)
+            stop_watchdog()
+            die_with(str(oom), oom.exit_code)
         raise oom from None
     except AutoparError as exc:
         if world > 1:  # the others may be blocked in a collective: leave now, with the one line
-            watchdog.stop()
-            _die_with(str(exc), exc.exit_code)
+            stop_watchdog()
+            die_with(str(exc), exc.exit_code)
         raise
     finally:
-        watchdog.stop()
+        stop_watchdog()
         if tracer is not None:
             tracer.close()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # not when start was interrupted before the group was up
+            dist.destroy_process_group()
     return 0
 
 
