@@ -51,7 +51,7 @@ from autopar.errors import PlanError
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
-    from autopar.cost.stage import Config
+    from autopar.cost.terms import Config
     from autopar.graph.model_graph import ModelGraph
     from autopar.graph.scaling import FitOp, Shape
 

@@ -38,7 +38,7 @@ from autopar.layout import executed_zero
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
-    from autopar.cost.stage import Config
+    from autopar.cost.terms import Config
 
 
 def dp_wrapper(cfg: "Config") -> str:

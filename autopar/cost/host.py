@@ -16,7 +16,7 @@ from autopar.cost.step import Estimate, chunk_rank, evaluate
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
-    from autopar.cost.stage import StageTerms
+    from autopar.cost.terms import StageTerms
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from autopar.cost.memo import IdentityMemo
 
 if TYPE_CHECKING:
-    from autopar.cost.stage import Config
+    from autopar.cost.terms import Config
     from autopar.graph.model_graph import ModelGraph
 
 FP32_BYTES = 4

@@ -53,7 +53,7 @@ from autopar.layout import Layout
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
-    from autopar.cost.stage import Config, Part, StageTerms
+    from autopar.cost.terms import Config, Part, StageTerms
     from autopar.graph.model_graph import ModelGraph
 
 

@@ -42,7 +42,7 @@ from autopar.layout import executed_zero
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
-    from autopar.cost.stage import Config
+    from autopar.cost.terms import Config
 
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket: the last one cannot overlap backward
 DDP_FIRST_BUCKET_BYTES = 2**20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES: DDP's first bucket is small

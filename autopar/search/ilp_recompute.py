@@ -66,8 +66,8 @@ import math
 from dataclasses import dataclass
 
 from autopar.cost.host import HostFamily
-from autopar.cost.memory import dealt_sizes, most_blocks
-from autopar.cost.stage import RECOMPUTE_ORDER, StageTerms
+from autopar.cost.memory import RECOMPUTE_ORDER, dealt_sizes, most_blocks
+from autopar.cost.terms import StageTerms
 from autopar.plan import RECOMPUTE_MODES
 from autopar.search.ilp import SplitILP, deal_chunks, run_cp_sat
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from autopar.spec.model_spec import DIMENSIONS
+
 if TYPE_CHECKING:  # pragma: no cover
-    from autopar.spec import ModelSpec
+    from autopar.spec.model_spec import ModelSpec
 
 # ep's reason for a model without experts (the search says other ep reasons in its rejected line)
 NO_EXPERTS = "no mixture of experts in the blocks"
 
-DIMENSIONS = ("tp", "sp", "pp", "cp", "zero3", "selective", "full", "op", "cp_pp", "ep")
 
 
 def tp_support(spec: "ModelSpec") -> str | None:

@@ -1,0 +1,256 @@
+"""The types of the linear stage model: ``Config`` (a plan without its stage split), ``Part`` (the
+costs of one piece of a stage for one micro-batch) and ``StageTerms`` (every coefficient of the
+step time and memory of one configuration). ``cost/stage.py`` builds them (``build_terms``); the
+dimensions' own modules (zero, expert, offload, framework, host) read and adjust them, so they
+import these types from here and never the builder: no module of ``cost/`` imports in a circle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from autopar.cost.memory import (
+    RECOMPUTE_ORDER,
+    InflightTable,
+    inflight_microbatches,
+    inflight_table,
+    loss_inflight_microbatches,
+    peak_bytes,
+)
+from autopar.plan import NO_OFFLOAD, Offload
+
+__all__ = ["Config", "Part", "StageTerms"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """A plan without its stage split: the outer search variables."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    cp_kind: str
+    sequence_parallel: bool
+    zero: int
+    recompute: str  # none | selective | full | op, or "mixed" (per-stage recompute: per-rank counts, priced by cost.step.evaluate)
+    schedule: str
+    virtual_stages: int
+    micro_batch: int
+    global_batch: int
+    seq_len: int
+    dtype_bytes: int
+    optimizer: str
+    ep: int = 1  # expert parallelism (autopar.cost.expert)
+    moe_imbalance: float = 1.0  # the busiest ep rank's expert load over the mean
+    offload: Offload = NO_OFFLOAD  # host-memory offload (autopar.cost.offload)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass(frozen=True, kw_only=True)
+class Part:
+    """Costs of one piece of a stage for one micro-batch on one rank (seconds, bytes)."""
+
+    fwd_s: float
+    bwd_s: float  # backward incl. recompute and exposed per-micro-batch collectives
+    recompute_s: float
+    tp_comm_s: float
+    cp_comm_s: float
+    zero_comm_s: float  # exposed ZeRO-2/3 collectives per micro-batch
+    act_bytes: float  # activations kept per in-flight micro-batch
+    params: float  # parameters on this rank
+    fwd_flops: float
+    bwd_flops: float
+    ep_comm_s: float = 0.0  # expert parallelism: exposed all-to-alls (+ expert grad-sync excess)
+    # the most bytes of temporaries while this piece runs (the loss's fp32 copies of the logits and
+    # their gradients, gradients of activations: graph/live.py); StageTerms.rank_other_bytes
+    peak_bytes: float = 0.0
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward less recompute and every exposed collective: the work itself."""
+        return self.time_s - self.recompute_s - self.tp_comm_s - self.cp_comm_s - self.zero_comm_s - self.ep_comm_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTerms:
+    """Everything needed to cost any split for one Config."""
+
+    config: Config
+    block: Part
+    pre: Part  # on the first chunk (embedding)
+    post: Part  # on the last chunk (final norm, head, loss)
+    p2p_s: float  # one activation transfer between neighbouring stages
+    state_bytes_per_param: float
+    state_split: dict[str, float]  # params / grads / optimizer bytes per parameter
+    grad_sync_s_per_param: float  # end-of-step DP/ZeRO collectives per parameter on the rank
+    grad_sync_floor_s: float  # the part that can never overlap (last bucket)
+    grad_sync_overlaps: bool  # False: the whole gradient collective runs after backward
+    # framework time: DDP's per-bucket latency and rendezvous, once per step, where the sync does not
+    # overlap (autopar.cost.zero.ddp_fixed_sync_s); 0 elsewhere
+    grad_sync_fixed_s: float = 0.0
+    overlap_cost_fraction: float = 0.1  # share of an overlapped collective's time that still costs
+    param_gather_s_per_param: float  # ZeRO-1/2 all-gather of updated parameters
+    optimizer_s_per_param: float
+    # framework time: FSDP2 / DTensor CPU time per step per rank parameter (autopar.cost.framework), in
+    # the tail beside the optimizer; 0 on profiles that did not measure it
+    framework_s_per_param: float = 0.0
+    transient_bytes: float  # ZeRO-3 gathered block, recompute working set
+    tied_params: float  # tied embedding copy the last stage also holds (pp > 1)
+    reserve_bytes: float
+    capacity_bytes: float
+    expert: Any = None  # autopar.cost.expert.ExpertCost of one block, None without ep
+    # per-stage recompute (config.recompute == "mixed"): the block priced under each mode
+    # and that mode's recompute working set, held while a block of that mode re-runs (a rank pays
+    # the largest of the modes it uses); ``block`` is then the "none" block and ``transient_bytes``
+    # everything else (ZeRO-3's buffers). None for a single-mode config.
+    recompute_parts: Mapping[str, Part] | None = None
+    recompute_working_bytes: Mapping[str, float] | None = None
+    offload: Any = None  # host offload: autopar.cost.offload.OffloadCost, None without offload
+    # torch.distributed.pipelining keeps a receive buffer per micro-batch of a step, on every
+    # chunk that receives (activations forward, their gradients backward): the bytes of one
+    # (0: the software allocates them as it goes, cluster.pipeline_buffers_per_microbatch)
+    pipeline_buffer_bytes: float = 0.0
+    # ZeRO-3 (FSDP2): bytes per root parameter kept gathered (the training dtype), and one block's
+    # gathered parameters prefetched while the loss runs; 0 elsewhere
+    zero3_root_params_per_byte: float = 0.0
+    zero3_gather_bytes: float = 0.0
+    # FSDP2's held reduce-scatter input: one block's gradients in fp32, held while the next block's
+    # backward runs (cost.zero.held_reduce_input_bytes_per_param); 0 where it is not in the peak
+    held_reduce_bytes: float = 0.0
+    # The share of the rank's gradient memory not yet allocated at its loss, where a step's loss
+    # meets no gradient (``loss_free_grads_share``); 0 where the loss meets them all
+    loss_free_grads: float = 0.0
+
+    @property
+    def after_sync_s_per_param(self) -> float:
+        """Seconds per rank parameter the tail adds after the gradient sync: ZeRO-1's unhidden
+        parameter gather, the optimizer and FSDP2's per-tensor time (framework time)."""
+        return self.param_gather_s_per_param + self.optimizer_s_per_param + self.framework_s_per_param
+
+    def inflight(self, rank: int) -> float:
+        c = self.config
+        return inflight_microbatches(c.schedule, c.pp, rank, c.num_microbatches, c.virtual_stages)
+
+    def inflight_table(self, rank: int) -> InflightTable:
+        """The per-chunk in-flight counts ``rank``'s schedule peaks in (cost.memory.inflight_table)."""
+        c = self.config
+        return inflight_table(c.schedule, c.pp, rank, c.num_microbatches, c.virtual_stages)
+
+    def rank_activation_bytes(self, rank: int, chunk_bytes: Sequence[float]) -> float:
+        """The saved activations of ``rank``'s blocks (and the embedding's, on rank 0) at its peak:
+        ``chunk_bytes[k]``, what one micro-batch of its k-th local chunk saves, weighed by the
+        schedule's in-flight counts per chunk (cost.memory); the head and loss come on top."""
+        return peak_bytes(self.inflight_table(rank).states, chunk_bytes)
+
+    def loss_inflight(self) -> float:
+        """Micro-batches of the last chunk (head, loss) in flight on the last rank (cost.memory)."""
+        c = self.config
+        return loss_inflight_microbatches(c.schedule, c.pp, c.num_microbatches)
+
+    def mix_working_bytes(self, rank: int, last_rank: int, counts: Mapping[str, int]) -> float:
+        """What a per-stage recompute mix (``counts``: blocks of each mode on ``rank``) adds to the
+        rank's other memory (``rank_other_bytes(rank, last_rank) +`` this is its other memory).
+
+        A block of mode m re-runs during its own backward, holding m's working set, and by then its
+        micro-batch has already run the backward of every block after it -- a rank's blocks take
+        full first, then selective, then none (``Plan.block_recompute``), and backward walks them
+        in reverse -- so the activations that micro-batch saved in its later modes' blocks are
+        released: mode m adds max(0, work_m - sum over later modes m' of n_m' a_m'), a_m' one
+        micro-batch's saved bytes of a block of m', and the rank pays the largest over the modes
+        it uses. (A none block re-runs nothing: its backward is the phase ``rank_other_bytes``
+        already holds.)"""
+        if self.recompute_parts is None or self.recompute_working_bytes is None:
+            return 0.0
+        extra = 0.0
+        for i, mode in enumerate(RECOMPUTE_ORDER):
+            if counts.get(mode, 0) <= 0:
+                continue
+            released = sum(counts.get(later, 0) * self.recompute_parts[later].act_bytes for later in RECOMPUTE_ORDER[i + 1:])
+            extra = max(extra, self.mode_working_bytes(rank, last_rank, mode) - released)
+        return extra
+
+    def mode_working_bytes(self, rank: int, last_rank: int, mode: str) -> float:
+        """What using recompute ``mode`` adds to a mixed rank's other memory before any release
+        (``mix_working_bytes``): its working set, and its own block's activations in place of a
+        none block's beside FSDP2's held reduce-scatter input."""
+        assert self.recompute_parts is not None and self.recompute_working_bytes is not None
+        return (self.rank_other_bytes(rank, last_rank, self.recompute_working_bytes[mode],
+                                      own_act=self.recompute_parts[mode].act_bytes)
+                - self.rank_other_bytes(rank, last_rank))
+
+    def _root_bytes(self, first: bool, last: bool) -> float:
+        """ZeRO-3's root parameters on a rank: FSDP2 keeps the root unit (embedding, head) gathered."""
+        return self.zero3_root_params_per_byte * ((self.pre.params if first else 0.0) +
+                                                  (self.post.params if last else 0.0))
+
+    @property
+    def _loss_phase_bytes(self) -> float:
+        """The last rank's loss phase of ``rank_other_bytes``: the loss's temporaries and ZeRO-3's
+        first block, prefetched for backward."""
+        return self.post.peak_bytes + self.zero3_gather_bytes
+
+    def one_microbatch_other_bytes(self, rank: int, grads_bytes: float) -> tuple[float, float]:
+        """(other bytes, gradient bytes at the peak) of a rank without a pipeline whose step has one
+        micro-batch (``loss_free_grads`` > 0): its loss meets ``loss_free_grads`` of the rank's
+        ``grads_bytes`` not yet made, so the step peaks at the loss only where that phase, without
+        them, holds more than the others with them."""
+        assert self.config.pp == 1, "a rank without a pipeline: first and last"
+        absent = self.loss_free_grads * grads_bytes
+        at_loss = self._root_bytes(True, True) + self._loss_phase_bytes
+        rest = self.rank_other_bytes(rank, rank, loss=False)
+        return (at_loss, grads_bytes - absent) if at_loss - absent > rest else (rest, grads_bytes)
+
+    def rank_other_bytes(self, rank: int, last_rank: int, working: float = 0.0, own_act: float | None = None,
+                         loss: bool = True) -> float:
+        """Memory of pipeline rank ``rank`` beyond its model states, its saved activations and the
+        reserve (the estimate's "other" less the reserve), whatever its block count. The step
+        peaks in one of three phases, whichever holds most:
+
+        * a block's backward: the config's transients (ZeRO-3's gathered block, its prefetched
+          neighbour and the block's unsharded gradients; FSDP2's held reduce-scatter input; a
+          single-mode recompute's re-run block) + ``working`` (a recompute mix's largest re-run
+          block) + the block's temporaries (gradients of activations: ``Part.peak_bytes``,
+          graph/live.py), less, on the last rank, the saved activations of the micro-batch's own
+          head and loss (``post.act_bytes``, counted with the activations): its loss backward has
+          run and released them before its first block's backward starts; and FSDP2's held
+          reduce-scatter input (``held_reduce_bytes``), which a block's backward meets only once
+          the block after it has finished its backward and released its activations (``own_act``,
+          one micro-batch's saved bytes of a block of the mode in question; default the config's
+          block): the larger of the two;
+        * the last rank's loss: its temporaries (the fp32 copies of the logits and their
+          gradients) + under ZeRO-3 the first block's gathered parameters, prefetched for backward;
+        * the first rank's embedding backward (its temporaries);
+
+        and in every phase ZeRO-3's root parameters (embedding, head: FSDP2 keeps the root unit
+        gathered from forward to backward) and the pipeline's receive buffers
+        (``pipeline_buffer_bytes`` per micro-batch and receiving chunk: every chunk but the first
+        receives activations, every one but the last their gradients). Non-decreasing in
+        ``working``: a mix pays the largest working set of the modes it uses. ``loss`` False: the
+        loss phase left out (``one_microbatch_other_bytes``)."""
+        c = self.config
+        first, last = rank == 0, rank == last_rank
+        own = self.block.act_bytes if own_act is None else own_act
+        phases = [self.transient_bytes + working + self.block.peak_bytes - (self.post.act_bytes if last else 0.0)
+                  + max(0.0, self.held_reduce_bytes - own)]
+        if last and loss:
+            phases.append(self._loss_phase_bytes)
+        if first:
+            phases.append(self.pre.peak_bytes)
+        other = self._root_bytes(first, last) + max(phases)
+        if c.pp > 1 and self.pipeline_buffer_bytes > 0:
+            receiving = 2 * c.virtual_stages - first - last
+            other += c.num_microbatches * receiving * self.pipeline_buffer_bytes
+        return other
