@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autopar.cluster import Cluster
     from autopar.cost.step import Estimate
     from autopar.engines.config import EngineConfig
-    from autopar.executor.apply import Executable
+    from autopar.executor.parallel.apply import Executable
     from autopar.explain.explanation import Explanation
     from autopar.graph import ModelGraph
     from autopar.graph.cache import ModelSource
@@ -435,7 +435,7 @@ def rehearsal(plan: PlanLike, model: ModelLike | None = None, cluster: "str | Cl
     with the same ``cluster``/``profile``). ``ranks`` None: the first rank of every pipeline
     stage. A plan the executor cannot apply at full scale, a plan for another model, or a model
     that reads tensor values is a one-line AutoparError."""
-    from autopar.executor.checks import preflight
+    from autopar.executor.runtime.checks import preflight
     from autopar.rehearse import rehearse
 
     est = estimation(model, plan, cluster, profile=profile, use_cache=use_cache, warn=warn)
@@ -452,7 +452,7 @@ def apply_plan(model: ModelLike, plan: PlanLike, *, seed: int = 0, lr: float = 1
     Collective: every rank of an initialised process group (``torchrun`` +
     ``torch.distributed.init_process_group``) of the plan's world size must call it. The weights are
     those of ``torch.manual_seed(seed); build_model()``. Returns the ``Executable`` (``parts``,
-    ``optimizer``, ``schedule`` when pp > 1) that ``autopar.executor.train.train`` drives.
+    ``optimizer``, ``schedule`` when pp > 1) that ``autopar.executor.runtime.train.train`` drives.
 
     With tp > 1 the model's output logits are a DTensor sharded on the vocabulary: compute the loss
     (and its backward) inside ``torch.distributed.tensor.parallel.loss_parallel()``, as ``train``
@@ -465,7 +465,7 @@ def apply_plan(model: ModelLike, plan: PlanLike, *, seed: int = 0, lr: float = 1
             "apply_plan needs an initialised process group: start under torchrun and call "
             "torch.distributed.init_process_group() first (or use 'autopar run PLAN.yaml')"
         )
-    from autopar.executor.start import StartOptions, start
+    from autopar.executor.runtime.start import StartOptions, start
 
     p = as_plan(plan)
     return start(p, _model_for(p, model), StartOptions(seed=seed, lr=lr, loss_fn=loss_fn))

@@ -224,7 +224,7 @@ def user_plans(work: Path, n: int, top: int) -> list[Path]:
     try:
         found = api.plan_search("model.py", n, profile="prof.yaml", global_batch=GLOBAL_BATCH, top=top,
                                 warn=lambda line: None)  # the command printed them above
-        from autopar.executor.run_report import read_prediction
+        from autopar.executor.runtime.run_report import read_prediction
         from autopar.plan import load_plan
 
         cli_plan = load_plan(work / f"p{n}.yaml")

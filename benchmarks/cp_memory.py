@@ -31,7 +31,7 @@ def saved_bytes(kind: str, seq: int, *, cp: int = 2, heads: int = 8, head_dim: i
                 dtype: torch.dtype = torch.float32) -> int:
     """Bytes one cp rank's attention core saves for backward at total sequence ``seq`` (distinct
     storages, the inputs q, k, v included)."""
-    from autopar.executor.context_parallel import ContextParallelAttention
+    from autopar.executor.parallel.context_parallel import ContextParallelAttention
     from autopar.profiler.layers import _loopback
 
     attn = ContextParallelAttention(kind, None, cp, 0, seq)

@@ -41,8 +41,8 @@ def _plan(model_file: str, nproc: int, zero: int, gbs: int, mbs: int, seq: int, 
 
 
 def _autopar(plan, mf, steps: int) -> list[float]:
-    from autopar.executor.start import StartOptions, start
-    from autopar.executor.train import train
+    from autopar.executor.runtime.start import StartOptions, start
+    from autopar.executor.runtime.train import train
 
     exe = start(plan, mf, StartOptions(seed=0, lr=1e-3, device=torch.device("cpu")))  # the group is up (_worker)
     return list(train(exe, mf, steps=steps, seed=0).step_times_s)
@@ -52,7 +52,7 @@ def _hand(plan, mf, steps: int, zero: int) -> list[float]:
     """The loop a user would write by hand with DDP or FSDP2."""
     from torch.distributed.fsdp import fully_shard
 
-    from autopar.executor.train import global_batch, rows
+    from autopar.executor.runtime.train import global_batch, rows
     from autopar.modelfile import call_model
 
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from autopar.executor.introspect import inspect_model
+        from autopar.executor.runtime.introspect import inspect_model
         from autopar.modelfile import load_model_file
 
         mf = load_model_file(args.model)

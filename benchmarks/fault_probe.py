@@ -76,7 +76,7 @@ def probe_kill_in_save(tmp: Path, nproc: int) -> Result:
                 env={"AUTOPAR_TEST_KILL_IN_SAVE": "1"}, nproc=nproc)
     code, ended = job.wait(timeout=600)
     event = job.first("err", "kills itself in a checkpoint save")
-    from autopar.executor.integrity import damage
+    from autopar.executor.checkpoint.integrity import damage
 
     latest = tmp / "ck" / "latest"  # absent, or naming an intact checkpoint (the shards may all have been written)
     intact = not latest.exists() or damage(tmp / "ck" / latest.read_text().strip()) is None
@@ -147,7 +147,7 @@ def _wider(step: Path) -> None:
 
 
 def probe_crafted(tmp: Path, nproc: int) -> Result:
-    from autopar.executor.integrity import file_record
+    from autopar.executor.checkpoint.integrity import file_record
 
     ck = _checkpoints(tmp, nproc, steps=1)
     marker = tmp / "pwned"

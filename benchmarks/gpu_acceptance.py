@@ -114,7 +114,7 @@ def probe_recorder(device: str, work: Path) -> dict:
     import torch
     import torch.distributed as dist
 
-    from autopar.executor.faults import enable_flight_recorder, last_collective
+    from autopar.executor.runtime.faults import enable_flight_recorder, last_collective
 
     out: dict[str, Any] = {}
     used = []
@@ -160,7 +160,7 @@ def probe_recorder(device: str, work: Path) -> dict:
 
 
 def _build(device: str, work: Path, **parallel: Any) -> tuple[Any, Any, Any]:
-    from autopar.executor.start import StartOptions, start
+    from autopar.executor.runtime.start import StartOptions, start
     from autopar.modelfile import load_model_file
     from autopar.plan import plan_from_dict
 
@@ -183,7 +183,7 @@ def probe_zero3_build(device: str, work: Path) -> dict:
     out = {"params": params, "fp32_bytes": 4 * params}
     if device == "cuda":
         out["build_peak_bytes"] = torch.cuda.max_memory_allocated()
-    from autopar.executor.train import train
+    from autopar.executor.runtime.train import train
 
     result = train(exe, mf, steps=2, seed=0)
     out["losses"] = list(result.losses)
@@ -194,8 +194,8 @@ def probe_activation_offload(device: str, work: Path) -> dict:
     """[M8] One step with activation offload: bytes copied to the host against the block activations
     the cost model prices for the same plan without offload."""
     from autopar import api
-    from autopar.executor.offload import OffloadSavedTensors
-    from autopar.executor.train import train
+    from autopar.executor.parallel.offload import OffloadSavedTensors
+    from autopar.executor.runtime.train import train
 
     plan, mf, exe = _build(device, work, offload={"activations": True})
     before = OffloadSavedTensors.host_bytes
@@ -214,7 +214,7 @@ def probe_host_optimizer(device: str, work: Path) -> dict:
     from torch import nn
 
     from autopar.cluster import load_cluster
-    from autopar.executor.offload import build_host_optimizer
+    from autopar.executor.parallel.offload import build_host_optimizer
 
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     n = 25 if device == "cuda" else 6
@@ -254,7 +254,7 @@ def check_env(device: str, work: Path) -> Result:
     import torch
 
     from autopar.cluster import load_cluster
-    from autopar.executor.checks import torch_support_reason
+    from autopar.executor.runtime.checks import torch_support_reason
 
     lacking = torch_support_reason()
     text = f"torch {torch.__version__}"

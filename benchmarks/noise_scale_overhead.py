@@ -52,7 +52,7 @@ def _added_compute_s(exe) -> float:  # noqa: ANN001
     four scalars is left out."""
     import time
 
-    from autopar.executor.grad_norms import _sq_norms
+    from autopar.executor.runtime.grad_norms import _sq_norms
 
     params = [p for part in exe.parts for p in part.parameters()]
     local = [torch.randn(p.shape) for p in params]  # a DTensor's shape is the whole parameter's
@@ -74,11 +74,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from autopar.executor.apply import build_executable
-        from autopar.executor.checks import preflight
-        from autopar.executor.introspect import inspect_model
-        from autopar.executor.mesh import build_mesh
-        from autopar.executor.train import train
+        from autopar.executor.parallel.apply import build_executable
+        from autopar.executor.parallel.mesh import build_mesh
+        from autopar.executor.runtime.checks import preflight
+        from autopar.executor.runtime.introspect import inspect_model
+        from autopar.executor.runtime.train import train
         from autopar.modelfile import load_model_file
 
         mf = load_model_file(args.model)

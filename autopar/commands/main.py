@@ -7,7 +7,7 @@ library code prints only where a user must see it as it happens: warnings on std
 
 Exit codes (autopar.errors): 0 success; 2 bad input, including a request no plan can meet ("no plan
 fits ...": a one-line ``autopar: error: ...`` on stderr, nothing written); 4 a rank died or a
-collective hung during ``autopar run`` (autopar.executor.faults, autopar.launch.local); 128 + signal
+collective hung during ``autopar run`` (autopar.executor.runtime.faults, autopar.launch.local); 128 + signal
 when interrupted (130 SIGINT, 143 SIGTERM); 1 an internal error (a bug: please report it). The whole
 contract: docs/reliability.md.
 """

@@ -66,7 +66,7 @@ def _measure(args: argparse.Namespace) -> int:
         device = torch.device("cpu")
         torch.set_num_threads(1)
     try:  # what a training rank has loaded before its model: the RSS baseline is measured like it
-        import autopar.executor.apply  # noqa: F401
+        import autopar.executor.parallel.apply  # noqa: F401
     except ImportError:
         pass
     join_process_group("nccl" if use_cuda else "gloo", timedelta(seconds=300))

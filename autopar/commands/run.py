@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.executor.run_options import DEFAULT_LR, DEFAULT_MAX_LOSS_RATIO, DEFAULT_SEED, DEFAULT_STEPS, RunOptions
+from autopar.executor.runtime.run_options import (
+    DEFAULT_LR,
+    DEFAULT_MAX_LOSS_RATIO,
+    DEFAULT_SEED,
+    DEFAULT_STEPS,
+    RunOptions,
+)
 
 _LOCKS: list[Any] = []  # checkpoint-directory locks of this process (checkpoint.lock_directory)
 
@@ -106,7 +112,7 @@ def _relaunch(args: argparse.Namespace, model: str) -> int:
 def set_device_choice(device: str | None, nproc: int | None) -> None:
     """``--device`` for this process and the ranks it starts (``AUTOPAR_DEVICE``), checked against the
     GPUs this host shows before any rank starts (one line, not an invalid-ordinal traceback)."""
-    from autopar.executor.mesh import DEVICE_ENV
+    from autopar.executor.parallel.mesh import DEVICE_ENV
 
     if device is not None:
         os.environ[DEVICE_ENV] = device
@@ -141,7 +147,7 @@ def validate_args(args: argparse.Namespace) -> RunOptions:
         if value is not None:
             check_output_file(value, flag, create_parent=False)
     if args.trace is not None and args.trace_all_ranks:
-        from autopar.executor.tracing import trace_path
+        from autopar.executor.runtime.tracing import trace_path
 
         for r in range(args.nproc_per_node or 1):
             check_output_file(trace_path(args.trace, r, True), "--trace", create_parent=False)
@@ -172,8 +178,8 @@ def check_adascale(options: RunOptions, plan) -> list[str]:  # noqa: ANN001
 
 def _check_resume(args: argparse.Namespace, plan) -> list[str]:
     """--resume needs a complete checkpoint of a compatible model (found before launch)."""
-    from autopar.executor.checkpoint_meta import META, CheckpointError, CheckpointMeta
-    from autopar.executor.integrity import candidates
+    from autopar.executor.checkpoint.checkpoint_meta import META, CheckpointError, CheckpointMeta
+    from autopar.executor.checkpoint.integrity import candidates
 
     if args.checkpoint_dir is None or not Path(args.checkpoint_dir).is_dir():
         if args.resume:
@@ -206,7 +212,7 @@ def _check_resume(args: argparse.Namespace, plan) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``autopar run`` (see the module docstring). Returns the exit code."""
-    from autopar.executor.checks import check_world_size, preflight
+    from autopar.executor.runtime.checks import check_world_size, preflight
     from autopar.launch.environment import check_environment
     from autopar.launch.local import arm_parent_death_signal
     from autopar.modelcheck import check_example_inputs
@@ -235,7 +241,7 @@ def main(args: argparse.Namespace) -> int:
     resume_warnings = _check_resume(args, plan) + adascale_warnings
     if args.checkpoint_dir is not None and os.environ.get("AUTOPAR_CKPT_LOCKED") != "1" and (
             not _under_torchrun() or os.environ.get("RANK") == "0"):
-        from autopar.executor.checkpoint import lock_directory
+        from autopar.executor.checkpoint.checkpoint import lock_directory
 
         _LOCKS.append(lock_directory(args.checkpoint_dir))  # held until this process exits
     if _under_torchrun():
@@ -252,7 +258,7 @@ def main(args: argparse.Namespace) -> int:
         world = 1
     check_world_size(plan, world)
     spec, warnings = preflight(plan, mf, world)
-    from autopar.executor.rank_main import run_rank
+    from autopar.executor.runtime.rank_main import run_rank
 
     return run_rank(options, plan, mf, spec, warnings + resume_warnings, world)
 

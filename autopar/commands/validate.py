@@ -17,7 +17,7 @@ warning for a soft difference, an error where the comparison would be meaningles
 Measured, per rank:
 * step time: the slowest rank's step time, median over the steady steps: the warm-up (the first
   step, and on until the times settle within 10 % of the late steps' median, at most half the
-  steps) is left out (autopar.executor.steady). ``--steps`` defaults to about
+  steps) is left out (autopar.executor.runtime.steady). ``--steps`` defaults to about
   AUTO_STEPS_SECONDS of predicted steps, MIN_AUTO_STEPS to MAX_AUTO_STEPS;
 * peak memory over the training steps (the build's peak reset away). On GPU, measured whole: the
   device use at the caching allocator's peak (``max_memory_reserved`` plus what lives outside the
@@ -50,7 +50,7 @@ from typing import Any
 
 from autopar.commands.args import warn as say_warning
 from autopar.errors import AutoparError
-from autopar.executor.steady import steady_state
+from autopar.executor.runtime.steady import steady_state
 from autopar.launch.local import under_launcher
 from autopar.profiler.cores import usable_cores
 
@@ -84,7 +84,7 @@ def run_conditions(plan, device_type: str | None = None):  # noqa: ANN001, ANN20
     """The conditions this validate runs the plan under (autopar.profile_conditions.RunConditions)."""
     import torch
 
-    from autopar.executor.mesh import chosen_device_type
+    from autopar.executor.parallel.mesh import chosen_device_type
     from autopar.profile_conditions import RunConditions
     from autopar.profiler.profile_file import device_name
 
@@ -102,7 +102,7 @@ def predict(plan_path: str, model: str, cluster: str | None, profile: str | None
     run's conditions against the measured profile (ClusterError on a hard mismatch; the warnings
     printed when ``warn``)."""
     from autopar import api
-    from autopar.executor.run_report import read_prediction
+    from autopar.executor.runtime.run_report import read_prediction
     from autopar.plan import load_plan
 
     plan = load_plan(plan_path)
@@ -165,7 +165,7 @@ def _launch(args: argparse.Namespace, model: str, nproc: int, prediction: dict[s
 
 
 def main(args: argparse.Namespace) -> int:
-    from autopar.executor.checks import check_world_size, preflight
+    from autopar.executor.runtime.checks import check_world_size, preflight
     from autopar.launch.environment import check_environment
     from autopar.modelfile import load_model_file
     from autopar.plan import load_plan, model_path
@@ -204,9 +204,9 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
     import torch
     import torch.distributed as dist
 
-    from autopar.executor.mesh import device_for_rank
-    from autopar.executor.start import Join, StartOptions, start
-    from autopar.executor.train import train
+    from autopar.executor.parallel.mesh import device_for_rank
+    from autopar.executor.runtime.start import Join, StartOptions, start
+    from autopar.executor.runtime.train import train
 
     t0 = time.monotonic()
     device = device_for_rank()
@@ -230,7 +230,7 @@ def _run(args: argparse.Namespace, plan, mf, spec, world: int, prediction: dict[
         load_after = _load_average()
         drift = _machine_drift(mf, plan, prediction.get("reference"), device, log)
         if device.type == "cuda":
-            from autopar.executor.train import cuda_device_peak_bytes
+            from autopar.executor.runtime.train import cuda_device_peak_bytes
 
             allocated, device_peak = map(float, cuda_device_peak_bytes(device))
             peak = device_peak  # measured whole: the reserve is read, not assumed
@@ -318,7 +318,7 @@ def _cpu_step_allocated(exe, mf, step: int, seed: int) -> tuple[int, int]:  # no
 
     import torch
 
-    from autopar.executor.train import _Trainer, rank_batch
+    from autopar.executor.runtime.train import _Trainer, rank_batch
     from autopar.profiler.memory import step_allocated_bytes
 
     gc.collect()

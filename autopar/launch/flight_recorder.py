@@ -3,7 +3,7 @@
 torch records every collective of a process in a ring buffer (``TORCH_FR_BUFFER_SIZE``). Two ways
 to read it, one format:
 
-* **Live** (``executor/faults.py``): a rank whose collective failed asks its own process
+* **Live** (``executor/runtime/faults.py``): a rank whose collective failed asks its own process
   (``_dump_nccl_trace_json`` where the build has ProcessGroupNCCL's recorder, else the generic
   ``_dump_fr_trace_json``, which gloo fills).
 * **After an NCCL timeout**: ProcessGroupNCCL's watchdog aborts the process (SIGABRT) before Python

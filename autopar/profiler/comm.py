@@ -169,7 +169,7 @@ def _p2p_time(message_bytes: int, repeats: int, device: torch.device, pair: Any)
 
     A one-way ping-pong measured ~0.35 ms for 1 MiB on gloo/CPU where the executor's exchange
     takes ~1.5-4 ms: the fit must price what runs."""
-    from autopar.executor.ring_attention import send_recv
+    from autopar.executor.parallel.ring_attention import send_recv
 
     buf = torch.ones(max(1, message_bytes // 4), device=device)
     samples = []

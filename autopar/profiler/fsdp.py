@@ -4,7 +4,7 @@
 A reference model of ``UNITS`` units (each ``LAYERS_PER_UNIT`` linear layers with bias: two tensors
 a layer) plus a root layer is trained for a few steps twice on the same ranks: plain (no data
 parallelism) and as the executor runs ZeRO-1 (``fully_shard`` per unit and on the root, parameters
-kept from forward to backward, AdamW as autopar.executor.data_parallel builds it). Forward,
+kept from forward to backward, AdamW as autopar.executor.parallel.data_parallel builds it). Forward,
 backward and optimizer step are timed apart (median over steps of the slowest rank). The figures,
 per parameter tensor T:
 

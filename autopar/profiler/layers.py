@@ -12,7 +12,7 @@ executor's selective recompute checkpoints): the recompute cost, measured rather
 Shapes: micro-batch ``b``, tokens per sample ``s`` (the model's SEQ_LEN and the CP-sharded
 lengths SEQ_LEN / cp) and tensor-parallel degree ``tp``: the model as one tp rank of the executor
 holds it (``shard_for_tp``) -- the block's Linear layers sharded by the tp_plan, the token
-embedding vocab/tp rows and the output head vocab/tp output columns (executor/tensor_parallel.py;
+embedding vocab/tp rows and the output head vocab/tp output columns (executor/parallel/tensor_parallel.py;
 a vocabulary tp does not divide stays whole, as the executor keeps it replicated). Token ids are
 wrapped into the rank's vocab/tp rows. So at tp > 1 ``pre`` is the rank's embedding lookup,
 ``post`` the final norm plus its slice of the logits, and ``loss`` the model file's loss_fn on that
@@ -298,7 +298,7 @@ def _inputs(mf: ModelFile, b: int, device: torch.device, seq: int, s: int, vocab
 
 
 class _RankLoss:
-    """The model file's loss as one tp rank of the executor runs it (executor/tensor_parallel.py):
+    """The model file's loss as one tp rank of the executor runs it (executor/parallel/tensor_parallel.py):
     on the rank's vocabulary slice of the logits, or, for a loss_fn that cannot take a slice (it
     reshapes by the whole vocabulary, or gathers by token id), on the whole logits, which the
     executor then all-gathers first. The slice repeated tp times stands for the gathered logits: the
@@ -349,7 +349,7 @@ def _cp_core(block: nn.Module, core_name: str, kind: str, cp: int, seq_len: int)
     cp rank 0, its collectives on a loopback (``_loopback``): every op the executor's cp rank
     runs on the block -- ring steps, masks, log-sum-exp merges, the all-gathered K/V, Ulysses's
     head-sharded attention and re-layouts -- without the transfers (the cost model adds those)."""
-    from autopar.executor.context_parallel import ContextParallelAttention
+    from autopar.executor.parallel.context_parallel import ContextParallelAttention
 
     parent_name, _, leaf = core_name.rpartition(".")
     parent = block.get_submodule(parent_name) if parent_name else block
@@ -368,7 +368,7 @@ def _loopback(cp: int) -> Iterator[None]:
     an all-gather ``cp`` copies of it, an all-to-all its input -- same shapes, same local work."""
     import torch.distributed._functional_collectives as fc
 
-    import autopar.executor.ring_attention as ra
+    import autopar.executor.parallel.ring_attention as ra
 
     def send_recv(t: torch.Tensor, to: int, frm: int, group: Any) -> torch.Tensor:
         return t.clone()

@@ -134,7 +134,7 @@ def _step_in_process(plan: "Plan", model_path: str, rank: int) -> tuple[Any, flo
     import time
     import warnings
 
-    from autopar.executor.checks import preflight
+    from autopar.executor.runtime.checks import preflight
     from autopar.modelfile import load_model_file
     from autopar.rehearse.rank import rehearse_step
 

@@ -118,9 +118,9 @@ def rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> PeakMemory
     so call it once per process (autopar.rehearse.compare runs each in a fresh one)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.executor.apply import place, shape_parts
-    from autopar.executor.mesh import MESH_DIMS, ParallelMesh, rank_coords
-    from autopar.executor.train import _Trainer
+    from autopar.executor.parallel.apply import place, shape_parts
+    from autopar.executor.parallel.mesh import MESH_DIMS, ParallelMesh, rank_coords
+    from autopar.executor.runtime.train import _Trainer
 
     par = plan.parallel
     device = torch.device("cpu")

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from autopar.errors import AutoparError
-from autopar.executor.rank_main import DivergedLoss, check_divergence
-from autopar.executor.run_options import RunOptions
+from autopar.executor.runtime.rank_main import DivergedLoss, check_divergence
+from autopar.executor.runtime.run_options import RunOptions
 
 REPO = Path(__file__).resolve().parents[2]
 PLAN = {"version": 1, "model": {"file": str(REPO / "tests" / "dist" / "models" / "tiny_gpt.py"), "num_blocks": 4},

@@ -193,7 +193,7 @@ def _trace_bound(t):
 
 
 def _lock(t):
-    from autopar.executor.checkpoint import lock_directory
+    from autopar.executor.checkpoint.checkpoint import lock_directory
 
     held = lock_directory(t / "ck")  # another run holds the directory
     return ("run", plan_file(t), "--checkpoint-dir", t / "ck"), {"_hold": held}
@@ -292,7 +292,7 @@ def test_failure_contract(row: Row, tmp_path: Path) -> None:
 def test_crafted_checkpoint_never_runs_code(tmp_path: Path) -> None:
     """Finding 4: a .metadata pickle that would create a file, with meta.json's checksums rewritten to
     match (whoever can write one can write both): --resume refuses it and nothing runs."""
-    from autopar.executor.integrity import file_record
+    from autopar.executor.checkpoint.integrity import file_record
 
     plan, ck = plan_file(tmp_path), tmp_path / "ck"
     proc, _ = cli("run", plan, "--steps", 1, "--checkpoint-dir", ck, cwd=tmp_path)

@@ -81,10 +81,10 @@ def _free_port() -> int:
 
 
 def _run_case(case: Case, out_dir: Path) -> None:
-    from autopar.executor.apply import build_executable, full_parameters
-    from autopar.executor.checks import preflight
-    from autopar.executor.mesh import build_mesh
-    from autopar.executor.train import train
+    from autopar.executor.parallel.apply import build_executable, full_parameters
+    from autopar.executor.parallel.mesh import build_mesh
+    from autopar.executor.runtime.checks import preflight
+    from autopar.executor.runtime.train import train
     from autopar.modelfile import load_model_file
 
     plan = case.plan()
@@ -127,7 +127,7 @@ def tp_vocab_sharded(exe) -> list[str]:
     and output head that are sharded by vocabulary (dim 0) over the tp mesh dimension."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from autopar.executor.apply import original_name
+    from autopar.executor.parallel.apply import original_name
 
     spec, out = exe.spec, []
     edges = {f"{m}.weight" for m in (spec.vocab_embedding, spec.vocab_head) if m}
@@ -255,7 +255,7 @@ def spawn_named(worker: Callable[..., None], world: int, items: list[Any], out_d
 def _reference(case_type: type, model: str, global_batch_size: int, micro_batch_size: int):
     import torch
 
-    from autopar.executor.train import run_reference
+    from autopar.executor.runtime.train import run_reference
     from autopar.modelfile import load_model_file
 
     case = case_type(name="ref", model=model, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)

@@ -78,11 +78,11 @@ ACTIONS = [
 
 
 def _run(action: Action, root: Path) -> dict:
-    from autopar.executor.apply import build_executable, full_parameters
-    from autopar.executor.checkpoint import Checkpointer, find_latest, load
-    from autopar.executor.checks import preflight
-    from autopar.executor.mesh import build_mesh
-    from autopar.executor.train import StepHooks, train
+    from autopar.executor.checkpoint.checkpoint import Checkpointer, find_latest, load
+    from autopar.executor.parallel.apply import build_executable, full_parameters
+    from autopar.executor.parallel.mesh import build_mesh
+    from autopar.executor.runtime.checks import preflight
+    from autopar.executor.runtime.train import StepHooks, train
     from autopar.modelfile import load_model_file
 
     plan = action.case.plan()
@@ -153,7 +153,7 @@ def _results() -> tuple[dict, dict]:
 
 @functools.lru_cache(maxsize=None)
 def _reference(model: str) -> tuple[list[float], dict]:
-    from autopar.executor.train import run_reference
+    from autopar.executor.runtime.train import run_reference
     from autopar.modelfile import load_model_file
 
     plan = (_g if model == "gpt" else _l)("ref").plan()
@@ -210,8 +210,8 @@ def test_checkpoint_directory_protocol() -> None:
 
 
 def _complete(d: Path, step: int) -> Path:
-    from autopar.executor.checkpoint import CheckpointMeta
-    from autopar.executor.integrity import file_record
+    from autopar.executor.checkpoint.checkpoint import CheckpointMeta
+    from autopar.executor.checkpoint.integrity import file_record
 
     p = d / f"step-{step}"
     p.mkdir(parents=True)
@@ -224,7 +224,7 @@ def _complete(d: Path, step: int) -> Path:
 
 
 def test_find_latest_ignores_partial_saves(tmp_path: Path) -> None:
-    from autopar.executor.checkpoint import find_latest
+    from autopar.executor.checkpoint.checkpoint import find_latest
 
     assert find_latest(tmp_path / "missing") is None
     assert find_latest(tmp_path) is None
@@ -245,7 +245,7 @@ def test_find_latest_ignores_partial_saves(tmp_path: Path) -> None:
 
 
 def test_publish_is_rename_then_pointer_and_keeps_n(tmp_path: Path) -> None:
-    from autopar.executor.checkpoint import CheckpointMeta, find_latest, publish
+    from autopar.executor.checkpoint.checkpoint import CheckpointMeta, find_latest, publish
 
     for step in (1, 2, 3):
         tmp = tmp_path / f"step-{step}.tmp"
@@ -260,8 +260,8 @@ def test_publish_is_rename_then_pointer_and_keeps_n(tmp_path: Path) -> None:
 
 
 def test_resume_decision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from autopar.executor.checkpoint import CheckpointError
-    from autopar.executor.rank_main import resume_decision
+    from autopar.executor.checkpoint.checkpoint import CheckpointError
+    from autopar.executor.runtime.rank_main import resume_decision
 
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     assert resume_decision(None, False).path is None

@@ -102,7 +102,7 @@ def _results(world: int) -> dict:
 def _routing_is_uneven(model: str) -> bool:
     """The first block's router on the first step's batch sends different numbers of tokens to
     the experts (so the all-to-all's splits are uneven)."""
-    from autopar.executor.train import global_batch
+    from autopar.executor.runtime.train import global_batch
     from autopar.modelfile import load_model_file
     from autopar.spec import model_spec
 

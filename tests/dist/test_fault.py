@@ -41,7 +41,7 @@ def _torchrun(tmp_path: Path, *extra: str, restarts: int, env: dict[str, str], t
 def _reference() -> list[float]:
     import torch
 
-    from autopar.executor.train import run_reference
+    from autopar.executor.runtime.train import run_reference
     from autopar.modelfile import load_model_file
 
     torch.set_num_threads(2)

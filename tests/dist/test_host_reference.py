@@ -23,7 +23,7 @@ CASE = Case(name="gpt-tp2-dp2-zero1", model="gpt", parallel={"dp": 2, "tp": 2, "
 
 
 def _mapped_reference_files() -> list[str]:
-    from autopar.executor.host_reference import FILE_PREFIX
+    from autopar.executor.parallel.host_reference import FILE_PREFIX
 
     with open("/proc/self/maps", encoding="utf-8") as f:
         # the path, " (deleted)" once the node's first rank has unlinked it (the pages stay mapped)
@@ -33,10 +33,10 @@ def _mapped_reference_files() -> list[str]:
 def _build(out_dir: Path, no_room: bool) -> None:
     import torch.distributed as dist
 
-    import autopar.executor.apply as apply_mod
-    import autopar.executor.host_reference as host_ref
-    from autopar.executor.checks import preflight
-    from autopar.executor.mesh import build_mesh
+    import autopar.executor.parallel.apply as apply_mod
+    import autopar.executor.parallel.host_reference as host_ref
+    from autopar.executor.parallel.mesh import build_mesh
+    from autopar.executor.runtime.checks import preflight
     from autopar.modelfile import load_model_file
 
     rank = dist.get_rank()
@@ -96,7 +96,7 @@ def test_no_file_is_left(results) -> None:
 
 @pytest.mark.parametrize("kind", ["shared", "no-room"])
 def test_weights_are_the_seed_models(results, kind: str) -> None:
-    from autopar.executor.host_reference import build_reference
+    from autopar.executor.parallel.host_reference import build_reference
     from autopar.modelfile import load_model_file
 
     ref = dict(build_reference(load_model_file(CASE.plan().model.file), SEED).named_parameters(remove_duplicate=False))

@@ -72,10 +72,10 @@ WORLD = {2: CASES_2, 4: CASES_4}
 
 
 def _run(case: LsqCase, out_dir: Path) -> None:
-    from autopar.executor.apply import build_executable, full_parameters
-    from autopar.executor.checks import preflight
-    from autopar.executor.mesh import build_mesh
-    from autopar.executor.train import AdaScaleOptions, train
+    from autopar.executor.parallel.apply import build_executable, full_parameters
+    from autopar.executor.parallel.mesh import build_mesh
+    from autopar.executor.runtime.checks import preflight
+    from autopar.executor.runtime.train import AdaScaleOptions, train
     from autopar.modelfile import load_model_file
 
     plan = case.plan()
@@ -120,7 +120,7 @@ def _reference_norms(b_small: int, steps: int, lr: float, global_batch: int = 16
                      data_seed: int = SEED) -> tuple[list, list]:
     """One process: per step, (mean |g|² over the B_small chunks of the global batch, |g|² of the
     whole batch), then an SGD step on the whole batch; and the losses. ``model_out``: gets the model."""
-    from autopar.executor.host_reference import build_reference
+    from autopar.executor.parallel.host_reference import build_reference
     from autopar.modelfile import load_model_file
 
     mf = load_model_file(str(LSQ))
@@ -206,7 +206,7 @@ def test_adascale_reaches_one_rank_loss_at_the_same_scale_invariant_step() -> No
     """4 ranks at 4x the batch under AdaScale, run to TARGET scale-invariant steps, end at least as
     close to the optimum as one rank at scale 1 after TARGET steps (on average over its data
     streams) -- where as many 4-rank steps at scale 1's learning rate are far behind."""
-    from autopar.executor.host_reference import build_reference
+    from autopar.executor.parallel.host_reference import build_reference
     from autopar.modelfile import load_model_file
 
     got = _got(4, "adascale-dp4")

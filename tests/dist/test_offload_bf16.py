@@ -43,11 +43,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _one(case: Case) -> dict:
-    from autopar.executor.apply import build_executable
-    from autopar.executor.checks import preflight
-    from autopar.executor.mesh import build_mesh
-    from autopar.executor.offload import HostOptimizer
-    from autopar.executor.train import train
+    from autopar.executor.parallel.apply import build_executable
+    from autopar.executor.parallel.mesh import build_mesh
+    from autopar.executor.parallel.offload import HostOptimizer
+    from autopar.executor.runtime.checks import preflight
+    from autopar.executor.runtime.train import train
     from autopar.modelfile import load_model_file
 
     plan = _bf16_plan(case)

@@ -40,11 +40,11 @@ def _built(case: Case) -> dict:
     live, the FSDP2 offload policy, and the bytes the activation hooks copied in one step."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-    from autopar.executor.apply import build_executable
-    from autopar.executor.checks import preflight
-    from autopar.executor.mesh import build_mesh
-    from autopar.executor.offload import HostOptimizer, OffloadSavedTensors
-    from autopar.executor.train import train
+    from autopar.executor.parallel.apply import build_executable
+    from autopar.executor.parallel.mesh import build_mesh
+    from autopar.executor.parallel.offload import HostOptimizer, OffloadSavedTensors
+    from autopar.executor.runtime.checks import preflight
+    from autopar.executor.runtime.train import train
     from autopar.modelfile import load_model_file
 
     plan = case.plan()

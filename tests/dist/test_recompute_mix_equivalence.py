@@ -35,9 +35,9 @@ CASES = [
 
 def _checkpointed(case: Case, out_dir: Path) -> None:
     """Which module names of this rank's chunks run under checkpoint (an instance ``forward``)."""
-    from autopar.executor.apply import build_executable
-    from autopar.executor.checks import preflight
-    from autopar.executor.mesh import build_mesh
+    from autopar.executor.parallel.apply import build_executable
+    from autopar.executor.parallel.mesh import build_mesh
+    from autopar.executor.runtime.checks import preflight
     from autopar.modelfile import load_model_file
 
     plan = case.plan()

@@ -15,7 +15,7 @@ from harness import MODELS, Case
 from autopar.commands.run import add_arguments
 from autopar.commands.run import main as run_main
 from autopar.errors import AutoparError
-from autopar.executor.checks import preflight
+from autopar.executor.runtime.checks import preflight
 from autopar.modelfile import load_model_file
 from autopar.plan import plan_from_dict, save_plan
 
@@ -118,7 +118,7 @@ def test_run_cli_relaunches_and_matches_reference(tmp_path: Path) -> None:
     """`autopar run PLAN --nproc-per-node 2` trains, reports, and equals the single-process run."""
     import torch
 
-    from autopar.executor.train import run_reference
+    from autopar.executor.runtime.train import run_reference
 
     case = Case(name="cli-zero3", model="gpt", parallel={"dp": 2, "zero": 3})
     d = case.plan_dict()

@@ -34,10 +34,10 @@ def _build(case: Case, out_dir: Path) -> None:
     import torch.distributed as dist
     import torch.distributed.fsdp as fsdp
 
-    import autopar.executor.apply as apply_mod
-    from autopar.executor.checks import preflight
-    from autopar.executor.mesh import build_mesh
-    from autopar.executor.pipeline_parallel import STAGE_PREFIX
+    import autopar.executor.parallel.apply as apply_mod
+    from autopar.executor.parallel.mesh import build_mesh
+    from autopar.executor.parallel.pipeline_parallel import STAGE_PREFIX
+    from autopar.executor.runtime.checks import preflight
     from autopar.modelfile import load_model_file
 
     plan = case.plan()
@@ -97,7 +97,7 @@ def test_at_most_the_root_and_one_block_are_whole(results, case: str) -> None:
 
 @pytest.mark.parametrize("case", [c.name for c in CASES])
 def test_weights_are_the_seed_models(results, case: str) -> None:
-    from autopar.executor.host_reference import build_reference
+    from autopar.executor.parallel.host_reference import build_reference
     from autopar.modelfile import load_model_file
 
     plan = CASES[[c.name for c in CASES].index(case)].plan()

@@ -5,7 +5,7 @@ written as HF writes one (``layers.*.attn.qkv``); a decoder whose fused projecti
 flow can count (tests/dist/models/fused_chunks.py). One spawn.
 
 The plans come from the data flow (autopar.spec.tp_infer); the executor shards Conv1D with
-autopar.executor.tp_conv1d. fp32: losses within rel 1e-4, gradients and parameters as in
+autopar.executor.parallel.tp_conv1d. fp32: losses within rel 1e-4, gradients and parameters as in
 test_equivalence.
 """
 

@@ -32,10 +32,10 @@ COUNTS = [(zero, m) for zero in (1, 2) for m in (2, 4)]
 
 def _count_case(zero: int, m: int, out_dir: Path) -> None:
     """FSDP2 collectives of the second step (the first also runs FSDP2's lazy init)."""
-    from autopar.executor.apply import build_executable
-    from autopar.executor.checks import preflight
-    from autopar.executor.mesh import build_mesh
-    from autopar.executor.train import rank_batch, train
+    from autopar.executor.parallel.apply import build_executable
+    from autopar.executor.parallel.mesh import build_mesh
+    from autopar.executor.runtime.checks import preflight
+    from autopar.executor.runtime.train import rank_batch, train
 
     case = Case(name="count", model="gpt", parallel={"tp": 2, "dp": 2, "zero": zero}, global_batch_size=2 * m)
     plan = case.plan()
@@ -58,7 +58,7 @@ def _count_case(zero: int, m: int, out_dir: Path) -> None:
     dist.all_gather_single = counting("all_gather")
     dist.reduce_scatter_single = counting("reduce_scatter")
     try:
-        from autopar.executor.train import _Trainer
+        from autopar.executor.runtime.train import _Trainer
 
         _Trainer(exe, mf).step(rank_batch(exe, mf, 1, SEED))
     finally:

@@ -88,7 +88,7 @@ def test_apply_plan_in_a_world_of_one(repo, make_plan, tmp_path) -> None:
     import torch
     import torch.distributed as dist
 
-    from autopar.executor.host_reference import build_reference
+    from autopar.executor.parallel.host_reference import build_reference
     from autopar.modelfile import load_model_file
 
     model = repo / "tests" / "dist" / "models" / "tiny_gpt.py"

@@ -258,7 +258,7 @@ def test_a_pipeline_chunks_block_list_indexes_its_own_blocks() -> None:
     marker, while iteration still runs the markers."""
     from torch import nn
 
-    from autopar.executor.pipeline_parallel import _ChunkBlocks
+    from autopar.executor.parallel.pipeline_parallel import _ChunkBlocks
 
     blocks = _ChunkBlocks()
     marker, b2, b3 = nn.Identity(), nn.Linear(2, 2), nn.Linear(2, 2)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.executor.chain_pipeline import build_chain_chunk, probe_chain_shapes, unit_modules
-from autopar.executor.pipeline_parallel import STAGE_ATTR, STAGE_PREFIX
+from autopar.executor.parallel.chain_pipeline import build_chain_chunk, probe_chain_shapes, unit_modules
+from autopar.executor.parallel.pipeline_parallel import STAGE_ATTR, STAGE_PREFIX
 from autopar.modelfile import load_model_file
 from autopar.spec import model_spec
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from autopar.executor import checkpoint as ckpt
+from autopar.executor.checkpoint import checkpoint as ckpt
 
 
 class _Chunk(nn.Module):

@@ -8,7 +8,7 @@ import traceback
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from autopar.executor.checkpoint import failure_line
+from autopar.executor.checkpoint.checkpoint import failure_line
 
 
 def _pair(exc: BaseException) -> tuple[BaseException, traceback.StackSummary]:

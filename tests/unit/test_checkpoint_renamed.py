@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autopar.executor.checkpoint_meta import META, CheckpointMeta
-from autopar.executor.integrity import choose, damage, file_record
+from autopar.executor.checkpoint.checkpoint_meta import META, CheckpointMeta
+from autopar.executor.checkpoint.integrity import choose, damage, file_record
 
 
 def _checkpoint(directory: Path, name: str, step: int) -> Path:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.errors import AutoparError
-from autopar.executor.context_parallel import (
+from autopar.executor.parallel.context_parallel import (
     IGNORE,
     cp_next_token_loss,
     dict_batch,
@@ -172,7 +172,7 @@ def test_cp_with_pipeline_stages_is_refused_for_dict_batches_only():
 
 def test_preflight_refuses_cp_x_pp_on_a_dict_model_in_one_line():
     pytest.importorskip("transformers")
-    from autopar.executor.checks import preflight
+    from autopar.executor.runtime.checks import preflight
     from autopar.modelfile import load_model_file
     from autopar.plan import plan_from_dict
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from autopar.executor import context_parallel as cpm
+from autopar.executor.parallel import context_parallel as cpm
 
 
 def _next_token(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

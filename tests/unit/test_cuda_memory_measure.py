@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.executor import train
+from autopar.executor.runtime import train
 
 
 def test_device_peak_adds_what_lives_outside_the_allocator(monkeypatch) -> None:
@@ -24,7 +24,7 @@ def test_a_host_build_that_cannot_fit_is_one_line() -> None:
     import pytest
 
     from autopar.errors import AutoparError
-    from autopar.executor.checks import check_host_build
+    from autopar.executor.runtime.checks import check_host_build
 
     with torch.device("meta"):
         model = torch.nn.Linear(1024, 1024)  # 4 MiB of fp32 parameters

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from autopar.executor.train import global_batch, rows
+from autopar.executor.runtime.train import global_batch, rows
 from autopar.modelfile import load_model_file
 
 MODEL = '''

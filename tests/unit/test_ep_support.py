@@ -52,7 +52,7 @@ def test_search_offers_ep_exactly_where_preflight_and_estimate_accept_it(name, t
         pytest.skip("transformers not installed")
     from autopar.cost.estimate import check_plan_against_model
     from autopar.errors import AutoparError
-    from autopar.executor.checks import preflight
+    from autopar.executor.runtime.checks import preflight
     from autopar.graph import build_graph
     from autopar.modelfile import load_model_file
     from autopar.search.space import SearchSpace, enumerate_branches

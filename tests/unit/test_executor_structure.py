@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.executor import pipeline_parallel as pipe
-from autopar.executor.apply import named_full, original_name
+from autopar.executor.parallel import pipeline_parallel as pipe
+from autopar.executor.parallel.apply import named_full, original_name
 from autopar.modelfile import load_model_file
 from autopar.spec import model_spec
 
@@ -105,7 +105,7 @@ def test_stage_io_rebuilds_outputs_and_dict_inputs() -> None:
 
 
 def test_sp_hooks_find_a_keyword_input() -> None:
-    from autopar.executor.tensor_parallel import _map_first_input, _map_first_output
+    from autopar.executor.parallel.tensor_parallel import _map_first_input, _map_first_output
 
     class Attn(nn.Module):
         def forward(self, hidden_states, mask=None):
@@ -127,7 +127,7 @@ def test_hf_attention_support_and_selective_recompute_route() -> None:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from autopar.executor import hf_attention
+    from autopar.executor.parallel import hf_attention
 
     llama = model_spec(load_model_file(ZOO / "hf_llama.py"))
     assert llama.hf_attention is not None and llama.hf_attention.module == "self_attn"

@@ -308,7 +308,7 @@ def test_expert_tensor_parallel_shards_the_experts_over_tp_too() -> None:
 
 def test_run_preflight_refuses_ep_on_a_dense_model() -> None:
     from autopar.errors import AutoparError
-    from autopar.executor.checks import preflight
+    from autopar.executor.runtime.checks import preflight
     from autopar.modelfile import load_model_file
 
     mf = load_model_file(ZOO / "bare_pos_gpt.py")

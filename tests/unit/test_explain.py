@@ -31,7 +31,7 @@ def test_groups_with_context_parallelism(make_plan) -> None:
 
 
 def test_groups_agree_with_the_executor_rank_layout(make_plan) -> None:
-    from autopar.executor.mesh import rank_coords
+    from autopar.executor.parallel.mesh import rank_coords
 
     plan = make_plan(16, global_batch_size=16, dp=2, cp=2, tp=2, pp=2)
     for axis in ("tp", "cp", "dp", "pp"):

@@ -65,7 +65,7 @@ def test_dump_file_is_read_without_running_code(tmp_path: Path) -> None:
 
 
 def test_flight_recorder_dumps_into_the_launchers_status_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from autopar.executor.faults import enable_flight_recorder
+    from autopar.executor.runtime.faults import enable_flight_recorder
 
     for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE"):
         monkeypatch.delenv(var, raising=False)
@@ -83,7 +83,7 @@ def test_flight_recorder_dumps_into_the_launchers_status_dir(monkeypatch: pytest
 def test_live_reader_prefers_the_nccl_recorder(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._C._distributed_c10d as c10d_c
 
-    from autopar.executor import faults
+    from autopar.executor.runtime import faults
 
     nccl = _nccl_trace(_entry(1, "started", False, 11))
     generic = _nccl_trace(_entry(1, "scheduled", True, 2, "gloo:broadcast"))
@@ -165,7 +165,7 @@ def test_deterministic_nccl_errors_are_not_peer_faults() -> None:
     --max-restarts would restart into the same error); a lost or hung peer still is."""
     import torch.distributed as dist
 
-    from autopar.executor.faults import _is_distributed_error
+    from autopar.executor.runtime.faults import _is_distributed_error
 
     backend_error = getattr(dist, "DistBackendError", RuntimeError)
     assert not _is_distributed_error(backend_error("NCCL error in: ProcessGroupNCCL.cpp:2040, invalid usage "

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from autopar.errors import EXIT_OUT_OF_MEMORY, AutoparError, OutOfDeviceMemory
-from autopar.executor.checks import preflight
-from autopar.executor.rank_main import out_of_memory
+from autopar.executor.runtime.checks import preflight
+from autopar.executor.runtime.rank_main import out_of_memory
 from autopar.modelfile import load_model_file
 from autopar.plan import ClusterRef, ModelRef, Parallel, Plan, Training
 
@@ -44,7 +44,7 @@ def test_out_of_memory_line_names_the_rank_the_step_and_the_priced_peak() -> Non
 def test_a_rank_without_a_gpu_is_one_line(monkeypatch) -> None:
     """Two ranks on a host showing one GPU: the second rank's device is a one-line error naming the
     count and the fix, not CUDA's invalid-ordinal traceback; --device cpu keeps it on the CPU."""
-    from autopar.executor import mesh
+    from autopar.executor.parallel import mesh
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -58,7 +58,7 @@ def test_a_rank_without_a_gpu_is_one_line(monkeypatch) -> None:
 
 def test_run_checks_the_gpus_before_starting_ranks(monkeypatch) -> None:
     from autopar.commands.run import set_device_choice
-    from autopar.executor.mesh import DEVICE_ENV
+    from autopar.executor.parallel.mesh import DEVICE_ENV
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -76,7 +76,7 @@ def test_an_older_torch_is_one_line_naming_what_it_lacks(monkeypatch) -> None:
     before any rank starts, naming what is missing."""
     from torch.distributed.fsdp import FSDPModule
 
-    from autopar.executor import checks
+    from autopar.executor.runtime import checks
 
     assert checks.torch_support_reason() is None  # the torch the suite runs on has them
     monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
@@ -90,7 +90,7 @@ def test_tied_gradients_on_the_host_are_reduced_on_the_device_under_nccl(monkeyp
     """Parameter offload keeps gradients on the CPU; NCCL takes device tensors only: the tied-weight
     sum goes through a device copy (here the device is faked: the copy and the collective are
     recorded)."""
-    from autopar.executor import pipeline_parallel as pipe
+    from autopar.executor.parallel import pipeline_parallel as pipe
 
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -107,7 +107,7 @@ def test_pinned_host_buffers_are_not_rounded_up_to_powers_of_two(monkeypatch) ->
     """Host offload pins each buffer through CUDA's caching host allocator, which rounds it up to a
     power of two (up to 2x the priced host memory): a GPU rank caps that rounding, unless the user
     configured the allocator's pinned settings."""
-    from autopar.executor import mesh
+    from autopar.executor.parallel import mesh
 
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -130,7 +130,7 @@ def test_fp32_plans_on_a_gpu_are_priced_at_tf32_and_run_on_it(monkeypatch) -> No
     """An fp32 plan on a datasheet GPU profile is priced at its TF32 peak (half the bf16 one), not
     the bf16 peak; a GPU rank runs fp32 matmuls on TF32 tensor cores (precision "high"), as priced."""
     from autopar.cluster import load_cluster
-    from autopar.executor import mesh
+    from autopar.executor.parallel import mesh
     from autopar.profile_conditions import RunConditions, price_for_run
 
     h100 = load_cluster("h100-80g")

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from autopar.executor.adascale import AdaScale, gain_ratio, scaled_lr
-from autopar.executor.noise_scale import NoiseScaleEstimator, NormSample, b_simple_of, estimate
+from autopar.executor.runtime.adascale import AdaScale, gain_ratio, scaled_lr
+from autopar.executor.runtime.noise_scale import NoiseScaleEstimator, NormSample, b_simple_of, estimate
 
 
 def _least_squares_norms(steps: int, workers: int, b_small: int, dim: int, r_sq: float, noise: float, seed: int = 0):
@@ -112,14 +112,14 @@ def test_scaled_lr_scales_one_step_and_restores() -> None:
 ])
 def test_adascale_options_refused(kwargs: dict, needle: str) -> None:
     from autopar.errors import AutoparError
-    from autopar.executor.run_options import RunOptions
+    from autopar.executor.runtime.run_options import RunOptions
 
     with pytest.raises(AutoparError, match=needle):
         RunOptions(plan_path="p.yaml", **kwargs)
 
 
 def test_adascale_target_bounds_the_steps() -> None:
-    from autopar.executor.run_options import RunOptions
+    from autopar.executor.runtime.run_options import RunOptions
 
     assert RunOptions(plan_path="p.yaml", steps=3, adascale=True, adascale_target=7.5).step_limit == 8
     assert RunOptions(plan_path="p.yaml", steps=3).step_limit == 3

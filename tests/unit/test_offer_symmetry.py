@@ -60,7 +60,7 @@ def test_offered_equals_estimate_accepts_equals_preflight_accepts(name, tmp_path
         pytest.skip("transformers not installed")
     from autopar.cost.estimate import check_plan_against_model
     from autopar.errors import AutoparError
-    from autopar.executor.checks import preflight
+    from autopar.executor.runtime.checks import preflight
     from autopar.graph import build_graph
     from autopar.modelfile import load_model_file
     from autopar.plan import PlanError

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autopar.executor.offload import OffloadSavedTensors
+from autopar.executor.parallel.offload import OffloadSavedTensors
 
 
 def _host_bytes(model: nn.Module, x: torch.Tensor, autocast: bool = False) -> int:
@@ -47,7 +47,7 @@ def test_autocast_weight_copies_are_offloaded_as_priced() -> None:
 def test_host_optimizer_threads_on_a_gpu_rank() -> None:
     # the CPU Adam of optimizer offload gets the rank's share of the node's cores on a GPU rank
     # (ranks start with OMP_NUM_THREADS=1); a CPU rank keeps what rank_main gave it
-    from autopar.executor.offload import host_step_threads
+    from autopar.executor.parallel.offload import host_step_threads
 
     assert host_step_threads(torch.device("cuda", 3), 96, 8) == 12
     assert host_step_threads(torch.device("cuda", 0), 4, 8) == 1

@@ -21,8 +21,8 @@ from autopar.cost.compute import region_time
 from autopar.cost.estimate import estimate_plan
 from autopar.cost.stage import Config, build_terms
 from autopar.errors import PlanError
-from autopar.executor.introspect import inspect_model
-from autopar.executor.recompute import apply_recompute
+from autopar.executor.parallel.recompute import apply_recompute
+from autopar.executor.runtime.introspect import inspect_model
 from autopar.graph.cache import cached_graph
 from autopar.graph.scaling import Shape
 from autopar.modelfile import call_model, load_model_file

@@ -99,7 +99,7 @@ def test_parameter_counts_read_at_a_glance() -> None:
 
 
 def test_first_loss_of_a_next_token_model_is_ln_vocab() -> None:
-    from autopar.executor.rank_main import initial_loss_hint
+    from autopar.executor.runtime.rank_main import initial_loss_hint
     from autopar.modelfile import load_model_file
 
     hint = initial_loss_hint(load_model_file(REPO / "examples" / "gpt_small.py"))

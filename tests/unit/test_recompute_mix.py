@@ -353,7 +353,7 @@ def test_hf_attention_recomputes_only_the_selective_blocks_of_a_mix() -> None:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from autopar.executor import hf_attention
+    from autopar.executor.parallel import hf_attention
     from autopar.modelfile import load_model_file
 
     calls = []

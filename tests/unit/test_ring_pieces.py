@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopar.executor import ring_attention as ra
+from autopar.executor.parallel import ring_attention as ra
 
 
 @pytest.mark.parametrize("dq,dv,heads,kv_heads", [(16, 16, 4, 4), (24, 16, 4, 4), (16, 16, 4, 2), (24, 8, 4, 2)])
@@ -38,7 +38,7 @@ def test_send_recv_receives_into_a_dense_buffer(monkeypatch) -> None:
     buffer: empty_like kept the permuted strides, and NCCL and gloo write a dense one."""
     import torch.distributed as dist
 
-    from autopar.executor import ring_attention
+    from autopar.executor.parallel import ring_attention
 
     seen: list = []
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.executor.pipeline_parallel import StepIO
+from autopar.executor.parallel.pipeline_parallel import StepIO
 
 
 def test_row_target_is_a_host_tensor_of_the_rows() -> None:

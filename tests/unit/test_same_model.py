@@ -1,11 +1,11 @@
-"""The structure digest every rank compares (autopar.executor.same_model): what changes it, what
+"""The structure digest every rank compares (autopar.executor.runtime.same_model): what changes it, what
 does not, and the line that names the ranks of each model."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from autopar.executor.same_model import mismatch_line, structure_digest
+from autopar.executor.runtime.same_model import mismatch_line, structure_digest
 
 
 def _net(width: int, dtype=None) -> nn.Module:  # noqa: ANN001

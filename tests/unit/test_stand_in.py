@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.executor.pipeline_parallel import _Exit, _Skip, _ZeroStub
-from autopar.executor.pipeline_probe import Template
-from autopar.executor.stand_in import AbsentModule
+from autopar.executor.parallel.pipeline_parallel import _Exit, _Skip, _ZeroStub
+from autopar.executor.parallel.pipeline_probe import Template
+from autopar.executor.parallel.stand_in import AbsentModule
 
 
 class Stage(nn.Module):

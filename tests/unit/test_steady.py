@@ -1,4 +1,4 @@
-"""The steady state of a run's step times (autopar.executor.steady): the warm-up is found from the
+"""The steady state of a run's step times (autopar.executor.runtime.steady): the warm-up is found from the
 times, not fixed at one step."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from autopar.commands.validate import MAX_AUTO_STEPS, MIN_AUTO_STEPS, auto_steps
-from autopar.executor.steady import steady_state
+from autopar.executor.runtime.steady import steady_state
 
 
 def test_a_slow_start_over_several_steps_is_left_out() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autopar.executor.train import _time_left
+from autopar.executor.runtime.train import _time_left
 
 
 def test_time_left_is_the_remaining_steps_at_the_median_steady_step() -> None:

@@ -19,7 +19,7 @@ def test_a_zero3_stage_module_ignores_the_pipeline_switches() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from autopar.executor.data_parallel import sync_every_microbatch
+    from autopar.executor.parallel.data_parallel import sync_every_microbatch
     from autopar.rehearse.fake import fake_rank
 
     with fake_rank(0, 2):
@@ -36,8 +36,8 @@ def test_a_zero3_stage_module_ignores_the_pipeline_switches() -> None:
 
 
 def test_build_schedule_applies_it_to_zero3_plans_only(monkeypatch) -> None:
-    import autopar.executor.data_parallel as dp_mod
-    from autopar.executor import pipeline_parallel as pipe
+    import autopar.executor.parallel.data_parallel as dp_mod
+    from autopar.executor.parallel import pipeline_parallel as pipe
 
     seen: list[int] = []
     monkeypatch.setattr(dp_mod, "sync_every_microbatch", lambda m: seen.append(id(m)))

@@ -1,7 +1,7 @@
 """The checkpoint record: ``meta.json`` (what a save records beside DCP's shards) and its error.
 
-Plain JSON and no torch, so that the integrity checks (executor/integrity.py), the launcher's
-``--resume`` check (commands/run.py) and the checkpointer (executor/checkpoint.py) share it
+Plain JSON and no torch, so that the integrity checks (executor/checkpoint/integrity.py), the launcher's
+``--resume`` check (commands/run.py) and the checkpointer (executor/checkpoint/checkpoint.py) share it
 without importing each other.
 """
 

@@ -27,12 +27,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autopar.executor import chain_pipeline as chain_pipe
-from autopar.executor import hf_attention
-from autopar.executor import pipeline_parallel as pipe
-from autopar.executor.checks import check_host_build, host_available_bytes
-from autopar.executor.context_parallel import ContextParallelAttention, apply_cp, position_kwargs
-from autopar.executor.data_parallel import (
+from autopar.executor.parallel import chain_pipeline as chain_pipe
+from autopar.executor.parallel import hf_attention
+from autopar.executor.parallel import pipeline_parallel as pipe
+from autopar.executor.parallel.context_parallel import ContextParallelAttention, apply_cp, position_kwargs
+from autopar.executor.parallel.data_parallel import (
     MIXED_PRECISION_KINDS,
     DataParallelResult,
     apply_data_parallel,
@@ -40,11 +39,12 @@ from autopar.executor.data_parallel import (
     uses_fsdp,
     wrap_kind,
 )
-from autopar.executor.host_reference import host_copies, reference_tensors
-from autopar.executor.introspect import ModelSpec
-from autopar.executor.mesh import ParallelMesh
-from autopar.executor.recompute import apply_recompute
-from autopar.executor.tensor_parallel import apply_tp, fused_row_permutations, keep_grad_placements
+from autopar.executor.parallel.host_reference import host_copies, reference_tensors
+from autopar.executor.parallel.mesh import ParallelMesh
+from autopar.executor.parallel.recompute import apply_recompute
+from autopar.executor.parallel.tensor_parallel import apply_tp, fused_row_permutations, keep_grad_placements
+from autopar.executor.runtime.checks import check_host_build, host_available_bytes
+from autopar.executor.runtime.introspect import ModelSpec
 from autopar.modelfile import ModelFile
 from autopar.plan import Plan
 from autopar.torch_dtypes import TORCH_DTYPES
@@ -262,7 +262,7 @@ def shape_parts(plan: Plan, mf: ModelFile, spec: ModelSpec, mesh: ParallelMesh, 
                                        device=mesh.device)
                       for c, rng in enumerate(ranges)]
         if par.cp > 1:
-            from autopar.executor.context_parallel import shard_indices
+            from autopar.executor.parallel.context_parallel import shard_indices
 
             positions = shard_indices(plan.training.seq_len, par.cp, mesh.coords.cp).to(mesh.device)
             for ch in chunks:
@@ -281,7 +281,7 @@ def shape_parts(plan: Plan, mf: ModelFile, spec: ModelSpec, mesh: ParallelMesh, 
 
     # 3b. expert parallelism: this rank's experts (on meta), tokens routed over the ep group
     if par.ep > 1:
-        from autopar.executor import expert_parallel as ep_mod
+        from autopar.executor.parallel import expert_parallel as ep_mod
 
         prefix = pipe.STAGE_PREFIX if par.pp > 1 else ""
         shaped.expert = ep_mod.apply_expert_parallel(shaped.parts, spec, ep_mod.expert_groups(plan, spec, mesh.device),
@@ -317,7 +317,7 @@ def _shape_part(part: nn.Module, plan: Plan, spec: ModelSpec, mesh: ParallelMesh
                  cp=par.cp, rank=mesh.coords.cp, seq_len=plan.training.seq_len)
     apply_recompute(part, _prefixed(spec, prefix), recompute, block_modes)
     if par.offload.activations:  # host offload: saved activations of each block on the host
-        from autopar.executor.offload import offload_block_activations
+        from autopar.executor.parallel.offload import offload_block_activations
 
         offload_block_activations(_blocks_of(part, spec, prefix), mesh.device)
 
@@ -354,7 +354,7 @@ def place(
         fills.append(fill)
     stage_shapes = _stage_shapes(shaped, plan, mf, device) if fake and par.pp > 1 and shaped.io is not None else None
     if expert is not None:  # experts reduce over their edp ranks, not dp x cp
-        from autopar.executor import expert_parallel as ep_mod
+        from autopar.executor.parallel import expert_parallel as ep_mod
 
         ep_mod.wrap_experts(expert, parts[0], zero=zero, dtype=plan.training.dtype, dp_cp=par.dp * par.cp,
                             replicated=par.pp > 1 or par.tp > 1)  # ZeRO 0 wraps with replicate there, not DDP
@@ -366,7 +366,7 @@ def place(
         blocks = _blocks_of(part, spec, prefix)
         policy = None
         if par.offload.params:  # host offload: FSDP2 CPU offload of params, grads (and so the optimizer)
-            from autopar.executor.offload import cpu_offload_policy
+            from autopar.executor.parallel.offload import cpu_offload_policy
 
             policy = cpu_offload_policy(device)
         wrapped.append(apply_data_parallel(part, blocks, dp_mesh, zero=zero, dtype=plan.training.dtype, device=device,
@@ -387,7 +387,7 @@ def place(
     if par.tp > 1:  # embedding gradients come back Replicate; keep them vocab-sharded (tensor_parallel.py)
         keep_grad_placements([p for w in wrapped if w.kind in ("none", "ddp") for p in w.module.parameters()])
     if par.offload.optimizer and not par.offload.params:  # host offload: states on the host, the step on the CPU
-        from autopar.executor.offload import build_host_optimizer
+        from autopar.executor.parallel.offload import build_host_optimizer
 
         exe.optimizer = build_host_optimizer(
             params, lambda masters: build_optimizer(masters, plan.training.optimizer, lr, False, None), device)
@@ -408,13 +408,13 @@ def _attach_schedule(exe: Executable, shaped: Shaped, plan: Plan, mesh: Parallel
     assert loss_fn is not None, "the pipeline's last stage computes the loss"
     row_target = True  # the model file's loss_fn gets each micro-batch's own inputs (StepIO.loss)
     if par.cp > 1:  # targets arrive pre-shifted and sharded (train.py); see context_parallel.py
-        from autopar.executor.context_parallel import cp_next_token_loss, logits_of
+        from autopar.executor.parallel.context_parallel import cp_next_token_loss, logits_of
 
         n_targets = plan.training.micro_batch_size * (plan.training.seq_len - 1)
         loss_fn = lambda out, tgt: cp_next_token_loss(logits_of(out)[0], tgt, n_targets, par.cp)  # noqa: E731
         row_target = False
     if par.tp > 1:  # vocab-sharded logits on the last stage: the same fallback as train.py's loss
-        from autopar.executor.tensor_parallel import VocabParallelLoss
+        from autopar.executor.parallel.tensor_parallel import VocabParallelLoss
 
         exe.stage_loss = VocabParallelLoss(loss_fn)
         loss_fn = exe.stage_loss
@@ -517,7 +517,7 @@ def full_parameters(exe: Executable, *, grads: bool = False) -> dict[str, torch.
             t = t[torch.argsort(exe.permutations[name])]
         out[name] = t
     if exe.expert is not None:  # expert parallelism: the other ep ranks' experts
-        from autopar.executor.expert_parallel import gather_full
+        from autopar.executor.parallel.expert_parallel import gather_full
 
         out = gather_full(exe.expert, out)
     return out

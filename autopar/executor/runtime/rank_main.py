@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopar.errors import AutoparError, OutOfDeviceMemory
-from autopar.executor.run_options import RunOptions
-from autopar.executor.run_report import build_report, format_comparison
-from autopar.executor.start import die_with
+from autopar.executor.runtime.run_options import RunOptions
+from autopar.executor.runtime.run_report import build_report, format_comparison
+from autopar.executor.runtime.start import die_with
 
 
 class NonFiniteLoss(AutoparError):
@@ -53,9 +53,9 @@ def resume_decision(checkpoint_dir: str | None, resume: bool, warn=None, gather=
     *intact* checkpoint in ``checkpoint_dir`` (integrity.choose: damaged newer ones are skipped with
     a warning; none intact is a one-line error); ``--resume`` without any checkpoint is an error
     (found before launch by commands/run.py). ``gather``/``share``/``of``: the ranks share the hashing."""
-    from autopar.executor.checkpoint import CheckpointError
-    from autopar.executor.faults import first_attempt
-    from autopar.executor.integrity import choose
+    from autopar.executor.checkpoint.checkpoint import CheckpointError
+    from autopar.executor.checkpoint.integrity import choose
+    from autopar.executor.runtime.faults import first_attempt
 
     if checkpoint_dir is None:
         return ResumeDecision(path=None, reason="no --checkpoint-dir")
@@ -84,12 +84,12 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
     import torch
     import torch.distributed as dist
 
-    from autopar.executor.checkpoint import Checkpointer, load
-    from autopar.executor.faults import Watchdog, inject_fault, inject_save_fault, poison_loss
-    from autopar.executor.mesh import device_for_rank
-    from autopar.executor.start import Join, StartOptions, start
-    from autopar.executor.tracing import make_tracer
-    from autopar.executor.train import AdaScaleOptions, StepHooks, train
+    from autopar.executor.checkpoint.checkpoint import Checkpointer, load
+    from autopar.executor.parallel.mesh import device_for_rank
+    from autopar.executor.runtime.faults import Watchdog, inject_fault, inject_save_fault, poison_loss
+    from autopar.executor.runtime.start import Join, StartOptions, start
+    from autopar.executor.runtime.tracing import make_tracer
+    from autopar.executor.runtime.train import AdaScaleOptions, StepHooks, train
     from autopar.launch.local import write_status
 
     device = device_for_rank()
@@ -273,7 +273,7 @@ def _initial_loss_hint(mf) -> str | None:  # noqa: ANN001
 
     import torch
 
-    from autopar.executor.context_parallel import is_next_token_loss
+    from autopar.executor.parallel.context_parallel import is_next_token_loss
 
     try:
         tokens = mf.example_inputs(1, "cpu")

@@ -1,5 +1,5 @@
 """A batch as the model file gives it (a tensor, or tuples, lists and dicts of them): its rows and
-its device. Used by the training loop (executor/train.py) and the pipeline's loss (executor/
+its device. Used by the training loop (executor/runtime/train.py) and the pipeline's loss (executor/
 pipeline_parallel.py), which therefore need not import each other.
 """
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.executor.run_options import RunOptions
-from autopar.executor.steady import steady_state
+from autopar.executor.runtime.run_options import RunOptions
+from autopar.executor.runtime.steady import steady_state
 
 
 def _error_pct(measured: float, predicted: Any) -> float | None:

@@ -29,7 +29,7 @@ from autopar.errors import AutoparError
 if TYPE_CHECKING:
     import torch
 
-    from autopar.executor.apply import Executable
+    from autopar.executor.parallel.apply import Executable
     from autopar.modelfile import ModelFile
     from autopar.plan import Plan
     from autopar.spec import ModelSpec
@@ -106,8 +106,8 @@ def start(plan: Plan, mf: ModelFile, options: StartOptions) -> Executable:
     """
     import torch.distributed as dist
 
-    from autopar.executor.apply import build_executable
-    from autopar.executor.mesh import backend_for, build_mesh, device_for_rank
+    from autopar.executor.parallel.apply import build_executable
+    from autopar.executor.parallel.mesh import backend_for, build_mesh, device_for_rank
 
     device = options.device if options.device is not None else device_for_rank()
     spec = options.spec
@@ -116,7 +116,7 @@ def start(plan: Plan, mf: ModelFile, options: StartOptions) -> Executable:
     if options.join is None and not (dist.is_available() and dist.is_initialized()):
         raise AutoparError("start: no process group is initialised and no Join was asked for")
     if spec is None:
-        from autopar.executor.checks import preflight
+        from autopar.executor.runtime.checks import preflight
 
         spec, _warnings = preflight(plan, mf, dist.get_world_size())
     if options.join is not None:
@@ -135,7 +135,7 @@ def start(plan: Plan, mf: ModelFile, options: StartOptions) -> Executable:
 
 def _set_group_timeouts(seconds: float | None) -> None:
     if seconds is not None:
-        from autopar.executor.faults import set_group_timeouts
+        from autopar.executor.runtime.faults import set_group_timeouts
 
         set_group_timeouts(seconds)
 
@@ -150,7 +150,7 @@ def _join(join: Join, device: torch.device, mf: ModelFile, backend: str) -> None
 
         join_process_group(backend, timeout)
     else:
-        from autopar.executor.faults import enable_flight_recorder
+        from autopar.executor.runtime.faults import enable_flight_recorder
 
         enable_flight_recorder()
         try:
@@ -165,7 +165,7 @@ def _join(join: Join, device: torch.device, mf: ModelFile, backend: str) -> None
                      f"{join.timeout_s:g} s ({first}); another rank died or hung at start-up (see its log)",
                      EXIT_JOIN_FAILED)
     if join.check_same_model and dist.get_world_size() > 1:
-        from autopar.executor.same_model import check_same_model
+        from autopar.executor.runtime.same_model import check_same_model
 
         different = check_same_model(mf.build("meta"), device)
         if different:

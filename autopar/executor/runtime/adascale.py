@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from autopar.executor.noise_scale import NormSample, estimate
+from autopar.executor.runtime.noise_scale import NormSample, estimate
 
 VARIANCE_FLOOR = 1e-6  # FairScale's clamp of σ²
 

@@ -31,7 +31,7 @@ its block arguments -- HF's ``position_embeddings=`` (cos, sin), ``attention_mas
 and on a non-last chunk the epilogue modules are dropped and an ``_Exit`` marker ends the block
 list: it raises with the hidden state it is given (positional, or the block's first parameter by
 keyword), leaving the model's forward before the epilogue runs. Every marker answers the attribute
-reads model code makes on the block or module it replaces (executor/stand_in.py: ModernBERT reads
+reads model code makes on the block or module it replaces (executor/parallel/stand_in.py: ModernBERT reads
 ``layer.attention_type``, Swin ``stage.downsample``). A parameter-holding prologue module whose
 output the epilogue reads (CLIP's first tower, pooled into the loss after the other tower's blocks)
 is *carried*: each non-last stage hands its output on after the hidden state, and a ``_Carried``
@@ -73,10 +73,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.executor.batch import rows
-from autopar.executor.introspect import ModelSpec
-from autopar.executor.pipeline_probe import Probe, Template, bare_holders, probe_structure, tensors_of
-from autopar.executor.stand_in import StandIn
+from autopar.executor.parallel.batch import rows
+from autopar.executor.parallel.pipeline_probe import Probe, Template, bare_holders, probe_structure, tensors_of
+from autopar.executor.parallel.stand_in import StandIn
+from autopar.executor.runtime.introspect import ModelSpec
 from autopar.modelfile import call_model
 from autopar.plan import Plan
 
@@ -345,7 +345,7 @@ def build_chunk(
                 blocks.add_module(f"skip{i}", skip.stand_for(old[i], f"{spec.blocks_path}.{i}"))
         inject = _Inject(probe.block_out)
         # every marker answers the attribute reads model code makes on the block it stands for
-        # (ModernBERT reads ``layer.attention_type`` before calling it): executor/stand_in.py
+        # (ModernBERT reads ``layer.attention_type`` before calling it): executor/parallel/stand_in.py
         before = block_range[0] - 1
         blocks.add_module("inject", inject.stand_for(old[before], f"{spec.blocks_path}.{before}"))
     for i in range(*block_range):
@@ -399,7 +399,7 @@ def build_schedule(
     par = plan.parallel
     n_chunks = par.num_stage_chunks
     if par.zero == 3:  # ZeRO-3's per-micro-batch reduce-scatter and resharding (data_parallel.py)
-        from autopar.executor.data_parallel import sync_every_microbatch
+        from autopar.executor.parallel.data_parallel import sync_every_microbatch
 
         for mod in stage_modules:
             sync_every_microbatch(mod)

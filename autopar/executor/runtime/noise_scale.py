@@ -10,7 +10,7 @@ the reduction runs per micro-batch) and B_big (the global batch) -- the two unkn
     tr(Σ) ≈ (|G_small|² − |G_big|²) / (1 / B_small − 1 / B_big)
 
 Each is unbiased where |G_small|² is the mean of the ranks' local squared norms (how
-executor/grad_norms.py measures it), but noisy step to step, and their ratio is not unbiased: so
+executor/runtime/grad_norms.py measures it), but noisy step to step, and their ratio is not unbiased: so
 each is smoothed with an exponential moving average (decay ``EMA_DECAY``, debiased as Adam
 debiases its moments: the first steps are the plain mean, not pulled towards 0) and the *simple
 noise scale* is the ratio of the smoothed values:

@@ -1,6 +1,6 @@
 """The seed-built weights every rank copies its part from: built once per node, shared by its ranks.
 
-Every plan's weights equal the single-process model's for the same seed (executor/apply.py, step
+Every plan's weights equal the single-process model's for the same seed (executor/parallel/apply.py, step
 4): each rank slices its shard out of a full model built on the host from ``torch.manual_seed(seed);
 build_model()``. Built by every rank, that is one whole fp32 model per rank, 8 x 4 P bytes on a node
 of 8 GPUs: 2.2 TB for a 70B model, above a DGX's 2 TB (GPU readiness, B3). Here the node's first

@@ -36,7 +36,7 @@ class RunOptions:
     trace_all_ranks: bool = False
     # divergence: a step's loss above this times the run's first loss stops the run (0: never)
     max_loss_ratio: float = DEFAULT_MAX_LOSS_RATIO
-    # AdaScale (executor/adascale.py): the learning rate times the gain ratio; with a target, train
+    # AdaScale (executor/runtime/adascale.py): the learning rate times the gain ratio; with a target, train
     # until the scale-invariant step counter reaches it (instead of --steps)
     adascale: bool = False
     adascale_target: float | None = None

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autopar.executor.introspect import ModelSpec
+from autopar.executor.runtime.introspect import ModelSpec
 from autopar.recompute_ops import COUNTED_GEMMS, SAVED_ATTENTION, SAVED_COLLECTIVES, saves_gemm
 
 
@@ -70,10 +70,10 @@ def _checkpoint_forward(module: nn.Module, context_fn: Callable[[], tuple[Any, A
 
 
 def _blocks(part: nn.Module, spec: ModelSpec) -> list[tuple[str, nn.Module]]:
-    """The blocks of ``part`` to checkpoint: a layer chain's units (executor/chain_pipeline.py), else
+    """The blocks of ``part`` to checkpoint: a layer chain's units (executor/parallel/chain_pipeline.py), else
     the digit-named children of the block list."""
     if spec.chain is not None:
-        from autopar.executor.chain_pipeline import unit_modules
+        from autopar.executor.parallel.chain_pipeline import unit_modules
 
         container = spec.chain.units[0].rsplit(".", 1)[0]  # spec.blocks_path, before a stage's "model." prefix
         prefix = spec.blocks_path[: len(spec.blocks_path) - len(container)]

@@ -28,7 +28,7 @@ embedding and head, as torchtitan does it):
   the gather for every loss_fn: it costs an all-gather of the logits per micro-batch and a full
   b·s·V logits tensor (plus its gradient) on every rank, which dominates the edges at large
   vocabularies. With pp > 1 the pipeline schedule calls the same ``VocabParallelLoss`` on the last
-  stage's DTensor logits (inside the same ``loss_parallel()``; executor/apply.py), fallback included;
+  stage's DTensor logits (inside the same ``loss_parallel()``; executor/parallel/apply.py), fallback included;
 * a tied embedding/head weight (GPT) is Shard(0) for both, so the one DTensor parameter serves
   both: the head keeps the embedding's sharded parameter (``_SharedColwise`` does not distribute an
   already-distributed parameter again). On pipeline stages the first stage holds it as the
@@ -76,8 +76,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autopar.executor.introspect import ModelSpec
-from autopar.executor.tp_conv1d import conv1d_layout, is_conv1d
+from autopar.executor.parallel.tp_conv1d import conv1d_layout, is_conv1d
+from autopar.executor.runtime.introspect import ModelSpec
 from autopar.spec.sp_check import is_norm
 from autopar.spec.tp_plan import plan_fused, set_local_attrs
 

@@ -1,6 +1,6 @@
 """Context-parallel attention on flash kernels: a cp rank's query shard against the sequence's K/V
 blocks, merged by log-sum-exp, in memory linear in the local sequence (the ring and all-gather
-kinds of executor/context_parallel.py).
+kinds of executor/parallel/context_parallel.py).
 
 Each rank holds chunks of the sequence (``shard_chunks``: chunks r and 2cp-1-r of 2cp equal chunks,
 for causal balance; contiguous shards where the length does not split so). A query chunk against a

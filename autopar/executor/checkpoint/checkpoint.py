@@ -53,9 +53,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.errors import AutoparError
-from autopar.executor.apply import Executable, original_name
-from autopar.executor.checkpoint_meta import FORMAT, LATEST, MAX_META_BYTES, META, CheckpointError, CheckpointMeta  # noqa: F401  (re-exported: the checkpoint's names)
-from autopar.executor.offload import HostOptimizer
+from autopar.executor.checkpoint.checkpoint_meta import (  # noqa: F401  (re-exported: the checkpoint's names)
+    FORMAT,
+    LATEST,
+    MAX_META_BYTES,
+    META,
+    CheckpointError,
+    CheckpointMeta,
+)
+from autopar.executor.parallel.apply import Executable, original_name
+from autopar.executor.parallel.offload import HostOptimizer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -146,7 +153,7 @@ def publish(tmp: Path, final: Path, meta: CheckpointMeta, keep: int) -> None:
     ``latest``, retention."""
     import dataclasses
 
-    from autopar.executor.integrity import file_record
+    from autopar.executor.checkpoint.integrity import file_record
 
     meta = dataclasses.replace(meta, files=file_record(tmp, exclude=(META,)))
     _write_file_atomic(tmp / META, meta.to_json())
@@ -423,7 +430,7 @@ def load(exe: Executable, path: Path) -> tuple[CheckpointMeta, list[str]]:
     if not same_layout:
         notes.append(f"resharded {path.name} from {_describe(meta.parallel)} to {_describe(_parallel_dict(exe.plan))}"
                      " (per-rank RNG state not restored)")
-    from autopar.executor.integrity import SafeReader, check_shapes
+    from autopar.executor.checkpoint.integrity import SafeReader, check_shapes
 
     init_optimizer_state(exe)
     state, fixups = build_state(exe, rng=same_layout, for_load=True)

@@ -1,7 +1,7 @@
 """Pipeline markers that answer, for the module whose place they take, what model code reads of it.
 
-A pipeline chunk replaces the modules another stage runs by markers (executor/pipeline_parallel.py,
-executor/chain_pipeline.py). The model's own forward still runs on every stage, and model code reads
+A pipeline chunk replaces the modules another stage runs by markers (executor/parallel/pipeline_parallel.py,
+executor/parallel/chain_pipeline.py). The model's own forward still runs on every stage, and model code reads
 settings off its blocks before calling them: Hugging Face ModernBERT picks a block's mask by
 ``layer.attention_type``, Swin's encoder asks ``stage.downsample is not None`` to track the image
 size. A ``StandIn`` answers such reads as the original module would: its plain attributes (strings,

@@ -107,7 +107,7 @@ def apply_data_parallel(
     FSDP2's ``replicate``, whose gradient sync the pipelining stage drives as it does FSDP2's.
 
     ``offload_policy`` (host offload): FSDP2's ``CPUOffloadPolicy`` for ZeRO-3 parameter offload
-    (executor/offload.py), given to every ``fully_shard``.
+    (executor/parallel/offload.py), given to every ``fully_shard``.
 
     ``ddp_stand_in`` (a rehearsal on fake tensors, autopar.rehearse): ``DDPBuckets`` instead of
     DDP, whose C++ reducer needs real storage; everything else is wrapped as in a run.
@@ -117,7 +117,7 @@ def apply_data_parallel(
     just before that module is sharded, so at most the root's parameters and one block are whole
     on the device at once (an 80 GB GPU cannot hold a ZeRO-3 plan's stage unsharded).
 
-    ``host_masters`` (optimizer offload, executor/offload.py ``HostOptimizer``): the fp32 masters
+    ``host_masters`` (optimizer offload, executor/parallel/offload.py ``HostOptimizer``): the fp32 masters
     live on the host, so an FSDP2 part's sharded parameters -- and with them their gradients, which
     FSDP2 reduces in fp32 and stores in the parameter's dtype -- are held on the device in the
     training dtype, as ZeRO-Offload and Megatron-LM's CPU optimizer do: 2 + 2 bytes per sharded

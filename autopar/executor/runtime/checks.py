@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.executor.introspect import ModelSpec, example_shape_check, inspect_model
+from autopar.executor.runtime.introspect import ModelSpec, example_shape_check, inspect_model
 from autopar.layout import tp_heads_reason, ulysses_reason
 from autopar.modelfile import ModelFile
 from autopar.plan import Plan
@@ -112,7 +112,7 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
         if used and spec.support_reason(dim):
             raise AutoparError(f"{_DIM_NAMES[dim]} cannot run on {where}: {spec.support_reason(dim)}; {change}")
     if par.ep > 1:  # what expert parallelism needs of the model and the other degrees
-        from autopar.executor.expert_parallel import check_expert_parallel
+        from autopar.executor.parallel.expert_parallel import check_expert_parallel
 
         check_expert_parallel(plan, spec, where, mf)
     if par.tp > 1:

@@ -16,7 +16,7 @@ losses and parameters must match.
 Loss semantics (= the reference): the mean over all micro-batches of ``loss_fn`` per micro-batch.
 With tp > 1 the output head returns logits sharded on the vocabulary and the loss runs
 vocab-parallel: ``loss_fn`` through ``tensor_parallel.VocabParallelLoss``, and each step's forward
-and backward inside ``loss_parallel()`` (``loss_context``); see executor/tensor_parallel.py for why
+and backward inside ``loss_parallel()`` (``loss_context``); see executor/parallel/tensor_parallel.py for why
 and for the fallback to all-gathered logits when a loss_fn cannot run on a DTensor. The CP loss
 (``cp_next_token_loss``) is a plain ``F.cross_entropy`` and runs on the sharded logits as it is; a
 Hugging Face causal-LM dict batch (``{"input_ids", "labels"}``) gets HF's label loss, the targets
@@ -47,10 +47,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError
-from autopar.executor.adascale import AdaScale, AdaScaleReport, scaled_lr
-from autopar.executor.apply import Executable
-from autopar.executor.batch import rows, to_device
-from autopar.executor.context_parallel import (
+from autopar.executor.parallel.apply import Executable
+from autopar.executor.parallel.batch import rows, to_device
+from autopar.executor.parallel.context_parallel import (
     cp_next_token_loss,
     dict_batch,
     is_label_loss,
@@ -60,13 +59,14 @@ from autopar.executor.context_parallel import (
     position_kwargs,
     shard_batch,
 )
-from autopar.executor.data_parallel import MIXED_PRECISION_KINDS, build_optimizer, zero1_microbatch
-from autopar.executor.grad_norms import GradNormMeter, Unmeasured, install
-from autopar.executor.host_reference import build_reference
-from autopar.executor.noise_scale import NoiseScaleEstimator, NoiseScaleReport, NormSample
-from autopar.executor.pipeline_parallel import run_schedule, sync_tied_grads
-from autopar.executor.steady import steady_state
-from autopar.executor.tensor_parallel import VocabParallelLoss, loss_context
+from autopar.executor.parallel.data_parallel import MIXED_PRECISION_KINDS, build_optimizer, zero1_microbatch
+from autopar.executor.parallel.host_reference import build_reference
+from autopar.executor.parallel.pipeline_parallel import run_schedule, sync_tied_grads
+from autopar.executor.parallel.tensor_parallel import VocabParallelLoss, loss_context
+from autopar.executor.runtime.adascale import AdaScale, AdaScaleReport, scaled_lr
+from autopar.executor.runtime.grad_norms import GradNormMeter, Unmeasured, install
+from autopar.executor.runtime.noise_scale import NoiseScaleEstimator, NoiseScaleReport, NormSample
+from autopar.executor.runtime.steady import steady_state
 from autopar.modelfile import ModelFile, call_model
 from autopar.plan import Plan
 from autopar.torch_dtypes import TORCH_DTYPES
@@ -80,7 +80,7 @@ class RunResult:
 
     losses: tuple[float, ...]
     step_times_s: tuple[float, ...]  # per step, max over ranks
-    step_time_s: float  # median of the steady steps, after the warm-up (autopar.executor.steady)
+    step_time_s: float  # median of the steady steps, after the warm-up (autopar.executor.runtime.steady)
     tokens_per_s: float
     peak_memory_bytes: tuple[int, ...]  # per rank
     memory_measure: str

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.executor.pipeline_parallel import STAGE_ATTR, _Dropped, _replace, _StageExit
-from autopar.executor.stand_in import StandIn
+from autopar.executor.parallel.pipeline_parallel import STAGE_ATTR, _Dropped, _replace, _StageExit
+from autopar.executor.parallel.stand_in import StandIn
 from autopar.modelfile import call_model
 from autopar.spec import ModelSpec
 from autopar.spec.meta import tolerant_meta

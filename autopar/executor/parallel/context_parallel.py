@@ -4,7 +4,7 @@ torch's own ``context_parallel()`` is CUDA-only (docs/design.md §7), so the thr
 autograd over torch.distributed collectives:
 
 * ``ring``: K/V blocks travel around the ring by P2P; each step runs flash attention on the
-  pieces the causal mask leaves and merges them by log-sum-exp (executor/ring_attention.py:
+  pieces the causal mask leaves and merges them by log-sum-exp (executor/parallel/ring_attention.py:
   memory linear in the local sequence, as flash attention's). Every rank runs every send/receive
   step, also where the causal mask empties a block, so forward and backward stay matched on all
   ranks (no deadlock).
@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.errors import AutoparError
-from autopar.executor.ring_attention import AllGatherAttention, RingAttention, shard_chunks
+from autopar.executor.parallel.ring_attention import AllGatherAttention, RingAttention, shard_chunks
 
 IGNORE = -100
 
@@ -204,7 +204,7 @@ class ContextParallelAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         if k.dtype != q.dtype or v.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.kind in ("ring", "allgather"):  # flash kernels block by block (executor/ring_attention.py)
+        if self.kind in ("ring", "allgather"):  # flash kernels block by block (executor/parallel/ring_attention.py)
             fn = RingAttention if self.kind == "ring" else AllGatherAttention
             return fn.apply(q, k, v, self.group, self.cp, self.rank, self.chunks, scale)
         if gqa and k.shape[1] % self.cp:  # Ulysses splits the kv heads too: repeat only where cp must
@@ -236,7 +236,7 @@ class ContextParallelAttention(nn.Module):
 @contextmanager
 def local_attention(model: nn.Module) -> Iterator[None]:
     """Every ContextParallelAttention of ``model`` (a block's core, or one a transformers attention
-    module routes to: executor/hf_attention.py keeps it on the module, not as a submodule) runs as
+    module routes to: executor/parallel/hf_attention.py keeps it on the module, not as a submodule) runs as
     plain causal attention inside: the model can run a whole short sequence on each rank alone."""
     found = []
     for mod in model.modules():

@@ -1,4 +1,4 @@
-"""The two squared gradient norms behind the gradient noise scale (executor/noise_scale.py), measured
+"""The two squared gradient norms behind the gradient noise scale (executor/runtime/noise_scale.py), measured
 where the executor reduces gradients over data parallelism.
 
 Where the local gradient is read -- just before the data-parallel reduction, so nothing is
@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autopar.executor.noise_scale import NormSample
+from autopar.executor.runtime.noise_scale import NormSample
 
 DP_MESH_NAMES = ("dp", "cp", "dp_cp")  # mesh dimensions gradients are reduced over (mesh.py)
 

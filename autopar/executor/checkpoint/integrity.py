@@ -30,7 +30,7 @@ from typing import Any, Callable
 from torch.distributed.checkpoint import FileSystemReader
 
 from autopar.errors import AutoparError
-from autopar.executor.checkpoint_meta import LATEST, META, CheckpointError, CheckpointMeta
+from autopar.executor.checkpoint.checkpoint_meta import LATEST, META, CheckpointError, CheckpointMeta
 
 _CHUNK = 1 << 20
 _STEP_DIR = re.compile(r"^step-(\d+)$")
