@@ -12,7 +12,7 @@ cp ranks hold the same weights as dp ranks. dp and cp are adjacent in ``DIMS``, 
 one axis of ``dp * cp`` ranks at stride ``tp``.
 
 The search (search/space.py), the cost model (cost/comm.py), explain (explain/mesh.py) and the
-executor's DeviceMesh (executor/mesh.py) all read this one object; the legality rules below are the
+executor's DeviceMesh (executor/parallel/mesh.py) all read this one object; the legality rules below are the
 only copy of each rule. Pure Python, no torch: the planner plans 16,384 GPUs on a laptop.
 
 A new degree (expert parallelism, say) is a field of ``Layout`` and of ``Coords`` and its name in
@@ -180,7 +180,7 @@ def _check_axis(axis: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Legality: each rule once, as the reason a choice is illegal (None when it is legal). The plan
 # file's checks (plan.py), the search's space (search/space.py), the estimate (cost/estimate.py),
-# the model graph (graph/model_graph.py) and the executor's preflight (executor/checks.py) call these.
+# the model graph (graph/model_graph.py) and the executor's preflight (executor/runtime/checks.py) call these.
 
 
 def world_size_reason(layout: Layout, num_gpus: int) -> str | None:
@@ -228,7 +228,7 @@ def cp_seq_reason(cp: int, seq_len: int) -> str | None:
 
 def ring_balance_reason(cp: int, seq_len: int) -> str | None:
     """Ring attention as the cost model prices it splits the sequence into 2 x cp chunks, each rank
-    holding one early and one late chunk (causal load balance; executor/context_parallel.py)."""
+    holding one early and one late chunk (causal load balance; executor/parallel/context_parallel.py)."""
     if cp > 1 and seq_len % (2 * cp):
         return (f"ring attention balances causal work with 2 x cp chunks: seq_len {seq_len} "
                 f"must be divisible by {2 * cp}")

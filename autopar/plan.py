@@ -28,7 +28,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE_MODES = ("none", "selective", "full")
 # Every mode ``parallel.recompute`` takes: the mix modes, and ``op`` (per-op selective recompute,
 # torchtitan's ``selective_ac_option: op``: a block keeps its input, every other matrix product's
-# output and the attention kernel's output, and re-runs the rest; executor/recompute.py). A
+# output and the attention kernel's output, and re-runs the rest; executor/parallel/recompute.py). A
 # uniform mode: it is not counted in ``recompute_blocks``.
 PLAN_RECOMPUTE_MODES = (*RECOMPUTE_MODES, "op")
 DTYPES = ("bf16", "fp16", "fp32")
@@ -119,7 +119,7 @@ OFFLOAD_KINDS = ("optimizer", "params", "grads", "activations")
 class Offload:
     """``parallel.offload`` (host offload): what lives in host memory instead of on the GPU.
 
-    Two executed forms (autopar/executor/offload.py) and activations beside either:
+    Two executed forms (autopar/executor/parallel/offload.py) and activations beside either:
     optimizer only -- fp32 master and optimizer states on the host, the update on the CPU
     (ZeRO-Offload style); params + grads + optimizer -- FSDP2's ``CPUOffloadPolicy`` at ZeRO-3
     (sharded parameters and gradients on the host, so the optimizer steps there too). Other

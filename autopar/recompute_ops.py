@@ -1,5 +1,5 @@
 """What per-op selective recompute (``parallel.recompute: op``) keeps, stated once for the executor
-(executor/recompute.py, which installs it with torch's selective checkpoint contexts) and the cost
+(executor/parallel/recompute.py, which installs it with torch's selective checkpoint contexts) and the cost
 model (cost/compute.py, which prices it from the traced ops). Plain data: no torch.
 
 The policy is torchtitan's ``selective_ac_option: op`` (torchtitan/models/llama3 parallelize, its

@@ -1,4 +1,4 @@
-"""Overhead of measuring the gradient noise scale in ``autopar run`` (executor/grad_norms.py): the
+"""Overhead of measuring the gradient noise scale in ``autopar run`` (executor/runtime/grad_norms.py): the
 step time of the same plan with and without the statistics, on gloo ranks on this machine.
 
 Per plan, two executables are built from the same seed (one measured, one not: DDP's communication

@@ -4,7 +4,7 @@ Launch is like ``autopar run``: outside torchrun, a plan of N > 1 ranks starts i
 host with autopar's own launcher (autopar.launch.local: loopback only, one line for a rank that
 dies or hangs, signals forwarded); ``--nproc-per-node`` may say N, and must agree with the plan. A
 1-rank plan runs in-process; under your own torchrun every rank runs as started. The plan is
-applied with the executor's one bring-up (executor/start.py: process group, mesh, executable,
+applied with the executor's one bring-up (executor/runtime/start.py: process group, mesh, executable,
 after this command's own preflight) and train.train for ``--steps`` steps; rank 0 reports
 progress on stderr, one line per step with the time left.
 

@@ -1,4 +1,4 @@
-"""The cost of expert parallelism (plan ``parallel.ep``), as executor/expert_parallel.py runs it.
+"""The cost of expert parallelism (plan ``parallel.ep``), as executor/parallel/expert_parallel.py runs it.
 
 FLOPs. The graph already counts each block's experts at the expected tokens per expert (tokens x
 top_k / E, balanced routing; autopar.spec.meta), so a block's FLOPs per token are the attention's

@@ -15,7 +15,7 @@ autopar.profiler.fsdp), each the time beyond what the cost model already charges
     r  reduce_s_per_tensor      per tensor per reduce-scatter (or all-reduce) of its unit (backward)
     o  optimizer_s_per_tensor   per DTensor parameter per optimizer step
 
-Priced as the executor runs (autopar/executor/data_parallel.py; T the parameter tensors of a piece):
+Priced as the executor runs (autopar/executor/parallel/data_parallel.py; T the parameter tensors of a piece):
 
     ZeRO-2 (pp = 1) / ZeRO-3, per micro-batch:  forward + g T;  backward + r T (ZeRO-3: + (g + r) T)
     ZeRO-1 (and ZeRO-2 at pp > 1), per step:     (g + r) T, plus each unit's collective latency

@@ -1,6 +1,6 @@
 """CPU and activation offload: what it moves to host memory, what it costs, per rank and node.
 
-Priced as autopar's executor runs it (autopar/executor/offload.py), over the terms of the same
+Priced as autopar's executor runs it (autopar/executor/parallel/offload.py), over the terms of the same
 configuration without offload (``offloaded_terms``). With P the parameters of a rank, N = dp * cp
 the ZeRO shard degree, s = 1/N at ZeRO >= 1 (else 1) the share of P a rank's optimizer steps, d the
 training dtype's bytes, K the optimizer's fp32 bytes per parameter (Adam: master + 2 moments = 12),

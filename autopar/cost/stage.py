@@ -7,7 +7,7 @@ given split and the ILP optimises the split over them, so both see exactly the s
 
 Region times come from ``graph_region_time``: measured layer tables when the cluster profile has
 them for this model, the roofline otherwise. The edges are costed as the executor runs them at
-tp > 1 (executor/tensor_parallel.py): a vocab-parallel embedding (output all-reduced in forward)
+tp > 1 (executor/parallel/tensor_parallel.py): a vocab-parallel embedding (output all-reduced in forward)
 and a vocab-parallel head whose logits stay sharded, the loss running under ``loss_parallel()``
 (three per-token all-reduces in forward: max, sum of exponentials, target logit; the head's input
 gradient all-reduced in backward). A measured table has the edges of one tp rank at each measured
@@ -59,7 +59,7 @@ def loss_free_grads_share(cfg: Config, cluster: Cluster) -> float:
     """The share of a rank's gradient memory (``state_split['grads']``) that does not exist yet at
     the loss of a step with one micro-batch and no pipeline: the step's first backward starts at
     the loss, and the executor sets gradients to None after each optimizer step
-    (executor/train.py), so FSDP2's sharded or replicated gradients and a lone rank's are made
+    (executor/runtime/train.py), so FSDP2's sharded or replicated gradients and a lone rank's are made
     during the backward that follows. DDP's communication buckets (half its figure,
     ``cost.zero.gradient_bytes_per_param``) persist from construction, and so does a gradient
     buffer of the software's own (Megatron-Core's ``main_grad_bytes``). With more micro-batches, or
@@ -294,10 +294,10 @@ def _cp_time(graph: ModelGraph, cfg: Config, link, tokens_bytes: float) -> tuple
     kv_frac = (kv / heads) if heads else 1.0
     kv_bytes = 2 * tokens_bytes * kv_frac / cfg.tp  # this rank's K and V
     n = cfg.cp
-    # The gradients of K,V travel in fp32 (executor/ring_attention.py accumulates them so).
+    # The gradients of K,V travel in fp32 (executor/parallel/ring_attention.py accumulates them so).
     dkv_bytes = kv_bytes * 4 / cfg.dtype_bytes
     if cfg.cp_kind == "ring":
-        # autopar's ring (executor/ring_attention.py) shifts K/V with a blocking send/receive between
+        # autopar's ring (executor/parallel/ring_attention.py) shifts K/V with a blocking send/receive between
         # two flash-attention pieces: the next piece needs the block being received, so nothing
         # overlaps. Forward: cp - 1 shifts of K,V. Backward: the blocks go round again (cp - 1
         # shifts; only this rank's K,V were saved) and each block's fp32 gradient travels with it,
@@ -307,7 +307,7 @@ def _cp_time(graph: ModelGraph, cfg: Config, link, tokens_bytes: float) -> tuple
     if cfg.cp_kind == "allgather":
         return (collective_time_s("all_gather", kv_bytes * n, link),
                 collective_time_s("reduce_scatter", dkv_bytes * n, link))
-    # Ulysses (executor/context_parallel.py): one all-to-all each for q, k, v and the output, each
+    # Ulysses (executor/parallel/context_parallel.py): one all-to-all each for q, k, v and the output, each
     # of this rank's local tensor (the message of the measured fit: the tensor a rank passes in);
     # backward runs the four again, reversed.
     q_bytes = tokens_bytes / cfg.tp

@@ -130,7 +130,7 @@ def gradient_bytes_per_param(cfg: "Config", sharded_grads: float, uses_ddp: bool
     micro-batches, in fp32 when training in 16 bits, and ``replicate`` (ZeRO-0 with DTensors or a
     pipeline) holds them in its fp32 parameters' dtype; DDP (ZeRO-0 without DTensors) keeps its
     communication buckets beside the gradients (gradient_as_bucket_view is off,
-    executor/data_parallel.py)."""
+    executor/parallel/data_parallel.py)."""
     if cfg.zero == 1 and cfg.dp * cfg.cp > 1 and cfg.num_microbatches > 1 and cfg.dtype_bytes < FP32_BYTES:
         return float(FP32_BYTES)
     if dp_wrapper(cfg) == "replicate" and cfg.dtype_bytes < FP32_BYTES:

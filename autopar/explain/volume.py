@@ -206,7 +206,7 @@ def _cp_items(add, graph: ModelGraph, cfg, block_calls: float, x: float, rerun_c
     heads, kv_heads = graph.num_heads, graph.num_kv_heads or graph.num_heads
     kv = 2 * x * ((kv_heads / heads) if heads else 1.0) / cfg.tp
     fwd_calls = block_calls + rerun_calls  # a fully recomputed block runs its forward twice
-    dkv = kv * 4 / cfg.dtype_bytes  # the gradients travel in fp32 (executor/ring_attention.py)
+    dkv = kv * 4 / cfg.dtype_bytes  # the gradients travel in fp32 (executor/parallel/ring_attention.py)
     if cfg.cp_kind == "ring":
         add("CP ring K,V (forward)", "p2p", "cp", fwd_calls * (n - 1), kv)
         # backward passes the blocks round again, each with its gradient, which ends at its owner

@@ -126,7 +126,7 @@ class GPT(nn.Module):
     """
 
     # qkv stacks q, k and v one after another (viewed as (3, heads, head_dim)): packed_colwise, as HF
-    # marks such a layer, so each tp rank gets its slice of all three (executor/tensor_parallel.py).
+    # marks such a layer, so each tp rank gets its slice of all three (executor/parallel/tensor_parallel.py).
     _tp_plan = {f"layers.*.{name}": style for name, style in {
         "attn.qkv": "packed_colwise", "attn.proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}.items()}
 

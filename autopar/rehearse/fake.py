@@ -13,7 +13,7 @@ real run would compute:
   shape, refused on fake tensors); meshes are built outside the fake mode (``_real_meshes``).
 * ``torch.distributed.pipelining``'s warm-up (torch >= 2.13) votes over the pipeline ranks on
   whether each stage's shapes were given up front, reading the received vote's value. A rehearsal
-  gives every stage its shapes (executor/apply.py ``place(fake=True)``), so the vote's result is
+  gives every stage its shapes (executor/parallel/apply.py ``place(fake=True)``), so the vote's result is
   known: static shapes on every stage (``_static_pipeline_warmup``).
 * Hugging Face's check for packed sequences, which skips building an attention mask when nothing
   is packed, takes fake tensors for a trace and builds the mask; it is answered "not packed", as a

@@ -167,7 +167,7 @@ def _target_device_functions(plan: Plan) -> Any:
 
 
 def _host_resident(plan: Plan, exe: Any) -> dict[str, Any]:
-    """What a real run of ``plan`` keeps on the host (executor/offload.py), as StepTracker takes it:
+    """What a real run of ``plan`` keeps on the host (executor/parallel/offload.py), as StepTracker takes it:
     FSDP2's parameter offload holds the sharded parameters, their gradients and the optimizer on the
     host; optimizer offload (HostOptimizer) its states (and fp32 masters, built before the step and
     not tracked). Activation offload's copies are not told apart: they count on the device."""

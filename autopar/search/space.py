@@ -267,7 +267,7 @@ def mix_modes(graph: ModelGraph) -> tuple[str, ...]:
 
 def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: int, rejected: Counter) -> tuple[int, ...]:
     """The legal ep degrees (ep divides the experts and dp x cp, at any tp and pp:
-    executor/expert_parallel.py). 1 is always legal (dense experts)."""
+    executor/parallel/expert_parallel.py). 1 is always legal (dense experts)."""
     if graph.moe is None or graph.chain or graph.supports("ep"):  # what the model must have: spec/support.py
         return (1,) if space.allows("ep_degrees", 1) else ()
     out = []

@@ -4,7 +4,7 @@ transformers 5 selects a block's attention function with ``ALL_ATTENTION_FUNCTIO
 ``config._attn_implementation`` ("sdpa", "eager", ...); the intended way to change attention is to
 register an implementation (``AttentionInterface.register``). ``hf_attention`` finds the block's
 module that makes that call and the facts the executor's registered implementation needs
-(executor/hf_attention.py: selective recompute and context parallelism). Needs torch, never
+(executor/parallel/hf_attention.py: selective recompute and context parallelism). Needs torch, never
 torch.distributed.
 """
 

@@ -11,7 +11,7 @@ Chain positions: position 0 is before unit 0 (the prologue), position p (0 < p <
 between unit p-1 and unit p ("glue"), position L after the last unit (the epilogue). A pipeline
 chunk holding units [s, e) runs, for real, position 0 if s == 0, every position p with s < p <= e
 (the glue before its exit at unit e's input belongs to it) and position L if e == L; positions
-p <= s of a later chunk run on meta, on stubs (executor/pipeline_parallel.py).
+p <= s of a later chunk run on meta, on stubs (executor/parallel/pipeline_parallel.py).
 
 Units of one class with equal parameter shapes that receive an input of equal shape share a
 measurement (``Chain.kinds``), as repeated blocks do. ``Chain.pp_reason`` says why a pipeline
@@ -20,7 +20,7 @@ cannot cut the chain (None: it can).
 A chain that is exactly the children of one ``nn.ModuleList``, called in index order (a block list
 whose blocks differ in structure: DeepSeek-V2/V3's dense first layers then MoE layers, Llama 4's
 interleaved MoE) names that list in ``Chain.block_list``. The pipeline then cuts it as a block list
-(executor/pipeline_parallel.py: every stage runs the model's own forward, so masks and rotary tables
+(executor/parallel/pipeline_parallel.py: every stage runs the model's own forward, so masks and rotary tables
 the forward hands each block beside its hidden state are computed on every stage), and
 ``pp_reason`` holds that mechanism's requirements instead of the chain's; the planner still prices
 the chain's units one by one.
@@ -263,7 +263,7 @@ def find_chain(model: nn.Module, run: Callable[[], Any]) -> Chain | None:
 
 
 def _block_list_reason(chain: Chain) -> str | None:
-    """Why the block-list pipeline (executor/pipeline_parallel.py, its Requirements) cannot cut
+    """Why the block-list pipeline (executor/parallel/pipeline_parallel.py, its Requirements) cannot cut
     ``chain`` read as a block list (None: it can). The blocks' order was checked by the caller; a
     block called twice (a shared layer) would be placed on one stage only."""
     if chain.pp_reason and chain.pp_reason.startswith("the forward calls a chain unit more than once"):

@@ -4,7 +4,7 @@ Under tensor parallelism a rowwise layer's output reaches the block's code throu
 ``to_local()``, which returns a view made inside an autograd Function. PyTorch forbids modifying such
 a view in place ("Output 0 of _ToTorchTensor is a view and is being modified inplace"), and some real
 models do exactly that: Falcon's parallel attention adds ``mlp_output += attention_output``. The
-executor hands those layers' outputs on as a copy (executor/tensor_parallel.py); every other layer
+executor hands those layers' outputs on as a copy (executor/parallel/tensor_parallel.py); every other layer
 keeps the copy-free view, which is why this is decided per layer and not for all of them.
 
 ``inplace_outputs`` answers from one meta forward of the model: a dispatch mode follows each rowwise

@@ -40,7 +40,7 @@ def tp_support(spec: "ModelSpec") -> str | None:
 
 
 def sp_support(spec: "ModelSpec") -> str | None:
-    # The SP hooks (executor/tensor_parallel.py) take a module's input positionally or by its first
+    # The SP hooks (executor/parallel/tensor_parallel.py) take a module's input positionally or by its first
     # forward parameter's name (HF: hidden_states=), and a block's output as a tensor or a tuple
     # whose first element is the hidden state.
     if tp_support(spec):
@@ -57,7 +57,7 @@ def sp_support(spec: "ModelSpec") -> str | None:
 
 
 def pp_support(spec: "ModelSpec") -> str | None:
-    # executor/pipeline_parallel.py runs the model's own forward on every stage with the real
+    # executor/parallel/pipeline_parallel.py runs the model's own forward on every stage with the real
     # micro-batch (any tensors, tuples or dicts), stubs only parameter-holding prologue modules,
     # passes a block's hidden state positionally or by keyword, rebuilds tuple block outputs and
     # ModelOutput results, and places bare parameters on the stages that read them.
@@ -88,7 +88,7 @@ def cp_support(spec: "ModelSpec") -> str | None:
         if not spec.accepts_positions:
             return "forward() takes no positions= argument to place a sequence shard"
         return None
-    # transformers attention: executor/hf_attention.py registers a context-parallel implementation
+    # transformers attention: executor/parallel/hf_attention.py registers a context-parallel implementation
     # that is exact for full causal attention; the positions travel as position_ids=.
     if not hf.causal:
         return f"the attention ({hf.module}) is not causal; context parallelism here is causal-only"
@@ -102,7 +102,7 @@ def cp_support(spec: "ModelSpec") -> str | None:
 
 
 def cp_pp_support(spec: "ModelSpec") -> str | None:
-    # The pipeline's CP path (executor/apply.py, train.py _pipeline_step) shards one token tensor and
+    # The pipeline's CP path (executor/parallel/apply.py, train.py _pipeline_step) shards one token tensor and
     # checks the loss on stage outputs; a dict batch's label loss is checked by running the whole
     # model (executor/context_parallel.is_label_loss), which a pipeline stage cannot.
     if spec.token_key is not None:
@@ -117,7 +117,7 @@ def zero3_support(spec: "ModelSpec") -> str | None:
 
 def selective_support(spec: "ModelSpec") -> str | None:
     # An attention core submodule is checkpointed in place; transformers attention through a
-    # registered implementation that runs the original under checkpoint (executor/hf_attention.py).
+    # registered implementation that runs the original under checkpoint (executor/parallel/hf_attention.py).
     if spec.core_name is None and spec.hf_attention is None:
         return "no attention core submodule and no transformers attention to recompute"
     return None
@@ -140,7 +140,7 @@ def op_support(spec: "ModelSpec") -> str | None:
 
 
 def ep_support(spec: "ModelSpec") -> str | None:
-    # executor/expert_parallel.py shards one repeated block's experts (spec/moe.py: a router's top-k
+    # executor/parallel/expert_parallel.py shards one repeated block's experts (spec/moe.py: a router's top-k
     # among an nn.ModuleList of experts, or among per-expert stacked / packed weights called with the
     # rows, the top-k indices and their weights) and the cost model prices them per repeated block.
     moe = spec.moe

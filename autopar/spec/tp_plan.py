@@ -11,7 +11,7 @@ and row-parallel Linear layers). Sources, in order of precedence:
 
 Hugging Face styles are mapped to the two autopar runs: ``colwise``, ``colwise_rep``,
 ``packed_colwise`` -> colwise (a packed/fused projection is recognised by its width, as
-executor/tensor_parallel.py does); ``rowwise``, ``rowwise_rep`` -> rowwise. Entries autopar does not
+executor/parallel/tensor_parallel.py does); ``rowwise``, ``rowwise_rep`` -> rowwise. Entries autopar does not
 run (expert weights, ``local_*``, ``gather``, ``ep_router``, ``sequence_parallel``, targets that are
 not Linear layers) are dropped with a note; a parent whose colwise or rowwise half is dropped loses
 the other half too, since a lone column-parallel layer would hand a sharded tensor to unsharded code.

@@ -1,6 +1,6 @@
 """A model's tensor-parallel plan applied to its shapes on the meta device: one tp rank's copy.
 
-What the executor's DTensor plan does to parameter shapes (executor/tensor_parallel.py), without
+What the executor's DTensor plan does to parameter shapes (executor/parallel/tensor_parallel.py), without
 a process group: a colwise Linear (or Hugging Face ``Conv1D``) keeps 1/tp of its outputs, a rowwise
 one 1/tp of its inputs, the token embedding and output head 1/tp of the vocabulary, and the
 block's ``local_attrs`` (head counts the attention reads) are divided by tp. The spec's checks of
@@ -92,7 +92,7 @@ def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str],
                  local_attrs: tuple[str, ...] = (), *, vocab: bool = True, vocab_constants: bool = False) -> nn.Module:
     """A meta copy whose first block's Linear layers and vocabulary edges hold 1/tp of their width,
     as each tensor-parallel rank of the executor holds them: the token embedding vocab/tp rows, the
-    output head vocab/tp output columns (executor/tensor_parallel.py), a tied embedding/head weight
+    output head vocab/tp output columns (executor/parallel/tensor_parallel.py), a tied embedding/head weight
     still one parameter. A vocabulary that tp does not divide stays whole, as the executor keeps
     such edges replicated; ``vocab=False`` keeps the edges whole regardless. Only shapes matter on
     meta. HF ``Conv1D`` layers shard like Linear layers (their weight is transposed);

@@ -1,4 +1,4 @@
-"""The gradient noise scale and AdaScale on gloo ranks (executor/grad_norms.py, noise_scale.py, adascale.py).
+"""The gradient noise scale and AdaScale on gloo ranks (executor/runtime/grad_norms.py, noise_scale.py, adascale.py).
 
 Two spawns (2 and 4 ranks) run every case in sequence on the least-squares model
 (tests/dist/models/least_squares.py) with SGD:

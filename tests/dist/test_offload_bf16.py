@@ -1,7 +1,7 @@
 """Optimizer offload in 16-bit training keeps the device's sharded parameters and gradients in the
 training dtype (2 gloo ranks, bf16, ZeRO-1 over FSDP2).
 
-The fp32 masters and Adam's moments live on the host (executor/offload.py ``HostOptimizer``), so the
+The fp32 masters and Adam's moments live on the host (executor/parallel/offload.py ``HostOptimizer``), so the
 device holds 2 + 2 bytes per sharded parameter, as ZeRO-Offload does and autopar.cost.offload
 prices -- not FSDP2's default fp32 shard plus an fp32 gradient. Compared with the same plan without
 offload: the first step's loss is the same (both compute with the bf16 weights), later steps stay

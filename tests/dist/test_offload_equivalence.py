@@ -1,6 +1,6 @@
 """Issue 14: plans with CPU offload and activation offload give the single-process run (2 gloo ranks).
 
-One spawn runs every case: optimizer offload (executor/offload.py's HostOptimizer) at ZeRO-1, under
+One spawn runs every case: optimizer offload (executor/parallel/offload.py's HostOptimizer) at ZeRO-1, under
 a pipeline and with DDP plus activation offload; FSDP2's CPUOffloadPolicy (params + grads +
 optimizer at ZeRO-3); activation offload under tensor parallelism (DTensor activations). Each
 rank also reports what the executor built, so a case that silently ran without offload fails.

@@ -1,4 +1,4 @@
-"""Pipeline chunks of a layer chain (executor/chain_pipeline.py), in one process: the chunks of any
+"""Pipeline chunks of a layer chain (executor/parallel/chain_pipeline.py), in one process: the chunks of any
 partition, run one after another, compute exactly the full model, and hold its parameters once."""
 
 from __future__ import annotations

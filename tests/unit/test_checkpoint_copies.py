@@ -1,6 +1,6 @@
 """An interleaved pipeline rank holds one copy of a shared parameter per chunk (a prologue module
 every stage runs, a tied weight): a checkpoint saves it once and a resume restores *every* local
-copy, parameters, optimizer moments and buffers alike (executor/checkpoint.py's alias fix-ups).
+copy, parameters, optimizer moments and buffers alike (executor/checkpoint/checkpoint.py's alias fix-ups).
 No process group: the state dict is built and the post-load fix-ups applied directly."""
 
 from __future__ import annotations

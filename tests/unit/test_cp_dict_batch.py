@@ -1,6 +1,6 @@
 """Context parallelism for Hugging Face causal LMs fed the HF-Trainer way: a dict of ``input_ids``
 and ``labels`` (spec.token_dict_keys, spec/support.cp_support), and HF's label loss computed over cp
-shards (executor/context_parallel.py): target i = labels[i + 1], -100 ignored, mean over the whole
+shards (executor/parallel/context_parallel.py): target i = labels[i + 1], -100 ignored, mean over the whole
 sequence's non-ignored targets -- SFT labels (-100 on a prompt prefix) included."""
 
 from __future__ import annotations

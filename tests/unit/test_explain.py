@@ -131,7 +131,7 @@ def test_ring_cp_p2p_counts(small_gpt, a100, make_plan) -> None:
     plan = make_plan(16, global_batch_size=2, cp=4)
     (v,) = communication_volume(plan, small_gpt, a100)
     calls = {i.what: i.calls_per_step for i in v.items if i.axis == "cp"}
-    # as executor/ring_attention.py: cp - 1 shifts forward; backward passes the blocks round again
+    # as executor/parallel/ring_attention.py: cp - 1 shifts forward; backward passes the blocks round again
     # (cp - 1) with their fp32 gradients (cp shifts, home at the owner)
     assert calls == {"CP ring K,V (forward)": 16 * 2 * 3, "CP ring K,V (backward)": 16 * 2 * 3,
                      "CP ring dK,dV (backward)": 16 * 2 * 4}

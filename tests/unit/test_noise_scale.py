@@ -1,4 +1,4 @@
-"""The gradient noise scale's estimators (executor/noise_scale.py) and AdaScale's gain (executor/adascale.py),
+"""The gradient noise scale's estimators (executor/runtime/noise_scale.py) and AdaScale's gain (executor/runtime/adascale.py),
 without ranks: a least-squares problem whose gradient noise is known in closed form, and FairScale's
 own AdaScale (an optional test dependency) on identical per-worker gradients."""
 

@@ -1,4 +1,4 @@
-"""Ring / all-gather attention's per-piece kernels (executor/ring_attention.py) against PyTorch's own
+"""Ring / all-gather attention's per-piece kernels (executor/parallel/ring_attention.py) against PyTorch's own
 attention: forward output and log-sum-exp, and the backward given the output -- including a value head
 narrower than the query's (multi-head latent attention) and grouped-query K/V."""
 

@@ -1,5 +1,5 @@
 """Pipeline markers answer the attribute reads model code makes on the module whose place they take
-(executor/stand_in.py): a block's settings, a child's presence, parameter shapes; calling a child
+(executor/parallel/stand_in.py): a block's settings, a child's presence, parameter shapes; calling a child
 that lives on another stage is an error naming it."""
 
 from __future__ import annotations

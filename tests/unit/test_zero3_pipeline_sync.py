@@ -1,5 +1,5 @@
 """ZeRO-3 under a pipeline keeps its per-micro-batch reduce-scatter and resharding
-(executor/data_parallel.py ``sync_every_microbatch``): torch.distributed.pipelining's stage switches
+(executor/parallel/data_parallel.py ``sync_every_microbatch``): torch.distributed.pipelining's stage switches
 both off before every backward, which would hold the stage's whole fp32 gradients and gathered
 parameters (ZeRO-1's memory); on a ZeRO-3 stage module the switches are no-ops."""
 
