@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
-from autopar.errors import AutoparError
+from autopar.errors import EXIT_FAULT, EXIT_USAGE, AutoparError
 
 if TYPE_CHECKING:
     import torch
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 # The exit codes of a rank that leaves at once (``Join.exit_on_failure``): a peer that never arrived
 # is a fault (4, the launcher may restart the job); ranks that hold different models is a user
 # error (2).
-EXIT_JOIN_FAILED = 4
-EXIT_OTHER_MODEL = 2
+EXIT_JOIN_FAILED = EXIT_FAULT
+EXIT_OTHER_MODEL = EXIT_USAGE
 
 
 @dataclass(frozen=True, kw_only=True)
