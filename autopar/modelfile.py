@@ -10,6 +10,7 @@ Every failure is a ``ModelFileError`` naming the file and the cause.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import sys
@@ -17,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -71,6 +72,27 @@ class ModelFile:
             raise ModelFileError(f"{self.path}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
         return model
 
+    def buffer_values(self) -> dict[str, torch.Tensor]:
+        """The buffers ``build_model()`` computes (position ids, relative-position indices, rotary
+        frequencies), by name, on the CPU: the model is built with every parameter on meta (no
+        parameter memory) and its buffers real. A model materialised from a meta build has storage
+        but no values for them (``to_empty``), and an index buffer of garbage makes the profiler's
+        forward fail (Swin's relative-position index, CLIP's position ids). A parameter is created on
+        the CPU before it is registered (and moved to meta); where one does not fit the host, there
+        are no values ({}): the caller keeps its fallback (floating buffers zero)."""
+        from autopar.usercode import user_code
+
+        try:
+            with user_code("build_model()", self.path, " with parameters on meta"), _parameters_on_meta():
+                model = self.module.build_model()
+        except ModelFileError as exc:
+            if "allocate" in str(exc) or "MemoryError" in str(exc):
+                return {}
+            raise
+        if not isinstance(model, nn.Module):
+            raise ModelFileError(f"{self.path}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
+        return {n: b for n, b in model.named_buffers() if b.device.type != "meta"}
+
     def example_inputs(self, micro_batch_size: int, device: str | torch.device = "meta") -> Any:
         """One micro-batch of forward arguments, moved to ``device``."""
         from autopar.usercode import user_code
@@ -78,6 +100,24 @@ class ModelFile:
         with user_code(f"example_inputs({micro_batch_size})", self.path), torch.device(device):
             inputs = self.module.example_inputs(micro_batch_size)
         return _to_device(inputs, torch.device(device))
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter a module registers goes to meta as it is registered; buffers and plain
+    tensors stay where they are made (the CPU)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def _cause(exc: BaseException) -> str:

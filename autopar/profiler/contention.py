@@ -55,7 +55,7 @@ def reference_run(mf: ModelFile, micro_batch: int, dtype: str) -> Callable[[], N
     from autopar.profiler.layers import materialise, one_block_meta
     from autopar.torch_dtypes import TORCH_DTYPES
 
-    model = materialise(one_block_meta(mf), torch.device("cpu"))
+    model = materialise(one_block_meta(mf), torch.device("cpu"), mf.buffer_values())
     model.train()
     inputs = mf.example_inputs(micro_batch, "cpu")
 

@@ -58,7 +58,7 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -102,18 +102,25 @@ def one_block_meta(mf: ModelFile) -> nn.Module:
     return one_block_model(meta, model_spec(mf, meta).blocks_path)
 
 
-def materialise(model: nn.Module, device: torch.device) -> nn.Module:
-    """A meta model on ``device`` with fresh weights (each module's own ``reset_parameters``)."""
+def materialise(model: nn.Module, device: torch.device,
+                buffers: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
+    """A meta model on ``device`` with fresh weights (each module's own ``reset_parameters``) and
+    its buffers' values from ``buffers`` (``ModelFile.buffer_values``, by name, where the shape
+    matches); a buffer without one is zero if floating (its integer storage is left as allocated)."""
     model = model.to_empty(device=device)
     torch.manual_seed(0)
+    values = buffers or {}
     with torch.no_grad():
         for mod in model.modules():
             reset = getattr(mod, "reset_parameters", None)
             if callable(reset):
                 reset()
-            for name, buf in mod.named_buffers(recurse=False):
-                if buf.is_floating_point():
-                    buf.zero_()
+        for name, buf in model.named_buffers():
+            value = values.get(name)
+            if value is not None and value.shape == buf.shape:
+                buf.copy_(value.to(device=buf.device, dtype=buf.dtype))
+            elif buf.is_floating_point():
+                buf.zero_()
     return model
 
 
@@ -234,6 +241,7 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
     spec = model_spec(mf, meta)
     blocks_attr, tp_plan = spec.blocks_path, dict(spec.tp_plan or {})
     small = one_block_model(meta, blocks_attr)
+    buffers = mf.buffer_values()
     seq = mf.seq_len or 0
     seqs = sorted({seq // cp for cp in cfg.cps if seq and seq % cp == 0 and seq // cp >= 1}, reverse=True) or [seq]
     dtype = TORCH_DTYPES[cfg.dtype]  # 16 bits: the model and its floating inputs are cast (module docstring)
@@ -243,7 +251,7 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
         if tp > 1 and not tp_plan:
             continue
         rank_model, vocab = _rank_model(small, blocks_attr, tp_plan, tp, spec.tp.local_attrs)
-        model = materialise(rank_model, device)
+        model = materialise(rank_model, device, buffers)
         if dtype != torch.float32:
             model = model.to(dtype)
         model.train()

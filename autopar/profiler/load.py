@@ -75,7 +75,8 @@ def _model_loop(model_path: str, micro_batch: int) -> None:
         blocks_path: str | None = model_spec(mf, meta).blocks_path
     except Exception:  # noqa: BLE001 - the load must go on (see main): the whole model then
         blocks_path = None
-    model = materialise(one_block_model(meta, blocks_path) if blocks_path else meta, torch.device("cpu"))
+    model = materialise(one_block_model(meta, blocks_path) if blocks_path else meta, torch.device("cpu"),
+                        mf.buffer_values())
     model.train()
     inputs = mf.example_inputs(micro_batch, "cpu")
     _ready()

@@ -60,7 +60,7 @@ def whole_model_rows(mf: ModelFile, device: torch.device, table: LayerTable, mic
     composed = {b: _composed(table, b, seq or 1, num_blocks) for b in micro_batches}
     if any(c is None for c in composed.values()):
         return None
-    model = materialise(meta, device)
+    model = materialise(meta, device, mf.buffer_values())
     if dtype != "fp32":  # the table's regime: the model cast, no autocast (profiler/layers.py)
         model = model.to(TORCH_DTYPES[dtype])
     model.train()
