@@ -22,7 +22,7 @@ need no permutation.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,6 +40,15 @@ def _split(dim: int, fused: int) -> Placement:
     return Shard(dim) if fused == 1 else _StridedShard(dim, split_factor=fused)
 
 
+def _distribute(module: nn.Module, device_mesh: DeviceMesh, src_data_rank: int | None,
+                placement_of: Callable[[str], Placement]) -> None:
+    """Replace each of ``module``'s own parameters by a DTensor of its placement (by name)."""
+    for pname, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(pname, nn.Parameter(
+            distribute_tensor(param, device_mesh, [placement_of(pname)], src_data_rank=src_data_rank),
+            requires_grad=param.requires_grad))
+
+
 class Conv1DColwise(ColwiseParallel):
     """Column-parallel Conv1D; ``fused``: the number of projections stacked on its output dim."""
 
@@ -50,11 +59,8 @@ class Conv1DColwise(ColwiseParallel):
         self.fused = fused
 
     def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        for pname, param in list(module.named_parameters(recurse=False)):
-            placement = _split(1 if pname == "weight" else 0, self.fused)
-            module.register_parameter(pname, nn.Parameter(
-                distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
-                requires_grad=param.requires_grad))
+        _distribute(module, device_mesh, self.src_data_rank,
+                    lambda pname: _split(1 if pname == "weight" else 0, self.fused))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
@@ -69,11 +75,8 @@ class Conv1DRowwise(RowwiseParallel):
     """Row-parallel Conv1D (weight dim 0 sharded, bias replicated and added once)."""
 
     def _partition_conv1d_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        for pname, param in list(module.named_parameters(recurse=False)):
-            placement = Shard(0) if pname == "weight" else Replicate()
-            module.register_parameter(pname, nn.Parameter(
-                distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
-                requires_grad=param.requires_grad))
+        _distribute(module, device_mesh, self.src_data_rank,
+                    lambda pname: Shard(0) if pname == "weight" else Replicate())
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):

@@ -10,7 +10,7 @@ from autopar.errors import AutoparError
 from autopar.executor.runtime.introspect import ModelSpec, example_shape_check, inspect_model
 from autopar.layout import tp_heads_reason, ulysses_reason
 from autopar.modelfile import ModelFile
-from autopar.plan import Plan
+from autopar.plan import DIMENSION_NAMES, Plan
 
 # What the executor calls that older torch builds lack (planning needs none of it: torch >= 2.6 plans):
 # FSDP2's replicate (added mid-2025, pytorch/pytorch#158207), FSDP2's sum reduction for expert
@@ -53,29 +53,6 @@ def check_world_size(plan: Plan, world_size: int) -> None:
         )
 
 
-_DIM_NAMES = {"tp": "tensor parallelism", "sp": "sequence parallelism", "pp": "pipeline parallelism",
-              "cp": "context parallelism", "zero3": "ZeRO-3", "selective": "selective recompute",
-              "full": "full recompute", "op": "per-op selective recompute",
-              "cp_pp": "context parallelism with pipeline stages"}
-
-
-def _dimensions_used(plan: Plan) -> list[tuple[str, bool, str]]:
-    """(dimension, whether the plan uses it, what to change instead) for every spec dimension."""
-    par = plan.parallel
-    modes = set(plan.block_recompute()) if par.recompute_blocks is not None else {par.recompute}  # per-stage recompute
-    return [
-        ("tp", par.tp > 1, "plan with tp = 1"),
-        ("sp", par.tp > 1 and par.sequence_parallel, "set sequence_parallel: false"),
-        ("pp", par.pp > 1, "plan with pp = 1"),
-        ("cp", par.cp > 1, "plan with cp = 1"),
-        ("zero3", par.zero == 3, "use zero 0, 1 or 2"),
-        ("selective", "selective" in modes, "use recompute none or full"),
-        ("full", "full" in modes, "use recompute none"),
-        ("op", "op" in modes, "use recompute none or full"),
-        ("cp_pp", par.cp > 1 and par.pp > 1, "plan with pp = 1 or cp = 1"),
-    ]
-
-
 def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple[ModelSpec, list[str]]:
     """Validate the plan against the model file; returns the ModelSpec and warnings to print.
 
@@ -108,9 +85,9 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
     if par.recompute_blocks is not None and spec.chain is not None:  # per-stage recompute: counts are of repeated blocks
         raise AutoparError(f"parallel.recompute_blocks: {where} is a chain of distinct units, not repeated blocks; "
                            "remove recompute_blocks and set parallel.recompute")
-    for dim, used, change in _dimensions_used(plan):
+    for dim, used, change in plan.dimensions_used():  # the list estimate checks too (plan.py)
         if used and spec.support_reason(dim):
-            raise AutoparError(f"{_DIM_NAMES[dim]} cannot run on {where}: {spec.support_reason(dim)}; {change}")
+            raise AutoparError(f"{DIMENSION_NAMES[dim]} cannot run on {where}: {spec.support_reason(dim)}; {change}")
     if par.ep > 1:  # what expert parallelism needs of the model and the other degrees
         from autopar.executor.parallel.expert_parallel import check_expert_parallel
 
