@@ -79,7 +79,16 @@ class ModelFile:
         but no values for them (``to_empty``), and an index buffer of garbage makes the profiler's
         forward fail (Swin's relative-position index, CLIP's position ids). A parameter is created on
         the CPU before it is registered (and moved to meta); where one does not fit the host, there
-        are no values ({}): the caller keeps its fallback (floating buffers zero)."""
+        are no values ({}): the caller keeps its fallback (floating buffers zero). Built once per
+        loaded file (the profiler's layer, contention and whole-model runs, validate's drift check
+        each materialise the model); callers copy the values, never write them."""
+        cached = self.__dict__.get("_buffer_values")
+        if cached is None:
+            cached = self._build_buffer_values()
+            object.__setattr__(self, "_buffer_values", cached)  # a cache, not a field: frozen stays frozen
+        return cached
+
+    def _build_buffer_values(self) -> dict[str, torch.Tensor]:
         from autopar.usercode import user_code
 
         try:

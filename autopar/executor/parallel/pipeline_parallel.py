@@ -272,13 +272,13 @@ class StageModule(nn.Module):
         self.io = io
         self._inject: _Inject | None = None
         self.call_kwargs: dict[str, Any] = {}  # e.g. positions= of this cp rank's tokens
-        # Probe.carried: name -> (its output's structure, the stand-in receiving it here or None)
-        self._carried: dict[str, tuple[Template, _Carried | None]] = {}
+        # Probe.carried: name -> the stand-in receiving its output here (None on the first stage)
+        self._carried: dict[str, _Carried | None] = {}
         self._captured: dict[str, Any] = {}
 
-    def carry(self, name: str, out: Template, stand_in: _Carried | None) -> None:
+    def carry(self, name: str, stand_in: _Carried | None) -> None:
         """Hand ``name``'s output on to the next stage (received into ``stand_in`` when given)."""
-        self._carried[name] = (out, stand_in)
+        self._carried[name] = stand_in
         self.chunk.get_submodule(name).register_forward_hook(
             lambda m, a, o, n=name: self._captured.__setitem__(n, o))
 
@@ -308,19 +308,20 @@ class StageModule(nn.Module):
         finally:
             if self._inject is not None:
                 self._inject.value = None
-            for _, stand_in in self._carried.values():
+            for stand_in in self._carried.values():
                 if stand_in is not None:
                     stand_in.value = None
             self._captured.clear()
         return self.io.flatten_output(out) if self.is_last else out
 
     def _receive(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        """Give each carried module's stand-in its value from the tensors after the hidden state."""
+        """Give each carried module's stand-in its value from the tensors after the hidden state
+        (only a stage after the first receives, and there every carried module has its stand-in)."""
         at = 0
-        for out, stand_in in self._carried.values():
-            n = sum(out.is_tensor)
-            if stand_in is not None:
-                stand_in.value = out.rebuild(list(tensors[at:at + n]))
+        for stand_in in self._carried.values():
+            assert stand_in is not None, "the first stage receives nothing"
+            n = sum(stand_in.out.is_tensor)
+            stand_in.value = stand_in.out.rebuild(list(tensors[at:at + n]))
             at += n
         assert at == len(tensors), "the previous stage hands on the hidden state and the carried values"
 
@@ -354,13 +355,11 @@ def build_chunk(
         after = block_range[1]
         blocks.add_module("exit", _Exit(probe.block_first_param).stand_for(old[after], f"{spec.blocks_path}.{after}"))
     _replace(chunk, spec.blocks_path, blocks)
-    carried: dict[str, _Carried | None] = {}
-    for name in probe.carried:
-        carried[name] = None if is_first else _Carried(probe.prologue[name][0])
+    carried = {name: None if is_first else _Carried(probe.prologue[name][0]) for name in probe.carried}
     if not is_first:
         for name, (out, holds_params) in probe.prologue.items():
-            stub = carried.get(name) or _ZeroStub(out, device)
             if holds_params and name not in probe.shared:
+                stub = carried.get(name) or _ZeroStub(out, device)
                 _replace(chunk, name, stub.stand_for(chunk.get_submodule(name), name))
     if not is_last:
         for name in probe.epilogue:
@@ -371,7 +370,7 @@ def build_chunk(
     stage = StageModule(chunk, is_first=is_first, is_last=is_last, io=io)
     stage._inject = inject
     for name, stand_in in carried.items():
-        stage.carry(name, probe.prologue[name][0], stand_in)
+        stage.carry(name, stand_in)
     return stage
 
 

@@ -152,13 +152,13 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
         with watchdog.guard("checking checkpoints"):
             decision = resume_decision(options.checkpoint_dir, options.resume, warn=say, gather=gather, share=rank,
                                        of=dist.get_world_size())
-        start, history, seed = 0, [], options.seed
+        start_step, history, seed = 0, [], options.seed
         if decision.path is not None:
             with watchdog.guard(f"resume from {decision.path}"):
                 meta, notes = load(exe, decision.path)
-            start, history, seed = meta.step, list(meta.losses), meta.seed
+            start_step, history, seed = meta.step, list(meta.losses), meta.seed
             if log:
-                log(f"resumed from {decision.path} ({decision.reason}): {start} steps done")
+                log(f"resumed from {decision.path} ({decision.reason}): {start_step} steps done")
                 for n in notes + ([f"data seed {seed} from the checkpoint (not --seed {options.seed})"] if seed != options.seed else []):
                     log(f"note: {n}")
         ck = None
@@ -181,7 +181,7 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
                 if log:
                     log(f"checkpoint {last_saved[0]}")
 
-        tracer = make_tracer(options.trace_path, rank, all_ranks=options.trace_all_ranks, steps_to_run=options.step_limit - start,
+        tracer = make_tracer(options.trace_path, rank, all_ranks=options.trace_all_ranks, steps_to_run=options.step_limit - start_step,
                              trace_steps=options.trace_steps)
         def before_step(step: int) -> None:
             phase[0] = f"step {step + 1}"
@@ -190,14 +190,14 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
 
         hooks = StepHooks(before_step=before_step, after_step=after_step, guard=watchdog.guard,
                           profile_step=tracer.step if tracer else None)
-        if log and start == 0:
+        if log and start_step == 0:
             hint = initial_loss_hint(mf)
             if hint:
                 log(f"note: {hint}")
-        if log and start >= options.steps:
-            log(f"the checkpoint already has {start} >= --steps {options.steps} steps; nothing to train")
+        if log and start_step >= options.steps:
+            log(f"the checkpoint already has {start_step} >= --steps {options.steps} steps; nothing to train")
         adascale = AdaScaleOptions(target_steps=options.adascale_target) if options.adascale else None
-        result = train(exe, mf, steps=options.step_limit, seed=seed, log=log, start_step=start, hooks=hooks,
+        result = train(exe, mf, steps=options.step_limit, seed=seed, log=log, start_step=start_step, hooks=hooks,
                        measure_noise=True, adascale=adascale)
         if tracer is not None:
             if tracer.close() and log:
