@@ -9,9 +9,14 @@ docs/results.md:
     python benchmarks/gpu_acceptance.py                 # cuda when present
     python benchmarks/gpu_acceptance.py --device cpu    # dry run: every code path on CPU ranks
     python benchmarks/gpu_acceptance.py --only 1,2,4 --json out.json
+    python benchmarks/gpu_acceptance.py --device cpu --quick   # dry run on a tiny model
 
-Exit 0 when no check FAILs. The dry run is part of the tests (tests/cli/test_gpu_acceptance.py), so
-the script itself is known to work before the GPU's minutes are spent on it.
+Exit 0 when no check FAILs. The dry run is part of the tests (tests/cli/test_gpu_acceptance.py, with
+--quick), so the script itself is known to work before the GPU's minutes are spent on it. --quick
+(dry run only) swaps gpt_small for the same GPT at its tiny size (examples/zoo/autopar_gpt.py: 4
+layers, hidden 64, 32 tokens) and gives check 8 one tensor instead of six: every check runs every
+step it runs on the GPU (profile, plan, validate, run, compare, the probes), in a fraction of the
+time; what it measures then says nothing about gpt_small.
 """
 
 from __future__ import annotations
@@ -31,7 +36,14 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 SMALL = REPO / "examples" / "gpt_small.py"
+TINY = REPO / "examples" / "zoo" / "autopar_gpt.py"  # gpt_small's GPT at 4 layers, hidden 64, 32 tokens
+# the model every check plans, profiles and runs; --quick (a dry run's) takes TINY's
+MODEL: dict[str, Any] = {"file": SMALL, "num_blocks": 8, "seq_len": 128, "quick": False}
 GIB = 2**30
+
+
+def use_quick_model() -> None:
+    MODEL.update(file=TINY, num_blocks=4, seq_len=32, quick=True)
 
 
 def _free_port() -> int:
@@ -52,7 +64,8 @@ def _errors(proc: subprocess.CompletedProcess) -> list[str]:
 
 def _probe(name: str, device: str, work: Path, timeout_s: float = 240) -> dict:
     """Run ``--probe name`` in a fresh process (its own CUDA context and process group)."""
-    proc = subprocess.run([sys.executable, __file__, "--probe", name, "--device", device, "--work", str(work)],
+    quick = ["--quick"] if MODEL["quick"] else []
+    proc = subprocess.run([sys.executable, __file__, "--probe", name, "--device", device, "--work", str(work), *quick],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
@@ -73,13 +86,13 @@ def profile_for(device: str) -> str:
 
 
 def plan_dict(device: str, dtype: str | None = None, **parallel: Any) -> dict:
-    """A one-rank plan of examples/gpt_small.py (8 blocks, seq 128), ``parallel`` keys as in YAML;
+    """A one-rank plan of examples/gpt_small.py (8 blocks, seq 128; ``MODEL``), ``parallel`` keys as in YAML;
     ``dtype`` by default bf16 on the GPU, fp32 on the dry run (the CPU profile was measured in fp32)."""
     par = {"dp": 1, "tp": 1, "pp": 1, **parallel}
     n = par["dp"] * par["tp"] * par["pp"] * par.get("cp", 1)
-    return {"version": 1, "model": {"file": str(SMALL), "num_blocks": 8},
+    return {"version": 1, "model": {"file": str(MODEL["file"]), "num_blocks": MODEL["num_blocks"]},
             "cluster": {"profile": profile_for(device), "num_gpus": n, "gpus_per_node": 8},
-            "training": {"global_batch_size": 8, "micro_batch_size": 4, "seq_len": 128,
+            "training": {"global_batch_size": 8, "micro_batch_size": 4, "seq_len": MODEL["seq_len"],
                          "dtype": dtype or ("bf16" if device == "cuda" else "fp32"),
                          "optimizer": "adamw"},
             "parallel": par}
@@ -208,8 +221,8 @@ def probe_activation_offload(device: str, work: Path) -> dict:
 
 
 def probe_host_optimizer(device: str, work: Path) -> dict:
-    """[M8] HostOptimizer.step over about 100M parameters (25 M on the dry run) against the priced
-    CPU Adam rate per GPU."""
+    """[M8] HostOptimizer.step over about 100M parameters (25 M on the dry run, 4 M with --quick)
+    against the priced CPU Adam rate per GPU."""
     import torch
     from torch import nn
 
@@ -217,7 +230,7 @@ def probe_host_optimizer(device: str, work: Path) -> dict:
     from autopar.executor.parallel.offload import build_host_optimizer
 
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-    n = 25 if device == "cuda" else 6
+    n = 25 if device == "cuda" else 1 if MODEL["quick"] else 6
     params = [nn.Parameter(torch.randn(4 * 2**20, device=dev, dtype=torch.bfloat16)) for _ in range(n)]
     opt = build_host_optimizer(params, lambda ms: torch.optim.AdamW(ms, lr=1e-3), dev)
     times = []
@@ -358,7 +371,7 @@ def check_profile(device: str, work: Path) -> Result:
     import yaml
 
     out = work / "measured.yaml"
-    args = ["profile", str(SMALL), "--device", device, "--cp", "1,2", "--micro-batch", "1", "-o", str(out)]
+    args = ["profile", str(MODEL["file"]), "--device", device, "--cp", "1,2", "--micro-batch", "1", "-o", str(out)]
     if device == "cpu":
         args += ["--no-comm", "--load-ranks", "1", "--repeats", "3", "--warmup", "1"]
     proc = _autopar(args, device, timeout_s=300)
@@ -372,7 +385,7 @@ def check_profile(device: str, work: Path) -> Result:
     text = (f"cp 2 saved ring/allgather/ulysses {saved.get('ring', 0) / 2**20:.2f}/{saved.get('allgather', 0) / 2**20:.2f}/"
             f"{saved.get('ulysses', 0) / 2**20:.2f} MiB; bandwidth {fit['memory_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, "
             f"kernel overhead {fit['kernel_overhead_s'] * 1e6:.1f} us, best GEMM {gemm / 1e12:.1f} TFLOP/s")
-    plan = _autopar(["plan", str(SMALL), "--gpus", "1", "--profile", str(out), "--quiet", "-o", str(work / "p.yaml")],
+    plan = _autopar(["plan", str(MODEL["file"]), "--gpus", "1", "--profile", str(out), "--quiet", "-o", str(work / "p.yaml")],
                     device)
     ok = ratio <= 2.0 and plan.returncode == 0
     if device == "cuda":
@@ -480,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when present")
     ap.add_argument("--only", default="", help="comma-separated check numbers")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--quick", action="store_true",
+                    help="with --device cpu only: the dry run on a tiny model (examples/zoo/autopar_gpt.py, gpt_small's "
+                         "GPT at 4 layers) -- every check's steps in a fraction of the time, its figures meaningless")
     ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -487,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.quick:
+        if args.device != "cpu":
+            ap.error("--quick is for the dry run (--device cpu): a GPU run checks gpt_small")
+        use_quick_model()
     if args.probe:
         print(json.dumps(PROBES[args.probe](args.device, Path(args.work))))
         return 0
