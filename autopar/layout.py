@@ -11,13 +11,22 @@ averaged and ZeRO-sharded over: data and context parallelism both split the toke
 cp ranks hold the same weights as dp ranks. dp and cp are adjacent in ``DIMS``, so ``dp_cp`` is
 one axis of ``dp * cp`` ranks at stride ``tp``.
 
-The search (search/space.py), the cost model (cost/comm.py), explain (explain/mesh.py) and the
-executor's DeviceMesh (executor/parallel/mesh.py) all read this one object; the legality rules below are the
+Expert parallelism (``ep``) adds no dimension: it refactors the ``dp_cp`` axis as ``edp x ep``, ep
+innermost (Megatron-Core's and torchtitan's layout). Flattening (dp, cp) to one index f, a rank's ep
+index is f mod ep and its edp (expert data parallel) index f div ep. An ``ep`` group is ep ranks at
+the stride of ``dp_cp`` that hold all E experts between them, E / ep each; an ``edp`` group is the
+dp x cp / ep ranks, ep times further apart, that hold the same experts and reduce their gradients
+together. The executor's expert DeviceMesh has the dimensions ``EXPERT_DIMS``, of ``expert_shape``.
+
+The search (search/space.py), the cost model (cost/comm.py, cost/expert.py), explain (explain/mesh.py,
+explain/volume.py) and the executor's DeviceMeshes (executor/parallel/mesh.py,
+executor/parallel/expert_parallel.py) all read this one object; the legality rules below are the
 only copy of each rule. Pure Python, no torch: the planner plans 16,384 GPUs on a laptop.
 
-A new degree (expert parallelism, say) is a field of ``Layout`` and of ``Coords`` and its name in
-``DIMS`` at its place in the order: shape, world size, strides, coordinates and groups all follow
-from ``DIMS``. An axis made of adjacent dimensions (like ``dp_cp``) is named in ``size`` and ``stride``.
+A new mesh dimension is a field of ``Layout`` and of ``Coords`` and its name in ``DIMS`` at its
+place in the order: shape, world size, strides, coordinates and groups all follow from ``DIMS``. An
+axis made of adjacent dimensions (like ``dp_cp``), or a split of one (``ep`` and ``edp``), is named
+in ``size`` and ``stride``; groups and placements follow from those two.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from dataclasses import dataclass, fields
 
 DIMS = ("pp", "dp", "cp", "tp")  # outermost to innermost: the DeviceMesh's dimension order
 AXES = ("tp", "cp", "dp", "dp_cp", "pp")  # every axis a group runs on, innermost first (explain's order)
+EXPERT_AXES = ("ep", "edp")  # expert parallelism: dp_cp refactored as edp x ep, ep innermost
+EXPERT_DIMS = ("pp", "edp", "ep", "tp")  # the expert DeviceMesh's dimension order (expert_shape)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,12 +91,15 @@ def place(size: int, stride: int, gpus_per_node: int) -> Placement:
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """The degrees of a plan and the ``[pp, dp, cp, tp]`` rank layout they make (module docstring)."""
+    """The degrees of a plan and the ``[pp, dp, cp, tp]`` rank layout they make (module docstring).
+    ``ep`` is no dimension of that layout: it splits the ``dp_cp`` axis into the ``ep`` and ``edp``
+    axes (``EXPERT_AXES``), whose sizes and strides raise ValueError unless ep divides dp x cp."""
 
     pp: int = 1
     dp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallelism: ranks of dp x cp an MoE block's experts are sharded over
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -95,9 +109,15 @@ class Layout:
 
     @classmethod
     def of(cls, degrees: object) -> Layout:
-        """The layout of anything with ``pp``, ``dp``, ``cp`` and ``tp`` attributes (a plan's
-        ``parallel`` section, the cost model's ``Config``)."""
-        return cls(**{d: getattr(degrees, d) for d in DIMS})
+        """The layout of anything with ``pp``, ``dp``, ``cp`` and ``tp`` attributes, and ``ep`` where
+        it has one (a plan's ``parallel`` section, the cost model's ``Config``)."""
+        return cls(**{d: getattr(degrees, d) for d in DIMS}, ep=getattr(degrees, "ep", 1))
+
+    @property
+    def expert_shape(self) -> tuple[int, ...]:
+        """The degrees in ``EXPERT_DIMS`` order: the shape of the executor's expert DeviceMesh, the
+        ``DIMS`` shape with dp x cp refactored as edp x ep (the same ranks in the same order)."""
+        return tuple(getattr(self, d) if d in DIMS else self.size(d) for d in EXPERT_DIMS)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -112,14 +132,20 @@ class Layout:
         return n
 
     def size(self, axis: str) -> int:
-        """Ranks in one group of ``axis`` (one of ``AXES``)."""
+        """Ranks in one group of ``axis`` (one of ``AXES`` or ``EXPERT_AXES``)."""
         if axis == "dp_cp":
             return self.dp * self.cp
+        if axis in EXPERT_AXES:
+            self._check_experts()
+            return self.ep if axis == "ep" else self.dp * self.cp // self.ep
         _check_axis(axis)
         return getattr(self, axis)
 
     def stride(self, axis: str) -> int:
         """Distance in the rank order between neighbouring members of a group of ``axis``."""
+        if axis in EXPERT_AXES:  # ep innermost of dp_cp, edp outside it
+            self._check_experts()
+            return self.stride("dp_cp") * (self.ep if axis == "edp" else 1)
         inner = DIMS[DIMS.index("cp" if axis == "dp_cp" else _check_axis(axis)) + 1:]
         out = 1
         for d in inner:
@@ -170,17 +196,24 @@ class Layout:
         one rank when there is no pipeline)."""
         return place(2 if self.pp > 1 else 1, self.stride("pp"), gpus_per_node)
 
+    def _check_experts(self) -> None:
+        """The expert axes exist only where ep divides dp x cp (``ep_reason``)."""
+        reason = ep_reason(self.ep, self.size("dp_cp"), None)
+        if reason:
+            raise ValueError(reason)
+
 
 def _check_axis(axis: str) -> str:
     if axis not in DIMS:
-        raise ValueError(f"unknown mesh axis {axis!r}; one of {', '.join(AXES)}")
+        raise ValueError(f"unknown mesh axis {axis!r}; one of {', '.join(AXES + EXPERT_AXES)}")
     return axis
 
 
 # ---------------------------------------------------------------------------------------------
 # Legality: each rule once, as the reason a choice is illegal (None when it is legal). The plan
-# file's checks (plan.py), the search's space (search/space.py), the estimate (cost/estimate.py),
-# the model graph (graph/model_graph.py) and the executor's preflight (executor/runtime/checks.py) call these.
+# file's checks (plan.py), the search's space (search/space.py), the estimate (cost/estimate.py,
+# cost/expert.py), the model graph (graph/model_graph.py) and the executor's preflight
+# (executor/runtime/checks.py, executor/parallel/expert_parallel.py) call these.
 
 
 def world_size_reason(layout: Layout, num_gpus: int) -> str | None:
@@ -232,6 +265,19 @@ def ring_balance_reason(cp: int, seq_len: int) -> str | None:
     if cp > 1 and seq_len % (2 * cp):
         return (f"ring attention balances causal work with 2 x cp chunks: seq_len {seq_len} "
                 f"must be divisible by {2 * cp}")
+    return None
+
+
+def ep_reason(ep: int, dp_cp: int, num_experts: int | None) -> str | None:
+    """Expert parallelism shards whole experts: ep divides the model's ``num_experts`` (None: not
+    known here), and its ep ranks are drawn from the ``dp_cp`` = dp x cp ranks, so ep divides dp_cp.
+    What the model itself must have for any ep > 1 is spec/support.py's ``ep`` predicate."""
+    if ep == 1:
+        return None
+    if num_experts is not None and num_experts % ep:
+        return f"ep = {ep} does not divide the model's {num_experts} experts; pick an ep that divides {num_experts}"
+    if dp_cp % ep:
+        return f"ep = {ep} does not divide dp x cp = {dp_cp}; pick an ep that divides {dp_cp}"
     return None
 
 

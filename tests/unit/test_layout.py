@@ -88,7 +88,7 @@ def test_out_of_range_ranks_and_axes_are_refused() -> None:
     with pytest.raises(ValueError, match="outside"):
         lay.rank(Coords(pp=0, dp=2, cp=0, tp=0))
     with pytest.raises(ValueError, match="unknown mesh axis"):
-        lay.size("ep")
+        lay.size("xp")  # ep and edp are axes: test_layout_expert.py
 
 
 def test_legality_rules_give_the_reason() -> None:

@@ -1,9 +1,10 @@
 """Expert parallelism (plan ``parallel.ep``): the experts of every MoE block sharded over
 ``ep`` ranks, tokens sent to their experts and back with an all-to-all of uneven splits.
 
-Layout (Megatron-Core's and torchtitan's): the ep ranks are drawn from the dp x cp ranks, ep
-innermost. Ranks are ``[pp, dp, cp, tp]``; flattening (dp, cp) to one index f, a rank's ep index is
-f mod ep and its expert-data-parallel (edp) index f div ep. Each ep group holds all E experts, E/ep
+Layout (Megatron-Core's and torchtitan's; autopar.layout owns it, with the rules on ep): the ep
+ranks are drawn from the dp x cp ranks, ep innermost. Ranks are ``[pp, dp, cp, tp]``; flattening
+(dp, cp) to one index f, a rank's ep index is f mod ep and its expert-data-parallel (edp) index
+f div ep. Each ep group holds all E experts, E/ep
 per rank (rank i: experts i*E/ep .. (i+1)*E/ep - 1); the dp*cp/ep ranks with the same ep index hold
 the same experts and reduce their gradients together. Attention, norms and the router stay as the
 other degrees say (replicated over dp x cp).
@@ -44,21 +45,22 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.layout import EXPERT_DIMS, ep_reason
 
 
 def check_expert_parallel(plan: Any, spec: Any, where: str, mf: Any) -> None:
     """Preflight: the one-line reason ``plan``'s ep cannot run on the model of ``spec``, if any --
-    the model's (spec/support.py ``ep``, the one the search and ``estimate`` read) and the degree's."""
+    the model's (spec/support.py ``ep``, the one the search and ``estimate`` read) and the degree's
+    (autopar.layout's ``ep_reason``, the search's and ``estimate``'s too)."""
     par = plan.parallel
     if par.ep == 1:
         return
     reason = spec.support_reason("ep")
     if reason:
         raise AutoparError(f"expert parallelism cannot run on {where}: {reason}; plan with ep = 1")
-    moe = spec.moe
-    if moe.num_experts % par.ep:
-        raise AutoparError(f"ep = {par.ep} does not divide the {moe.num_experts} experts of {where}; "
-                           f"pick an ep that divides {moe.num_experts}")
+    reason = ep_reason(par.ep, par.layout.size("dp_cp"), spec.moe.num_experts)
+    if reason:
+        raise AutoparError(f"{where}: {reason}")
 
 
 # ---------------------------------------------------------------- groups
@@ -67,10 +69,12 @@ def check_expert_parallel(plan: Any, spec: Any, where: str, mf: Any) -> None:
 @dataclass(frozen=True, kw_only=True)
 class ExpertGroups:
     """The ep and edp groups of this rank, from a DeviceMesh ``[pp, edp, ep, tp]`` (the plan's
-    ``[pp, dp, cp, tp]`` with dp x cp refactored as edp x ep, ep innermost)."""
+    ``[pp, dp, cp, tp]`` with dp x cp refactored as edp x ep, ep innermost: autopar.layout's
+    ``EXPERT_DIMS`` and ``Layout.expert_shape``)."""
 
     mesh: Any  # DeviceMesh with dims pp, edp, ep, tp
     ep: int
+    edp: int  # ranks holding the same experts: dp * cp / ep
     num_experts: int
     grad_divide: int  # dp * cp
 
@@ -96,10 +100,10 @@ def expert_groups(plan: Any, spec: Any, device: torch.device) -> ExpertGroups:
     """Collective: every rank must call it (DeviceMesh makes the groups)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    par = plan.parallel
-    edp = par.dp * par.cp // par.ep
-    mesh = init_device_mesh(device.type, (par.pp, edp, par.ep, par.tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
-    return ExpertGroups(mesh=mesh, ep=par.ep, num_experts=spec.moe.num_experts, grad_divide=par.dp * par.cp)
+    layout = plan.parallel.layout
+    mesh = init_device_mesh(device.type, layout.expert_shape, mesh_dim_names=EXPERT_DIMS)
+    return ExpertGroups(mesh=mesh, ep=layout.size("ep"), edp=layout.size("edp"), num_experts=spec.moe.num_experts,
+                        grad_divide=layout.size("dp_cp"))
 
 
 # ---------------------------------------------------------------- dispatch and combine
@@ -407,7 +411,7 @@ def install_grad_sync(state: ExpertParallel, ddp: nn.Module) -> None:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if groups.grad_divide // groups.ep > 1:
+        if groups.edp > 1:
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             dist.all_reduce(flat, group=groups.edp_mesh.get_group())
             for p, g in zip(params, torch.split(flat, [p.numel() for p in params])):
