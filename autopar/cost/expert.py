@@ -25,7 +25,8 @@ costs nothing there.
 All-to-all. Per MoE block and micro-batch a rank sends its tokens x top_k rows of the block's width
 (``dispatch``) and receives as many back (``combine``); backward does both again. Each is an
 all-to-all over the ep group: ep ranks at stride tp in the ``[pp, dp, cp, tp]`` order (ep
-innermost of dp x cp), so on NVLink while tp x ep fits a node and on the network beyond.
+innermost of dp x cp; the ``ep`` and ``edp`` axes of autopar.layout, which owns their sizes,
+strides and rules), so on NVLink while tp x ep fits a node and on the network beyond.
 They are on the critical path (the experts wait for their tokens), so they are priced exposed.
 
 Memory and gradients. A rank holds E / ep experts of every block; their states shard over the
@@ -48,9 +49,11 @@ from autopar.cost.compute import op_time_s
 from autopar.cost.memory import state_bytes_per_param
 from autopar.cost.zero import gradient_bytes_per_param, per_microbatch_exposed, per_step_sync
 from autopar.errors import PlanError
+from autopar.layout import Layout, ep_reason
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
+    from autopar.cost.comm import GroupLink
     from autopar.cost.terms import Config
     from autopar.graph.model_graph import ModelGraph
     from autopar.graph.scaling import FitOp, Shape
@@ -75,11 +78,14 @@ def check_ep(graph: "ModelGraph", ep: int, dp_cp: int) -> str | None:
         return f"ep = {ep} needs a mixture-of-experts model; {graph.name} has no experts in its blocks"
     if graph.chain:
         return f"{graph.name} has no repeated block list (a layer chain): expert parallelism is priced per block"
-    if graph.moe.num_experts % ep:
-        return f"ep = {ep} does not divide the model's {graph.moe.num_experts} experts"
-    if dp_cp % ep:
-        return f"ep = {ep} does not divide dp x cp = {dp_cp}"
-    return None
+    return ep_reason(ep, dp_cp, graph.moe.num_experts)  # the degree's rules: autopar.layout
+
+
+def expert_link(cluster: "Cluster", layout: Layout, axis: str) -> "GroupLink":
+    """The link of the groups of the expert axis ``axis`` (``ep`` or ``edp``) of ``layout``, whose
+    sizes and strides autopar.layout owns. Not ``comm.axis_link``: that remembers its answers by the
+    ``[pp, dp, cp, tp]`` degrees alone, and these axes change with ep."""
+    return group_link(cluster, layout.size(axis), layout.stride(axis))
 
 
 def expert_flops_per_token(graph: "ModelGraph") -> float:
@@ -168,7 +174,8 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     if ep == 1 or moe is None:
         return None
     f = cfg.moe_imbalance
-    link = group_link(cluster, ep, cfg.tp)
+    layout = Layout.of(cfg)
+    link = expert_link(cluster, layout, "ep")
     a2a_bytes = tokens_bytes * moe.top_k * f
     # collective_time_s takes the full message: ep ranks' shares of what one rank sends
     one = collective_time_s("all_to_all", a2a_bytes, link)
@@ -180,13 +187,13 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     all_experts = moe.expert_params / (cfg.tp if experts_tp_sharded(graph) else 1)
     experts = all_experts / ep
     dense = max(0.0, block_params - all_experts)
-    edp = cfg.dp * cfg.cp // ep
+    edp = layout.size("edp")
     state = state_bytes_per_param(zero=cfg.zero, shard_degree=edp, dtype_bytes=cfg.dtype_bytes, optimizer=cfg.optimizer,
                                   moment_bytes=cluster.optimizer_moment_bytes, master_bytes=cluster.master_weight_bytes)
     uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1
     state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
     equivalent = dense + experts * state.total / dense_state_bytes
-    edp_link = group_link(cluster, edp, cfg.tp * ep)
+    edp_link = expert_link(cluster, layout, "edp")
     edp_sync, _, _ = per_step_sync(cfg, edp_link, cluster)
     gemm_fwd, gemm_bwd = expert_gemm_delta_s(graph, cluster, shape, ep) if shape is not None else (0.0, 0.0)
     extra = max(0.0, experts * edp_sync - (equivalent - dense) * dense_sync_s_per_param) / cfg.num_microbatches
@@ -204,7 +211,7 @@ def zero_exposed_s(cfg: "Config", cluster: "Cluster", cost: ExpertCost, fwd_s: f
     """ZeRO-2/3 per-micro-batch collectives of one block under ep: its dense parameters over the
     dp x cp ranks, its E / ep experts over their dp x cp / ep edp ranks (both prefetched behind the
     block's compute, as autopar.cost.zero prices them)."""
-    edp_link = group_link(cluster, cfg.dp * cfg.cp // cfg.ep, cfg.tp * cfg.ep)
+    edp_link = expert_link(cluster, Layout.of(cfg), "edp")
     return (per_microbatch_exposed(cfg, cost.dense_params, fwd_s, bwd_s, dpcp_link, cluster)
             + per_microbatch_exposed(cfg, cost.expert_params, fwd_s, bwd_s, edp_link, cluster))
 

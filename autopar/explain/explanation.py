@@ -20,6 +20,7 @@ from autopar.explain.mesh import AxisSummary, format_group, mesh_summary
 from autopar.explain.trace import chunk_modes, chunk_times
 from autopar.explain.volume import StageVolume, communication_volume
 from autopar.graph.model_graph import ModelGraph, MoEFacts
+from autopar.layout import EXPERT_AXES
 from autopar.plan import Plan
 from autopar.report import gib, param_count, plan_summary, seconds, table
 
@@ -233,7 +234,7 @@ def _comm_section(ex: Explanation) -> list[str]:
     lines.append(table(["what", "collective", "axis", "link", "group", "calls", "message", "sent/step",
                         "time alone"], rows, align="lllllrrrr"))
     lines += ["", "sent per GPU per step, by stage and axis:"]
-    axes = [a for a in ("tp", "cp", "dp_cp", "pp", "ep", "edp") if any(a in v.by_axis() for v in ex.volume)]
+    axes = [a for a in ("tp", "cp", "dp_cp", "pp", *EXPERT_AXES) if any(a in v.by_axis() for v in ex.volume)]
     links = {a.axis: a.link for a in ex.mesh}
     links.update({i.axis: i.link for v in ex.volume for i in v.items if i.axis not in links})  # ep, edp (expert parallelism)
     shown = [None if r < 0 else ex.volume[r] for r in elided(len(ex.volume), keep=(busiest.rank,))]
@@ -254,7 +255,7 @@ def _moe_section(ex: Explanation) -> list[str]:
         return lines + [f"every rank holds all {moe.num_experts} experts of its blocks (no all-to-all); "
                         "routing imbalance costs nothing at ep 1"]
     m = ex.estimate.moe
-    edp = par.dp * par.cp // par.ep
+    edp = par.layout.size("edp")  # autopar.layout owns the expert axes
     lines += [
         f"{moe.num_experts // par.ep} of {moe.num_experts} experts per rank "
         f"({param_count(m['expert_params_per_rank'])} expert parameters), the same on the {edp} rank(s) "

@@ -21,7 +21,7 @@ from typing import Iterator
 
 from autopar.cost.stage import Config
 from autopar.graph.model_graph import ModelGraph
-from autopar.layout import cp_seq_reason, executed_zero, ring_balance_reason, tp_node_reason
+from autopar.layout import cp_seq_reason, ep_reason, executed_zero, ring_balance_reason, tp_node_reason
 from autopar.plan import CP_KINDS, OFFLOAD_LABELS, PLAN_RECOMPUTE_MODES, RECOMPUTE_MODES, Offload, offload_reason
 
 # Per-stage recompute: "mixed" is a per-rank mix of the modes, the split program choosing the counts
@@ -266,15 +266,15 @@ def mix_modes(graph: ModelGraph) -> tuple[str, ...]:
 
 
 def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: int, rejected: Counter) -> tuple[int, ...]:
-    """The legal ep degrees (ep divides the experts and dp x cp, at any tp and pp:
-    executor/parallel/expert_parallel.py). 1 is always legal (dense experts)."""
+    """The legal ep degrees (autopar.layout's ``ep_reason``: ep divides the experts and dp x cp, at
+    any tp and pp). 1 is always legal (dense experts)."""
     if graph.moe is None or graph.chain or graph.supports("ep"):  # what the model must have: spec/support.py
         return (1,) if space.allows("ep_degrees", 1) else ()
     out = []
-    for ep in divisors(graph.moe.num_experts):
+    for ep in divisors(graph.moe.num_experts):  # the experts' rule holds: only dp x cp's can fail
         if not space.allows("ep_degrees", ep):
             rejected["constraint: ep"] += 1
-        elif ep > 1 and dp_cp % ep:
+        elif ep_reason(ep, dp_cp, graph.moe.num_experts):
             rejected["ep does not divide dp x cp"] += 1
         else:
             out.append(ep)

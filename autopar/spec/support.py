@@ -11,8 +11,8 @@ Keys: ``tp`` (tensor parallelism), ``sp`` (Megatron sequence parallelism inside 
 recompute, autopar.recompute_ops), ``cp_pp`` (context
 parallelism and pipeline stages in one plan: each is checked alone by its own key, this one says
 whether the two combine), ``ep`` (expert parallelism: what the model must have for any ep > 1; the
-degree's own rules, ep dividing the experts and dp x cp, are checked where the degree is known:
-cost/expert.check_ep, the search's ep degrees).
+degree's own rules, ep dividing the experts and dp x cp, are autopar.layout's ``ep_reason``, checked
+where the degree is known: cost/expert.check_ep, the search's ep degrees, the executor's preflight).
 """
 
 from __future__ import annotations
