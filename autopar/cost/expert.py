@@ -37,6 +37,9 @@ gradient reduction of the expert parameters over their edp group is slower than 
 count is charged (a smaller group spread over more nodes), the difference is added, exposed, to the
 block's backward (never less: an upper estimate). ZeRO-2/3's per-micro-batch gathers and
 reduce-scatters move the block's dense parameters over dp x cp and its E / ep experts over edp.
+
+The stage model (autopar.cost.stage) prices a block as if it were dense; ``adjust_terms`` is where
+expert parallelism changes those block terms, the way other dimensions adjust the base terms.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cost.comm import collective_time_s, group_link
 from autopar.cost.compute import op_time_s
+from autopar.cost.framework import per_microbatch_s
 from autopar.cost.memory import state_bytes_per_param
 from autopar.cost.zero import gradient_bytes_per_param, per_microbatch_exposed, per_step_sync
 from autopar.errors import PlanError
@@ -54,7 +58,7 @@ from autopar.layout import Layout, ep_reason
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
     from autopar.cost.comm import GroupLink
-    from autopar.cost.terms import Config
+    from autopar.cost.terms import Config, Part
     from autopar.graph.model_graph import ModelGraph
     from autopar.graph.scaling import FitOp, Shape
 
@@ -214,6 +218,50 @@ def zero_exposed_s(cfg: "Config", cluster: "Cluster", cost: ExpertCost, fwd_s: f
     edp_link = expert_link(cluster, Layout.of(cfg), "edp")
     return (per_microbatch_exposed(cfg, cost.dense_params, fwd_s, bwd_s, dpcp_link, cluster)
             + per_microbatch_exposed(cfg, cost.expert_params, fwd_s, bwd_s, edp_link, cluster))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertTerms:
+    """A block's stage terms as expert parallelism changes them (``adjust_terms``)."""
+
+    block: "Part"  # the block's terms, per micro-batch on one rank
+    expert: ExpertCost | None  # None: ep = 1, or no experts (``block`` unchanged)
+    transient_saving_bytes: float  # ZeRO-3: less gathered per block (E / ep experts, not all E)
+
+
+def adjust_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", block: "Part", *,
+                 dense_state_bytes: float, dpcp_link: "GroupLink", tokens_bytes: float,
+                 shape: "Shape") -> ExpertTerms:
+    """The dense-priced ``block`` terms of ``cfg`` (autopar.cost.stage) under expert parallelism:
+    the all-to-alls, the imbalance and the expert GEMMs' ep shapes added to forward and backward
+    (and to the recompute of a full-recompute block), the experts' excess gradient sync, ZeRO-2/3's
+    collectives with the experts over edp, and the dense-equivalent parameter count (module
+    docstring). ``dense_state_bytes``: bytes per dense parameter; ``dpcp_link``: the dp x cp group's;
+    ``tokens_bytes``: one rank's block input per micro-batch; ``shape``: the block's."""
+    if cfg.ep == 1:
+        return ExpertTerms(block=block, expert=None, transient_saving_bytes=0.0)
+    expert = expert_cost(graph, cluster, cfg, dense_state_bytes=dense_state_bytes,
+                         dense_sync_s_per_param=per_step_sync(cfg, dpcp_link, cluster)[0],
+                         tokens_bytes=tokens_bytes, block_fwd_s=block.fwd_s - block.tp_comm_s - block.cp_comm_s,
+                         block_bwd_s=block.bwd_s - block.recompute_s - block.zero_comm_s, block_params=block.params,
+                         shape=shape)
+    if expert is None:
+        return ExpertTerms(block=block, expert=None, transient_saving_bytes=0.0)
+    saving = 0.0
+    if cfg.zero == 3:  # the gathered block holds this rank's E / ep experts, not all E
+        saving = 2 * (expert.all_expert_params - expert.expert_params) * cfg.dtype_bytes
+    fwd_extra = expert.a2a_fwd_s + expert.imbalance_fwd_s + expert.gemm_fwd_s  # gemm: the ep shapes
+    bwd_extra = expert.a2a_bwd_s + expert.imbalance_bwd_s + expert.gemm_bwd_s + expert.grad_sync_extra_s
+    recompute_extra = fwd_extra if cfg.recompute == "full" else 0.0  # a recomputed block re-runs its all-to-alls
+    if cfg.zero in (2, 3):  # dense parameters gathered over dp x cp, experts over their edp ranks
+        bwd_plain = block.bwd_s - block.zero_comm_s
+        zero_ep = zero_exposed_s(cfg, cluster, expert, block.fwd_s, bwd_plain, dpcp_link)
+        zero_ep += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # framework time
+        block = replace(block, bwd_s=bwd_plain + zero_ep, zero_comm_s=zero_ep)
+    block = replace(block, fwd_s=block.fwd_s + fwd_extra, bwd_s=block.bwd_s + bwd_extra + recompute_extra,
+                    recompute_s=block.recompute_s + recompute_extra, params=expert.block_params,
+                    ep_comm_s=expert.a2a_fwd_s + expert.a2a_bwd_s + expert.grad_sync_extra_s)
+    return ExpertTerms(block=block, expert=expert, transient_saving_bytes=saving)
 
 
 def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, float | int | str]:

@@ -25,6 +25,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time, usable_layer_table
 from autopar.cost.evolve import evolve
+from autopar.cost.expert import adjust_terms
 from autopar.cost.framework import (
     dp_wrapper,
     grad_reduce_bytes,
@@ -111,31 +112,9 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     tp_link, cp_link, dpcp_link = (axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp"))
 
     block = _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes)
-    expert, transient_ep_saving = None, 0.0
-    if cfg.ep > 1:  # experts sharded over ep ranks (autopar.cost.expert)
-        from autopar.cost.expert import expert_cost
-
-        expert = expert_cost(graph, cluster, cfg, dense_state_bytes=state.total,
-                             dense_sync_s_per_param=per_step_sync(cfg, dpcp_link, cluster)[0],
-                             tokens_bytes=tokens_bytes, block_fwd_s=block.fwd_s - block.tp_comm_s - block.cp_comm_s,
-                             block_bwd_s=block.bwd_s - block.recompute_s - block.zero_comm_s, block_params=block.params,
-                             shape=shape)
-    if expert is not None:
-        if cfg.zero == 3:  # the gathered block holds this rank's E / ep experts, not all E
-            transient_ep_saving = 2 * (expert.all_expert_params - expert.expert_params) * cfg.dtype_bytes
-        fwd_extra = expert.a2a_fwd_s + expert.imbalance_fwd_s + expert.gemm_fwd_s  # gemm: the ep shapes
-        bwd_extra = expert.a2a_bwd_s + expert.imbalance_bwd_s + expert.gemm_bwd_s + expert.grad_sync_extra_s
-        recompute_extra = fwd_extra if cfg.recompute == "full" else 0.0  # a recomputed block re-runs its all-to-alls
-        if cfg.zero in (2, 3):  # dense parameters gathered over dp x cp, experts over their edp ranks
-            from autopar.cost.expert import zero_exposed_s
-
-            bwd_plain = block.bwd_s - block.zero_comm_s
-            zero_ep = zero_exposed_s(cfg, cluster, expert, block.fwd_s, bwd_plain, dpcp_link)
-            zero_ep += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # framework time
-            block = replace(block, bwd_s=bwd_plain + zero_ep, zero_comm_s=zero_ep)
-        block = replace(block, fwd_s=block.fwd_s + fwd_extra, bwd_s=block.bwd_s + bwd_extra + recompute_extra,
-                        recompute_s=block.recompute_s + recompute_extra, params=expert.block_params,
-                        ep_comm_s=expert.a2a_fwd_s + expert.a2a_bwd_s + expert.grad_sync_extra_s)
+    ep = adjust_terms(graph, cluster, cfg, block, dense_state_bytes=state.total, dpcp_link=dpcp_link,
+                      tokens_bytes=tokens_bytes, shape=shape)  # experts sharded over ep ranks
+    block, expert = ep.block, ep.expert
     table = usable_layer_table(graph, cluster)
     replicated = table is not None and table.edges_replicated
     # An old table (edges measured whole at tp = 1) keeps its replicated pricing; see module docstring.
@@ -162,8 +141,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         # FSDP2 in a block's backward: the block's gathered parameters and the next one's, prefetched
         # (its gradients are reduce-scattered as soon as they are whole); measured by rehearsal
         transient += 2 * block_params * d
-        if expert is not None:
-            transient -= transient_ep_saving
+        transient -= ep.transient_saving_bytes  # expert parallelism: this rank's E / ep experts only
     widths = layer_widths(graph) if cluster.activation_memory == "megatron" else None
     if widths is None:
         transient += _recompute_working(graph, cluster, cfg, shape, core_shape)
