@@ -16,6 +16,14 @@ from typing import Any, Mapping
 import yaml
 
 from autopar.errors import AutoparError, ClusterError
+from autopar.kernel_tables import (
+    AttentionTable,
+    GemmTable,
+    attention_table_from_dict,
+    gemm_table_from_dict,
+    gemm_table_from_rows,
+    resolve_table_path,
+)
 from autopar.profile_tables import MeasuredProfile, measured_from_dict, parse_number
 from autopar.yamlload import load_yaml
 
@@ -167,10 +175,40 @@ class Cluster:
     fsdp_gather_s_per_tensor: float = 0.0
     fsdp_reduce_s_per_tensor: float = 0.0
     dtensor_optimizer_s_per_tensor: float = 0.0
+    # Kernel tables (autopar.kernel_tables, the profile's ``kernels:`` section): a GEMM's and a fused
+    # attention's rate by its own shape, measured or published, in place of peak x efficiency.
+    # ``gemm_dtype``: the table column priced (fp32 plans: profile_conditions.price_for_run);
+    # ``attention_kernel``: which of the attention table's kernels the software runs.
+    gemm_table: GemmTable | None = field(default=None, compare=False)
+    # Share of a kernel table's rate a GPU sustains through training steps: tables are measured on
+    # an idle GPU in short bursts, at its boost clock; a training step holds every SM busy for
+    # seconds, at the clock its power limit allows (``efficiency.sustained_fraction``; 1: as measured).
+    sustained_fraction: float = 1.0
+    gemm_dtype: str = "bf16"
+    attention_table: AttentionTable | None = field(default=None, compare=False)
+    attention_kernel: str = ""
     source: Path | None = field(default=None, compare=False)
     # Measured tables (autopar profile): layer times/memory, kernel curves, collective fits. The
     # cost model consults them where they apply and falls back to the figures above otherwise.
     measured: MeasuredProfile | None = field(default=None, compare=False)
+
+    def gemm_flops_per_s(self, m: float, n: float, k: float) -> float:
+        """FLOP/s of an (m x k) @ (k x n) GEMM, m counting a batched GEMM's batch: the GEMM table's
+        rate at this shape where the profile has one, else peak x the GEMM efficiency curve."""
+        if self.gemm_table is not None:
+            return self.gemm_table.rate(m, n, k, self.gemm_dtype) * self.sustained_fraction
+        return self.peak_flops * self.gemm(m, n, k)
+
+    def attention_flops_per_s(self, kv_tokens: float, *, head_dim: float = 0.0, causal: bool = False,
+                              backward: bool = False) -> float:
+        """FLOP/s (torch's full-s^2 count) of a fused attention kernel with ``kv_tokens`` keys per
+        query: the attention table's rate for the software's kernel at this key length, head
+        dimension and mask where the profile has one (and the op's head dimension was traced),
+        else peak x ``attention_efficiency_at``."""
+        if self.attention_table is not None and head_dim > 0:
+            return self.sustained_fraction * self.attention_table.rate(
+                self.attention_kernel, backward=backward, causal=causal, kv_tokens=kv_tokens, head_dim=head_dim)
+        return self.peak_flops * self.attention_efficiency_at(kv_tokens)
 
     def attention_efficiency_at(self, kv_tokens: float) -> float:
         """Fraction of peak a fused attention kernel reaches with ``kv_tokens`` keys per query."""
@@ -187,6 +225,8 @@ class Cluster:
         for key in ("memory_efficiency", "attention_efficiency"):
             if not 0 < getattr(self, key) <= 1:
                 raise ClusterError(f"cluster profile {self.name}: {key} must be in (0, 1]")
+        if not 0 < self.sustained_fraction <= 1:
+            raise ClusterError(f"cluster profile {self.name}: sustained_fraction must be in (0, 1]")
         if not 0 <= self.overlap_cost_fraction <= 1:
             raise ClusterError(f"cluster profile {self.name}: overlap_cost_fraction must be in [0, 1]")
         for key in ("host_memory_bytes_per_node", "host_link_bandwidth_bytes_per_s", "cpu_optimizer_params_per_s",
@@ -232,6 +272,8 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
     gpu = _get(data, "gpu", where)
     net = _get(data, "network", where)
     eff = _get(data, "efficiency", where)
+    tables = _kernels(data.get("kernels", {}), f"{where} kernels", source)
+    gemm_default = 1.0 if tables.get("gemm_table") is not None else None  # a GEMM table replaces the curve
     try:
         cluster = Cluster(
             name=str(data.get("name", name)),
@@ -242,8 +284,9 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
             memory_efficiency=_num(eff, "memory", f"{where} efficiency"),
             attention_efficiency=_num(eff, "attention", f"{where} efficiency"),
             kernel_overhead_s=_num(eff, "kernel_overhead_s", f"{where} efficiency"),
-            gemm=GemmEfficiency(max=_num(eff, "gemm_max", f"{where} efficiency"),
-                                half_dim=_num(eff, "gemm_half_dim", f"{where} efficiency"),
+            gemm=GemmEfficiency(max=_num(eff, "gemm_max", f"{where} efficiency", gemm_default),
+                                half_dim=_num(eff, "gemm_half_dim", f"{where} efficiency",
+                                              None if gemm_default is None else 0.0),
                                 half_mn=_num(eff, "gemm_half_mn", f"{where} efficiency", 0.0)),
             gpus_per_node=int(_num(net, "gpus_per_node", f"{where} network")),
             intra_node=_link(_get(net, "intra_node", f"{where} network"), f"{where} network.intra_node"),
@@ -254,8 +297,10 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
             optimizer_bytes_per_param=_num(eff, "optimizer_bytes_per_param", f"{where} efficiency", 32.0),
             overlap_cost_fraction=_num(eff, "overlap_cost_fraction", f"{where} efficiency", 0.1),
             attention_half_seq=_num(eff, "attention_half_seq", f"{where} efficiency", 0.0),
+            sustained_fraction=_num(eff, "sustained_fraction", f"{where} efficiency", 1.0),
             **_software(data.get("software", {}), f"{where} software"),
             **_host(data.get("host", {}), f"{where} host"),
+            **tables,
             source=source,
         )
         if "measured" in data:
@@ -284,7 +329,12 @@ def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
         changes["fp32_peak_flops"] = 0.0
     if "attention_efficiency" in f:
         changes["attention_efficiency"] = f["attention_efficiency"]
-    if "gemm_max" in f or "gemm_half_dim" in f:
+    measured_dtype = str(measured.device.get("dtype", "bf16"))
+    table = gemm_table_from_rows(measured.gemm, measured_dtype, _measured_source(measured)) if measured.gemm else None
+    if table is not None:  # a GPU's own grid of GEMM shapes replaces the published table
+        changes.update(gemm_table=table, gemm_dtype=measured_dtype)
+    elif "gemm_max" in f or "gemm_half_dim" in f:
+        changes["gemm_table"] = None  # measured on this device: its fit replaces a published table
         changes["gemm"] = GemmEfficiency(max=f.get("gemm_max", cluster.gemm.max),
                                          half_dim=f.get("gemm_half_dim", cluster.gemm.half_dim))  # measured: product form
     if measured.memory_baseline_bytes is not None:
@@ -303,6 +353,11 @@ def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
         return dataclasses.replace(cluster, **changes)
     except (TypeError, ValueError) as exc:
         raise ClusterError(f"measured profile over {cluster.name}: {exc}") from None
+
+
+def _measured_source(measured: MeasuredProfile) -> str:
+    device = measured.device
+    return f"autopar profile --device {device.get('type', '?')} ({device.get('name', 'unnamed device')})"
 
 
 # measured.comm.fsdp key -> Cluster field (framework time, autopar.cost.framework)
@@ -348,6 +403,57 @@ def _software(data: Any, where: str) -> dict[str, Any]:
     return dict(data)
 
 
+def _kernels(data: Any, where: str, source: Path | None) -> dict[str, Any]:
+    """The optional ``kernels:`` section: GEMM and attention tables (autopar.kernel_tables), looked
+    up beside the profile, then where profiles are looked up; ``attention_kernel`` must be one of
+    the attention table's kernels."""
+    if not isinstance(data, Mapping):
+        raise ClusterError(f"{where} must be a mapping")
+    allowed = ("gemm", "attention", "attention_kernel")
+    unknown = sorted(set(data) - set(allowed), key=str)
+    if unknown:
+        raise ClusterError(f"{where}: unknown key '{unknown[0]}'; allowed: {', '.join(allowed)}")
+    dirs = ([source.parent] if source is not None else []) + _profile_dirs()
+    out: dict[str, Any] = {}
+    for key, parse in (("gemm", gemm_table_from_dict), ("attention", attention_table_from_dict)):
+        if key in data:
+            if not isinstance(data[key], str):
+                raise ClusterError(f"{where}: '{key}' must name a kernel table (profiles/kernels/NAME.yaml) or a path")
+            path = resolve_table_path(data[key], dirs)
+            out[f"{key}_table"] = _table(path, parse)
+    if "attention_table" in out:
+        kernel = data.get("attention_kernel")
+        known = out["attention_table"].kernels()
+        if kernel not in known:
+            raise ClusterError(f"{where}: 'attention_kernel' must name the kernel the software runs, one of "
+                               f"{', '.join(known)}")
+        out["attention_kernel"] = kernel
+    elif "attention_kernel" in data:
+        raise ClusterError(f"{where}: 'attention_kernel' needs an 'attention' table")
+    return out
+
+
+_TABLES: dict[tuple[str, int, int], Any] = {}
+
+
+def _table(path: Path, parse: Any) -> Any:
+    """A kernel table read once per file version (every profile of a GPU names the same one)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    if key not in _TABLES:
+        _TABLES[key] = parse(_read_yaml(path), f"kernel table {path}")
+    return _TABLES[key]
+
+
+def _profile_dirs() -> list[Path]:
+    """Where profiles (and their kernels/ tables) are looked up, in order."""
+    dirs = [Path.cwd() / "profiles"]
+    if os.environ.get("AUTOPAR_PROFILES"):
+        dirs.append(Path(os.environ["AUTOPAR_PROFILES"]))
+    dirs.append(SHIPPED_PROFILES)
+    return dirs
+
+
 _HOST_KEYS = {"memory_bytes_per_node": "host_memory_bytes_per_node",
               "link_bandwidth_bytes_per_s": "host_link_bandwidth_bytes_per_s",
               "optimizer_params_per_s": "cpu_optimizer_params_per_s"}
@@ -370,11 +476,7 @@ def resolve_profile_path(name_or_path: str) -> Path:
         if not p.is_file():
             raise ClusterError(f"cluster profile file {p} does not exist")
         return p
-    dirs = [Path.cwd() / "profiles"]
-    if os.environ.get("AUTOPAR_PROFILES"):
-        dirs.append(Path(os.environ["AUTOPAR_PROFILES"]))
-    dirs.append(SHIPPED_PROFILES)
-    for d in dirs:
+    for d in _profile_dirs():
         candidate = d / f"{name_or_path}.yaml"
         if candidate.is_file():
             return candidate

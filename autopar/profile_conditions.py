@@ -139,12 +139,23 @@ def _reprofile(cond: MeasuredConditions, label: str, model: str, **flags: Any) -
     return " ".join(parts + [f"-o {label}"])
 
 
+def _fp32_tables(cluster: Cluster) -> dict[str, Any]:
+    """Kernel tables for an fp32 plan: the GEMM table's fp32 column (TF32 tensor cores), or, for a
+    table without one, its bf16 rates at the fp32 share of peak; no attention table (flash kernels
+    take 16-bit inputs only: an fp32 SDPA runs another kernel, priced by the profile's attention
+    efficiency)."""
+    table = cluster.gemm_table
+    if table is not None and "fp32" not in table.dtypes():
+        table = table.with_dtype("fp32", like="bf16", factor=cluster.fp32_peak_flops / cluster.peak_flops)
+    return {"gemm_table": table, "gemm_dtype": "fp32", "attention_table": None}
+
+
 def price_for_run(cluster: Cluster, run: RunConditions, *, profile_label: str, model_label: str = "MODEL.py") -> Priced:
     """See the module docstring. ``profile_label``: the profile as the user named it (in messages)."""
     if run.dtype == "fp32" and 0 < cluster.fp32_peak_flops < cluster.peak_flops:
         # a datasheet peak is bf16's; an fp32 plan runs at the TF32 one (a measured peak was
         # measured in the profile's own dtype: with_measured clears fp32_peak_flops)
-        cluster = dataclasses.replace(cluster, peak_flops=cluster.fp32_peak_flops)
+        cluster = dataclasses.replace(cluster, peak_flops=cluster.fp32_peak_flops, **_fp32_tables(cluster))
     cond = profile_conditions(cluster)
     if cond is None:
         return Priced(cluster=cluster)

@@ -24,6 +24,9 @@ class OpRecord:
     # Bytes of the tensors it returns: what per-op selective recompute keeps of an op whose output
     # it saves (cost/compute.py ``op_saved``).
     out_bytes: float = 0.0
+    # A fused attention kernel called with ``is_causal``: it skips the masked tiles, so it runs at
+    # its causal rate (autopar.kernel_tables); torch's FLOP count is the full s^2 either way.
+    causal: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -77,6 +77,7 @@ class FitOp:
     name: str = ""  # the aten op (e.g. native_dropout: a memory model counts its masks)
     out_bytes: float = 0.0  # bytes it returns (records.OpRecord.out_bytes) and their exponents
     out_exps: Exps | None = None
+    causal: bool = False  # a fused attention op with is_causal (records.OpRecord.causal)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +173,7 @@ def fit_region(
             bytes=op.bytes, bytes_exps=_exps(op.bytes, pick("b", "bytes"), pick("s", "bytes"), pick("t", "bytes")),
             dims=op.dims, dims_exps=dims_exps, name=op.name, out_bytes=op.out_bytes,
             out_exps=_exps(op.out_bytes, pick("b", "out_bytes"), pick("s", "out_bytes"), pick("t", "out_bytes")),
+            causal=op.causal,
         ))
     saved = _fit_saved(region, base, b2, s_half, t2)
     comm = _fit_comm(region, base, b2, s_half, t2)

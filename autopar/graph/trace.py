@@ -82,6 +82,16 @@ def _attention_dims(name: str, args: tuple) -> tuple[int, int, int, int] | None:
     return (q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3])
 
 
+def _is_causal(func: Any, args: tuple, kwargs: dict) -> bool:
+    """The ``is_causal`` argument of a fused attention op, found by name in its schema (its position
+    differs between the flash, memory-efficient and cuDNN kernels and their backward ops)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "is_causal":
+            value = kwargs.get("is_causal", args[i] if i < len(args) else arg.default_value)
+            return bool(value)
+    return False
+
+
 def _grouped_mm_cost(args: tuple, kwargs: dict) -> tuple[float, tuple[int, int, int, int]]:
     """(FLOPs, (batch, m, n, k)) of ``torch._grouped_mm(a, b, offs)``. Its four layouts (the
     group size G is the leading dimension of the 3-D operand, or of ``offs``):
@@ -174,7 +184,7 @@ class _Recorder(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
-        kind, dims = "mem", None
+        kind, dims, causal = "mem", None, False
         if name in GEMM_OPS:
             kind, dims = "gemm", _gemm_dims(name, args)
             if name in ("mm", "addmm") and self.state.phase == "fwd":
@@ -183,10 +193,10 @@ class _Recorder(TorchDispatchMode):
             flops, dims = _grouped_mm_cost(args, kwargs)
             kind = "gemm"
         elif name in ATTENTION_OPS:
-            kind, dims = "attn", _attention_dims(name, args)
+            kind, dims, causal = "attn", _attention_dims(name, args), _is_causal(func, args, kwargs)
         self.trace.ops.append(
             OpRecord(name=name, phase=self.state.phase, region=self.state.region, kind=kind,
-                     flops=flops, bytes=float(moved), dims=dims, out_bytes=float(out_bytes))
+                     flops=flops, bytes=float(moved), dims=dims, out_bytes=float(out_bytes), causal=causal)
         )
         self.io.append((tuple((self._rid(t), _nbytes(t)) for t in flat_in),
                         tuple((id(t), _nbytes(t)) for t in flat_out)))

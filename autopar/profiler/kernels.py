@@ -1,8 +1,11 @@
 """GEMM throughput and memory-bandwidth curves of the local device, and the roofline fit to them.
 
-* GEMM: square and skinny (m, n, k) shapes; FLOP/s = 2 m n k / median seconds. Fitted to the
-  cluster profile's curve ``peak * prod_d d / (d + half_dim)`` (least squares on log FLOP/s, peak in
-  closed form, half_dim by a grid search); written as ``peak_flops`` with ``gemm_max = 1``.
+* GEMM: FLOP/s = 2 m n k / median seconds of each (m, n, k) shape. On CUDA a full grid of shapes:
+  the measured profile's GEMM table, which the cost model prices every GEMM from in place of the
+  cluster profile's published one (autopar.cluster.with_measured). On CPU (and as the roofline
+  every profile also carries) fitted to the curve ``peak * prod_d d / (d + half_dim)`` (least
+  squares on log FLOP/s, peak in closed form, half_dim by a grid search); written as
+  ``peak_flops`` with ``gemm_max = 1``.
 * Memory bandwidth: ``y.copy_(x)`` over sizes; bytes/s = 2 * size / seconds. The profile's
   bandwidth is the median over sizes past the caches (>= 1 MiB on CPU; on CUDA >= 4 x the L2, with
   sizes up to 1 GiB), efficiency 1.
@@ -73,8 +76,16 @@ def batch_size(per_call_s: float, limit: int = 1000) -> int:
     return max(1, min(limit, math.ceil(CUDA_BATCH_S / per_call_s)))
 
 
+CUDA_GEMM_GRID = (256, 512, 1024, 2048, 4096, 8192)
+
+
 def gemm_shapes(device: torch.device) -> list[tuple[int, int, int]]:
-    sizes = [64, 128, 256, 512, 1024] + ([2048, 4096, 8192] if device.type == "cuda" else [])
+    """On CUDA the full (m, n, k) grid of CUDA_GEMM_GRID: a GEMM table of this GPU by shape, which
+    replaces the profile's published one (autopar.kernel_tables.gemm_table_from_rows; 216 shapes,
+    a few seconds). On CPU squares and four skinny shapes, for the roofline fit."""
+    if device.type == "cuda":
+        return [(m, n, k) for m in CUDA_GEMM_GRID for n in CUDA_GEMM_GRID for k in CUDA_GEMM_GRID]
+    sizes = [64, 128, 256, 512, 1024]
     shapes = [(n, n, n) for n in sizes]
     big = sizes[-1]
     shapes += [(big, big, 64), (big, 64, big), (64, big, big), (big, big, 256)]

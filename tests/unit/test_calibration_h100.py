@@ -73,9 +73,20 @@ def _errors(group: str) -> list[float]:
     return out
 
 
-def test_dgxc_and_megatron_core_rows_within_5_percent_mean_10_max() -> None:
+def test_dgxc_and_megatron_core_rows_within_6_percent_mean_13_max() -> None:
+    """Priced from kernel tables (profiles/kernels/) with three fitted terms, the Megatron rows miss
+    the 5 % / 10 % they met with a fitted GEMM curve and attention efficiency (4.0 / 6.4 %); what
+    those hid is stated beside the held-out figures (docs/cost-model.md). This guards the level."""
     errors = _errors("dgxc") + _errors("megatron_core_r08")
-    assert sum(errors) / len(errors) <= 0.05 and max(errors) <= 0.10, [f"{e:.1%}" for e in errors]
+    assert sum(errors) / len(errors) <= 0.06 and max(errors) <= 0.13, [f"{e:.1%}" for e in errors]
+
+
+def test_torchtitan_llama_8k_rows_never_fitted_within_5_percent() -> None:
+    """Llama 3.1 8B at 8k tokens under FSDP2 (torchtitan's published runs, never fitted: another H100
+    part): attention is a third of its FLOPs, priced at FlashAttention-2's published rate for its
+    key length, head dimension and mask (the fitted attention efficiency before: 6-9 % off)."""
+    errors = _errors("torchtitan")
+    assert max(errors) <= 0.05, [f"{e:.1%}" for e in errors]
 
 
 def test_llm_foundry_fsdp_rows_within_10_percent_mean() -> None:
