@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from autopar.errors import AutoparError
-from autopar.launch.local import under_launcher
+from autopar.launch.rank import under_launcher
 
 
 def comm_main(args: argparse.Namespace) -> int:
@@ -49,7 +49,7 @@ def _measure(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from autopar.launch.local import arm_parent_death_signal, join_process_group
+    from autopar.launch.rank import arm_parent_death_signal, join_process_group
     from autopar.profile_tables import comm_to_dict
     from autopar.profiler.comm import profile_comm
     from autopar.profiler.fsdp import profile_fsdp

@@ -214,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
     """Entry point of ``autopar run`` (see the module docstring). Returns the exit code."""
     from autopar.executor.runtime.checks import check_world_size, preflight
     from autopar.launch.environment import check_environment
-    from autopar.launch.local import arm_parent_death_signal
+    from autopar.launch.rank import arm_parent_death_signal
     from autopar.modelcheck import check_example_inputs
     from autopar.modelfile import load_model_file
     from autopar.plan import load_plan

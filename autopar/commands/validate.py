@@ -51,7 +51,7 @@ from typing import Any
 from autopar.commands.args import warn as say_warning
 from autopar.errors import AutoparError
 from autopar.executor.runtime.steady import steady_state
-from autopar.launch.local import under_launcher
+from autopar.launch.rank import under_launcher
 from autopar.profiler.cores import usable_cores
 
 # --steps by default: about this much predicted training time, within these step counts
@@ -188,7 +188,7 @@ def main(args: argparse.Namespace) -> int:
             args.steps = args.steps or auto_steps(prediction["step_time_s"])
             return _launch(args, model, nproc, prediction)
     else:
-        from autopar.launch.local import arm_parent_death_signal
+        from autopar.launch.rank import arm_parent_death_signal
 
         arm_parent_death_signal()
     world = int(os.environ.get("WORLD_SIZE", "1"))

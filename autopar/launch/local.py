@@ -1,5 +1,6 @@
 """The single-node launcher of ``autopar run``, ``autopar validate`` and ``autopar profile --comm``:
-start, watch and stop the ranks (``run_local``), and the rank side of it (``join_process_group``).
+start, watch and stop the ranks (``run_local``); what a rank does to join and report is
+autopar.launch.rank.
 
 Why not ``torchrun --standalone``: its rendezvous store listens on every interface of the host,
 a rank death comes back as torchrun's own exit code 1 with a 41-line traceback, and a SIGTERM to
@@ -27,13 +28,12 @@ rank code is the same under either, and adds:
 * **Signals.** SIGTERM, SIGINT and SIGHUP to the launcher are forwarded to every rank (each in
   its own process group, so its children stop too); the launcher waits ``STOP_GRACE_S`` for them,
   then kills what is left, prints one line and exits ``128 + signal``. Ranks also arm
-  ``PR_SET_PDEATHSIG`` (Linux, ``arm_parent_death_signal``): if the launcher itself is killed, they
+  ``PR_SET_PDEATHSIG`` (Linux, ``launch.rank.arm_parent_death_signal``): if the launcher itself is killed, they
   die with it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -44,7 +44,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -55,7 +54,6 @@ REPORT_GRACE_S = 3.0  # after the first failure: time the other ranks get to exi
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
 ERROR_PREFIX = "autopar: error: "
 RESUME_HINT = "resume with --resume, or run with --max-restarts to restart"  # ends a fault's line
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,21 +77,6 @@ def loopback_interface() -> str | None:
     except OSError:
         return None
     return next((n for n in names if n in ("lo", "lo0")), next((n for n in names if n.startswith("lo")), None))
-
-
-def arm_parent_death_signal() -> None:
-    """Rank side, first thing: die with the launcher (``PR_SET_PDEATHSIG``, Linux). Done in the rank
-    rather than in a ``preexec_fn`` (not safe in a launcher that runs threads); a launcher that died
-    before this ran is caught by comparing the parent pid with ``AUTOPAR_LAUNCHER_PID``."""
-    launcher = os.environ.get("AUTOPAR_LAUNCHER_PID")
-    if not launcher or sys.platform != "linux":
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(launcher):
-        os._exit(EXIT_FAULT)
 
 
 @dataclass(kw_only=True)
@@ -297,17 +280,6 @@ def rank_env(job: LocalJob, attempt: int, run_id: str, status_dir: Path, port: i
     return base
 
 
-def process_group_options(backend: str) -> dict:
-    """Extra ``init_process_group`` arguments: on NCCL the rank's device (``device_id``), so the
-    communicator starts at once -- a peer missing at start-up fails the join, within --timeout,
-    not the first collective -- and DeviceMesh's sub-groups split it (ncclCommSplit)."""
-    if backend != "nccl":
-        return {}
-    import torch
-
-    return {"device_id": torch.device("cuda", torch.cuda.current_device())}
-
-
 def _attempt(job: LocalJob, attempt: int, run_id: str, status_dir: Path, stopper: _Stopper) -> Outcome | int:
     """Run the job once; an Outcome, or the signal number that stopped it."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -387,48 +359,3 @@ def run_local(job: LocalJob) -> int:
             if result.line is not None:
                 print(f"{ERROR_PREFIX}{result.line}", file=sys.stderr, flush=True)
             return result.code
-
-
-def under_launcher() -> bool:
-    """Whether this process is one rank of a job (this launcher's or torchrun's)."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
-
-def join_process_group(backend: str, timeout: timedelta) -> None:
-    """Rank side: ``init_process_group`` for a rank of ``run_local`` -- rank 0 serves the TCPStore
-    on the socket the launcher bound to 127.0.0.1 (``AUTOPAR_STORE_FD``), the others connect to it;
-    a world of one without a launcher (or with ``AUTOPAR_LOCAL_WORLD=1``) uses an in-process
-    HashStore -- and the default env:// rendezvous under torchrun. Nothing of ours listens beyond
-    loopback."""
-    import torch.distributed as dist
-
-    ours = os.environ.get("AUTOPAR_LOOPBACK_STORE") == "1" or os.environ.get("AUTOPAR_LOCAL_WORLD") == "1"
-    options = process_group_options(backend)
-    if not ours and under_launcher():
-        dist.init_process_group(backend, timeout=timeout, **options)
-        return
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1 and "AUTOPAR_STORE_FD" not in os.environ:
-        store = dist.HashStore()
-    elif rank == 0:
-        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, True, timeout,
-                              master_listen_fd=int(os.environ["AUTOPAR_STORE_FD"]), use_libuv=False)
-    else:
-        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, False, timeout, use_libuv=False)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **options)
-
-
-def write_status(phase: str) -> None:
-    """Rank side: record this rank's current phase where the launcher reads it after a death
-    (``AUTOPAR_STATUS_DIR``; a no-op elsewhere). Atomic (temp + rename), a few bytes per phase."""
-    d = os.environ.get("AUTOPAR_STATUS_DIR")
-    rank = os.environ.get("RANK")
-    if not d or rank is None:
-        return
-    path = Path(d) / f"rank{rank}"
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(phase + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass

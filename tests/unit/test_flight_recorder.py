@@ -16,6 +16,7 @@ import pytest
 from autopar.errors import EXIT_FAULT
 from autopar.launch import flight_recorder as fr
 from autopar.launch import local
+from autopar.launch import rank as rank_side
 
 
 def _entry(record_id: int, state: str, retired: bool, seq: int, name: str = "nccl:all_reduce", pg: str = "3") -> dict:
@@ -184,8 +185,8 @@ def test_nccl_joins_with_its_device_and_bootstraps_on_loopback(monkeypatch: pyte
     import torch
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert local.process_group_options("nccl") == {"device_id": torch.device("cuda", 3)}
-    assert local.process_group_options("gloo") == {}
+    assert rank_side.process_group_options("nccl") == {"device_id": torch.device("cuda", 3)}
+    assert rank_side.process_group_options("gloo") == {}
 
     job = local.LocalJob(argv=("-m", "autopar"), nproc=2)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)

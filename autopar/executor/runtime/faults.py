@@ -192,7 +192,7 @@ class Watchdog:
     @contextmanager
     def guard(self, phase: str) -> Iterator[None]:
         """Watch ``phase``; turn a distributed error inside it into a one-line CollectiveFailure."""
-        from autopar.launch.local import write_status
+        from autopar.launch.rank import write_status
 
         with self._lock:
             self._phase, self._since = phase, time.monotonic()

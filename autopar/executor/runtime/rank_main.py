@@ -90,7 +90,7 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
     from autopar.executor.runtime.start import Join, StartOptions, start
     from autopar.executor.runtime.tracing import make_tracer
     from autopar.executor.runtime.train import AdaScaleOptions, StepHooks, train
-    from autopar.launch.local import write_status
+    from autopar.launch.rank import write_status
 
     device = device_for_rank()
     if world == 1 and "RANK" not in os.environ:

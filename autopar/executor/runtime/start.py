@@ -146,7 +146,7 @@ def _join(join: Join, device: torch.device, mf: ModelFile, backend: str) -> None
 
     timeout = timedelta(seconds=join.timeout_s)
     if not join.restartable:
-        from autopar.launch.local import join_process_group
+        from autopar.launch.rank import join_process_group
 
         join_process_group(backend, timeout)
     else:
@@ -180,12 +180,12 @@ def _init_restartable(backend: str, timeout: timedelta) -> None:
     torchrun (c10d rendezvous, torch 2.13) hands every attempt the same agent TCPStore without a
     per-attempt prefix, so after a restart gloo would read the dead attempt's peer addresses and
     fail to connect ("Connection refused"). A PrefixStore per TORCHELASTIC_RESTART_COUNT avoids it.
-    Under autopar's own launcher (or a world of one), its loopback store (launch/local.py): nothing
+    Under autopar's own launcher (or a world of one), its loopback store (launch/rank.py): nothing
     listens beyond loopback.
     """
     import torch.distributed as dist
 
-    from autopar.launch.local import join_process_group, process_group_options
+    from autopar.launch.rank import join_process_group, process_group_options
 
     if os.environ.get("AUTOPAR_LOOPBACK_STORE") == "1" or os.environ.get("AUTOPAR_LOCAL_WORLD") == "1":
         join_process_group(backend, timeout)
