@@ -79,7 +79,7 @@ def axis_link(cluster: Cluster, layout: Layout, axis: str) -> GroupLink:
     For ``pp`` it is the link between neighbouring stages, which is what a P2P send crosses."""
     # The search asks this for the same few layouts thousands of times: remembered per cluster object.
     g = cluster.gpus_per_node
-    return _AXIS_LINKS.get((cluster,), (layout.pp, layout.dp, layout.cp, layout.tp, axis), lambda: placement_link(
+    return _AXIS_LINKS.get((cluster,), (layout.pp, layout.dp, layout.cp, layout.tp, layout.ep, axis), lambda: placement_link(
         cluster, layout.p2p_placement(g) if axis == "pp" else layout.placement(axis, g)))
 
 

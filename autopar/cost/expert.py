@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from autopar.cost.comm import collective_time_s, group_link
+from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import op_time_s
 from autopar.cost.framework import per_microbatch_s
 from autopar.cost.memory import state_bytes_per_param
@@ -87,9 +87,8 @@ def check_ep(graph: "ModelGraph", ep: int, dp_cp: int) -> str | None:
 
 def expert_link(cluster: "Cluster", layout: Layout, axis: str) -> "GroupLink":
     """The link of the groups of the expert axis ``axis`` (``ep`` or ``edp``) of ``layout``, whose
-    sizes and strides autopar.layout owns. Not ``comm.axis_link``: that remembers its answers by the
-    ``[pp, dp, cp, tp]`` degrees alone, and these axes change with ep."""
-    return group_link(cluster, layout.size(axis), layout.stride(axis))
+    sizes and strides autopar.layout owns (``comm.axis_link``, remembered per layout with its ep)."""
+    return axis_link(cluster, layout, axis)
 
 
 def expert_flops_per_token(graph: "ModelGraph") -> float:

@@ -65,7 +65,8 @@ def needed_text(graph: ModelGraph, cluster: Cluster, space: SearchSpace, result:
     if cfg is not None:
         text.append(f"with offload it fits the GPUs but needs {host / GIB:,.1f} GiB of host memory per node, "
                     f"more than the {cluster.host_memory_bytes_per_node / GIB:,.1f} GiB there ({_shape(cfg)})")
-    elif result.min_memory_config is not None:
+    elif result.min_memory_config is not None and result.min_memory_config.offload.any:
+        # (the smallest configuration may hold no offload at all: offload refused with ep, say)
         peak, host = _host_of(graph, cluster, result.min_memory_config)
         text.append(f"with offload {peak / GIB:,.1f} GiB per GPU and {host / GIB:,.1f} GiB of host memory per node "
                     f"({_shape(result.min_memory_config)})")

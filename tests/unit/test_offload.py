@@ -246,3 +246,19 @@ def test_host_per_node_closed_forms_equal_the_node_walk(small_gpt, a100, dp, tp,
     walk = max(sum(per_rank[r // inner] for r in range(first, min(first + g, dp * tp * pp)))
                for first in range(0, dp * tp * pp, g))
     assert host_per_node(terms, per_rank, g) == pytest.approx(walk)
+
+
+def test_no_plan_fits_with_ep_says_so_without_offload_figures(a100) -> None:
+    """Expert parallelism takes no offload (plan.offload_reason): a search constrained to ep 2 that
+    fits nothing has no offload configuration to describe, and says what the GPUs lack -- it read
+    the host figures of its smallest configuration, which held no offload (AttributeError)."""
+    from pathlib import Path
+
+    from autopar.search.driver import search_plans
+
+    model = Path(__file__).resolve().parents[2] / "examples" / "zoo" / "torch_moe.py"
+    tiny = dataclasses.replace(a100, memory_bytes=float(a100.framework_reserve_bytes) + 1e5)
+    with pytest.raises(InfeasibleError) as err:
+        search_plans(str(model), gpus=2, cluster=tiny, cluster_ref="a100-80g", micro_batches=(1,), use_cache=False,
+                     constraints={"ep": (2,)})
+    assert "GiB without offload" in str(err.value) and "host memory" not in str(err.value)
