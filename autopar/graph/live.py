@@ -29,6 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autopar.spec.meta import meta_fallback
+
 
 @dataclass(kw_only=True)
 class _Clock:
@@ -56,7 +58,12 @@ class LiveBytes(TorchDispatchMode):
         self.events.append((-nbytes, serial, self.clock.phase, self.clock.region))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except RuntimeError:  # a meta kernel that refuses a dtype the device kernel takes (grouped_mm in fp32)
+            out = meta_fallback(func, args, kwargs or {})
+            if out is None:
+                raise
         inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):

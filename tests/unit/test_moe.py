@@ -84,6 +84,18 @@ def test_hf_mixtral_block_flops_per_token(tmp_path, experts) -> None:
     assert g.params["block"].count >= spec.moe.expert_params == cfg.num_local_experts * expert_mlp // 2
 
 
+def test_hf_mixtral_grouped_mm_traces_in_fp32(tmp_path) -> None:
+    """torch's meta kernel of ``_grouped_mm`` takes bf16 only, its CPU kernel fp32 too: an fp32 plan
+    (a CPU profile's dtype) of a grouped-GEMM MoE traces forward and backward -- the backward's
+    gradient GEMMs as well, seen first by the live-memory tracker (graph/live.py) -- with the FLOPs
+    of bf16."""
+    pytest.importorskip("transformers")
+    path = _variant(tmp_path, "mixtral_fp32", "hf_mixtral_tiny.py", EXPERTS="grouped_mm")
+    fp32, bf16 = build_graph(str(path), dtype="fp32"), build_graph(str(path), dtype="bf16")
+    assert _block_bwd_flops(fp32) == pytest.approx(_block_bwd_flops(bf16))
+    assert _block_fwd_flops(fp32) == pytest.approx(_block_fwd_flops(bf16))
+
+
 def test_hf_mixtral_moe_spec_and_no_sequence_parallelism(tmp_path) -> None:
     pytest.importorskip("transformers")
     spec = model_spec(load_model_file(_variant(tmp_path, "mixtral_spec", "hf_mixtral_tiny.py", EXPERTS="grouped_mm")))
