@@ -14,7 +14,9 @@ docs/results.md:
 Exit 0 when no check FAILs. The dry run is part of the tests (tests/cli/test_gpu_acceptance.py, with
 --quick), so the script itself is known to work before the GPU's minutes are spent on it. --quick
 (dry run only) swaps gpt_small for the same GPT at its tiny size (examples/zoo/autopar_gpt.py: 4
-layers, hidden 64, 32 tokens) and gives check 8 one tensor instead of six: every check runs every
+layers, hidden 64, 32 tokens), gives check 8 one tensor instead of six and profiles on one core
+(check 6's contention curve, which a GPU profile does not take, then starts one helper rank, not
+three on two cores): every check runs every
 step it runs on the GPU (profile, plan, validate, run, compare, the probes), in a fraction of the
 time; what it measures then says nothing about gpt_small.
 """
@@ -52,10 +54,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _autopar(args: list[str], device: str, timeout_s: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+def _autopar(args: list[str], device: str, timeout_s: float = 240, env: dict | None = None,
+             one_core: bool = False) -> subprocess.CompletedProcess:
+    """``python -m autopar ARGS``; ``one_core``: on the first core this process may use (Linux)."""
     full = dict(os.environ, AUTOPAR_DEVICE=device, **(env or {}))
+    pin = None
+    if one_core and hasattr(os, "sched_setaffinity"):
+        core = min(os.sched_getaffinity(0))
+        pin = lambda: os.sched_setaffinity(0, {core})  # noqa: E731
     return subprocess.run([sys.executable, "-m", "autopar", *args], cwd=REPO, env=full, capture_output=True,
-                          text=True, timeout=timeout_s)
+                          text=True, timeout=timeout_s, preexec_fn=pin)
 
 
 def _errors(proc: subprocess.CompletedProcess) -> list[str]:
@@ -374,7 +382,9 @@ def check_profile(device: str, work: Path) -> Result:
     args = ["profile", str(MODEL["file"]), "--device", device, "--cp", "1,2", "--micro-batch", "1", "-o", str(out)]
     if device == "cpu":
         args += ["--no-comm", "--load-ranks", "1", "--repeats", "3", "--warmup", "1"]
-    proc = _autopar(args, device, timeout_s=300)
+    # --quick: on one core, so the CPU-only contention curve (no GPU profile has one) starts one helper
+    # rank, not one per level up to twice the cores
+    proc = _autopar(args, device, timeout_s=300, one_core=MODEL["quick"])
     if proc.returncode != 0:
         return "FAIL", f"profile exit {proc.returncode}: {(_errors(proc) or [proc.stderr[-300:]])[0]}"
     m = yaml.safe_load(out.read_text())["measured"]
