@@ -308,21 +308,28 @@ def machine_load(before: float | None, after: float | None, world: int, device_t
             "loaded": loaded}
 
 
+def live_tensors() -> list:
+    """Every tensor the garbage collector tracks. The test is on the object's type: ``isinstance``
+    reads ``__class__``, which on torch.distributed's deprecated ``reduce_op`` prints a FutureWarning
+    into validate's output."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+
+
 def _cpu_step_allocated(exe, mf, step: int, seed: int) -> tuple[int, int]:  # noqa: ANN001
     """(bytes alive before, peak allocated during) one more training step of this rank.
 
     Alive before: every tensor storage Python can reach -- parameters, gradients, optimizer states,
     and what the engines keep between steps out of the module tree's sight: FSDP2's unsharded
     parameters under ZeRO-1 (kept across steps), torch pipelining's receive buffers."""
-    import gc
-
-    import torch
-
     from autopar.executor.runtime.train import _Trainer, rank_batch
     from autopar.profiler.memory import step_allocated_bytes
 
-    gc.collect()
-    before = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    before = live_tensors()
     # DDP's gradient buckets live in C++, out of Python's sight: one flat copy of the gradients
     buckets = sum(p.numel() * p.element_size() for w in exe.dp if w.kind == "ddp"
                   for p in w.module.parameters() if p.requires_grad)
