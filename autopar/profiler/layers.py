@@ -257,7 +257,7 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
         model.train()
         block = model.get_submodule(blocks_attr)[0]
         shapes = [(s, b) for s in seqs for b in cfg.micro_batches]
-        rank_loss = _RankLoss(mf.loss_fn, tp) if mf.loss_fn is not None else None
+        rank_loss = _RankLoss(mf.loss_fn, tp, vocab) if mf.loss_fn is not None else None
         measured = _measure(rank_loss, model, block, [_inputs(mf, b, device, seq, s, vocab, dtype) for s, b in shapes], device,
                             cfg)
         for (s, b), (med, saved, peak) in zip(shapes, measured):
@@ -310,23 +310,43 @@ class _RankLoss:
     on the rank's vocabulary slice of the logits, or, for a loss_fn that cannot take a slice (it
     reshapes by the whole vocabulary, or gathers by token id), on the whole logits, which the
     executor then all-gathers first. The slice repeated tp times stands for the gathered logits: the
-    same shape, so the same work. ``note`` says when the whole logits were used."""
+    same shape, so the same work. ``note`` says when the whole logits were used.
 
-    def __init__(self, loss_fn: Callable, tp: int) -> None:
-        self.loss_fn, self.tp = loss_fn, tp
+    An output that is not one tensor (a Hugging Face ``ModelOutput``, a dict, a tuple) has every
+    floating tensor whose last dimension is the rank's ``rows`` of the vocabulary widened so, as the
+    executor gathers every DTensor of the output; None: ``rows`` unknown, only a lone tensor widens."""
+
+    def __init__(self, loss_fn: Callable, tp: int, rows: int | None = None) -> None:
+        self.loss_fn, self.tp, self.rows = loss_fn, tp, rows
         self.note: str | None = None
+
+    def _whole(self, out: Any) -> Any:
+        """``out`` with its vocabulary slices repeated tp times, or None when it holds none."""
+        if isinstance(out, torch.Tensor):
+            return torch.cat([out] * self.tp, dim=-1)
+        found = []
+
+        def widen(v: Any) -> Any:
+            if (isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2 and self.rows
+                    and v.shape[-1] == self.rows):
+                found.append(v)
+                return torch.cat([v] * self.tp, dim=-1)
+            return v
+
+        whole = tree_map(widen, out)
+        return whole if found else None
 
     def __call__(self, out: Any, inputs: Any) -> torch.Tensor:
         if self.note is None:
             try:
                 return self.loss_fn(out, inputs)
             except Exception as exc:  # noqa: BLE001 - the user's loss on a slice it was not written for
-                if self.tp == 1 or not isinstance(out, torch.Tensor):
+                if self.tp == 1 or self._whole(out) is None:
                     raise
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
                 self.note = (f"tp={self.tp}: loss_fn does not run on one rank's vocabulary slice ({type(exc).__name__}: "
                              f"{first}); its loss is timed on the whole logits, as the executor gathers them")
-        return self.loss_fn(torch.cat([out] * self.tp, dim=-1), inputs)
+        return self.loss_fn(self._whole(out), inputs)
 
 
 def _measure(loss_fn: Callable | None, model: nn.Module, block: nn.Module, inputs: list[Any], device: torch.device,

@@ -26,6 +26,21 @@ def test_a_loss_that_takes_the_slice_runs_on_it_and_one_that_cannot_runs_on_the_
         _RankLoss(lambda o, _: o.reshape(6, 8).sum(), 1)(out, None)
 
 
+def test_a_vocabulary_reshaping_loss_on_an_output_object_runs_on_the_whole_logits() -> None:
+    # A Hugging Face output (GPT-2's loss_fn reshapes output.logits by the vocabulary): the logits
+    # inside it are widened, the rest of the output is left as it is.
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+    logits = torch.randn(2, 3, 4, requires_grad=True)  # one rank's slice of a vocabulary of 8 at tp 2
+    out = modeling_outputs.CausalLMOutputWithCrossAttentions(logits=logits)
+    whole = _RankLoss(lambda o, _: o.logits.reshape(6, 8).logsumexp(-1).mean(), 2, rows=4)
+    whole(out, None).backward()
+    assert "does not run on one rank's vocabulary slice" in whole.note and logits.grad is not None
+    keyed = _RankLoss(lambda o, _: o["logits"].reshape(6, 8).sum() + o["aux"].sum(), 2, rows=4)
+    keyed({"logits": logits, "aux": torch.ones(2, 3)}, None)
+    with pytest.raises(RuntimeError):  # no tensor of the rank's vocabulary rows: the loss's own error stands
+        _RankLoss(lambda o, _: o["logits"].reshape(6, 8).sum(), 2, rows=5)({"logits": logits}, None)
+
+
 def test_profile_at_tp_2_times_a_vocabulary_reshaping_loss(tmp_path: Path) -> None:
     source = TINY_GPT.read_text()
     vocab = int(source.split("vocab_size=")[1].split(",")[0].split(")")[0])
