@@ -395,12 +395,37 @@ def check_profile(device: str, work: Path) -> Result:
     text = (f"cp 2 saved ring/allgather/ulysses {saved.get('ring', 0) / 2**20:.2f}/{saved.get('allgather', 0) / 2**20:.2f}/"
             f"{saved.get('ulysses', 0) / 2**20:.2f} MiB; bandwidth {fit['memory_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, "
             f"kernel overhead {fit['kernel_overhead_s'] * 1e6:.1f} us, best GEMM {gemm / 1e12:.1f} TFLOP/s")
+    if device == "cuda":
+        text += "; " + gemm_table_comparison(m["gemm"], str(m.get("device", {}).get("dtype", "bf16")))
     plan = _autopar(["plan", str(MODEL["file"]), "--gpus", "1", "--profile", str(out), "--quiet", "-o", str(work / "p.yaml")],
                     device)
     ok = ratio <= 2.0 and plan.returncode == 0
     if device == "cuda":
         ok &= fit["memory_bandwidth_bytes_per_s"] >= 2.8e12 and fit["kernel_overhead_s"] <= 6e-6 and gemm >= 600e12
     return ("PASS" if ok else "FAIL"), text + f"; plan --profile exit {plan.returncode}"
+
+
+def gemm_table_comparison(rows: list[dict], dtype: str, table: str = "h100-sxm-gemm-xla") -> str:
+    """How this GPU's measured GEMM grid (``autopar profile --device cuda``) compares with the
+    shipped table the H100 profiles price from: the median and range of measured / table rate over
+    the shapes inside the table's grid (informational: the first GPU run checks the published table)."""
+    import statistics
+
+    import yaml
+
+    from autopar.cluster import SHIPPED_PROFILES
+    from autopar.kernel_tables import gemm_table_from_dict
+
+    published = gemm_table_from_dict(yaml.safe_load((SHIPPED_PROFILES / "kernels" / f"{table}.yaml").read_text()), table)
+    if dtype not in published.dtypes():
+        return f"{table} has no {dtype} column"
+    inside = [r for r in rows if published.m[0] <= r["m"] <= published.m[-1] and published.n[0] <= r["n"] <= published.n[-1]
+              and published.k[0] <= r["k"] <= published.k[-1]]
+    ratios = [r["flops_per_s"] / published.rate(r["m"], r["n"], r["k"], dtype) for r in inside]
+    if not ratios:
+        return f"no measured GEMM inside {table}'s grid"
+    return (f"GEMM measured / {table}: median {statistics.median(ratios):.2f} "
+            f"({min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} shapes")
 
 
 def check_activation_offload(device: str, work: Path) -> Result:

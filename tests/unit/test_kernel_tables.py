@@ -180,3 +180,20 @@ def test_a_gpu_profile_measures_its_own_gemm_table_which_replaces_the_published_
          "fitted": {"peak_flops": 2e11, "gemm_max": 1.0, "gemm_half_dim": 100.0}}, "measured"))
     assert cpu.gemm_table is None and cpu.gemm_flops_per_s(1024, 1024, 1024) == pytest.approx(
         2e11 * cpu.gemm(1024, 1024, 1024))
+
+
+def test_gpu_acceptance_compares_a_measured_grid_with_the_published_table() -> None:
+    """The first GPU run (benchmarks/gpu_acceptance.py, check 6) says how its measured GEMM grid
+    compares with the table the H100 profiles price from: a grid equal to the table reads 1.00."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_acceptance.py"
+    spec = importlib.util.spec_from_file_location("gpu_acceptance_for_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    gemm = gemm_table_from_dict(_yaml("h100-sxm-gemm-xla.yaml"), "gemm")
+    from autopar.profiler.kernels import gemm_shapes
+
+    rows = [{"m": m, "n": n, "k": k, "flops_per_s": gemm.rate(m, n, k) * 0.9} for m, n, k in gemm_shapes(torch.device("cuda"))]
+    text = module.gemm_table_comparison(rows, "bf16")
+    assert "median 0.90 (0.90-0.90) over 150 shapes" in text  # 5 x 5 x 6: 8192 past the grid's n and k
