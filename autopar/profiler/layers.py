@@ -65,7 +65,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autopar.graph.build import first_tensor as _first_tensor
-from autopar.graph.build import one_block_model, slice_sequence
+from autopar.graph.build import one_block_model, sequence_keep, slice_sequence
 from autopar.modelfile import ModelFile, call_model
 from autopar.profile_tables import LayerPoint, LayerTable
 from autopar.profiler.cores import usable_cores
@@ -247,6 +247,8 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
     dtype = TORCH_DTYPES[cfg.dtype]  # 16 bits: the model and its floating inputs are cast (module docstring)
     regions: dict[str, list[LayerPoint]] = {r: [] for r in ("pre", "block", "post", "loss")}
     cp_runs = [(cp, kind) for cp in cfg.cps if cp > 1 and seq and seq % cp == 0 for kind in cfg.cp_kinds]
+    cp_seqs = [(cp, seq // cp) for cp, _ in cp_runs]
+    keep: frozenset[tuple[int, int]] | None = None  # the input dimensions of SEQ_LEN's size that are not the sequence
     for tp in cfg.tps:
         if tp > 1 and not tp_plan:
             continue
@@ -258,8 +260,10 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
         block = model.get_submodule(blocks_attr)[0]
         shapes = [(s, b) for s in seqs for b in cfg.micro_batches]
         rank_loss = _RankLoss(mf.loss_fn, tp, vocab) if mf.loss_fn is not None else None
-        measured = _measure(rank_loss, model, block, [_inputs(mf, b, device, seq, s, vocab, dtype) for s, b in shapes], device,
-                            cfg)
+        if keep is None:
+            keep = _sequence_keep(mf, model, tp, device, seq, min(seqs + [s for _, s in cp_seqs]), vocab, dtype)
+        measured = _measure(rank_loss, model, block, [_inputs(mf, b, device, seq, s, vocab, dtype, keep) for s, b in shapes],
+                            device, cfg)
         for (s, b), (med, saved, peak) in zip(shapes, measured):
             for region in regions:  # at tp > 1 the edges too are this tp rank's vocabulary shard
                 regions[region].append(LayerPoint(
@@ -275,7 +279,8 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
             with _cp_core(block, core_name, kind, cp, seq):
                 try:
                     measured = _measure(rank_loss, model, block,
-                                        [_inputs(mf, b, device, seq, s, vocab, dtype) for b in cfg.micro_batches], device, cfg)
+                                        [_inputs(mf, b, device, seq, s, vocab, dtype, keep) for b in cfg.micro_batches],
+                                        device, cfg)
                 except RuntimeError as exc:  # e.g. ulysses with heads not divisible by cp
                     if log:
                         log(f"s={s} tp={tp} cp={cp} {kind}: not measured ({str(exc).splitlines()[0]})")
@@ -296,13 +301,38 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
 
 
 def _inputs(mf: ModelFile, b: int, device: torch.device, seq: int, s: int, vocab: int | None,
-            dtype: torch.dtype = torch.float32) -> Any:
+            dtype: torch.dtype = torch.float32, keep: frozenset[tuple[int, int]] | None = None) -> Any:
     inputs = mf.example_inputs(b, device)
     if seq and s != seq:
-        inputs = slice_sequence(inputs, seq, s)
+        inputs = slice_sequence(inputs, seq, s, keep or frozenset())
     if dtype != torch.float32:  # as FSDP2's cast_forward_inputs: floating inputs in the model's dtype
         inputs = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)
     return _clamp_tokens(inputs, vocab)
+
+
+def _sequence_keep(mf: ModelFile, model: nn.Module, tp: int, device: torch.device, seq: int, s: int,
+                   vocab: int | None, dtype: torch.dtype) -> frozenset[tuple[int, int]]:
+    """The dimensions of the inputs that have SEQ_LEN's size but are not the sequence (a channel
+    count equal to SEQ_LEN: 16 mel bins at SEQ_LEN 16), found as the planner finds them
+    (graph.build.sequence_keep): by whether the model runs on its inputs cut to ``s`` tokens. Empty
+    when every such dimension is cut, or when no shorter sequence is timed."""
+    if not seq or s >= seq:
+        return frozenset()
+    full = _inputs(mf, 1, device, seq, seq, vocab, dtype)
+
+    def runs(inputs: Any) -> bool:
+        try:
+            with torch.no_grad():
+                out = call_model(model, inputs)
+                if mf.loss_fn is not None:  # a loss of its own: the one below decides nothing for the timed runs
+                    _RankLoss(mf.loss_fn, tp, vocab)(out, inputs)
+        except Exception:  # noqa: BLE001 - the user's model on inputs cut where it does not take a cut
+            return False
+        return True
+
+    if runs(slice_sequence(full, seq, s)):
+        return frozenset()
+    return sequence_keep(full, seq, s, runs)
 
 
 class _RankLoss:
