@@ -4,7 +4,7 @@ class token and position table) and T5-large (24 + 24 encoder/decoder blocks; ne
 
 For each: the units and measured kinds, seconds to measure the graph and to search, the best plan,
 the best plan with pp > 1 and its partition (units per rank), and why PP is not offered where it
-is not. Target (issue 11): graph + search under 60 s per model on the 2-core development machine;
+is not. Target: graph + search under 60 s per model on the 2-core development machine;
 exits 1 if a target is missed.
 
     python benchmarks/chain_plan.py [--gpus 64] [--models resnet,vit,t5]

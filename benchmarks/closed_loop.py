@@ -1,11 +1,11 @@
-"""Closed loop on this machine: profile -> plan -> run -> compare (issues 5 and 18).
+"""Closed loop on this machine: profile -> plan -> run -> compare.
 
     python benchmarks/closed_loop.py [--loop project|user|both] [--ranks 2,4] [--top 3] [--rounds 3]
                                      [--reuse-profiles] [--steps 6]
 
 Two loops (``--loop``, default both):
 
-**user** (issue 18): the three commands exactly as a user types them, on a model of the zoo the
+**user**: the three commands exactly as a user types them, on a model of the zoo the
 project did not write (examples/zoo/odd_names_decoder.py, a GQA/SwiGLU decoder with its own module
 names, copied as ``model.py`` with one size of its own added and chosen, as a user sets their
 model's config: the zoo's "tiny" runs in milliseconds, all start-up noise), in a scratch folder::
@@ -23,7 +23,7 @@ plans #2 and #3 of the same search are written with the API the command calls (a
 validated with the same command line.
 The prediction compared is the one each plan file carries (validate without --profile).
 
-**project** (issue 5): the project's own GPT, set up the way the benchmark knows to.
+**project**: the project's own GPT, set up the way the benchmark knows to.
 For each rank count N:
 1. profile: ``autopar profile --comm --nproc-per-node N`` (collectives on N gloo ranks, and the
    per-rank memory baseline) and ``autopar profile examples/gpt_small.py --device cpu --threads 1

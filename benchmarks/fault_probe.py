@@ -1,4 +1,4 @@
-"""Probe autopar's failure contract end to end (issue 13) and print a table.
+"""Probe autopar's failure contract end to end and print a table.
 
     python benchmarks/fault_probe.py [--only NAME[,NAME]] [--nproc 2]
 

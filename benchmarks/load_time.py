@@ -3,7 +3,7 @@
 For GPT-3 175B (examples/gpt.py), Llama-3 70B (examples/llama.py) and Megatron's 1T GPT (128 layers, hidden
 25600, 160 heads) it prints the seconds spent importing the model file, building the graph (tracing one
 block on meta at the shapes the scaling fit needs) and estimating one plan, with the process's peak RSS.
-Target (issue 2): the 1T-parameter GPT in under 10 s in total.
+Target: the 1T-parameter GPT in under 10 s in total.
 
 Usage: python benchmarks/load_time.py      (exit code 1 if the 1T model misses the target)
 """

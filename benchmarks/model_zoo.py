@@ -1,4 +1,4 @@
-"""The model zoo: autopar on models it did not write, unchanged (issue 11's acceptance table).
+"""The model zoo: autopar on models it did not write, unchanged (the zoo's acceptance table).
 
 For every model file in ``examples/zoo/`` one row:
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from zoo_lib import RUNS, SUPPORT_KEYS, ZOO_DIR, Cell, ModelResult, evaluate, zoo_models
 
-PLAN_GOAL_S = 60.0  # issue 11: planning any zoo model ends in under 60 s (the cell's time limit is 90 s)
+PLAN_GOAL_S = 60.0  # the zoo's goal: planning any zoo model ends in under 60 s (the cell's time limit is 90 s)
 
 
 def _header(col: str) -> str:
@@ -68,7 +68,7 @@ def format_table(results: list[ModelResult], dims: list[str]) -> str:
     lines += ["", f"columns: plan64 = autopar plan of the full size at 64 GPUs (s; '!' = over the {PLAN_GOAL_S:.0f} s goal); "
               "tp? .. ep? = offered by "
               "autopar; dp2 .. ep2 = 2 CPU ranks vs 1 rank, 3 steps, losses within 1e-4; n/a* = not offered "
-              "although issue 11 expects it (zoo_lib.expected_offers)", ""]
+              "although the zoo expects it (zoo_lib.expected_offers)", ""]
     lines += notes
     return "\n".join(lines)
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-plan", action="store_true", help="skip the full-size planning column")
     p.add_argument("--out", help="also write the table and summary to this file (overwritten)")
     p.add_argument("--strict-offers", action="store_true",
-                   help="count a dimension issue 11 expects offered (n/a*) as a failure")
+                   help="count a dimension the zoo expects offered (n/a*) as a failure")
     p.add_argument("--failures", help="append each failure's cause and output tail to this Markdown file")
     args = p.parse_args(argv)
     dims = [d for d in args.dims.split(",") if d]

@@ -1,4 +1,4 @@
-"""What CPU and activation offload buys (issue 14): the best plan for Llama-3 70B on A100-80GB nodes
+"""What CPU and activation offload buys: the best plan for Llama-3 70B on A100-80GB nodes
 at 8 and 16 GPUs, with offload searched and with ``--offload none``, in one table (docs/offload-recompute.md,
 "CPU and activation offload"). A point where no plan fits prints the search's message.
 

@@ -4,7 +4,7 @@ and warm (graph from the cache: torch never imported), next to `python -c "impor
 
 Targets on the 2-core development machine: search <= 1 s at 64 GPUs and <= 5 s at 65,536; at
 64 GPUs a warm `autopar plan` faster than importing torch, a cold one <= 3 s (the end-to-end
-targets are checked for GPT-3 175B, as issue 17 states them). Prints one table; exits 1 if a
+targets are checked for GPT-3 175B, as the planning-time goal states them). Prints one table; exits 1 if a
 target is missed. The machine is shared: rerun before concluding anything from one miss.
 
 "search s" is the search alone: OR-Tools' CP-SAT module (which imports pandas) is imported once

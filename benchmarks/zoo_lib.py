@@ -45,7 +45,7 @@ PLAN_TIMEOUT_S, SUPPORT_TIMEOUT_S, RUN_TIMEOUT_S = 90.0, 90.0, 180.0
 _OPTIONAL_PACKAGES = ("transformers",)
 
 
-# What a demanding user expects autopar to offer for a zoo model (issue 11): pipeline and ZeRO-3 for
+# What a demanding user expects autopar to offer for a zoo model: pipeline and ZeRO-3 for
 # every model, tensor parallelism (and Megatron SP) for every transformer whose projections are Linear
 # layers. CP is not expected anywhere: it is offered only where the executor knows the attention.
 _NO_TP_EXPECTED = {"resnet": "a conv net", "wrapped_mha_lm": "nn.MultiheadAttention packs q/k/v in one Parameter"}

@@ -30,7 +30,7 @@ FILES: dict[str, tuple[Path, int, int]] = {
     "hf-llama": (ZOO / "hf_llama.py", 4, 32),
     "hf-mistral": (ZOO / "hf_mistral.py", 4, 32),  # sliding window 16 < 32 tokens
     "hf-qwen2": (ZOO / "hf_qwen2.py", 4, 32),  # dict inputs, loss computed by the model
-    "hf-gpt2": (ZOO / "hf_gpt2.py", 4, 32),  # Conv1D: no TP here (another helper's issue)
+    "hf-gpt2": (ZOO / "hf_gpt2.py", 4, 32),  # Conv1D layers (their TP styles: tests/dist/test_tp_foreign.py)
     "under-model": (HERE / "under_model.py", 4, 32),  # the network sits in .model
     "bare-vit": (HERE / "bare_params_vit.py", 4, 1),  # bare parameters, tuple-returning blocks
     "bare-pos-gpt": (ZOO / "bare_pos_gpt.py", 4, 32),  # a bare positional parameter, tied head

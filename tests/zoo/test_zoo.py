@@ -24,7 +24,7 @@ HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
 def _xfail(reason: str):
-    # Temporary: a known autopar failure (issue 11) that the fix flips; strict, so a fix must remove it.
+    # Temporary: a known autopar failure that its fix flips; strict, so the fix must remove the mark.
     return pytest.mark.xfail(strict=True, reason=reason)
 
 
