@@ -180,13 +180,13 @@ class Cluster:
     # ``gemm_dtype``: the table column priced (fp32 plans: profile_conditions.price_for_run);
     # ``attention_kernel``: which of the attention table's kernels the software runs.
     gemm_table: GemmTable | None = field(default=None, compare=False)
+    gemm_dtype: str = "bf16"
+    attention_table: AttentionTable | None = field(default=None, compare=False)
+    attention_kernel: str = ""
     # Share of a kernel table's rate a GPU sustains through training steps: tables are measured on
     # an idle GPU in short bursts, at its boost clock; a training step holds every SM busy for
     # seconds, at the clock its power limit allows (``efficiency.sustained_fraction``; 1: as measured).
     sustained_fraction: float = 1.0
-    gemm_dtype: str = "bf16"
-    attention_table: AttentionTable | None = field(default=None, compare=False)
-    attention_kernel: str = ""
     source: Path | None = field(default=None, compare=False)
     # Measured tables (autopar profile): layer times/memory, kernel curves, collective fits. The
     # cost model consults them where they apply and falls back to the figures above otherwise.

@@ -54,7 +54,6 @@ class GemmTable:
     """Measured GEMM rates on a full (m, n, k) grid; ``rates[dtype]`` is flat, m-major."""
 
     source: str
-    path: str
     m: tuple[float, ...]
     n: tuple[float, ...]
     k: tuple[float, ...]
@@ -95,7 +94,6 @@ class AttentionTable:
     (FLOP/s, in torch's full-s^2 count) at each of ``sequence``'s key lengths."""
 
     source: str
-    path: str
     sequence: tuple[float, ...]
     curves: Mapping[tuple[str, str, str], Mapping[int, tuple[float, ...]]]
 
@@ -106,14 +104,9 @@ class AttentionTable:
         """FLOP/s (torch's count) of ``kernel`` with ``kv_tokens`` keys per query at ``head_dim``."""
         by_dim = self.curves[(kernel, DIRECTIONS[backward], MASKS[causal])]
         dims = sorted(by_dim)
-        d = min(max(float(head_dim), dims[0]), dims[-1])
-        hi = next(i for i, x in enumerate(dims) if x >= d)
-        lo = max(0, hi - 1) if dims[hi] != d else hi
+        lo, hi, f, _ = _bracket(dims, min(max(float(head_dim), dims[0]), dims[-1]))  # the nearest outside
         at_lo = self._along_sequence(by_dim[dims[lo]], kv_tokens)
-        if lo == hi:
-            return at_lo
-        f = (math.log2(d) - math.log2(dims[lo])) / (math.log2(dims[hi]) - math.log2(dims[lo]))
-        return at_lo + f * (self._along_sequence(by_dim[dims[hi]], kv_tokens) - at_lo)
+        return at_lo if lo == hi else at_lo + f * (self._along_sequence(by_dim[dims[hi]], kv_tokens) - at_lo)
 
     def _along_sequence(self, values: Sequence[float], kv_tokens: float) -> float:
         seq = self.sequence
@@ -121,11 +114,8 @@ class AttentionTable:
         if s <= seq[0]:  # the first segment's power law, continued below the shortest length
             slope = math.log(values[1] / values[0]) / math.log(seq[1] / seq[0])
             return values[0] * (s / seq[0]) ** slope
-        if s >= seq[-1]:
-            return values[-1]
-        i = bisect_right(seq, s) - 1
-        f = (math.log2(s) - math.log2(seq[i])) / (math.log2(seq[i + 1]) - math.log2(seq[i]))
-        return values[i] + f * (values[i + 1] - values[i])
+        i, j, f, _ = _bracket(seq, s)
+        return values[i] + f * (values[j] - values[i])
 
 
 def _bracket(grid: Sequence[float], x: float) -> tuple[int, int, float, float]:
@@ -184,7 +174,7 @@ def gemm_table_from_dict(data: Any, where: str) -> GemmTable:
         raise ClusterError(f"{where}: the rows do not form a full (b*m, n, k) grid; missing {missing}")
     rates = {d: tuple(sum(p[c] for p in folded[(m, n, k)]) / len(folded[(m, n, k)])
                       for m in ms for n in ns for k in ks) for c, d in enumerate(dtypes)}
-    return GemmTable(source=source, path=where, m=ms, n=ns, k=ks, rates=rates)
+    return GemmTable(source=source, m=ms, n=ns, k=ks, rates=rates)
 
 
 def gemm_table_from_rows(rows: Sequence[Mapping[str, float]], dtype: str, source: str) -> GemmTable | None:
@@ -241,7 +231,7 @@ def attention_table_from_dict(data: Any, where: str) -> AttentionTable:
         _derive_causal_backward(curves, kernel)
         if (kernel, "forward", "full") not in curves and (kernel, "forward", "causal") not in curves:
             raise ClusterError(f"{where} kernels.{kernel}: no forward curve")
-    return AttentionTable(source=source, path=where, sequence=sequence, curves=curves)
+    return AttentionTable(source=source, sequence=sequence, curves=curves)
 
 
 def _derive_causal_backward(curves: dict[tuple[str, str, str], dict[int, tuple[float, ...]]], kernel: str) -> None:

@@ -4,13 +4,13 @@ The GPU profiles carry a few efficiencies that no datasheet or kernel table give
 chosen against published measurements (``FITTED``): on H100 (calibration/h100_public.yaml), whose
 GEMM and attention rates come from kernel tables (autopar.kernel_tables), the share of those rates
 a GPU sustains through a training step, the share of HBM bandwidth its element-wise kernels reach,
-and each software's share of an overlapped collective's time that still costs; on A100 (``a100-80g``: Megatron-LM SC21 Table 1 and
-Korthikanti et al. 2022 Table 4) the GEMMs' best fraction and half-efficiency size, the fused
-attention's efficiency and the element-wise kernels' share of HBM bandwidth. An error measured on
-the runs those constants were chosen on says little about a run they were not; so, for each
-public source in turn, every constant of its GPU is re-derived from that GPU's other sources alone
-(``fit``) and the left-out source is predicted with them (``holdout``). That held-out error is the
-accuracy to state.
+and each software's share of an overlapped collective's time that still costs; on A100
+(``a100-80g``: Megatron-LM SC21 Table 1 and Korthikanti et al. 2022 Table 4) the GEMMs' best
+fraction and half-efficiency size, the fused attention's efficiency and the element-wise kernels'
+share of HBM bandwidth. An error measured on the runs those constants were chosen on says little
+about a run they were not; so, for each public source in turn, every constant of its GPU is
+re-derived from that GPU's other sources alone (``fit``) and the left-out source is predicted with
+them (``holdout``). That held-out error is the accuracy to state.
 
 The fit minimises the mean squared relative error (predicted / published - 1) over its figures
 (Levenberg-Marquardt from the shipped values, inside each constant's physical bounds). A constant

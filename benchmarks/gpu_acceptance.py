@@ -405,26 +405,23 @@ def check_profile(device: str, work: Path) -> Result:
     return ("PASS" if ok else "FAIL"), text + f"; plan --profile exit {plan.returncode}"
 
 
-def gemm_table_comparison(rows: list[dict], dtype: str, table: str = "h100-sxm-gemm-xla") -> str:
+def gemm_table_comparison(rows: list[dict], dtype: str, profile: str = "h100-80g") -> str:
     """How this GPU's measured GEMM grid (``autopar profile --device cuda``) compares with the
-    shipped table the H100 profiles price from: the median and range of measured / table rate over
-    the shapes inside the table's grid (informational: the first GPU run checks the published table)."""
+    GEMM table ``profile`` prices from: the median and range of measured / table rate over the
+    shapes inside the table's grid (informational: the first GPU run checks the published table)."""
     import statistics
 
-    import yaml
+    from autopar.cluster import load_cluster
 
-    from autopar.cluster import SHIPPED_PROFILES
-    from autopar.kernel_tables import gemm_table_from_dict
-
-    published = gemm_table_from_dict(yaml.safe_load((SHIPPED_PROFILES / "kernels" / f"{table}.yaml").read_text()), table)
-    if dtype not in published.dtypes():
-        return f"{table} has no {dtype} column"
+    published = load_cluster(profile).gemm_table
+    if published is None or dtype not in published.dtypes():
+        return f"{profile} has no {dtype} GEMM table"
     inside = [r for r in rows if published.m[0] <= r["m"] <= published.m[-1] and published.n[0] <= r["n"] <= published.n[-1]
               and published.k[0] <= r["k"] <= published.k[-1]]
     ratios = [r["flops_per_s"] / published.rate(r["m"], r["n"], r["k"], dtype) for r in inside]
     if not ratios:
-        return f"no measured GEMM inside {table}'s grid"
-    return (f"GEMM measured / {table}: median {statistics.median(ratios):.2f} "
+        return f"no measured GEMM inside {profile}'s GEMM table"
+    return (f"GEMM measured / {profile}'s table: median {statistics.median(ratios):.2f} "
             f"({min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} shapes")
 
 

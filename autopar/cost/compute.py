@@ -4,11 +4,12 @@ Each op's time is physics, judged on its own shape:
 
     GEMM       flops / rate(m, n, k)                     (m counts a batched GEMM's batch)
     attention  flops / rate(s_kv, head dim, mask, pass)  (fused flash kernel; s_kv keys per query)
+    other      bytes moved / (HBM bandwidth * memory_eff) (element-wise, norms, softmax, dropout)
 
 where a rate is the profile's kernel table at that shape (autopar.kernel_tables: measured or
 published, per GPU and kernel) or, without one, peak x an efficiency curve (GEMM: ``gemm_eff(m, n,
-k)``; attention: ``max * s_kv / (s_kv + half_seq)``), see ``Cluster.gemm_flops_per_s``.
-    other      bytes moved / (HBM bandwidth * memory_eff) (element-wise, norms, softmax, dropout)
+k)``; attention: ``max * s_kv / (s_kv + half_seq)``): ``Cluster.gemm_flops_per_s`` and
+``Cluster.attention_flops_per_s``.
 
 A weight-gradient-sized backward copy (autograd's gradient accumulation) moves its bytes once per
 micro-batch at any batch size, and nothing where the software fuses the accumulation into the
@@ -89,29 +90,21 @@ def op_time_s(op: FitOp, shape: Shape, cluster: Cluster, seq_len: int = 0,
         flops = op.flops * plain.scale(op.flops_exps)
         batch, m, n, k = (d * plain.scale(e) for d, e in zip(op.dims, op.dims_exps))
         rate = cluster.gemm_flops_per_s(max(1.0, batch * m), max(1.0, n), max(1.0, k))
-        return _with_launch(flops / rate, cluster), flops
+        return flops / rate + cluster.kernel_overhead_s, flops
     if op.kind == "attn":
         flops = op.flops * shape.scale(op.flops_exps)
         rate = cluster.attention_flops_per_s(_key_length(op, shape, seq_len), head_dim=op.dims[3] if op.dims else 0.0,
                                              causal=op.causal, backward=op.phase == "bwd")
-        return _with_launch(flops / rate, cluster), flops
+        return flops / rate + cluster.kernel_overhead_s, flops
     if parameter_sized:
         if cluster.fused_grad_accumulation:  # the weight-gradient GEMM accumulates in place
             return 0.0, 0.0
-        return _with_launch(op.bytes * _shape_with(shape, b=1.0).scale(op.bytes_exps) / (
-            cluster.memory_bandwidth_bytes_per_s * cluster.memory_efficiency), cluster), 0.0
+        return op.bytes * _shape_with(shape, b=1.0).scale(op.bytes_exps) / (
+            cluster.memory_bandwidth_bytes_per_s * cluster.memory_efficiency) + cluster.kernel_overhead_s, 0.0
     moved = op.bytes * shape.scale(op.bytes_exps)
     flops = op.flops * shape.scale(op.flops_exps)
     bw = cluster.memory_bandwidth_bytes_per_s * cluster.memory_efficiency
-    return _with_launch(moved / bw, cluster), flops
-
-
-def _with_launch(device_s: float, cluster: Cluster) -> float:
-    """An op's time from its device time. With kernel tables (measured device time per kernel) the
-    host issues each kernel in ``kernel_overhead_s`` (launch: the framework's CPU time per op) and
-    the device runs ahead of it while kernels are longer: an op takes the longer of the two. Without
-    (a roofline curve), ``kernel_overhead_s`` is the launch-and-tail time each kernel adds."""
-    return device_s + cluster.kernel_overhead_s
+    return moved / bw + cluster.kernel_overhead_s, flops
 
 
 def _key_length(op: FitOp, shape: Shape, seq_len: int) -> float:

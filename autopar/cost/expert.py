@@ -85,12 +85,6 @@ def check_ep(graph: "ModelGraph", ep: int, dp_cp: int) -> str | None:
     return ep_reason(ep, dp_cp, graph.moe.num_experts)  # the degree's rules: autopar.layout
 
 
-def expert_link(cluster: "Cluster", layout: Layout, axis: str) -> "GroupLink":
-    """The link of the groups of the expert axis ``axis`` (``ep`` or ``edp``) of ``layout``, whose
-    sizes and strides autopar.layout owns (``comm.axis_link``, remembered per layout with its ep)."""
-    return axis_link(cluster, layout, axis)
-
-
 def expert_flops_per_token(graph: "ModelGraph") -> float:
     """Forward FLOPs of one block's experts for one token: top_k experts' GEMMs (2 per weight)."""
     moe = graph.moe
@@ -178,7 +172,7 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
         return None
     f = cfg.moe_imbalance
     layout = Layout.of(cfg)
-    link = expert_link(cluster, layout, "ep")
+    link = axis_link(cluster, layout, "ep")
     a2a_bytes = tokens_bytes * moe.top_k * f
     # collective_time_s takes the full message: ep ranks' shares of what one rank sends
     one = collective_time_s("all_to_all", a2a_bytes, link)
@@ -196,7 +190,7 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1
     state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
     equivalent = dense + experts * state.total / dense_state_bytes
-    edp_link = expert_link(cluster, layout, "edp")
+    edp_link = axis_link(cluster, layout, "edp")
     edp_sync, _, _ = per_step_sync(cfg, edp_link, cluster)
     gemm_fwd, gemm_bwd = expert_gemm_delta_s(graph, cluster, shape, ep) if shape is not None else (0.0, 0.0)
     extra = max(0.0, experts * edp_sync - (equivalent - dense) * dense_sync_s_per_param) / cfg.num_microbatches
@@ -214,7 +208,7 @@ def zero_exposed_s(cfg: "Config", cluster: "Cluster", cost: ExpertCost, fwd_s: f
     """ZeRO-2/3 per-micro-batch collectives of one block under ep: its dense parameters over the
     dp x cp ranks, its E / ep experts over their dp x cp / ep edp ranks (both prefetched behind the
     block's compute, as autopar.cost.zero prices them)."""
-    edp_link = expert_link(cluster, Layout.of(cfg), "edp")
+    edp_link = axis_link(cluster, Layout.of(cfg), "edp")
     return (per_microbatch_exposed(cfg, cost.dense_params, fwd_s, bwd_s, dpcp_link, cluster)
             + per_microbatch_exposed(cfg, cost.expert_params, fwd_s, bwd_s, edp_link, cluster))
 

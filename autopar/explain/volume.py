@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.estimate import config_from_plan
-from autopar.cost.expert import expert_link
 from autopar.cost.framework import grad_reduce_bytes
 from autopar.cost.stage import StageTerms, build_terms
 from autopar.cost.step import chunk_rank, evaluate
@@ -121,7 +120,7 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
     links = {axis: axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp", "pp")}
     expert = terms.expert  # expert parallelism: experts over the ep group, their gradients over edp
     if expert is not None:
-        links.update((axis, expert_link(cluster, layout, axis)) for axis in EXPERT_AXES)
+        links.update((axis, axis_link(cluster, layout, axis)) for axis in EXPERT_AXES)
     s_ratio = (cfg.seq_len / cfg.cp) / graph.seq_len if graph.is_sequence_model else 1.0
     kv_ratio = cfg.seq_len / graph.seq_len if graph.is_sequence_model else 1.0
     shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=kv_ratio, t=cfg.tp)  # TP messages: no SP division

@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autopar.spec.meta import meta_fallback
+from autopar.spec.meta import call_on_meta
 
 
 @dataclass(kw_only=True)
@@ -58,12 +58,7 @@ class LiveBytes(TorchDispatchMode):
         self.events.append((-nbytes, serial, self.clock.phase, self.clock.region))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        try:
-            out = func(*args, **(kwargs or {}))
-        except RuntimeError:  # a meta kernel that refuses a dtype the device kernel takes (grouped_mm in fp32)
-            out = meta_fallback(func, args, kwargs or {})
-            if out is None:
-                raise
+        out = call_on_meta(func, args, kwargs or {})  # grouped_mm in fp32: backward's GEMMs reach this mode first
         inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from autopar.graph.records import OpRecord, SavedRecord, Trace
-from autopar.spec.meta import meta_fallback
+from autopar.spec.meta import call_on_meta
 
 GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm"}
 # Grouped GEMMs (one matmul per expert of a mixture of experts, ``torch._grouped_mm``): not in
@@ -159,12 +159,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        try:
-            out = func(*args, **kwargs)
-        except RuntimeError:  # a meta kernel that refuses a dtype the GPU kernel takes (grouped_mm)
-            out = meta_fallback(func, args, kwargs)
-            if out is None:
-                raise
+        out = call_on_meta(func, args, kwargs)  # a meta kernel that refuses a dtype the GPU kernel takes
         name = func._overloadpacket.__name__
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         flat_out = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]

@@ -40,7 +40,6 @@ def arm_parent_death_signal() -> None:
         os._exit(EXIT_FAULT)
 
 
-
 def process_group_options(backend: str) -> dict:
     """Extra ``init_process_group`` arguments: on NCCL the rank's device (``device_id``), so the
     communicator starts at once -- a peer missing at start-up fails the join, within --timeout,
@@ -52,11 +51,9 @@ def process_group_options(backend: str) -> dict:
     return {"device_id": torch.device("cuda", torch.cuda.current_device())}
 
 
-
 def under_launcher() -> bool:
     """Whether this process is one rank of a job (this launcher's or torchrun's)."""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
 
 
 def join_process_group(backend: str, timeout: timedelta) -> None:
@@ -81,7 +78,6 @@ def join_process_group(backend: str, timeout: timedelta) -> None:
     else:
         store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, False, timeout, use_libuv=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **options)
-
 
 
 def write_status(phase: str) -> None:

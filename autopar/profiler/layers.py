@@ -371,11 +371,13 @@ class _RankLoss:
             try:
                 return self.loss_fn(out, inputs)
             except Exception as exc:  # noqa: BLE001 - the user's loss on a slice it was not written for
-                if self.tp == 1 or self._whole(out) is None:
+                whole = self._whole(out) if self.tp > 1 else None
+                if whole is None:
                     raise
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
                 self.note = (f"tp={self.tp}: loss_fn does not run on one rank's vocabulary slice ({type(exc).__name__}: "
                              f"{first}); its loss is timed on the whole logits, as the executor gathers them")
+                return self.loss_fn(whole, inputs)
         return self.loss_fn(self._whole(out), inputs)
 
 

@@ -97,12 +97,19 @@ def grouped_mm_meta(args: tuple, kwargs: dict) -> torch.Tensor:
     return torch.empty(shape, dtype=out_dtype or a.dtype, device="meta")
 
 
-def meta_fallback(func: Any, args: tuple, kwargs: dict) -> Any:
-    """What a meta kernel that refuses a dtype would have returned, or None (then the error stands)."""
-    if func._overloadpacket.__name__ == "_grouped_mm" and all(
-            isinstance(a, torch.Tensor) and a.is_meta for a in args[:2]):
-        return grouped_mm_meta(args, kwargs)
-    return None
+def call_on_meta(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` from inside a dispatch mode, or, where a meta kernel refuses a dtype
+    the device kernel takes (torch's ``_grouped_mm`` meta kernel refuses fp32, its CPU kernel runs
+    it), what it would have returned; any other error stands. Every dispatch mode that runs the
+    user's forward or backward on meta calls ops through this (the first mode to see an op is the
+    one whose call raises)."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError:
+        if func._overloadpacket.__name__ == "_grouped_mm" and all(
+                isinstance(a, torch.Tensor) and a.is_meta for a in args[:2]):
+            return grouped_mm_meta(args, kwargs)
+        raise
 
 
 def _is_meta(args: tuple) -> bool:
@@ -219,12 +226,7 @@ class _TolerantMeta(TorchDispatchMode):
               and not args[0].is_floating_point() and not args[0].is_complex()):
             out = self._copy_out(args[0], kwargs)  # .cpu(), .tolist() of counts and masks: what reads get
         else:
-            try:
-                out = func(*args, **kwargs)
-            except RuntimeError:
-                out = meta_fallback(func, args, kwargs)
-                if out is None:
-                    raise
+            out = call_on_meta(func, args, kwargs)
         if name == "all" and _is_meta(args) and isinstance(out, torch.Tensor):
             self.alls.add(id(out))
             self.alive.append(out)

@@ -4,10 +4,10 @@
 Layout (Megatron-Core's and torchtitan's; autopar.layout owns it, with the rules on ep): the ep
 ranks are drawn from the dp x cp ranks, ep innermost. Ranks are ``[pp, dp, cp, tp]``; flattening
 (dp, cp) to one index f, a rank's ep index is f mod ep and its expert-data-parallel (edp) index
-f div ep. Each ep group holds all E experts, E/ep
-per rank (rank i: experts i*E/ep .. (i+1)*E/ep - 1); the dp*cp/ep ranks with the same ep index hold
-the same experts and reduce their gradients together. Attention, norms and the router stay as the
-other degrees say (replicated over dp x cp).
+f div ep. Each ep group holds all E experts, E/ep per rank (rank i: experts i*E/ep ..
+(i+1)*E/ep - 1); the dp*cp/ep ranks with the same ep index hold the same experts and reduce their
+gradients together. Attention, norms and the router stay as the other degrees say (replicated over
+dp x cp).
 
 Gradient scale: every rank's loss is its share of the step (the dp x cp average the non-expert
 gradients get), and the all-to-all's backward brings each expert the gradients of the tokens of
