@@ -131,6 +131,13 @@ class Cluster:
     overlap_param_gather: bool = True  # ZeRO-1's parameter all-gather overlaps the next forward (FSDP2 prefetch)
     tp_comm_overlap: bool = False  # TP collectives pipelined with their GEMMs (Megatron/TE userbuffers)
     fused_grad_accumulation: bool = False  # weight-gradient GEMMs accumulate into the grad buffer in place
+    # A transformer block's norms, rotation, activation and residual adds as fused kernels moving
+    # each input and output once (Megatron-Core + TE; autopar.cost.fused_elementwise), not the
+    # model file's eager ops
+    fused_elementwise: bool = False
+    # How a ring / all-gather context-parallel rank splits its attention into flash kernels
+    # (autopar.cost.compute._attention_s): "chunks" (autopar run) or "transformer_engine"
+    cp_attention: str = "chunks"
     async_tp_backward: bool = False  # TP backward all-reduce overlaps the weight-gradient GEMM (Megatron)
     pipeline_scatter_gather: bool = False  # a PP send goes 1/tp per rail, re-gathered on NVLink (Megatron)
     # Memory per software stack. ``activation_memory``: "measured" (the model file's own saved
@@ -365,9 +372,10 @@ FSDP_KEYS = {"gather_s_per_tensor": "fsdp_gather_s_per_tensor", "reduce_s_per_te
              "optimizer_s_per_tensor": "dtensor_optimizer_s_per_tensor"}
 
 _SOFTWARE_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "async_tp_backward", "pipeline_scatter_gather",
-                  "tp_comm_overlap", "fused_grad_accumulation", "pipeline_buffers_per_microbatch",
+                  "tp_comm_overlap", "fused_grad_accumulation", "fused_elementwise", "pipeline_buffers_per_microbatch",
                   "sp_saves_gathered_input", "autocast_weight_copies")
 ACTIVATION_MEMORY = ("measured", "megatron")
+CP_ATTENTION = ("chunks", "transformer_engine")
 MAIN_GRAD_BYTES = (0, 2, 4)
 MOMENT_BYTES = (2, 4)
 MASTER_BYTES = (0, 2, 4)
@@ -376,8 +384,8 @@ MASTER_BYTES = (0, 2, 4)
 def _software(data: Any, where: str) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise ClusterError(f"{where} must be a mapping")
-    allowed = _SOFTWARE_KEYS + ("activation_memory", "main_grad_bytes", "grad_reduce_bytes", "optimizer_moment_bytes",
-                                "master_weight_bytes")
+    allowed = _SOFTWARE_KEYS + ("activation_memory", "cp_attention", "main_grad_bytes", "grad_reduce_bytes",
+                                "optimizer_moment_bytes", "master_weight_bytes")
     unknown = sorted(set(data) - set(allowed), key=str)
     if unknown:
         raise ClusterError(f"{where}: unknown key '{unknown[0]}'; allowed: {', '.join(allowed)}")
@@ -385,6 +393,9 @@ def _software(data: Any, where: str) -> dict[str, Any]:
         if key == "activation_memory":
             if value not in ACTIVATION_MEMORY:
                 raise ClusterError(f"{where}: 'activation_memory' must be one of {', '.join(ACTIVATION_MEMORY)}")
+        elif key == "cp_attention":
+            if value not in CP_ATTENTION:
+                raise ClusterError(f"{where}: 'cp_attention' must be one of {', '.join(CP_ATTENTION)}")
         elif key == "main_grad_bytes":
             if isinstance(value, bool) or value not in MAIN_GRAD_BYTES:
                 raise ClusterError(f"{where}: 'main_grad_bytes' must be 0 (as autopar run), 2 (bf16) or 4 (fp32)")

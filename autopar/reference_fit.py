@@ -31,7 +31,7 @@ from autopar.reference_h100 import PublicRun, public_plan, public_runs, run_grap
 
 # Fitted and held out in turn, per GPU: each source's runs are predicted with the constants fitted
 # on the other sources of its GPU (the other GPU's constants do not touch them).
-SOURCES = ("dgxc", "megatron_core_r08", "llm_foundry", "sc21", "korthikanti_t4")
+SOURCES = ("dgxc", "dgxc_llama31", "megatron_core_r08", "llm_foundry", "sc21", "korthikanti_t4")
 PREDICTED_ONLY = ("torchtitan",)  # other hardware: predicted with each fold's constants, never fitted
 
 

@@ -27,7 +27,7 @@ from autopar.graph import ModelGraph, build_graph
 from autopar.models import gpt, llama
 from autopar.reference import load_calibration
 
-GROUPS = ("dgxc", "megatron_core_r08", "llm_foundry", "torchtitan")
+GROUPS = ("dgxc", "megatron_core_r08", "llm_foundry", "torchtitan", "dgxc_llama31")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +46,7 @@ class PublicRun:
     pp: int
     dp: int
     virtual_stages: int
+    cp: int = 1  # context parallelism (the dgxc Llama 3.1 recipes: Transformer Engine's P2P ring)
     zero: int
     sequence_parallel: bool
     recompute: str
@@ -63,7 +64,8 @@ class PublicRun:
     @property
     def layout(self) -> str:
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"{self.tp}/{self.pp}/{self.dp}{v}"
+        c = f" cp{self.cp}" if self.cp > 1 else ""
+        return f"{self.tp}/{self.pp}/{self.dp}{v}{c}"
 
 
 def _model_path(source: str, stem: str) -> Path:
@@ -168,6 +170,7 @@ def _dict_rows(group: str, data: dict) -> list[PublicRun]:
         out.append(PublicRun(
             group=group, name=r["name"], model=model, stand_in=stand_in, num_gpus=r["gpus"], global_batch=r["gbs"],
             micro_batch=r["mbs"], seq_len=seq, tp=r["tp"], pp=r["pp"], dp=r["dp"], virtual_stages=r.get("vp") or 1,
+            cp=int(r.get("cp") or 1),
             zero=r["zero"], sequence_parallel=bool(r.get("sp", False)), recompute=r["recompute"], step_time_s=step,
             derived=derived, assumed=tuple(r.get("inferred", ())), software="megatron" if r["zero"] < 3 else "fsdp",
             tp_comm_overlap=False if "no TP comm overlap" in str(r.get("notes", "")) else None,
@@ -223,7 +226,8 @@ def public_runs(group: str | None = None) -> list[PublicRun]:
     """The rows of h100_public.yaml as runs (one group, or all in file order)."""
     data = load_calibration("h100_public.yaml")
     runs = (_dict_rows("dgxc", data["dgxc"]) + _mcore_rows(data["megatron_core_r08"])
-            + _foundry_rows(data["llm_foundry"]) + _dict_rows("torchtitan", data["torchtitan"]))
+            + _foundry_rows(data["llm_foundry"]) + _dict_rows("torchtitan", data["torchtitan"])
+            + _dict_rows("dgxc_llama31", data["dgxc_llama31"]))
     return [r for r in runs if group is None or r.group == group]
 
 
@@ -237,7 +241,7 @@ def public_plan(run: PublicRun, profile: str):  # noqa: ANN201 - returns autopar
         cluster=ClusterRef(profile=profile, num_gpus=run.num_gpus, gpus_per_node=8),
         training=Training(global_batch_size=run.global_batch, micro_batch_size=run.micro_batch, seq_len=run.seq_len,
                           dtype="bf16", optimizer="adam"),
-        parallel=Parallel(dp=run.dp, tp=run.tp, pp=run.pp, zero=run.zero, sequence_parallel=run.sequence_parallel,
+        parallel=Parallel(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, zero=run.zero, sequence_parallel=run.sequence_parallel,
                           recompute=run.recompute, pp_schedule="interleaved-1f1b" if v > 1 else "1f1b",
                           pp_virtual_stages=v),
     )

@@ -173,6 +173,7 @@ H100_TABLES = (  # group -> title
     ("megatron_core_r08", "Megatron-Core r0.8 weak scaling (H100, seq 4096; mb 1, no recompute, 1F1B assumed)"),
     ("llm_foundry", "llm-foundry FSDP FULL_SHARD (H100-80GB, MPT)"),
     ("torchtitan", "torchtitan FSDP2 (Grand Teton: 500 W H100 96 GB -- not h100-80g hardware)"),
+    ("dgxc_llama31", "NVIDIA dgxc-benchmarking Llama 3.1 8B / 70B / 405B (DGX H100, NeMo, context parallelism 2)"),
 )
 
 
@@ -193,7 +194,8 @@ def h100_tables() -> None:
         print(f"h100_public.yaml {group}: {title} -- step time")
         print(table(["run", "GPUs", "tp/pp/dp", "mb", "batch", "setting", "profile", "published s", "predicted s",
                      "error %", "mem GiB"], rows))
-        targets = {"dgxc": (5, 10), "megatron_core_r08": (5, 10), "llm_foundry": (10, None)}.get(group, (None, None))
+        targets = {"dgxc": (5, 10), "megatron_core_r08": (5, 10), "llm_foundry": (10, None),
+                   "dgxc_llama31": (5, 10)}.get(group, (None, None))
         print(summary(errors[group], group, *targets))
         print()
     megatron = errors["dgxc"] + errors["megatron_core_r08"]

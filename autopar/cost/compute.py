@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
+from autopar.cost.fused_elementwise import FusedTraffic, block_traffic, fused_times_s
 from autopar.cost.memo import IdentityMemo
 from autopar.graph.scaling import FitOp, RegionFit, Shape
 from autopar.profile_tables import LayerTable
@@ -93,9 +94,7 @@ def op_time_s(op: FitOp, shape: Shape, cluster: Cluster, seq_len: int = 0,
         return flops / rate + cluster.kernel_overhead_s, flops
     if op.kind == "attn":
         flops = op.flops * shape.scale(op.flops_exps)
-        rate = cluster.attention_flops_per_s(_key_length(op, shape, seq_len), head_dim=op.dims[3] if op.dims else 0.0,
-                                             causal=op.causal, backward=op.phase == "bwd")
-        return flops / rate + cluster.kernel_overhead_s, flops
+        return _attention_s(op, shape, cluster, flops, _key_length(op, shape, seq_len)), flops
     if parameter_sized:
         if cluster.fused_grad_accumulation:  # the weight-gradient GEMM accumulates in place
             return 0.0, 0.0
@@ -105,6 +104,45 @@ def op_time_s(op: FitOp, shape: Shape, cluster: Cluster, seq_len: int = 0,
     flops = op.flops * shape.scale(op.flops_exps)
     bw = cluster.memory_bandwidth_bytes_per_s * cluster.memory_efficiency
     return moved / bw + cluster.kernel_overhead_s, flops
+
+
+def _attention_s(op: FitOp, shape: Shape, cluster: Cluster, flops: float, keys: float) -> float:
+    """Seconds of a fused attention op of ``flops`` (torch's count: every query against all
+    ``keys``) at ``shape``. A ring or all-gather context-parallel rank (``kv_ratio / s_ratio`` = cp
+    > 1) of a causal model runs it as pieces, each a flash kernel at the piece's own key length
+    (shorter keys run slower, a causal piece at its own rate):
+
+    * ``chunks`` (autopar run, executor/parallel/ring_attention.py): the sequence in 2 cp chunks of
+      c = s / (2 cp), a rank holding chunks r and 2 cp - 1 - r; its two query chunks meet 2 cp - 1
+      earlier chunks full and themselves causal: 2 cp - 1 full and 2 causal c x c pieces (where
+      2 cp does not divide s, contiguous shards of n = s / cp: the last rank's cp - 1 full and one
+      causal n x n piece);
+    * ``transformer_engine`` (Megatron-Core's P2P ring, TE AttnFuncWithCPAndKVP2P): one causal
+      piece of the rank's 2 c queries against its own 2 c keys, then cp - 1 full pieces of 2 c
+      queries against c keys (the ring's step waits for the slowest rank, whose pieces are these).
+
+    A piece of q queries and k keys counts q k of the whole op's (s / cp) s."""
+    head_dim = op.dims[3] if op.dims else 0.0
+    backward = op.phase == "bwd"
+
+    def rate(kv: float, causal: bool) -> float:
+        return cluster.attention_flops_per_s(kv, head_dim=head_dim, causal=causal, backward=backward)
+
+    cp = round(shape.kv_ratio / shape.s_ratio) if shape.s_ratio > 0 else 1
+    if cp < 2 or not op.causal:
+        return flops / rate(keys, op.causal) + cluster.kernel_overhead_s
+    unit = flops / (keys / cp * keys)  # per query-key pair
+    tokens = int(round(keys))
+    if cluster.cp_attention == "transformer_engine":
+        c = keys / (2 * cp)
+        pieces = [(2 * c, 2 * c, True)] + [(2 * c, c, False)] * (cp - 1)
+    elif tokens % (2 * cp) == 0:
+        c = keys / (2 * cp)
+        pieces = [(c, c, False)] * (2 * cp - 1) + [(c, c, True)] * 2
+    else:
+        n = keys / cp
+        pieces = [(n, n, False)] * (cp - 1) + [(n, n, True)]
+    return sum(unit * q * k / rate(k, causal) + cluster.kernel_overhead_s for q, k, causal in pieces)
 
 
 def _key_length(op: FitOp, shape: Shape, seq_len: int) -> float:
@@ -144,11 +182,13 @@ _REGION_TIMES: IdentityMemo[RegionTime] = IdentityMemo(200_000)
 
 
 def region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shape | None = None,
-                seq_len: int = 0) -> RegionTime:
-    """Compute time and saved bytes of ``fit`` at ``shape`` (cached); ``seq_len`` as in ``op_time_s``."""
+                seq_len: int = 0, fused: FusedTraffic | None = None) -> RegionTime:
+    """Compute time and saved bytes of ``fit`` at ``shape`` (cached); ``seq_len`` as in ``op_time_s``;
+    ``fused``: the block's element-wise work as fused kernels move it (autopar.cost.fused_elementwise),
+    in place of the fit's own element-wise ops."""
     core_shape = core_shape or shape
-    return _REGION_TIMES.get((fit, cluster), (shape, core_shape, seq_len),
-                             lambda: _region_time(fit, cluster, shape, core_shape, seq_len))
+    return _REGION_TIMES.get((fit, cluster), (shape, core_shape, seq_len, fused),
+                             lambda: _region_time(fit, cluster, shape, core_shape, seq_len, fused))
 
 
 def op_saved(op: FitOp, gemms_before: int, shape: Shape, core_shape: Shape) -> float | None:
@@ -167,14 +207,19 @@ def op_saved(op: FitOp, gemms_before: int, shape: Shape, core_shape: Shape) -> f
     return op.out_bytes * where.scale(op.out_exps) if op.out_exps is not None else 0.0
 
 
-def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shape, seq_len: int) -> RegionTime:
+def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shape, seq_len: int,
+                 fused: FusedTraffic | None) -> RegionTime:
     fwd = bwd = core = fwd_f = bwd_f = bwd_gemm = fwd_gemm = op_bytes = op_s = 0.0
     gemms = 0
     sequence_model = any(op.bytes_exps.s > 0.5 for op in fit.ops)
+    if fused is not None:
+        fwd, bwd = fused_times_s(fused, cluster, shape, seq_len)
     for op in fit.ops:
         core_op = is_core(op)
-        secs, flops = op_time_s(op, core_shape if core_op else shape, cluster, seq_len,
-                                is_parameter_sized(op, sequence_model))
+        parameter_sized = is_parameter_sized(op, sequence_model)
+        if fused is not None and op.kind == "mem" and not core_op and not parameter_sized:
+            continue  # priced as the fused kernels above
+        secs, flops = op_time_s(op, core_shape if core_op else shape, cluster, seq_len, parameter_sized)
         if op.phase == "fwd":
             fwd += secs
             fwd_f += flops
@@ -243,7 +288,8 @@ def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape:
     points measured for that kind (the executor's cp attention on a loopback) is used as measured,
     else the plain s/cp points times the roofline ratio."""
     fit = graph.regions[region]
-    rt = region_time(fit, cluster, shape, core_shape, graph.seq_len)
+    fused = block_traffic(graph) if region == "block" and cluster.fused_elementwise else None
+    rt = region_time(fit, cluster, shape, core_shape, graph.seq_len, fused)
     table = usable_layer_table(graph, cluster)
     if table is None:
         return rt
@@ -257,7 +303,7 @@ def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape:
     ref_core = None
     if hit.cp > 1 and hit.cp_kind == "ulysses":  # all s queries, heads / (tp cp)
         ref_core = Shape(b=hit.b, s_ratio=ratio_s * hit.cp, kv_ratio=ratio_s * hit.cp, t=float(hit.tp * hit.cp), sp=1.0)
-    ref = region_time(fit, cluster, ref_shape, ref_core, graph.seq_len)
+    ref = region_time(fit, cluster, ref_shape, ref_core, graph.seq_len, fused)
     v = hit.values
 
     def scaled(measured: float, ours: float, at_ref: float) -> float:

@@ -390,13 +390,22 @@ def test_mfu_counts_model_flops_without_recompute(small_gpt, a100, make_plan) ->
     assert 0.1 < none.mfu < 0.8
 
 
-def test_faster_hardware_is_faster(small_gpt, a100, make_plan) -> None:
+def test_faster_hardware_is_faster(a100, make_plan) -> None:
+    """On compute-bound work (GEMMs of width 4096, fused attention, no TP collectives) an H100 is
+    more than twice an A100 (989 vs 312 TFLOP/s dense bf16). The 16-layer small GPT is not such
+    work: at width 1024 with its s^2 softmax unfused it is element-wise bound, where each GPU's
+    fitted element-wise share decides (docs/cost-model.md)."""
+    from autopar.models.gpt import GPTConfig
+    from autopar.reference import gpt_graph
+
+    graph = gpt_graph(GPTConfig(num_layers=16, hidden_size=4096, num_heads=32, seq_len=2048, vocab_size=512,
+                                fused_attention=True), "bf16")
     h100 = load_cluster("h100-80g")
-    plan = make_plan(small_gpt.num_blocks, pp=2, micro_batch_size=4)  # compute-bound: no TP collectives
-    assert estimate_plan(plan, small_gpt, h100).step_time_s < 0.8 * estimate_plan(plan, small_gpt, a100).step_time_s
+    plan = make_plan(graph.num_blocks, pp=2, micro_batch_size=4, seq_len=2048)
+    assert estimate_plan(plan, graph, h100).step_time_s < 0.5 * estimate_plan(plan, graph, a100).step_time_s
     g = load_cluster("h200-141g")
-    assert estimate_plan(plan, small_gpt, g).step_time_s <= estimate_plan(plan, small_gpt, h100).step_time_s
-    assert estimate_plan(plan, small_gpt, g).capacity_bytes > estimate_plan(plan, small_gpt, h100).capacity_bytes
+    assert estimate_plan(plan, graph, g).step_time_s <= estimate_plan(plan, graph, h100).step_time_s
+    assert estimate_plan(plan, graph, g).capacity_bytes > estimate_plan(plan, graph, h100).capacity_bytes
 
 
 def test_memory_breakdown_and_json_contract(small_gpt, a100, make_plan) -> None:

@@ -267,17 +267,19 @@ CALIBRATION_FILES = {"gpt3-175b-128": "gpt3-175b-128.sh", "nemotron4-15b-16-tp2"
 
 
 def test_megatron_flags_of_the_published_runs_reproduce_the_calibration() -> None:
-    """``estimate --from megatron`` on each Megatron-Core row of h100_public.yaml (its flags in
+    """``estimate --from megatron`` on each Megatron-Core row of h100_public.yaml, context parallel
+    ones included (its flags in
     tests/data/engines/megatron) prices what benchmarks/calibration.py prices for that row. Memory
     too, but for Nemotron-4 340B: NeMo's bf16 optimizer keeps no fp32 master copy, which no
     Megatron-LM flag says (the flags' precision-aware optimizer keeps one: more memory)."""
     from autopar.reference_h100 import model_path, public_plan, public_runs, software_cluster
 
     runs = [r for r in public_runs() if r.software == "megatron"]
-    assert len(runs) == 10
+    assert len(runs) == 17
     for run in runs:
         cluster, profile = software_cluster(run)
-        flags = MEGATRON_RUNS / CALIBRATION_FILES.get(run.name, f"mcore-{run.name}.sh")
+        default = f"{run.name}.sh" if run.group == "dgxc_llama31" else f"mcore-{run.name}.sh"
+        flags = MEGATRON_RUNS / CALIBRATION_FILES.get(run.name, default)
         got = api.estimation_from("megatron", flags, str(model_path(run.model)), profile).estimation.estimate
         want = api.estimation(str(model_path(run.model)), public_plan(run, profile), cluster).estimate
         assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-3), run.name
