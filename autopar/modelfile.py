@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autopar.errors import ModelFileError
+from autopar.usercode import calls_model, model_failures
 
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
 
@@ -102,6 +103,22 @@ class ModelFile:
             raise ModelFileError(f"{self.path}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
         return {n: b for n, b in model.named_buffers() if b.device.type != "meta"}
 
+    def user_files(self) -> tuple[str, ...]:
+        """The files of the user's code: the model file and wherever its build_model,
+        example_inputs and loss_fn are defined (a file beside it they were imported from)."""
+        files = {str(self.path)}
+        for name in ("build_model", "example_inputs", "loss_fn"):
+            code = getattr(getattr(self.module, name, None), "__code__", None)
+            if code is not None:
+                files.add(code.co_filename)
+        return tuple(sorted(files))
+
+    def running(self, during: str) -> contextlib.AbstractContextManager[None]:
+        """A guard around autopar running this model on real tensors ``during`` something ("while
+        timing the block at micro-batch 2, tp 1 on cpu"): the model's failure becomes one line,
+        exit 2 (autopar.usercode.model_failures); autopar's own errors pass through."""
+        return model_failures(self.path, during, self.user_files())
+
     def example_inputs(self, micro_batch_size: int, device: str | torch.device = "meta") -> Any:
         """One micro-batch of forward arguments, moved to ``device``."""
         from autopar.usercode import user_code
@@ -137,6 +154,7 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
 
 
+@calls_model
 def call_model(model: nn.Module, inputs: Any) -> Any:
     """Call ``model`` the way the contract says: tuple -> *args, dict -> **kwargs, else one arg."""
     if isinstance(inputs, tuple):
@@ -144,6 +162,14 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return model(**inputs)
     return model(inputs)
+
+
+@calls_model
+def backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` through the user's model: marked as a call into the model, so that an
+    error of autograd's own engine there (an in-place change of a saved tensor, which has no
+    Python frame of the user's) is the model's failure (autopar.usercode.raised_by_model)."""
+    loss.backward()
 
 
 def file_sha256(path: str | Path) -> str:

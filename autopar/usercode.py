@@ -18,6 +18,16 @@ guard around every such call:
 * **Stdout isolation.** While the call runs, file descriptor 1 and ``sys.stdout`` point at
   stderr, so a model that prints (from Python or from C) never mixes into ``--json`` output or a
   report on stdout.
+
+The model itself -- its forward, its loss and the backward through them -- is run by autopar's own
+code (meta probes, the profiler's timing), which may fail too. ``model_failed`` owns the one line
+of a model that failed there ("<file>: the model failed on the meta device: RuntimeError: ...",
+"... failed while timing the block at micro-batch 2, tp 1 on cpu: ..."), and ``model_failures``
+tells the user's failure from autopar's own by the traceback (``raised_by_model``): an exception is
+the model's when the innermost frame that is either the user's code or autopar's is the user's, or
+is one of autopar's calls into the model (``calls_model``) with only torch and other libraries
+below it (an ``nn.Sequential`` of torch layers has no frame of the user's; an error of autograd's
+own engine has no Python frame at all). Anything else stays a traceback: a bug of autopar's.
 """
 
 from __future__ import annotations
@@ -28,7 +38,8 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from types import CodeType, TracebackType
+from typing import Callable, Collection, Iterator, TypeVar
 
 from autopar.errors import EXIT_USAGE, AutoparError, ModelFileError
 
@@ -145,6 +156,59 @@ def user_code(what: str, path: object, where: str = "") -> Iterator[None]:
         if use_alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old_handler)
+
+
+def model_failed(path: object, during: str, exc: BaseException) -> ModelFileError:
+    """The one line of model file ``path`` whose model raised ``exc`` ``during`` something ("on the
+    meta device", "while timing the block at micro-batch 2, tp 1 on cpu"): the one wording of every
+    command (``autopar plan`` and ``autopar profile`` alike)."""
+    return ModelFileError(f"{path}: the model failed {during}: {type(exc).__name__}: {exc}".splitlines()[0])
+
+
+_F = TypeVar("_F", bound=Callable)
+_MODEL_CALLS: set[CodeType] = set()
+_AUTOPAR_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "")
+
+
+def calls_model(fn: _F) -> _F:
+    """Mark ``fn`` as one of autopar's calls into the user's model (``call_model``, its backward):
+    what is raised below it, through torch and other libraries only, is the model's."""
+    _MODEL_CALLS.add(fn.__code__)
+    return fn
+
+
+def raised_by_model(exc: BaseException, user_files: Collection[str]) -> bool:
+    """Whether ``exc`` is a failure of the user's model rather than of autopar (module docstring).
+    ``user_files``: the paths of the user's code (the model file, the files that define its
+    build_model, example_inputs and loss_fn)."""
+    users = {os.path.realpath(f) for f in user_files}
+    model: bool | None = None  # the innermost frame of the user's or autopar's: the model's? (None: neither seen)
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        name = os.path.realpath(code.co_filename)
+        if name in users:
+            model = True
+        elif name.startswith(_AUTOPAR_DIR):  # a raise in a model call itself (tb_next None) is autopar's
+            model = code in _MODEL_CALLS and tb.tb_next is not None
+        tb = tb.tb_next
+    return bool(model)
+
+
+@contextmanager
+def model_failures(path: object, during: str, user_files: Collection[str]) -> Iterator[None]:
+    """Run the body, which runs the user's model on real tensors ``during`` something; a failure of
+    the model (``raised_by_model``) becomes ``model_failed``'s one line (exit 2), anything else --
+    autopar's own errors, one-line or not, Ctrl-C -- passes through as it is. Mind the time limit:
+    ``--timeout`` bounds the calls ``user_code`` guards, not the model's steps timed here."""
+    try:
+        yield
+    except (AutoparError, KeyboardInterrupt, GeneratorExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a model's sys.exit() or BaseException is its failure too
+        if raised_by_model(exc, user_files):
+            raise model_failed(path, during, exc) from None
+        raise
 
 
 def positive_seconds(text: str) -> float:

@@ -16,6 +16,11 @@ The output is a cluster profile (CONTRACT: existing keys keep their meaning) wit
 section (docs/profiles.md). An existing file is updated in place: only the sections measured by
 this call are replaced, everything else is kept. A new file also gets ``gpu``, ``network`` and
 ``efficiency`` sections derived from the measurements, so it works as ``--cluster`` on its own.
+
+A model that fails on real tensors -- its forward, loss or backward, while timing, measuring
+memory or training alongside as a load helper -- ends the command as ``autopar plan`` ends on a
+model that fails on meta: one line naming the file, what was being measured and the exception,
+exit 2, the helpers stopped and no profile written (``ModelFile.running``, autopar.usercode).
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ def _layers_main(args: argparse.Namespace) -> int:
     from autopar.profile_tables import layer_table_to_dict
     from autopar.profiler.kernels import profile_kernels
     from autopar.profiler.layers import LayerProfileConfig, profile_layers
-    from autopar.profiler.load import start_load, stop_load, wait_ready
+    from autopar.profiler.load import check_load, start_load, stop_load, wait_ready
     from autopar.profiler.profile_file import derived_spec, device_info, read_profile, write_profile
     from autopar.profiler.whole import apply_whole_model, whole_model_rows
 
@@ -135,6 +140,7 @@ def _layers_main(args: argparse.Namespace) -> int:
         if whole:
             table = apply_whole_model(table, whole)
         kernels = None if args.no_kernels else profile_kernels(device, dtype, optimizer_shapes=_param_shapes(mf))
+        check_load(helpers)  # a helper whose model failed: its one line, and no profile timed without its load
     except ValueError as exc:
         raise AutoparError(str(exc)) from None
     finally:

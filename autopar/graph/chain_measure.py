@@ -29,6 +29,7 @@ from autopar.graph.trace import Trace, run_and_trace
 from autopar.modelfile import ModelFile, call_model
 from autopar.spec import ModelSpec
 from autopar.spec.meta import tolerant_meta
+from autopar.usercode import model_failed
 
 
 def measured_kinds(spec: ModelSpec) -> tuple[int, ...]:
@@ -166,7 +167,7 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
         except ModelFileError as exc:
             raise ModelFileError(str(exc) if str(exc).startswith(str(mf.path)) else f"{mf.path}: {exc}") from None
         except Exception as exc:  # the user's forward or loss on meta
-            raise ModelFileError(f"{mf.path}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+            raise model_failed(mf.path, "on the meta device", exc) from None
 
     inputs1 = shaped(1)
     (base, kept_in), (b2, _) = run(inputs1), run(shaped(2))

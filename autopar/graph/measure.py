@@ -18,6 +18,7 @@ from autopar.modelfile import ModelFile, load_model_file
 from autopar.spec import model_spec
 from autopar.spec.tp_shard import shard_for_tp
 from autopar.torch_dtypes import TORCH_DTYPES
+from autopar.usercode import model_failed
 
 
 def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtype: str = "bf16",
@@ -76,7 +77,7 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
             clock = active_clock()
             if clock is not None and clock.expired:  # the time limit's interrupt, wrapped (autograd)
                 raise clock.error(mf.path) from None
-            raise ModelFileError(f"{mf.path}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+            raise model_failed(mf.path, "on the meta device", exc) from None
 
     def runs(inp: Any) -> bool:
         try:

@@ -33,9 +33,9 @@ from typing import Callable
 
 import torch
 
-from autopar.modelfile import ModelFile, call_model
+from autopar.modelfile import ModelFile, backward, call_model
 from autopar.profiler.cores import usable_cores
-from autopar.profiler.load import start_load, stop_load, wait_ready
+from autopar.profiler.load import check_load, start_load, stop_load, wait_ready
 
 MAX_RANKS = 16
 
@@ -55,7 +55,8 @@ def reference_run(mf: ModelFile, micro_batch: int, dtype: str) -> Callable[[], N
     from autopar.profiler.layers import materialise, one_block_meta
     from autopar.torch_dtypes import TORCH_DTYPES
 
-    model = materialise(one_block_meta(mf), torch.device("cpu"), mf.buffer_values())
+    with mf.running("while building the block on cpu"):  # its reset_parameters
+        model = materialise(one_block_meta(mf), torch.device("cpu"), mf.buffer_values())
     model.train()
     inputs = mf.example_inputs(micro_batch, "cpu")
 
@@ -65,7 +66,7 @@ def reference_run(mf: ModelFile, micro_batch: int, dtype: str) -> Callable[[], N
         with autocast:
             out = call_model(model, inputs)
             loss = mf.loss_fn(out, inputs) if mf.loss_fn is not None else out.float().mean()
-        loss.backward()
+        backward(loss)
         model.zero_grad(set_to_none=True)
     return run
 
@@ -74,7 +75,12 @@ def measure_contention(mf: ModelFile, micro_batch: int, ranks: tuple[int, ...], 
                        log: Callable[[str], None] | None = None) -> list[list[float]]:
     """``[[R, seconds], ...]``: the reference's median time at each R (see the module docstring)."""
     cores = usable_cores()
-    run = reference_run(mf, micro_batch, dtype)
+    model_run = reference_run(mf, micro_batch, dtype)
+
+    def run() -> None:  # a failure of the model: one line, exit 2, the helpers stopped (finally below)
+        with mf.running(f"while timing the block at micro-batch {micro_batch} on cpu for the contention curve"):
+            model_run()
+
     for _ in range(2):
         run()
     levels = sorted(set(ranks))
@@ -91,12 +97,14 @@ def measure_contention(mf: ModelFile, micro_batch: int, ranks: tuple[int, ...], 
                     _pause_beyond(helpers, r - 1)
                     run()  # one untimed run: the caches settle to this level's sharing
                     samples[r].append(timed_run(run, r, cores))
+            check_load(helpers)  # a helper whose model failed: its line, not a curve without its load
         else:
             for r in levels:
                 more = start_load(r - 1 - len(helpers), "cpu", str(mf.path), micro_batch)
                 wait_ready(more)
                 helpers += more
                 samples[r] = [timed_run(run, r, cores) for _ in range(rounds)]
+            check_load(helpers)
     finally:
         if hasattr(signal, "SIGCONT"):
             _pause_beyond(helpers, len(helpers))  # all running again: a paused process would not take the SIGTERM

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -66,7 +66,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.graph.build import first_tensor as _first_tensor
 from autopar.graph.build import one_block_model, sequence_keep, slice_sequence
-from autopar.modelfile import ModelFile, call_model
+from autopar.modelfile import ModelFile, backward, call_model
 from autopar.profile_tables import LayerPoint, LayerTable
 from autopar.profiler.cores import usable_cores
 from autopar.profiler.memory import LiveBytes
@@ -205,7 +205,7 @@ def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable 
         if y is not None and y.requires_grad:
             y.register_hook(lambda g: note("bwd_loss_end"))
         note("loss_end")
-        loss.backward()
+        backward(loss)
         note("end")
     finally:
         for h in handles:
@@ -253,7 +253,8 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
         if tp > 1 and not tp_plan:
             continue
         rank_model, vocab = _rank_model(small, blocks_attr, tp_plan, tp, spec.tp.local_attrs)
-        model = materialise(rank_model, device, buffers)
+        with mf.running(f"while building the block at tp {tp} on {device}"):  # its reset_parameters
+            model = materialise(rank_model, device, buffers)
         if dtype != torch.float32:
             model = model.to(dtype)
         model.train()
@@ -262,8 +263,10 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
         rank_loss = _RankLoss(mf.loss_fn, tp, vocab) if mf.loss_fn is not None else None
         if keep is None:
             keep = _sequence_keep(mf, model, tp, device, seq, min(seqs + [s for _, s in cp_seqs]), vocab, dtype)
+        # A failure of the model names the shape it was run at: one line, exit 2 (ModelFile.running).
+        at = [f"micro-batch {b}{f', {s} tokens' if s != seq else ''}, tp {tp} on {device}" for s, b in shapes]
         measured = _measure(rank_loss, model, block, [_inputs(mf, b, device, seq, s, vocab, dtype, keep) for s, b in shapes],
-                            device, cfg)
+                            device, cfg, guard=lambda j, doing: mf.running(f"while {doing} the block at {at[j]}"))
         for (s, b), (med, saved, peak) in zip(shapes, measured):
             for region in regions:  # at tp > 1 the edges too are this tp rank's vocabulary shard
                 regions[region].append(LayerPoint(
@@ -276,7 +279,10 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
         core_name = _find_core(block)
         for cp, kind in cp_runs if core_name else []:
             s = seq // cp
-            with _cp_core(block, core_name, kind, cp, seq):
+            # the RuntimeErrors of a cp kind the block cannot take are logged below, as before; any
+            # other failure of the model is one line
+            with mf.running(f"while timing the block at {s} tokens, tp {tp}, cp {cp} ({kind}) on {device}"), \
+                    _cp_core(block, core_name, kind, cp, seq):
                 try:
                     measured = _measure(rank_loss, model, block,
                                         [_inputs(mf, b, device, seq, s, vocab, dtype, keep) for b in cfg.micro_batches],
@@ -381,23 +387,30 @@ class _RankLoss:
         return self.loss_fn(self._whole(out), inputs)
 
 
+def _no_guard(j: int, doing: str) -> AbstractContextManager[None]:
+    return nullcontext()
+
+
 def _measure(loss_fn: Callable | None, model: nn.Module, block: nn.Module, inputs: list[Any], device: torch.device,
-             cfg: LayerProfileConfig) -> list[tuple[dict[str, float], dict[str, float], float]]:
+             cfg: LayerProfileConfig, guard: Callable[[int, str], AbstractContextManager[None]] = _no_guard,
+             ) -> list[tuple[dict[str, float], dict[str, float], float]]:
     """Per shape of ``inputs``: (median seconds per region/phase, saved bytes per region, peak live
     bytes). The shapes take turns, one run each per round, so that a slow spell of a shared machine
     falls on all of them alike instead of on whichever shape was being measured (a 4-rank profile
-    measured micro-batch 4 ~17 % faster per sample than 2 and 8 when each was timed in one go)."""
+    measured micro-batch 4 ~17 % faster per sample than 2 and 8 when each was timed in one go).
+    ``guard(j, doing)`` is entered around each run of shape j ("timing", "measuring the memory of")."""
     samples: list[dict[str, list[float]]] = [{} for _ in inputs]
     for i in range(cfg.warmup + cfg.repeats):
         for j, x in enumerate(inputs):
-            times, _ = _one_run(model, block, x, loss_fn, device, None)
+            with guard(j, "timing"):
+                times, _ = _one_run(model, block, x, loss_fn, device, None)
             if i >= cfg.warmup:
                 for k, v in times.items():
                     samples[j].setdefault(k, []).append(v)
     out = []
     for j, x in enumerate(inputs):
         live = LiveBytes()
-        with live:
+        with guard(j, "measuring the memory of"), live:
             _, saved = _one_run(model, block, x, loss_fn, device, live)
         out.append(({k: statistics.median(v) for k, v in samples[j].items()}, saved, float(live.peak_bytes)))
     return out

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from autopar.modelfile import ModelFile, call_model
+from autopar.modelfile import ModelFile, backward, call_model
 from autopar.profile_tables import LayerTable
 
 WHOLE_MAX_PARAM_BYTES = 2**30
@@ -60,7 +60,8 @@ def whole_model_rows(mf: ModelFile, device: torch.device, table: LayerTable, mic
     composed = {b: _composed(table, b, seq or 1, num_blocks) for b in micro_batches}
     if any(c is None for c in composed.values()):
         return None
-    model = materialise(meta, device, mf.buffer_values())
+    with mf.running(f"while building the whole model on {device}"):  # its reset_parameters
+        model = materialise(meta, device, mf.buffer_values())
     if dtype != "fp32":  # the table's regime: the model cast, no autocast (profiler/layers.py)
         model = model.to(TORCH_DTYPES[dtype])
     model.train()
@@ -68,7 +69,8 @@ def whole_model_rows(mf: ModelFile, device: torch.device, table: LayerTable, mic
     samples: dict[int, list[tuple[float, float]]] = {b: [] for b in micro_batches}
     for i in range(warmup + repeats):
         for b in micro_batches:  # in turns, as the table's shapes: a slow spell falls on all alike
-            times = _one_whole_run(model, inputs[b], mf.loss_fn, _Clock(device))
+            with mf.running(f"while timing the whole model at micro-batch {b} on {device}"):  # one line, exit 2
+                times = _one_whole_run(model, inputs[b], mf.loss_fn, _Clock(device))
             if i >= warmup:
                 samples[b].append(times)
     rows = []
@@ -117,7 +119,7 @@ def _one_whole_run(model: torch.nn.Module, inputs: Any, loss_fn: Callable | None
     out = call_model(model, inputs)
     loss = loss_fn(out, inputs) if loss_fn is not None else out.float().mean()
     clock.mark("fwd")
-    loss.backward()
+    backward(loss)
     clock.mark("bwd")
     model.zero_grad(set_to_none=True)
     m = clock.marks

@@ -34,6 +34,7 @@ from autopar.spec.sp_check import sp_check
 from autopar.spec.support import support_of
 from autopar.spec.tp_infer import Inference, infer_tp
 from autopar.spec.tp_plan import TPPlan, model_carried_plan, packed_names, plan_fused, resolve, root_prefixes
+from autopar.usercode import model_failed
 
 __all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model", "token_dict_keys"]
 
@@ -241,7 +242,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     except ModelFileError as exc:
         raise ModelFileError(f"{where}: {exc}") from None
     except Exception as exc:  # the user's forward on meta
-        raise ModelFileError(f"{where}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+        raise model_failed(where, "on the meta device", exc) from None
     memo: list[Inference] = []
 
     def infer() -> Inference:
@@ -311,7 +312,7 @@ def _meta_call(where: str, fn: Any) -> Any:
     except ModelFileError as exc:
         raise ModelFileError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from None
     except Exception as exc:  # the user's forward on meta
-        raise ModelFileError(f"{where}: the model failed on the meta device: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+        raise model_failed(where, "on the meta device", exc) from None
 
 
 def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any) -> ModelSpec:
