@@ -13,6 +13,7 @@ from autopar.errors import ModelFileError
 from autopar.graph.build import one_block_model, sequence_keep, slice_sequence, trace_model
 from autopar.graph.model_graph import ModelGraph, MoEFacts, RegionParams
 from autopar.graph.scaling import RegionFit, fit_region
+from autopar.graph.short_probe import build_bounded
 from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit
 from autopar.modelfile import ModelFile, load_model_file
 from autopar.spec import model_spec
@@ -32,7 +33,7 @@ def build_graph(model_file: ModelFile | str, *, seq_len: int | None = None, dtyp
     key = (str(mf.path.resolve()), mf.sha256, seq_len, dtype)
     if not memo or key not in _CACHE:
         with measure_time_limit(mf.path, time_limit_s):
-            _CACHE[key] = _build(mf, seq_len, dtype)
+            _CACHE[key] = build_bounded(mf, seq_len, dtype, _build)
     return _CACHE[key]
 
 

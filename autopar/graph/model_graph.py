@@ -127,6 +127,10 @@ class ModelGraph:
     # Expert parallelism: the blocks' mixture of experts (from autopar.spec.moe), None when dense; the cost
     # model prices expert parallelism from it (autopar.cost.expert)
     moe: MoEFacts | None = None
+    # The sequence the graph was traced at where shorter than seq_len: a forward too long to trace at
+    # seq_len (a loop over positions) was measured there and extrapolated (graph/short_probe.py).
+    # None: traced at seq_len.
+    probe_seq_len: int | None = None
 
     def supports(self, dim: str) -> str | None:
         """None if the executor can run dimension ``dim`` on this model, else the reason."""

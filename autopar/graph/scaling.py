@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.graph.records import OpRecord, SavedRecord, Trace
 
@@ -78,6 +78,10 @@ class FitOp:
     out_bytes: float = 0.0  # bytes it returns (records.OpRecord.out_bytes) and their exponents
     out_exps: Exps | None = None
     causal: bool = False  # a fused attention op with is_causal (records.OpRecord.causal)
+    # An op of a region whose op count changes with the sequence (a per-position Python loop) that has
+    # no counterpart in the trace at half the sequence: it stands for the positions that trace lacks
+    # (``at_longer_sequence`` repeats it for the positions a longer sequence adds)
+    per_position: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +154,7 @@ def fit_region(
     variants: dict[str, list[OpRecord | None] | None] = {}
     for key, trace in (("b", b2), ("s", s_half), ("t", t2)):
         variants[key] = None if trace is None else _align(ops, [o for o in trace.ops if o.region == region])
+    varies = s_half is not None and len(ops) != sum(1 for o in s_half.ops if o.region == region)
     fitted = []
     for i, op in enumerate(ops):
         def other(key: str) -> OpRecord | None:
@@ -173,7 +178,7 @@ def fit_region(
             bytes=op.bytes, bytes_exps=_exps(op.bytes, pick("b", "bytes"), pick("s", "bytes"), pick("t", "bytes")),
             dims=op.dims, dims_exps=dims_exps, name=op.name, out_bytes=op.out_bytes,
             out_exps=_exps(op.out_bytes, pick("b", "out_bytes"), pick("s", "out_bytes"), pick("t", "out_bytes")),
-            causal=op.causal,
+            causal=op.causal, per_position=varies and other("s") is None,
         ))
     saved = _fit_saved(region, base, b2, s_half, t2)
     comm = _fit_comm(region, base, b2, s_half, t2)
@@ -230,3 +235,62 @@ def _fit_comm(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuant
             vals.append(None if other is None or len(other) != len(rows) else other[i][3])
         out.append(FitQuantity(what=what, phase=phase, nbytes=nbytes, exps=_exps(nbytes, *vals)))
     return tuple(out)
+
+
+def at_longer_sequence(fit: RegionFit, ratio: float) -> RegionFit:
+    """``fit`` (measured at sequence s0: its base values) moved to the sequence ``ratio`` x s0, for a
+    graph probed at a shorter sequence than it plans for (graph/short_probe.py). Every quantity is
+    evaluated by its own sequence exponent, value x ratio^e_s, and GEMM dimensions likewise: exact
+    where the fit is (a monomial in the sequence: every op's FLOPs, attention, elementwise traffic,
+    saved activations); a sum of a constant and a sequence term (a GEMM's bytes: weights plus
+    activations) carries its rounded exponent's error, grown by the ratio.
+
+    An op that repeats per position (``per_position``: the s0/2 positions the half-sequence trace
+    lacked) stands, at the longer sequence, for ratio x s0 - s0/2 positions instead of s0/2, each
+    the size of its nearest copy with a counterpart (a loop's backward may build a sequence-long
+    tensor at every position): with those copies, one per
+    position of the first half, the loop counts one op per position. It stays one op of that total
+    cost, not one op per position."""
+    def q(v: FitQuantity) -> FitQuantity:
+        return replace(v, nbytes=v.nbytes * ratio**v.exps.s)
+
+    like = _nearest_counterparts(fit.ops)
+
+    def op(i: int, o: FitOp) -> FitOp:
+        if not o.per_position:
+            return _op_at(o, o, ratio, 1.0)
+        return _op_at(o, fit.ops[like[i]] if like[i] is not None else o, ratio, 2.0 * ratio - 1.0)
+
+    return RegionFit(ops=tuple(op(i, o) for i, o in enumerate(fit.ops)), saved=tuple(q(v) for v in fit.saved),
+                     comm=tuple(q(v) for v in fit.comm), peaks=tuple(q(v) for v in fit.peaks))
+
+
+def _nearest_counterparts(ops: tuple[FitOp, ...]) -> list[int | None]:
+    """For each op, the index of the nearest op that is not ``per_position`` and is its copy -- the
+    same phase, aten op, FLOPs, bytes and dimensions: another position of the same loop step --
+    before or after it (a loop's backward runs its last positions first; the earlier on a tie),
+    None where there is none."""
+    out: list[int | None] = [None] * len(ops)
+    for order in (range(len(ops)), range(len(ops) - 1, -1, -1)):
+        seen: dict[tuple, int] = {}
+        for i in order:
+            o = ops[i]
+            key = (o.phase, o.name, o.flops, o.bytes, o.out_bytes, o.dims)
+            if not o.per_position:
+                seen[key] = i
+                continue
+            j = seen.get(key)
+            if j is not None and (out[i] is None or abs(j - i) < abs(out[i] - i)):
+                out[i] = j
+    return out
+
+
+def _op_at(o: FitOp, like: FitOp, ratio: float, copies: float) -> FitOp:
+    """``o`` at ``ratio`` times the sequence by the sequence exponents of ``like``, ``copies`` times."""
+    dims = o.dims
+    if o.dims is not None and like.dims_exps is not None:
+        dims = tuple(int(round(d * ratio**e.s)) for d, e in zip(o.dims, like.dims_exps))
+    out_s = like.out_exps.s if like.out_exps is not None else 0.0
+    return replace(o, flops=o.flops * copies * ratio**like.flops_exps.s,
+                   bytes=o.bytes * copies * ratio**like.bytes_exps.s,
+                   out_bytes=o.out_bytes * copies * ratio**out_s, dims=dims)

@@ -113,6 +113,9 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
     lines = [
         f"model    {graph.name}: {param_count(graph.num_params)} parameters, {graph.num_blocks} blocks, "
         f"seq {space.seq_len}, global batch {space.global_batch}",
+        *([f"graph    traced at seq {graph.probe_seq_len} and {graph.probe_seq_len // 2} and extrapolated to seq "
+           f"{graph.seq_len}: a forward at full length dispatches too many ops to trace (a loop over positions?)"]
+          if graph.probe_seq_len else []),
         f"cluster  {cluster.name}: {space.num_gpus} GPUs, {cluster.gpus_per_node} per node, "
         f"{gib(cluster.memory_bytes)} GiB each",
         *([f"tp plan  {graph.tp_source}: "

@@ -116,9 +116,42 @@ def _is_meta(args: tuple) -> bool:
     return any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
 
 
+class OpBudgetExceeded(BaseException):
+    """Raised inside a forward under ``tolerant_meta`` that dispatched more aten ops than an armed
+    ``op_budget`` allows (a BaseException: the user's ``except Exception`` does not swallow it)."""
+
+
+@dataclass(kw_only=True)
+class OpBudget:
+    """At most ``limit`` aten ops per forward under ``tolerant_meta``; ``tripped``: some forward
+    went past it (set even where what was raised got caught or wrapped on its way out); ``most``:
+    the most ops one forward dispatched."""
+
+    limit: int
+    tripped: bool = False
+    most: int = 0
+
+
+_BUDGETS: list[OpBudget] = []  # armed budgets, innermost last
+
+
+@contextmanager
+def op_budget(limit: int) -> Iterator[OpBudget]:
+    """Within the block, a forward under ``tolerant_meta`` that dispatches more than ``limit`` aten
+    ops raises ``OpBudgetExceeded`` (graph/short_probe.py: a forward whose op count grows with the
+    sequence, a per-position Python loop, is measured at a shorter sequence instead)."""
+    budget = OpBudget(limit=limit)
+    _BUDGETS.append(budget)
+    try:
+        yield budget
+    finally:
+        _BUDGETS.remove(budget)
+
+
 class _TolerantMeta(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
+        self.ops = 0  # aten ops dispatched (op_budget)
         self.routing: Routing | None = None
         self.routed: dict[int, str] = {}  # id of a routing tensor -> the op that made it
         self.alive: list[torch.Tensor] = []  # keeps routing tensors alive so their ids stay theirs
@@ -212,6 +245,8 @@ class _TolerantMeta(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
+        if _BUDGETS:
+            self._count()
         name = func._overloadpacket.__name__
         if name in _MASK_INDEXED and len(args) > 1 and _is_meta(args[:1]) and any(
                 isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in args[1]):
@@ -239,6 +274,14 @@ class _TolerantMeta(TorchDispatchMode):
             if any(self._is_routed(a) for a in inputs):
                 self._mark(out, name, inputs)
         return out
+
+    def _count(self) -> None:
+        self.ops += 1
+        budget = _BUDGETS[-1]
+        budget.most = max(budget.most, self.ops)
+        if self.ops > budget.limit:
+            budget.tripped = True
+            raise OpBudgetExceeded(f"a forward on meta dispatched more than {budget.limit} ops")
 
     def _copy_out(self, t: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """A meta tensor copied to a real device: filled with what its value reads would answer
