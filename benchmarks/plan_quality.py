@@ -3,7 +3,7 @@ global batch, sequence and software, is the searched best ever predicted slower 
 it is predicted much faster, where does the time go?
 
     python benchmarks/plan_quality.py             # every H100 recipe and Megatron SC21's A100 rows
-    python benchmarks/plan_quality.py --groups dgxc  # one group (dgxc, megatron_core_r08, llm_foundry, torchtitan, sc21)
+    python benchmarks/plan_quality.py --groups dgxc  # one group (dgxc, dgxc_llama31, megatron_core_r08, llm_foundry, torchtitan, sc21)
 
 Each recipe is priced as benchmarks/calibration.py prices it (its software's profile with the run's own
 settings); the search runs on that same priced cluster, among the plans the recipe's engine runs (Megatron-Core
@@ -61,7 +61,7 @@ def cases(groups: set[str]) -> list[tuple]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--groups", default="dgxc,megatron_core_r08,llm_foundry,torchtitan,sc21")
+    ap.add_argument("--groups", default="dgxc,dgxc_llama31,megatron_core_r08,llm_foundry,torchtitan,sc21")
     args = ap.parse_args()
     start = time.perf_counter()
     rows, notes, slower = [], [], []
