@@ -13,6 +13,9 @@ over all pairs; a predicted tie counts as neither):
 * torchtitan's Llama 3.1 8B with FSDP2 on 8 and 128 H100s: throughput per GPU (the step times are
   of different GPU counts); priced with ``h100-80g`` (the runs' 500 W GPUs are slower: the order,
   not the level, is what counts here).
+* NVIDIA's dgxc Llama 3.1 recipes, each model at its smallest and largest published scale (8B on 8
+  and 128 H100s, 70B on 64 and 2,048, 405B on 576 and 2,304; context parallelism 2): throughput per
+  GPU, which falls by 1.4-2.4 % with scale; priced with ``h100-80g-megatron``.
 
 These are every multi-configuration set in ../shared/calibration; each further public sweep (a tp/pp
 grid, a micro-batch sweep) is one more entry of ``ranked_sources``.
@@ -115,4 +118,7 @@ def ranked_sources() -> list[RankedSource]:
                 ["nemotron4-15b-16-tp2", "nemotron4-15b-16-tp4"], per_gpu_throughput=False),
         _public("torchtitan Llama 3.1 8B FSDP2 (8, 128 H100)", "torchtitan",
                 ["llama3.1-8b-fsdp8", "llama3.1-8b-fsdp128"], per_gpu_throughput=True),
+        *(_public(f"dgxc Llama 3.1 {size} cp 2 ({a}, {b} H100)", "dgxc_llama31",
+                  [f"llama3.1-{size.lower()}-{a}", f"llama3.1-{size.lower()}-{b}"], per_gpu_throughput=True)
+          for size, a, b in (("8B", 8, 128), ("70B", 64, 2048), ("405B", 576, 2304))),
     ]
