@@ -40,6 +40,10 @@ profile taken at load average 5-7 on 2 cores predicted the zoo decoder's dp2 ste
 what validate measured minutes later, with wall time. CPU with several threads per rank: wall time
 (the calling thread's CPU time would miss its workers') unless ranks exceed the cores.
 
+Empty edges: blocks that take the model's raw input (no module before them) leave ``pre`` empty,
+blocks whose last output is the model's output (no module after them) leave ``post`` empty; the
+table still holds both regions, as the meta trace's graph does, at 0 s and 0 bytes (``_one_run``).
+
 Memory: ``LiveBytes`` (allocator-level, see autopar.profiler.memory) -- ``saved_bytes`` is what
 a region's forward leaves allocated for backward (for the block: its activations per micro-batch);
 ``peak_bytes`` the peak of live bytes over the whole one-block forward+backward.
@@ -56,13 +60,14 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.graph.build import first_tensor as _first_tensor
 from autopar.graph.build import one_block_model, sequence_keep, slice_sequence
@@ -167,10 +172,18 @@ class _Clock:
 def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable | None, device: torch.device,
              live: LiveBytes | None) -> tuple[dict[str, float], dict[str, float]]:
     """One forward+backward; (seconds per region/phase, saved bytes per region). With an attention
-    core in ``block`` (the executor's rule), also ``block.core_fwd``: the core's forward alone."""
+    core in ``block`` (the executor's rule), also ``block.core_fwd``: the core's forward alone.
+
+    Boundaries that fall on one tensor are marked in the regions' order, so no region is negative,
+    and an empty edge region is 0 in both phases, as the meta trace finds it empty (no ops):
+    ``pre`` when every tensor the block takes is one of ``inputs`` (nothing runs before it),
+    ``post`` when every tensor of the model's output is one of the block's outputs (nothing runs
+    after it). A block input that needs no gradient leaves no backward to ``pre``."""
     clock = _Clock(device)
     saved: dict[str, float] = {}
     at: dict[str, float] = {}
+    input_ids = {id(t) for t in _tensors(inputs)}  # ``inputs`` outlives the run: the ids stay its tensors'
+    seen: dict[str, Any] = {"pre_empty": False, "block_out": []}
 
     def note(name: str) -> None:
         clock.mark(name)
@@ -179,12 +192,17 @@ def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable 
 
     def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         note("block_in")
+        given = _tensors((args, kwargs))
+        seen["pre_empty"] = bool(given) and all(id(t) in input_ids for t in given)
         x = _first_tensor((args, kwargs))
+        # An input that needs no gradient (the model's own input, or anything computed from it
+        # without parameters) gets no hook: the block's backward then runs to the end of backward.
         if x is not None and x.requires_grad:
             x.register_hook(lambda g: note("bwd_block_end"))
 
     def post_hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         note("block_out")
+        seen["block_out"] = [weakref.ref(t) for t in _tensors(out)]  # weak: the run's memory is the model's
         y = _first_tensor(out)
         if y is not None and y.requires_grad:
             y.register_hook(lambda g: note("bwd_post_end"))
@@ -200,9 +218,18 @@ def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable 
         note("start")
         out = call_model(model, inputs)
         note("loss_start")
+        block_out = [t for t in (r() for r in seen["block_out"]) if t is not None]
         y = _first_tensor(out)
+        outs = _tensors(out)
+        post_empty = bool(outs) and all(any(t is b for b in block_out) for t in outs)
+        # The output's first tensor is the block's: its gradient reaches both at one instant. The
+        # block's hook on that tensor, registered in forward, fires before any registered here, so
+        # a second hook would mark the end of the loss's backward after the start of the block's
+        # (a negative post region): the block's hook marks both ends instead.
+        same_grad = y is not None and bool(block_out) and block_out[0] is y
+        del block_out, outs
         loss = loss_fn(out, inputs) if loss_fn is not None else y.float().mean()
-        if y is not None and y.requires_grad:
+        if y is not None and y.requires_grad and not same_grad:
             y.register_hook(lambda g: note("bwd_loss_end"))
         note("loss_end")
         backward(loss)
@@ -211,6 +238,17 @@ def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable 
         for h in handles:
             h.remove()
     m = clock.marks
+    if same_grad and "bwd_post_end" in m:
+        m["bwd_loss_end"] = m["bwd_post_end"]
+    m.setdefault("bwd_block_end", m["end"])  # no gradient into the block: nothing of backward after it
+    # An empty edge: its two boundaries are one instant (the call into / return from the model is
+    # not work of the region), so it is 0, not the few microseconds between the marks.
+    if seen["pre_empty"]:
+        m["start"] = m["block_in"]
+        at["start"] = at.get("block_in", 0.0)
+    if post_empty:
+        m["loss_start"] = m["block_out"]
+        at["loss_start"] = at.get("block_out", 0.0)
     times = {
         "pre.fwd": m["block_in"] - m["start"], "block.fwd": m["block_out"] - m["block_in"],
         "post.fwd": m["loss_start"] - m["block_out"], "loss.fwd": m["loss_end"] - m["loss_start"],
@@ -224,6 +262,11 @@ def _one_run(model: nn.Module, block: nn.Module, inputs: Any, loss_fn: Callable 
                  "post": at["loss_start"] - at["block_out"], "loss": at["loss_end"] - at["loss_start"]}
     model.zero_grad(set_to_none=True)
     return times, saved
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) tuple/list/dict of inputs, forward arguments or outputs."""
+    return [v for v in tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
 def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
