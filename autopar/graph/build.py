@@ -125,6 +125,9 @@ def _region_hooks(block: nn.Module, set_region: Callable[[str], None], io: dict[
         y = first_tensor(out)
         if y is not None and y.requires_grad:
             y.register_hook(lambda g: set_region("bwd:block"))
+            # A model whose output is this very tensor has no post region: its backward must not
+            # open after the block's (_forward_backward reads the mark; tensor hooks run in order)
+            y._autopar_block_output = True
 
     return [block.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True),
             block.register_forward_hook(post_hook, with_kwargs=True)]
@@ -140,7 +143,7 @@ def _forward_backward(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
     set_region("loss")
     loss = loss_fn(out, inputs) if loss_fn is not None else default_loss(out)
     y = first_tensor(out)
-    if y is not None and y.requires_grad:
+    if y is not None and y.requires_grad and not getattr(y, "_autopar_block_output", False):
         y.register_hook(lambda g: set_region("bwd:post"))
     del out, y
     set_region("bwd:loss")
