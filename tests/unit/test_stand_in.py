@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from autopar.executor.parallel.pipeline_parallel import _Exit, _Skip, _ZeroStub
-from autopar.executor.parallel.pipeline_probe import Template
 from autopar.executor.parallel.stand_in import AbsentModule
+from autopar.spec.pipeline_probe import Template
 
 
 class Stage(nn.Module):

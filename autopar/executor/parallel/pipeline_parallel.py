@@ -4,7 +4,7 @@
 
 How a user's model is cut without changing its code
 ---------------------------------------------------
-A meta-device probe (``pipeline_probe.probe_structure``) records which modules beside the block list run before the
+A meta-device probe (``spec.pipeline_probe.probe_structure``) records which modules beside the block list run before the
 first block (the *prologue*: embeddings, rotary tables) and after the last (the *epilogue*: final
 norm, head), the structure of what each prologue module and a block return, the name of a block's
 first forward parameter, and in which phase the model's own code reads each bare parameter (one
@@ -74,11 +74,11 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.executor.parallel.batch import rows
-from autopar.executor.parallel.pipeline_probe import Probe, Template, bare_holders, probe_structure, tensors_of
 from autopar.executor.parallel.stand_in import StandIn
 from autopar.executor.runtime.introspect import ModelSpec
 from autopar.modelfile import call_model
 from autopar.plan import Plan
+from autopar.spec.pipeline_probe import Probe, Template, bare_holders, probe_structure, tensors_of
 
 __all__ = ["STAGE_ATTR", "STAGE_PREFIX", "Probe", "StageModule", "StepIO", "Template", "build_chunk",
            "build_schedule", "local_chunk_ids", "probe_structure", "run_schedule", "sync_tied_grads", "tied_groups"]

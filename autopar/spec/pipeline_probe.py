@@ -1,4 +1,5 @@
-"""The meta-device probe of a model for pipeline parallelism (executor/parallel/pipeline_parallel.py).
+"""The meta-device probe of a model for pipeline parallelism (executor/parallel/pipeline_parallel.py cuts the
+model with it; graph/carried.py prices the values it finds carried).
 
 One forward of the full model on meta records what a pipeline chunk must reproduce: which modules
 beside the block list run before the first block (the prologue) and after the last (the epilogue),
@@ -20,9 +21,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from autopar.executor.runtime.introspect import ModelSpec
 from autopar.modelfile import call_model
 from autopar.spec.blocks import siblings as module_siblings
+from autopar.spec.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
