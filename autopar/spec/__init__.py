@@ -25,6 +25,7 @@ from autopar.modelfile import ModelFile, call_model
 from autopar.spec.attention import hf_attention
 from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, probe_calls
 from autopar.spec.chain import Chain, block_list_chain, find_chain
+from autopar.spec.chain_tp import chain_kind_plans, chain_tp_reason
 from autopar.spec.inplace import inplace_outputs
 from autopar.spec.meta import tolerant_meta
 from autopar.spec.model_spec import DIMENSIONS, ModelSpec
@@ -152,12 +153,14 @@ def _bare_params(model: nn.Module, blocks_path: str, probe: Probe) -> tuple[str,
 
 
 def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Module,
-                infer: Callable[[], Inference]) -> TPPlan:
+                infer: Callable[[], Inference], siblings: frozenset[str] = frozenset()) -> TPPlan:
     """The TP plan by precedence: declared, carried by the model, inferred (module docstring of
-    autopar.spec.tp_plan; ``infer``: the data-flow inference of autopar.spec.tp_infer)."""
+    autopar.spec.tp_plan; ``infer``: the data-flow inference of autopar.spec.tp_infer).
+    ``siblings``: unit-relative module names of a chain's other unit kinds, so that a declared
+    pattern naming a layer of another kind is not an error for this one."""
     where = str(mf.path)
     prefixes = root_prefixes(model)
-    names = frozenset(n for n, _ in model.named_modules() if n)
+    names = frozenset(n for n, _ in model.named_modules() if n) | siblings
     if mf.tp_plan is not None:
         styles, notes = resolve(mf.tp_plan, block, blocks_path, prefixes, strict=True, where=where, model_names=names)
         return TPPlan(styles=styles, source="declared", detail="the model file's tp_plan", dropped=tuple(notes))
@@ -227,7 +230,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     if blocks_path is None:
         chain = _meta_call(where, lambda: find_chain(model, run))
         if chain is not None:
-            spec = _chain_spec(mf, model, chain, inputs)
+            spec = _chain_spec(mf, model, chain, inputs, run)
             units = expert_units(model, chain.units, lambda: routing[0] if routing else None)
             return _with_support(dataclasses.replace(spec, expert_units=units))
         mixed = heterogeneous_lists(model)
@@ -315,10 +318,11 @@ def _meta_call(where: str, fn: Any) -> Any:
         raise model_failed(where, "on the meta device", exc) from None
 
 
-def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any) -> ModelSpec:
+def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run: Callable[[], Any]) -> ModelSpec:
     """The spec of a model without a repeated block list: its layer chain (spec/chain.py).
     ``blocks_path`` names the container of the first unit (what block-list readers index);
-    ``num_blocks`` counts the chain's units. TP plans are block-relative, so a chain gets none."""
+    ``num_blocks`` counts the chain's units. ``spec.tp`` (one block's plan) stays empty; a chain
+    read as one module list gets a plan per unit kind (``kind_tp``, spec/chain_tp.py)."""
     first = chain.units[0].rsplit(".", 1)[0]
     probe = chain.probe
     heads, kv = _heads(model, model.get_submodule(chain.units[0]), lambda: (None, None))  # no block to infer from
@@ -330,15 +334,27 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any) -> M
     tensors_only = isinstance(inputs, torch.Tensor) or (
         isinstance(inputs, tuple) and bool(inputs) and all(isinstance(v, torch.Tensor) for v in inputs))
     lists = ", ".join(chain.containers[:4]) + (", ..." if len(chain.containers) > 4 else "")
-    tp = TPPlan(styles={}, source="none", detail=(
-        f"no single list of identical blocks (a chain of {chain.num_units} units in {lists}, of "
-        f"{len(set(chain.kinds))} different structures); tp plans apply to one repeated block"))
+    kinds = ()
+    if chain.block_list is not None:
+        relative = frozenset(n for u in chain.units for n, _ in model.get_submodule(u).named_modules() if n)
+
+        def resolve_unit(container: str, unit: nn.Module) -> TPPlan:
+            return _tp_plan_of(mf, model, container, unit, lambda: infer_tp(model, unit, run), relative)
+
+        kinds = _meta_call(str(mf.path), lambda: chain_kind_plans(model, chain, resolve_unit))
+        why = chain_tp_reason(kinds)
+        if why is None:  # every kind has a plan; whether tp runs is spec/support.py's tp predicate
+            why = "plans per unit kind: " + "; ".join(k.describe() for k in kinds)
+    else:
+        why = (f"no single list of identical blocks (a chain of {chain.num_units} units in {lists}); tp plans apply "
+               "to the blocks of one module list")
+    tp = TPPlan(styles={}, source="none", detail=why)
     return ModelSpec(
         blocks_path=first, num_blocks=chain.num_units, blocks_kind="chain", tp=tp, core_name=None,
         num_heads=heads, num_kv_heads=kv, accepts_positions="positions" in params, vocab_embedding=emb,
         vocab_head=head, tied=_tied(model), probe=probe, bare_params=tuple(chain.bare),
         inputs_are_tensors=tensors_only, inputs_are_token_batch=False, is_sequence_model=mf.seq_len is not None,
-        notes=(f"chain: {chain.num_units} units in {', '.join(chain.containers)}",), chain=chain,
+        notes=(f"chain: {chain.num_units} units in {', '.join(chain.containers)}",), chain=chain, kind_tp=kinds,
     )
 
 

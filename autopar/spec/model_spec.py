@@ -12,6 +12,7 @@ from typing import Mapping
 from autopar.spec.attention import HFAttention
 from autopar.spec.blocks import Probe
 from autopar.spec.chain import Chain
+from autopar.spec.chain_tp import KindPlan
 from autopar.spec.moe import MoESpec
 from autopar.spec.tp_plan import TPPlan
 
@@ -58,6 +59,9 @@ class ModelSpec:
     # The layer chain a pipeline cuts at unit inputs (spec/chain.py): a model without a repeated
     # block list, or a block list kept in an nn.Sequential. None: the block list is cut as a list.
     chain: Chain | None = None
+    # A chain read as one module list (chain.block_list): the TP plan of each unit kind, in chain
+    # order (spec/chain_tp.py); empty otherwise. ``tp`` stays empty for a chain.
+    kind_tp: tuple[KindPlan, ...] = ()
 
     @property
     def unit_paths(self) -> tuple[str, ...]:

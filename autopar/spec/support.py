@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from autopar.spec.chain_tp import chain_tp_reason
 from autopar.spec.model_spec import DIMENSIONS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -29,7 +30,19 @@ NO_EXPERTS = "no mixture of experts in the blocks"
 
 
 
+# A chain whose unit kinds all have plans (spec/chain_tp.py): plans are resolved, but neither the
+# chain's pricing (graph/chain_measure.py, cost/chain.py) nor the executor (apply_tp) applies a plan
+# per unit kind yet, so tp stays off rather than offered unrunnable.
+CHAIN_TP_UNRUN = ("the chain's unit kinds each have a tp plan ({kinds}), but plans per unit kind are not yet "
+                  "priced or applied by the executor; tp applies to one repeated block")
+
+
 def tp_support(spec: "ModelSpec") -> str | None:
+    if spec.kind_tp:
+        why = chain_tp_reason(spec.kind_tp)
+        if why is not None:
+            return f"no tp plan: {why}"
+        return CHAIN_TP_UNRUN.format(kinds="; ".join(k.describe() for k in spec.kind_tp))
     if not spec.tp_plan:
         return f"no tp plan: {spec.tp.detail or 'none declared or found'}"
     if spec.num_kv_heads == 1 and (spec.num_heads or 0) > 1:
