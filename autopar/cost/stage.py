@@ -71,14 +71,16 @@ def loss_free_grads_share(cfg: Config, cluster: Cluster) -> float:
     return 0.5 if dp_wrapper(cfg) == "ddp" else 1.0
 
 
-def _pipeline_buffer_bytes(cfg: Config, cluster: Cluster, tokens_bytes: float, sp: float) -> float:
+def _pipeline_buffer_bytes(cfg: Config, cluster: Cluster, tokens_bytes: float, sp: float,
+                           carried_bytes: float = 0.0) -> float:
     """One receive buffer of torch pipelining (``StageTerms.pipeline_buffer_bytes``): the hidden state
-    a stage hands on, sequence-sharded under SP, in the dtype the wrapped model computes in -- the
-    training dtype under FSDP2's param_dtype (ZeRO 2-3, ZeRO-1 over more than one rank, and
-    ``replicate``), fp32 under the autocast of an unwrapped stage (its residual stream stays fp32)."""
+    a stage hands on, sequence-sharded under SP, and the values carried beside it (whole:
+    ``ModelGraph.carried_bytes``), in the dtype the wrapped model computes in -- the training dtype
+    under FSDP2's param_dtype (ZeRO 2-3, ZeRO-1 over more than one rank, and ``replicate``), fp32
+    under the autocast of an unwrapped stage (its residual stream stays fp32)."""
     if cfg.pp == 1 or not cluster.pipeline_buffers_per_microbatch:
         return 0.0
-    return tokens_bytes / sp * (4.0 / cfg.dtype_bytes if trains_under_autocast(cfg) else 1.0)
+    return (tokens_bytes / sp + carried_bytes) * (4.0 / cfg.dtype_bytes if trains_under_autocast(cfg) else 1.0)
 
 
 def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
@@ -121,14 +123,17 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     pre = _edge_part(graph, cluster, cfg, "pre", shape, tp_link, dpcp_link, tokens_bytes, replicated=replicated)
     post = _edge_part(graph, cluster, cfg, "post", shape, tp_link, dpcp_link, tokens_bytes, with_loss=True,
                       replicated=replicated)
+    # What a stage receives beside the hidden state (a carried encoder output, CLIP's first tower):
+    # the executor sends it whole from every tp rank, in the same batch of sends as the hidden state.
+    carried = graph.carried_bytes(cfg.micro_batch, s_ratio) if cfg.pp > 1 else 0.0
     p2p = 0.0
     if cfg.pp > 1:
         if cluster.pipeline_scatter_gather and sp == 1.0 and cfg.tp > 1:
             # Each tp rank sends 1/tp of the activation on its own rail, then the receivers all-gather it.
-            p2p = collective_time_s("p2p", tokens_bytes / cfg.tp, axis_link(cluster, layout, "pp")) + \
+            p2p = collective_time_s("p2p", tokens_bytes / cfg.tp + carried, axis_link(cluster, layout, "pp")) + \
                 collective_time_s("all_gather", tokens_bytes, tp_link)
         else:
-            p2p = collective_time_s("p2p", tokens_bytes / sp, axis_link(cluster, layout, "pp"))
+            p2p = collective_time_s("p2p", tokens_bytes / sp + carried, axis_link(cluster, layout, "pp"))
 
     d = cfg.dtype_bytes
     n_shard = cfg.dp * cfg.cp
@@ -179,7 +184,8 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         tied_params=tied,
         reserve_bytes=reserve_bytes(cluster, cfg, tokens_bytes),
         capacity_bytes=cluster.memory_bytes,
-        pipeline_buffer_bytes=_pipeline_buffer_bytes(cfg, cluster, tokens_bytes, sp),
+        pipeline_buffer_bytes=_pipeline_buffer_bytes(cfg, cluster, tokens_bytes, sp, carried),
+        carried_bytes=carried,
         zero3_root_params_per_byte=float(d) if cfg.zero == 3 else 0.0,
         zero3_gather_bytes=block_params * d if cfg.zero == 3 else 0.0,
     )

@@ -123,6 +123,9 @@ class StageTerms:
     # chunk that receives (activations forward, their gradients backward): the bytes of one
     # (0: the software allocates them as it goes, cluster.pipeline_buffers_per_microbatch)
     pipeline_buffer_bytes: float = 0.0
+    # Bytes per micro-batch a stage receives beside the hidden state (ModelGraph.carried_bytes), in
+    # ``p2p_s`` and ``pipeline_buffer_bytes`` already; kept for ``autopar explain``. 0 at pp = 1.
+    carried_bytes: float = 0.0
     # ZeRO-3 (FSDP2): bytes per root parameter kept gathered (the training dtype), and one block's
     # gathered parameters prefetched while the loss runs; 0 elsewhere
     zero3_root_params_per_byte: float = 0.0

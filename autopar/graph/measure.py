@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.errors import ModelFileError
 from autopar.graph.build import one_block_model, sequence_keep, slice_sequence, trace_model
+from autopar.graph.carried import measure_carried
 from autopar.graph.model_graph import ModelGraph, MoEFacts, RegionParams
 from autopar.graph.scaling import RegionFit, fit_region
 from autopar.graph.short_probe import build_bounded
@@ -87,21 +88,23 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
             return False
         return True
 
-    def traces(keep: frozenset[tuple[int, int]]) -> tuple[Any, Any, Any, Any]:
-        """(the inputs at base_seq, and the traces at them, at twice the batch and at half the
-        sequence), cutting the sequence everywhere but the dimensions in ``keep``."""
+    def traces(keep: frozenset[tuple[int, int]]) -> tuple[tuple[Any, Any, Any], Any, Any, Any]:
+        """(the inputs at base_seq, at twice the batch and at half the sequence (None: not a
+        sequence model), and the traces at them), cutting the sequence everywhere but the
+        dimensions in ``keep``."""
         def sized(full: Any) -> Any:
             if base_seq is not None and mf.seq_len is not None and base_seq != mf.seq_len:
                 return slice_sequence(full, mf.seq_len, base_seq, keep)
             return full
 
-        inp1 = sized(full1)
-        at_base, at_b2 = run(small, inp1), run(small, sized(full2))
-        half = run(small, slice_sequence(inp1, base_seq, base_seq // 2, keep)) if is_seq else None
-        return inp1, at_base, at_b2, half
+        inp1, inp2 = sized(full1), sized(full2)
+        inp_half = slice_sequence(inp1, base_seq, base_seq // 2, keep) if is_seq else None
+        at_base, at_b2 = run(small, inp1), run(small, inp2)
+        half = run(small, inp_half) if is_seq else None
+        return (inp1, inp2, inp_half), at_base, at_b2, half
 
     try:
-        inputs1, base, b2, s_half = traces(frozenset())
+        shapes, base, b2, s_half = traces(frozenset())
     except ModelFileError:
         # a dimension of the sequence's size that is not the sequence (a channel count): found by
         # how the model takes the inputs shortened, not by the size alone (sequence_keep)
@@ -111,7 +114,8 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         keep = sequence_keep(full1, seq0, base_seq if base_seq != seq0 else seq0 // 2, runs)
         if not keep:
             raise
-        inputs1, base, b2, s_half = traces(keep)
+        shapes, base, b2, s_half = traces(keep)
+    inputs1 = shapes[0]
     tp_reason = spec.support_reason("tp")
     t2, loss_t2 = None, True
     if tp_reason is None:
@@ -158,6 +162,7 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         regions=regions, params=params, tied_params=tied,
         block_input_bytes=base.block_input_bytes,
         build_seconds=time.perf_counter() - start, moe=_moe_facts(spec.moe),  # expert parallelism
+        carried=measure_carried(small, spec, *shapes) if support["pp"] is None else (),
     )
 
 

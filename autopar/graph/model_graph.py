@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
-from autopar.graph.scaling import RegionFit, Shape
+from autopar.graph.scaling import FitQuantity, RegionFit, Shape
 from autopar.layout import tp_heads_reason, ulysses_reason
 from autopar.plan import DTYPE_BYTES
 
@@ -131,6 +131,17 @@ class ModelGraph:
     # seq_len (a loop over positions) was measured there and extrapolated (graph/short_probe.py).
     # None: traced at seq_len.
     probe_seq_len: int | None = None
+    # Pipeline: the tensors a stage after the first receives beside the hidden state (prologue
+    # outputs the executor carries, spec.pipeline_probe.Probe.carried), one sample at seq_len, with
+    # their batch and sequence exponents (graph/carried.py). Empty: nothing is carried.
+    carried: tuple[FitQuantity, ...] = ()
+
+    def carried_bytes(self, micro_batch: float, s_ratio: float) -> float:
+        """Bytes a pipeline stage receives beside the hidden state per micro-batch of ``micro_batch``
+        samples at ``s_ratio`` of ``seq_len`` (0 when nothing is carried): whole on every rank, since
+        a prologue module runs outside the blocks' tensor and sequence parallelism."""
+        shape = Shape(b=micro_batch, s_ratio=s_ratio, kv_ratio=s_ratio, t=1.0)
+        return sum(q.nbytes * shape.scale(q.exps) for q in self.carried)
 
     def supports(self, dim: str) -> str | None:
         """None if the executor can run dimension ``dim`` on this model, else the reason."""
