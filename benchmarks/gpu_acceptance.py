@@ -1,7 +1,7 @@
 """The one-GPU acceptance run: what a careful read of the executor says may break or mis-measure on
 CUDA + NCCL (../shared/reviews/gpu-readiness.md, "One-GPU acceptance script"), checked on the GPU.
 
-Twelve checks, each under about a minute on one H100/H200, each printing what it measured and
+Thirteen checks, each under about a minute on one H100/H200, each printing what it measured and
 PASS / FAIL / INFO (a figure to record, no verdict) / SKIP (needs what this machine lacks). The
 finding each covers is in brackets. Run it first whenever a GPU is at hand, and commit its output to
 docs/results.md:
@@ -258,9 +258,131 @@ def probe_host_optimizer(device: str, work: Path) -> dict:
     return {"params": count, "step_s": min(times[1:]), "priced_s": count / rate, "threads": torch.get_num_threads()}
 
 
+# -- check 13: where a Llama block's time goes, measured against the price -------------------------
+
+KERNEL_KINDS = ("gemm", "attention", "element-wise")
+
+
+def _kernel_kind(name: str) -> str:
+    """A CUDA kernel's or a CPU aten op's category by its name: GEMM, fused attention, or the
+    element-wise rest (norms, rotations, activations, copies, the residual adds)."""
+    n = name.lower()
+    if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "scaled_dot_product")):
+        return "attention"
+    if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+                            "aten::matmul", "aten::linear")):
+        return "gemm"
+    return "element-wise"
+
+
+def _llama_file(layers: int) -> Path:
+    """autopar's Llama at Llama 3 8B's widths (hidden 4096, GQA 32/8, SwiGLU 14336) and 4k tokens, a
+    small vocabulary so that the edges stay small; --quick: the same at a toy size."""
+    from autopar.models.llama import LlamaConfig
+    from autopar.reference_h100 import model_path
+
+    if MODEL["quick"]:
+        cfg = LlamaConfig(num_layers=layers, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=160,
+                          seq_len=32, vocab_size=128)
+    else:
+        cfg = LlamaConfig(num_layers=layers, hidden_size=4096, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336,
+                          seq_len=4096, vocab_size=1024)
+    return model_path(cfg)
+
+
+def _measured_split_s(path: Path, device: str, dtype: Any, steps: int = 3) -> dict[str, float]:
+    """Seconds per forward + backward by kernel kind (device kernels on CUDA, aten ops' own CPU
+    time on the CPU), the mean of ``steps`` profiled steps after two warm-ups."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from autopar.modelfile import backward, call_model, load_model_file
+
+    mf = load_model_file(path)
+    model = mf.build("cpu").to(device=device, dtype=dtype)
+    inputs = mf.example_inputs(1, device)
+    loss_fn = mf.loss_fn
+
+    def step() -> None:
+        out = call_model(model, inputs)
+        backward(loss_fn(out, inputs) if loss_fn is not None else out.float().mean())
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    acts = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    split = dict.fromkeys(KERNEL_KINDS, 0.0)
+    for evt in prof.key_averages():
+        if device == "cuda":
+            us = evt.self_device_time_total
+        else:
+            us = evt.self_cpu_time_total if evt.key.startswith("aten::") else 0.0
+        split[_kernel_kind(evt.key)] += us * 1e-6 / steps
+    return split
+
+
+def probe_kernel_split(device: str, work: Path) -> dict:
+    """Measured seconds per block by kernel kind: the difference of a 4-layer and a 2-layer model,
+    halved (the embedding, head and loss cancel)."""
+    import torch
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    two, four = (_measured_split_s(_llama_file(n), device, dtype) for n in (2, 4))
+    return {k: (four[k] - two[k]) / 2 for k in KERNEL_KINDS}
+
+
+def predicted_split_s(device: str) -> tuple[dict[str, float], float, str]:
+    """The cost model's seconds per block by kind for the same Llama block on this device's profile
+    (autopar run's eager pricing), and the element-wise bytes it moves."""
+    from autopar.cluster import load_cluster
+    from autopar.cost.compute import is_core, is_parameter_sized, op_time_s
+    from autopar.graph import build_graph
+    from autopar.graph.scaling import Shape
+
+    profile = profile_for(device)
+    cluster = load_cluster(profile)
+    graph = build_graph(str(_llama_file(2)), dtype="bf16" if device == "cuda" else "fp32")
+    fit = graph.regions["block"]
+    shape = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=1)
+    sequence_model = any(op.bytes_exps.s > 0.5 for op in fit.ops)
+    split = dict.fromkeys(KERNEL_KINDS, 0.0)
+    moved = 0.0
+    for op in fit.ops:
+        weight_sized = is_parameter_sized(op, sequence_model)  # at b = 1 at any micro-batch (cost.compute)
+        secs, _ = op_time_s(op, shape, cluster, graph.seq_len, weight_sized)
+        kind = {"gemm": "gemm", "attn": "attention"}.get(op.kind, "element-wise")
+        split[kind] += secs
+        if kind == "element-wise" and not is_core(op) and not (weight_sized and cluster.fused_grad_accumulation):
+            moved += op.bytes * shape.scale(op.bytes_exps)
+    return split, moved, profile
+
+
+def check_kernel_split(device: str, work: Path) -> Result:
+    """13 [cost model] one Llama 3 8B block (4k tokens) timed by kernel kind against its eager price:
+    GEMM, attention and element-wise, and the element-wise HBM share the measurement implies (the
+    profiles fit 0.23 on published runs; torchtitan's compile gains point higher)."""
+    got = _probe("kernel_split", device, work, timeout_s=600)
+    pred, moved, profile = predicted_split_s(device)
+    parts = [f"{k} {got[k] * 1e3:.2f}/{pred[k] * 1e3:.2f} ms" for k in KERNEL_KINDS]
+    text = f"per block measured/priced ({profile}): " + ", ".join(parts)
+    if device == "cuda" and got["element-wise"] > 0:
+        from autopar.cluster import load_cluster
+
+        bw = load_cluster(profile).memory_bandwidth_bytes_per_s
+        text += f"; element-wise HBM share implied {moved / got['element-wise'] / bw:.2f}"
+    elif device != "cuda":
+        text += " (dry run: a toy model's CPU op times, the 4- minus 2-layer difference is noise, not a figure)"
+    return "INFO", text
+
+
 PROBES: dict[str, Callable[[str, Path], dict]] = {
     "recorder": probe_recorder, "zero3_build": probe_zero3_build, "activation_offload": probe_activation_offload,
-    "host_optimizer": probe_host_optimizer,
+    "host_optimizer": probe_host_optimizer, "kernel_split": probe_kernel_split,
 }
 
 
@@ -517,6 +639,7 @@ CHECKS: list[tuple[int, str, Callable[[str, Path], Result]]] = [
     (6, "profile", check_profile), (7, "activation offload", check_activation_offload),
     (8, "optimizer offload", check_host_optimizer), (9, "fp16 refused", check_fp16), (10, "out of memory", check_oom),
     (11, "device override", check_device_override), (12, "timing", check_timing),
+    (13, "kernel split (Llama block)", check_kernel_split),
 ]
 
 
