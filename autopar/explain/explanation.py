@@ -45,6 +45,7 @@ class Explanation:
     moe: MoEFacts | None = None
     imbalance: float = 1.0
     imbalance_effect: tuple[tuple[float, Estimate], ...] = ()
+    carried: tuple[str, ...] = ()  # the prologue outputs a pipeline stage receives beside the hidden state
 
     def axis(self, name: str) -> AxisSummary:
         return next(a for a in self.mesh if a.axis == name)
@@ -63,7 +64,8 @@ def explain_plan(plan: Plan, graph: ModelGraph, cluster: Cluster, moe_imbalance:
     return Explanation(plan=plan, model_name=graph.name, num_params=graph.num_params, cluster=cluster,
                        estimate=est, terms=terms, mesh=mesh_summary(plan, cluster),
                        volume=communication_volume(plan, graph, cluster, terms), moe=graph.moe,
-                       imbalance=float(moe_imbalance), imbalance_effect=effect)
+                       imbalance=float(moe_imbalance), imbalance_effect=effect,
+                       carried=tuple(q.what for q in graph.carried))
 
 
 def format_explanation(ex: Explanation, *, max_groups: int = 4) -> str:
@@ -86,6 +88,7 @@ def format_explanation(ex: Explanation, *, max_groups: int = 4) -> str:
         "",
         "== pipeline stages ==",
         _stage_table(ex),
+        *_carried_lines(ex),
         "",
         *_memory_section(ex),
         f"peak {gib(est.peak_memory_bytes)} GiB of {gib(est.capacity_bytes)} GiB: "
@@ -221,6 +224,15 @@ def _human_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:,.1f} {unit}"
     return f"{n:,.0f} B"
+
+
+def _carried_lines(ex: Explanation) -> list[str]:
+    """What a stage receives beside the hidden state (``ModelGraph.carried``), where anything is."""
+    if ex.terms.carried_bytes <= 0:
+        return []
+    return [f"carried beside the hidden state: {_human_bytes(ex.terms.carried_bytes)} per micro-batch "
+            f"({', '.join(ex.carried)}), in each send between stages (p2p {seconds(ex.terms.p2p_s)}) "
+            "and each receiving stage's buffers"]
 
 
 def _comm_section(ex: Explanation) -> list[str]:

@@ -31,7 +31,9 @@ Calls per step on one rank of pipeline rank r, and the message (full, unsharded 
                    ZeRO-3 all-gather forward (M) and backward (M) + reduce-scatter (M)
     PP   (pp > 1)  P2P of X/tp under SP (else X) per micro-batch per boundary: a rank sends the
                    activation out of each of its chunks but the last, and the gradient out of each
-                   but the first (with pipeline scatter-gather: X/tp per rail + a tp all-gather of X)
+                   but the first (with pipeline scatter-gather: X/tp per rail + a tp all-gather of X);
+                   beside X, the carried values C (``ModelGraph.carried_bytes``: an encoder's
+                   output, CLIP's first tower), whole, with every send
 
 Bytes a rank sends per call (nccl-tests bus convention, as ``cost.comm``):
 all-reduce 2(n-1)/n·m, all-gather / reduce-scatter / all-to-all (n-1)/n·m, P2P m.
@@ -167,6 +169,8 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
             else:
                 sp = cfg.tp if cfg.sequence_parallel and cfg.tp > 1 else 1
                 add("PP activations/gradients", "p2p", "pp", sends, x / sp)
+            # prologue outputs handed on beside the hidden state (ModelGraph.carried), whole
+            add("PP carried values/gradients", "p2p", "pp", sends, terms.carried_bytes)
         out.append(StageVolume(rank=r, items=tuple(items)))
     return tuple(out)
 
