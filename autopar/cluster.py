@@ -17,9 +17,11 @@ import yaml
 
 from autopar.errors import AutoparError, ClusterError
 from autopar.kernel_tables import (
+    MEASURED_ATTENTION_KERNEL,
     AttentionTable,
     GemmTable,
     attention_table_from_dict,
+    attention_table_from_rows,
     gemm_table_from_dict,
     gemm_table_from_rows,
     resolve_table_path,
@@ -344,6 +346,10 @@ def with_measured(cluster: Cluster, measured: MeasuredProfile) -> Cluster:
         changes["gemm_table"] = None  # measured on this device: its fit replaces a published table
         changes["gemm"] = GemmEfficiency(max=f.get("gemm_max", cluster.gemm.max),
                                          half_dim=f.get("gemm_half_dim", cluster.gemm.half_dim))  # measured: product form
+    attention = attention_table_from_rows(measured.attention, MEASURED_ATTENTION_KERNEL,
+                                          _measured_source(measured)) if measured.attention else None
+    if attention is not None:  # and its own attention rates (torch's flash SDPA) the published ones
+        changes.update(attention_table=attention, attention_kernel=MEASURED_ATTENTION_KERNEL)
     if measured.memory_baseline_bytes is not None:
         changes["framework_reserve_bytes"] = measured.memory_baseline_bytes
     if measured.comm:

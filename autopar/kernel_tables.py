@@ -190,6 +190,33 @@ def gemm_table_from_rows(rows: Sequence[Mapping[str, float]], dtype: str, source
     return table if min(len(table.m), len(table.n), len(table.k)) >= 2 else None
 
 
+MEASURED_ATTENTION_KERNEL = "measured"  # the kernel a measured profile's attention rows are (autopar profile --device cuda)
+
+
+def attention_table_from_rows(rows: Sequence[Mapping[str, Any]], kernel: str, source: str) -> AttentionTable | None:
+    """The attention table of a measured profile's ``attention`` rows ({direction, mask, head_dim,
+    kv_tokens, flops_per_s}, torch's FLOP count) as one kernel's curves, or None where they do not
+    give every measured key length for each (direction, mask, head dimension) they name (a partial
+    measurement keeps the published table)."""
+    seqs = sorted({float(r["kv_tokens"]) for r in rows})
+    by: dict[str, dict[str, dict[int, dict[float, float]]]] = {}
+    for r in rows:
+        by.setdefault(str(r["direction"]), {}).setdefault(str(r["mask"]), {}).setdefault(
+            int(r["head_dim"]), {})[float(r["kv_tokens"])] = float(r["flops_per_s"]) / TERA
+    curves: dict[str, dict[str, dict[int, list[float]]]] = {}
+    for direction, masks in by.items():
+        for mask, dims in masks.items():
+            for dim, points in dims.items():
+                if sorted(points) != seqs:
+                    return None
+                curves.setdefault(direction, {}).setdefault(mask, {})[dim] = [points[x] for x in seqs]
+    data = {"kind": "attention", "source": source, "flops": "full", "sequence": seqs, "kernels": {kernel: curves}}
+    try:
+        return attention_table_from_dict(data, f"measured attention rows ({source})")
+    except ClusterError:
+        return None
+
+
 def attention_table_from_dict(data: Any, where: str) -> AttentionTable:
     """A ``kind: attention`` table (see module docstring); every malformed part is a ClusterError."""
     if not isinstance(data, Mapping) or data.get("kind") != "attention":

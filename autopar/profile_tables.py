@@ -12,6 +12,7 @@ key of a cluster profile (docs/profiles.md); every part of it is optional:
       layers: {pre|block|post|loss: [{b, s, tp, [cp, cp_kind,] fwd_s, bwd_s, saved_bytes, peak_bytes,
                                       [core_fwd_s]}, ...]}
       gemm: [{m, n, k, flops_per_s}, ...]
+      attention: [{direction, mask, head_dim, kv_tokens, flops_per_s}, ...]   (CUDA: torch's flash SDPA)
       memory_bandwidth: [{bytes, bytes_per_s}, ...]
       fitted: {peak_flops, gemm_max, gemm_half_dim, memory_bandwidth_bytes_per_s, kernel_overhead_s}
       memory_baseline_bytes: <process memory before any model state, per rank>
@@ -189,6 +190,7 @@ class MeasuredProfile:
     device: Mapping[str, Any] = field(default_factory=dict)
     layers: LayerTable | None = None
     gemm: tuple[Mapping[str, float], ...] = ()
+    attention: tuple[Mapping[str, Any], ...] = ()  # fused attention rates by key length (profiler/attention_kernels.py)
     memory_bandwidth: tuple[Mapping[str, float], ...] = ()
     fitted: Mapping[str, float] = field(default_factory=dict)
     memory_baseline_bytes: float | None = None
@@ -296,11 +298,30 @@ def _mapping(value: Any, where: str) -> Mapping[str, Any]:
     return value
 
 
+ATTENTION_ROW_KEYS = ("direction", "mask", "head_dim", "kv_tokens", "flops_per_s")
+
+
+def _attention_rows(rows: Any, where: str) -> tuple[Mapping[str, Any], ...]:
+    """The ``attention`` rows, each with its keys and a direction / mask the tables know."""
+    if not isinstance(rows, list):
+        raise ClusterError(f"{where} must be a list of rows")
+    out = []
+    for i, row in enumerate(rows):
+        row = _mapping(row, f"{where}[{i}]")
+        missing = [k for k in ATTENTION_ROW_KEYS if k not in row]
+        if missing:
+            raise ClusterError(f"{where}[{i}]: missing key '{missing[0]}'")
+        if row["direction"] not in ("forward", "backward") or row["mask"] not in ("full", "causal"):
+            raise ClusterError(f"{where}[{i}]: direction must be forward or backward, mask full or causal")
+        out.append({**row, "flops_per_s": _number(row["flops_per_s"], f"{where}[{i}].flops_per_s")})
+    return tuple(out)
+
+
 def measured_from_dict(data: Any, where: str) -> MeasuredProfile:
     """Parse the ``measured:`` section (``where`` names the file in errors)."""
     where = f"{where} measured"
     data = _mapping(data, where)
-    unknown = sorted(set(data) - {"device", "model", "layers", "gemm", "memory_bandwidth", "fitted",
+    unknown = sorted(set(data) - {"device", "model", "layers", "gemm", "attention", "memory_bandwidth", "fitted",
                                   "memory_baseline_bytes", "comm", "whole_model"})
     if unknown:
         raise ClusterError(f"{where}: unknown key '{unknown[0]}'")
@@ -357,6 +378,7 @@ def measured_from_dict(data: Any, where: str) -> MeasuredProfile:
         device=dict(_mapping(data.get("device", {}), f"{where}.device")),
         layers=layers,
         gemm=tuple(dict(r) for r in data.get("gemm", []) or []),
+        attention=_attention_rows(data.get("attention", []) or [], f"{where}.attention"),
         memory_bandwidth=tuple(dict(r) for r in data.get("memory_bandwidth", []) or []),
         fitted=fitted,
         memory_baseline_bytes=None if baseline is None else _number(baseline, f"{where}.memory_baseline_bytes"),

@@ -519,6 +519,7 @@ def check_profile(device: str, work: Path) -> Result:
             f"kernel overhead {fit['kernel_overhead_s'] * 1e6:.1f} us, best GEMM {gemm / 1e12:.1f} TFLOP/s")
     if device == "cuda":
         text += "; " + gemm_table_comparison(m["gemm"], str(m.get("device", {}).get("dtype", "bf16")))
+        text += "; " + attention_table_comparison(m.get("attention", []))
     plan = _autopar(["plan", str(MODEL["file"]), "--gpus", "1", "--profile", str(out), "--quiet", "-o", str(work / "p.yaml")],
                     device)
     ok = ratio <= 2.0 and plan.returncode == 0
@@ -545,6 +546,25 @@ def gemm_table_comparison(rows: list[dict], dtype: str, profile: str = "h100-80g
         return f"no measured GEMM inside {profile}'s GEMM table"
     return (f"GEMM measured / {profile}'s table: median {statistics.median(ratios):.2f} "
             f"({min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} shapes")
+
+
+def attention_table_comparison(rows: list[dict], profile: str = "h100-80g") -> str:
+    """How this GPU's measured flash-attention rates (``autopar profile --device cuda``) compare with
+    the attention table ``profile`` prices from, at its kernel: the median and range of measured /
+    table rate over the measured points (informational: the first GPU run checks the published
+    table; the profile then prices from its own rows)."""
+    import statistics
+
+    from autopar.cluster import load_cluster
+
+    c = load_cluster(profile)
+    if c.attention_table is None or not rows:
+        return "no attention rows measured" if not rows else f"{profile} has no attention table"
+    ratios = [r["flops_per_s"] / c.attention_table.rate(c.attention_kernel, backward=r["direction"] == "backward",
+                                                        causal=r["mask"] == "causal", kv_tokens=r["kv_tokens"],
+                                                        head_dim=r["head_dim"]) for r in rows]
+    return (f"attention measured / {profile}'s {c.attention_kernel} table: median {statistics.median(ratios):.2f} "
+            f"({min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} points")
 
 
 def check_activation_offload(device: str, work: Path) -> Result:

@@ -157,7 +157,9 @@ def _layers_main(args: argparse.Namespace) -> int:
     else:
         measured.pop("whole_model", None)  # a re-profile's table is not the old factors' any more
     if kernels is not None:
-        measured.update({k: kernels[k] for k in ("gemm", "memory_bandwidth")})
+        measured.update({k: kernels[k] for k in ("gemm", "memory_bandwidth", "attention") if k in kernels})
+        if "attention" not in kernels:
+            measured.pop("attention", None)  # a re-profile without it: not the old device's rates
         measured["fitted"] = {**measured.get("fitted", {}), **kernels["fitted"]}
     data["measured"] = measured
     notes = derived_spec(data, out.stem, info, measured, args.gpus_per_node)
