@@ -14,7 +14,11 @@ A chain is planned with one chunk per pipeline rank (v = 1: GPipe or 1F1B). Rank
     step  = (M - 1) max_r t_r + sum_r t_r + max_r tail_r
     mem_r = sigma P_r + I_r (sum_{i in r} alpha_i + edges) + max_{i in r} transient_i + reserve
 
-tail_r as in ``cost.step.evaluate``. ``evaluate_chain`` is the oracle the partition search
+tail_r as in ``cost.step.evaluate``. With tp > 1 (a list of differing blocks with a TP plan per
+unit kind, spec/chain_tp.py) tau_i is unit i's region at t = tp -- fitted under its kind's plan, so
+only the sharded ops divide -- plus its TP all-reduces (recorded per unit, priced as a block's by
+cost.stage), and P_r counts the parameters a kind's plan shards 1/tp; sequence parallelism is not
+offered for a chain. ``evaluate_chain`` is the oracle the partition search
 (search/partition.py) optimises and the estimate of a chain plan.
 """
 
@@ -26,10 +30,10 @@ from typing import Sequence
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time
-from autopar.cost.stage import Config, Part, StageTerms, build_terms
+from autopar.cost.stage import Config, Part, StageTerms, _tp_backward_exposed, _tp_time, build_terms
 from autopar.cost.step import Estimate, RankCost
-from autopar.cost.zero import per_microbatch_exposed
-from autopar.graph.model_graph import ModelGraph
+from autopar.cost.zero import overlapped, per_microbatch_exposed
+from autopar.graph.model_graph import ChainUnit, ModelGraph
 from autopar.graph.scaling import Shape
 from autopar.layout import Layout
 
@@ -62,28 +66,62 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
     """Per-unit terms of ``cfg`` for the chain model ``graph`` (``graph.chain`` non-empty)."""
     if not graph.chain:
         raise ValueError(f"{graph.name} has no chain (its blocks repeat); use cost.stage.build_terms")
+    if cfg.tp > 1 and graph.tp_reason:
+        raise ValueError(f"{graph.name}: tp {cfg.tp} is not offered ({graph.tp_reason})")
+    if cfg.sequence_parallel:
+        raise ValueError(f"{graph.name}: a chain's units run tensor parallelism without sequence parallelism")
     base = build_terms(graph, cluster, cfg)
     s_ratio = cfg.seq_len / graph.seq_len if graph.is_sequence_model else 1.0
-    shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=s_ratio, t=1, sp=1.0)
+    # tp > 1: each unit's region was fitted with its kind's tp plan (graph/chain_tp.py): its t
+    # exponents divide the sharded ops, its recorded collectives are the unit's TP all-reduces
+    shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=s_ratio, t=cfg.tp, sp=1.0)
     layout = Layout.of(cfg)
     pp_link, dpcp_link = axis_link(cluster, layout, "pp"), axis_link(cluster, layout, "dp_cp")
+    tp_link = axis_link(cluster, layout, "tp")
     parts, cuts, transient = [], [], []
     for i, unit in enumerate(graph.chain):
         rt = graph_region_time(graph, unit.region, cluster, shape)
+        tp_f, tp_b = _unit_tp_time(graph, unit.region, cluster, cfg, shape, tp_link, rt)
+        fwd = rt.fwd_s + tp_f
         in_bytes = unit.input_bytes * cfg.micro_batch * s_ratio
         if cfg.recompute == "full":
-            recompute, act, work = rt.fwd_s, in_bytes, rt.saved_bytes
+            recompute, act, work = fwd, in_bytes, rt.saved_bytes
         else:
             recompute, act, work = 0.0, rt.saved_bytes, 0.0
-        bwd = rt.bwd_s + recompute
-        zero = per_microbatch_exposed(cfg, float(unit.params), rt.fwd_s, bwd, dpcp_link, cluster)
-        parts.append(Part(fwd_s=rt.fwd_s, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=0.0, cp_comm_s=0.0,
-                          zero_comm_s=zero, act_bytes=act, params=float(unit.params), fwd_flops=rt.fwd_flops,
+        bwd = rt.bwd_s + tp_b + recompute
+        params = _unit_params(graph, unit, cfg.tp)
+        zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
+        parts.append(Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=0.0,
+                          zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops,
                           bwd_flops=rt.bwd_flops))
         cuts.append(collective_time_s("p2p", in_bytes, pp_link) if i and cfg.pp > 1 else 0.0)
-        gathered = 3 * unit.params * cfg.dtype_bytes if cfg.zero == 3 else 0.0  # as build_terms for a block
+        gathered = 3 * params * cfg.dtype_bytes if cfg.zero == 3 else 0.0  # as build_terms for a block
         transient.append(gathered + work)
     return ChainTerms(base=base, units=tuple(parts), cut_p2p_s=tuple(cuts), unit_transient_bytes=tuple(transient))
+
+
+def _unit_params(graph: ModelGraph, unit: ChainUnit, tp: int) -> float:
+    """One tp rank's parameters of ``unit``: those its kind's plan divides (graph.params of the
+    unit's region, present where the chain was measured under plans per kind) count 1/tp."""
+    region = graph.params.get(unit.region)
+    sharded = region.tp_sharded if region is not None and tp > 1 else 0
+    return unit.params - sharded + sharded / tp
+
+
+def _unit_tp_time(graph: ModelGraph, region: str, cluster: Cluster, cfg: Config, shape: Shape, link,  # noqa: ANN001
+                  rt) -> tuple[float, float]:  # noqa: ANN001 - cost.compute.RegionTime
+    """(forward, backward) exposed TP collectives of one unit, as cost.stage prices a block's."""
+    if cfg.tp == 1:
+        return 0.0, 0.0
+    comm = graph.regions[region].comm
+    tp_f = _tp_time(cluster, cfg, comm, "fwd", shape, link)
+    tp_b = _tp_time(cluster, cfg, comm, "bwd", shape, link)
+    if cluster.tp_comm_overlap:
+        return (overlapped(tp_f, rt.fwd_gemm_s, cluster.overlap_cost_fraction),
+                overlapped(tp_b, rt.bwd_gemm_s, cluster.overlap_cost_fraction))
+    if cluster.async_tp_backward:
+        return tp_f, _tp_backward_exposed(cfg, tp_b, rt.bwd_gemm_s / 2)
+    return tp_f, tp_b
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,10 +194,10 @@ def evaluate_chain(terms: ChainTerms, ranges: Sequence[tuple[int, int]], model_f
     step = steady + busy + tail
     us = terms.units
     per_mb = {
-        "compute": sum(u.time_s - u.recompute_s - u.zero_comm_s for u in us) + t.pre.time_s + t.post.time_s
-        - t.pre.tp_comm_s - t.post.tp_comm_s - t.pre.zero_comm_s - t.post.zero_comm_s,
+        "compute": sum(u.time_s - u.recompute_s - u.zero_comm_s - u.tp_comm_s for u in us) + t.pre.time_s
+        + t.post.time_s - t.pre.tp_comm_s - t.post.tp_comm_s - t.pre.zero_comm_s - t.post.zero_comm_s,
         "recompute": sum(u.recompute_s for u in us),
-        "tp_comm": t.pre.tp_comm_s + t.post.tp_comm_s,
+        "tp_comm": sum(u.tp_comm_s for u in us) + t.pre.tp_comm_s + t.post.tp_comm_s,
         "cp_comm": 0.0,
         "zero_comm": sum(u.zero_comm_s for u in us) + t.pre.zero_comm_s + t.post.zero_comm_s,
         "pp_comm": 2 * sum(terms.cut_p2p_s[a] for a, _ in ranges[1:]),

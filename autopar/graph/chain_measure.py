@@ -16,20 +16,24 @@ import copy
 import dataclasses
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from autopar.errors import ModelFileError
 from autopar.graph.build import ParamRegions, TracedRun, default_loss, first_tensor, slice_sequence
+from autopar.graph.chain_tp import chain_tp_comm_hooks, shard_chain_for_tp, sharded_params
 from autopar.graph.model_graph import ChainUnit, ModelGraph, RegionParams
 from autopar.graph.scaling import RegionFit, fit_region
 from autopar.graph.trace import Trace, run_and_trace
 from autopar.modelfile import ModelFile, call_model
 from autopar.spec import ModelSpec
 from autopar.spec.meta import tolerant_meta
+from autopar.spec.tp_plan import TPPlan
 from autopar.usercode import model_failed
+
+_NO_TP = TPPlan(styles={}, source="none")
 
 
 def measured_kinds(spec: ModelSpec) -> tuple[int, ...]:
@@ -88,16 +92,20 @@ def cut_chain_model(model: nn.Module, units: tuple[str, ...], keep: tuple[int, .
 
 
 def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                      unit_mods: list[nn.Module]) -> tuple[TracedRun, list[float]]:
+                      unit_mods: list[nn.Module], tp_styles: Sequence[Mapping[str, str]] = ()
+                      ) -> tuple[TracedRun, list[float]]:
     """One forward+backward of ``model`` on meta attributed to pre / unit.i / post / loss (i: the
     position in ``unit_mods``, the units the forward runs, in order), and the bytes of the tensor
-    each of them received."""
+    each of them received. ``tp_styles[i]``: unit i's TP plan, whose collectives are recorded in its
+    region (graph/chain_tp.py); empty: no TP."""
     regions = ParamRegions(model)
     handles = regions.handles
     in_bytes = [0.0] * len(unit_mods)
 
     def run(set_region_raw: Callable[[str], None]) -> None:
         set_region = regions.setter(set_region_raw)
+        if tp_styles:
+            handles.extend(chain_tp_comm_hooks(unit_mods, tp_styles, trace))
 
         last = len(unit_mods) - 1
         for i, mod in enumerate(unit_mods):
@@ -160,10 +168,15 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
     keep = kept_units(spec, kinds)
     small = cut_chain_model(model, chain.units, keep)
     mods = [model.get_submodule(chain.units[i]) for i in keep]
+    support = dict(spec.support)
+    # a list of differing blocks with a TP plan per unit kind (spec/chain_tp.py): each run unit's own
+    plans = [spec.unit_tp(i) for i in keep] if spec.kind_tp and support["tp"] is None else []
+    styles = [p.styles for p in plans]
 
-    def run(inp: Any) -> tuple[TracedRun, list[float]]:
+    def run(inp: Any, m: nn.Module = small, units: list[nn.Module] = mods, loss_fn: Any = mf.loss_fn
+            ) -> tuple[TracedRun, list[float]]:
         try:
-            return trace_chain_model(small, inp, mf.loss_fn, mods)
+            return trace_chain_model(m, inp, loss_fn, units, styles)
         except ModelFileError as exc:
             raise ModelFileError(str(exc) if str(exc).startswith(str(mf.path)) else f"{mf.path}: {exc}") from None
         except Exception as exc:  # the user's forward or loss on meta
@@ -172,14 +185,16 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
     inputs1 = shaped(1)
     (base, kept_in), (b2, _) = run(inputs1), run(shaped(2))
     s_half = run(slice_sequence(inputs1, base_seq, base_seq // 2))[0] if is_seq else None
+    t2, loss_t2 = (_trace_tp2(run, small, chain.block_list, plans, inputs1, support) if plans else (None, True))
     # traced region unit.j is kept unit keep[j]; rename to the chain index of the unit
-    for tr in filter(None, (base, b2, s_half)):
+    for tr in filter(None, (base, b2, s_half, t2)):
         _rename_regions(tr.trace, {f"unit.{j}": f"unit.{i}" for j, i in enumerate(keep)})
     regions: dict[str, RegionFit] = {}
     names = ["pre", "post", "loss"] + [f"unit.{k}" for k in sorted(set(kinds))]
     for region in names:
+        t2_region = t2.trace if t2 is not None and (loss_t2 or region != "loss") else None
         try:
-            regions[region] = fit_region(region, base.trace, b2.trace, s_half and s_half.trace, None)
+            regions[region] = fit_region(region, base.trace, b2.trace, s_half and s_half.trace, t2_region)
         except ValueError:
             regions[region] = fit_region(region, base.trace, b2.trace, None, None)
     at = dict(zip(keep, kept_in))
@@ -188,19 +203,68 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
     units = tuple(ChainUnit(name=u, region=f"unit.{kinds[i]}", params=unit_params[i], input_bytes=at.get(i, at[kinds[i]]))
                   for i, u in enumerate(chain.units))
     regions["block"] = regions[units[0].region]
-    params = {"pre": RegionParams(count=pre, tp_sharded=0), "post": RegionParams(count=post, tp_sharded=0),
+    edges = _edge_sharded(small, chain.block_list, base) if t2 is not None else {"pre": 0, "post": 0}
+    params = {"pre": RegionParams(count=pre, tp_sharded=edges["pre"]),
+              "post": RegionParams(count=post, tp_sharded=edges["post"]),
               "loss": RegionParams(count=0, tp_sharded=0), "block": RegionParams(count=units[0].params, tp_sharded=0)}
-    support = dict(spec.support)
+    if t2 is not None:  # per unit kind: its parameters and those its plan divides (cost/chain.py)
+        for k in sorted(set(kinds)):
+            i = next(i for i, kk in enumerate(kinds) if kk == k)
+            unit = model.get_submodule(chain.units[i])
+            params[f"unit.{k}"] = RegionParams(count=units[i].params, tp_sharded=sharded_params(unit, spec.unit_tp(i)))
     if not is_seq and support["cp"] is None:
         support["cp"] = f"sequence length {base_seq} cannot be split"
     return ModelGraph(
         name=mf.name, sha256=mf.sha256, num_blocks=len(units), seq_len=base_seq if is_seq else 1,
         is_sequence_model=is_seq, dtype=dtype, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
         tp_reason=support["tp"], cp_reason=support["cp"], pp_reason=support["pp"], support=support,
-        tp_source=spec.tp.describe(), tp_styles={}, regions=regions, params=params, tied_params=tied,
+        tp_source=_tp_source(spec), tp_styles={}, regions=regions, params=params, tied_params=tied,
         block_input_bytes=units[0].input_bytes,
         build_seconds=time.perf_counter() - start, chain=units,
     )
+
+
+def _trace_tp2(run: Callable[..., tuple[TracedRun, list[float]]], small: nn.Module, container: str | None,
+               plans: list[Any], inputs1: Any, support: dict[str, str | None]) -> tuple[TracedRun | None, bool]:
+    """(the trace of one tp = 2 rank's copy of the cut chain, whether its loss region is usable), as
+    graph/measure.py traces a block's: a loss that holds the vocabulary as a constant is traced on
+    the model's localised vocabulary attributes, else with the model's default loss (the loss region
+    then fitted without tp). A copy that does not trace turns tp (and sp) off in ``support``."""
+    assert container is not None  # plans per unit kind exist only for one module list of units
+    sharded = shard_chain_for_tp(small, container, plans, 2)
+    units = list(sharded.get_submodule(container))
+    try:
+        return run(inputs1, sharded, units)[0], True
+    except ModelFileError as exc:
+        local = shard_chain_for_tp(small, container, plans, 2, vocab_constants=True)
+        try:
+            return run(inputs1, local, list(local.get_submodule(container)))[0], True
+        except ModelFileError:
+            try:
+                return run(inputs1, sharded, units, None)[0], False
+            except ModelFileError:
+                support.update(tp=f"the chain's units do not run on tp-sharded Linear layers ({exc})",
+                               sp=support["sp"] or "needs tp")
+                return None, True
+
+
+def _edge_sharded(small: nn.Module, container: str | None, base: TracedRun) -> dict[str, int]:
+    """Parameters of the stem (pre) and head (post) the tp rank's copy holds at half width
+    (``base``: the trace of ``small`` itself, whose parameter regions say which edge holds each)."""
+    out = {"pre": 0, "post": 0}
+    sharded = shard_chain_for_tp(small, container, [_NO_TP] * len(small.get_submodule(container)), 2)
+    inside = container + "."
+    for (name, p), (_, q) in zip(small.named_parameters(), sharded.named_parameters()):
+        if p.numel() != q.numel() and not name.startswith(inside):
+            regions = base.param_regions.get(id(p), {"pre"})
+            out["pre" if "pre" in regions else "post"] += p.numel()
+    return out
+
+
+def _tp_source(spec: ModelSpec) -> str:
+    if spec.kind_tp:
+        return "per unit kind: " + "; ".join(k.describe() for k in spec.kind_tp)
+    return spec.tp.describe()
 
 
 def _unit_region(region: str, keep: tuple[int, ...]) -> str:

@@ -334,21 +334,24 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run:
     tensors_only = isinstance(inputs, torch.Tensor) or (
         isinstance(inputs, tuple) and bool(inputs) and all(isinstance(v, torch.Tensor) for v in inputs))
     lists = ", ".join(chain.containers[:4]) + (", ..." if len(chain.containers) > 4 else "")
-    kinds = ()
+    kinds, source = (), "none"
     if chain.block_list is not None:
         relative = frozenset(n for u in chain.units for n, _ in model.get_submodule(u).named_modules() if n)
 
         def resolve_unit(container: str, unit: nn.Module) -> TPPlan:
             return _tp_plan_of(mf, model, container, unit, lambda: infer_tp(model, unit, run), relative)
 
-        kinds = _meta_call(str(mf.path), lambda: chain_kind_plans(model, chain, resolve_unit))
+        kinds = _meta_call(str(mf.path), lambda: chain_kind_plans(
+            model, chain, resolve_unit, lambda unit, plan: inplace_outputs(unit, plan.styles, run)))
         why = chain_tp_reason(kinds)
         if why is None:  # every kind has a plan; whether tp runs is spec/support.py's tp predicate
             why = "plans per unit kind: " + "; ".join(k.describe() for k in kinds)
+            # where the plans came from: one source, or "declared" > "model" > "inferred" of the kinds'
+            source = next(src for src in ("declared", "model", "inferred") if any(k.plan.source == src for k in kinds))
     else:
         why = (f"no single list of identical blocks (a chain of {chain.num_units} units in {lists}); tp plans apply "
                "to the blocks of one module list")
-    tp = TPPlan(styles={}, source="none", detail=why)
+    tp = TPPlan(styles={}, source=source, detail=why)
     return ModelSpec(
         blocks_path=first, num_blocks=chain.num_units, blocks_kind="chain", tp=tp, core_name=None,
         num_heads=heads, num_kv_heads=kv, accepts_positions="positions" in params, vocab_embedding=emb,

@@ -32,13 +32,15 @@ class KindPlan:
     """The TP plan of one unit kind of a chain. ``kind``: the chain index of the kind's first unit
     (``Chain.kinds`` values); ``unit``: its dotted path; ``count``: the units of this kind;
     ``shardable``: whether the kind holds a layer the executor can shard; ``plan``: its styles are
-    relative to the unit (empty: none found, ``plan.detail`` says why)."""
+    relative to the unit (empty: none found, ``plan.detail`` says why); ``inplace_outputs``: its
+    rowwise layers whose output the unit's code modifies in place (spec/inplace.py)."""
 
     kind: int
     unit: str
     count: int
     shardable: bool
     plan: TPPlan
+    inplace_outputs: tuple[str, ...] = ()
 
     def describe(self) -> str:
         what = self.plan.describe() if self.shardable else "replicated (no Linear layer to shard)"
@@ -49,18 +51,20 @@ def _shardable(unit: nn.Module) -> bool:
     return any(is_tp_linear(m) for m in unit.modules())
 
 
-def chain_kind_plans(model: nn.Module, chain: Chain,
-                     resolve_block: Callable[[str, nn.Module], TPPlan]) -> tuple[KindPlan, ...]:
+def chain_kind_plans(model: nn.Module, chain: Chain, resolve_block: Callable[[str, nn.Module], TPPlan],
+                     inplace: Callable[[nn.Module, TPPlan], tuple[str, ...]]) -> tuple[KindPlan, ...]:
     """One KindPlan per kind of ``chain``, in chain order. ``resolve_block(container, unit)``: the
     plan of ``unit`` (a child of the module list ``container``) by the block precedence; it is not
-    called for a kind without a shardable layer."""
+    called for a kind without a shardable layer. ``inplace(unit, plan)``: the unit's rowwise layers
+    whose output its code modifies in place."""
     out = []
     for k in sorted(set(chain.kinds)):
         path = chain.units[k]
         unit = model.get_submodule(path)
         shardable = _shardable(unit)
         plan = resolve_block(path.rsplit(".", 1)[0], unit) if shardable else TPPlan(styles={}, source="none")
-        out.append(KindPlan(kind=k, unit=path, count=chain.kinds.count(k), shardable=shardable, plan=plan))
+        out.append(KindPlan(kind=k, unit=path, count=chain.kinds.count(k), shardable=shardable, plan=plan,
+                            inplace_outputs=inplace(unit, plan) if plan.styles else ()))
     return tuple(out)
 
 

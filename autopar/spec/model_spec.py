@@ -75,6 +75,21 @@ class ModelSpec:
     # weights), where ``moe`` (one repeated block's experts) is None; says why ep is not offered.
     expert_units: tuple[str, ...] = ()
 
+    def unit_tp(self, index: int) -> TPPlan:
+        """The TP plan of block (or chain unit) ``index``: the block plan, or for a chain with plans
+        per unit kind the plan of that unit's kind (empty styles: the unit stays replicated)."""
+        if not self.kind_tp:
+            return self.tp
+        kind = self.chain.kinds[index]
+        return next(kp.plan for kp in self.kind_tp if kp.kind == kind)
+
+    def unit_inplace_outputs(self, index: int) -> tuple[str, ...]:
+        """``tp_inplace_outputs`` of block (or chain unit) ``index`` (see ``unit_tp``)."""
+        if not self.kind_tp:
+            return self.tp_inplace_outputs
+        kind = self.chain.kinds[index]
+        return next(kp.inplace_outputs for kp in self.kind_tp if kp.kind == kind)
+
     @property
     def tp_plan(self) -> Mapping[str, str] | None:
         """Block-relative name -> "colwise" | "rowwise"; None when TP is impossible."""

@@ -30,21 +30,18 @@ NO_EXPERTS = "no mixture of experts in the blocks"
 
 
 
-# A chain whose unit kinds all have plans (spec/chain_tp.py): plans are resolved, but neither the
-# chain's pricing (graph/chain_measure.py, cost/chain.py) nor the executor (apply_tp) applies a plan
-# per unit kind yet, so tp stays off rather than offered unrunnable.
-CHAIN_TP_UNRUN = ("the chain's unit kinds each have a tp plan ({kinds}), but plans per unit kind are not yet "
-                  "priced or applied by the executor; tp applies to one repeated block")
-
-
 def tp_support(spec: "ModelSpec") -> str | None:
     if spec.kind_tp:
         why = chain_tp_reason(spec.kind_tp)
         if why is not None:
             return f"no tp plan: {why}"
-        return CHAIN_TP_UNRUN.format(kinds="; ".join(k.describe() for k in spec.kind_tp))
+        return _heads_reason(spec)  # every unit kind with shardable layers has a plan (spec/chain_tp.py)
     if not spec.tp_plan:
         return f"no tp plan: {spec.tp.detail or 'none declared or found'}"
+    return _heads_reason(spec)
+
+
+def _heads_reason(spec: "ModelSpec") -> str | None:
     if spec.num_kv_heads == 1 and (spec.num_heads or 0) > 1:
         # tp must divide the KV heads (layout.py); Megatron's replicated-KV tensor parallelism is not run
         return ("one key/value head (multi-query attention): tp must divide the KV heads, and KV heads "
@@ -58,6 +55,9 @@ def sp_support(spec: "ModelSpec") -> str | None:
     # whose first element is the hidden state.
     if tp_support(spec):
         return "needs tp"
+    if spec.kind_tp:  # the SP hooks and spec/sp_check.py read one repeated block
+        return ("the blocks differ (a plan per unit kind): sequence parallelism is checked on one repeated "
+                "block; tp runs without it")
     if spec.moe is not None:  # the executor does not yet split a routed layer's tokens across tp ranks
         return (f"the blocks hold a mixture of experts ({spec.moe.experts_path}): between sequence-parallel "
                 "norms it would route only this rank's sequence shard and its expert gradients would differ "

@@ -57,3 +57,31 @@ def test_the_refusal_names_the_first_kind_without_a_plan(tmp_path: Path) -> None
     why = spec.support_reason("tp")
     assert why is not None and "unit kind layers.2 (2 of the chain's units) has no tp plan" in why
     assert "\n" not in why
+
+
+def test_the_chain_is_measured_and_priced_under_each_kinds_plan(tmp_path: Path) -> None:
+    import dataclasses
+
+    from autopar.cluster import load_cluster
+    from autopar.cost.chain import build_chain_terms
+    from autopar.cost.stage import Config
+    from autopar.graph import build_graph
+
+    spec = _spec(tmp_path)
+    assert spec.support_reason("tp") is None and spec.support_reason("sp") is not None  # tp without sp
+    graph = build_graph(load_model_file(tmp_path / "mixed.py"), dtype="fp32")  # its pos table is fp32
+    assert graph.tp_reason is None and graph.tp_source.startswith("per unit kind")
+    # each kind's region holds its own collectives: dense 2 pairs, MoE 1 (its attention)
+    fwd = {k: sum(q.phase == "fwd" for q in graph.regions[f"unit.{k}"].comm) for k in (0, 2)}
+    assert fwd == {0: 2, 2: 1}
+    cfg = Config(dp=1, tp=1, pp=1, cp=1, cp_kind="ring", sequence_parallel=False, zero=0, recompute="none",
+                 schedule="1f1b", virtual_stages=1, micro_batch=1, global_batch=8, seq_len=16, dtype_bytes=2,
+                 optimizer="adamw")
+    cluster = load_cluster("a100-80g")
+    one, two = (build_chain_terms(graph, cluster, dataclasses.replace(cfg, tp=t)) for t in (1, 2))
+    for u1, u2 in zip(one.units, two.units):
+        assert u2.fwd_flops < u1.fwd_flops and u2.params < u1.params  # sharded work and weights
+        assert u1.tp_comm_s == 0.0 < u2.tp_comm_s
+    # the MoE kind's experts stay whole on every tp rank: it keeps more of its parameters than the dense
+    dense, moe = two.units[0].params / one.units[0].params, two.units[2].params / one.units[2].params
+    assert 0.5 < dense < moe < 1.0

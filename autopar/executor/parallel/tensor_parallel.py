@@ -1,8 +1,9 @@
 """Tensor parallelism (Megatron) with DTensor ``parallelize_module``, plus Megatron sequence parallelism.
 
 Contract: ``apply_tp(part, spec, tp_mesh, sp, first_block, last_block)`` parallelises every block of
-``part`` (blocks found at ``spec.blocks_path``) in place, from the block-relative ``spec.tp_plan``,
-and shards the token embedding and the output head by vocabulary (Megatron's vocab-parallel
+``part`` (blocks found at ``spec.blocks_path``) in place, from the block-relative ``spec.tp_plan``
+(a list of differing blocks: each block from the plan of its unit kind, ``spec.unit_tp``; a kind
+without a plan stays replicated), and shards the token embedding and the output head by vocabulary (Megatron's vocab-parallel
 embedding and head, as torchtitan does it):
 
 * embedding (``spec.vocab_embedding``) -> ``RowwiseParallel(input_layouts=Replicate(),
@@ -240,14 +241,17 @@ def fused_row_permutations(model: nn.Module, spec: ModelSpec, tp: int) -> dict[s
     ``full[perm]`` is what gets sharded; ``sharded_full[inverse(perm)]`` restores the original.
     A fused HF Conv1D gets the identity (see below).
     """
-    if tp == 1 or not spec.tp_plan:
+    if tp == 1 or not (spec.tp_plan or spec.kind_tp):
         return {}
     blocks = model.get_submodule(spec.blocks_path)
     perms: dict[str, torch.Tensor] = {}
-    for name, k in plan_fused(blocks[0], spec.tp).items():
-        if k == 1:
+    for i, _ in enumerate(blocks):
+        plan = spec.unit_tp(i)  # a chain's units: the plan of each unit's kind
+        if not plan.styles:
             continue
-        for i, _ in enumerate(blocks):
+        for name, k in plan_fused(blocks[i], plan).items():
+            if k == 1:
+                continue
             lin = blocks[i].get_submodule(name)
             if is_conv1d(lin):
                 # Strided-sharded instead (tp_conv1d.py): its values need no permutation, but its
@@ -348,19 +352,22 @@ def apply_tp(
     """Parallelise the blocks of ``part`` in place and shard its vocabulary edges; returns notes.
     Block keys are their global indices (pipeline chunks keep the original keys), which is how the
     first and last block are recognised for SP."""
-    assert spec.tp_plan, "preflight guarantees a tp_plan when tp > 1"
+    assert spec.tp_plan or spec.kind_tp, "preflight guarantees a tp_plan when tp > 1"
     notes = shard_vocab_edges(part, spec, tp_mesh)
     blocks = part.get_submodule(spec.blocks_path)
     for key, block in blocks.named_children():
         if not key.isdigit():
             continue  # pipeline markers, not blocks
+        plan = spec.unit_tp(int(key))  # a chain of differing blocks: the plan of this unit's kind
+        if not plan.styles:
+            continue  # a unit kind without shardable layers runs replicated on every tp rank
         layout: dict[str, Any] = {}
-        for name, style in spec.tp_plan.items():
+        for name, style in plan.styles.items():
             if style == "colwise":
                 layout[name] = ColwiseParallel()
             else:
                 layout[name] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
-        layout.update(conv1d_layout(block, spec.tp_plan, plan_fused(block, spec.tp),
+        layout.update(conv1d_layout(block, plan.styles, plan_fused(block, plan),
                                     sequence_parallel=sequence_parallel))
         if sequence_parallel:
             for name, mod in block.named_modules():
@@ -369,12 +376,12 @@ def apply_tp(
                     # blocks (BERT) add a norm's output to a rowwise output.
                     layout[name] = SequenceParallel(use_local_output=True)
         parallelize_module(block, tp_mesh, layout)
-        for name in spec.tp_inplace_outputs:
+        for name in spec.unit_inplace_outputs(int(key)):
             # after the rowwise output hook: to_local()'s view may not be modified in place (spec/inplace.py)
             block.get_submodule(name).register_forward_hook(_copy_output)
-        set_local_attrs(block, spec.tp.local_attrs, tp_mesh.size())  # widths the block's code splits by
+        set_local_attrs(block, plan.local_attrs, tp_mesh.size())  # widths the block's code splits by
         if sequence_parallel:
-            parents = {_parent(n) for n, s in spec.tp_plan.items() if s == "colwise"}
+            parents = {_parent(n) for n, s in plan.styles.items() if s == "colwise"}
             for p in parents:
                 block.get_submodule(p).register_forward_pre_hook(_gather_sequence_pre_hook(tp_mesh), with_kwargs=True)
             idx = int(key)

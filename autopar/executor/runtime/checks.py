@@ -96,9 +96,11 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
         reason = tp_heads_reason(par.tp, spec.num_heads, spec.num_kv_heads)
         if reason:
             raise AutoparError(reason)
-        block = model.get_submodule(spec.blocks_path)[0]
-        for name, style in spec.tp_plan.items():
-            lin = block.get_submodule(name)
+        blocks = model.get_submodule(spec.blocks_path)
+        kinds = spec.chain.kinds if spec.kind_tp else (0,)  # a chain's units: one check per kind
+        planned = [(i, name, style) for i in sorted(set(kinds)) for name, style in spec.unit_tp(i).styles.items()]
+        for i, name, style in planned:
+            lin = blocks[i].get_submodule(name)
             # nn.Linear, or HF Conv1D (weight (in, out))
             in_f, out_f = (lin.in_features, lin.out_features) if isinstance(lin, nn.Linear) else tuple(lin.weight.shape)
             width = out_f if style == "colwise" else in_f
