@@ -13,7 +13,7 @@ from autopar.errors import ModelFileError
 from autopar.graph.build import one_block_model, sequence_keep, slice_sequence, trace_model
 from autopar.graph.carried import measure_carried
 from autopar.graph.model_graph import ModelGraph, MoEFacts, RegionParams
-from autopar.graph.scaling import RegionFit, fit_region
+from autopar.graph.scaling import FitQuantity, RegionFit, fit_region
 from autopar.graph.short_probe import build_bounded
 from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit
 from autopar.modelfile import ModelFile, load_model_file
@@ -162,8 +162,21 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         regions=regions, params=params, tied_params=tied,
         block_input_bytes=base.block_input_bytes,
         build_seconds=time.perf_counter() - start, moe=_moe_facts(spec.moe),  # expert parallelism
-        carried=measure_carried(small, spec, *shapes) if support["pp"] is None else (),
+        carried=_carried(mf, small, spec, shapes) if support["pp"] is None else (),
     )
+
+
+def _carried(mf: ModelFile, small: nn.Module, spec: Any, shapes: tuple[Any, Any, Any]) -> tuple[FitQuantity, ...]:
+    """``measure_carried`` at the traced shapes. A probe that fails here leaves nothing carried
+    rather than the whole graph unbuilt: the graph also plans without a pipeline, and at pp > 1 the
+    executor runs the same probe on the full model and reports its failure there."""
+    try:
+        return measure_carried(small, spec, *shapes)
+    except Exception:
+        clock = active_clock()
+        if clock is not None and clock.expired:  # the time limit's interrupt is not the probe's failure
+            raise clock.error(mf.path) from None
+        return ()
 
 
 def _moe_facts(moe) -> MoEFacts | None:  # noqa: ANN001 - autopar.spec.moe.MoESpec | None
