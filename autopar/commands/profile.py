@@ -140,6 +140,10 @@ def _layers_main(args: argparse.Namespace) -> int:
         if whole:
             table = apply_whole_model(table, whole)
         kernels = None if args.no_kernels else profile_kernels(device, dtype, optimizer_shapes=_param_shapes(mf))
+        if kernels is not None and device.type == "cuda" and dtype in ("bf16", "fp16"):  # flash is 16-bit only
+            from autopar.profiler.attention_kernels import attention_curve
+
+            kernels["attention"] = attention_curve(device, dtype)
         check_load(helpers)  # a helper whose model failed: its one line, and no profile timed without its load
     except ValueError as exc:
         raise AutoparError(str(exc)) from None

@@ -57,6 +57,7 @@ class RegionTime:
     fwd_s: float
     bwd_s: float
     core_fwd_s: float  # forward time of the attention core: what selective recompute re-runs
+    core_bwd_s: float = 0.0  # backward time of the attention core (the window TE's ring P2P hides behind)
     bwd_gemm_s: float  # backward GEMM time: the window in which backward collectives can hide
     fwd_gemm_s: float = 0.0  # forward GEMM time: the window TP communication overlap hides forward collectives in
     fwd_flops: float
@@ -209,7 +210,7 @@ def op_saved(op: FitOp, gemms_before: int, shape: Shape, core_shape: Shape) -> f
 
 def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Shape, seq_len: int,
                  fused: FusedTraffic | None) -> RegionTime:
-    fwd = bwd = core = fwd_f = bwd_f = bwd_gemm = fwd_gemm = op_bytes = op_s = 0.0
+    fwd = bwd = core = core_b = fwd_f = bwd_f = bwd_gemm = fwd_gemm = op_bytes = op_s = 0.0
     gemms = 0
     sequence_model = any(op.bytes_exps.s > 0.5 for op in fit.ops)
     if fused is not None:
@@ -235,6 +236,8 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
         else:
             bwd += secs
             bwd_f += flops
+            if core_op:
+                core_b += secs
             if op.kind == "gemm":
                 bwd_gemm += secs
     saved = core_saved = 0.0
@@ -253,7 +256,7 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
             b = q.nbytes * shape.scale(q.exps)
         saved += b
     peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks), default=0.0)
-    return RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
+    return RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, core_bwd_s=core_b, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
                       fwd_flops=fwd_f, bwd_flops=bwd_f,
                       saved_bytes=saved, core_saved_bytes=core_saved, peak_bytes=peak,
                       op_saved_bytes=op_bytes, op_saved_fwd_s=op_s)
@@ -319,7 +322,8 @@ def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape:
     # else the roofline's share of the measured block forward.
     core = (scaled(v["core_fwd_s"], rt.core_fwd_s, ref.core_fwd_s) if "core_fwd_s" in v and rt.core_fwd_s > 0
             else rt.core_fwd_s * f_ratio)
-    return replace(rt, fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, bwd_gemm_s=rt.bwd_gemm_s * b_ratio,
+    return replace(rt, fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, core_bwd_s=rt.core_bwd_s * b_ratio,
+                   bwd_gemm_s=rt.bwd_gemm_s * b_ratio,
                    fwd_gemm_s=rt.fwd_gemm_s * f_ratio,
                    saved_bytes=saved, core_saved_bytes=rt.core_saved_bytes * s_ratio,
                    op_saved_bytes=rt.op_saved_bytes * s_ratio, op_saved_fwd_s=rt.op_saved_fwd_s * f_ratio)

@@ -313,6 +313,12 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
         # Weight-gradient GEMMs are half of the backward GEMMs: the window the backward collectives hide in.
         tp_b = _tp_backward_exposed(cfg, tp_b, rt.bwd_gemm_s / 2)
     cp_f, cp_b = _cp_time(graph, cfg, cp_link, tokens_bytes)
+    if cfg.cp_kind == "ring" and cluster.cp_attention == "transformer_engine":
+        # TE's P2P ring sends the next K/V block (backward: with its gradient) on its own stream while
+        # the current piece's attention runs: only what outlasts the attention shows, plus the
+        # hidden part's share of SMs and bandwidth. autopar's ring waits for each block (_cp_time).
+        cp_f = overlapped(cp_f, rt.core_fwd_s, cluster.overlap_cost_fraction)
+        cp_b = overlapped(cp_b, rt.core_bwd_s, cluster.overlap_cost_fraction)
     fwd = rt.fwd_s + tp_f + cp_f
     if cfg.recompute == "full":
         recompute, act = fwd, tokens_bytes / (cfg.tp if cfg.sequence_parallel else 1)

@@ -167,20 +167,14 @@ def fit_bandwidth(rows: list[dict[str, float]], min_bytes: float = 2**20) -> flo
 
 def profile_kernels(device: torch.device, dtype: str,
                     optimizer_shapes: Sequence[tuple[int, ...]] | None = None) -> dict[str, Any]:
-    """{gemm, memory_bandwidth, fitted} sections of the measured profile, and on a GPU in a 16-bit
-    dtype {attention} (profiler/attention_kernels.py); ``optimizer_shapes``: the parameter shapes
-    the optimizer figure is timed on, see the module docstring."""
+    """{gemm, memory_bandwidth, fitted} sections of the measured profile (``optimizer_shapes``: the
+    parameter shapes the optimizer figure is timed on, see the module docstring); the attention
+    rows are profiler/attention_kernels.py's."""
     gemm = gemm_curve(device, dtype)
     bw = bandwidth_curve(device)
     peak, half = fit_gemm(gemm)
     bandwidth = fit_bandwidth(bw, 4 * cache_bytes(device) if device.type == "cuda" else 2**20)
-    out: dict[str, Any] = {}
-    if device.type == "cuda" and dtype in ("bf16", "fp16"):  # flash attention runs 16-bit only
-        from autopar.profiler.attention_kernels import attention_curve
-
-        out["attention"] = attention_curve(device, dtype)
     return {
-        **out,
         "gemm": gemm,
         "memory_bandwidth": bw,
         "fitted": {"peak_flops": peak, "gemm_max": 1.0, "gemm_half_dim": half,

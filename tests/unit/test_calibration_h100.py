@@ -85,15 +85,15 @@ def test_dgxc_llama31_context_parallel_rows_within_5_percent_mean() -> None:
     """NVIDIA's Llama 3.1 8B / 70B / 405B recipes, all at context parallelism 2 (7 runs): priced
     with the eager model file's element-wise ops they were 8-44 % slow (the 8B worst: an fp32
     RMSNorm, RoPE and SwiGLU written as some 40 kernels where TE runs 6). The 8B at tp 1 is still
-    +9-10 %."""
+    +7-8 %."""
     errors = _errors("dgxc_llama31")
-    assert sum(errors) / len(errors) <= 0.05 and max(errors) <= 0.11, [f"{e:.1%}" for e in errors]
+    assert sum(errors) / len(errors) <= 0.05 and max(errors) <= 0.10, [f"{e:.1%}" for e in errors]
 
 
 def test_torchtitan_llama_8k_rows_never_fitted_level() -> None:
     """Llama 3.1 8B at 8k tokens under FSDP2 (torchtitan's published runs on Grand Teton: a 500 W
-    H100 with 96 GB of HBM2e, never fitted). Priced on h100-80g they are 13-14 % slow: the eager
-    element-wise share the DGX H100 sources fit (0.23) prices this per-op-recompute Llama's eager
+    H100 with 96 GB of HBM2e, never fitted). Priced on h100-80g they are 11-12 % slow: the eager
+    element-wise share the DGX H100 sources fit (0.24) prices this per-op-recompute Llama's eager
     norms and rotations above what that run spent. This guards the level, not a target."""
     errors = _errors("torchtitan")
     assert max(errors) <= 0.15, [f"{e:.1%}" for e in errors]

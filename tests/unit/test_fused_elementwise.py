@@ -115,3 +115,33 @@ def test_cp_attention_setting_is_checked(tmp_path) -> None:  # noqa: ANN001
     f.write_text("name: p\nbase: h100-80g\nsoftware:\n  cp_attention: zigzag\n")
     with pytest.raises(ClusterError, match="'cp_attention' must be one of chunks, transformer_engine"):
         load_cluster(str(f))
+
+
+def test_transformer_engines_ring_hides_its_transfers_behind_the_pieces(llama) -> None:  # noqa: ANN001
+    """TE's P2P ring sends the next K/V block while the current piece runs: only what outlasts the
+    attention shows (plus the hidden part's share of SMs); autopar's ring waits for every block."""
+    from autopar.cost.stage import Config, build_terms
+    from autopar.cost.zero import overlapped
+
+    cfg = Config(dp=1, tp=1, pp=1, cp=2, cp_kind="ring", sequence_parallel=False, zero=1, recompute="none",
+                 schedule="1f1b", virtual_stages=1, micro_batch=1, global_batch=1, seq_len=8192, dtype_bytes=2,
+                 optimizer="adam")
+    waits = dataclasses.replace(MEGATRON, cp_attention="chunks")
+    exposed = build_terms(llama, waits, cfg).block.cp_comm_s
+    hidden = build_terms(llama, MEGATRON, cfg).block.cp_comm_s
+    assert 0 < hidden < exposed
+    # the same transfers, each pass behind its attention core
+    shape = Shape(b=1, s_ratio=8192 / 2 / llama.seq_len, kv_ratio=8192 / llama.seq_len, t=1)
+    rt = graph_region_time(llama, "block", MEGATRON, shape, shape, 2, "ring")
+    fwd_comm = build_terms(llama, dataclasses.replace(waits, cp_attention="transformer_engine",
+                                                      overlap_cost_fraction=1.0), cfg).block.cp_comm_s
+    assert fwd_comm == pytest.approx(exposed)  # a cost fraction of 1: hiding saves nothing
+    from autopar.cost.comm import axis_link
+    from autopar.cost.stage import _cp_time
+    from autopar.layout import Layout
+
+    tokens_bytes = llama.block_input_bytes * shape.s_ratio
+    cp_f, cp_b = _cp_time(llama, cfg, axis_link(MEGATRON, Layout.of(cfg), "cp"), tokens_bytes)
+    assert cp_f + cp_b == pytest.approx(exposed)
+    f = MEGATRON.overlap_cost_fraction
+    assert hidden == pytest.approx(overlapped(cp_f, rt.core_fwd_s, f) + overlapped(cp_b, rt.core_bwd_s, f))
