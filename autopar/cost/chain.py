@@ -17,9 +17,10 @@ A chain is planned with one chunk per pipeline rank (v = 1: GPipe or 1F1B). Rank
 tail_r as in ``cost.step.evaluate``. With tp > 1 (a list of differing blocks with a TP plan per
 unit kind, spec/chain_tp.py) tau_i is unit i's region at t = tp -- fitted under its kind's plan, so
 only the sharded ops divide -- plus its TP all-reduces (recorded per unit, priced as a block's by
-cost.stage), and P_r counts the parameters a kind's plan shards 1/tp; sequence parallelism is not
-offered for a chain. ``evaluate_chain`` is the oracle the partition search
-(search/partition.py) optimises and the estimate of a chain plan.
+cost.stage), and P_r counts the parameters a kind's plan shards 1/tp; with sequence parallelism
+the replicated token-proportional work, a unit's input and a cut's send are a 1/tp sequence shard.
+``evaluate_chain`` is the oracle the partition search (search/partition.py) optimises and the
+estimate of a chain plan.
 """
 
 from __future__ import annotations
@@ -68,13 +69,13 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
         raise ValueError(f"{graph.name} has no chain (its blocks repeat); use cost.stage.build_terms")
     if cfg.tp > 1 and graph.tp_reason:
         raise ValueError(f"{graph.name}: tp {cfg.tp} is not offered ({graph.tp_reason})")
-    if cfg.sequence_parallel:
-        raise ValueError(f"{graph.name}: a chain's units run tensor parallelism without sequence parallelism")
     base = build_terms(graph, cluster, cfg)
     s_ratio = cfg.seq_len / graph.seq_len if graph.is_sequence_model else 1.0
     # tp > 1: each unit's region was fitted with its kind's tp plan (graph/chain_tp.py): its t
     # exponents divide the sharded ops, its recorded collectives are the unit's TP all-reduces
-    shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=s_ratio, t=cfg.tp, sp=1.0)
+    # (under SP an all-gather and a reduce-scatter each), and SP divides what stays replicated
+    sp = float(cfg.tp) if cfg.sequence_parallel and cfg.tp > 1 else 1.0
+    shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=s_ratio, t=cfg.tp, sp=sp)
     layout = Layout.of(cfg)
     pp_link, dpcp_link = axis_link(cluster, layout, "pp"), axis_link(cluster, layout, "dp_cp")
     tp_link = axis_link(cluster, layout, "tp")
@@ -83,7 +84,7 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
         rt = graph_region_time(graph, unit.region, cluster, shape)
         tp_f, tp_b = _unit_tp_time(graph, unit.region, cluster, cfg, shape, tp_link, rt)
         fwd = rt.fwd_s + tp_f
-        in_bytes = unit.input_bytes * cfg.micro_batch * s_ratio
+        in_bytes = unit.input_bytes * cfg.micro_batch * s_ratio / sp  # a sequence shard under SP
         if cfg.recompute == "full":
             recompute, act, work = fwd, in_bytes, rt.saved_bytes
         else:

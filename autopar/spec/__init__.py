@@ -342,7 +342,8 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run:
             return _tp_plan_of(mf, model, container, unit, lambda: infer_tp(model, unit, run), relative)
 
         kinds = _meta_call(str(mf.path), lambda: chain_kind_plans(
-            model, chain, resolve_unit, lambda unit, plan: inplace_outputs(unit, plan.styles, run)))
+            model, chain, resolve_unit, lambda unit, plan: inplace_outputs(unit, plan.styles, run),
+            lambda unit, plan: sp_check(unit, plan.styles, plan_fused(unit, plan), plan.local_attrs, run)[0]))
         why = chain_tp_reason(kinds)
         if why is None:  # every kind has a plan; whether tp runs is spec/support.py's tp predicate
             why = "plans per unit kind: " + "; ".join(k.describe() for k in kinds)

@@ -24,7 +24,7 @@ from torch import nn
 from autopar.spec.chain import Chain
 from autopar.spec.tp_plan import TPPlan, is_tp_linear
 
-__all__ = ["KindPlan", "chain_kind_plans", "chain_tp_reason"]
+__all__ = ["KindPlan", "chain_kind_plans", "chain_sp_reason", "chain_tp_reason"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +41,9 @@ class KindPlan:
     shardable: bool
     plan: TPPlan
     inplace_outputs: tuple[str, ...] = ()
+    # why sequence parallelism does not run this kind's first unit exactly (spec/sp_check.py); None:
+    # it does. A kind without a plan has no SP check (it would compute on a sequence shard).
+    sp_reason: str | None = "no tp plan"
 
     def describe(self) -> str:
         what = self.plan.describe() if self.shardable else "replicated (no Linear layer to shard)"
@@ -52,11 +55,13 @@ def _shardable(unit: nn.Module) -> bool:
 
 
 def chain_kind_plans(model: nn.Module, chain: Chain, resolve_block: Callable[[str, nn.Module], TPPlan],
-                     inplace: Callable[[nn.Module, TPPlan], tuple[str, ...]]) -> tuple[KindPlan, ...]:
+                     inplace: Callable[[nn.Module, TPPlan], tuple[str, ...]],
+                     sp: Callable[[nn.Module, TPPlan], str | None]) -> tuple[KindPlan, ...]:
     """One KindPlan per kind of ``chain``, in chain order. ``resolve_block(container, unit)``: the
     plan of ``unit`` (a child of the module list ``container``) by the block precedence; it is not
     called for a kind without a shardable layer. ``inplace(unit, plan)``: the unit's rowwise layers
-    whose output its code modifies in place."""
+    whose output its code modifies in place; ``sp(unit, plan)``: why SP does not run the unit
+    exactly (None: it does); both called only for a kind with a plan."""
     out = []
     for k in sorted(set(chain.kinds)):
         path = chain.units[k]
@@ -64,7 +69,8 @@ def chain_kind_plans(model: nn.Module, chain: Chain, resolve_block: Callable[[st
         shardable = _shardable(unit)
         plan = resolve_block(path.rsplit(".", 1)[0], unit) if shardable else TPPlan(styles={}, source="none")
         out.append(KindPlan(kind=k, unit=path, count=chain.kinds.count(k), shardable=shardable, plan=plan,
-                            inplace_outputs=inplace(unit, plan) if plan.styles else ()))
+                            inplace_outputs=inplace(unit, plan) if plan.styles else (),
+                            sp_reason=sp(unit, plan) if plan.styles else "no tp plan"))
     return tuple(out)
 
 
@@ -76,4 +82,19 @@ def chain_tp_reason(kinds: tuple[KindPlan, ...]) -> str | None:
             return f"unit kind {kp.unit} ({kp.count} of the chain's units) has no tp plan: {kp.plan.detail or 'none found'}"
     if not any(kp.plan.styles for kp in kinds):
         return "no unit of the chain holds a layer tensor parallelism could shard"
+    return None
+
+
+def chain_sp_reason(kinds: tuple[KindPlan, ...], expert_units: tuple[str, ...]) -> str | None:
+    """Why sequence parallelism does not run the chain exactly (one line), or None when every kind
+    has a plan whose SP check passes and no unit holds experts. A kind left replicated would
+    compute on its rank's sequence shard only; a routed layer would route only that shard."""
+    if expert_units:
+        return (f"{expert_units[0]} holds a mixture of experts: between sequence-parallel norms it would route "
+                "only this rank's sequence shard")
+    for kp in kinds:
+        if not kp.plan.styles:
+            return f"unit kind {kp.unit} has no tp plan: under sequence parallelism it would see a sequence shard"
+        if kp.sp_reason is not None:
+            return f"unit kind {kp.unit}: {kp.sp_reason}"
     return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from autopar.spec.chain_tp import chain_tp_reason
+from autopar.spec.chain_tp import chain_sp_reason, chain_tp_reason
 from autopar.spec.model_spec import DIMENSIONS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,9 +55,10 @@ def sp_support(spec: "ModelSpec") -> str | None:
     # whose first element is the hidden state.
     if tp_support(spec):
         return "needs tp"
-    if spec.kind_tp:  # the SP hooks and spec/sp_check.py read one repeated block
-        return ("the blocks differ (a plan per unit kind): sequence parallelism is checked on one repeated "
-                "block; tp runs without it")
+    if spec.kind_tp:  # blocks that differ: every kind's plan checked as a block's (spec/chain_tp.py)
+        why = chain_sp_reason(spec.kind_tp, spec.expert_units)
+        if why is not None:
+            return why
     if spec.moe is not None:  # the executor does not yet split a routed layer's tokens across tp ranks
         return (f"the blocks hold a mixture of experts ({spec.moe.experts_path}): between sequence-parallel "
                 "norms it would route only this rank's sequence shard and its expert gradients would differ "

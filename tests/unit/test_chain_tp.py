@@ -68,7 +68,8 @@ def test_the_chain_is_measured_and_priced_under_each_kinds_plan(tmp_path: Path) 
     from autopar.graph import build_graph
 
     spec = _spec(tmp_path)
-    assert spec.support_reason("tp") is None and spec.support_reason("sp") is not None  # tp without sp
+    assert spec.support_reason("tp") is None  # tp, but sp would route a sequence shard in the MoE units
+    assert spec.support_reason("sp").startswith("layers.2 holds a mixture of experts")
     graph = build_graph(load_model_file(tmp_path / "mixed.py"), dtype="fp32")  # its pos table is fp32
     assert graph.tp_reason is None and graph.tp_source.startswith("per unit kind")
     # each kind's region holds its own collectives: dense 2 pairs, MoE 1 (its attention)
@@ -82,6 +83,8 @@ def test_the_chain_is_measured_and_priced_under_each_kinds_plan(tmp_path: Path) 
     for u1, u2 in zip(one.units, two.units):
         assert u2.fwd_flops < u1.fwd_flops and u2.params < u1.params  # sharded work and weights
         assert u1.tp_comm_s == 0.0 < u2.tp_comm_s
+    sp = build_chain_terms(graph, cluster, dataclasses.replace(cfg, tp=2, sequence_parallel=True))
+    assert all(u3.act_bytes < u2.act_bytes for u2, u3 in zip(two.units, sp.units))  # norms on a shard
     # the MoE kind's experts stay whole on every tp rank: it keeps more of its parameters than the dense
     dense, moe = two.units[0].params / one.units[0].params, two.units[2].params / one.units[2].params
     assert 0.5 < dense < moe < 1.0

@@ -45,10 +45,11 @@ CASES = [
     pytest.param("torch_encoder", "pp2", ("pp",), id="torch_encoder-pp2"),  # TransformerEncoder reads layers[0]
     pytest.param("hf_bert", "tp2+sp", ("tp", "sp"), id="hf_bert-tp2+sp"),  # post-LN under SP, a tied bias
     pytest.param("hf_qwen2", "cp2", ("cp",), id="hf_qwen2-cp2"),  # a dict of input_ids and labels, output.loss
-    # blocks of two structures in one list, a tp plan per unit kind (spec/chain_tp.py), tp without SP:
+    # blocks of two structures in one list, a tp plan per unit kind (spec/chain_tp.py), SP where each
+    # kind passes its check (DeepSeek: not between routed layers):
     # ModernBERT's plans inferred (layer 0 has no attention norm), DeepSeek-V3's from HF's _tp_plan
     # (dense layers' MLP, MoE layers' shared experts; the routed experts replicated)
-    pytest.param("hf_modernbert", "tp2+sp", ("tp",), id="hf_modernbert-tp2"),
+    pytest.param("hf_modernbert", "tp2+sp", ("tp", "sp"), id="hf_modernbert-tp2+sp"),
     pytest.param("hf_deepseek_v3", "tp2+sp", ("tp",), id="hf_deepseek_v3-tp2"),
     # TP inferred on autopar's own Llama: hf_llama-tp2+sp runs the same inference; MoE under data
     # parallelism and ep: tests/dist/test_expert_parallel.py
