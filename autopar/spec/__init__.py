@@ -30,7 +30,7 @@ from autopar.spec.inplace import inplace_outputs
 from autopar.spec.meta import tolerant_meta
 from autopar.spec.model_spec import DIMENSIONS, ModelSpec
 from autopar.spec.moe import MoESpec, moe_of
-from autopar.spec.short_run import middle_blocks_answered
+from autopar.spec.short_run import middle_blocks_answered, only_unit_runs
 from autopar.spec.sp_check import sp_check
 from autopar.spec.support import support_of
 from autopar.spec.tp_infer import Inference, infer_tp
@@ -337,13 +337,29 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run:
     kinds, source = (), "none"
     if chain.block_list is not None:
         relative = frozenset(n for u in chain.units for n, _ in model.get_submodule(u).named_modules() if n)
+        block_list = model.get_submodule(chain.block_list)
+
+        def focused(unit: nn.Module, probe: Callable[[Callable[[], Any]], Any]) -> Any:
+            """``probe(run)`` with only block 0 and ``unit`` of the list running their code
+            (short_run.only_unit_runs); the whole run where the answered blocks do not fit."""
+            def unit_run() -> Any:
+                with only_unit_runs(block_list, unit):
+                    return run()
+
+            try:
+                return probe(unit_run)
+            except Exception:  # noqa: BLE001 - an answered block's object the model's code cannot take
+                return probe(run)
 
         def resolve_unit(container: str, unit: nn.Module) -> TPPlan:
-            return _tp_plan_of(mf, model, container, unit, lambda: infer_tp(model, unit, run), relative)
+            return _tp_plan_of(mf, model, container, unit,
+                               lambda: focused(unit, lambda r: infer_tp(model, unit, r)), relative)
 
         kinds = _meta_call(str(mf.path), lambda: chain_kind_plans(
-            model, chain, resolve_unit, lambda unit, plan: inplace_outputs(unit, plan.styles, run),
-            lambda unit, plan: sp_check(unit, plan.styles, plan_fused(unit, plan), plan.local_attrs, run)[0]))
+            model, chain, resolve_unit,
+            lambda unit, plan: focused(unit, lambda r: inplace_outputs(unit, plan.styles, r)),
+            lambda unit, plan: focused(unit, lambda r: sp_check(unit, plan.styles, plan_fused(unit, plan),
+                                                                 plan.local_attrs, r)[0])))
         why = chain_tp_reason(kinds)
         if why is None:  # every kind has a plan; whether tp runs is spec/support.py's tp predicate
             why = "plans per unit kind: " + "; ".join(k.describe() for k in kinds)

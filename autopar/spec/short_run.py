@@ -48,3 +48,32 @@ def middle_blocks_answered(blocks: nn.Module) -> Iterator[None]:
         handle.remove()
         for blk in patched:
             del blk.forward
+
+
+@contextlib.contextmanager
+def only_unit_runs(blocks: nn.Module, keep: nn.Module) -> Iterator[None]:
+    """Within the context, every block of the list ``blocks`` but block 0 and ``keep`` returns the
+    object block 0 last returned: a probe of one unit of a list of differing blocks (spec/chain_tp.py)
+    reads only that unit's inputs and data flow, and a list of blocks that loop over the sequence in
+    Python (a Mamba layer's reference scan) would otherwise run all of them for every probe. The
+    caller falls back to the whole run where an answered block's object does not fit the model's
+    code (blocks of different output structures)."""
+    seen: dict[str, Any] = {}
+    handle = blocks[0].register_forward_hook(lambda m, a, out: seen.__setitem__("out", out))
+    patched = []
+    for blk in list(blocks)[1:]:
+        if blk is keep or "forward" in vars(blk):
+            continue
+        real = blk.forward
+
+        def answered(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            return seen["out"] if "out" in seen else _real(*args, **kwargs)
+
+        blk.forward = answered
+        patched.append(blk)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for blk in patched:
+            del blk.forward
