@@ -20,19 +20,14 @@ MIN_BLOCKS_TO_SHORTEN = 5  # with four blocks or fewer every block runs anyway
 
 
 @contextlib.contextmanager
-def middle_blocks_answered(blocks: nn.Module) -> Iterator[None]:
-    """Within the context, blocks[2:-1] of the ModuleList/Sequential ``blocks`` return the
-    object block 1 last returned (see the module docstring); their forwards are restored after."""
-    n = len(blocks)
-    if n < MIN_BLOCKS_TO_SHORTEN:
-        yield
-        return
+def _answered(source: nn.Module, answering: list[nn.Module]) -> Iterator[None]:
+    """Within the context, each block of ``answering`` returns the object ``source`` last returned
+    (its real forward until ``source`` has run); a block with the user's own instance-level forward
+    is left alone. The forwards are restored after."""
     seen: dict[str, Any] = {}
-    second = blocks[1]
-    handle = second.register_forward_hook(lambda m, a, out: seen.__setitem__("out", out))
+    handle = source.register_forward_hook(lambda m, a, out: seen.__setitem__("out", out))
     patched = []
-    for i in range(2, n - 1):
-        blk = blocks[i]
+    for blk in answering:
         if "forward" in vars(blk):  # the user's own instance-level forward: leave it alone
             continue
         real = blk.forward
@@ -51,6 +46,18 @@ def middle_blocks_answered(blocks: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def middle_blocks_answered(blocks: nn.Module) -> Iterator[None]:
+    """Within the context, blocks[2:-1] of the ModuleList/Sequential ``blocks`` return the
+    object block 1 last returned (see the module docstring); their forwards are restored after."""
+    n = len(blocks)
+    if n < MIN_BLOCKS_TO_SHORTEN:
+        yield
+        return
+    with _answered(blocks[1], [blocks[i] for i in range(2, n - 1)]):
+        yield
+
+
+@contextlib.contextmanager
 def only_unit_runs(blocks: nn.Module, keep: nn.Module) -> Iterator[None]:
     """Within the context, every block of the list ``blocks`` but block 0 and ``keep`` returns the
     object block 0 last returned: a probe of one unit of a list of differing blocks (spec/chain_tp.py)
@@ -58,22 +65,5 @@ def only_unit_runs(blocks: nn.Module, keep: nn.Module) -> Iterator[None]:
     Python (a Mamba layer's reference scan) would otherwise run all of them for every probe. The
     caller falls back to the whole run where an answered block's object does not fit the model's
     code (blocks of different output structures)."""
-    seen: dict[str, Any] = {}
-    handle = blocks[0].register_forward_hook(lambda m, a, out: seen.__setitem__("out", out))
-    patched = []
-    for blk in list(blocks)[1:]:
-        if blk is keep or "forward" in vars(blk):
-            continue
-        real = blk.forward
-
-        def answered(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
-            return seen["out"] if "out" in seen else _real(*args, **kwargs)
-
-        blk.forward = answered
-        patched.append(blk)
-    try:
+    with _answered(blocks[0], [blk for blk in list(blocks)[1:] if blk is not keep]):
         yield
-    finally:
-        handle.remove()
-        for blk in patched:
-            del blk.forward
