@@ -1,4 +1,4 @@
-"""Published reference runs as plans: Megatron SC21 Table 1, Korthikanti 2022 Table 4, ZeRO SC20.
+"""Published reference runs as plans: Megatron SC21 Table 1, Korthikanti 2022 Tables 4 and 5, ZeRO SC20.
 
 Used by the calibration benchmark and the tests. The data files are read from ``../shared/calibration``
 when present (the project's shared copy) and otherwise from the copy shipped in ``calibration/``.
@@ -111,3 +111,82 @@ TABLE4_MODES = {  # experiment -> (sequence_parallel, recompute)
     "selective_recompute": (False, "selective"),
     "selective_and_sequence": (True, "selective"),
 }
+
+
+# Korthikanti et al. 2022 Table 5: each model's two published settings -> (sequence_parallel, recompute)
+TABLE5_MODES = {"full_recompute": (False, "full"), "present_work": (True, "selective")}
+PLAIN_GPT = REPO / "autopar" / "models" / "plain_gpt.py"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Table5Row:
+    """One model of Korthikanti et al. 2022 Table 3 / Table 5 (data parallel 1, GPUs = tp x pp)."""
+
+    model: str
+    num_heads: int
+    hidden_size: int
+    num_layers: int
+    tp: int
+    pp: int
+    num_gpus: int
+    global_batch: int
+    micro_batch: int
+    full_recompute_s: float
+    present_work_s: float
+    mfu_present_pct: float
+    hfu_present_pct: float
+    throughput_increase_pct: float
+
+    def time_s(self, mode: str) -> float:
+        return self.full_recompute_s if mode == "full_recompute" else self.present_work_s
+
+
+def table5_rows() -> list[Table5Row]:
+    data = load_calibration("korthikanti_2022.yaml")["table5_end_to_end"]
+    rename = {"heads": "num_heads", "hidden": "hidden_size", "layers": "num_layers", "gpus": "num_gpus"}
+    return [Table5Row(**{rename.get(c, c): v for c, v in zip(data["columns"], row)}) for row in data["rows"]]
+
+
+def plain_gpt_path(size: str) -> Path:
+    """autopar/models/plain_gpt.py -- a model file that declares no tp_plan -- with ``SIZE = size``, in a
+    per-user temp directory (content-addressed, written once)."""
+    text = PLAIN_GPT.read_text(encoding="utf-8")
+    if 'SIZE = "tiny"' not in text:
+        raise ValueError(f"{PLAIN_GPT} has no SIZE = \"tiny\" line to set")
+    src = text.replace('SIZE = "tiny"', f"SIZE = {size!r}".replace("'", '"'), 1)
+    digest = hashlib.sha256(src.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / "autopar-models" / f"plain_gpt_{digest}.py"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{digest}.tmp")
+        tmp.write_text(src, encoding="utf-8")
+        tmp.replace(path)
+    return path
+
+
+def table5_graph(row: Table5Row) -> ModelGraph:
+    """The 16-bit graph of ``row``'s model from the plain model file (its tp plan inferred); the
+    file's size table must hold the row's shape."""
+    import runpy
+
+    sizes = runpy.run_path(str(PLAIN_GPT))["SIZES"]
+    want = dict(layers=row.num_layers, hidden=row.hidden_size, heads=row.num_heads, vocab=51200, seq=2048)
+    if sizes.get(row.model) != want:
+        raise ValueError(f"plain_gpt.py SIZES[{row.model!r}] = {sizes.get(row.model)}, Table 3 says {want}")
+    return build_graph(str(plain_gpt_path(row.model)), dtype="fp16")
+
+
+def table5_plan(row: Table5Row, mode: str):  # noqa: ANN201 - returns autopar.plan.Plan
+    """The published configuration of ``row`` in ``mode`` (TABLE5_MODES) as a plan v1 on a100-80g:
+    dp 1, tp and pp as published, plain 1F1B, micro-batch as published, fp16, ZeRO-0."""
+    from autopar.plan import ClusterRef, ModelRef, Parallel, Plan, Training
+
+    sp, recompute = TABLE5_MODES[mode]
+    return Plan(
+        model=ModelRef(file=str(plain_gpt_path(row.model)), num_blocks=row.num_layers),
+        cluster=ClusterRef(profile="a100-80g", num_gpus=row.num_gpus, gpus_per_node=8),
+        training=Training(global_batch_size=row.global_batch, micro_batch_size=row.micro_batch, seq_len=2048,
+                          dtype="fp16", optimizer="adam"),
+        parallel=Parallel(dp=1, tp=row.tp, pp=row.pp, sequence_parallel=sp, recompute=recompute,
+                          pp_schedule="1f1b", pp_virtual_stages=1),
+    )

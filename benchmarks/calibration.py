@@ -3,7 +3,11 @@ each with published, predicted and error, and the mean and max |error| per table
 
 1. Megatron-LM SC21 Table 1: iteration time of GPT 1.7B-1T on 32-3,072 A100-80GB (targets: mean <= 3 %,
    every row <= 6 %), each row's exact configuration estimated with ``--cluster a100-80g``;
-2. Korthikanti et al. 2022 Table 4: forward/backward time of one 22B layer (target: 10 %);
+2. Korthikanti et al. 2022 Table 4: forward/backward time of one 22B layer (target: 10 %); its Table 5:
+   end-to-end iteration time of the 22B-1T models (Table 3's configurations) with full recompute and
+   with sequence parallelism + selective recompute, each model from a model file that declares no
+   tp_plan (autopar/models/plain_gpt.py); a held-out source only, never fitted (its target -- mean <= 5 %,
+   max <= 10 % -- is checked by --holdout; here informational);
 3. Korthikanti et al. 2022 Table 2: activation bytes per layer, measured on meta, vs the formulas (target: 2 %);
 4. ZeRO SC20 Table 1: model-state GB per device (target: 1 %, or the rounding of the printed figure);
 5. h100_public.yaml, one table per group: NVIDIA dgxc recipes and Megatron-Core's weak-scaling table on
@@ -33,7 +37,18 @@ from autopar.cost.estimate import estimate_plan
 from autopar.cost.memory import state_bytes_per_param
 from autopar.cost.stage import Config, build_terms
 from autopar.models.gpt import GPTConfig
-from autopar.reference import KORTHIKANTI_22B, TABLE4_MODES, gpt_graph, load_calibration, megatron_plan, megatron_rows
+from autopar.reference import (
+    KORTHIKANTI_22B,
+    TABLE4_MODES,
+    TABLE5_MODES,
+    gpt_graph,
+    load_calibration,
+    megatron_plan,
+    megatron_rows,
+    table5_graph,
+    table5_plan,
+    table5_rows,
+)
 from autopar.reference_h100 import public_plan, public_runs, run_graph, software_cluster
 from autopar.report import table
 
@@ -103,6 +118,30 @@ def table4(cluster) -> None:  # noqa: ANN001
     print(table(["mode", "pub fwd", "pred fwd", "err %", "pub bwd", "pred bwd", "err %", "pub total", "pred total"],
                 rows, align="lrrrrrrrr"))
     print(summary(errors, "Table 4", None, 10))
+    print()
+
+
+def table5(cluster) -> None:  # noqa: ANN001
+    """Korthikanti 2022 Table 5 with the shipped constants, and where each predicted step goes."""
+    rows, errors = [], []
+    for row in table5_rows():
+        graph = table5_graph(row)
+        for mode in TABLE5_MODES:
+            est = estimate_plan(table5_plan(row, mode), graph, cluster)
+            published = row.time_s(mode)
+            err = pct(est.step_time_s, published)
+            errors.append(err)
+            t = est.time_breakdown_s
+            rows.append((row.model, mode.replace("_", " "), f"{row.tp}/{row.pp}/1", row.micro_batch, row.global_batch,
+                         f"{published:.2f}", f"{est.step_time_s:.2f}", f"{err:+.1f}", f"{est.mfu * 100:.1f}",
+                         f"{t['compute']:.2f}", f"{t['recompute']:.2f}", f"{t['tp_comm']:.2f}", f"{t['pp_comm']:.2f}",
+                         f"{t['bubble']:.2f}", f"{t['optimizer'] + t['dp_tail']:.2f}"))
+    print("Korthikanti 2022 Table 5 -- iteration time (A100-80GB, fp16, dp 1, 1F1B; model file without a tp_plan; "
+          "a100-80g); where the predicted step goes, s")
+    print(table(["model", "setting", "tp/pp/dp", "mb", "batch", "published s", "predicted s", "error %", "MFU %",
+                 "compute", "recompute", "tp comm", "p2p", "bubble", "optimizer"], rows, align="llrrrrrrrrrrrrr"))
+    print(summary(errors, "Table 5", None, None) + "  (held out, never fitted: targets 5 % mean, 10 % max "
+          "checked by --holdout)")
     print()
 
 
@@ -245,7 +284,7 @@ def holdout_table() -> None:
     """Leave-one-source-out (autopar.reference_fit): per source, the error of its published figures
     with the shipped constants (in-sample: chosen with these runs) and with constants fitted without
     them (held-out), and the constants of each fold."""
-    from autopar.reference_fit import FITTED, SOURCES, holdout, shipped_values
+    from autopar.reference_fit import FITTED, PREDICTED_WHY, SOURCES, holdout, shipped_values
 
     folds = holdout(progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True))
     rows = []
@@ -255,22 +294,31 @@ def holdout_table() -> None:
 
         fitted = f.source in SOURCES
         rows.append((f.source, len(f.names), *stats(f.in_sample), *stats(f.held_out),
-                     "" if fitted else "never fitted (other hardware)",
+                     "" if fitted else f"never fitted ({PREDICTED_WHY[f.source]})",
                      ", ".join(f"{k} kept" for k in f.kept)))
-        if fitted:
+        # held out only but the same hardware and software family: its target is the acceptance figure
+        if fitted or f.source == "korthikanti_t5":
             errs = [abs(e) for e in f.held_out]
             check(sum(errs) / len(errs) <= 0.05, f"held-out {f.source} mean <= 5 %")
             check(max(errs) <= 0.10, f"held-out {f.source} max <= 10 %")
     print("leave one source out: |error| % of each source's published figures (H100 step times; A100: SC21 iteration "
-          "times, Table 4 layer fwd/bwd)")
+          "times, Table 4 layer fwd/bwd, Table 5 iteration times)")
     print(table(["left out", "runs", "in-sample mean", "in-sample max", "held-out mean", "held-out max", "",
                  "constants"], rows, align="lrrrrrll"))
     print()
     shipped = shipped_values()
     consts = [(k.name, ", ".join(k.profiles), f"{shipped[k.name]:.3f}",
                *(f"{f.values[k.name]:.3f}" + ("*" if k.name in f.kept else "") for f in folds)) for k in FITTED]
-    print("fitted constants: shipped, and fitted without each source (the last column: on every H100 source; * kept)")
-    print(table(["constant", "profiles", "shipped", *(f"w/o {f.source}" if f.source in SOURCES else "all H100"
+    rows = [(f.source, name, f"{100 * a:+.1f}", f"{100 * b:+.1f}") for f in folds if f.source not in SOURCES
+            for name, a, b in zip(f.names, f.in_sample, f.held_out)]
+    print("held-out-only sources, per figure: error % with the shipped constants and with those fitted on every "
+          "source of their GPU")
+    print(table(["source", "figure", "shipped constants", "held out"], rows, align="llrr"))
+    print()
+    print("fitted constants: shipped, and fitted without each source (the last columns: on every source of the "
+          "held-out-only source's GPU; * kept)")
+    gpu = {"torchtitan": "all H100", "korthikanti_t5": "all A100"}
+    print(table(["constant", "profiles", "shipped", *(f"w/o {f.source}" if f.source in SOURCES else gpu.get(f.source, "all")
                                                       for f in folds)], consts, align="ll" + "r" * (len(folds) + 1)))
     print()
 
@@ -312,6 +360,7 @@ def main() -> int:
     cluster = load_cluster("a100-80g")
     megatron_table(cluster)
     table4(cluster)
+    table5(cluster)
     table2(cluster)
     zero_table()
     h100_tables()
