@@ -41,6 +41,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autopar.spec.meta_fallback import run_for_shapes
+from autopar.spec.meta_values import KnownValues, meta_format
+
 _VALUE_READS = {"_local_scalar_dense", "is_nonzero", "equal"}
 _MASK_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "_unsafe_index_put"}
 _DATA_SHAPED = {"nonzero", "masked_select", "bincount", "_unique2", "repeat_interleave"}
@@ -100,11 +103,17 @@ def grouped_mm_meta(args: tuple, kwargs: dict) -> torch.Tensor:
 def call_on_meta(func: Any, args: tuple, kwargs: dict) -> Any:
     """``func(*args, **kwargs)`` from inside a dispatch mode, or, where a meta kernel refuses a dtype
     the device kernel takes (torch's ``_grouped_mm`` meta kernel refuses fp32, its CPU kernel runs
-    it), what it would have returned; any other error stands. Every dispatch mode that runs the
+    it), what it would have returned; an op with no meta kernel at all answers with the shapes its CPU
+    kernel gives on zero stand-ins (spec/meta_fallback.py); any other error stands. Every dispatch mode that runs the
     user's forward or backward on meta calls ops through this (the first mode to see an op is the
     one whose call raises)."""
     try:
         return func(*args, **kwargs)
+    except NotImplementedError:  # no meta kernel at all (the CTC loss): shapes from the CPU kernel
+        out = run_for_shapes(func, args, kwargs)
+        if out is None:
+            raise
+        return out
     except RuntimeError:
         if func._overloadpacket.__name__ == "_grouped_mm" and all(
                 isinstance(a, torch.Tensor) and a.is_meta for a in args[:2]):
@@ -156,6 +165,7 @@ class _TolerantMeta(TorchDispatchMode):
         self.routed: dict[int, str] = {}  # id of a routing tensor -> the op that made it
         self.alive: list[torch.Tensor] = []  # keeps routing tensors alive so their ids stay theirs
         self.alls: set[int] = set()  # ids of all() results (kept alive in ``alive``): they read True
+        self.known = KnownValues()  # the experts a balanced routing hits, and picks of them (meta_values.py)
 
     def _is_routed(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and id(t) in self.routed
@@ -179,6 +189,9 @@ class _TolerantMeta(TorchDispatchMode):
         t = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if name == "equal":
             return False
+        known = self.known.get(t)
+        if known is not None and known.numel() == 1:
+            return bool(known) if name == "is_nonzero" else known.item()
         if t is not None and self.routing is not None and self.routed.get(id(t)) == "largest expert":
             return self.routing.num_experts - 1
         if t is not None and self._counts(t):
@@ -262,6 +275,11 @@ class _TolerantMeta(TorchDispatchMode):
             out = self._copy_out(args[0], kwargs)  # .cpu(), .tolist() of counts and masks: what reads get
         else:
             out = call_on_meta(func, args, kwargs)
+        if (name == "nonzero" and self.routing is not None and self._is_routed(args[0]) and args[0].dim() == 1
+                and args[0].numel() in (self.routing.num_experts, self.routing.num_experts + 1)):
+            self.known.note_experts_hit(out, self.routing.num_experts)
+        elif name in _PASS_ON and _is_meta(args):
+            self.known.propagate(func, args, kwargs, out)
         if name == "all" and _is_meta(args) and isinstance(out, torch.Tensor):
             self.alls.add(id(out))
             self.alive.append(out)
@@ -287,6 +305,9 @@ class _TolerantMeta(TorchDispatchMode):
         """A meta tensor copied to a real device: filled with what its value reads would answer
         (per-expert counts of a routing count, else zeros)."""
         dtype = kwargs.get("dtype") or t.dtype
+        known = self.known.get(t)
+        if known is not None:
+            return known.to(dtype=dtype, device=kwargs["device"])
         value = self.routing.per_expert if self._counts(t) and t.dtype != torch.bool else (
             True if self._counts(t) else 0)
         return torch.full(t.shape, value, dtype=dtype, device=kwargs["device"])
@@ -320,5 +341,5 @@ class _TolerantMeta(TorchDispatchMode):
 def tolerant_meta() -> Iterator[_TolerantMeta]:
     """Answer value reads and data-dependent shapes of meta tensors (see the module docstring)
     inside this block. The mode it yields holds ``routing``: the last top-k routing seen (or None)."""
-    with _TolerantMeta() as mode:
+    with _TolerantMeta() as mode, meta_format():
         yield mode

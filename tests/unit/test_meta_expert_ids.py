@@ -1,0 +1,55 @@
+"""On the meta device, a mixture of experts that loops over the experts its routing hit and picks each
+one by an id read from a tensor runs every expert once (spec/meta_values.py): by ``operator.index``
+into an ``nn.ModuleList``, or by a formatted 0-d tensor into an ``nn.ModuleDict`` (HF Switch
+Transformers' ``experts[f"expert_{idx[0]}"]``, which raised KeyError on the tensor's repr)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.spec.meta import tolerant_meta
+
+D, E, TOKENS = 8, 4, 16
+
+
+class SwitchMoE(nn.Module):
+    """Top-1 routing by argmax, a one-hot dispatch mask, experts in a ModuleDict or a ModuleList."""
+
+    def __init__(self, keyed: bool) -> None:
+        super().__init__()
+        self.keyed = keyed
+        self.router = nn.Linear(D, E)
+        experts = [nn.Linear(D, D) for _ in range(E)]
+        self.experts = nn.ModuleDict({f"expert_{i}": m for i, m in enumerate(experts)}) if keyed else nn.ModuleList(experts)
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.functional.one_hot(self.router(x).argmax(dim=-1), num_classes=E)  # (tokens, E)
+        out = torch.zeros_like(x)
+        hit = torch.greater(mask.sum(dim=0), 0).nonzero()  # (experts hit, 1)
+        for idx in hit:
+            expert = self.experts[f"expert_{idx[0]}"] if self.keyed else self.experts[idx]
+            self.seen.append(list(self.experts.values() if self.keyed else self.experts).index(expert))
+            rows = torch.where(mask[:, idx[0]])[0]
+            out.index_add_(0, rows, expert(x[rows]))
+        return out
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["module-dict-by-formatted-id", "module-list-by-index"])
+def test_each_hit_expert_runs_once_on_meta(keyed: bool) -> None:
+    with torch.device("meta"):
+        moe = SwitchMoE(keyed)
+        x = torch.empty(TOKENS, D)
+    with tolerant_meta():
+        y = moe(x)
+    assert y.shape == (TOKENS, D) and y.is_meta
+    assert sorted(moe.seen) == list(range(E))  # each expert once (before: expert 0, E times / KeyError)
+
+
+def test_formatting_a_plain_meta_scalar_reads_zero_and_the_patch_is_undone() -> None:
+    t = torch.empty((), dtype=torch.int64, device="meta")
+    with tolerant_meta():
+        assert f"{t}" == "0"
+    assert "meta" in f"{t}"  # outside the block: torch's own formatting
