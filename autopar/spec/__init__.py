@@ -26,6 +26,7 @@ from autopar.spec.attention import hf_attention
 from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, probe_calls
 from autopar.spec.chain import Chain, block_list_chain, find_chain
 from autopar.spec.chain_tp import chain_kind_plans, chain_tp_reason
+from autopar.spec.cp_check import mixing_outside_attention
 from autopar.spec.inplace import inplace_outputs
 from autopar.spec.meta import tolerant_meta
 from autopar.spec.model_spec import DIMENSIONS, ModelSpec
@@ -232,7 +233,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         if chain is not None:
             spec = _chain_spec(mf, model, chain, inputs, run)
             units = expert_units(model, chain.units, lambda: routing[0] if routing else None)
-            return _with_support(dataclasses.replace(spec, expert_units=units))
+            return _with_support(dataclasses.replace(spec, expert_units=units, routed=bool(routing)))
         mixed = heterogeneous_lists(model)
         hint = (f" ({', '.join(mixed[:3])} hold blocks whose parameter shapes differ)" if mixed else "")
         raise ModelFileError(
@@ -269,6 +270,9 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     # MoE blocks are refused SP before any check (spec/support.py); a block without TP has none.
     sp_why, keyword_parents = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
                                if tp.styles and moe is None else (None, ()))
+    hf = hf_attention(model, block)
+    cp_mixing = (mixing_outside_attention(model, blocks_path, hf.module, inputs, token_key)
+                 if hf is not None and mf.seq_len is not None and (token_batch or token_key) else None)
     spec = ModelSpec(
         blocks_path=blocks_path, num_blocks=len(blocks), blocks_kind=type(blocks).__name__, tp=tp,
         core_name=find_core(block), num_heads=heads, num_kv_heads=kv,
@@ -276,7 +280,8 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
         probe=probe, sp_parents_keyword=keyword_parents,
         bare_params=_bare_params(model, blocks_path, probe), inputs_are_tensors=tensors_only and bool(flat),
         inputs_are_token_batch=token_batch, token_key=token_key, labels_key=labels_key,
-        is_sequence_model=mf.seq_len is not None, hf_attention=hf_attention(model, block), notes=tp.dropped,
+        is_sequence_model=mf.seq_len is not None, hf_attention=hf, cp_mixing=cp_mixing, routed=bool(routing),
+        notes=tp.dropped,
         moe=moe, sp_check=sp_why, tp_inplace_outputs=inplace_outputs(block, tp.styles, run) if tp.styles else (),
         chain=_meta_call(where, lambda: block_list_chain(model, blocks_path, run)) if isinstance(blocks, nn.Sequential) else None,
     )

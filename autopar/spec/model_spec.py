@@ -54,6 +54,12 @@ class ModelSpec:
     labels_key: str | None = None
     is_sequence_model: bool = False
     hf_attention: HFAttention | None = None  # attention dispatched by transformers' interface (spec/attention.py)
+    # why block 0 is not exact under context parallelism: it mixes positions outside its attention
+    # (spec/cp_check.py); None: it does not, or the check did not run
+    cp_mixing: str | None = None
+    # the meta forward saw a router (spec/meta.py: a top-k or top-1 over expert scores): which
+    # parameters get a gradient depends on the batch (an expert no token chose gets none on that rank)
+    routed: bool = False
     support: Mapping[str, str | None] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     # The layer chain a pipeline cuts at unit inputs (spec/chain.py): a model without a repeated

@@ -112,7 +112,7 @@ def cp_support(spec: "ModelSpec") -> str | None:
         return f"attention dropout {hf.dropout} > 0; context-parallel attention has no dropout"
     if not hf.position_ids:
         return "forward() takes no position_ids= argument to place a sequence shard"
-    return None
+    return spec.cp_mixing  # a scan, conv or token shift beside the attention (spec/cp_check.py)
 
 
 def cp_pp_support(spec: "ModelSpec") -> str | None:

@@ -47,6 +47,7 @@ from autopar.executor.runtime.checks import check_host_build, host_available_byt
 from autopar.executor.runtime.introspect import ModelSpec
 from autopar.modelfile import ModelFile
 from autopar.plan import Plan
+from autopar.spec.unused import parameters_without_grad
 from autopar.torch_dtypes import TORCH_DTYPES
 
 
@@ -362,6 +363,13 @@ def place(
     # 5. ZeRO / FSDP2 / DDP over dp x cp
     dp_mesh = mesh.dp_cp
     wrapped: list[DataParallelResult] = []
+    # DDP waits for every parameter's gradient: tell it when some get none (spec/unused.py)
+    unused = not fake and wrap_kind(zero, dp_mesh.size(), replicated=par.pp > 1 or par.tp > 1) == "ddp"
+    if unused and not spec.routed:  # routed: DDP finds them every step anyway (apply_data_parallel)
+        try:
+            unused = bool(parameters_without_grad(mf, plan.training.micro_batch_size))
+        except Exception:  # noqa: BLE001 - the meta pass cannot tell: let DDP find them each step (slower, right)
+            unused = True
     for part, fill in zip(parts, fills):
         blocks = _blocks_of(part, spec, prefix)
         policy = None
@@ -372,7 +380,8 @@ def place(
         wrapped.append(apply_data_parallel(part, blocks, dp_mesh, zero=zero, dtype=plan.training.dtype, device=device,
                                            pipelined=par.pp > 1 or par.tp > 1, offload_policy=policy,
                                            ddp_stand_in=fake, fill=fill,
-                                           host_masters=par.offload.optimizer and not par.offload.params))
+                                           host_masters=par.offload.optimizer and not par.offload.params,
+                                           unused_params=unused, routed=spec.routed and not fake))
     del reference
 
     # 6. pipeline schedule, optimizer, tied-weight groups

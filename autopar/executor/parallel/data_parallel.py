@@ -46,6 +46,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from autopar.executor.parallel import routed_grads
 from autopar.torch_dtypes import TORCH_DTYPES
 
 
@@ -98,6 +99,8 @@ def apply_data_parallel(
     ddp_stand_in: bool = False,
     fill: Callable[[nn.Module], None] | None = None,
     host_masters: bool = False,
+    unused_params: bool = False,
+    routed: bool = False,
 ) -> DataParallelResult:
     """Wrap ``part`` (real tensors, already TP/CP/recompute-applied) for data parallelism.
 
@@ -122,7 +125,17 @@ def apply_data_parallel(
     FSDP2 reduces in fp32 and stores in the parameter's dtype -- are held on the device in the
     training dtype, as ZeRO-Offload and Megatron-LM's CPU optimizer do: 2 + 2 bytes per sharded
     parameter instead of 4 + 4, what autopar.cost.offload prices. Each module is cast just before
-    it is sharded."""
+    it is sharded.
+
+    ``unused_params``: some trainable parameters get no gradient from the loss (spec/unused.py); DDP
+    then follows the autograd graph each step to mark them ready (``find_unused_parameters``), else
+    the bucket holding one would never reduce.
+
+    ``routed`` (spec.routed: a router picks experts by the data): the parameters with a gradient
+    differ from rank to rank (an expert that no token of this rank chose runs no backward here, HF
+    Switch Transformers). DDP then finds unused parameters each step; under FSDP2 and ``replicate``
+    the ranks agree on the set before each reduction (executor/parallel/routed_grads.py), else each
+    would reduce a different set of gradients and the collective's sizes would not match."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[dtype], reduce_dtype=torch.float32) if dtype != "fp32" else MixedPrecisionPolicy()
@@ -155,6 +168,8 @@ def apply_data_parallel(
         # which comes right after -- re-gathering them would only add an all-gather.
         fully_shard(part, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=mp, **ignored(part))
         _average_grads_of([p for p in part.parameters() if p.dim() == 0], mesh)
+        if routed:
+            routed_grads.install(part, mesh.get_group(), device)
         return DataParallelResult(module=part, kind="fsdp", sharded_optimizer=False, zero1=zero == 1)
     if kind == "none":
         return DataParallelResult(module=part, kind="none", sharded_optimizer=False)
@@ -165,6 +180,8 @@ def apply_data_parallel(
         # of every weight per micro-batch and an fp32 residual stream (rehearsed 15-26 % above
         # the price of Llama-3 70B's ZeRO-0 plan at 64 H100s)
         replicate(part, mesh=mesh, mp_policy=mp)
+        if routed:
+            routed_grads.install(part, mesh.get_group(), device)
         return DataParallelResult(module=part, kind="replicate", sharded_optimizer=False)
     if ddp_stand_in:
         return DataParallelResult(module=DDPBuckets(part), kind="ddp", sharded_optimizer=False)
@@ -175,6 +192,7 @@ def apply_data_parallel(
         process_group=mesh.get_group(),
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=False,
+        find_unused_parameters=unused_params or routed,
     )
     return DataParallelResult(module=ddp, kind="ddp", sharded_optimizer=False)
 

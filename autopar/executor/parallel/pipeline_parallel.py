@@ -97,8 +97,9 @@ class _StageExit(Exception):
 
 def _as_block_output(block_out: Template, hidden: torch.Tensor) -> Any:
     """``hidden`` in the structure a block returns (its other tensor leaves, e.g. attention weights,
-    as zeros of their recorded shapes)."""
-    if block_out.is_tensor == (True,):
+    as zeros of their recorded shapes). A block returning a one-element tuple ``(h,)`` gets a tuple:
+    model code reads ``layer(h)[0]``, which on a bare tensor would take batch row 0 (HF Falcon-H1)."""
+    if block_out.is_tensor == (True,) and block_out.spec.is_leaf():
         return hidden
     shapes = [v for v, t in zip(block_out.leaves, block_out.is_tensor) if t]
     rest = [torch.zeros(v[0], dtype=v[1], device=hidden.device) for v in shapes[1:]]

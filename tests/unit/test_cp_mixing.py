@@ -1,0 +1,71 @@
+"""Context parallelism is offered only where nothing but the attention mixes positions
+(spec/cp_check.py): a Hugging Face decoder as is keeps cp; the same decoder with a token shift in its
+MLP (RWKV-style; Falcon-H1's Mamba branch beside the attention does the same) is refused, with the
+reason, although its attention alone is what the executor makes context-parallel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from autopar.modelfile import load_model_file  # noqa: E402
+from autopar.spec import model_spec  # noqa: E402
+
+SOURCE = '''
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+CONFIG = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=64, max_position_embeddings=16, use_cache=False,
+                     attn_implementation="eager")
+SEQ_LEN = 16
+SHIFT = {shift}
+
+
+class Shifted(nn.Module):
+    """The MLP fed each position's input mixed with the previous position's (a token shift)."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+        return self.mlp(0.5 * (x + prev))
+
+
+def build_model():
+    model = LlamaForCausalLM(CONFIG)
+    if SHIFT:
+        for layer in model.model.layers:
+            layer.mlp = Shifted(layer.mlp)
+    return model
+
+
+def example_inputs(micro_batch_size):
+    ids = torch.randint(0, CONFIG.vocab_size, (micro_batch_size, SEQ_LEN))
+    return {{"input_ids": ids, "labels": ids.clone()}}
+
+
+def loss_fn(output, inputs):
+    return output.loss
+'''
+
+
+def _spec(tmp_path: Path, shift: bool):
+    path = tmp_path / f"llama_shift_{shift}.py"
+    path.write_text(SOURCE.format(shift=shift))
+    return model_spec(load_model_file(path))
+
+
+def test_a_plain_decoder_keeps_context_parallelism(tmp_path: Path) -> None:
+    assert _spec(tmp_path, False).support["cp"] is None
+
+
+def test_a_token_shift_beside_the_attention_refuses_it(tmp_path: Path) -> None:
+    why = _spec(tmp_path, True).support["cp"]
+    assert why is not None and "mixes positions outside its attention (self_attn)" in why
