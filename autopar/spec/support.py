@@ -91,6 +91,9 @@ def pp_support(spec: "ModelSpec") -> str | None:
 def cp_support(spec: "ModelSpec") -> str | None:
     if not spec.is_sequence_model:
         return "not a sequence model (no SEQ_LEN)"
+    if spec.blocks_kind == "chain":  # the executor installs cp attention in the blocks of one list
+        return (f"the blocks differ (a chain of {spec.num_blocks} units): context parallelism runs the "
+                "attention of one repeated block list")
     if not spec.inputs_are_token_batch and spec.token_key is None:
         return ("example_inputs() is not one (batch, seq) token tensor, nor a dict of a (batch, seq) "
                 "input_ids with only labels and attention_mask of its shape beside it")
@@ -160,9 +163,15 @@ def ep_support(spec: "ModelSpec") -> str | None:
     moe = spec.moe
     if moe is None and spec.expert_units:
         units = spec.expert_units
+        if len(units) == spec.num_blocks:
+            return (f"every one of the {spec.num_blocks} blocks holds experts, but the blocks differ otherwise "
+                    "(a chain of unit kinds); expert parallelism shards the experts of one repeated block")
         listed = ", ".join(units[:3]) + (", ..." if len(units) > 3 else "")
         return (f"the blocks differ: {len(units)} of {spec.num_blocks} hold experts ({listed}), the others "
                 "none; expert parallelism shards the experts of one repeated block")
+    if moe is None and spec.routed:
+        return ("a router chooses among experts (seen on meta), but the experts are neither an nn.ModuleList "
+                "of identical modules nor weights stacked per expert, which expert parallelism shards")
     if moe is None:
         return f"{NO_EXPERTS} (no router choosing top-k among expert weights)"
     if spec.chain is not None:
