@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
 from autopar.cost.fused_elementwise import FusedTraffic, block_traffic, fused_times_s
+from autopar.cost.fused_scan import runs_fused_scan, scan_saved_bytes, scan_times_s
 from autopar.cost.memo import IdentityMemo
 from autopar.graph.scaling import FitOp, RegionFit, Shape
 from autopar.profile_tables import LayerTable
@@ -215,7 +216,15 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
     sequence_model = any(op.bytes_exps.s > 0.5 for op in fit.ops)
     if fused is not None:
         fwd, bwd = fused_times_s(fused, cluster, shape, seq_len)
+    scan = fit.scan if fit.scan is not None and runs_fused_scan(cluster) else None
+    if scan is not None:  # the loop over positions as one fused kernel (autopar.cost.fused_scan)
+        scan_fwd, scan_bwd = scan_times_s(fit, cluster, shape)
+        fwd, bwd = fwd + scan_fwd, bwd + scan_bwd
     for op in fit.ops:
+        if scan is not None and op.in_scan:  # priced above; its FLOPs still count
+            flops = op.flops * (_no_sp(shape) if op.kind == "gemm" else shape).scale(op.flops_exps)
+            fwd_f, bwd_f = (fwd_f + flops, bwd_f) if op.phase == "fwd" else (fwd_f, bwd_f + flops)
+            continue
         core_op = is_core(op)
         parameter_sized = is_parameter_sized(op, sequence_model)
         if fused is not None and op.kind == "mem" and not core_op and not parameter_sized:
@@ -247,6 +256,8 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
     # cost/megatron_memory.py).
     gathered = _no_sp(shape) if cluster.sp_saves_gathered_input and cluster.activation_memory != "megatron" else shape
     for q in fit.saved:
+        if scan is not None and q.in_scan:
+            continue  # only the loop made it: the fused scan keeps its inputs instead (below)
         if q.exps.quadratic:
             b = q.nbytes * core_shape.scale(q.exps)
             core_saved += b
@@ -255,6 +266,8 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
         else:
             b = q.nbytes * shape.scale(q.exps)
         saved += b
+    if scan is not None:
+        saved += scan_saved_bytes(scan, shape)
     peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks), default=0.0)
     return RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, core_bwd_s=core_b, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
                       fwd_flops=fwd_f, bwd_flops=bwd_f,

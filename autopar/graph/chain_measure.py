@@ -24,8 +24,9 @@ from torch import nn
 from autopar.errors import ModelFileError
 from autopar.graph.build import ParamRegions, TracedRun, default_loss, first_tensor, slice_sequence
 from autopar.graph.chain_tp import chain_tp_comm_hooks, shard_chain_for_tp, sharded_params
+from autopar.graph.fused_scan import fit_with_scan
 from autopar.graph.model_graph import ChainUnit, ModelGraph, RegionParams
-from autopar.graph.scaling import RegionFit, fit_region
+from autopar.graph.scaling import RegionFit
 from autopar.graph.trace import Trace, run_and_trace
 from autopar.modelfile import ModelFile, call_model
 from autopar.spec import ModelSpec
@@ -194,9 +195,9 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
     for region in names:
         t2_region = t2.trace if t2 is not None and (loss_t2 or region != "loss") else None
         try:
-            regions[region] = fit_region(region, base.trace, b2.trace, s_half and s_half.trace, t2_region)
+            regions[region] = fit_with_scan(region, base.trace, b2.trace, s_half and s_half.trace, t2_region)
         except ValueError:
-            regions[region] = fit_region(region, base.trace, b2.trace, None, None)
+            regions[region] = fit_with_scan(region, base.trace, b2.trace, None, None)
     at = dict(zip(keep, kept_in))
     param_regions = {pid: {_unit_region(r, keep) for r in rs} for pid, rs in base.param_regions.items()}
     unit_params, pre, post, tied = _params(model, chain.units, param_regions)

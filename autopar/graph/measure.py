@@ -12,8 +12,9 @@ from torch.utils._pytree import tree_map
 from autopar.errors import ModelFileError
 from autopar.graph.build import one_block_model, sequence_keep, slice_sequence, trace_model
 from autopar.graph.carried import measure_carried
+from autopar.graph.fused_scan import fit_with_scan
 from autopar.graph.model_graph import ModelGraph, MoEFacts, RegionParams
-from autopar.graph.scaling import FitQuantity, RegionFit, fit_region
+from autopar.graph.scaling import FitQuantity, RegionFit
 from autopar.graph.short_probe import build_bounded
 from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit
 from autopar.modelfile import ModelFile, load_model_file
@@ -143,10 +144,10 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     for region in ("pre", "block", "post", "loss"):
         t2_region = t2.trace if t2 is not None and (loss_t2 or region != "loss") else None
         try:
-            regions[region] = fit_region(region, base.trace, b2.trace, s_half and s_half.trace, t2_region)
+            regions[region] = fit_with_scan(region, base.trace, b2.trace, s_half and s_half.trace, t2_region)
         except ValueError:
             # Shapes change the op sequence: fall back to fitting without TP (rare; non-transformer code paths).
-            regions[region] = fit_region(region, base.trace, b2.trace, None, None)
+            regions[region] = fit_with_scan(region, base.trace, b2.trace, None, None)
     params, tied = _region_params(small, base.param_regions, t2, blocks_attr, tp_plan, spec.tp.local_attrs)
     support = dict(spec.support)
     if tp_reason is not None:  # the sharded block did not trace: TP and what needs it are off

@@ -27,6 +27,13 @@ class OpRecord:
     # A fused attention kernel called with ``is_causal``: it skips the masked tiles, so it runs at
     # its causal rate (autopar.kernel_tables); torch's FLOP count is the full s^2 either way.
     causal: bool = False
+    # Its dataflow, for finding a loop's fused scan (graph/fused_scan.py); kept only while fitting:
+    # each tensor input and output as (id of the tensor it views, bytes it reads or writes, bytes of
+    # that whole tensor), the elements it writes and those of its largest input.
+    ins: tuple[tuple[int, float, float], ...] = ()
+    outs: tuple[tuple[int, float, float], ...] = ()
+    out_numel: float = 0.0
+    in_numel: float = 0.0  # elements of its largest input
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +45,7 @@ class SavedRecord:
     region: str
     nbytes: float
     gemm_input: bool = False
+    root: int = 0  # id of the tensor it views (OpRecord.ins): which op produced it
 
 
 @dataclass(frozen=True, kw_only=True)

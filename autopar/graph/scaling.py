@@ -82,6 +82,7 @@ class FitOp:
     # no counterpart in the trace at half the sequence: it stands for the positions that trace lacks
     # (``at_longer_sequence`` repeats it for the positions a longer sequence adds)
     per_position: bool = False
+    in_scan: bool = False  # one of a loop's ops that a GPU runs as one fused scan (graph/fused_scan.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +94,21 @@ class FitQuantity:
     nbytes: float
     exps: Exps
     gemm_input: bool = False  # a saved GEMM input (records.SavedRecord.gemm_input)
+    in_scan: bool = False  # a tensor only a loop's scan made: its fused kernel keeps none (graph/fused_scan.py)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FusedScan:
+    """The fused kernel of a region's loop over positions (graph/fused_scan.py; priced by
+    autopar.cost.fused_scan): the tensors it reads and writes once, those of its inputs it saves that
+    nothing else saves, and the forward FLOPs of its element-wise work, each with its exponents
+    (its matrix products are its ops marked ``in_scan`` of kind gemm)."""
+
+    reads: tuple[FitQuantity, ...]
+    writes: tuple[FitQuantity, ...]
+    saves: tuple[FitQuantity, ...]
+    flops: float
+    flops_exps: Exps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +121,7 @@ class RegionFit:
     # how far a step's live tensors rise above its saved activations in this region, per phase
     # (graph/live.py): the loss's full-vocabulary copies, gradients of activations
     peaks: tuple[FitQuantity, ...] = ()
+    scan: FusedScan | None = None  # its loop over positions as one fused kernel (ops marked ``in_scan``)
 
 
 def _exp(base: float, other: float, factor: float) -> float:
@@ -142,18 +159,29 @@ def _align(a: list[OpRecord], b: list[OpRecord]) -> list[OpRecord | None]:
     return out
 
 
+Aligned = tuple[list[OpRecord], dict[str, "list[OpRecord | None] | None"]]
+
+
+def align_region(region: str, base: Trace, b2: Trace | None, s_half: Trace | None, t2: Trace | None) -> Aligned:
+    """The region's ops in ``base`` and, per varied variable ("b", "s", "t"), each one's counterpart
+    in that variable's trace (None: not varied)."""
+    ops = [o for o in base.ops if o.region == region]
+    return ops, {key: None if trace is None else _align(ops, [o for o in trace.ops if o.region == region])
+                 for key, trace in (("b", b2), ("s", s_half), ("t", t2))}
+
+
 def fit_region(
     region: str,
     base: Trace,
     b2: Trace | None,
     s_half: Trace | None,
     t2: Trace | None,
+    aligned: Aligned | None = None,
 ) -> RegionFit:
-    """Fit one region's exponents from its traces (None: that variable was not varied)."""
-    ops = [o for o in base.ops if o.region == region]
-    variants: dict[str, list[OpRecord | None] | None] = {}
-    for key, trace in (("b", b2), ("s", s_half), ("t", t2)):
-        variants[key] = None if trace is None else _align(ops, [o for o in trace.ops if o.region == region])
+    """Fit one region's exponents from its traces (None: that variable was not varied); ``aligned``:
+    ``align_region`` of the same, where the caller has it. (graph/fused_scan.fit_with_scan adds the
+    region's loop over positions, if any.)"""
+    ops, variants = aligned or align_region(region, base, b2, s_half, t2)
     varies = s_half is not None and len(ops) != sum(1 for o in s_half.ops if o.region == region)
     fitted = []
     for i, op in enumerate(ops):
@@ -261,8 +289,12 @@ def at_longer_sequence(fit: RegionFit, ratio: float) -> RegionFit:
             return _op_at(o, o, ratio, 1.0)
         return _op_at(o, fit.ops[like[i]] if like[i] is not None else o, ratio, 2.0 * ratio - 1.0)
 
+    scan = fit.scan
+    if scan is not None:
+        scan = replace(scan, reads=tuple(map(q, scan.reads)), writes=tuple(map(q, scan.writes)),
+                       saves=tuple(map(q, scan.saves)), flops=scan.flops * ratio**scan.flops_exps.s)
     return RegionFit(ops=tuple(op(i, o) for i, o in enumerate(fit.ops)), saved=tuple(q(v) for v in fit.saved),
-                     comm=tuple(q(v) for v in fit.comm), peaks=tuple(q(v) for v in fit.peaks))
+                     comm=tuple(q(v) for v in fit.comm), peaks=tuple(q(v) for v in fit.peaks), scan=scan)
 
 
 def _nearest_counterparts(ops: tuple[FitOp, ...]) -> list[int | None]:

@@ -137,6 +137,7 @@ class _Recorder(TorchDispatchMode):
         self.root: dict[int, int] = {}  # id of a view -> id of the root tensor it views
         self.io: list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = []
         self.gemm_inputs: set[int] = set()  # roots of the activation operands of mm / addmm
+        self.root_bytes: dict[int, int] = {}  # id of a root tensor -> its bytes (OpRecord.ins)
 
     def _rid(self, t: torch.Tensor) -> int:
         return self._rid_of(id(t))
@@ -154,6 +155,8 @@ class _Recorder(TorchDispatchMode):
 
     def _note_view(self, out: torch.Tensor, of: torch.Tensor) -> None:
         root = self._rid(of)
+        if root == id(of):
+            self.root_bytes.setdefault(root, _nbytes(of))
         if root != id(out):  # returning the input itself (or what it views) makes no entry
             self.root[id(out)] = root
 
@@ -189,12 +192,21 @@ class _Recorder(TorchDispatchMode):
             kind = "gemm"
         elif name in ATTENTION_OPS:
             kind, dims, causal = "attn", _attention_dims(name, args), _is_causal(func, args, kwargs)
+        ins = tuple((self._rid(t), _nbytes(t)) for t in flat_in)
+        for t in flat_in:
+            self.root_bytes.setdefault(id(t), _nbytes(t))
+        for t in flat_out:
+            self.root_bytes.setdefault(self._rid(t), _nbytes(t))
+        outs = tuple((self._rid(t), _nbytes(t)) for t in flat_out)  # an in-place op writes what it views
         self.trace.ops.append(
             OpRecord(name=name, phase=self.state.phase, region=self.state.region, kind=kind,
-                     flops=flops, bytes=float(moved), dims=dims, out_bytes=float(out_bytes), causal=causal)
+                     flops=flops, bytes=float(moved), dims=dims, out_bytes=float(out_bytes), causal=causal,
+                     ins=tuple((rid, float(n), float(self.root_bytes.get(rid, n))) for rid, n in ins),
+                     outs=tuple((rid, float(n), float(self.root_bytes.get(rid, n))) for rid, n in outs),
+                     out_numel=float(sum(t.numel() for t in flat_out)),
+                     in_numel=float(max((t.numel() for t in flat_in), default=0)))
         )
-        self.io.append((tuple((self._rid(t), _nbytes(t)) for t in flat_in),
-                        tuple((id(t), _nbytes(t)) for t in flat_out)))
+        self.io.append((ins, tuple((id(t), _nbytes(t)) for t in flat_out)))
         return out
 
     def apply_fusion(self, saved_ids: set[int]) -> None:
@@ -342,8 +354,8 @@ def record(trace: Trace, state: _State, param_ids: set[int]) -> Iterator[None]:
     recorder.apply_fusion({recorder._rid_of(i) for i in saved_ids})
     # A saved tensor is packed before the GEMM that reads it runs: marked once the trace is whole.
     for i, root in saved_at:
-        if recorder._rid_of(root) in recorder.gemm_inputs:
-            trace.saved[i] = dataclasses.replace(trace.saved[i], gemm_input=True)
+        rid = recorder._rid_of(root)
+        trace.saved[i] = dataclasses.replace(trace.saved[i], gemm_input=rid in recorder.gemm_inputs, root=rid)
 
 
 def run_and_trace(
