@@ -33,6 +33,7 @@ from autopar.spec.model_spec import DIMENSIONS, ModelSpec
 from autopar.spec.moe import MoESpec, moe_of
 from autopar.spec.short_run import middle_blocks_answered, only_unit_runs
 from autopar.spec.sp_check import sp_check
+from autopar.spec.spec_inputs import spec_inputs
 from autopar.spec.support import support_of
 from autopar.spec.tp_infer import Inference, infer_tp
 from autopar.spec.tp_plan import TPPlan, model_carried_plan, packed_names, plan_fused, resolve, root_prefixes
@@ -220,13 +221,18 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
 
     blocks_for_run = model.get_submodule(blocks_path) if blocks_path is not None else None
 
-    def run() -> Any:
+    def run_on(batch: Any) -> Any:
         shortened = middle_blocks_answered(blocks_for_run) if blocks_for_run is not None else contextlib.nullcontext()
         with tolerant_meta() as mode, shortened:
-            out = call_model(model, inputs)
+            out = call_model(model, batch)
         if mode.routing is not None and not routing:
             routing.append((mode.routing.top_k, mode.routing.num_experts))
         return out
+
+    inputs = spec_inputs(inputs, run_on)  # tokens cut short where a full-length forward loops too long
+
+    def run() -> Any:
+        return run_on(inputs)
 
     if blocks_path is None:
         chain = _meta_call(where, lambda: find_chain(model, run))

@@ -35,8 +35,15 @@ _TP = 2
 
 
 def is_norm(mod: nn.Module) -> bool:
-    """A module the executor runs under DTensor's ``SequenceParallel`` (its parameters replicated)."""
-    return isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith("Norm")
+    """A module the executor runs under DTensor's ``SequenceParallel`` (its parameters replicated, the
+    sequence shard in, gradients summed over the tp ranks): a norm, or a module that holds only
+    per-channel vectors and no layer (DINOv2's ``Dinov2LayerScale``, a learned per-channel gate),
+    which like a norm's weight acts on each position alone -- step 3's simulation checks that it does."""
+    if isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith("Norm"):
+        return True
+    own = list(mod.parameters(recurse=False))
+    return bool(own) and all(p.dim() <= 1 for p in own) and not any(
+        True for c in mod.children() for _ in c.parameters())
 
 
 def _parent(name: str) -> str:
@@ -99,6 +106,12 @@ def _check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int]
     captured: list[tuple[tuple, dict]] = []
     handles = [block.register_forward_pre_hook(
         lambda m, a, k: captured.append((a, dict(k))) if not captured else None, with_kwargs=True)]
+    by_keyword: list[str] = []
+    for n, m in block.named_modules():
+        if n and is_norm(m) and not isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            handles.append(m.register_forward_pre_hook(
+                lambda m, a, k, n=n: by_keyword.append(n) if not (a and isinstance(a[0], torch.Tensor)) else None,
+                with_kwargs=True))
     for p in parents:
         def hook(m: nn.Module, a: tuple, k: dict, name: str = p) -> None:
             if name not in called and not (a and isinstance(a[0], torch.Tensor)):
@@ -114,6 +127,9 @@ def _check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int]
     why = _stray_parameter(block, styles)
     if why:
         return why
+    if by_keyword:  # SequenceParallel wraps a norm's first positional input only
+        return (f"{by_keyword[0]} (replicated under sequence parallelism, as a norm) is called without a "
+                "positional hidden-state input to take as the sequence shard")
     direct = [c for c in cols if not _parent(c)]
     if direct:
         return (f"{direct[0]} sits directly in the block: sequence parallelism all-gathers the input of a "
