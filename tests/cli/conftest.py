@@ -20,13 +20,19 @@ def repo() -> Path:
 
 @pytest.fixture(scope="session")
 def run_cli() -> Callable[..., subprocess.CompletedProcess]:
-    """run_cli(*args, cwd=REPO) -> CompletedProcess with text stdout/stderr."""
+    """run_cli(*args, cwd=REPO, one_core=False) -> CompletedProcess with text stdout/stderr.
+    ``one_core``: the command sees one core (Linux), so a CPU profile's contention curve starts one
+    helper rank rather than one per level up to twice the machine's cores."""
 
-    def run(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
+    def run(*args: str, cwd: Path = REPO, timeout: float = 120, one_core: bool = False) -> subprocess.CompletedProcess:
         env = dict(os.environ)
         env.pop("AUTOPAR_PROFILES", None)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        pin = None
+        if one_core and hasattr(os, "sched_setaffinity"):
+            core = min(os.sched_getaffinity(0))
+            pin = lambda: os.sched_setaffinity(0, {core})  # noqa: E731
         return subprocess.run([sys.executable, "-m", "autopar", *map(str, args)], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, preexec_fn=pin)
 
     return run

@@ -89,7 +89,8 @@ def test_a_model_that_fails_on_real_tensors_ends_in_one_line(run_cli, tmp_path, 
     model = tmp_path / "bad.py"
     model.write_text(source)
     out = tmp_path / "p.yaml"
-    r = run_cli("profile", model, *SMALL, "--load-ranks", load_ranks, "-o", out, cwd=tmp_path, timeout=180)
+    r = run_cli("profile", model, *SMALL, "--load-ranks", load_ranks, "-o", out, cwd=tmp_path, timeout=180,
+                one_core=True)
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("autopar: error:")]
     assert len(errors) == 1, r.stderr
