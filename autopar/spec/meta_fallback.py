@@ -53,13 +53,17 @@ _RULES = {"_ctc_loss": _ctc_loss, "_ctc_loss_backward": _ctc_loss_backward}
 
 def run_for_shapes(func: Any, args: tuple, kwargs: dict) -> Any | None:
     """Meta tensors of the shapes and dtypes ``func`` returns: by its rule, else on zero stand-ins;
-    None where it cannot say (inputs over the cap, an input on a real device, the CPU kernel failing)."""
+    None where it cannot say (inputs over the cap, an input on or an output to a real device, the CPU
+    kernel failing)."""
     rule = _RULES.get(func._overloadpacket.__name__)
     if rule is not None:
         return rule(*args, **kwargs)
     tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
     if not tensors or any(not t.is_meta for t in tensors):
         return None
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "meta":
+        return None  # a copy to a real device: the model goes on with its values, which meta has none of
     if sum(t.numel() * t.element_size() for t in tensors) > MAX_INPUT_BYTES:
         return None
     try:
