@@ -137,6 +137,11 @@ class Cluster:
     # each input and output once (Megatron-Core + TE; autopar.cost.fused_elementwise), not the
     # model file's eager ops
     fused_elementwise: bool = False
+    # A loop over positions (a reference selective scan, an RNN-style recurrence) as the one fused
+    # scan kernel a GPU runs (autopar.cost.fused_scan): None decides by the device (a profile
+    # measured on a CPU runs the loop's own ops, every other the kernel); false for a GPU whose
+    # software lacks the kernel (HF Mamba/Jamba without mamba-ssm run the reference loop there too)
+    fused_scan: bool | None = None
     # How a ring / all-gather context-parallel rank splits its attention into flash kernels
     # (autopar.cost.compute._attention_s): "chunks" (autopar run) or "transformer_engine"
     cp_attention: str = "chunks"
@@ -378,7 +383,8 @@ FSDP_KEYS = {"gather_s_per_tensor": "fsdp_gather_s_per_tensor", "reduce_s_per_te
              "optimizer_s_per_tensor": "dtensor_optimizer_s_per_tensor"}
 
 _SOFTWARE_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "async_tp_backward", "pipeline_scatter_gather",
-                  "tp_comm_overlap", "fused_grad_accumulation", "fused_elementwise", "pipeline_buffers_per_microbatch",
+                  "tp_comm_overlap", "fused_grad_accumulation", "fused_elementwise", "fused_scan",
+                  "pipeline_buffers_per_microbatch",
                   "sp_saves_gathered_input", "autocast_weight_copies")
 ACTIVATION_MEMORY = ("measured", "megatron")
 CP_ATTENTION = ("chunks", "transformer_engine")

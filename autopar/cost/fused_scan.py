@@ -36,8 +36,10 @@ TENSOR_TO_VECTOR_RATIO = 16.0
 
 
 def runs_fused_scan(cluster: "Cluster") -> bool:
-    """Whether ``cluster`` runs a loop over positions as the fused scan: every profile but one
-    measured on a CPU (module docstring)."""
+    """Whether ``cluster`` runs a loop over positions as the fused scan: as its ``software.fused_scan``
+    says, else every profile but one measured on a CPU (module docstring)."""
+    if cluster.fused_scan is not None:
+        return cluster.fused_scan
     measured = cluster.measured
     return not (measured is not None and str(measured.device.get("type", "")).lower() == "cpu")
 

@@ -7,6 +7,7 @@ own ops (the CPU really runs it); a model without a loop is priced as before."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -162,6 +163,33 @@ def test_cpu_profile_prices_the_loop_as_traced(graphs, cpu) -> None:
     rt = region_time(fit, cpu, sh, seq_len=SEQ)
     eager_bwd = sum(op_time_s(op, sh, cpu, SEQ, is_parameter_sized(op, True))[0] for op in fit.ops if op.phase == "bwd")
     assert rt.bwd_s == pytest.approx(eager_bwd)
+
+
+def test_the_profile_s_software_key_overrides_the_device(graphs, a100, cpu) -> None:
+    """``software.fused_scan: false`` (a GPU whose software lacks the kernel) prices the loop as
+    traced; ``true`` on a CPU-measured profile prices the kernel; unset, the device decides."""
+    fit, sh = graphs["scan"].regions["block"], _shape(2)
+    no_kernel = replace(a100, fused_scan=False)
+    assert runs_fused_scan(a100) and not runs_fused_scan(no_kernel)
+    traced = region_time(replace(fit, scan=None), no_kernel, sh, seq_len=SEQ)
+    assert region_time(fit, no_kernel, sh, seq_len=SEQ) == traced
+    assert region_time(fit, a100, sh, seq_len=SEQ).bwd_s < traced.bwd_s
+    assert runs_fused_scan(replace(cpu, fused_scan=True))
+
+
+def test_the_software_key_is_read_from_a_profile(tmp_path) -> None:
+    from autopar.errors import ClusterError
+
+    src = (Path(__file__).resolve().parents[2] / "profiles" / "a100-80g.yaml").read_text()
+    assert "\nsoftware:" in src
+    for value, expected in (("false", False), ("true", True), ("maybe", None)):
+        path = tmp_path / f"a100-{value}.yaml"
+        path.write_text(src.replace("\nsoftware:", f"\nsoftware:\n  fused_scan: {value}", 1))
+        if expected is None:
+            with pytest.raises(ClusterError, match="fused_scan"):
+                load_cluster(str(path))
+        else:
+            assert load_cluster(str(path)).fused_scan is expected
 
 
 def test_a_model_without_a_loop_over_positions_is_untouched(graphs, a100) -> None:
