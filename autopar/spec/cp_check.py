@@ -15,7 +15,7 @@ on the CPU with its attention replaced by a position-local stand-in (registered 
 attention interface: each position returns its own value vector), and it runs three times: as is,
 with the first half of the hidden state perturbed, and with the second half perturbed. With the
 attention local, any change of the unperturbed half's output is mixing outside the attention.
-Blocks over ``_MAX_PARAMS`` are not run (not answered: None). Needs torch, never torch.distributed.
+A parameter over ``_MAX_DENSE`` elements holds one value (``_materialise``). Needs torch, never torch.distributed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from autopar.spec.meta import tolerant_meta
 from autopar.spec.sp_check import _map_first
 
 _SEQ = 8  # positions of the check's sequence
-_MAX_PARAMS = 64_000_000  # block parameters materialised on the CPU at most (fp32: 256 MB)
+_MAX_DENSE = 32_000_000  # elements of a parameter given values one by one (fp32: 128 MB); above, one value
 _LOCAL = "autopar_position_local"
 
 
@@ -66,16 +66,29 @@ def _real(value: Any, gen: torch.Generator) -> Any:
     return tree_map(conv, value)
 
 
+def _fill(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    if not t.is_floating_point():
+        return torch.ones(t.shape, dtype=torch.bool) if t.dtype == torch.bool else torch.zeros(t.shape, dtype=t.dtype)
+    if t.numel() <= _MAX_DENSE:
+        return torch.randn(t.shape, generator=gen) * 0.2
+    return (torch.randn((), generator=gen) * 0.2).expand(t.shape)  # one value, no storage (see _materialise)
+
+
 def _materialise(block: nn.Module, gen: torch.Generator) -> nn.Module:
-    real = copy.deepcopy(block).to_empty(device="cpu").float()
-    with torch.no_grad():
-        for t in list(real.parameters()) + list(real.buffers()):
-            if t.is_floating_point():
-                t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype) * 0.2)
-            elif t.dtype == torch.bool:
-                t.fill_(True)
-            else:
-                t.zero_()
+    """A CPU copy of ``block`` (on meta) in fp32 with random values; a tensor over ``_MAX_DENSE``
+    elements holds one random value broadcast over its shape (no storage). Those are a large model's
+    MLP and expert weights (Falcon-H1 7B's MLP is 38M, Llama 4's stacked experts 1.3B), which act on
+    each position alone; the mixers a check must see (in-projections, convs, scan parameters) stay
+    dense -- one value for a whole mixer weight would make every channel equal, and a norm over the
+    channels would then hide what the scan carries."""
+    real = copy.deepcopy(block)
+    for mod in real.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = nn.Parameter(_fill(p, gen), requires_grad=False)
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = _fill(b, gen)
     return real.eval()
 
 
@@ -98,8 +111,6 @@ def _check(model: nn.Module, blocks_path: str, attention: str, inputs: Any, toke
     from transformers import AttentionInterface
 
     block = model.get_submodule(blocks_path)[0]
-    if sum(p.numel() for p in block.parameters()) > _MAX_PARAMS:
-        return None
     captured: list[tuple[tuple, dict]] = []
     handle = block.register_forward_pre_hook(
         lambda m, a, k: captured.append((a, dict(k))) if not captured else None, with_kwargs=True)

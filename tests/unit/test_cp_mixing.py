@@ -69,3 +69,14 @@ def test_a_plain_decoder_keeps_context_parallelism(tmp_path: Path) -> None:
 def test_a_token_shift_beside_the_attention_refuses_it(tmp_path: Path) -> None:
     why = _spec(tmp_path, True).support["cp"]
     assert why is not None and "mixes positions outside its attention (self_attn)" in why
+
+
+def test_large_weights_held_as_one_value_keep_both_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a full-size block's MLP (over _MAX_DENSE elements) holds one broadcast value instead of storage
+    import autopar.spec as spec_pkg
+    from autopar.spec import cp_check
+
+    monkeypatch.setattr(cp_check, "_MAX_DENSE", 1500)  # the 32 x 64 MLP weights, not the 32 x 32 projections
+    spec_pkg._CACHE.clear()
+    assert _spec(tmp_path, False).support["cp"] is None
+    assert "mixes positions outside its attention" in _spec(tmp_path, True).support["cp"]
