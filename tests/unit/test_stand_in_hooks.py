@@ -1,7 +1,7 @@
-"""A pipeline stand-in answers for the module it replaces to code that finds modules by class or by
-the hooks put on them (executor/parallel/stand_in.py): transformers 5 records hidden states through
-forward hooks on every module of a class, installed at the model's first forward (Segformer's decode
-head reads every stage's map; on the last pipeline stage the earlier stages are stand-ins)."""
+"""A pipeline stand-in runs the hooks put on the module it replaces (executor/parallel/stand_in.py):
+transformers 5 records hidden states through forward hooks on every module of a class, installed at
+the model's first forward (Segformer's decode head reads every stage's map; on the last pipeline
+stage the earlier stages are stand-ins). It stays a marker for code that finds modules by class."""
 
 from __future__ import annotations
 
@@ -42,9 +42,7 @@ def test_the_hooks_on_the_original_fire_on_its_stand_in() -> None:
     assert len(recorded) == 1 and recorded[0] is value
 
 
-def test_it_passes_for_the_original_class_and_stays_itself() -> None:
+def test_it_stays_a_marker_for_code_that_finds_modules_by_class() -> None:
     stand_in = Carried(torch.ones(1)).stand_for(Stage(4), "stages.0")
-    assert isinstance(stand_in, Stage) and isinstance(stand_in, StandIn)
-    assert type(stand_in) is Carried and "Carried" in repr(stand_in)
+    assert not isinstance(stand_in, Stage) and isinstance(stand_in, StandIn)
     assert type(copy.deepcopy(stand_in)) is Carried
-    assert not isinstance(Carried(torch.ones(1)), Stage)  # only once it stands for one

@@ -62,29 +62,23 @@ class StandIn(nn.Module):
     """Base of the pipeline markers: ``stand_for(original, path)`` makes the marker answer attribute
     reads as ``original`` would (module docstring). Its own attributes come first.
 
-    It also passes ``isinstance`` checks for the original's class (``__class__`` answers it; ``type()``
-    still says the marker's own), and runs the forward hooks registered on the original: transformers
-    5 records hidden states by hooks on modules of a class (Segformer's ``OutputRecorder(SegformerStage)``
-    hooks every stage at the model's first forward, and its decode head reads every stage's map), so
-    a stand-in that is neither hooked nor "a SegformerStage" dropped its entry from the list -- the
-    last pipeline stage saw one map instead of two."""
+    It also runs the forward hooks registered on the original: transformers 5 records hidden states
+    by hooks on the modules of a class, installed at the model's first forward (Segformer's
+    ``OutputRecorder(SegformerStage)``; its decode head reads every stage's map), so a stand-in
+    without them dropped its entry from the list -- the last pipeline stage saw one map instead of
+    two. It does not pass ``isinstance`` for the original's class: with that, HF Llama's and Qwen2's
+    4-rank pipelines (tests/dist/test_hf_models.py) failed -- code that finds modules by class took
+    a marker for the block it replaces."""
 
     def stand_for(self, original: nn.Module, path: str) -> "StandIn":
         if not isinstance(original, StandIn):
             self.__dict__["_stands_for"] = attributes_of(original, path)
         else:
             self.__dict__["_stands_for"] = dict(original.__dict__.get("_stands_for", {}))
-        self.__dict__["_stands_for_class"] = original.__class__
         for hooks in _HOOK_DICTS:  # the hooks model code put on the original fire on its stand-in
             getattr(self, hooks).update(getattr(original, hooks, {}))
         return self
 
-    @property  # type: ignore[misc]  # isinstance() reads __class__ after type() (see the class docstring)
-    def __class__(self) -> type:
-        return self.__dict__.get("_stands_for_class") or type(self)
-
-    def _get_name(self) -> str:  # repr() names the marker, not the class it answers for
-        return type(self).__name__
 
     def __getattr__(self, name: str) -> Any:
         try:
