@@ -74,19 +74,18 @@ def _in_ids(o: OpRecord) -> list[int]:
     return [rid for rid, _, _ in o.ins]
 
 
-def _loop_around(ops: list[OpRecord], first: int, last: int) -> range:
-    """The whole loop around ops ``first..last`` (some of its positions): the block's period p (the
-    loop step's op count: the shortest shift under which nine in ten of its ops repeat), extended
-    both ways while an op repeats the one a step away."""
-    keys = [_key(o) for o in ops]
+def _loop_around(keys: list[tuple], first: int, last: int) -> range:
+    """The whole loop around ops ``first..last`` (some of its positions; ``keys``: ``_key`` of each of
+    the region's ops): the block's period p (the loop step's op count: the shortest shift under
+    which nine in ten of its ops repeat), extended both ways while an op repeats the one a step away."""
     n = last - first + 1
     step = next((p for p in range(1, n // 2 + 1)
                  if sum(keys[i] == keys[i + p] for i in range(first, last + 1 - p)) >= 0.9 * (n - p)), None)
     if step is None:
         return range(first, last + 1)
-    while first - 1 >= 0 and first - 1 + step < len(ops) and keys[first - 1] == keys[first - 1 + step]:
+    while first - 1 >= 0 and first - 1 + step < len(keys) and keys[first - 1] == keys[first - 1 + step]:
         first -= 1
-    while last + 1 < len(ops) and last + 1 - step >= 0 and keys[last + 1] == keys[last + 1 - step]:
+    while last + 1 < len(keys) and last + 1 - step >= 0 and keys[last + 1] == keys[last + 1 - step]:
         last += 1
     return range(first, last + 1)
 
@@ -111,6 +110,7 @@ def find_scan(ops: list[OpRecord], per_position: list[bool], trace_ops: list[OpR
     which ops stand for positions of a loop (``loop_positions``); ``trace_ops``: the whole trace (who
     reads a tensor). Empty: no loop over positions."""
     chosen: set[int] = set()
+    keys = [_key(o) for o in ops]  # once: a region's loop may be found in a thousand runs
     for phase in ("fwd", "bwd"):
         at = [i for i, o in enumerate(ops) if per_position[i] and o.phase == phase]
         if not at:
@@ -122,7 +122,7 @@ def find_scan(ops: list[OpRecord], per_position: list[bool], trace_ops: list[OpR
                 runs.append([])
             runs[-1].append(i)
         for run in runs:
-            chosen.update(_loop_around(ops, run[0], run[-1]))
+            chosen.update(_loop_around(keys, run[0], run[-1]))
     loop_fwd = sorted(i for i in chosen if ops[i].phase == "fwd")
     if not loop_fwd:
         return frozenset(chosen)
