@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
 from autopar.cost.fused_elementwise import FusedTraffic, block_traffic, fused_times_s
-from autopar.cost.fused_scan import runs_fused_scan, scan_saved_bytes, scan_times_s
+from autopar.cost.fused_scan import runs_fused_scan, scan_saved_bytes, scan_times_s, vector_flops_per_s
 from autopar.cost.memo import IdentityMemo
 from autopar.graph.scaling import FitOp, RegionFit, Shape
 from autopar.profile_tables import LayerTable
@@ -105,7 +105,15 @@ def op_time_s(op: FitOp, shape: Shape, cluster: Cluster, seq_len: int = 0,
     moved = op.bytes * shape.scale(op.bytes_exps)
     flops = op.flops * shape.scale(op.flops_exps)
     bw = cluster.memory_bandwidth_bytes_per_s * cluster.memory_efficiency
-    return moved / bw + cluster.kernel_overhead_s, flops
+    seconds = moved / bw
+    if flops > 0 and op.dims is not None and op.dims_exps is not None:
+        # a convolution (graph/trace.py CONV_OPS): its FLOPs at its implicit GEMMs' rate, where that
+        # takes longer than its traffic (the roofline: never faster than its FLOPs allow); a grouped
+        # one of a few channels per group (depthwise) runs on the vector units, not as tiny GEMMs
+        batch, m, n, k = (d * _no_sp(shape).scale(e) for d, e in zip(op.dims, op.dims_exps))
+        rate = max(cluster.gemm_flops_per_s(max(1.0, batch * m), max(1.0, n), max(1.0, k)), vector_flops_per_s(cluster))
+        seconds = max(seconds, flops / rate)
+    return seconds + cluster.kernel_overhead_s, flops
 
 
 def _attention_s(op: FitOp, shape: Shape, cluster: Cluster, flops: float, keys: float) -> float:

@@ -35,6 +35,10 @@ GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm"}
 # Grouped GEMMs (one matmul per expert of a mixture of experts, ``torch._grouped_mm``): not in
 # torch's flop registry, counted here (``_grouped_mm_cost``).
 GROUPED_GEMM_OPS = {"_grouped_mm"}
+# Convolutions run as implicit GEMMs (cuDNN, oneDNN): kind "mem" like any other op, but with the
+# GEMM's dims recorded, so the cost model takes the larger of their traffic and their FLOPs at that
+# GEMM's rate (cost/compute.py ``op_time_s``).
+CONV_OPS = {"convolution", "convolution_backward"}
 ATTENTION_OPS = {
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_backward",
@@ -65,6 +69,31 @@ def _gemm_dims(name: str, args: tuple) -> tuple[int, int, int, int]:
         return (1, a.shape[0], b.shape[1], a.shape[1])
     a, b = (args[0], args[1]) if name == "bmm" else (args[1], args[2])
     return (a.shape[0], a.shape[1], b.shape[2], a.shape[2])
+
+
+def _conv_gemms(name: str, args: tuple, out: object, flops: float) -> tuple[tuple[int, int, int, int] | None, float]:
+    """(dims, FLOPs) of a convolution's implicit GEMMs. dims: (GEMMs, rows, columns, depth) -- one
+    GEMM per group (the backward: per group and gradient it computes, the input's and the
+    weight's), a row per output position of each sample, a column per output channel of the group,
+    the depth the group's input channels x kernel taps. torch's count of a grouped convolution's
+    backward ignores the groups (a depthwise conv1d's came out 17x its two GEMMs), so the backward of
+    a plain (not transposed) convolution is counted from those dims; elsewhere the depth is what
+    torch's count leaves."""
+    backward = name == "convolution_backward"
+    y = args[0] if backward else out  # the output, or its gradient
+    if not isinstance(y, torch.Tensor) or y.dim() < 3 or flops <= 0:
+        return None, flops
+    groups = int(args[9] if backward else args[8])
+    gemms = groups * (max(1, sum(bool(m) for m in args[10][:2])) if backward else 1)
+    rows, cols = y.numel() // y.shape[1], y.shape[1] // groups
+    if not rows or not cols:
+        return None, flops
+    weight = args[2] if backward else args[1]
+    if backward and not args[7] and isinstance(weight, torch.Tensor):
+        depth = weight[0].numel()  # (out channels, in channels / groups, *taps)
+        return (gemms, rows, cols, depth), 2.0 * gemms * rows * cols * depth
+    depth = flops / (2.0 * gemms * rows * cols)
+    return ((gemms, rows, cols, max(1, round(depth))) if depth > 0 else None), flops
 
 
 def _attention_dims(name: str, args: tuple) -> tuple[int, int, int, int] | None:
@@ -192,6 +221,8 @@ class _Recorder(TorchDispatchMode):
             kind = "gemm"
         elif name in ATTENTION_OPS:
             kind, dims, causal = "attn", _attention_dims(name, args), _is_causal(func, args, kwargs)
+        elif name in CONV_OPS:
+            dims, flops = _conv_gemms(name, args, out, flops)
         ins = tuple((self._rid(t), _nbytes(t)) for t in flat_in)
         for t in flat_in:
             self.root_bytes.setdefault(id(t), _nbytes(t))
