@@ -16,10 +16,10 @@ quantity is a monomial in b, s and 1/t) and the fit is checked on the traces it 
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass, replace
 
+from autopar.graph.align import matching_blocks
 from autopar.graph.records import OpRecord, SavedRecord, Trace
 
 QUADRATIC_EXPONENT = 1.5  # e_s above this: an attention-core quantity (s^2)
@@ -153,9 +153,9 @@ def _align(a: list[OpRecord], b: list[OpRecord]) -> list[OpRecord | None]:
     out: list[OpRecord | None] = [None] * len(a)
     if key_a == key_b:
         return list(b)
-    for block in difflib.SequenceMatcher(a=key_a, b=key_b, autojunk=False).get_matching_blocks():
-        for k in range(block.size):
-            out[block.a + k] = b[block.b + k]
+    for i, j, size in matching_blocks(key_a, key_b):  # difflib's blocks, in linear time (graph/align.py)
+        for k in range(size):
+            out[i + k] = b[j + k]
     return out
 
 
