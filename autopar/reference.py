@@ -34,17 +34,22 @@ def load_calibration(name: str) -> dict:
     return yaml.safe_load(calibration_file(name).read_text(encoding="utf-8"))
 
 
-def gpt_model_path(cfg: GPTConfig) -> Path:
-    """A model file for ``cfg`` in a per-user temp directory (content-addressed, written once)."""
-    src = model_file(cfg)
-    digest = hashlib.sha256(src.encode()).hexdigest()[:16]
-    path = Path(tempfile.gettempdir()) / "autopar-models" / f"gpt_{digest}.py"
+def written_model_path(source: str, stem: str) -> Path:
+    """The model file ``source`` in a per-user temp directory, named ``stem`` and its content's
+    digest (written once, atomically: a writer beside it renames its own temporary file)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / "autopar-models" / f"{stem}_{digest}.py"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(src, encoding="utf-8")
+        tmp = path.with_suffix(f".{digest}.tmp")
+        tmp.write_text(source, encoding="utf-8")
         tmp.replace(path)
     return path
+
+
+def gpt_model_path(cfg: GPTConfig) -> Path:
+    """A model file for ``cfg`` in a per-user temp directory (``written_model_path``)."""
+    return written_model_path(model_file(cfg), "gpt")
 
 
 def gpt_graph(cfg: GPTConfig, dtype: str = "bf16") -> ModelGraph:
@@ -149,19 +154,11 @@ def table5_rows() -> list[Table5Row]:
 
 def plain_gpt_path(size: str) -> Path:
     """autopar/models/plain_gpt.py -- a model file that declares no tp_plan -- with ``SIZE = size``, in a
-    per-user temp directory (content-addressed, written once)."""
+    per-user temp directory (``written_model_path``)."""
     text = PLAIN_GPT.read_text(encoding="utf-8")
     if 'SIZE = "tiny"' not in text:
         raise ValueError(f"{PLAIN_GPT} has no SIZE = \"tiny\" line to set")
-    src = text.replace('SIZE = "tiny"', f"SIZE = {size!r}".replace("'", '"'), 1)
-    digest = hashlib.sha256(src.encode()).hexdigest()[:16]
-    path = Path(tempfile.gettempdir()) / "autopar-models" / f"plain_gpt_{digest}.py"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{digest}.tmp")
-        tmp.write_text(src, encoding="utf-8")
-        tmp.replace(path)
-    return path
+    return written_model_path(text.replace('SIZE = "tiny"', f"SIZE = {size!r}".replace("'", '"'), 1), "plain_gpt")
 
 
 def table5_graph(row: Table5Row) -> ModelGraph:

@@ -18,14 +18,12 @@ rule for every row, never chosen per row.
 
 from __future__ import annotations
 
-import hashlib
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.graph import ModelGraph, build_graph
 from autopar.models import gpt, llama
-from autopar.reference import load_calibration
+from autopar.reference import load_calibration, written_model_path
 
 GROUPS = ("dgxc", "megatron_core_r08", "llm_foundry", "torchtitan", "dgxc_llama31")
 
@@ -66,17 +64,6 @@ class PublicRun:
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         c = f" cp{self.cp}" if self.cp > 1 else ""
         return f"{self.tp}/{self.pp}/{self.dp}{v}{c}"
-
-
-def _model_path(source: str, stem: str) -> Path:
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = Path(tempfile.gettempdir()) / "autopar-models" / f"{stem}_{digest}.py"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{digest}.tmp")
-        tmp.write_text(source, encoding="utf-8")
-        tmp.replace(path)
-    return path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,10 +118,10 @@ def loss_fn(output, inputs):
 
 def model_path(cfg: gpt.GPTConfig | llama.LlamaConfig) -> Path:
     if isinstance(cfg, NemotronConfig):
-        return _model_path(nemotron_model_file(cfg), "nemotron")
+        return written_model_path(nemotron_model_file(cfg), "nemotron")
     if isinstance(cfg, llama.LlamaConfig):
-        return _model_path(llama.model_file(cfg), "llama")
-    return _model_path(gpt.model_file(cfg), "gpt")
+        return written_model_path(llama.model_file(cfg), "llama")
+    return written_model_path(gpt.model_file(cfg), "gpt")
 
 
 def run_graph(run: PublicRun) -> ModelGraph:

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopar.models.llama import LlamaConfig
-from autopar.reference import load_calibration
-from autopar.reference_h100 import _model_path
+from autopar.reference import load_calibration, written_model_path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +124,7 @@ class MemoryRun:
 
     @property
     def model_path(self) -> Path:
-        return _model_path(megatron_gpt_model_file(self.model), "megatron_gpt")
+        return written_model_path(megatron_gpt_model_file(self.model), "megatron_gpt")
 
 
 def memory_runs() -> list[MemoryRun]:
