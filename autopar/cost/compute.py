@@ -91,9 +91,7 @@ def op_time_s(op: FitOp, shape: Shape, cluster: Cluster, seq_len: int = 0,
     if op.kind == "gemm" and op.dims is not None and op.dims_exps is not None:
         plain = _no_sp(shape)  # once: a new Shape per call when sp > 1
         flops = op.flops * plain.scale(op.flops_exps)
-        batch, m, n, k = (d * plain.scale(e) for d, e in zip(op.dims, op.dims_exps))
-        rate = cluster.gemm_flops_per_s(max(1.0, batch * m), max(1.0, n), max(1.0, k))
-        return flops / rate + cluster.kernel_overhead_s, flops
+        return flops / _gemm_rate(op, plain, cluster) + cluster.kernel_overhead_s, flops
     if op.kind == "attn":
         flops = op.flops * shape.scale(op.flops_exps)
         return _attention_s(op, shape, cluster, flops, _key_length(op, shape, seq_len)), flops
@@ -110,10 +108,14 @@ def op_time_s(op: FitOp, shape: Shape, cluster: Cluster, seq_len: int = 0,
         # a convolution (graph/trace.py CONV_OPS): its FLOPs at its implicit GEMMs' rate, where that
         # takes longer than its traffic (the roofline: never faster than its FLOPs allow); a grouped
         # one of a few channels per group (depthwise) runs on the vector units, not as tiny GEMMs
-        batch, m, n, k = (d * _no_sp(shape).scale(e) for d, e in zip(op.dims, op.dims_exps))
-        rate = max(cluster.gemm_flops_per_s(max(1.0, batch * m), max(1.0, n), max(1.0, k)), vector_flops_per_s(cluster))
-        seconds = max(seconds, flops / rate)
+        seconds = max(seconds, flops / max(_gemm_rate(op, _no_sp(shape), cluster), vector_flops_per_s(cluster)))
     return seconds + cluster.kernel_overhead_s, flops
+
+
+def _gemm_rate(op: FitOp, plain: Shape, cluster: Cluster) -> float:
+    """FLOP/s of ``op``'s GEMM (its dims: batch, m, n, k) at ``plain`` (a shape without SP)."""
+    batch, m, n, k = (d * plain.scale(e) for d, e in zip(op.dims, op.dims_exps))
+    return cluster.gemm_flops_per_s(max(1.0, batch * m), max(1.0, n), max(1.0, k))
 
 
 def _attention_s(op: FitOp, shape: Shape, cluster: Cluster, flops: float, keys: float) -> float:

@@ -42,8 +42,7 @@ def is_norm(mod: nn.Module) -> bool:
     if isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or type(mod).__name__.endswith("Norm"):
         return True
     own = list(mod.parameters(recurse=False))
-    return bool(own) and all(p.dim() <= 1 for p in own) and not any(
-        True for c in mod.children() for _ in c.parameters())
+    return bool(own) and all(p.dim() <= 1 for p in own) and len(own) == len(list(mod.parameters()))
 
 
 def _parent(name: str) -> str:

@@ -79,7 +79,6 @@ class StandIn(nn.Module):
             getattr(self, hooks).update(getattr(original, hooks, {}))
         return self
 
-
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
