@@ -33,7 +33,7 @@ from autopar.spec.model_spec import DIMENSIONS, ModelSpec
 from autopar.spec.moe import MoESpec, moe_of
 from autopar.spec.short_run import middle_blocks_answered, only_unit_runs
 from autopar.spec.sp_check import sp_check
-from autopar.spec.spec_inputs import spec_inputs
+from autopar.spec.spec_inputs import is_int_matrix, spec_inputs
 from autopar.spec.support import support_of
 from autopar.spec.tp_infer import Inference, infer_tp
 from autopar.spec.tp_plan import TPPlan, model_carried_plan, packed_names, plan_fused, resolve, root_prefixes
@@ -277,7 +277,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     sp_why, keyword_parents = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
                                if tp.styles and moe is None else (None, ()))
     hf = hf_attention(model, block)
-    cp_mixing = (mixing_outside_attention(model, blocks_path, hf.module, inputs, token_key)
+    cp_mixing = (mixing_outside_attention(model, blocks_path, hf.module, inputs)
                  if hf is not None and mf.seq_len is not None and (token_batch or token_key) else None)
     spec = ModelSpec(
         blocks_path=blocks_path, num_blocks=len(blocks), blocks_kind=type(blocks).__name__, tp=tp,
@@ -294,24 +294,19 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     return _with_support(spec)
 
 
-def _is_int_matrix(x: Any) -> bool:
-    return (isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() and not x.is_complex()
-            and x.dtype != torch.bool)
-
-
 def token_dict_keys(inputs: Any) -> tuple[str | None, str | None]:
     """("input_ids", "labels" or None) when ``inputs`` is the batch a Hugging Face causal LM takes
     from the HF Trainer: a mapping whose ``input_ids`` is a 2-d integer (batch, seq) tensor, with
     optionally ``labels`` of the same shape (integers) and an ``attention_mask`` of the same shape
     (which the executor requires to be all ones at run time and then drops); (None, None) for any
     other input, a mapping with any other key included. Shapes only: meta inputs have no values."""
-    if not isinstance(inputs, Mapping) or not _is_int_matrix(inputs.get("input_ids")):
+    if not isinstance(inputs, Mapping) or not is_int_matrix(inputs.get("input_ids")):
         return None, None
     shape = inputs["input_ids"].shape
     for key, value in inputs.items():
         if key == "input_ids":
             continue
-        if key == "labels" and _is_int_matrix(value) and value.shape == shape:
+        if key == "labels" and is_int_matrix(value) and value.shape == shape:
             continue
         if key == "attention_mask" and isinstance(value, torch.Tensor) and value.shape == shape:
             continue

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from autopar.modelfile import call_model
 from autopar.spec.meta import tolerant_meta
 from autopar.spec.sp_check import _map_first
+from autopar.spec.spec_inputs import cut_tokens
 
 _SEQ = 8  # positions of the check's sequence
 _MAX_DENSE = 32_000_000  # elements of a parameter given values one by one (fp32: 128 MB); above, one value
@@ -42,15 +43,6 @@ def _local_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     (batch, heads, seq, head_dim) (key/value heads repeated to the query's), out (batch, seq, heads, dim)."""
     v = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1) if value.shape[1] != query.shape[1] else value
     return v.transpose(1, 2).contiguous(), None
-
-
-def _short(inputs: Any, token_key: str | None, seq: int) -> Any:
-    """The token inputs cut to their first ``seq`` positions (dim 1 of the token tensor and of the
-    same-shaped labels / mask beside it: the only inputs a cp-offerable model has)."""
-    if token_key is None:
-        return inputs[:, :seq]
-    shape = inputs[token_key].shape
-    return {k: v[:, :seq] if isinstance(v, torch.Tensor) and v.shape == shape else v for k, v in inputs.items()}
 
 
 def _real(value: Any, gen: torch.Generator) -> Any:
@@ -96,18 +88,17 @@ def _first(value: Any) -> torch.Tensor | None:
     return next((t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)), None)
 
 
-def mixing_outside_attention(model: nn.Module, blocks_path: str, attention: str, inputs: Any,
-                             token_key: str | None) -> str | None:
+def mixing_outside_attention(model: nn.Module, blocks_path: str, attention: str, inputs: Any) -> str | None:
     """Why block 0 of ``model`` (on meta) is not exact under context parallelism -- it mixes positions
     outside its attention module ``attention`` (block-relative) -- or None (it does not, or the check
     cannot run here). Never raises: the user's code runs here."""
     try:
-        return _check(model, blocks_path, attention, inputs, token_key)
+        return _check(model, blocks_path, attention, inputs)
     except Exception:  # noqa: BLE001 - the user's block on CPU: no answer rather than a wrong one
         return None
 
 
-def _check(model: nn.Module, blocks_path: str, attention: str, inputs: Any, token_key: str | None) -> str | None:
+def _check(model: nn.Module, blocks_path: str, attention: str, inputs: Any) -> str | None:
     from transformers import AttentionInterface
 
     block = model.get_submodule(blocks_path)[0]
@@ -116,7 +107,8 @@ def _check(model: nn.Module, blocks_path: str, attention: str, inputs: Any, toke
         lambda m, a, k: captured.append((a, dict(k))) if not captured else None, with_kwargs=True)
     try:
         with torch.no_grad(), tolerant_meta():
-            call_model(model, _short(inputs, token_key, _SEQ))
+            short = cut_tokens(inputs, _SEQ)
+            call_model(model, inputs if short is None else short)
     finally:
         handle.remove()
     if not captured:

@@ -25,16 +25,18 @@ SPEC_OP_LIMIT = 20_000  # ops of one spec forward (blocks past the first two ans
 SHORT_SEQ = 24
 
 
-def _int_matrix(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() and x.dtype != torch.bool
+def is_int_matrix(x: Any) -> bool:
+    """A (batch, seq) tensor of integers: token ids (not floats, complex numbers or a bool mask)."""
+    return (isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() and not x.is_complex()
+            and x.dtype != torch.bool)
 
 
 def cut_tokens(inputs: Any, seq: int) -> Any | None:
     """``inputs`` with its token tensor (and the entries of that shape beside it) cut to the first
     ``seq`` positions; None when the inputs are not tokens or not longer than ``seq``."""
-    if _int_matrix(inputs):
+    if is_int_matrix(inputs):
         return inputs[:, :seq] if inputs.shape[1] > seq else None
-    if isinstance(inputs, Mapping) and _int_matrix(inputs.get("input_ids")):
+    if isinstance(inputs, Mapping) and is_int_matrix(inputs.get("input_ids")):
         shape = inputs["input_ids"].shape
         if shape[1] <= seq:
             return None
