@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from autopar.errors import ModelFileError
 from autopar.modelfile import ModelFile, call_model
 from autopar.spec.attention import hf_attention
-from autopar.spec.blocks import Probe, find_block_list, heterogeneous_lists, probe_calls
+from autopar.spec.blocks import BlocksNotRun, Probe, find_block_list, heterogeneous_lists, probe_calls
 from autopar.spec.chain import Chain, block_list_chain, find_chain
 from autopar.spec.chain_tp import chain_kind_plans, chain_tp_reason
 from autopar.spec.cp_check import mixing_outside_attention
@@ -209,11 +209,12 @@ def model_spec(mf: ModelFile, model: nn.Module | None = None) -> ModelSpec:
     return _CACHE[key]
 
 
-def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
-    """Read the spec of ``model`` (built on meta from ``mf``); see the module docstring."""
+def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = frozenset()) -> ModelSpec:
+    """Read the spec of ``model`` (built on meta from ``mf``); see the module docstring. ``exclude``:
+    block lists already found not to be the model's blocks (the forward did not call all of them)."""
     where = str(mf.path)
     try:
-        blocks_path = find_block_list(model, mf.pipeline_blocks)
+        blocks_path = find_block_list(model, mf.pipeline_blocks, exclude)
     except ModelFileError as exc:
         raise ModelFileError(f"{where}: {exc}") from None
     inputs = mf.example_inputs(1, "meta")
@@ -249,6 +250,10 @@ def spec_of_model(mf: ModelFile, model: nn.Module) -> ModelSpec:
     block = blocks[0]
     try:
         probe = probe_calls(model, blocks_path, run)
+    except BlocksNotRun as exc:
+        if mf.pipeline_blocks is not None:
+            raise ModelFileError(f"{where}: {exc}") from None
+        return spec_of_model(mf, model, exclude | {exc.blocks_path})
     except ModelFileError as exc:
         raise ModelFileError(f"{where}: {exc}") from None
     except Exception as exc:  # the user's forward on meta

@@ -4,7 +4,7 @@ A *block list* is an ``nn.ModuleList`` or ``nn.Sequential`` of at least two chil
 with identical parameter shapes (the repeated transformer layers). It may sit at any depth: GPT's
 ``layers``, Hugging Face's ``model.layers`` / ``bert.encoder.layer``, a timm-style ViT's ``blocks``
 Sequential. The model file's ``pipeline_blocks`` names one explicitly. Otherwise the list holding the
-most parameters wins.
+most parameters wins; a list without parameters is never one.
 
 ``probe_calls`` runs the model once on meta and records, in order, which modules beside the block
 list ran before the first block (the prologue: embeddings, rotary tables) and after the last (the
@@ -28,11 +28,25 @@ def _signature(mod: nn.Module) -> tuple:
     return (type(mod),) + tuple((n, tuple(p.shape)) for n, p in mod.named_parameters())
 
 
+class BlocksNotRun(ModelFileError):
+    """The forward did not call every block of the list found (``blocks_path``): it is a list of
+    alternatives indexed per call (Zamba2's adapter slots, one used per depth), not the model's blocks."""
+
+    def __init__(self, message: str, blocks_path: str) -> None:
+        super().__init__(message)
+        self.blocks_path = blocks_path
+
+
 def is_block_list(mod: nn.Module) -> bool:
-    """A ModuleList or Sequential of >= 2 children that are the same block (class and shapes)."""
+    """A ModuleList or Sequential of >= 2 children that are the same block (class and shapes); a list
+    of lists is not one (its lists are never called: the forward iterates them and calls their
+    children, Funnel's ``encoder.blocks``), and neither is a list inside one (it holds only part of
+    the blocks; spec/chain.py reads such a model as the chain of the inner lists' children)."""
     if not isinstance(mod, BLOCK_CONTAINERS) or len(mod) < 2:
         return False
     children = list(mod.children())
+    if any(isinstance(c, BLOCK_CONTAINERS) for c in children):
+        return False
     first = _signature(children[0])
     return all(_signature(c) == first for c in children[1:])
 
@@ -41,8 +55,9 @@ def _num_params(mod: nn.Module) -> int:
     return sum(p.numel() for p in mod.parameters())
 
 
-def find_block_list(model: nn.Module, declared: str | None) -> str | None:
-    """Dotted path of the block list: ``declared`` (checked) or the largest one found; None if none."""
+def find_block_list(model: nn.Module, declared: str | None, exclude: frozenset[str] = frozenset()) -> str | None:
+    """Dotted path of the block list: ``declared`` (checked) or the largest one found, other than
+    those in ``exclude`` (lists whose blocks the forward did not all call: BlocksNotRun); None if none."""
     if declared is not None:
         try:
             blocks = model.get_submodule(declared)
@@ -58,10 +73,14 @@ def find_block_list(model: nn.Module, declared: str | None) -> str | None:
                 "name a list of identical blocks")
         return declared
     best: tuple[int, str] | None = None
+    inner = {f"{n}.{k}" for n, m in model.named_modules() if isinstance(m, BLOCK_CONTAINERS)
+             for k, c in m.named_children() if isinstance(c, BLOCK_CONTAINERS)}
     for name, mod in model.named_modules():
-        if name and is_block_list(mod):
+        if name and name not in exclude and name not in inner and is_block_list(mod):
             size = _num_params(mod)
-            if best is None or size > best[0]:
+            # A list of parameter-free modules (Zamba2's per-layer adapter slots, nn.Identity when
+            # adapters are off) holds nothing to pipeline or shard: it is no block list.
+            if size and (best is None or size > best[0]):
                 best = (size, name)
     return None if best is None else best[1]
 
@@ -148,8 +167,9 @@ def probe_calls(model: nn.Module, blocks_path: str, run: Any) -> Probe:
         for h in handles:
             h.remove()
     kinds = [e[0] for e in events]
-    if "first" not in kinds:
-        raise ModelFileError(f"the model's forward never called its blocks ({blocks_path})")
+    if "first" not in kinds or "last" not in kinds:
+        which = "its blocks" if "first" not in kinds else "the last of its blocks"
+        raise BlocksNotRun(f"the model's forward never called {which} ({blocks_path})", blocks_path)
     i_first, i_last = kinds.index("first"), len(kinds) - 1 - kinds[::-1].index("last")
     prologue = tuple((n, t) for i, (k, n, t) in enumerate(events) if k == "mod" and i < i_first)
     epilogue = tuple(dict.fromkeys(n for i, (k, n, _) in enumerate(events) if k == "mod" and i > i_last))

@@ -1,8 +1,8 @@
 """The layer chain of a model that does not repeat one block, and where a pipeline may cut it.
 
 A *chain* is the ordered list of a model's top-level units: the children of its outermost
-``nn.ModuleList`` / ``nn.Sequential`` containers (containers inside a unit do not count), in the
-order one meta forward calls them. A ResNet's chain is every residual block of ``layer1`` ..
+``nn.ModuleList`` / ``nn.Sequential`` containers (containers inside a unit do not count; a list of
+lists is looked through to its lists), in the order one meta forward calls them. A ResNet's chain is every residual block of ``layer1`` ..
 ``layer4`` (stem before, pool and head after); T5's is ``encoder.block.*`` then ``decoder.block.*``.
 Models whose blocks repeat keep their block list (spec/blocks.py); a block list kept in an
 ``nn.Sequential`` is cut by the same mechanism as a chain (its children are the units).
@@ -88,12 +88,16 @@ class Chain:
 
 def outermost_containers(model: nn.Module) -> list[str]:
     """ModuleList / Sequential submodules holding at least one parameterised child, none of them
-    inside another such container."""
+    inside another such container; a container of containers is looked through."""
     found: list[str] = []
     for name, mod in model.named_modules():
         if not name or not isinstance(mod, BLOCK_CONTAINERS) or len(mod) == 0:
             continue
         if any(name.startswith(c + ".") for c in found):
+            continue
+        if all(isinstance(c, BLOCK_CONTAINERS) for c in mod.children()):
+            # a list of lists (Funnel's blocks of layers between poolings): the forward iterates the
+            # inner lists and calls their children, so the inner lists are the containers
             continue
         if any(any(True for _ in child.parameters()) for child in mod.children()):
             found.append(name)

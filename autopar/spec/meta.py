@@ -10,7 +10,9 @@ forward runs through and its shapes, FLOPs and saved tensors can be measured:
   to a real device: ``.cpu()``, ``.tolist()``; activations copied out still fail): 0 / False -- no
   packed sequences, no padding detected -- except the result of ``all()``, which is True (Hugging
   Face asks ``(packed_sequence_mask[:, -1] == 0).all()``: "is nothing packed?"; a plain batch says
-  yes, and its attention then runs causal, without a mask), and a count made
+  yes, and its attention then runs causal, without a mask), and so is ``torch._check_tensor_all``'s
+  (``_is_all_true``: a model's own assertion, LLaVA's "as many image tokens as image features",
+  holds on the path it trains), and a count made
   from a routing tensor (below: ``mask.sum()``, ``bincount(idx)``), which is the expected count
   per expert, or True (``mask.any()``: an expert has tokens).
 * data-dependent shapes (``nonzero``, one-argument ``torch.where``, ``argwhere``,
@@ -42,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autopar.spec.meta_fallback import run_for_shapes
+from autopar.spec.meta_memo import lookup, memo_key, remember
 from autopar.spec.meta_values import KnownValues, meta_format
 
 _VALUE_READS = {"_local_scalar_dense", "is_nonzero", "equal"}
@@ -106,9 +109,15 @@ def call_on_meta(func: Any, args: tuple, kwargs: dict) -> Any:
     it), what it would have returned; an op with no meta kernel at all answers with the shapes its CPU
     kernel gives on zero stand-ins (spec/meta_fallback.py); any other error stands. Every dispatch mode that runs the
     user's forward or backward on meta calls ops through this (the first mode to see an op is the
-    one whose call raises)."""
+    one whose call raises). Answered from a memo where the same op saw the same input metadata
+    before (spec/meta_memo.py)."""
+    key = memo_key(func, args, kwargs)
+    if key is not None:
+        out = lookup(key)
+        if out is not None:
+            return out
     try:
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
     except NotImplementedError:  # no meta kernel at all (the CTC loss): shapes from the CPU kernel
         out = run_for_shapes(func, args, kwargs)
         if out is None:
@@ -119,6 +128,9 @@ def call_on_meta(func: Any, args: tuple, kwargs: dict) -> Any:
                 isinstance(a, torch.Tensor) and a.is_meta for a in args[:2]):
             return grouped_mm_meta(args, kwargs)
         raise
+    if key is not None:
+        remember(key, args, kwargs, out)
+    return out
 
 
 def _is_meta(args: tuple) -> bool:
@@ -280,7 +292,7 @@ class _TolerantMeta(TorchDispatchMode):
             self.known.note_experts_hit(out, self.routing.num_experts)
         elif name in _PASS_ON and _is_meta(args):
             self.known.propagate(func, args, kwargs, out)
-        if name == "all" and _is_meta(args) and isinstance(out, torch.Tensor):
+        if name in ("all", "_is_all_true") and _is_meta(args) and isinstance(out, torch.Tensor):
             self.alls.add(id(out))
             self.alive.append(out)
         if name == "topk" and _is_meta(args):
