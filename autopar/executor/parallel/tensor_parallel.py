@@ -35,6 +35,10 @@ embedding and head, as torchtitan does it):
   already-distributed parameter again). On pipeline stages the first stage holds it as the
   embedding and the last as the head, the same shard per tp rank, so summing the local gradients
   over those pp ranks (pipeline_parallel.sync_tied_grads) stays correct.
+* another ``nn.Embedding`` holding the embedding's weight (BART's encoder and decoder lookups of
+  ``model.shared``) gets the same vocab-parallel lookup on that one sharded parameter (``_SharedRowwise``);
+  a float buffer over the vocabulary (BART's ``final_logits_bias``, added to the sharded logits) becomes a
+  replicated DTensor, which DTensor slices to the logits' shard.
 * a vocabulary not divisible by tp keeps the edges replicated (a note says so).
 * DTensor has no vocab-sharded strategy for the embedding's backward: with a replicated output
   gradient it computes the weight's gradient Replicate (full vocabulary on every rank). Left so, the
@@ -99,6 +103,23 @@ class _SharedColwise(ColwiseParallel):
                 requires_grad=param.requires_grad))
 
 
+class _SharedRowwise(RowwiseParallel):
+    """RowwiseParallel for an embedding that holds the token embedding's already-sharded weight (BART's
+    encoder and decoder ``embed_tokens``, both tied to ``model.shared``): the same Parameter stays, so
+    the tie survives, and the module gets the vocab-parallel lookup its input and output need."""
+
+    def _partition_embedding_fn(self, name, module, device_mesh):  # noqa: ANN001 - torch's signature
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                if param.device_mesh != device_mesh or tuple(param.placements) != (Shard(0),):
+                    raise ValueError(f"tied embedding parameter {pname} is distributed as {param.placements}, "
+                                     "not Shard(0)")
+                continue
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad))
+
+
 def _find(part: nn.Module, name: str | None, kind: type) -> nn.Module | None:
     """The submodule ``name`` of ``part`` if it is still a ``kind`` here (a pipeline chunk replaces
     the edges it does not run by stubs)."""
@@ -136,7 +157,26 @@ def shard_vocab_edges(part: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> 
             assert head.weight is emb.weight
     for mod, name, owner, pname in sites:  # other attributes tied to an edge's parameter follow it
         mod.register_parameter(name, getattr(owner, pname))
+        if emb is not None and name == "weight" and mod.weight is emb.weight and isinstance(mod, nn.Embedding):
+            # another lookup of the same table: it must look up vocab-parallel as the embedding does,
+            # or it mixes the sharded weight with the replicated ids
+            parallelize_module(mod, tp_mesh, _SharedRowwise(input_layouts=Replicate(), output_layouts=Replicate()))
+    if head is not None:
+        _vocab_buffers_as_dtensors(part, vocab, tp_mesh)
     return []
+
+
+def _vocab_buffers_as_dtensors(part: nn.Module, vocab: int, tp_mesh: DeviceMesh) -> None:
+    """Float buffers over the vocabulary (BART's ``final_logits_bias``, added to the logits after the
+    head) become replicated DTensors: the head's logits are a vocab-sharded DTensor, and DTensor
+    refuses an op mixing it with a plain tensor; a replicated operand is sliced locally to match."""
+    for mod in part.modules():
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if (buf is None or isinstance(buf, DTensor) or not buf.is_floating_point() or buf.dim() == 0
+                    or buf.shape[-1] != vocab):
+                continue
+            persistent = name not in mod._non_persistent_buffers_set
+            mod.register_buffer(name, distribute_tensor(buf, tp_mesh, [Replicate()]), persistent=persistent)
 
 
 def _alias_sites(part: nn.Module, edges: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Module, str]]:
