@@ -1,5 +1,9 @@
 """Bad input through the command line: exit code 2, one line on stderr starting with 'autopar: error:'
-(or 'autopar estimate: error:' for argument errors), nothing on stdout, never a traceback."""
+(or 'autopar estimate: error:' for argument errors), nothing on stdout, never a traceback.
+
+The rows run in children forked off one warm process that imported torch and autopar once
+(``run_cli_forked``, tests/cli/cli_server.py), but those of ``SUBPROCESS`` and the tests below the
+table, which run ``python -m autopar`` in a subprocess of their own (the entry point end to end)."""
 
 from __future__ import annotations
 
@@ -73,6 +77,11 @@ CASES = [
 ]
 
 
+# A real ``python -m autopar`` subprocess for these rows: a model file that fails at import, one that
+# exits at import, and the parser's refusal of an unknown command.
+SUBPROCESS = {"model-import-error", "model-exits-at-import", "unknown-command"}
+
+
 def _write(tmp_path: Path, name: str, text: str) -> Path:
     path = tmp_path / name
     path.write_text(text)
@@ -81,11 +90,13 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 def test_at_least_ten_kinds() -> None:
     assert len(CASES) >= 10
+    assert SUBPROCESS <= {c[0] for c in CASES}
 
 
-@pytest.mark.parametrize("make_args,needles", [pytest.param(a, n, id=i) for i, a, n in CASES])
-def test_bad_input_is_a_one_line_error(run_cli, tmp_path: Path, make_args, needles: list[str]) -> None:
-    res = run_cli(*make_args(tmp_path))
+@pytest.mark.parametrize("name,make_args,needles", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_a_one_line_error(run_cli, run_cli_forked, tmp_path: Path, name: str, make_args,
+                                       needles: list[str]) -> None:
+    res = (run_cli if name in SUBPROCESS else run_cli_forked)(*make_args(tmp_path))
     _check_one_line_error(res, *needles)
 
 
