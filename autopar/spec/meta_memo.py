@@ -53,7 +53,7 @@ def lookup(key: tuple) -> Any:
 def remember(key: tuple, args: tuple, kwargs: dict, out: Any) -> None:
     """Record ``out``'s metadata under ``key`` (skipped where ``out`` is not fresh meta tensors)."""
     try:
-        meta = _describe(out, {id(t) for t in _tensors((args, kwargs))})
+        meta = _describe(out, {id(t) for t in flat_tensors((args, kwargs))})
     except _Unkeyable:
         return
     if len(_MEMO) >= MAX_ENTRIES:
@@ -83,13 +83,14 @@ def _key(x: Any) -> Any:
     raise _Unkeyable
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
+def flat_tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors in an aten call's arguments or results (tensors, sequences, dicts), in pytree order."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _tensors(v)]
+        return [t for v in x for t in flat_tensors(v)]
     if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
+        return [t for v in x.values() for t in flat_tensors(v)]
     return []
 
 
