@@ -13,8 +13,9 @@ Only what is a function of the key is memoised: ops that neither write an input 
 (their schema says so), on plain strided meta tensors, with hashable non-tensor arguments (ints,
 floats, bools, strings, dtypes, devices, memory formats, and sequences of them), with the default
 dtype in the key (factory-like ops read it), and only where no other dispatch mode sits below the
-caller (one would otherwise not see the op). An output that is one of the op's inputs is never
-memoised. A miss runs the kernel as before, so a kernel that raises still raises every time.
+caller (one would otherwise not see the op). An output on one of the inputs' storage is never
+memoised (``_unsafe_view`` returns a view its schema does not declare). A miss runs the kernel as
+before, so a kernel that raises still raises every time.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def lookup(key: tuple) -> Any:
 def remember(key: tuple, args: tuple, kwargs: dict, out: Any) -> None:
     """Record ``out``'s metadata under ``key`` (skipped where ``out`` is not fresh meta tensors)."""
     try:
-        meta = _describe(out, {id(t) for t in flat_tensors((args, kwargs))})
+        meta = _describe(out, {t.untyped_storage()._cdata for t in flat_tensors((args, kwargs))})
     except _Unkeyable:
         return
     if len(_MEMO) >= MAX_ENTRIES:
@@ -94,14 +95,15 @@ def flat_tensors(x: Any) -> list[torch.Tensor]:
     return []
 
 
-def _describe(out: Any, input_ids: set[int]) -> tuple:
-    if isinstance(out, torch.Tensor):
-        if (type(out) is not torch.Tensor or not out.is_meta or out.layout != torch.strided or id(out) in input_ids
+def _describe(out: Any, input_storages: set[int]) -> tuple:
+    if isinstance(out, torch.Tensor):  # a result on an input's storage is a view its schema does not declare
+        if (type(out) is not torch.Tensor or not out.is_meta or out.layout != torch.strided
+                or out.untyped_storage()._cdata in input_storages
                 or out.storage_offset() != 0 or out.is_conj() or out.is_neg()):
             raise _Unkeyable
         return ("T", tuple(out.shape), out.stride(), out.dtype)
     if isinstance(out, (tuple, list)):
-        return (type(out).__name__, *(_describe(v, input_ids) for v in out))
+        return (type(out).__name__, *(_describe(v, input_storages) for v in out))
     if out is None:
         return ("N",)
     raise _Unkeyable

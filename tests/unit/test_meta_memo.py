@@ -53,6 +53,10 @@ def test_views_writes_real_tensors_and_outputs_that_are_inputs_are_not_memoised(
     key = ("probe", 1)
     meta_memo.remember(key, (a,), {}, a)  # an op that hands back its input
     assert meta_memo.lookup(key) is None
+    unsafe = (aten._unsafe_view.default, (a, [24]), {})  # a view its schema does not declare
+    call_on_meta(*unsafe)
+    key = meta_memo.memo_key(*unsafe)
+    assert key is not None and meta_memo.lookup(key) is None
 
 
 def test_no_memo_while_another_dispatch_mode_would_see_the_op():
