@@ -284,8 +284,8 @@ def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: 
 def _cp_kinds(graph: ModelGraph, space: SearchSpace, tp: int, cp: int, rejected: Counter) -> tuple[str, ...]:
     if cp == 1:
         return ("ring",)
-    if graph.cp_reason:
-        rejected["cp: not a sequence model"] += 1
+    if graph.cp_reason:  # the model's own reason (spec/support.py), not a guess at it
+        rejected[f"cp: {graph.cp_reason}"] += 1
         return ()
     kinds = []
     for kind in space.cp_kinds:

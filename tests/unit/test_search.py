@@ -277,3 +277,14 @@ def test_the_pre_build_capacity_bound_never_undercuts_the_real_capacities() -> N
                     assert all(u >= c for u, c in zip(upper, real)), (branch, zero, off, schedule, upper, real)
                     checked += 1
     assert checked > 500
+
+
+def test_a_cp_rejection_names_the_models_own_reason() -> None:
+    """The search's rejection line carries why the model cannot run cp (spec/support.py), not a guess."""
+    graph = gpt_graph(GPTConfig(num_layers=4, hidden_size=128, num_heads=4, seq_len=64, vocab_size=256))
+    graph = dataclasses.replace(graph, cp_reason="the attention uses a sliding window (16 tokens)")
+    rejected: Counter = Counter()
+    space = SearchSpace(num_gpus=4, gpus_per_node=4, global_batch=8, seq_len=64, micro_batches=(1,))
+    assert all(c.cp == 1 for c in enumerate_configs(graph, space, rejected))
+    assert rejected["cp: the attention uses a sliding window (16 tokens)"] > 0
+    assert not any("not a sequence model" in k for k in rejected)
