@@ -23,8 +23,9 @@ class HFAttention:
     """The attention of a block that dispatches through transformers' attention interface.
 
     ``module``: its block-relative name (HF: ``self_attn``); ``implementation``: the config's
-    ``_attn_implementation``; ``causal``: the module's ``is_causal``; ``sliding_window``: the window
-    in tokens (None: full causal); ``dropout``: the attention dropout probability in training;
+    ``_attn_implementation``; ``causal``: the module's ``is_causal``; ``sliding_window``: the narrowest
+    window or chunk in tokens that any layer of the model attends within (None: full causal
+    everywhere); ``dropout``: the attention dropout probability in training;
     ``position_ids``: whether the model's forward takes ``position_ids=`` (where a context-parallel
     shard says where its tokens sit).
     """
@@ -51,18 +52,31 @@ def _dispatches(mod: nn.Module) -> bool:
 
 
 def _window(mod: nn.Module, cfg: Any) -> int | None:
-    """The attention's sliding window in tokens, None when it attends to the whole prefix. The module's
-    own attribute where it has one (Qwen2: None on full-attention layers); else the config's, unless
-    the config says the window is off (``use_sliding_window=False``) or assigns windows per layer
-    (``layer_types``: a layer without the attribute is a full-attention layer, Qwen2-MoE). A window
-    of 0 or less is no window."""
+    """The narrowest window in tokens that any of the model's attention layers uses, None when every
+    layer attends to the whole prefix (context parallelism here is exact only then, whichever layer
+    the probed block is). The module's own attribute where it has one (Qwen2: None on full-attention
+    layers); else the config's, unless the config says the window is off (``use_sliding_window=False``)
+    or assigns windows per layer. Per-layer assignments (``layer_types``) count for every layer: a
+    sliding layer anywhere has ``sliding_window`` tokens, a chunked one (Llama 4) attends within
+    chunks of ``attention_chunk_size``. A window of 0 or less is no window."""
     if hasattr(mod, "sliding_window"):
-        window = mod.sliding_window
+        windows = [mod.sliding_window]
     elif getattr(cfg, "use_sliding_window", True) is False or getattr(cfg, "layer_types", None):
-        window = None
+        windows = []
     else:
-        window = getattr(cfg, "sliding_window", None)
-    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+        windows = [getattr(cfg, "sliding_window", None)]
+    kinds = set(getattr(cfg, "layer_types", None) or ())
+    if kinds & _SLIDING_LAYERS and getattr(cfg, "use_sliding_window", True) is not False:
+        windows.append(getattr(cfg, "sliding_window", None))
+    if kinds & _CHUNKED_LAYERS:
+        windows.append(getattr(cfg, "attention_chunk_size", None))
+    sizes = [w for w in windows if isinstance(w, int) and not isinstance(w, bool) and w > 0]
+    return min(sizes, default=None)
+
+
+# transformers' layer_types values of layers that attend within a window or a chunk, not the whole prefix
+_SLIDING_LAYERS = {"sliding_attention", "reference_sliding_attention", "window_attention"}
+_CHUNKED_LAYERS = {"chunked_attention"}
 
 
 def hf_attention(model: nn.Module, block: nn.Module) -> HFAttention | None:
@@ -80,6 +94,6 @@ def hf_attention(model: nn.Module, block: nn.Module) -> HFAttention | None:
         except (TypeError, ValueError):
             takes_ids = False
         return HFAttention(module=name, implementation=impl, causal=bool(getattr(mod, "is_causal", False)),
-                           sliding_window=window if isinstance(window, int) else None, dropout=dropout,
+                           sliding_window=window, dropout=dropout,
                            position_ids=takes_ids)
     return None

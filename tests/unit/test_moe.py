@@ -210,3 +210,26 @@ def test_sliding_window_is_read_only_where_the_layer_uses_one() -> None:
     assert _window(bare, SimpleNamespace(sliding_window=16)) == 16  # Mistral: the config's window applies
     assert _window(windowed, SimpleNamespace(sliding_window=None, layer_types=["sliding_attention"])) == 16
     assert _window(bare, SimpleNamespace(sliding_window=0)) is None
+
+
+def test_a_window_on_any_layer_counts_whichever_layer_is_probed() -> None:
+    """Llama 4 attends within chunks on three layers of four, Qwen2 with a window slides only from
+    max_window_layers on: a full-attention block 0 does not make the model full-causal."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from autopar.spec.attention import _window
+
+    full = nn.Module()
+    full.sliding_window = None  # the probed block's own attribute: a full-attention layer
+    llama4 = SimpleNamespace(attention_chunk_size=8192, layer_types=["full_attention", "chunked_attention"])
+    assert _window(nn.Module(), llama4) == 8192
+    qwen2 = SimpleNamespace(sliding_window=4096, use_sliding_window=True,
+                            layer_types=["full_attention", "sliding_attention"])
+    assert _window(full, qwen2) == 4096
+    off = SimpleNamespace(sliding_window=4096, use_sliding_window=False, layer_types=["full_attention"] * 2)
+    assert _window(full, off) is None
+    both = SimpleNamespace(sliding_window=128, attention_chunk_size=64,
+                           layer_types=["sliding_attention", "chunked_attention", "full_attention"])
+    assert _window(nn.Module(), both) == 64  # the narrowest
