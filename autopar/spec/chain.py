@@ -196,7 +196,8 @@ def probe_chain(model: nn.Module, units: list[str], run: Callable[[], Any]) -> C
         raise ModelFileError(f"the model's forward never called {missing[0]}; a chain unit that does not run "
                              "cannot be placed on a pipeline stage")
     order = list(dict.fromkeys(calls))
-    twice = len(calls) != len(order)
+    repeated = next((units[i] for i in order if calls.count(i) > 1), None)
+    twice = f"{repeated}: {calls.count(units.index(repeated))} calls" if repeated is not None else ""
     ordered = [units[i] for i in order]
     L = len(ordered)
     # positions were counted in calls; with each unit called once they are chain positions
@@ -219,6 +220,9 @@ def probe_chain(model: nn.Module, units: list[str], run: Callable[[], Any]) -> C
                  modules=modules, bare=bare, pp_reason=reason)
 
 
+_TWICE = "the forward calls a chain unit more than once"
+
+
 def _first_shape(value: Any) -> tuple[int, ...]:
     """Shape of the first tensor in a unit's output (a tuple's hidden states), () if none."""
     t = next((v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)), None)
@@ -226,10 +230,11 @@ def _first_shape(value: Any) -> tuple[int, ...]:
 
 
 def _pp_reason(units: list[str], info: list[dict[str, Any]], modules: Mapping[str, tuple[int, ...]],
-               bare: Mapping[str, tuple[int, ...]], twice: bool, L: int) -> str | None:
-    """Why a pipeline cannot cut this chain at unit inputs (None: it can)."""
+               bare: Mapping[str, tuple[int, ...]], twice: str, L: int) -> str | None:
+    """Why a pipeline cannot cut this chain at unit inputs (None: it can). ``twice``: the first unit
+    the forward calls more than once, and how often ("" when none is)."""
     if twice:
-        return "the forward calls a chain unit more than once"
+        return f"{_TWICE} ({twice}, one set of weights shared across depths)"
     for name, inf in zip(units, info):
         if inf["first"] is None:
             return f"{name} takes its input as a keyword argument; the pipeline cuts at a unit's first positional input"
@@ -254,12 +259,16 @@ def _pp_reason(units: list[str], info: list[dict[str, Any]], modules: Mapping[st
 
 
 def find_chain(model: nn.Module, run: Callable[[], Any]) -> Chain | None:
-    """The chain of ``model`` (see the module docstring), or None when it has fewer than 2 units."""
+    """The chain of ``model`` (see the module docstring), or None when it has fewer than 2 units
+    and no unit the forward calls more than once (ALBERT's one layer group applied at every depth:
+    a chain of one unit whose region holds every call, its parameters counted once)."""
     containers = outermost_containers(model)
     units = [f"{c}.{k}" for c in containers for k, _ in model.get_submodule(c).named_children()]
-    if len(units) < 2:
+    if not units:
         return None
     chain = dataclasses.replace(probe_chain(model, units, run), containers=tuple(containers))
+    if len(units) < 2 and not (chain.pp_reason or "").startswith(_TWICE):
+        return None
     if len(containers) == 1 and isinstance(model.get_submodule(containers[0]), nn.ModuleList) \
             and chain.units == tuple(units):
         return dataclasses.replace(chain, block_list=containers[0], pp_reason=_block_list_reason(chain))
@@ -270,8 +279,9 @@ def _block_list_reason(chain: Chain) -> str | None:
     """Why the block-list pipeline (executor/parallel/pipeline_parallel.py, its Requirements) cannot cut
     ``chain`` read as a block list (None: it can). The blocks' order was checked by the caller; a
     block called twice (a shared layer) would be placed on one stage only."""
-    if chain.pp_reason and chain.pp_reason.startswith("the forward calls a chain unit more than once"):
-        return "the forward calls a block more than once; a pipeline stage holds each block once"
+    if chain.pp_reason and chain.pp_reason.startswith(_TWICE):
+        detail = chain.pp_reason[len(_TWICE):].strip()
+        return f"the forward calls a block more than once {detail}; a pipeline stage holds each block once"
     call = chain.probe.block_call if chain.probe is not None else None
     if call is not None and not call.first_arg_is_tensor and call.num_args == 0 and not call.kwargs:
         return "the blocks are called without a hidden-state input a stage could receive"

@@ -75,8 +75,8 @@ def pp_support(spec: "ModelSpec") -> str | None:
     # micro-batch (any tensors, tuples or dicts), stubs only parameter-holding prologue modules,
     # passes a block's hidden state positionally or by keyword, rebuilds tuple block outputs and
     # ModelOutput results, and places bare parameters on the stages that read them.
-    if spec.num_blocks < 2:
-        return "fewer than 2 blocks to split"
+    if spec.num_blocks < 2:  # one unit called at every depth says so (spec/chain.py)
+        return spec.chain.pp_reason if spec.chain is not None and spec.chain.pp_reason else "fewer than 2 blocks to split"
     if spec.chain is not None and spec.chain.pp_reason:  # the chain's or its block list's (spec/chain.py)
         return spec.chain.pp_reason
     if spec.chain is not None and spec.chain.block_list is None:  # cut at unit inputs: its own requirements
@@ -92,8 +92,9 @@ def cp_support(spec: "ModelSpec") -> str | None:
     if not spec.is_sequence_model:
         return "not a sequence model (no SEQ_LEN)"
     if spec.blocks_kind == "chain":  # the executor installs cp attention in the blocks of one list
-        return (f"the blocks differ (a chain of {spec.num_blocks} units): context parallelism runs the "
-                "attention of one repeated block list")
+        what = f"the blocks differ (a chain of {spec.num_blocks} units)" if spec.num_blocks > 1 else (
+            "one unit is called at every depth (a chain of 1 unit)")
+        return f"{what}: context parallelism runs the attention of one repeated block list"
     if not spec.inputs_are_token_batch and spec.token_key is None:
         return ("example_inputs() is not one (batch, seq) token tensor, nor a dict of a (batch, seq) "
                 "input_ids with only labels and attention_mask of its shape beside it")
@@ -110,7 +111,8 @@ def cp_support(spec: "ModelSpec") -> str | None:
     if not hf.causal:
         return f"the attention ({hf.module}) is not causal; context parallelism here is causal-only"
     if hf.sliding_window is not None:
-        return f"the attention uses a sliding window ({hf.sliding_window} tokens); context parallelism here is full-causal only"
+        return (f"attention within a window or chunk of {hf.sliding_window} tokens (sliding or chunked, on some or all "
+                "layers); context parallelism here is full-causal only")
     if hf.dropout > 0:
         return f"attention dropout {hf.dropout} > 0; context-parallel attention has no dropout"
     if not hf.position_ids:

@@ -107,3 +107,27 @@ def test_meta_passes_torchs_own_tensor_assertions() -> None:
         n = (ids == 5).sum()
         # LLaVA: torch._check_tensor_all_with(ValueError, n * hidden == features.numel(), msg)
         torch._check_tensor_all_with(ValueError, n * 4 == 64, lambda: "image tokens do not match")
+
+
+def test_one_layer_applied_at_every_depth_is_a_chain_of_one_unit_pp_refused_by_name(tmp_path: Path) -> None:
+    # ALBERT's sharing: one group of layers in a list, called at each of 4 depths
+    path = _write(tmp_path, "shared", '''
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.groups = nn.ModuleList([nn.Linear(16, 16)])
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x):
+        for _ in range(4):
+            x = torch.relu(self.groups[0](x))
+        return self.head(x)
+
+
+def build_model():
+    return Net()
+''')
+    spec = model_spec(load_model_file(path))
+    assert spec.blocks_kind == "chain" and spec.chain.units == ("groups.0",) and spec.num_blocks == 1
+    assert "more than once (groups.0: 4 calls, one set of weights shared across depths)" in spec.support["pp"]
+    assert spec.support["zero3"] is None and spec.support["cp"] == "not a sequence model (no SEQ_LEN)"
