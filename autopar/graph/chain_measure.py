@@ -64,9 +64,21 @@ def kept_units(spec: ModelSpec, kinds: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(i for i, k in enumerate(kinds) if k == i or outs[i] != chain.input_shapes[i])
 
 
-def cut_chain_model(model: nn.Module, units: tuple[str, ...], keep: tuple[int, ...]) -> nn.Module:
+class PassThrough(nn.Module):
+    """A unit the measurement does not run, left in its place: it returns its hidden-state input."""
+
+    passes_through = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+def cut_chain_model(model: nn.Module, units: tuple[str, ...], keep: tuple[int, ...], *,
+                    in_place: bool = False) -> nn.Module:
     """A shallow copy of ``model`` whose chain containers hold only the units ``keep`` (shared, not
-    copied; a Sequential keeps its keys, a ModuleList is renumbered as it is iterated)."""
+    copied; a Sequential keeps its keys, a ModuleList is renumbered as it is iterated). ``in_place``:
+    every other unit stays in its place as a ``PassThrough`` instead, for a forward that hands each
+    unit its position in the list (Zamba2 looks its hybrid layers up by it)."""
     clone = copy.copy(model)
     clone._modules = dict(model._modules)  # type: ignore[attr-defined]
     copied = {"": clone}
@@ -85,7 +97,8 @@ def cut_chain_model(model: nn.Module, units: tuple[str, ...], keep: tuple[int, .
     containers = dict.fromkeys(u.rpartition(".")[0] for u in units)
     for c in containers:
         old = model.get_submodule(c)
-        children = [(k, m) for k, m in old.named_children() if f"{c}.{k}" in kept or f"{c}.{k}" not in units]
+        children = [(k, m if in_place is False or f"{c}.{k}" in kept or f"{c}.{k}" not in units else PassThrough())
+                    for k, m in old.named_children() if in_place or f"{c}.{k}" in kept or f"{c}.{k}" not in units]
         new = nn.Sequential(OrderedDict(children)) if isinstance(old, nn.Sequential) else nn.ModuleList(m for _, m in children)
         parent_path, _, leaf = c.rpartition(".")
         writable(parent_path)._modules[leaf] = new
@@ -174,17 +187,27 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
     plans = [spec.unit_tp(i) for i in keep] if spec.kind_tp and support["tp"] is None else []
     styles = [p.styles for p in plans]
 
-    def run(inp: Any, m: nn.Module = small, units: list[nn.Module] = mods, loss_fn: Any = mf.loss_fn
+    def run(inp: Any, m: nn.Module | None = None, units: list[nn.Module] = mods, loss_fn: Any = mf.loss_fn
             ) -> tuple[TracedRun, list[float]]:
         try:
-            return trace_chain_model(m, inp, loss_fn, units, styles)
+            return trace_chain_model(small if m is None else m, inp, loss_fn, units, styles)
         except ModelFileError as exc:
             raise ModelFileError(str(exc) if str(exc).startswith(str(mf.path)) else f"{mf.path}: {exc}") from None
         except Exception as exc:  # the user's forward or loss on meta
             raise model_failed(mf.path, "on the meta device", exc) from None
 
     inputs1 = shaped(1)
-    (base, kept_in), (b2, _) = run(inputs1), run(shaped(2))
+    try:
+        base, kept_in = run(inputs1)
+    except ModelFileError:
+        # the renumbered list failed the model's code (a forward handing each unit its loop position);
+        # units that return a tensor can stay in their places as pass-throughs instead
+        if chain.block_list is None or len(keep) == len(chain.units) or (
+                chain.probe is not None and chain.probe.block_output != "Tensor"):
+            raise
+        small = cut_chain_model(model, chain.units, keep, in_place=True)
+        base, kept_in = run(inputs1)
+    b2, _ = run(shaped(2))
     s_half = run(slice_sequence(inputs1, base_seq, base_seq // 2))[0] if is_seq else None
     t2, loss_t2 = (_trace_tp2(run, small, chain.block_list, plans, inputs1, support) if plans else (None, True))
     # traced region unit.j is kept unit keep[j]; rename to the chain index of the unit
@@ -233,13 +256,13 @@ def _trace_tp2(run: Callable[..., tuple[TracedRun, list[float]]], small: nn.Modu
     then fitted without tp). A copy that does not trace turns tp (and sp) off in ``support``."""
     assert container is not None  # plans per unit kind exist only for one module list of units
     sharded = shard_chain_for_tp(small, container, plans, 2)
-    units = list(sharded.get_submodule(container))
+    units = _run_units(sharded, container)
     try:
         return run(inputs1, sharded, units)[0], True
     except ModelFileError as exc:
         local = shard_chain_for_tp(small, container, plans, 2, vocab_constants=True)
         try:
-            return run(inputs1, local, list(local.get_submodule(container)))[0], True
+            return run(inputs1, local, _run_units(local, container))[0], True
         except ModelFileError:
             try:
                 return run(inputs1, sharded, units, None)[0], False
@@ -249,11 +272,16 @@ def _trace_tp2(run: Callable[..., tuple[TracedRun, list[float]]], small: nn.Modu
                 return None, True
 
 
+def _run_units(model: nn.Module, container: str) -> list[nn.Module]:
+    """The units of ``container`` the measurement runs (not the PassThroughs left in place)."""
+    return [u for u in model.get_submodule(container) if not getattr(u, "passes_through", False)]
+
+
 def _edge_sharded(small: nn.Module, container: str | None, base: TracedRun) -> dict[str, int]:
     """Parameters of the stem (pre) and head (post) the tp rank's copy holds at half width
     (``base``: the trace of ``small`` itself, whose parameter regions say which edge holds each)."""
     out = {"pre": 0, "post": 0}
-    sharded = shard_chain_for_tp(small, container, [_NO_TP] * len(small.get_submodule(container)), 2)
+    sharded = shard_chain_for_tp(small, container, [_NO_TP] * len(_run_units(small, container)), 2)
     inside = container + "."
     for (name, p), (_, q) in zip(small.named_parameters(), sharded.named_parameters()):
         if p.numel() != q.numel() and not name.startswith(inside):

@@ -28,7 +28,8 @@ def shard_chain_for_tp(small: nn.Module, container: str, plans: Sequence[TPPlan]
     """A meta copy of ``small`` (the chain model cut to the units it runs, one module list at
     ``container``) as one tp rank holds it: unit j sharded by ``plans[j]``, the edges by vocabulary."""
     sharded = shard_for_tp(small, container, {}, tp, vocab_constants=vocab_constants)  # the edges only
-    units = sharded.get_submodule(container)
+    # units left in their places unrun (chain_measure.PassThrough) hold nothing to shard
+    units = [u for u in sharded.get_submodule(container) if not getattr(u, "passes_through", False)]
     if len(units) != len(plans):
         raise ValueError(f"{len(plans)} plans for {len(units)} units of {container}")
     for unit, plan in zip(units, plans):

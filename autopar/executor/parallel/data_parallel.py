@@ -158,11 +158,16 @@ def apply_data_parallel(
             scalars = {p for p in module.parameters() if p.dim() == 0}
             return {"ignored_params": scalars, **extra} if scalars else dict(extra)
 
+        # Modules whose parameters several blocks share (Zamba2's shared attention block, tied into
+        # every hybrid layer) form one FSDP group first: FSDP2 refuses a parameter in two groups.
+        shared = shared_module_groups(blocks)
         for block in blocks:
             if fill is not None:
                 fill(block)
             if stored is not None:
                 _cast_parameters(block, stored, lambda p: True)
+            for group in [g for g in shared if any(m is g[0] for m in block.modules())]:
+                fully_shard(group, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, **ignored(group[0]))
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, **ignored(block))
         # Root: FSDP2's default (None) keeps the root's parameters gathered from forward to backward,
         # which comes right after -- re-gathering them would only add an all-gather.
@@ -223,6 +228,29 @@ class DDPBuckets(nn.Module):
         from contextlib import nullcontext
 
         return nullcontext()
+
+
+def shared_module_groups(blocks: list[nn.Module]) -> list[list[nn.Module]]:
+    """Groups of modules, in different blocks, holding the same parameters (a block tied into several
+    depths): in each block the outermost modules all of whose parameters another block also holds,
+    grouped by their parameter set; the first group member lies in the earliest block."""
+    holders: dict[int, set[int]] = {}
+    for i, block in enumerate(blocks):
+        for p in block.parameters():
+            holders.setdefault(id(p), set()).add(i)
+    shared = {pid for pid, where in holders.items() if len(where) > 1}
+    if not shared:
+        return []
+    groups: dict[frozenset[int], list[nn.Module]] = {}
+    for block in blocks:
+        taken: list[nn.Module] = []
+        for m in block.modules():
+            ids = frozenset(id(p) for p in m.parameters())
+            if not ids or not ids <= shared or any(any(m is d for d in t.modules()) for t in taken):
+                continue
+            taken.append(m)
+            groups.setdefault(ids, []).append(m)
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def _average_grads_of(params: list[nn.Parameter], mesh: DeviceMesh) -> list[nn.Parameter]:

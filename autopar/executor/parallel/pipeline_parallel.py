@@ -289,6 +289,12 @@ class StageModule(nn.Module):
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
         inputs = self.io.micro_batch(kwargs)
+        for t in args:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                # the gradient sent back to the previous stage lands in a buffer laid out as this
+                # gradient is (torch's pipelining infers it), and the send needs a dense one: a
+                # carried tensor concatenated with the hidden state (Zamba2) gets a strided slice
+                t.register_hook(_dense)
         if self._inject is not None:
             self._inject.value = args[0]
             self._receive(args[1:])
@@ -441,6 +447,10 @@ def run_schedule(schedule: Any, io: StepIO, batch: Any, *, is_last: bool, target
     finally:
         io.batch = None
     return losses
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
 
 
 def tied_groups(

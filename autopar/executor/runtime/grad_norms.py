@@ -220,9 +220,14 @@ def install(exe: Any) -> GradNormMeter | Unmeasured:
                 return Unmeasured(reason="DDP stand-in (a rehearsal)")
             w.module.register_comm_hook((meter, w.module.process_group), _ddp_hook)
         elif w.kind in ("fsdp", "replicate"):
-            for module in w.module.modules():
-                for group in _fsdp_groups(module):
-                    group.post_backward = functools.partial(meter.fsdp_post_backward, group, group.post_backward)
+            groups = [g for module in w.module.modules() for g in _fsdp_groups(module)]
+            if any(len(getattr(g, "modules", ())) > 1 for g in groups):
+                # data_parallel.shared_module_groups: a group of modules several blocks share runs
+                # its post-backward once per use, each reducing part of the micro-batch's gradient
+                return Unmeasured(reason="a parameter group that several blocks share reduces once per use, "
+                                         "each time a part of the gradient")
+            for group in groups:
+                group.post_backward = functools.partial(meter.fsdp_post_backward, group, group.post_backward)
         else:
             return Unmeasured(reason=f"data-parallel wrap {w.kind!r}")
     exe._grad_norm_meter = meter
