@@ -25,8 +25,10 @@ import threading
 import time
 from pathlib import Path
 
-# Imported once in the server, before any fork: what the commands import inside their ``main``.
-WARM = ("torch", "yaml", "autopar.commands.main", "autopar.api", "autopar.modelfile", "autopar.spec",
+# Imported once in the server, before any fork: what the commands import inside their ``main``, and what
+# torch imports on a model's first call (torch._dynamo: seconds, which a row's --timeout would count).
+WARM = ("torch", "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "yaml", "autopar.graph.measure",
+        "autopar.search.driver", "autopar.commands.main", "autopar.api", "autopar.modelfile", "autopar.spec",
         "autopar.cost.estimate", "autopar.report", "autopar.search.sweep", "autopar.outputs", "autopar.plan",
         "autopar.launch.local", "autopar.executor.runtime.checks", "autopar.launch.environment",
         "autopar.modelcheck", "autopar.engines.capability", "autopar.profiler.layers")

@@ -1,11 +1,16 @@
 """Issue 13: the failure contract, through the CLI as a user calls it, one row per reproduced finding.
 
-Every row runs ``python -m autopar ...`` in a subprocess and checks the exit code, the number of
-lines on stderr, that no traceback is printed, that nothing is written where nothing should be,
+Every row runs ``python -m autopar ...`` in a process of its own and checks the exit code, the number
+of lines on stderr, that no traceback is printed, that nothing is written where nothing should be,
 and the row's own fact (a FIFO still a FIFO, stdout still JSON, the marker a crafted pickle would
 create absent). Rows that need ranks (a killed or stopped rank, a damaged checkpoint under 2
 ranks, SIGTERM, the listening sockets) are in tests/dist/test_fault_cli.py; benchmarks/fault_probe.py
 runs the slow ones and prints a table.
+
+A row's process is a child forked off one warm process that imported torch and autopar once
+(tests/cli/cli_server.py), with the environment of ``cli``; rows marked ``subprocess`` -- and rows
+with an environment or a umask of their own -- run ``python -m autopar`` as a subprocess, so the entry
+point stays checked end to end (a hang's hard exit, a model's prints kept off stdout, a NaN stop).
 """
 
 from __future__ import annotations
@@ -42,11 +47,16 @@ MODEL_HEAD = TINY.read_text()
 HANG_TIMEOUT_S = 3
 
 
-def cli(*args: object, cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 180,
-        umask: int | None = None) -> tuple[subprocess.CompletedProcess, float]:
-    full = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    full = dict(os.environ, OMP_NUM_THREADS="1", **(extra or {}))
     full.pop("AUTOPAR_PROFILES", None)
     full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return full
+
+
+def cli(*args: object, cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 180,
+        umask: int | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    full = _env(env)
     pre = (lambda: os.umask(umask)) if umask is not None else None
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "autopar", *map(str, args)], cwd=cwd, env=full, capture_output=True,
@@ -87,6 +97,7 @@ class Row:
     absent: tuple[str, ...] = ()  # paths (relative to tmp) that must not exist afterwards
     check: Callable[[Path, subprocess.CompletedProcess], None] | None = None
     max_wall_s: float | None = None
+    subprocess: bool = False  # run as ``python -m autopar`` in a subprocess, not a forked child
     kwargs: dict = field(default_factory=dict)
 
 
@@ -237,13 +248,13 @@ ROWS = [
     Row(finding=8, name="a BaseException subclass", setup=_base_exc, code=2, says="Boom: no"),
     Row(finding=8, name=f"hang at import, plan --timeout {HANG_TIMEOUT_S}", setup=_hang_import, code=2,
         says=f"did not finish within --timeout {HANG_TIMEOUT_S} s",
-        absent=("out.yaml",), max_wall_s=150),
+        absent=("out.yaml",), max_wall_s=150, subprocess=True),
     Row(finding=8, name=f"hang in build_model, estimate --timeout {HANG_TIMEOUT_S}", setup=_hang_build, code=2,
         says=f"build_model() did not finish within --timeout {HANG_TIMEOUT_S} s", max_wall_s=150),
     Row(finding=8, name=f"hang at import, run --timeout {HANG_TIMEOUT_S}", setup=_run_hang_import, code=2,
         says=f"import did not finish within --timeout {HANG_TIMEOUT_S} s", max_wall_s=150),
     Row(finding=8, name="a model that prints, estimate --json", setup=_prints, code=0, stderr_lines=None,
-        check=_json_clean),
+        check=_json_clean, subprocess=True),
     Row(finding=8, name="wrong-shape example_inputs", setup=_wrong_shape, code=2, says="dim 0 must be the micro-batch",
         absent=("out.yaml",)),
     Row(finding=9, name="--report under a regular file", setup=_report_unwritable, code=2, says="--report"),
@@ -270,12 +281,30 @@ ROWS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def forked():
+    from cli_server import CliServer
+
+    server = CliServer(_env(), REPO)
+    yield server
+    server.close()
+
+
+def test_some_rows_run_the_entry_point_itself() -> None:
+    assert sum(r.subprocess for r in ROWS) >= 2
+
+
 @pytest.mark.parametrize("row", ROWS, ids=[f"{r.finding}-{r.name}" for r in ROWS])
-def test_failure_contract(row: Row, tmp_path: Path) -> None:
+def test_failure_contract(row: Row, tmp_path: Path, forked) -> None:
     args, kw = row.setup(tmp_path)
     kw = dict(kw)
     held = kw.pop("_hold", None)  # a lock the test keeps open while the CLI runs
-    proc, wall = cli(*args, cwd=tmp_path, **kw)
+    if row.subprocess or kw:  # kw: an environment or a umask of the row's own
+        proc, wall = cli(*args, cwd=tmp_path, **kw)
+    else:
+        t0 = time.monotonic()
+        proc = forked.run(*args, cwd=tmp_path, timeout=180)
+        wall = time.monotonic() - t0
     del held
     err = _stderr(proc)
     assert proc.returncode == row.code, proc.stderr[-3000:]
