@@ -36,9 +36,10 @@ CASES = [
     pytest.param("hf_deepseek_v3", "pp2", ("pp",), id="hf_deepseek_v3-pp2"),  # dense then MoE blocks in one list
     pytest.param("hf_clip", "pp2", ("pp",), id="hf_clip-pp2"),  # a tower's output carried to the loss
     pytest.param("hf_swin", "pp2", ("pp",), id="hf_swin-pp2"),  # the encoder reads stage.downsample
-    pytest.param("hf_gpt2", "tp2+sp", ("tp",), id="hf_gpt2-tp2"),
+    # HF GPT-2 (Conv1D layers) under tp 2 and tp 2 + SP, the zoo's file against one process:
+    # tests/dist/test_tp_foreign.py (hf-gpt2-tp2, hf-gpt2-tp2-sp)
     pytest.param("hf_falcon", "tp2+sp", ("tp",), id="hf_falcon-tp2"),  # += on a row-parallel output
-    pytest.param("vit", "pp2", ("pp",), id="vit-pp2"),
+    # the zoo's ViT under pp 2 against one process: tests/dist/test_chain_models.py (vit-pp2; also dp2, zero3)
     pytest.param("resnet", "pp2", ("pp",), id="resnet-pp2"),
     pytest.param("torch_encoder", "pp2", ("pp",), id="torch_encoder-pp2"),  # TransformerEncoder reads layers[0]
     pytest.param("hf_bert", "tp2+sp", ("tp", "sp"), id="hf_bert-tp2+sp"),  # post-LN under SP, a tied bias
