@@ -18,7 +18,8 @@ that no remaining figure depends on (its profile priced none of them) cannot be 
 keeps its shipped value and the fold says so (``Fold.kept``), its held-out figure then optimistic
 for that constant. torchtitan's runs ran on a 500 W part of unknown clocks (reference_h100): they
 are predicted in every fold, never fitted; so are Korthikanti et al. 2022 Table 5's end-to-end
-times (A100, a held-out source only: ``_table5_rows``).
+times and torchtitan's FSDP2 runs on 64 A100 (A100 sources held out only: ``_table5_rows``,
+reference_a100).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from autopar.reference_h100 import PublicRun, public_plan, public_runs, run_grap
 # on the other sources of its GPU (the other GPU's constants do not touch them).
 SOURCES = ("dgxc", "dgxc_llama31", "megatron_core_r08", "llm_foundry", "sc21", "korthikanti_t4")
 # Predicted with the constants fitted on every source of their GPU, never fitted themselves (why: PREDICTED_WHY)
-PREDICTED_ONLY = ("torchtitan", "korthikanti_t5")
+PREDICTED_ONLY = ("torchtitan", "korthikanti_t5", "torchtitan_a100")
 PREDICTED_WHY = {
     "torchtitan": "other hardware",
     "korthikanti_t5": "held out only",
+    "torchtitan_a100": "held out only",
 }
 
 
@@ -97,12 +99,14 @@ class _Row:
     predict: Callable[[Cluster], float]
 
 
-def _h100_rows(runs: Sequence[PublicRun]) -> list[_Row]:
+def _public_rows(runs: Sequence[PublicRun], cluster_of: Callable[[PublicRun], tuple[Cluster, str]] = software_cluster
+                 ) -> list[_Row]:
+    """Each run's step time, priced on ``cluster_of``'s profile with the run's settings."""
     from autopar.cost.estimate import estimate_plan
 
     out = []
     for run in runs:
-        cluster, profile = software_cluster(run)
+        cluster, profile = cluster_of(run)
         plan, graph = public_plan(run, profile), run_graph(run)
         out.append(_Row(name=run.name, source=run.group, profile=profile, base=cluster, published=run.step_time_s,
                         predict=lambda c, plan=plan, graph=graph: estimate_plan(plan, graph, c).step_time_s))
@@ -187,7 +191,11 @@ def source_rows(source: str) -> list[_Row]:
         return _table4_rows()
     if source == "korthikanti_t5":
         return _table5_rows()
-    return _h100_rows(public_runs(source))
+    if source == "torchtitan_a100":
+        from autopar.reference_a100 import a100_cluster, a100_runs
+
+        return _public_rows(a100_runs(), a100_cluster)
+    return _public_rows(public_runs(source))
 
 
 def shipped_values() -> dict[str, float]:
@@ -274,7 +282,7 @@ class Fold:
 
 def holdout(sources: Sequence[str] = SOURCES, progress: Callable[[str], None] | None = None) -> list[Fold]:
     """Each source of ``sources`` left out in turn (module docstring); the PREDICTED_ONLY sources'
-    rows follow (torchtitan's, Korthikanti's Table 5), each predicted with the constants fitted on
+    rows follow (torchtitan's two, Korthikanti's Table 5), each predicted with the constants fitted on
     every source of ``sources`` on its GPU."""
     shipped = shipped_values()
     by_source = {s: source_rows(s) for s in (*sources, *PREDICTED_ONLY)}

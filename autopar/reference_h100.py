@@ -58,6 +58,9 @@ class PublicRun:
     nemo_optimizer: tuple[str, str] | None = None
     # Peak device memory the source reports (torchtitan's max_reserved GiB), bytes; None: not reported
     published_peak_bytes: float | None = None
+    # Per-stage recompute counts (none, selective, full) per pipeline rank (plan recompute_blocks):
+    # torchtitan's "selective layer" checkpointing, every Nth block fully; None: ``recompute`` everywhere
+    recompute_blocks: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def layout(self) -> str:
@@ -143,7 +146,8 @@ def _model(m: dict, seq: int) -> tuple[gpt.GPTConfig | llama.LlamaConfig, str]:
                           dropout=m.get("dropout", 0.1)), "gpt (fused attention)")
 
 
-def _dict_rows(group: str, data: dict) -> list[PublicRun]:
+def dict_rows(group: str, data: dict) -> list[PublicRun]:
+    """The rows of a group written as mappings (one per run: model, configuration, published figure)."""
     out = []
     for r in data["rows"]:
         seq = r["model"]["seq"]
@@ -163,7 +167,8 @@ def _dict_rows(group: str, data: dict) -> list[PublicRun]:
             tp_comm_overlap=False if "no TP comm overlap" in str(r.get("notes", "")) else None,
             nemo_optimizer=(str(r["optimizer"]["name"]), str(r["optimizer"].get("dtype", "fp32")))
             if "optimizer" in r else None,
-            published_peak_bytes=float(pub["peak_memory_gib"]) * 2**30 if "peak_memory_gib" in pub else None))
+            published_peak_bytes=float(pub["peak_memory_gib"]) * 2**30 if "peak_memory_gib" in pub else None,
+            recompute_blocks=tuple(tuple(map(int, b)) for b in r["recompute_blocks"]) if "recompute_blocks" in r else None))
     return out
 
 
@@ -212,9 +217,9 @@ def _foundry_rows(data: dict) -> list[PublicRun]:
 def public_runs(group: str | None = None) -> list[PublicRun]:
     """The rows of h100_public.yaml as runs (one group, or all in file order)."""
     data = load_calibration("h100_public.yaml")
-    runs = (_dict_rows("dgxc", data["dgxc"]) + _mcore_rows(data["megatron_core_r08"])
-            + _foundry_rows(data["llm_foundry"]) + _dict_rows("torchtitan", data["torchtitan"])
-            + _dict_rows("dgxc_llama31", data["dgxc_llama31"]))
+    runs = (dict_rows("dgxc", data["dgxc"]) + _mcore_rows(data["megatron_core_r08"])
+            + _foundry_rows(data["llm_foundry"]) + dict_rows("torchtitan", data["torchtitan"])
+            + dict_rows("dgxc_llama31", data["dgxc_llama31"]))
     return [r for r in runs if group is None or r.group == group]
 
 
@@ -230,7 +235,7 @@ def public_plan(run: PublicRun, profile: str):  # noqa: ANN201 - returns autopar
                           dtype="bf16", optimizer="adam"),
         parallel=Parallel(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, zero=run.zero, sequence_parallel=run.sequence_parallel,
                           recompute=run.recompute, pp_schedule="interleaved-1f1b" if v > 1 else "1f1b",
-                          pp_virtual_stages=v),
+                          pp_virtual_stages=v, recompute_blocks=run.recompute_blocks),
     )
 
 

@@ -14,7 +14,10 @@ each with published, predicted and error, and the mean and max |error| per table
    ``h100-80g-megatron`` (targets: mean <= 5 %, max <= 10 % over both groups together), llm-foundry's
    FSDP runs on ``h100-80g`` (target: mean <= 10 %), torchtitan's run on a slower 500 W H100 variant
    (informational: that hardware is not h100-80g). One profile per GPU and software; no per-row terms;
-6. ranking: Kendall's tau of the predicted order of each multi-configuration source's configurations
+6. torchtitan_a100.yaml: torchtitan's FSDP2 runs of Llama 2 13B / 70B and Llama 3 8B / 70B on 64 A100-80GB
+   (docs/performance.md), tokens/s per GPU on ``a100-80g`` with the runs' FSDP2 settings; a held-out source
+   only, never fitted (informational here; its held-out figure is printed by --holdout);
+7. ranking: Kendall's tau of the predicted order of each multi-configuration source's configurations
    against the published order (autopar.reference_rank; target: tau >= 0.8 with three or more).
 
 Usage: python benchmarks/calibration.py        (exit code 1 if any target is missed; runs in about a minute)
@@ -242,6 +245,35 @@ def h100_tables() -> None:
     print()
 
 
+def torchtitan_a100_table() -> None:
+    """torchtitan_a100.yaml: published tokens/s per GPU (torchtitan's WPS) and MFU against the
+    prediction with the shipped a100-80g constants (autopar.reference_a100); the error is the step
+    time's, as every other table's."""
+    from autopar.reference_a100 import a100_cluster, a100_rows, tokens_per_s_per_gpu, torchtitan_mfu_pct
+
+    rows, errors = [], []
+    for row in a100_rows():
+        run = row.run
+        cluster, profile = a100_cluster(run)
+        est = estimate_plan(public_plan(run, profile), run_graph(run), cluster)
+        err = pct(est.step_time_s, run.step_time_s)
+        errors.append(err)
+        wps = tokens_per_s_per_gpu(run, est.step_time_s)
+        mode = run.recompute if run.recompute_blocks is None else "full {2} / none {0}".format(*run.recompute_blocks[0])
+        rows.append((run.name, row.ac, run.micro_batch, run.global_batch, mode, f"{row.tokens_per_s_per_gpu:,.0f}",
+                     f"{wps:,.0f}", f"{err:+.1f}", f"{row.mfu_pct:.1f}", f"{torchtitan_mfu_pct(run, wps):.1f}",
+                     f"{est.peak_memory_bytes / 2**30:.1f}" + ("" if est.fits else " (over)")))
+    print("torchtitan_a100.yaml: torchtitan FSDP2 (zero 3, dp 64) on 64 A100-80GB, eager, bf16 / fp32 reduce "
+          "(a100-80g) -- tokens/s per GPU")
+    print(table(["run", "AC (source)", "mb", "batch", "recompute (blocks)", "published tok/s", "predicted tok/s",
+                 "error % (step)", "MFU % pub", "MFU % pred", "mem GiB"], rows, align="llrrlrrrrrr"))
+    print(summary(errors, "torchtitan A100", None, None) + "  (held out, never fitted: its held-out figure is "
+          "printed by --holdout)")
+    print("(MFU: torchtitan's 6 N + 12 L h s per token, N with the embedding, as its April 2024 train.py; mem: "
+          "predicted peak against a100-80g's 79.15 GiB)")
+    print()
+
+
 def memory_tables() -> None:
     """Published peak memory (memory_public.yaml) against the cost model's tensor peak on the
     reported stage (target 5 %), and every h100_public.yaml run's predicted peak against the
@@ -317,7 +349,7 @@ def holdout_table() -> None:
     print()
     print("fitted constants: shipped, and fitted without each source (the last columns: on every source of the "
           "held-out-only source's GPU; * kept)")
-    gpu = {"torchtitan": "all H100", "korthikanti_t5": "all A100"}
+    gpu = {"torchtitan": "all H100", "korthikanti_t5": "all A100", "torchtitan_a100": "all A100"}
     print(table(["constant", "profiles", "shipped", *(f"w/o {f.source}" if f.source in SOURCES else gpu.get(f.source, "all")
                                                       for f in folds)], consts, align="ll" + "r" * (len(folds) + 1)))
     print()
@@ -364,6 +396,7 @@ def main() -> int:
     table2(cluster)
     zero_table()
     h100_tables()
+    torchtitan_a100_table()
     memory_tables()
     ranking_table()
     return _verdict("calibration", start)
