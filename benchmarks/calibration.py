@@ -334,7 +334,7 @@ def holdout_table() -> None:
             check(sum(errs) / len(errs) <= 0.05, f"held-out {f.source} mean <= 5 %")
             check(max(errs) <= 0.10, f"held-out {f.source} max <= 10 %")
     print("leave one source out: |error| % of each source's published figures (H100 step times; A100: SC21 iteration "
-          "times, Table 4 layer fwd/bwd, Table 5 iteration times)")
+          "times, Table 4 layer fwd/bwd, Table 5 iteration times, torchtitan step times)")
     print(table(["left out", "runs", "in-sample mean", "in-sample max", "held-out mean", "held-out max", "",
                  "constants"], rows, align="lrrrrrll"))
     print()
