@@ -104,7 +104,29 @@ def one_block_meta(mf: ModelFile) -> nn.Module:
     """The model file's model cut to its first block, on meta (``one_block_model``): what the layer
     table, the contention reference and the optimizer figure are measured on."""
     meta = mf.build("meta")
-    return one_block_model(meta, model_spec(mf, meta).blocks_path)
+    return block_model(mf, meta, model_spec(mf, meta).blocks_path)
+
+
+def block_model(mf: ModelFile, meta: nn.Module, blocks_attr: str | None) -> nn.Module:
+    """``meta`` cut to the first block of ``blocks_attr`` -- or whole where the cut model does not run:
+    a forward whose later units read what the cut units produced (a U-Net's decoder pops the skip
+    connections its encoder blocks pushed) needs them all; its block is still the first one."""
+    if blocks_attr is None:
+        return meta
+    small = one_block_model(meta, blocks_attr)
+    if model_spec(mf, meta).blocks_kind != "chain":
+        return small  # repeated blocks map their input to an output of its shape: the cut runs
+    from autopar.spec.meta import tolerant_meta
+
+    try:
+        with tolerant_meta(), torch.no_grad():
+            inputs = mf.example_inputs(1, "meta")
+            out = call_model(small, inputs)
+            if mf.loss_fn is not None:
+                mf.loss_fn(out, inputs)
+    except Exception:  # noqa: BLE001 - the user's forward on the cut model: the whole model runs instead
+        return meta
+    return small
 
 
 def materialise(model: nn.Module, device: torch.device,
@@ -283,7 +305,7 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
     meta = mf.build("meta")
     spec = model_spec(mf, meta)
     blocks_attr, tp_plan = spec.blocks_path, dict(spec.tp_plan or {})
-    small = one_block_model(meta, blocks_attr)
+    small = block_model(mf, meta, blocks_attr)
     buffers = mf.buffer_values()
     seq = mf.seq_len or 0
     seqs = sorted({seq // cp for cp in cfg.cps if seq and seq % cp == 0 and seq // cp >= 1}, reverse=True) or [seq]

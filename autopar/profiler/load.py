@@ -104,9 +104,8 @@ def _gemm_loop(report: TextIO) -> None:
 def _model_loop(mf: ModelFile, micro_batch: int, report: TextIO) -> None:
     import torch
 
-    from autopar.graph.build import one_block_model
     from autopar.modelfile import backward, call_model
-    from autopar.profiler.layers import materialise
+    from autopar.profiler.layers import block_model, materialise
 
     meta = mf.build("meta")
     try:
@@ -116,7 +115,7 @@ def _model_loop(mf: ModelFile, micro_batch: int, report: TextIO) -> None:
     except Exception:  # noqa: BLE001 - the load must go on (see main): the whole model then
         blocks_path = None
     with mf.running("while building the block on cpu"):  # its reset_parameters
-        model = materialise(one_block_model(meta, blocks_path) if blocks_path else meta, torch.device("cpu"),
+        model = materialise(block_model(mf, meta, blocks_path), torch.device("cpu"),
                             mf.buffer_values())
     model.train()
     inputs = mf.example_inputs(micro_batch, "cpu")
