@@ -1,5 +1,9 @@
 """`autopar rehearse` on bad input: a rank outside the world, a plan for another model, a model that
-reads tensor values -- one line saying what to change, exit 2, nothing on stdout."""
+reads tensor values -- one line saying what to change, exit 2, nothing on stdout.
+
+The plans and the refusals before any rank starts run in children forked off the warm CLI server
+(``run_cli_forked``, tests/cli/cli_server.py); every rehearsal that starts ranks runs ``python -m
+autopar`` as a subprocess of its own."""
 
 from __future__ import annotations
 
@@ -23,24 +27,24 @@ def _one_line(res, *needles: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def small_plan(tmp_path_factory, run_cli) -> Path:
+def small_plan(tmp_path_factory, run_cli_forked) -> Path:
     out = tmp_path_factory.mktemp("rehearse") / "p.yaml"
-    res = run_cli("plan", SMALL, "--gpus", "2", "--cluster", "cpu-local-2", "--tp", "1", "--dp", "2", "-o", out, "--quiet")
+    res = run_cli_forked("plan", SMALL, "--gpus", "2", "--cluster", "cpu-local-2", "--tp", "1", "--dp", "2", "-o", out, "--quiet")
     assert res.returncode == 0, res.stderr
     return out
 
 
-def test_a_rank_outside_the_world_is_one_line(run_cli, small_plan: Path) -> None:
-    _one_line(run_cli("rehearse", small_plan, "--ranks", "0,7", "--quiet"), "rank 7", "0..1", "--ranks")
+def test_a_rank_outside_the_world_is_one_line(run_cli_forked, small_plan: Path) -> None:
+    _one_line(run_cli_forked("rehearse", small_plan, "--ranks", "0,7", "--quiet"), "rank 7", "0..1", "--ranks")
 
 
-def test_a_plan_for_another_model_is_one_line(run_cli, small_plan: Path) -> None:
+def test_a_plan_for_another_model_is_one_line(run_cli_forked, small_plan: Path) -> None:
     other = REPO / "tests" / "data" / "models" / "gpt12.py"
-    _one_line(run_cli("rehearse", small_plan, other, "--quiet"), "gpt12.py")
+    _one_line(run_cli_forked("rehearse", small_plan, other, "--quiet"), "gpt12.py")
 
 
-def test_a_model_that_reads_values_is_one_line(run_cli, tmp_path: Path) -> None:
-    res = run_cli("plan", VALUES, "--gpus", "2", "--cluster", "cpu-local-2", "--dp", "2", "-o", tmp_path / "p.yaml",
+def test_a_model_that_reads_values_is_one_line(run_cli, run_cli_forked, tmp_path: Path) -> None:
+    res = run_cli_forked("plan", VALUES, "--gpus", "2", "--cluster", "cpu-local-2", "--dp", "2", "-o", tmp_path / "p.yaml",
                   "--quiet")
     assert res.returncode == 0, res.stderr
     line = _one_line(run_cli("rehearse", tmp_path / "p.yaml", "--quiet", timeout=300), "reads tensor values",
