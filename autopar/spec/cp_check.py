@@ -15,7 +15,7 @@ on the CPU with its attention replaced by a position-local stand-in (registered 
 attention interface: each position returns its own value vector), and it runs three times: as is,
 with the first half of the hidden state perturbed, and with the second half perturbed. With the
 attention local, any change of the unperturbed half's output is mixing outside the attention.
-A parameter over ``_MAX_DENSE`` elements holds one value (``_materialise``). Needs torch, never torch.distributed.
+A parameter over ``_MAX_DENSE`` elements views shared values (``_materialise``). Needs torch, never torch.distributed.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from autopar.spec.sp_check import _map_first
 from autopar.spec.spec_inputs import cut_tokens
 
 _SEQ = 8  # positions of the check's sequence
-_MAX_DENSE = 32_000_000  # elements of a parameter given values one by one (fp32: 128 MB); above, one value
+_MAX_DENSE = 32_000_000  # elements of a parameter given values of its own (fp32: 128 MB); above, shared ones
+_MAX_SHARED = 300_000_000  # elements of the buffer larger parameters view (fp32: 1.2 GB); above, one value
+_POOL = 1_048_573  # random draws the shared buffer repeats (a prime)
 _LOCAL = "autopar_position_local"
 
 
@@ -58,29 +60,44 @@ def _real(value: Any, gen: torch.Generator) -> Any:
     return tree_map(conv, value)
 
 
-def _fill(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def _fill(t: torch.Tensor, gen: torch.Generator, shared: torch.Tensor | None) -> torch.Tensor:
     if not t.is_floating_point():
         return torch.ones(t.shape, dtype=torch.bool) if t.dtype == torch.bool else torch.zeros(t.shape, dtype=t.dtype)
     if t.numel() <= _MAX_DENSE:
         return torch.randn(t.shape, generator=gen) * 0.2
+    if shared is not None and t.numel() <= shared.numel():
+        return shared[:t.numel()].view(t.shape)  # dense and contiguous, no allocation of its own
     return (torch.randn((), generator=gen) * 0.2).expand(t.shape)  # one value, no storage (see _materialise)
 
 
+def _tiled(numel: int, gen: torch.Generator) -> torch.Tensor:
+    """``numel`` random values at memory-copy speed: a pool of ``_POOL`` normal draws repeated (a
+    prime period, so no two rows of a weight wider than one row of the pool repeat each other)."""
+    pool = torch.randn(_POOL, generator=gen) * 0.2
+    return pool.repeat(-(-numel // _POOL))[:numel]
+
+
 def _materialise(block: nn.Module, gen: torch.Generator) -> nn.Module:
-    """A CPU copy of ``block`` (on meta) in fp32 with random values; a tensor over ``_MAX_DENSE``
-    elements holds one random value broadcast over its shape (no storage). Those are a large model's
-    MLP and expert weights (Falcon-H1 7B's MLP is 38M, Llama 4's stacked experts 1.3B), which act on
-    each position alone; the mixers a check must see (in-projections, convs, scan parameters) stay
-    dense -- one value for a whole mixer weight would make every channel equal, and a norm over the
-    channels would then hide what the scan carries."""
+    """A CPU copy of ``block`` (on meta) in fp32 with random values. A tensor over ``_MAX_DENSE``
+    elements -- a large model's MLP and expert weights (Falcon-H1 7B's MLP is 38M, Llama 4's stacked
+    experts 1.3B), which act on each position alone -- views one shared buffer of random values the
+    size of the largest of them (a linear layer reading a broadcast weight copies it whole on every
+    call: 4 of Llama-2 7B's 6 s of measurement); above ``_MAX_SHARED`` elements it holds one random
+    value broadcast over its shape (no storage). The mixers a check must see (in-projections, convs,
+    scan parameters) stay dense and their own -- one value for a whole mixer weight would make every
+    channel equal, and a norm over the channels would then hide what the scan carries."""
     real = copy.deepcopy(block)
+    tensors = [t for mod in real.modules() for t in (*mod._parameters.values(), *mod._buffers.values())
+               if t is not None and t.is_floating_point()]
+    big = max((t.numel() for t in tensors if _MAX_DENSE < t.numel() <= _MAX_SHARED), default=0)
+    shared = _tiled(big, gen) if big else None
     for mod in real.modules():
         for name, p in list(mod._parameters.items()):
             if p is not None:
-                mod._parameters[name] = nn.Parameter(_fill(p, gen), requires_grad=False)
+                mod._parameters[name] = nn.Parameter(_fill(p, gen, shared), requires_grad=False)
         for name, b in list(mod._buffers.items()):
             if b is not None:
-                mod._buffers[name] = _fill(b, gen)
+                mod._buffers[name] = _fill(b, gen, shared)
     return real.eval()
 
 

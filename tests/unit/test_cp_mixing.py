@@ -71,12 +71,34 @@ def test_a_token_shift_beside_the_attention_refuses_it(tmp_path: Path) -> None:
     assert why is not None and "mixes positions outside its attention (self_attn)" in why
 
 
-def test_large_weights_held_as_one_value_keep_both_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # a full-size block's MLP (over _MAX_DENSE elements) holds one broadcast value instead of storage
+@pytest.mark.parametrize("max_shared", [300_000_000, 1500], ids=["shared-values", "one-value"])
+def test_large_weights_keep_both_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_shared: int) -> None:
+    # a full-size block's MLP (over _MAX_DENSE elements) views one shared buffer of random values, or
+    # above _MAX_SHARED holds one broadcast value instead of storage
     import autopar.spec as spec_pkg
     from autopar.spec import cp_check
 
     monkeypatch.setattr(cp_check, "_MAX_DENSE", 1500)  # the 32 x 64 MLP weights, not the 32 x 32 projections
+    monkeypatch.setattr(cp_check, "_MAX_SHARED", max_shared)
     spec_pkg._CACHE.clear()
     assert _spec(tmp_path, False).support["cp"] is None
     assert "mixes positions outside its attention" in _spec(tmp_path, True).support["cp"]
+
+
+def test_large_weights_view_one_dense_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A linear layer reading a broadcast weight copies it on every call: weights over _MAX_DENSE are
+    contiguous views of one buffer the size of the largest; small ones keep values of their own."""
+    import torch
+    from torch import nn
+
+    from autopar.spec import cp_check
+
+    monkeypatch.setattr(cp_check, "_MAX_DENSE", 1500)
+    with torch.device("meta"):
+        block = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 32))
+    real = cp_check._materialise(block, torch.Generator().manual_seed(0))
+    big = [real[0].weight, real[1].weight]
+    assert all(w.is_contiguous() and w.device.type == "cpu" for w in big)
+    assert big[0].untyped_storage().data_ptr() == big[1].untyped_storage().data_ptr()
+    assert real[2].weight.untyped_storage().data_ptr() != big[0].untyped_storage().data_ptr()
+    assert big[0].unique().numel() > 1000  # random values, not one
