@@ -161,15 +161,29 @@ def _rank_model(small: nn.Module, blocks_attr: str, tp_plan: dict[str, str], tp:
     rows = vocab // tp if vocab is not None and vocab % tp == 0 else vocab  # the executor's rule
     # vocab_constants: a model's own label loss (HF: logits viewed by config.vocab_size) runs on the
     # rank's vocabulary slice, as the executor's vocab-parallel loss runs it on the DTensor logits.
-    return shard_for_tp(small, blocks_attr, tp_plan, tp, local_attrs, vocab_constants=True), rows
+    sharded = shard_for_tp(small, blocks_attr, tp_plan, tp, local_attrs, vocab_constants=True)
+    if rows is not None:
+        # ids left whole (_clamp_tokens: beside labels) are wrapped where the rank's table is read
+        for mod in sharded.modules():
+            if isinstance(mod, nn.Embedding) and mod.num_embeddings == rows:
+                mod.register_forward_pre_hook(lambda m, args: (args[0].remainder(m.num_embeddings), *args[1:]))
+    return sharded, rows
 
 
 def _clamp_tokens(inputs: Any, high: int | None) -> Any:
-    """Integer inputs (token ids) wrapped into [0, high): a smaller vocabulary must not be overrun."""
+    """Integer inputs (token ids) wrapped into [0, high): a smaller vocabulary must not be overrun. A
+    batch with ``labels`` has only those wrapped: its ids reach the model as they are (the rank's
+    embedding wraps what it looks up), so code that reads them -- LLaVA counts its image tokens,
+    ids at the top of the vocabulary -- sees the real ones, as on a tp rank."""
     if high is None:
         return inputs
-    return tree_map(lambda v: v.remainder(high) if isinstance(v, torch.Tensor) and not v.is_floating_point()
-                    and v.dtype != torch.bool else v, inputs)
+
+    def wrap(v: Any) -> Any:
+        return v.remainder(high) if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool else v
+
+    if isinstance(inputs, dict) and "labels" in inputs:
+        return {k: tree_map(wrap, v) if k == "labels" else v for k, v in inputs.items()}
+    return tree_map(wrap, inputs)
 
 
 _CPU_SHARE = [0.0]  # > 0: CPU time x this (max(1, ranks / cores)); 0: wall time. Set by profile_layers

@@ -121,6 +121,13 @@ def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str],
             new_by_old[id(mod.weight)] = new.weight
             parent_name, _, leaf = name.rpartition(".")
             setattr(sharded.get_submodule(parent_name) if parent_name else sharded, leaf, new)
+        for name, mod in sharded.named_modules():  # a vocabulary bias added to the logits (BART's
+            if name.startswith(blocks_attr + ".") or name == blocks_attr:  # final_logits_bias): the
+                continue  # executor's replicated DTensor meets the logits as the rank's slice
+            for bname, buf in list(mod.named_buffers(recurse=False)):
+                if buf is not None and buf.is_floating_point() and buf.dim() and buf.shape[-1] == vocab:
+                    mod.register_buffer(bname, buf[..., : vocab // tp].clone(),
+                                        persistent=bname not in mod._non_persistent_buffers_set)
         if vocab_constants:
             localise_vocab_constants(sharded, vocab, tp)
     return sharded

@@ -58,3 +58,35 @@ def loss_fn(output, inputs):
     table = profile_layers(mf, torch.device("cpu"), cfg, log=lines.append)
     assert {p.tp for p in table.regions["loss"]} == {1, 2}
     assert any("timed on the whole logits" in line for line in lines)
+
+
+def test_a_tp_rank_copy_slices_vocabulary_buffers_and_keeps_ids_beside_labels_whole() -> None:
+    from torch import nn
+
+    from autopar.profiler.layers import _clamp_tokens, _rank_model
+
+    class Seq2Seq(nn.Module):  # BART's shape: a vocabulary bias added to the logits after the head
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+            self.head = nn.Linear(4, 8, bias=False)
+            self.register_buffer("final_logits_bias", torch.zeros(1, 8))
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            h = self.embed(input_ids)
+            for layer in self.layers:
+                h = layer(h)
+            return self.head(h) + self.final_logits_bias
+
+    with torch.device("meta"):
+        rank, rows = _rank_model(Seq2Seq(), "layers", {}, 2)
+    assert rows == 4 and rank.final_logits_bias.shape == (1, 4)
+    ids = torch.tensor([[7, 1, 6]])
+    looked_up = []
+    rank.embed.register_forward_hook(lambda m, args, out: looked_up.append(args[0]))
+    assert rank(ids.to("meta")).shape == (1, 3, 4)  # the rank's slice of the logits, its bias sliced too
+    assert looked_up and rank.embed.num_embeddings == 4  # ids reach the rank's table through its wrap
+    batch = _clamp_tokens({"input_ids": ids, "labels": ids}, rows)
+    assert batch["input_ids"] is ids and batch["labels"].tolist() == [[3, 1, 2]]
+    assert _clamp_tokens(ids, rows).tolist() == [[3, 1, 2]]
