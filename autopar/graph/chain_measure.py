@@ -187,10 +187,10 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
     plans = [spec.unit_tp(i) for i in keep] if spec.kind_tp and support["tp"] is None else []
     styles = [p.styles for p in plans]
 
-    def run(inp: Any, m: nn.Module | None = None, units: list[nn.Module] = mods, loss_fn: Any = mf.loss_fn
+    def run(inp: Any, m: nn.Module | None = None, units: list[nn.Module] | None = None, loss_fn: Any = mf.loss_fn
             ) -> tuple[TracedRun, list[float]]:
         try:
-            return trace_chain_model(small if m is None else m, inp, loss_fn, units, styles)
+            return trace_chain_model(small if m is None else m, inp, loss_fn, mods if units is None else units, styles)
         except ModelFileError as exc:
             raise ModelFileError(str(exc) if str(exc).startswith(str(mf.path)) else f"{mf.path}: {exc}") from None
         except Exception as exc:  # the user's forward or loss on meta
@@ -200,13 +200,25 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
     try:
         base, kept_in = run(inputs1)
     except ModelFileError:
-        # the renumbered list failed the model's code (a forward handing each unit its loop position);
-        # units that return a tensor can stay in their places as pass-throughs instead
-        if chain.block_list is None or len(keep) == len(chain.units) or (
-                chain.probe is not None and chain.probe.block_output != "Tensor"):
+        if len(keep) == len(chain.units):
             raise
-        small = cut_chain_model(model, chain.units, keep, in_place=True)
-        base, kept_in = run(inputs1)
+        # the cut model failed the model's code: a forward that hands each unit its loop position
+        # (Zamba2) runs with the unrun units left in place as pass-throughs, where units return a
+        # tensor; one that counts the units' outputs (Funnel reads the hidden state after
+        # block_sizes[0] layers) runs every unit
+        base = None
+        if chain.block_list is not None and (chain.probe is None or chain.probe.block_output == "Tensor"):
+            small = cut_chain_model(model, chain.units, keep, in_place=True)
+            try:
+                base, kept_in = run(inputs1)
+            except ModelFileError:
+                base = None
+        if base is None:
+            keep = tuple(range(len(chain.units)))
+            small, mods = model, [model.get_submodule(u) for u in chain.units]
+            plans = [spec.unit_tp(i) for i in keep] if plans else []
+            styles = [p.styles for p in plans]
+            base, kept_in = run(inputs1)
     b2, _ = run(shaped(2))
     s_half = run(slice_sequence(inputs1, base_seq, base_seq // 2))[0] if is_seq else None
     t2, loss_t2 = (_trace_tp2(run, small, chain.block_list, plans, inputs1, support) if plans else (None, True))

@@ -1,6 +1,7 @@
 """Blocks that share a module (Zamba2's attention block tied into every hybrid layer): ZeRO groups the
 shared modules once, the chain measurement keeps unrun units in their places for a forward that looks
-its layers up by position, and a pipeline stage hands back dense gradients of what it received."""
+its layers up by position (and runs every unit for one that counts their outputs), and a pipeline
+stage hands back dense gradients of what it received."""
 
 from __future__ import annotations
 
@@ -97,3 +98,41 @@ def test_a_stage_hands_back_dense_gradients_of_its_received_tensors() -> None:
     y = torch.cat([x, torch.randn(1, 3, 4)], dim=-1)
     (grad,) = torch.autograd.grad((y * torch.randn(1, 3, 8)).sum(), x)
     assert grad.is_contiguous()
+
+
+def test_a_forward_that_counts_its_units_outputs_is_measured_with_every_unit(tmp_path: Path) -> None:
+    # Funnel's decoder adds the hidden state after block_sizes[0] layers: a cut chain has fewer
+    path = tmp_path / "counted.py"
+    path.write_text('''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.ModuleList([nn.Linear(16, 16) for _ in range(3)]),
+                                     nn.ModuleList([nn.Linear(16, 16)])])
+
+    def forward(self, x):
+        states = [x]
+        for block in self.blocks:
+            for layer in block:
+                x = torch.relu(layer(x))
+                states.append(x)
+        return x + states[3]
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(micro_batch_size):
+    return torch.randn(micro_batch_size, 16)
+
+
+def loss_fn(output, inputs):
+    return output.pow(2).mean()
+''')
+    graph = build_graph(load_model_file(path))
+    assert graph.num_blocks == 4 and {u.region for u in graph.chain} == {"unit.0"}
