@@ -3,10 +3,13 @@ as solving in this process, the parent never imports OR-Tools, the child is gone
 and a program the child cannot take, or a child that stops answering, is solved locally.
 
 Each check runs in a fresh interpreter: the child only starts before OR-Tools is imported, and this
-test process has imported it long ago."""
+test process has imported it long ago. The fallback and the stuck child share one interpreter (the
+fallback first: the child it leaves alive is the one that then stops answering); the plain run,
+which checks that the parent never imports OR-Tools, has one of its own."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -23,7 +26,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux" or (os.cpu_count() or 1)
 
 SCRIPT = textwrap.dedent("""
     import dataclasses, json, sys
-    MODE = sys.argv[1]
+    MODES = sys.argv[1].split(",")
     from collections import Counter
     from autopar.cluster import load_cluster
     from autopar.cost.stage import build_terms
@@ -68,11 +71,12 @@ SCRIPT = textwrap.dedent("""
         child = cp_sat_process._ACTIVE
         out["remote"] = [answer(p.solve(10.0, "cp-sat")) for p in split_programs()]
         out["remote_mixed"] = answer(mixed_program().solve(10.0, "cp-sat"))
-        if MODE == "fallback":
+        if "fallback" in MODES:
             bad = split_programs()[0]
             bad.unpicklable = lambda: None  # the child cannot take it: solved here instead
             out["fallback"] = answer(bad.solve(10.0, "cp-sat"))
-        if MODE == "stuck":
+            out["fallback_imported_ortools"] = cp_sat_process.CP_SAT_MODULE in sys.modules
+        if "stuck" in MODES:
             cp_sat_process.CHILD_GRACE_S = 1.0
             p = split_programs()[0]
             stuck = Stuck(p.terms, p.L)
@@ -89,6 +93,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@functools.lru_cache(maxsize=None)
 def _run(mode: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("AUTOPAR_CP_SAT_PROCESS", None)
@@ -107,14 +112,14 @@ def test_forked_solver_gives_the_local_answers_and_closes() -> None:
 
 
 def test_a_program_the_child_cannot_take_is_solved_here() -> None:
-    out = _run("fallback")
-    assert out["child"] and out["parent_imported_ortools"]  # the fallback imported OR-Tools here
+    out = _run("fallback,stuck")
+    assert out["child"] and out["fallback_imported_ortools"]  # the fallback imported OR-Tools here
     assert out["fallback"] == out["local"][0]
     assert out["remote"] == out["local"] and not out["child_alive_after"]
 
 
 def test_a_child_that_stops_answering_is_abandoned() -> None:
-    out = _run("stuck")
+    out = _run("fallback,stuck")
     assert out["stuck"] == out["local"][0] and out["stuck_s"] < 20  # not the child's 30 s
     assert out["lost"]  # killed, and what follows is solved here
     assert out["after_lost"] == out["local"][1] and out["parent_imported_ortools"]
