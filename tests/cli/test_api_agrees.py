@@ -5,7 +5,8 @@ relative to the plan's directory and which names the same file), ``autopar.estim
 to take alone: a GPT on a datasheet profile; a Hugging Face mixture of experts at ep 2 priced at a
 routing imbalance (a constraint the plan records too); an MLP on a measured CPU profile, priced
 under the run's conditions (the profile's dtype, its ranks sharing the machine, the CPU default
-batch)."""
+batch). The commands run in children forked off the warm CLI server (``run_cli_forked``,
+tests/cli/cli_server.py), each a process of its own as under ``python -m autopar``."""
 
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ CASES = [  # (model, plan flags, the same request through the API)
 
 
 @pytest.mark.parametrize("model, flags, request_", CASES, ids=["gpt", "hf-moe", "mlp-cpu-profile"])
-def test_plan_and_estimate_agree_with_their_commands(model, flags, request_, run_cli, repo, tmp_path,
+def test_plan_and_estimate_agree_with_their_commands(model, flags, request_, run_cli_forked, repo, tmp_path,
                                                      monkeypatch) -> None:
     cli_plan = tmp_path / "cli.yaml"
-    r = run_cli("plan", model, *flags, "--quiet", "-o", cli_plan)
+    r = run_cli_forked("plan", model, *flags, "--quiet", "-o", cli_plan)
     assert r.returncode == 0, r.stderr
     monkeypatch.chdir(repo)  # the plans record the model file as given, relative to the repository
     with warnings.catch_warnings():
@@ -44,7 +45,7 @@ def test_plan_and_estimate_agree_with_their_commands(model, flags, request_, run
         assert (tmp_path / "api.yaml").read_text() == cli_text
 
         imbalance = request_.get("moe_imbalance", 1.0)
-        r = run_cli("estimate", cli_plan, "--json", "--moe-imbalance", imbalance)
+        r = run_cli_forked("estimate", cli_plan, "--json", "--moe-imbalance", imbalance)
         assert r.returncode == 0, r.stderr
         est = autopar.estimate(None, cli_plan, moe_imbalance=imbalance)
     assert r.stdout == json.dumps(estimate_json(est), indent=2) + "\n"

@@ -1,4 +1,8 @@
-"""``autopar estimate`` (text and the --json contract of docs/design.md §3), ``autopar profiles`` and the help texts."""
+"""``autopar estimate`` (text and the --json contract of docs/design.md §3), ``autopar profiles`` and the help texts.
+
+The text estimate, the help texts, ``profiles`` and ``--version`` run ``python -m autopar`` as a
+subprocess; the JSON estimates compared with one another run in children forked off the warm CLI
+server (``run_cli_forked``, tests/cli/cli_server.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ def text_run(run_cli):
 
 
 @pytest.fixture(scope="module")
-def json_run(run_cli):
-    return run_cli("estimate", *EXAMPLE, "--json")
+def json_run(run_cli_forked):
+    return run_cli_forked("estimate", *EXAMPLE, "--json")
 
 
 def test_estimate_prints_time_and_memory_tables(text_run) -> None:
@@ -57,23 +61,23 @@ def test_text_and_json_agree(text_run, json_run) -> None:
     assert peak == pytest.approx(data["peak_memory_bytes"] / 2**30, abs=0.06)
 
 
-def test_model_defaults_to_the_plans_model_file(run_cli, json_run) -> None:
-    res = run_cli("estimate", EXAMPLE[1], "--json")
+def test_model_defaults_to_the_plans_model_file(run_cli_forked, json_run) -> None:
+    res = run_cli_forked("estimate", EXAMPLE[1], "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["step_time_s"] == json.loads(json_run.stdout)["step_time_s"]
 
 
-def test_plan_then_model_order_is_accepted(run_cli, json_run) -> None:
-    res = run_cli("estimate", EXAMPLE[1], EXAMPLE[0], "--json")  # the order of run / validate / explain
+def test_plan_then_model_order_is_accepted(run_cli_forked, json_run) -> None:
+    res = run_cli_forked("estimate", EXAMPLE[1], EXAMPLE[0], "--json")  # the order of run / validate / explain
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["step_time_s"] == json.loads(json_run.stdout)["step_time_s"]
 
 
-def test_cluster_option_changes_the_hardware(run_cli, json_run, repo: Path) -> None:
-    res = run_cli("estimate", *EXAMPLE, "--cluster", "h100-80g", "--json")
+def test_cluster_option_changes_the_hardware(run_cli_forked, json_run, repo: Path) -> None:
+    res = run_cli_forked("estimate", *EXAMPLE, "--cluster", "h100-80g", "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["step_time_s"] < 0.8 * json.loads(json_run.stdout)["step_time_s"]
-    by_path = run_cli("estimate", *EXAMPLE, "--cluster", str(repo / "profiles" / "a100-80g.yaml"), "--json")
+    by_path = run_cli_forked("estimate", *EXAMPLE, "--cluster", str(repo / "profiles" / "a100-80g.yaml"), "--json")
     assert by_path.returncode == 0, by_path.stderr
     assert json.loads(by_path.stdout)["step_time_s"] == json.loads(json_run.stdout)["step_time_s"]
 
