@@ -104,6 +104,7 @@ def _serve() -> None:
             time.sleep(0.01)
         answers.write(json.dumps(answer) + "\n")
         answers.flush()
+    os._exit(0)  # stdin closed: the interpreter's teardown of torch would only cost seconds
 
 
 class CliServer:
