@@ -62,6 +62,7 @@ class Chain:
     bare: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     pp_reason: str | None = None
     block_list: str | None = None  # the nn.ModuleList the units are, in order (module docstring)
+    skipped: tuple[int, ...] = ()  # units the forward did not run (their parameters held, no time)
     probe: Probe | None = None  # the same forward read as spec/blocks.py reads a block list's
 
     def __post_init__(self) -> None:
@@ -86,12 +87,13 @@ class Chain:
         return tuple(n for n, pos in self.modules.items() if pos == (self.num_units,))
 
 
-def outermost_containers(model: nn.Module) -> list[str]:
+def outermost_containers(model: nn.Module, exclude: frozenset[str] = frozenset()) -> list[str]:
     """ModuleList / Sequential submodules holding at least one parameterised child, none of them
-    inside another such container; a container of containers is looked through."""
+    inside another such container; a container of containers is looked through; those in
+    ``exclude`` (a layer's experts) are no containers of units."""
     found: list[str] = []
     for name, mod in model.named_modules():
-        if not name or not isinstance(mod, BLOCK_CONTAINERS) or len(mod) == 0:
+        if not name or name in exclude or not isinstance(mod, BLOCK_CONTAINERS) or len(mod) == 0:
             continue
         if any(name.startswith(c + ".") for c in found):
             continue
@@ -191,13 +193,18 @@ def probe_chain(model: nn.Module, units: list[str], run: Callable[[], Any]) -> C
             h.remove()
     if not calls:
         raise ModelFileError(f"the model's forward never called its units ({units[0]}, ...)")
-    missing = [units[i] for i in range(len(units)) if i not in info]
-    if missing:
-        raise ModelFileError(f"the model's forward never called {missing[0]}; a chain unit that does not run "
-                             "cannot be placed on a pipeline stage")
-    order = list(dict.fromkeys(calls))
-    repeated = next((units[i] for i in order if calls.count(i) > 1), None)
+    ran_order = list(dict.fromkeys(calls))
+    repeated = next((units[i] for i in ran_order if calls.count(i) > 1), None)
     twice = f"{repeated}: {calls.count(units.index(repeated))} calls" if repeated is not None else ""
+    # A unit the forward skips (Mllama's cross-attention layers on a text batch) stays in the chain,
+    # before the next unit of its container that ran: its parameters are held, it costs no time.
+    order = _with_skipped(units, ran_order)
+    for i in order:
+        info.setdefault(i, {"first": None, "extra": 0, "num_args": 0, "kwargs": (), "skipped": True})
+    if len(order) != len(ran_order) and not twice:
+        at = {0: 0, **{p: order.index(ran_order[p - 1]) + 1 for p in range(1, len(ran_order) + 1)}}
+        ran = {n: {at.get(p, p) for p in pos} for n, pos in ran.items()}
+        uses = {n: {at.get(p, p) for p in pos} for n, pos in uses.items()}
     ordered = [units[i] for i in order]
     L = len(ordered)
     # positions were counted in calls; with each unit called once they are chain positions
@@ -210,17 +217,31 @@ def probe_chain(model: nn.Module, units: list[str], run: Callable[[], Any]) -> C
     for name in watched.values():
         bare.setdefault(name, ())
     reason = _pp_reason(ordered, [info[i] for i in order], modules, bare, twice, L)
-    first, last = info[order[0]], info[order[-1]]
+    first, last = info[ran_order[0]], info[ran_order[-1]]
     probe = Probe(prologue=tuple((n, returned.get(n, "Tensor")) for n, pos in modules.items() if pos == (0,)),
                   epilogue=tuple(n for n, pos in modules.items() if pos == (L,)),
                   block_call=BlockCall(num_args=first["num_args"], kwargs=first["kwargs"],
                                        first_arg_is_tensor=first["first"] is not None),
                   block_output="Tensor" if isinstance(last.get("out"), torch.Tensor) else type(last.get("out")).__name__)
     return Chain(probe=probe, units=tuple(ordered), containers=(), kinds=kinds, input_shapes=shapes, output_shapes=outs,
-                 modules=modules, bare=bare, pp_reason=reason)
+                 modules=modules, bare=bare, pp_reason=reason,
+                 skipped=tuple(k for k, i in enumerate(order) if info[i].get("skipped")))
 
 
 _TWICE = "the forward calls a chain unit more than once"
+_SKIPPED = "the forward skips a unit that holds parameters"
+
+
+def _with_skipped(units: list[str], ran: list[int]) -> list[int]:
+    """``ran`` (unit indices in call order) with every unit that did not run placed before the
+    next unit of its container that did (after the last unit when none did)."""
+    container = [u.rpartition(".")[0] for u in units]
+    skipped = [j for j in range(len(units)) if j not in set(ran)]
+    out: list[int] = []
+    for i in ran:
+        out += [j for j in skipped if j < i and container[j] == container[i] and j not in out]
+        out.append(i)
+    return out + [j for j in skipped if j not in out]
 
 
 def _first_shape(value: Any) -> tuple[int, ...]:
@@ -235,6 +256,9 @@ def _pp_reason(units: list[str], info: list[dict[str, Any]], modules: Mapping[st
     the forward calls more than once, and how often ("" when none is)."""
     if twice:
         return f"{_TWICE} ({twice}, one set of weights shared across depths)"
+    skipped = next((name for name, inf in zip(units, info) if inf.get("skipped")), None)
+    if skipped is not None:
+        return f"{_SKIPPED} ({skipped}); a stage boundary at it would never be reached"
     for name, inf in zip(units, info):
         if inf["first"] is None:
             return f"{name} takes its input as a keyword argument; the pipeline cuts at a unit's first positional input"
@@ -258,11 +282,12 @@ def _pp_reason(units: list[str], info: list[dict[str, Any]], modules: Mapping[st
     return None
 
 
-def find_chain(model: nn.Module, run: Callable[[], Any]) -> Chain | None:
+def find_chain(model: nn.Module, run: Callable[[], Any], exclude: frozenset[str] = frozenset()) -> Chain | None:
     """The chain of ``model`` (see the module docstring), or None when it has fewer than 2 units
     and no unit the forward calls more than once (ALBERT's one layer group applied at every depth:
-    a chain of one unit whose region holds every call, its parameters counted once)."""
-    containers = outermost_containers(model)
+    a chain of one unit whose region holds every call, its parameters counted once). ``exclude``:
+    containers that are no units' (a layer's experts)."""
+    containers = outermost_containers(model, exclude)
     units = [f"{c}.{k}" for c in containers for k, _ in model.get_submodule(c).named_children()]
     if not units:
         return None
@@ -279,6 +304,8 @@ def _block_list_reason(chain: Chain) -> str | None:
     """Why the block-list pipeline (executor/parallel/pipeline_parallel.py, its Requirements) cannot cut
     ``chain`` read as a block list (None: it can). The blocks' order was checked by the caller; a
     block called twice (a shared layer) would be placed on one stage only."""
+    if chain.pp_reason and chain.pp_reason.startswith(_SKIPPED):
+        return chain.pp_reason
     if chain.pp_reason and chain.pp_reason.startswith(_TWICE):
         detail = chain.pp_reason[len(_TWICE):].strip()
         return f"the forward calls a block more than once {detail}; a pipeline stage holds each block once"

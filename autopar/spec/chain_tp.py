@@ -41,12 +41,14 @@ class KindPlan:
     shardable: bool
     plan: TPPlan
     inplace_outputs: tuple[str, ...] = ()
+    runs: bool = True  # False: the forward skips the kind (Chain.skipped): nothing to shard or split
     # why sequence parallelism does not run this kind's first unit exactly (spec/sp_check.py); None:
     # it does. A kind without a plan has no SP check (it would compute on a sequence shard).
     sp_reason: str | None = "no tp plan"
 
     def describe(self) -> str:
-        what = self.plan.describe() if self.shardable else "replicated (no Linear layer to shard)"
+        what = (self.plan.describe() if self.shardable else "replicated (no Linear layer to shard)" if self.runs
+                else "replicated (the forward skips it)")
         return f"{self.unit} (x{self.count}): {what}"
 
 
@@ -66,11 +68,12 @@ def chain_kind_plans(model: nn.Module, chain: Chain, resolve_block: Callable[[st
     for k in sorted(set(chain.kinds)):
         path = chain.units[k]
         unit = model.get_submodule(path)
-        shardable = _shardable(unit)
+        runs = k not in chain.skipped  # a skipped kind stays replicated: it computes nothing
+        shardable = runs and _shardable(unit)
         plan = resolve_block(path.rsplit(".", 1)[0], unit) if shardable else TPPlan(styles={}, source="none")
         out.append(KindPlan(kind=k, unit=path, count=chain.kinds.count(k), shardable=shardable, plan=plan,
                             inplace_outputs=inplace(unit, plan) if plan.styles else (),
-                            sp_reason=sp(unit, plan) if plan.styles else "no tp plan"))
+                            sp_reason=sp(unit, plan) if plan.styles else ("no tp plan" if runs else None), runs=runs))
     return tuple(out)
 
 
@@ -93,7 +96,7 @@ def chain_sp_reason(kinds: tuple[KindPlan, ...], expert_units: tuple[str, ...]) 
         return (f"{expert_units[0]} holds a mixture of experts: between sequence-parallel norms it would route "
                 "only this rank's sequence shard")
     for kp in kinds:
-        if not kp.plan.styles:
+        if kp.runs and not kp.plan.styles:
             return f"unit kind {kp.unit} has no tp plan: under sequence parallelism it would see a sequence shard"
         if kp.sp_reason is not None:
             return f"unit kind {kp.unit}: {kp.sp_reason}"

@@ -131,3 +131,47 @@ def build_model():
     assert spec.blocks_kind == "chain" and spec.chain.units == ("groups.0",) and spec.num_blocks == 1
     assert "more than once (groups.0: 4 calls, one set of weights shared across depths)" in spec.support["pp"]
     assert spec.support["zero3"] is None and spec.support["cp"] == "not a sequence model (no SEQ_LEN)"
+
+
+def test_a_unit_the_forward_skips_stays_in_the_chain_pp_refused_and_no_tp_plan_needed(tmp_path: Path) -> None:
+    # Mllama's text batch: the cross-attention layers in the one list are skipped without image features
+    path = _write(tmp_path, "skipping", '''
+class Cross(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 16)
+
+    def forward(self, x, image=None):
+        return x if image is None else x + self.gate(image)
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x, image=None):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Mlp(), Mlp(), Cross(), Mlp()])
+
+    def forward(self, x, image=None):
+        for layer in self.layers:
+            if isinstance(layer, Cross) and image is None:
+                continue
+            x = layer(x, image=image)
+        return x
+
+
+def build_model():
+    return Net()
+''')
+    spec = model_spec(load_model_file(path))
+    assert spec.chain.units == ("layers.0", "layers.1", "layers.2", "layers.3") and spec.chain.skipped == (2,)
+    assert spec.support["pp"] == ("the forward skips a unit that holds parameters (layers.2); a stage boundary "
+                                  "at it would never be reached")
+    assert spec.support["tp"] is None and spec.support["zero3"] is None
