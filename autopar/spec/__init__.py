@@ -30,7 +30,7 @@ from autopar.spec.cp_check import mixing_outside_attention
 from autopar.spec.inplace import inplace_outputs
 from autopar.spec.meta import tolerant_meta
 from autopar.spec.model_spec import DIMENSIONS, ModelSpec
-from autopar.spec.moe import MoESpec, moe_of
+from autopar.spec.moe import MoESpec, moe_of, routes_among
 from autopar.spec.short_run import middle_blocks_answered, only_unit_runs
 from autopar.spec.sp_check import sp_check
 from autopar.spec.spec_inputs import is_int_matrix, spec_inputs
@@ -236,7 +236,11 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
         return run_on(inputs)
 
     if blocks_path is None:
-        chain = _meta_call(where, lambda: find_chain(model, run))
+        chain = _meta_call(where, lambda: find_chain(model, run, exclude))
+        experts = frozenset(c for c in (chain.containers if chain is not None else ())
+                            if routes_among(model, c, routing[0] if routing else None))
+        if experts:  # a layer's experts, which a router picks among, are no units of the model's chain
+            chain = _meta_call(where, lambda: find_chain(model, run, exclude | experts))
         if chain is not None:
             spec = _chain_spec(mf, model, chain, inputs, run)
             units = expert_units(model, chain.units, lambda: routing[0] if routing else None)
@@ -258,6 +262,10 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
         raise ModelFileError(f"{where}: {exc}") from None
     except Exception as exc:  # the user's forward on meta
         raise model_failed(where, "on the meta device", exc) from None
+    if mf.pipeline_blocks is None and routes_among(model, blocks_path, routing[0] if routing else None):
+        # the only identical list of a model whose layers differ can be a layer's experts: a router
+        # picks among them, the forward does not pass its hidden state through them in turn
+        return spec_of_model(mf, model, exclude | {blocks_path})
     memo: list[Inference] = []
 
     def infer() -> Inference:

@@ -242,3 +242,17 @@ def moe_of(model: nn.Module, block: nn.Module, observed_top_k: Callable[[], tupl
         call = routed_call(*called, top_k) if called is not None else None
     return MoESpec(experts_path=path, experts_kind=kind, num_experts=num_experts, top_k=top_k,
                    top_k_source=source, params_per_expert=per, router_name=router, call=call)
+
+
+def routes_among(model: nn.Module, list_path: str, observed: tuple[int, int] | None) -> bool:
+    """Whether the list at ``list_path`` holds a layer's experts rather than the model's blocks: the
+    meta forward routed top-k among as many experts as it holds (``observed``: (top_k, experts)),
+    and the module holding it also holds a router scoring that many, outside the list."""
+    if observed is None or "." not in list_path and not list_path:
+        return False
+    experts = model.get_submodule(list_path)
+    if observed[1] != len(experts):
+        return False
+    parent_path, _, name = list_path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    return _find_router(parent, len(experts), outside=name) is not None
