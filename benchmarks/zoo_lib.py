@@ -48,7 +48,7 @@ _OPTIONAL_PACKAGES = ("transformers",)
 # What a demanding user expects autopar to offer for a zoo model: pipeline and ZeRO-3 for
 # every model, tensor parallelism (and Megatron SP) for every transformer whose projections are Linear
 # layers. CP is not expected anywhere: it is offered only where the executor knows the attention.
-_NO_TP_EXPECTED = {"resnet": "a conv net", "torch_unet": "a conv net",
+_NO_TP_EXPECTED = {"resnet": "a conv net", "torch_unet": "a conv net", "torch_efficientnet": "a conv net",
                    "wrapped_mha_lm": "nn.MultiheadAttention packs q/k/v in one Parameter"}
 
 
