@@ -9,7 +9,7 @@ Full size: Llama-3.2-11B-Vision's text model (40 layers, 8 of them cross-attenti
 """
 
 import torch
-from transformers import MllamaTextConfig, MllamaForCausalLM
+from transformers import MllamaForCausalLM, MllamaTextConfig
 
 SIZES = {
     "tiny": dict(num_hidden_layers=5, cross_attention_layers=[3], hidden_size=64, num_attention_heads=4,
