@@ -11,7 +11,7 @@ command keeps at least one row through a real ``python -m autopar`` subprocess (
 ``run_cli``), so the entry point itself stays tested end to end.
 
 Run as a script, this file is the server: one JSON request a line on stdin ({"argv", "cwd", "out", "err",
-"timeout"}), one JSON answer a line on stdout ({"code"} or {"timeout": true}).
+"timeout", "cpus"}), one JSON answer a line on stdout ({"code"} or {"timeout": true}).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def _child(request: dict) -> None:
     """In the forked child: run the command line, never return."""
     code = 1
     try:
+        if request.get("cpus"):  # as run_cli's one_core: the command sees these cores only
+            os.sched_setaffinity(0, request["cpus"])
         os.chdir(request["cwd"])
         for fd, path in ((1, request["out"]), (2, request["err"])):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -116,12 +118,13 @@ class CliServer:
         self._lock = threading.Lock()
         self._dir = tempfile.mkdtemp(prefix="autopar-cli-server-")
 
-    def run(self, *args: object, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    def run(self, *args: object, cwd: Path, timeout: float = 120,
+            cpus: list[int] | None = None) -> subprocess.CompletedProcess:
         argv = [str(a) for a in args]
         out, err = os.path.join(self._dir, "out"), os.path.join(self._dir, "err")
         with self._lock:
             assert self._proc.poll() is None, f"the CLI server exited with {self._proc.returncode}"
-            request = {"argv": argv, "cwd": str(cwd), "out": out, "err": err, "timeout": timeout}
+            request = {"argv": argv, "cwd": str(cwd), "out": out, "err": err, "timeout": timeout, "cpus": cpus}
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
             line = self._proc.stdout.readline()

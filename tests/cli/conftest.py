@@ -45,7 +45,7 @@ def run_cli() -> Callable[..., subprocess.CompletedProcess]:
 
 @pytest.fixture(scope="session")
 def run_cli_forked() -> Iterator[Callable[..., subprocess.CompletedProcess]]:
-    """run_cli_forked(*args, cwd=REPO, timeout=120) -> CompletedProcess, as ``run_cli`` returns, from a
+    """run_cli_forked(*args, cwd=REPO, timeout=120, one_core=False) -> CompletedProcess, as ``run_cli`` returns, from a
     child forked off one warm server that imported torch and autopar once (cli_server.py): for the
     bad-input tables, whose rows are each a process start and a one-line refusal. The environment is
     ``run_cli``'s; rows that need an environment, a umask or a core of their own use ``run_cli``."""
@@ -53,8 +53,9 @@ def run_cli_forked() -> Iterator[Callable[..., subprocess.CompletedProcess]]:
 
     server = CliServer(_cli_env(), REPO)
 
-    def run(*args: object, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
-        return server.run(*args, cwd=cwd, timeout=timeout)
+    def run(*args: object, cwd: Path = REPO, timeout: float = 120, one_core: bool = False) -> subprocess.CompletedProcess:
+        cpus = [min(os.sched_getaffinity(0))] if one_core and hasattr(os, "sched_getaffinity") else None
+        return server.run(*args, cwd=cwd, timeout=timeout, cpus=cpus)
 
     yield run
     server.close()

@@ -83,14 +83,19 @@ def _processes_naming(path: Path) -> list[str]:
     return found
 
 
+# A real ``python -m autopar profile`` subprocess for this case (a helper rank's failure end to end); the
+# others run in children forked off the warm CLI server (run_cli_forked, tests/cli/cli_server.py).
+SUBPROCESS = "only-in-the-helper"
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_model_that_fails_on_real_tensors_ends_in_one_line(run_cli, tmp_path, case) -> None:
+def test_a_model_that_fails_on_real_tensors_ends_in_one_line(run_cli, run_cli_forked, tmp_path, case) -> None:
     source, load_ranks, cause, during = CASES[case]
     model = tmp_path / "bad.py"
     model.write_text(source)
     out = tmp_path / "p.yaml"
-    r = run_cli("profile", model, *SMALL, "--load-ranks", load_ranks, "-o", out, cwd=tmp_path, timeout=180,
-                one_core=True)
+    run = run_cli if case == SUBPROCESS else run_cli_forked
+    r = run("profile", model, *SMALL, "--load-ranks", load_ranks, "-o", out, cwd=tmp_path, timeout=180, one_core=True)
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("autopar: error:")]
     assert len(errors) == 1, r.stderr
