@@ -71,7 +71,7 @@ def test_cp_support_accepts_a_token_dict_and_refuses_other_inputs_in_one_line():
     assert why is not None and "\n" not in why and "input_ids" in why and "token tensor" in why
     # the attention rules still apply to dict models
     sliding = dataclasses.replace(_spec(token_key="input_ids").hf_attention, sliding_window=16)
-    assert "sliding window" in cp_support(_spec(token_key="input_ids", hf_attention=sliding))
+    assert "window or chunk of 16 tokens" in cp_support(_spec(token_key="input_ids", hf_attention=sliding))
 
 
 def _sft_batch(vocab: int):
