@@ -162,15 +162,17 @@ def shard_vocab_edges(part: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> 
             # or it mixes the sharded weight with the replicated ids
             parallelize_module(mod, tp_mesh, _SharedRowwise(input_layouts=Replicate(), output_layouts=Replicate()))
     if head is not None:
-        _vocab_buffers_as_dtensors(part, vocab, tp_mesh)
+        _vocab_buffers_as_dtensors(part, getattr(spec, "blocks_path", None), vocab, tp_mesh)
     return []
 
 
-def _vocab_buffers_as_dtensors(part: nn.Module, vocab: int, tp_mesh: DeviceMesh) -> None:
-    """Float buffers over the vocabulary (BART's ``final_logits_bias``, added to the logits after the
-    head) become replicated DTensors: the head's logits are a vocab-sharded DTensor, and DTensor
-    refuses an op mixing it with a plain tensor; a replicated operand is sliced locally to match."""
-    for mod in part.modules():
+def _vocab_buffers_as_dtensors(part: nn.Module, blocks_path: str | None, vocab: int, tp_mesh: DeviceMesh) -> None:
+    """Float buffers over the vocabulary outside the blocks (BART's ``final_logits_bias``, added to the
+    logits after the head) become replicated DTensors: the head's logits are a vocab-sharded DTensor,
+    and DTensor refuses an op mixing it with a plain tensor; a replicated operand is sliced locally."""
+    for path, mod in part.named_modules():
+        if blocks_path and (path == blocks_path or path.startswith(blocks_path + ".")):
+            continue
         for name, buf in list(mod.named_buffers(recurse=False)):
             if (buf is None or isinstance(buf, DTensor) or not buf.is_floating_point() or buf.dim() == 0
                     or buf.shape[-1] != vocab):
