@@ -133,7 +133,7 @@ def test_hf_attention_support_and_selective_recompute_route() -> None:
     assert llama.hf_attention is not None and llama.hf_attention.module == "self_attn"
     assert llama.support_reason("cp") is None and llama.support_reason("selective") is None
     mistral = model_spec(load_model_file(ZOO / "hf_mistral.py"))
-    assert "sliding window" in mistral.support_reason("cp")
+    assert "window or chunk of 16 tokens" in mistral.support_reason("cp")
     assert mistral.support_reason("selective") is None
 
     calls = []
