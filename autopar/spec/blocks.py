@@ -39,13 +39,14 @@ class BlocksNotRun(ModelFileError):
 
 def is_block_list(mod: nn.Module) -> bool:
     """A ModuleList or Sequential of >= 2 children that are the same block (class and shapes); a list
-    of lists is not one (its lists are never called: the forward iterates them and calls their
+    of ModuleLists is not one (a ModuleList cannot be called: the forward iterates it and calls its
     children, Funnel's ``encoder.blocks``), and neither is a list inside one (it holds only part of
-    the blocks; spec/chain.py reads such a model as the chain of the inner lists' children)."""
+    the blocks; spec/chain.py reads such a model as the chain of the inner lists' children). A list
+    of nn.Sequential blocks is one: a Sequential is called, as any block."""
     if not isinstance(mod, BLOCK_CONTAINERS) or len(mod) < 2:
         return False
     children = list(mod.children())
-    if any(isinstance(c, BLOCK_CONTAINERS) for c in children):
+    if any(isinstance(c, nn.ModuleList) for c in children):
         return False
     first = _signature(children[0])
     return all(_signature(c) == first for c in children[1:])

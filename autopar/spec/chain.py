@@ -97,9 +97,10 @@ def outermost_containers(model: nn.Module, exclude: frozenset[str] = frozenset()
             continue
         if any(name.startswith(c + ".") for c in found):
             continue
-        if all(isinstance(c, BLOCK_CONTAINERS) for c in mod.children()):
+        if all(isinstance(c, nn.ModuleList) for c in mod.children()):
             # a list of lists (Funnel's blocks of layers between poolings): the forward iterates the
-            # inner lists and calls their children, so the inner lists are the containers
+            # inner lists and calls their children, so the inner lists are the containers (an
+            # nn.Sequential is called as a whole: a list of them is a list of units)
             continue
         if any(any(True for _ in child.parameters()) for child in mod.children()):
             found.append(name)
