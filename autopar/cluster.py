@@ -218,11 +218,14 @@ class Cluster:
         """FLOP/s (torch's full-s^2 count) of a fused attention kernel with ``kv_tokens`` keys per
         query: the attention table's rate for the software's kernel at this key length, head
         dimension and mask where the profile has one (and the op's head dimension was traced),
-        else peak x ``attention_efficiency_at``."""
+        else peak x ``attention_efficiency_at`` of the work the kernel does -- a causal flash or
+        memory-efficient kernel skips the key blocks above the diagonal, half the full square, so
+        its rate on torch's full count is twice that (the convention of the tables' causal rates,
+        kernel_tables ``causal_half``)."""
         if self.attention_table is not None and head_dim > 0:
             return self.sustained_fraction * self.attention_table.rate(
                 self.attention_kernel, backward=backward, causal=causal, kv_tokens=kv_tokens, head_dim=head_dim)
-        return self.peak_flops * self.attention_efficiency_at(kv_tokens)
+        return self.peak_flops * self.attention_efficiency_at(kv_tokens) * (2.0 if causal else 1.0)
 
     def attention_efficiency_at(self, kv_tokens: float) -> float:
         """Fraction of peak a fused attention kernel reaches with ``kv_tokens`` keys per query."""

@@ -197,3 +197,14 @@ def test_gpu_acceptance_compares_a_measured_grid_with_the_published_table() -> N
     rows = [{"m": m, "n": n, "k": k, "flops_per_s": gemm.rate(m, n, k) * 0.9} for m, n, k in gemm_shapes(torch.device("cuda"))]
     text = module.gemm_table_comparison(rows, "bf16")
     assert "median 0.90 (0.90-0.90) over 150 shapes" in text  # 5 x 5 x 6: 8192 past the grid's n and k
+
+
+def test_without_a_table_a_causal_kernel_runs_twice_the_full_count_rate() -> None:
+    """A causal flash kernel skips the key blocks above the diagonal: on torch's full-square FLOP
+    count its rate is twice a full kernel's, as the tables' causal_half rates are doubled."""
+    a100 = load_cluster("a100-80g")
+    assert a100.attention_table is None
+    for backward in (False, True):
+        full = a100.attention_flops_per_s(4096, head_dim=128, causal=False, backward=backward)
+        assert a100.attention_flops_per_s(4096, head_dim=128, causal=True, backward=backward) == 2 * full
+        assert full == a100.peak_flops * a100.attention_efficiency_at(4096)
