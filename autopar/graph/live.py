@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from autopar.spec.meta import call_on_meta
+from autopar.spec.meta_memo import flat_tensors
 
 
 @dataclass(kw_only=True)
@@ -59,10 +59,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = call_on_meta(func, args, kwargs or {})  # grouped_mm in fp32: backward's GEMMs reach this mode first
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+        inputs = {id(t.untyped_storage()) for t in flat_tensors((args, kwargs))}  # pytree's order, cheaper
+        for t in flat_tensors(out):
             st = t.untyped_storage()
             key, nbytes = id(st), st.nbytes()
             if nbytes == 0 or key in inputs or key in self._live:

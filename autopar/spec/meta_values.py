@@ -23,6 +23,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autopar.spec.meta_memo import flat_tensors
+
 _MAX_KNOWN = 4096  # elements: only small index tensors are followed
 
 
@@ -49,7 +51,7 @@ class KnownValues:
 
     def propagate(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """``out`` of a view or pick whose every meta tensor input is known: the same op on the copies."""
-        metas = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.is_meta]
+        metas = [a for a in flat_tensors((args, kwargs)) if a.is_meta]
         if not metas or any(id(a) not in self._values for a in metas):
             return
 
