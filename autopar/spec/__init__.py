@@ -289,7 +289,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
     # MoE blocks are refused SP before any check (spec/support.py); a block without TP has none.
     sp_why, keyword_parents = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
                                if tp.styles and moe is None else (None, ()))
-    hf = hf_attention(model, block)
+    hf = hf_attention(model, block, mf.seq_len)
     cp_mixing = (mixing_outside_attention(model, blocks_path, hf.module, inputs)
                  if hf is not None and mf.seq_len is not None and (token_batch or token_key) else None)
     spec = ModelSpec(

@@ -51,14 +51,16 @@ def _dispatches(mod: nn.Module) -> bool:
             and "ALL_ATTENTION_FUNCTIONS" in vars(source))
 
 
-def _window(mod: nn.Module, cfg: Any) -> int | None:
+def _window(mod: nn.Module, cfg: Any, seq_len: int | None = None) -> int | None:
     """The narrowest window in tokens that any of the model's attention layers uses, None when every
     layer attends to the whole prefix (context parallelism here is exact only then, whichever layer
-    the probed block is). The module's own attribute where it has one (Qwen2: None on full-attention
-    layers); else the config's, unless the config says the window is off (``use_sliding_window=False``)
-    or assigns windows per layer. Per-layer assignments (``layer_types``) count for every layer: a
-    sliding layer anywhere has ``sliding_window`` tokens, a chunked one (Llama 4) attends within
-    chunks of ``attention_chunk_size``. A window of 0 or less is no window."""
+    the probed block is) -- also when no window is shorter than ``seq_len``, the model file's
+    SEQ_LEN, the longest sequence a plan may train at (Llama 4 Scout's chunks of 8192 at 4096
+    tokens). The module's own attribute where it has one (Qwen2: None on full-attention layers); else
+    the config's, unless the config says the window is off (``use_sliding_window=False``) or assigns
+    windows per layer. Per-layer assignments (``layer_types``) count for every layer: a sliding layer
+    anywhere has ``sliding_window`` tokens, a chunked one (Llama 4) attends within chunks of
+    ``attention_chunk_size``. A window of 0 or less is no window."""
     if hasattr(mod, "sliding_window"):
         windows = [mod.sliding_window]
     elif getattr(cfg, "use_sliding_window", True) is False or getattr(cfg, "layer_types", None):
@@ -70,7 +72,8 @@ def _window(mod: nn.Module, cfg: Any) -> int | None:
         windows.append(getattr(cfg, "sliding_window", None))
     if kinds & _CHUNKED_LAYERS:
         windows.append(getattr(cfg, "attention_chunk_size", None))
-    sizes = [w for w in windows if isinstance(w, int) and not isinstance(w, bool) and w > 0]
+    sizes = [w for w in windows if isinstance(w, int) and not isinstance(w, bool) and w > 0
+             and (seq_len is None or w < seq_len)]
     return min(sizes, default=None)
 
 
@@ -79,14 +82,15 @@ _SLIDING_LAYERS = {"sliding_attention", "reference_sliding_attention", "window_a
 _CHUNKED_LAYERS = {"chunked_attention"}
 
 
-def hf_attention(model: nn.Module, block: nn.Module) -> HFAttention | None:
-    """The block's interface-dispatched attention (the outermost one), or None."""
+def hf_attention(model: nn.Module, block: nn.Module, seq_len: int | None = None) -> HFAttention | None:
+    """The block's interface-dispatched attention (the outermost one), or None; ``seq_len``: the
+    model file's SEQ_LEN (a window no shorter is no window)."""
     for name, mod in block.named_modules():
         cfg = getattr(mod, "config", None)
         impl = getattr(cfg, "_attn_implementation", None)
         if not name or not isinstance(impl, str) or not _dispatches(mod):
             continue
-        window = _window(mod, cfg)
+        window = _window(mod, cfg, seq_len)
         rates = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
         dropout = next((float(getattr(cfg, a)) for a in rates if isinstance(getattr(cfg, a, None), (int, float))), 0.0)
         try:

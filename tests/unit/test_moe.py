@@ -233,3 +233,19 @@ def test_a_window_on_any_layer_counts_whichever_layer_is_probed() -> None:
     both = SimpleNamespace(sliding_window=128, attention_chunk_size=64,
                            layer_types=["sliding_attention", "chunked_attention", "full_attention"])
     assert _window(nn.Module(), both) == 64  # the narrowest
+
+
+def test_a_window_no_shorter_than_the_models_sequence_is_no_window() -> None:
+    """Llama 4 Scout attends within chunks of 8192 tokens; planned at its SEQ_LEN of 4096 (a plan never
+    trains longer) every layer attends to the whole prefix, and context parallelism is exact."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from autopar.spec.attention import _window
+
+    scout = SimpleNamespace(attention_chunk_size=8192, layer_types=["chunked_attention", "full_attention"])
+    assert _window(nn.Module(), scout, seq_len=4096) is None
+    assert _window(nn.Module(), scout, seq_len=8192) is None
+    assert _window(nn.Module(), scout, seq_len=16384) == 8192
+    assert _window(nn.Module(), scout) == 8192  # no SEQ_LEN: any window counts
