@@ -29,6 +29,7 @@ MAX_ENTRIES = 50_000  # a memo this large is cleared rather than grown (one mode
 _MEMO: dict[tuple, tuple] = {}
 _PURE: dict[Any, bool] = {}  # op overload -> it writes no input and returns no alias
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # no dispatch of their own: metadata alone decides a kernel's output
 
 
 class _Unkeyable(Exception):
@@ -74,7 +75,7 @@ def _is_pure(func: Any) -> bool:
 
 def _key(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        if type(x) is not torch.Tensor or not x.is_meta or x.layout != torch.strided:
+        if type(x) not in _PLAIN or not x.is_meta or x.layout != torch.strided:
             raise _Unkeyable
         return ("T", tuple(x.shape), x.stride(), x.dtype, x.is_conj(), x.is_neg())
     if isinstance(x, (tuple, list)):

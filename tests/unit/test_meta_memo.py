@@ -50,6 +50,8 @@ def test_views_writes_real_tensors_and_outputs_that_are_inputs_are_not_memoised(
     assert meta_memo.memo_key(aten.view.default, (a, [24]), {}) is None  # returns an alias
     assert meta_memo.memo_key(aten.add_.Tensor, (a, a), {}) is None  # writes its input
     assert meta_memo.memo_key(aten.add.Tensor, (torch.zeros(2), torch.zeros(2)), {}) is None  # not meta
+    weight = torch.nn.Parameter(torch.empty(6, device="meta"))  # a norm's weight times the hidden state
+    assert meta_memo.memo_key(aten.mul.Tensor, (a, weight), {}) is not None
     key = ("probe", 1)
     meta_memo.remember(key, (a,), {}, a)  # an op that hands back its input
     assert meta_memo.lookup(key) is None
