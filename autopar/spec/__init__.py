@@ -220,6 +220,9 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
     inputs = mf.example_inputs(1, "meta")
     routing: list[tuple[int, int]] = []  # (top_k, experts) of the router topk the probe saw
 
+    def observed() -> tuple[int, int] | None:
+        return routing[0] if routing else None
+
     blocks_for_run = model.get_submodule(blocks_path) if blocks_path is not None else None
 
     def run_on(batch: Any) -> Any:
@@ -238,12 +241,12 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
     if blocks_path is None:
         chain = _meta_call(where, lambda: find_chain(model, run, exclude))
         experts = frozenset(c for c in (chain.containers if chain is not None else ())
-                            if routes_among(model, c, routing[0] if routing else None))
+                            if routes_among(model, c, observed()))
         if experts:  # a layer's experts, which a router picks among, are no units of the model's chain
             chain = _meta_call(where, lambda: find_chain(model, run, exclude | experts))
         if chain is not None:
             spec = _chain_spec(mf, model, chain, inputs, run)
-            units = expert_units(model, chain.units, lambda: routing[0] if routing else None)
+            units = expert_units(model, chain.units, observed)
             return _with_support(dataclasses.replace(spec, expert_units=units, routed=bool(routing)))
         mixed = heterogeneous_lists(model)
         hint = (f" ({', '.join(mixed[:3])} hold blocks whose parameter shapes differ)" if mixed else "")
@@ -262,7 +265,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
         raise ModelFileError(f"{where}: {exc}") from None
     except Exception as exc:  # the user's forward on meta
         raise model_failed(where, "on the meta device", exc) from None
-    if mf.pipeline_blocks is None and routes_among(model, blocks_path, routing[0] if routing else None):
+    if mf.pipeline_blocks is None and routes_among(model, blocks_path, observed()):
         # the only identical list of a model whose layers differ can be a layer's experts: a router
         # picks among them, the forward does not pass its hidden state through them in turn
         return spec_of_model(mf, model, exclude | {blocks_path})
@@ -285,7 +288,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
         isinstance(inputs, tuple) and all(isinstance(v, torch.Tensor) for v in inputs))
     token_batch = isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point()
     token_key, labels_key = token_dict_keys(inputs)
-    moe = moe_of(model, block, lambda: routing[0] if routing else None, _first_call(run))
+    moe = moe_of(model, block, observed, _first_call(run))
     # MoE blocks are refused SP before any check (spec/support.py); a block without TP has none.
     sp_why, keyword_parents = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
                                if tp.styles and moe is None else (None, ()))

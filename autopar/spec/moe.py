@@ -248,7 +248,7 @@ def routes_among(model: nn.Module, list_path: str, observed: tuple[int, int] | N
     """Whether the list at ``list_path`` holds a layer's experts rather than the model's blocks: the
     meta forward routed top-k among as many experts as it holds (``observed``: (top_k, experts)),
     and the module holding it also holds a router scoring that many, outside the list."""
-    if observed is None or "." not in list_path and not list_path:
+    if observed is None or not list_path:
         return False
     experts = model.get_submodule(list_path)
     if observed[1] != len(experts):

@@ -121,13 +121,25 @@ def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str],
             new_by_old[id(mod.weight)] = new.weight
             parent_name, _, leaf = name.rpartition(".")
             setattr(sharded.get_submodule(parent_name) if parent_name else sharded, leaf, new)
-        for name, mod in sharded.named_modules():  # a vocabulary bias added to the logits (BART's
-            if name.startswith(blocks_attr + ".") or name == blocks_attr:  # final_logits_bias): the
-                continue  # executor's replicated DTensor meets the logits as the rank's slice
-            for bname, buf in list(mod.named_buffers(recurse=False)):
-                if buf is not None and buf.is_floating_point() and buf.dim() and buf.shape[-1] == vocab:
-                    mod.register_buffer(bname, buf[..., : vocab // tp].clone(),
-                                        persistent=bname not in mod._non_persistent_buffers_set)
+        # a vocabulary bias added to the logits (BART's final_logits_bias): the executor's replicated
+        # DTensor meets the logits as the rank's slice
+        for mod, bname, buf in vocab_buffers(sharded, blocks_attr, vocab):
+            mod.register_buffer(bname, buf[..., : vocab // tp].clone(),
+                                persistent=bname not in mod._non_persistent_buffers_set)
         if vocab_constants:
             localise_vocab_constants(sharded, vocab, tp)
     return sharded
+
+
+def vocab_buffers(model: nn.Module, blocks_attr: str | None, vocab: int) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(module, name, buffer) of the float buffers over the vocabulary (last dimension ``vocab``)
+    outside the blocks -- a bias added to the logits (BART's ``final_logits_bias``), which a tp rank
+    meets as its vocabulary shard."""
+    found = []
+    for path, mod in model.named_modules():
+        if blocks_attr and (path == blocks_attr or path.startswith(blocks_attr + ".")):
+            continue
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point() and buf.dim() and buf.shape[-1] == vocab:
+                found.append((mod, name, buf))
+    return found

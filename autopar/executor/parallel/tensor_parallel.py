@@ -85,6 +85,7 @@ from autopar.executor.parallel.tp_conv1d import conv1d_layout, is_conv1d
 from autopar.executor.runtime.introspect import ModelSpec
 from autopar.spec.sp_check import is_norm
 from autopar.spec.tp_plan import plan_fused, set_local_attrs
+from autopar.spec.tp_shard import vocab_buffers
 
 
 class _SharedColwise(ColwiseParallel):
@@ -93,14 +94,7 @@ class _SharedColwise(ColwiseParallel):
     copy or second sharding is made."""
 
     def _partition_linear_fn(self, name, module, device_mesh):  # noqa: ANN001 - torch's signature
-        for pname, param in list(module.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):
-                if param.device_mesh != device_mesh or tuple(param.placements) != (Shard(0),):
-                    raise ValueError(f"tied head parameter {pname} is distributed as {param.placements}, not Shard(0)")
-                continue
-            module.register_parameter(pname, nn.Parameter(
-                distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
-                requires_grad=param.requires_grad))
+        _shard_rows_keeping_tied(module, device_mesh, self.src_data_rank, "head")
 
 
 class _SharedRowwise(RowwiseParallel):
@@ -109,15 +103,21 @@ class _SharedRowwise(RowwiseParallel):
     the tie survives, and the module gets the vocab-parallel lookup its input and output need."""
 
     def _partition_embedding_fn(self, name, module, device_mesh):  # noqa: ANN001 - torch's signature
-        for pname, param in list(module.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):
-                if param.device_mesh != device_mesh or tuple(param.placements) != (Shard(0),):
-                    raise ValueError(f"tied embedding parameter {pname} is distributed as {param.placements}, "
-                                     "not Shard(0)")
-                continue
-            module.register_parameter(pname, nn.Parameter(
-                distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
-                requires_grad=param.requires_grad))
+        _shard_rows_keeping_tied(module, device_mesh, self.src_data_rank, "embedding")
+
+
+def _shard_rows_keeping_tied(module: nn.Module, device_mesh: DeviceMesh, src_data_rank: int | None,
+                             what: str) -> None:
+    """Shard ``module``'s own parameters by rows (Shard(0)); one already distributed so on this mesh
+    (a tied edge's weight) stays the same Parameter, anything else distributed is refused."""
+    for pname, param in list(module.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            if param.device_mesh != device_mesh or tuple(param.placements) != (Shard(0),):
+                raise ValueError(f"tied {what} parameter {pname} is distributed as {param.placements}, not Shard(0)")
+            continue
+        module.register_parameter(pname, nn.Parameter(
+            distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=src_data_rank),
+            requires_grad=param.requires_grad))
 
 
 def _find(part: nn.Module, name: str | None, kind: type) -> nn.Module | None:
@@ -170,13 +170,8 @@ def _vocab_buffers_as_dtensors(part: nn.Module, blocks_path: str | None, vocab: 
     """Float buffers over the vocabulary outside the blocks (BART's ``final_logits_bias``, added to the
     logits after the head) become replicated DTensors: the head's logits are a vocab-sharded DTensor,
     and DTensor refuses an op mixing it with a plain tensor; a replicated operand is sliced locally."""
-    for path, mod in part.named_modules():
-        if blocks_path and (path == blocks_path or path.startswith(blocks_path + ".")):
-            continue
-        for name, buf in list(mod.named_buffers(recurse=False)):
-            if (buf is None or isinstance(buf, DTensor) or not buf.is_floating_point() or buf.dim() == 0
-                    or buf.shape[-1] != vocab):
-                continue
+    for mod, name, buf in vocab_buffers(part, blocks_path, vocab):
+        if not isinstance(buf, DTensor):
             persistent = name not in mod._non_persistent_buffers_set
             mod.register_buffer(name, distribute_tensor(buf, tp_mesh, [Replicate()]), persistent=persistent)
 
