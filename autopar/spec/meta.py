@@ -27,7 +27,8 @@ a top-1 ``argmax`` / ``max`` over at most 1024 scores, Switch-style, while no to
 indices, and the integer or boolean tensors computed from them, are routing tensors. Routing is
 taken as balanced, the expected load of a trained router with a balancing loss: each of the E
 experts receives tokens x top_k / E (token, slot) pairs. So a routing mask with tokens or
-tokens x top_k elements (``idx == e``, ``(idx == e).any(-1)``, a slice of ``one_hot(idx)``) has
+tokens x top_k elements (``idx == e``, ``(idx == e).any(-1)``, a slice of ``one_hot(idx)``, a
+constant scattered at the indices, ``zeros.scatter(1, idx, 1)``, even in a float tensor) has
 tokens x top_k / E nonzeros, and one with E (or E + 1, a sentinel class) elements ("which experts
 were hit") has E. Every op still runs as PyTorch dispatches it; only value reads and these
 data-dependent shapes are answered.
@@ -47,6 +48,7 @@ from autopar.spec.meta_fallback import run_for_shapes
 from autopar.spec.meta_memo import lookup, memo_key, remember
 from autopar.spec.meta_values import KnownValues, meta_format
 
+_SCATTER_VALUE = {torch.ops.aten.scatter.value, torch.ops.aten.scatter_.value}
 _VALUE_READS = {"_local_scalar_dense", "is_nonzero", "equal"}
 _MASK_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "_unsafe_index_put"}
 _DATA_SHAPED = {"nonzero", "masked_select", "bincount", "_unique2", "repeat_interleave"}
@@ -182,7 +184,7 @@ class _TolerantMeta(TorchDispatchMode):
     def _is_routed(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and id(t) in self.routed
 
-    def _mark(self, out: Any, name: str, inputs: list[Any] = ()) -> None:
+    def _mark(self, out: Any, name: str, inputs: list[Any] = (), *, floats: bool = False) -> None:
         label = name
         source = next((self.routed[id(a)] for a in inputs if self._is_routed(a)), None)
         if name in _PASS_ON and source is not None:
@@ -190,7 +192,7 @@ class _TolerantMeta(TorchDispatchMode):
         elif name in ("max", "amax") and source == "topk":
             label = "largest expert"  # idx.max(): the largest expert id, not a count
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex():
+            if isinstance(t, torch.Tensor) and (floats or not t.is_floating_point()) and not t.is_complex():
                 self.routed[id(t)] = label
                 self.alive.append(t)
 
@@ -302,7 +304,10 @@ class _TolerantMeta(TorchDispatchMode):
         elif self.routed and name != "_unique2":  # unique labels its own outputs (values, counts)
             inputs = tree_flatten((args, kwargs))[0]
             if any(self._is_routed(a) for a in inputs):
-                self._mark(out, name, inputs)
+                # a constant scattered at the routing indices is a one-hot routing mask, float or not
+                # (JetMoE's ``zeros.scatter(1, top_k_indices, 1).long().sum(0)`` counts tokens per expert)
+                one_hot = func in _SCATTER_VALUE and len(args) > 2 and self._is_routed(args[2])
+                self._mark(out, name, inputs, floats=one_hot)
         return out
 
     def _count(self) -> None:

@@ -53,3 +53,32 @@ def test_formatting_a_plain_meta_scalar_reads_zero_and_the_patch_is_undone() -> 
     with tolerant_meta():
         assert f"{t}" == "0"
     assert "meta" in f"{t}"  # outside the block: torch's own formatting
+
+
+class CountedExperts(nn.Module):
+    """JetMoE / ScatterMoE-style routing: a float one-hot made by scattering 1 at the top-k indices,
+    summed into per-expert counts read with ``.tolist()`` and used as split sizes of the sorted rows."""
+
+    def __init__(self, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(D, E, bias=False)
+        self.weight = nn.Parameter(torch.empty(E, D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, idx = self.router(x).float().topk(self.top_k, dim=1)
+        gates = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, idx, 1)
+        sizes = gates.long().sum(0).tolist()
+        _, order = idx.flatten().sort(0)
+        rows = x[order.div(self.top_k, rounding_mode="trunc")]
+        outs = [nn.functional.linear(part, self.weight[e]) for e, part in enumerate(rows.split(sizes, dim=0))]
+        return torch.cat(outs, dim=0)
+
+
+def test_a_float_one_hot_scattered_at_the_routing_counts_tokens_per_expert() -> None:
+    with torch.device("meta"):
+        moe = CountedExperts()
+        x = torch.empty(TOKENS, D)
+    with tolerant_meta():
+        y = moe(x)  # before: split sizes [0, 0, 0, 0] (the float mask was not a routing tensor)
+    assert y.shape == (TOKENS * 2, D)
