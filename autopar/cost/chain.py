@@ -31,6 +31,7 @@ from typing import Sequence
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time
+from autopar.cost.expert import ExpertCost, adjust_terms, moe_summary
 from autopar.cost.stage import Config, Part, StageTerms, _tp_backward_exposed, _tp_time, build_terms
 from autopar.cost.step import Estimate, RankCost
 from autopar.cost.zero import overlapped, per_microbatch_exposed
@@ -47,6 +48,10 @@ class ChainTerms:
     units: tuple[Part, ...]
     cut_p2p_s: tuple[float, ...]  # [i]: a cut before unit i (index 0 unused: 0.0)
     unit_transient_bytes: tuple[float, ...]
+    # ep > 1: the expert-parallel terms of one unit holding the experts (all such units share the
+    # graph's one mixture), and which units hold them; None / all False otherwise
+    expert: ExpertCost | None = None
+    expert_units: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if not (len(self.units) == len(self.cut_p2p_s) == len(self.unit_transient_bytes) >= 1):
@@ -80,6 +85,7 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
     pp_link, dpcp_link = axis_link(cluster, layout, "pp"), axis_link(cluster, layout, "dp_cp")
     tp_link = axis_link(cluster, layout, "tp")
     parts, cuts, transient = [], [], []
+    expert: ExpertCost | None = None
     for i, unit in enumerate(graph.chain):
         rt = graph_region_time(graph, unit.region, cluster, shape)
         tp_f, tp_b = _unit_tp_time(graph, unit.region, cluster, cfg, shape, tp_link, rt)
@@ -92,13 +98,21 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
         bwd = rt.bwd_s + tp_b + recompute
         params = _unit_params(graph, unit, cfg.tp)
         zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
-        parts.append(Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=0.0,
-                          zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops,
-                          bwd_flops=rt.bwd_flops))
+        part = Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=0.0,
+                    zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops)
+        gathered = params
+        if cfg.ep > 1 and unit.experts:  # its experts sharded over ep ranks, priced as a block's (cost/expert.py)
+            ep = adjust_terms(graph, cluster, cfg, part, dense_state_bytes=base.state_bytes_per_param,
+                              dpcp_link=dpcp_link, tokens_bytes=unit.input_bytes * cfg.micro_batch * s_ratio,
+                              shape=shape, region=unit.region)
+            part, expert = ep.block, ep.expert or expert
+            gathered -= ep.transient_saving_bytes / (2 * cfg.dtype_bytes)  # this rank's E / ep experts only
+        parts.append(part)
         cuts.append(collective_time_s("p2p", in_bytes, pp_link) if i and cfg.pp > 1 else 0.0)
-        gathered = 3 * params * cfg.dtype_bytes if cfg.zero == 3 else 0.0  # as build_terms for a block
-        transient.append(gathered + work)
-    return ChainTerms(base=base, units=tuple(parts), cut_p2p_s=tuple(cuts), unit_transient_bytes=tuple(transient))
+        # ZeRO-3: the unit's gathered parameters (and gradients), as build_terms for a block
+        transient.append((3 * gathered * cfg.dtype_bytes if cfg.zero == 3 else 0.0) + work)
+    return ChainTerms(base=base, units=tuple(parts), cut_p2p_s=tuple(cuts), unit_transient_bytes=tuple(transient),
+                      expert=expert, expert_units=tuple(u.experts and expert is not None for u in graph.chain))
 
 
 def _unit_params(graph: ModelGraph, unit: ChainUnit, tp: int) -> float:
@@ -134,6 +148,7 @@ class StageLoad:
     params: float
     act_bytes: float
     transient_bytes: float
+    expert_units: int = 0  # units holding experts sharded over ep (ChainTerms.expert)
 
 
 def stage_load(terms: ChainTerms, start: int, end: int, rank: int) -> StageLoad:
@@ -154,7 +169,8 @@ def stage_load(terms: ChainTerms, start: int, end: int, rank: int) -> StageLoad:
         time, bwd = time + t.post.time_s, bwd + t.post.bwd_s
         params, act = params + t.post.params + t.tied_params, act + t.post.act_bytes
     return StageLoad(time_s=time, bwd_s=bwd, params=params, act_bytes=act,
-                     transient_bytes=max(terms.unit_transient_bytes[start:end], default=0.0))
+                     transient_bytes=max(terms.unit_transient_bytes[start:end], default=0.0),
+                     expert_units=sum(terms.expert_units[start:end]))
 
 
 def stage_tail_s(terms: ChainTerms, load: StageLoad) -> float:
@@ -170,9 +186,13 @@ def stage_tail_s(terms: ChainTerms, load: StageLoad) -> float:
 
 def stage_memory(terms: ChainTerms, load: StageLoad, rank: int) -> dict[str, float]:
     t, split = terms.base, terms.base.state_split
-    return {"params": load.params * split["params"], "grads": load.params * split["grads"],
-            "optimizer": load.params * split["optimizer"], "activations": t.inflight(rank) * load.act_bytes,
-            "other": load.transient_bytes + t.reserve_bytes}
+    memory = {kind: load.params * split[kind] for kind in ("params", "grads", "optimizer")}
+    ex = terms.expert
+    if ex is not None and load.expert_units:  # the same total, each expert byte under its own kind (cost.step)
+        equivalent = load.expert_units * (ex.block_params - ex.dense_params)
+        for kind in memory:
+            memory[kind] += load.expert_units * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
+    return {**memory, "activations": t.inflight(rank) * load.act_bytes, "other": load.transient_bytes + t.reserve_bytes}
 
 
 def evaluate_chain(terms: ChainTerms, ranges: Sequence[tuple[int, int]], model_flops_per_step: float,
@@ -195,7 +215,7 @@ def evaluate_chain(terms: ChainTerms, ranges: Sequence[tuple[int, int]], model_f
     step = steady + busy + tail
     us = terms.units
     per_mb = {
-        "compute": sum(u.time_s - u.recompute_s - u.zero_comm_s - u.tp_comm_s for u in us) + t.pre.time_s
+        "compute": sum(u.compute_s for u in us) + t.pre.time_s
         + t.post.time_s - t.pre.tp_comm_s - t.post.tp_comm_s - t.pre.zero_comm_s - t.post.zero_comm_s,
         "recompute": sum(u.recompute_s for u in us),
         "tp_comm": sum(u.tp_comm_s for u in us) + t.pre.tp_comm_s + t.post.tp_comm_s,
@@ -203,6 +223,8 @@ def evaluate_chain(terms: ChainTerms, ranges: Sequence[tuple[int, int]], model_f
         "zero_comm": sum(u.zero_comm_s for u in us) + t.pre.zero_comm_s + t.post.zero_comm_s,
         "pp_comm": 2 * sum(terms.cut_p2p_s[a] for a, _ in ranges[1:]),
     }
+    if cfg.ep > 1:  # the experts' all-to-alls (a key only where ep is used, as cost.step's)
+        per_mb["ep_comm"] = sum(u.ep_comm_s for u in us)
     breakdown = {k: val * m / pp for k, val in per_mb.items()}
     breakdown["bubble"] = steady + busy - m * busy / pp
     optimizer = max(rk.params * t.optimizer_s_per_param for rk in ranks)
@@ -214,4 +236,6 @@ def evaluate_chain(terms: ChainTerms, ranges: Sequence[tuple[int, int]], model_f
         mfu=model_flops_per_step / (step * cfg.num_gpus * peak_flops), peak_memory_bytes=peak.peak_bytes,
         capacity_bytes=t.capacity_bytes, memory_bytes=dict(peak.memory_bytes), time_breakdown_s=breakdown,
         ranks=tuple(ranks), bubble_fraction=max(0.0, breakdown["bubble"]) / step if step else 0.0,
+        reserve_bytes=t.reserve_bytes,
+        moe=moe_summary(terms.expert, cfg, sum(terms.expert_units)) if terms.expert is not None else None,
     )

@@ -80,8 +80,6 @@ def check_ep(graph: "ModelGraph", ep: int, dp_cp: int) -> str | None:
         return f"{graph.name}: {reason}"
     if graph.moe is None:  # a graph measured without the ep predicate (older cache)
         return f"ep = {ep} needs a mixture-of-experts model; {graph.name} has no experts in its blocks"
-    if graph.chain:
-        return f"{graph.name} has no repeated block list (a layer chain): expert parallelism is priced per block"
     return ep_reason(ep, dp_cp, graph.moe.num_experts)  # the degree's rules: autopar.layout
 
 
@@ -103,17 +101,19 @@ def _token_axis(op: "FitOp", per_expert: float) -> int | None:
     return None
 
 
-def expert_gemm_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "Shape", ep: int) -> tuple[float, float]:
-    """(forward, backward) seconds by which one rank's expert GEMMs of one block, per micro-batch at
-    ``shape``, run faster (negative) or slower under ep than as traced (module docstring)."""
+def expert_gemm_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "Shape", ep: int,
+                        region: str = "block") -> tuple[float, float]:
+    """(forward, backward) seconds by which one rank's expert GEMMs of one block (the fitted
+    ``region``: "block", or a chain unit's), per micro-batch at ``shape``, run faster (negative) or
+    slower under ep than as traced (module docstring)."""
     moe = graph.moe
-    if ep == 1 or moe is None or "block" not in graph.regions:
+    if ep == 1 or moe is None or region not in graph.regions:
         return 0.0, 0.0
     per_expert = graph.seq_len * moe.top_k / moe.num_experts
     if per_expert >= graph.seq_len:  # no dimension tells one expert's tokens from a sequence's
         return 0.0, 0.0
     delta = {"fwd": 0.0, "bwd": 0.0}
-    for op in graph.regions["block"].ops:
+    for op in graph.regions[region].ops:
         axis = _token_axis(op, per_expert)
         if axis is None:
             continue
@@ -163,10 +163,11 @@ class ExpertCost:
 
 def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense_state_bytes: float,
                 dense_sync_s_per_param: float, tokens_bytes: float, block_fwd_s: float, block_bwd_s: float,
-                block_params: float, shape: "Shape | None" = None) -> ExpertCost | None:
+                block_params: float, shape: "Shape | None" = None, region: str = "block") -> ExpertCost | None:
     """The terms of ``cfg`` (``cfg.ep`` > 1 on an MoE graph; None otherwise). ``tokens_bytes``: one
     rank's block input per micro-batch; ``block_*``: the block's balanced compute and parameters;
-    ``shape``: the block's (autopar.cost.stage), for the expert GEMMs' ep shapes (None: as traced)."""
+    ``shape``: the block's (autopar.cost.stage), for the expert GEMMs' ep shapes (None: as traced);
+    ``region``: the fitted region of the block ("block", or a chain unit's: cost/chain.py)."""
     ep, moe = cfg.ep, graph.moe
     if ep == 1 or moe is None:
         return None
@@ -177,7 +178,7 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     # collective_time_s takes the full message: ep ranks' shares of what one rank sends
     one = collective_time_s("all_to_all", a2a_bytes, link)
     a2a_fwd = DISPATCH_COMBINE_PER_PASS * one
-    block_flops = sum(op.flops for op in graph.regions["block"].ops if op.phase == "fwd")
+    block_flops = sum(op.flops for op in graph.regions[region].ops if op.phase == "fwd")
     tokens = graph.seq_len  # the graph's block FLOPs are of one sample at seq_len tokens
     share = min(1.0, expert_flops_per_token(graph) * tokens / block_flops) if block_flops else 0.0
     # a rank's share of all E experts: 1/tp where the TP plan shards them (expert tensor parallelism)
@@ -192,7 +193,7 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     equivalent = dense + experts * state.total / dense_state_bytes
     edp_link = axis_link(cluster, layout, "edp")
     edp_sync, _, _ = per_step_sync(cfg, edp_link, cluster)
-    gemm_fwd, gemm_bwd = expert_gemm_delta_s(graph, cluster, shape, ep) if shape is not None else (0.0, 0.0)
+    gemm_fwd, gemm_bwd = expert_gemm_delta_s(graph, cluster, shape, ep, region) if shape is not None else (0.0, 0.0)
     extra = max(0.0, experts * edp_sync - (equivalent - dense) * dense_sync_s_per_param) / cfg.num_microbatches
     return ExpertCost(
         ep=ep, imbalance=f, link=link.link_name, a2a_bytes=a2a_bytes, a2a_fwd_s=a2a_fwd, a2a_bwd_s=a2a_fwd,
@@ -224,20 +225,21 @@ class ExpertTerms:
 
 def adjust_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", block: "Part", *,
                  dense_state_bytes: float, dpcp_link: "GroupLink", tokens_bytes: float,
-                 shape: "Shape") -> ExpertTerms:
+                 shape: "Shape", region: str = "block") -> ExpertTerms:
     """The dense-priced ``block`` terms of ``cfg`` (autopar.cost.stage) under expert parallelism:
     the all-to-alls, the imbalance and the expert GEMMs' ep shapes added to forward and backward
     (and to the recompute of a full-recompute block), the experts' excess gradient sync, ZeRO-2/3's
     collectives with the experts over edp, and the dense-equivalent parameter count (module
     docstring). ``dense_state_bytes``: bytes per dense parameter; ``dpcp_link``: the dp x cp group's;
-    ``tokens_bytes``: one rank's block input per micro-batch; ``shape``: the block's."""
+    ``tokens_bytes``: one rank's block input per micro-batch; ``shape``: the block's; ``region``: its
+    fitted region ("block", or a chain unit's holding the experts: cost/chain.py)."""
     if cfg.ep == 1:
         return ExpertTerms(block=block, expert=None, transient_saving_bytes=0.0)
     expert = expert_cost(graph, cluster, cfg, dense_state_bytes=dense_state_bytes,
                          dense_sync_s_per_param=per_step_sync(cfg, dpcp_link, cluster)[0],
                          tokens_bytes=tokens_bytes, block_fwd_s=block.fwd_s - block.tp_comm_s - block.cp_comm_s,
                          block_bwd_s=block.bwd_s - block.recompute_s - block.zero_comm_s, block_params=block.params,
-                         shape=shape)
+                         shape=shape, region=region)
     if expert is None:
         return ExpertTerms(block=block, expert=None, transient_saving_bytes=0.0)
     saving = 0.0
@@ -249,7 +251,8 @@ def adjust_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", block: 
     if cfg.zero in (2, 3):  # dense parameters gathered over dp x cp, experts over their edp ranks
         bwd_plain = block.bwd_s - block.zero_comm_s
         zero_ep = zero_exposed_s(cfg, cluster, expert, block.fwd_s, bwd_plain, dpcp_link)
-        zero_ep += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # framework time
+        tensors = graph.params[region].tensors if region in graph.params else 0  # 0: a chain's (not counted)
+        zero_ep += sum(per_microbatch_s(cfg, cluster, tensors))  # framework time
         block = replace(block, bwd_s=bwd_plain + zero_ep, zero_comm_s=zero_ep)
     block = replace(block, fwd_s=block.fwd_s + fwd_extra, bwd_s=block.bwd_s + bwd_extra + recompute_extra,
                     recompute_s=block.recompute_s + recompute_extra, params=expert.block_params,

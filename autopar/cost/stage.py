@@ -25,7 +25,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time, usable_layer_table
 from autopar.cost.evolve import evolve
-from autopar.cost.expert import adjust_terms
+from autopar.cost.expert import ExpertTerms, adjust_terms
 from autopar.cost.framework import (
     dp_wrapper,
     grad_reduce_bytes,
@@ -114,8 +114,11 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     tp_link, cp_link, dpcp_link = (axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp"))
 
     block = _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes)
-    ep = adjust_terms(graph, cluster, cfg, block, dense_state_bytes=state.total, dpcp_link=dpcp_link,
-                      tokens_bytes=tokens_bytes, shape=shape)  # experts sharded over ep ranks
+    if graph.chain:  # a chain's experts are priced on the units that hold them (cost/chain.py)
+        ep = ExpertTerms(block=block, expert=None, transient_saving_bytes=0.0)
+    else:  # experts sharded over ep ranks
+        ep = adjust_terms(graph, cluster, cfg, block, dense_state_bytes=state.total, dpcp_link=dpcp_link,
+                          tokens_bytes=tokens_bytes, shape=shape)
     block, expert = ep.block, ep.expert
     table = usable_layer_table(graph, cluster)
     replicated = table is not None and table.edges_replicated

@@ -25,6 +25,7 @@ from autopar.errors import ModelFileError
 from autopar.graph.build import ParamRegions, TracedRun, default_loss, first_tensor, slice_sequence
 from autopar.graph.chain_tp import chain_tp_comm_hooks, shard_chain_for_tp, sharded_params
 from autopar.graph.fused_scan import fit_with_scan
+from autopar.graph.measure import moe_facts
 from autopar.graph.model_graph import ChainUnit, ModelGraph, RegionParams
 from autopar.graph.scaling import RegionFit
 from autopar.graph.trace import Trace, run_and_trace
@@ -236,7 +237,9 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
     at = dict(zip(keep, kept_in))
     param_regions = {pid: {_unit_region(r, keep) for r in rs} for pid, rs in base.param_regions.items()}
     unit_params, pre, post, tied = _params(model, chain.units, param_regions)
-    units = tuple(ChainUnit(name=u, region=f"unit.{kinds[i]}", params=unit_params[i], input_bytes=at.get(i, at[kinds[i]]))
+    moe_units = set(spec.moe_units)
+    units = tuple(ChainUnit(name=u, region=f"unit.{kinds[i]}", params=unit_params[i], input_bytes=at.get(i, at[kinds[i]]),
+                            experts=u in moe_units)
                   for i, u in enumerate(chain.units))
     regions["block"] = regions[units[0].region]
     edges = _edge_sharded(small, chain.block_list, base) if t2 is not None else {"pre": 0, "post": 0}
@@ -256,7 +259,7 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
         tp_reason=support["tp"], cp_reason=support["cp"], pp_reason=support["pp"], support=support,
         tp_source=_tp_source(spec), tp_styles={}, regions=regions, params=params, tied_params=tied,
         block_input_bytes=units[0].input_bytes,
-        build_seconds=time.perf_counter() - start, chain=units,
+        build_seconds=time.perf_counter() - start, chain=units, moe=moe_facts(spec.moe),
     )
 
 

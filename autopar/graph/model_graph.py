@@ -57,6 +57,7 @@ class ChainUnit:
     region: str
     params: int
     input_bytes: float
+    experts: bool = False  # it holds the graph's mixture of experts (ModelGraph.moe), which ep shards
 
     def __post_init__(self) -> None:
         if self.params < 0 or self.input_bytes < 0:
@@ -125,7 +126,8 @@ class ModelGraph:
     # (cost/chain.py). Empty: the blocks repeat.
     chain: tuple[ChainUnit, ...] = ()
     # Expert parallelism: the blocks' mixture of experts (from autopar.spec.moe), None when dense; the cost
-    # model prices expert parallelism from it (autopar.cost.expert)
+    # model prices expert parallelism from it (autopar.cost.expert). A chain: the one its units marked
+    # ``experts`` hold.
     moe: MoEFacts | None = None
     # The sequence the graph was traced at where shorter than seq_len: a forward too long to trace at
     # seq_len (a loop over positions) was measured there and extrapolated (graph/short_probe.py).

@@ -268,7 +268,7 @@ def mix_modes(graph: ModelGraph) -> tuple[str, ...]:
 def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: int, rejected: Counter) -> tuple[int, ...]:
     """The legal ep degrees (autopar.layout's ``ep_reason``: ep divides the experts and dp x cp, at
     any tp and pp). 1 is always legal (dense experts)."""
-    if graph.moe is None or graph.chain or graph.supports("ep"):  # what the model must have: spec/support.py
+    if graph.moe is None or graph.supports("ep"):  # what the model must have: spec/support.py
         return (1,) if space.allows("ep_degrees", 1) else ()
     out = []
     for ep in divisors(graph.moe.num_experts):  # the experts' rule holds: only dp x cp's can fail

@@ -97,12 +97,47 @@ def _first_call(run: Callable[[], Any]) -> Callable[[nn.Module], tuple[tuple, di
     return call
 
 
-def expert_units(model: nn.Module, units: tuple[str, ...], observed_top_k: Callable[[], tuple[int, int] | None]
-                 ) -> tuple[str, ...]:
-    """The units (dotted paths) of a chain holding a mixture of experts (autopar.spec.moe)."""
+def _first_calls(run: Callable[[], Any], root: nn.Module) -> Callable[[nn.Module], tuple[tuple, dict] | None]:
+    """``call(module)`` for every module under ``root``, from one meta forward (``run``) recording
+    each one's first (args, kwargs) -- ``_first_call``'s answer without a forward per module."""
+    seen: dict[int, tuple[tuple, dict]] = {}
+    ran: list[bool] = []
+
+    def call(module: nn.Module) -> tuple[tuple, dict] | None:
+        if not ran:
+            ran.append(True)
+            hooks = [m.register_forward_pre_hook(
+                lambda m_, args, kwargs: seen.setdefault(id(m_), (args, kwargs)), with_kwargs=True)
+                for m in root.modules()]
+            try:
+                run()
+            except Exception:  # the probe's own run already succeeded; a failure here says nothing new
+                seen.clear()
+            finally:
+                for h in hooks:
+                    h.remove()
+        return seen.get(id(module))
+    return call
+
+
+def chain_experts(model: nn.Module, units: tuple[str, ...], observed_top_k: Callable[[], tuple[int, int] | None],
+                  run: Callable[[], Any]) -> tuple[tuple[str, ...], MoESpec | None]:
+    """The units (dotted paths) of a chain holding a mixture of experts (autopar.spec.moe), and
+    the MoESpec they all hold -- None where they differ (another path, count, top-k or size). The
+    first such unit's experts are read with how the meta forward called them (``MoESpec.call``);
+    the others must match it but for that call, which is the same code on every unit."""
     if observed_top_k() is None:
-        return ()
-    return tuple(u for u in units if moe_of(model, model.get_submodule(u), observed_top_k) is not None)
+        return (), None
+    found = [(u, moe_of(model, model.get_submodule(u), observed_top_k)) for u in units]
+    holders = tuple(u for u, m in found if m is not None)
+    if not holders:
+        return (), None
+    first = model.get_submodule(holders[0])
+    moe = moe_of(model, first, observed_top_k, _first_calls(run, first))
+    if moe is None or any(dataclasses.replace(m, call=None) != dataclasses.replace(moe, call=None)
+                          for _, m in found if m is not None):
+        return holders, None
+    return holders, moe
 
 
 def _vocab_edges(model: nn.Module, blocks_path: str) -> tuple[str | None, str | None]:
@@ -246,8 +281,8 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
             chain = _meta_call(where, lambda: find_chain(model, run, exclude | experts))
         if chain is not None:
             spec = _chain_spec(mf, model, chain, inputs, run)
-            units = expert_units(model, chain.units, observed)
-            return _with_support(dataclasses.replace(spec, expert_units=units, routed=bool(routing)))
+            units, moe = chain_experts(model, chain.units, observed, run)
+            return _with_support(dataclasses.replace(spec, expert_units=units, moe=moe, routed=bool(routing)))
         mixed = heterogeneous_lists(model)
         hint = (f" ({', '.join(mixed[:3])} hold blocks whose parameter shapes differ)" if mixed else "")
         raise ModelFileError(

@@ -76,10 +76,22 @@ class ModelSpec:
         if self.chain is not None:
             return self.chain.units
         return tuple(f"{self.blocks_path}.{i}" for i in range(self.num_blocks))
-    moe: MoESpec | None = None  # the blocks' mixture of experts (autopar.spec.moe), None when dense
+    # The blocks' mixture of experts (autopar.spec.moe), None when dense. A chain: the experts every
+    # unit of ``expert_units`` holds (block-relative names read from each of them), None where those
+    # units' experts differ.
+    moe: MoESpec | None = None
     # A chain (blocks that differ): the units holding experts (a router's top-k among expert
-    # weights), where ``moe`` (one repeated block's experts) is None; says why ep is not offered.
+    # weights) -- DeepSeek's MoE layers after its dense first ones. Empty for a block list, whose
+    # every block holds ``moe``.
     expert_units: tuple[str, ...] = ()
+
+    @property
+    def moe_units(self) -> tuple[str, ...]:
+        """Dotted paths of the units whose experts expert parallelism shards: ``expert_units`` of a
+        chain, every block of a block list with experts; () when dense."""
+        if self.moe is None:
+            return ()
+        return self.expert_units if self.chain is not None and self.expert_units else self.unit_paths
 
     def unit_tp(self, index: int) -> TPPlan:
         """The TP plan of block (or chain unit) ``index``: the block plan, or for a chain with plans

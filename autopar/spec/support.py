@@ -159,25 +159,23 @@ def op_support(spec: "ModelSpec") -> str | None:
 
 
 def ep_support(spec: "ModelSpec") -> str | None:
-    # executor/parallel/expert_parallel.py shards one repeated block's experts (spec/moe.py: a router's top-k
-    # among an nn.ModuleList of experts, or among per-expert stacked / packed weights called with the
-    # rows, the top-k indices and their weights) and the cost model prices them per repeated block.
+    # executor/parallel/expert_parallel.py shards the experts of every unit that holds them (spec/moe.py:
+    # a router's top-k among an nn.ModuleList of experts, or among per-expert stacked / packed weights
+    # called with the rows, the top-k indices and their weights) -- every block of a block list, or the
+    # units of a chain that hold one same mixture (DeepSeek's MoE layers after its dense first ones);
+    # the cost model prices each such unit with the all-to-alls and sharded experts (cost/expert.py).
     moe = spec.moe
     if moe is None and spec.expert_units:
         units = spec.expert_units
-        if len(units) == spec.num_blocks:
-            return (f"every one of the {spec.num_blocks} blocks holds experts, but the blocks differ otherwise "
-                    "(a chain of unit kinds); expert parallelism shards the experts of one repeated block")
         listed = ", ".join(units[:3]) + (", ..." if len(units) > 3 else "")
-        return (f"the blocks differ: {len(units)} of {spec.num_blocks} hold experts ({listed}), the others "
-                "none; expert parallelism shards the experts of one repeated block")
+        return (f"the {len(units)} units holding experts ({listed}) differ in their experts (their path, "
+                "count, top-k or size); expert parallelism shards one mixture of experts repeated in every unit "
+                "that holds it")
     if moe is None and spec.routed:
         return ("a router chooses among experts (seen on meta), but the experts are neither an nn.ModuleList "
                 "of identical modules nor weights stacked per expert, which expert parallelism shards")
     if moe is None:
         return f"{NO_EXPERTS} (no router choosing top-k among expert weights)"
-    if spec.chain is not None:
-        return "the blocks are cut as a layer chain, priced unit by unit; expert parallelism is priced per repeated block"
     if moe.experts_kind == "stacked" and moe.call is None:
         return (f"the stacked experts ({moe.experts_path}) are not called with the token rows, the top-k expert "
                 "indices and their weights, which expert parallelism sends to the ranks holding the experts")

@@ -8,13 +8,17 @@ ZeRO-2 (ep4, 4 ranks); both with a pipeline (pp2 x dp2 x ep2, 4 ranks: 1F1B at Z
 ZeRO-0) and with tensor parallelism (tp2 x dp2 x ep2, 4 ranks: the plain MoE's experts sharded over
 tp by its TP plan, HF Mixtral's whole on each tp rank). The other expert layouts found by behaviour
 at ep2: plain-torch 3-D stacks with per-expert biases and a shared expert, HF gpt-oss (biased router,
-per-expert biases, ZeRO-1) and HF DBRX (weights packed along their rows, ZeRO-3).
+per-expert biases, ZeRO-1) and HF DBRX (weights packed along their rows, ZeRO-3). Layer chains
+whose later units hold the experts: HF DeepSeek-V3 (a dense first layer; ep2 at ZeRO-1, and with
+the block-list pipeline pp2 x dp2 x ep2) and a plain-torch
+chain with an nn.ModuleList of experts (ep2, ZeRO-3).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +37,10 @@ FILES = {
     "torch-moe-stacked": (ZOO / "torch_moe_stacked.py", 4, 32, False),
     "hf-gpt-oss": (ZOO / "hf_gpt_oss.py", 4, 32, True),
     "hf-dbrx": (ZOO / "hf_dbrx.py", 4, 32, True),
+    # a layer chain whose later units hold the experts: HF DeepSeek-V3 (a dense first layer, then
+    # stacked experts beside a shared expert) and a plain-torch one with an nn.ModuleList of experts
+    "hf-deepseek-v3": (ZOO / "hf_deepseek_v3.py", 4, 32, True),
+    "chain-moe-list": (Path(__file__).resolve().parent / "models" / "chain_moe_list.py", 4, 16, False),
 }
 _FIRST = ("torch-moe", "hf-mixtral")  # the layouts every combination of degrees is tested on
 
@@ -75,7 +83,11 @@ CASES_2 = [MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2}) for m 
     # the other expert layouts at ep2 (with ZeRO-1 and ZeRO-3 over their edp ranks)
     MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2, **extra})
     for m, extra in (("torch-moe-stacked", {}), ("hf-gpt-oss", {"zero": 1}), ("hf-dbrx", {"zero": 3}))
-    if m in _models(("torch-moe-stacked", "hf-gpt-oss", "hf-dbrx"))]
+    if m in _models(("torch-moe-stacked", "hf-gpt-oss", "hf-dbrx"))] + [
+    # a chain's MoE units (the dense first one keeps its MLP whole)
+    MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2, **extra})
+    for m, extra in (("hf-deepseek-v3", {"zero": 1}), ("chain-moe-list", {"zero": 3}))
+    if m in _models(("hf-deepseek-v3", "chain-moe-list"))]
 CASES_4 = [MoECase(name=f"{m}-ep2xdp2", model=m, parallel={"dp": 4, "ep": 2}) for m in _models()] + [
     MoECase(name=f"{m}-ep2xdp2-zero1", model=m, parallel={"dp": 4, "ep": 2, "zero": 1}) for m in _models()] + [
     # one expert per rank under ZeRO-2 (what the planner picks for Mixtral-8x7B at 64 A100s)
@@ -89,7 +101,11 @@ CASES_4 = [MoECase(name=f"{m}-ep2xdp2", model=m, parallel={"dp": 4, "ep": 2}) fo
     # tp2 x dp2 x ep2: the plain MoE's TP plan shards its expert Linears (expert tensor parallelism),
     # HF Mixtral's stacked experts stay whole on both tp ranks (attention is tensor-parallel)
     MoECase(name=f"{m}-tp2xdp2xep2-zero{z}", model=m, parallel={"dp": 2, "tp": 2, "ep": 2, "zero": z})
-    for m, z in (("torch-moe", 0), ("hf-mixtral", 1)) if m in _models()]
+    for m, z in (("torch-moe", 0), ("hf-mixtral", 1)) if m in _models()] + [
+    # a chain's MoE units cut by the block-list pipeline (stage 0: the dense layer and one MoE
+    # layer; stage 1: two MoE layers)
+    MoECase(name="hf-deepseek-v3-pp2xdp2xep2-zero0", model="hf-deepseek-v3", global_batch_size=8,
+            parallel={"dp": 2, "pp": 2, "ep": 2, "zero": 0, "pp_schedule": "1f1b"})] if _models(("hf-deepseek-v3",)) else []
 WORLD = {2: CASES_2, 4: CASES_4}
 ALL = [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4]
 
@@ -103,7 +119,7 @@ def _routing_is_uneven(model: str) -> bool:
     """The first block's router on the first step's batch sends different numbers of tokens to
     the experts (so the all-to-all's splits are uneven)."""
     from autopar.executor.runtime.train import global_batch
-    from autopar.modelfile import load_model_file
+    from autopar.modelfile import call_model, load_model_file
     from autopar.spec import model_spec
 
     plan = MoECase(name="ref", model=model).plan()
@@ -111,11 +127,11 @@ def _routing_is_uneven(model: str) -> bool:
     torch.manual_seed(SEED)
     m = mf.build("cpu")
     spec = model_spec(mf)
-    block = m.get_submodule(spec.blocks_path)[0]
+    block = m.get_submodule(spec.moe_units[0])  # the first unit holding experts (a chain's may not be the first)
     seen: list[torch.Tensor] = []
     hook = block.get_submodule(spec.moe.router_name).register_forward_hook(lambda _m, _i, o: seen.append(o))
     with torch.no_grad():
-        m(global_batch(mf, plan.training.global_batch_size, 0, SEED))
+        call_model(m, global_batch(mf, plan.training.global_batch_size, 0, SEED))  # a tensor or a dict batch
     hook.remove()
     out = seen[0][0] if isinstance(seen[0], tuple) else seen[0]
     idx = out.topk(spec.moe.top_k, dim=-1).indices

@@ -29,7 +29,7 @@ MOE_ZOO = {
     "hf_qwen2_moe": ("stacked", True),  # a gated shared expert
     "hf_gpt_oss": ("stacked", True),  # a biased router, per-expert biases, other argument names
     "hf_dbrx": ("stacked", True),  # weights packed as (experts x ffn, hidden) rows
-    "hf_deepseek_v3": (None, False),  # dense first block, then MoE blocks: the blocks differ
+    "hf_deepseek_v3": ("stacked", True),  # a chain: a dense first block, then units holding the experts
     "bare_pos_gpt": (None, False),  # dense
 }
 
@@ -88,15 +88,20 @@ def test_search_offers_ep_exactly_where_preflight_and_estimate_accept_it(name, t
             assert rejected[f"ep: {reason}"] == 1
 
 
-def test_a_hybrid_whose_blocks_differ_is_refused_ep_for_that_reason(tmp_path):
+def test_a_chain_whose_later_units_hold_experts_shards_those_units(tmp_path):
     if not HAS_TRANSFORMERS:
         pytest.skip("transformers not installed")
+    from autopar.graph import build_graph
     from autopar.modelfile import load_model_file
     from autopar.spec import model_spec
 
-    spec = model_spec(load_model_file(zoo_lib.with_size(zoo_lib.zoo_models(["hf_deepseek_v3"])[0].path, "tiny", tmp_path)))
-    assert spec.expert_units == ("model.layers.1", "model.layers.2", "model.layers.3")
-    assert spec.support_reason("ep").startswith("the blocks differ: 3 of 4 hold experts")
+    mf = load_model_file(zoo_lib.with_size(zoo_lib.zoo_models(["hf_deepseek_v3"])[0].path, "tiny", tmp_path))
+    spec = model_spec(mf)
+    assert spec.expert_units == spec.moe_units == ("model.layers.1", "model.layers.2", "model.layers.3")
+    assert spec.moe.call is not None and spec.support_reason("ep") is None
+    graph = build_graph(mf)
+    assert [u.experts for u in graph.chain] == [False, True, True, True]
+    assert graph.moe.num_experts == 4 and graph.moe.top_k == 2
 
 
 def test_stacked_experts_are_called_with_rows_indices_and_weights_by_position_or_keyword():

@@ -18,19 +18,19 @@ SEQ_LEN, VOCAB, H = 16, 64, 32
 
 
 class Expert(nn.Module):
-    def __init__(self):
+    def __init__(self, w=2):
         super().__init__()
-        self.up, self.down = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+        self.up, self.down = nn.Linear(H, w * H), nn.Linear(w * H, H)
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
 
 
 class MoE(nn.Module):
-    def __init__(self, n=4, k=2):
+    def __init__(self, w=2, n=4, k=2):
         super().__init__()
         self.router = nn.Linear(H, n, bias=False)
-        self.experts = nn.ModuleList(Expert() for _ in range(n))
+        self.experts = nn.ModuleList(Expert(w) for _ in range(n))
         self.k = k
 
     def forward(self, x):
@@ -44,10 +44,10 @@ class MoE(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, moe):
+    def __init__(self, moe, w=2):
         super().__init__()
         self.norm = nn.LayerNorm(H)
-        self.ffn = MoE() if moe else Expert()
+        self.ffn = MoE(w) if moe else Expert()
 
     def forward(self, x):
         return x + self.ffn(self.norm(x))
@@ -80,6 +80,7 @@ def loss_fn(output, inputs):
 '''
 
 LISTED = ("self.layers = nn.ModuleList([Layer(False), Layer(True), Layer(True)])", "self.layers")
+DIFFERING = ("self.layers = nn.ModuleList([Layer(False), Layer(True), Layer(True, 3)])", "self.layers")
 ATTRIBUTES = ("self.l0, self.l1, self.l2 = Layer(False), Layer(True), Layer(True)", "(self.l0, self.l1, self.l2)")
 
 
@@ -98,7 +99,14 @@ def test_layers_that_differ_are_the_chain_and_the_experts_stay_inside_them(tmp_p
     assert spec.blocks_kind == "chain"
     assert spec.chain.units == ("layers.0", "layers.1", "layers.2")
     assert spec.expert_units == ("layers.1", "layers.2")
-    assert "2 of 3 hold experts" in spec.support["ep"]
+    assert spec.moe.experts_path == "ffn.experts" and spec.moe.num_experts == 4
+    assert spec.support["ep"] is None  # expert parallelism shards the units that hold the experts
+
+
+def test_units_whose_experts_differ_are_refused_ep_for_that_reason(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, DIFFERING, "differing_moe")
+    assert spec.expert_units == ("layers.1", "layers.2") and spec.moe is None
+    assert spec.support["ep"].startswith("the 2 units holding experts (layers.1, layers.2) differ in their experts")
 
 
 def test_a_model_whose_only_lists_are_experts_has_no_block_list(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Expert parallelism (plan ``parallel.ep``): the experts of every MoE block sharded over
+"""Expert parallelism (plan ``parallel.ep``): the experts of every MoE block (every block of a block
+list, or the units of a layer chain that hold them: DeepSeek's layers after its dense first ones) sharded over
 ``ep`` ranks, tokens sent to their experts and back with an all-to-all of uneven splits.
 
 Layout (Megatron-Core's and torchtitan's; autopar.layout owns it, with the rules on ep): the ep
@@ -187,7 +188,8 @@ def _stacked_forward(groups: ExpertGroups, original: Callable, call: tuple[str, 
             a, kw = _with(args, kwargs, rows_at, rows)
             a, kw = _with(a, kw, index_at, ids)
             a, kw = _with(a, kw, weights_at, torch.ones(ids.shape, dtype=rows.dtype, device=rows.device))
-            y = original(self, *a, **kw).reshape(rows.shape[0], -1)
+            # the width, not -1: a rank may receive no rows at all (every token routed elsewhere)
+            y = original(self, *a, **kw).reshape(rows.shape[0], shape[-1])
             return _touch(y, list(self.parameters()))
 
         y = exchange(hidden[token_of], counts, groups, compute)
@@ -336,9 +338,11 @@ class ExpertParallel:
 
 
 def apply_expert_parallel(parts: list[nn.Module], spec: Any, groups: ExpertGroups, prefix: str = "") -> ExpertParallel:
-    """Shard the experts of every block of ``parts`` (this rank's model, or its pipeline chunks
-    whose block lists sit under ``prefix``; on meta, before materialising) and route their tokens
-    over the ep group."""
+    """Shard the experts of every unit of ``parts`` that holds them (``ModelSpec.moe_units``: every
+    block of a block list, a chain's MoE units; this rank's model, or its pipeline chunks, in which
+    the model sits under ``prefix``; on meta, before materialising) and route their tokens over the
+    ep group. A unit another pipeline stage runs is absent from a chunk or stands in there (its
+    children are no modules): it is skipped."""
     state = ExpertParallel(groups=groups, experts=[])
     for part in parts:
         _apply_to_part(part, spec, state, prefix)
@@ -347,17 +351,18 @@ def apply_expert_parallel(parts: list[nn.Module], spec: Any, groups: ExpertGroup
 
 def _apply_to_part(part: nn.Module, spec: Any, state: ExpertParallel, prefix: str) -> None:
     moe, groups = spec.moe, state.groups
-    blocks = part.get_submodule(prefix + spec.blocks_path)
     owner_path = moe.experts_path.rpartition(".")[0]
-    for idx, block in blocks.named_children():
-        if not idx.isdigit():
-            continue  # a pipeline chunk's input/exit adapters (pipeline_parallel.build_chunk)
-        experts = block.get_submodule(moe.experts_path)
-        base = f"{spec.blocks_path}.{idx}.{moe.experts_path}."
+    for unit_path in spec.moe_units:
+        try:
+            unit = part.get_submodule(prefix + unit_path)
+            experts = unit.get_submodule(moe.experts_path)
+        except AttributeError:
+            continue  # on another pipeline stage
+        base = f"{unit_path}.{moe.experts_path}."
         if moe.experts_kind == "stacked":
             _shard_stacked(experts, groups, base, state.rows, moe.call)
         else:
-            _shard_list(block.get_submodule(owner_path) if owner_path else block, experts, groups)
+            _shard_list(unit.get_submodule(owner_path) if owner_path else unit, experts, groups)
         state.experts.append(experts)
         state.names.extend(base + n for n, _ in experts.named_parameters())
 

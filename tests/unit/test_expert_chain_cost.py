@@ -1,0 +1,94 @@
+"""Expert parallelism on a layer chain (a dense first unit, then units holding the experts:
+DeepSeek's structure): the cost model prices the all-to-alls, the sharded experts and their
+states on the units that hold them and leaves the dense unit as it was; estimate reports the
+experts of the chain; the search offers ep. Checked on a plain-torch chain (tests/dist/models/
+chain_moe_list.py: one dense layer, three with an nn.ModuleList of 4 experts, top-2)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from autopar.cluster import load_cluster
+from autopar.cost.chain import build_chain_terms, evaluate_chain
+from autopar.cost.estimate import config_from_plan, estimate_json, estimate_plan
+from autopar.graph.measure import build_graph
+from autopar.plan import plan_from_dict
+
+CHAIN_MOE = Path(__file__).resolve().parents[1] / "dist" / "models" / "chain_moe_list.py"
+BASE = {
+    "version": 1,
+    "model": {"file": str(CHAIN_MOE), "num_blocks": 4},
+    "cluster": {"profile": "a100-80g", "num_gpus": 8, "gpus_per_node": 8},
+    "training": {"global_batch_size": 32, "micro_batch_size": 2, "seq_len": 16, "dtype": "bf16", "optimizer": "adam"},
+    "parallel": {"dp": 8, "tp": 1, "pp": 1},
+}
+
+
+def _plan(**parallel):
+    data = copy.deepcopy(BASE)
+    data["parallel"].update(parallel)
+    return plan_from_dict(data)
+
+
+@functools.lru_cache(maxsize=None)
+def _graph():
+    return build_graph(str(CHAIN_MOE))
+
+
+def _terms(**parallel):
+    return build_chain_terms(_graph(), load_cluster("a100-80g"), config_from_plan(_plan(**parallel)))
+
+
+def test_the_graph_marks_the_units_holding_experts() -> None:
+    g = _graph()
+    assert [u.experts for u in g.chain] == [False, True, True, True]
+    assert (g.moe.num_experts, g.moe.top_k) == (4, 2)
+
+
+def test_ep_prices_the_units_holding_experts_and_leaves_the_dense_unit() -> None:
+    one, two = _terms(), _terms(ep=2)
+    assert two.units[0] == one.units[0]  # the dense first layer: no experts, no all-to-all
+    assert two.expert_units == (False, True, True, True) and one.expert is None
+    ex = two.expert
+    for a, b in zip(one.units[1:], two.units[1:]):
+        assert b.ep_comm_s > 0 and a.ep_comm_s == 0
+        assert b.params < a.params  # half the experts on this rank
+    assert ex.expert_params == pytest.approx(ex.all_expert_params / 2)
+    # the all-to-all carries each token to its top-2 experts: the unit's input times top_k
+    unit = _graph().chain[1]
+    assert ex.a2a_bytes == pytest.approx(unit.input_bytes * 2 * 2)
+
+
+def test_estimate_reports_the_chain_experts_and_their_memory() -> None:
+    cluster = load_cluster("a100-80g")
+    one, two = estimate_plan(_plan(), _graph(), cluster), estimate_plan(_plan(ep=2), _graph(), cluster)
+    assert one.moe is None and two.moe["ep"] == 2
+    per = _graph().moe.params_per_expert
+    assert two.moe["expert_params_per_rank"] == pytest.approx(3 * 2 * per)  # 3 MoE units x 2 of 4 experts
+    assert two.time_breakdown_s["ep_comm"] > 0 and "ep_comm" not in one.time_breakdown_s
+    saved = 3 * 2 * per  # experts this rank no longer holds
+    params_drop = one.memory_bytes["params"] - two.memory_bytes["params"]
+    assert params_drop == pytest.approx(saved * 2, rel=1e-6)  # bf16 parameters
+    assert estimate_json(two)["moe"]["ep"] == 2
+
+
+def test_a_stage_holds_the_experts_of_its_own_units_only() -> None:
+    terms = _terms(ep=2, dp=4, pp=2)
+    first, second = evaluate_chain(terms, [(0, 2), (2, 4)], 1.0, 1.0, 1.0).ranks
+    # both stages hold two units; the first's dense unit carries no experts
+    assert first.memory_bytes["params"] != second.memory_bytes["params"]
+    dense, moe = terms.units[0], terms.units[1]
+    assert first.params == pytest.approx(terms.base.pre.params + dense.params + moe.params)
+
+
+def test_the_search_offers_ep_on_the_chain() -> None:
+    from autopar.search.space import SearchSpace, enumerate_branches
+
+    space = SearchSpace(num_gpus=8, gpus_per_node=8, global_batch=32, seq_len=16, micro_batches=(2,))
+    rejected: Counter = Counter()
+    assert {b.ep for b in enumerate_branches(_graph(), space, rejected)} >= {1, 2, 4}
