@@ -142,8 +142,10 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
 
     Bare parameters (``Probe.bare``) are those registered on the root or an ancestor of the block
     list, and those of sibling modules that never run as modules (read directly: ``x @
-    self.wte.weight.T``). A parameter-holding prologue module that also runs in the epilogue is
-    ``shared``: real on every stage, its gradients summed over the stages. One whose output reaches
+    self.wte.weight.T``). A parameter-holding prologue module that also runs in the epilogue, or
+    whose parameters the epilogue reads directly (a head computing ``h @ self.embeddings.weight.T``
+    from the input embedding's table), is ``shared``: real on every stage, its gradients summed
+    over the stages. One whose output reaches
     a block other than through its hidden state (an encoder's output that every decoder block
     attends to, a learned bias passed as a keyword argument), or that the epilogue reads (CLIP's
     first tower, pooled into the contrastive loss after the other tower's blocks), is ``carried``:
@@ -208,7 +210,13 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
         elif i > last and name not in epilogue:
             epilogue.append(name)
     ran = {n for k, n, _ in events if k == "mod"}
-    shared = tuple(n for n in prologue if n in holders and n in epilogue)
+    # a prologue module whose own parameters the epilogue reads directly (Perceiver's byte head:
+    # ``h @ embeddings.weight.T``) is needed, real, on the last stage as well; a parameter an
+    # epilogue module holds too (a head tied to the embedding) is already there as that module's
+    tied = {id(p) for n in epilogue for p in siblings[n].parameters()}
+    read_late = {m for m in prologue for n, phases in recorder.reads.items()
+                 if "epilogue" in phases and n.startswith(m + ".") and id(watched[n]) not in tied}
+    shared = tuple(n for n in prologue if n in holders and (n in epilogue or n in read_late))
     carried = tuple(n for n in prologue if n in holders and n not in shared and (n in side or n in recorder.late))
     bare_names = set(_bare_parameters(model, spec.blocks_path))
     bare = {}

@@ -162,3 +162,42 @@ def test_hf_attention_support_and_selective_recompute_route() -> None:
     assert torch.equal(loss, plain)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-7)
+
+
+_HEAD_READS_EMBEDDING = '''
+import torch
+from torch import nn
+
+SEQ_LEN = 8
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)) for _ in range(4))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = h + b(h)
+        return h @ self.embed.weight.T  # the head reads the prologue's table, no module of its own
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(micro_batch_size):
+    return torch.randint(0, 32, (micro_batch_size, SEQ_LEN))
+'''
+
+
+def test_a_prologue_module_whose_weight_the_head_reads_is_real_on_the_last_stage(tmp_path: Path) -> None:
+    # Perceiver's byte head multiplies by the input embedding's weight: stubbed on the last stage, the
+    # head read a meta stand-in and the loss was NaN at step 1
+    path = tmp_path / "head_reads_embedding.py"
+    path.write_text(_HEAD_READS_EMBEDDING, encoding="utf-8")
+    _, _, probe, (_, last) = _chunks(path, [(0, 2), (2, 4)])
+    assert probe.shared == ("embed",) and probe.carried == ()
+    assert isinstance(last.chunk.embed, nn.Embedding) and last.chunk.embed.weight.shape == (32, 16)

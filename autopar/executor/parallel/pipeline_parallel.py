@@ -48,7 +48,8 @@ chunk; epilogue: the last; between blocks, or feeding a block's keyword argument
 Elsewhere they become non-persistent buffers with the same value (the forward still reads them,
 into a result that is discarded), so no stage keeps a meta tensor, and only users hold trainable
 copies. A parameter-holding prologue module whose output reaches the blocks other than through the
-hidden state (a learned bias passed as ``gain=``), or that runs again after the blocks, is *shared*:
+hidden state (a learned bias passed as ``gain=``), that runs again after the blocks, or whose
+parameters the epilogue reads directly (a head computing ``h @ embeddings.weight.T``), is *shared*:
 real on every chunk. Every parameter held by several chunks has its gradients summed over all
 copies after backward (the local ones of an interleaved rank, then over the pp ranks), like a tied
 weight, so the copies take identical optimizer steps.
@@ -59,9 +60,8 @@ embedding-group all-reduce), so the two copies receive identical Adam updates an
 Under tp > 1 both copies are sharded by vocabulary (Shard(0), tensor_parallel.py), so a tp rank's
 embedding shard and head shard cover the same rows and their local gradients are summed.
 
-Requirements: the blocks are called in order over the block list (a loop or ``nn.Sequential``), a
-block's first input is the hidden state, and a prologue module's parameters are not read directly
-after the blocks (``h @ self.wte.weight.T``; tie an output module's weight instead, as HF does).
+Requirements: the blocks are called in order over the block list (a loop or ``nn.Sequential``), and
+a block's first input is the hidden state.
 """
 
 from __future__ import annotations
