@@ -36,7 +36,15 @@ from autopar.spec.sp_check import sp_check
 from autopar.spec.spec_inputs import is_int_matrix, spec_inputs
 from autopar.spec.support import support_of
 from autopar.spec.tp_infer import Inference, infer_tp
-from autopar.spec.tp_plan import TPPlan, model_carried_plan, packed_names, plan_fused, resolve, root_prefixes
+from autopar.spec.tp_plan import (
+    TPPlan,
+    grad_sums_of,
+    model_carried_plan,
+    packed_names,
+    plan_fused,
+    resolve,
+    root_prefixes,
+)
 from autopar.usercode import model_failed
 
 __all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model", "token_dict_keys"]
@@ -204,7 +212,12 @@ def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Mod
     carried, label = model_carried_plan(model)
     if carried is not None:
         styles, notes = resolve(carried, block, blocks_path, prefixes, strict=False, where=where, model_names=names)
-        if styles and any(n.endswith("is not run by autopar") for n in notes):
+        sums, missing = grad_sums_of(carried, block, blocks_path, prefixes, getattr(model, "config", None))
+        if missing and styles:  # its sharded heads would train the layer on partial gradients
+            return TPPlan(styles={}, source="none", detail=f"the model's {label} sums the gradient of "
+                          f"{', '.join(missing)} over tp ranks, and that width is not in the config")
+        notes = [n for n in notes if n.split(":", 1)[0] not in sums]  # run: the gradient summed (executor)
+        if styles and not sums and any(n.endswith("is not run by autopar") for n in notes):
             # Part of the carried plan uses styles autopar does not run (GLM-4's gate_up_proj
             # colwise_gather_output): when the data flow shards every layer the carried plan
             # shards, the same way, and more, its plan -- checked as a whole -- replaces it.
@@ -217,7 +230,8 @@ def _tp_plan_of(mf: ModelFile, model: nn.Module, blocks_path: str, block: nn.Mod
             # packed_colwise layers are de-interleaved by the width rule (spec/tp_plan.packed_names).
             packed = packed_names(carried, block, blocks_path, prefixes)
             fused = {n: 1 for n, s in styles.items() if s == "colwise" and n not in packed}
-            return TPPlan(styles=styles, source="model", detail=label, dropped=tuple(notes), fused=fused)
+            return TPPlan(styles=styles, source="model", detail=label, dropped=tuple(notes), fused=fused,
+                          grad_sums=sums)
         # HF styles autopar does not run (Phi-3's colwise_gather_output): the data flow may still
         # show pairs it can run.
         inferred = infer().plan

@@ -46,6 +46,10 @@ class TPPlan:
     # block-relative integer attributes ("attn.split_size") each tp rank divides by tp: code that
     # splits a sharded projection with a fixed width (autopar.spec.tp_infer)
     local_attrs: tuple[str, ...] = ()
+    # replicated Linear name -> how many of its last output features reach every rank's sharded
+    # heads directly, not through a column-parallel layer, so that each rank's gradient of them is
+    # a partial sum the executor adds up over the tp ranks in backward (``grad_sums_of``)
+    grad_sums: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES + ("none",):
@@ -56,6 +60,9 @@ class TPPlan:
         for name, k in self.fused.items():
             if self.styles.get(name) != "colwise" or not isinstance(k, int) or k < 1:
                 raise ValueError(f"TPPlan.fused[{name!r}] = {k!r}: must be a colwise layer and a count >= 1")
+        for name, k in self.grad_sums.items():
+            if name in self.styles or not isinstance(k, int) or k < 1:
+                raise ValueError(f"TPPlan.grad_sums[{name!r}] = {k!r}: must be a replicated layer and a count >= 1")
 
     def describe(self) -> str:
         if not self.styles:
@@ -133,6 +140,34 @@ def resolve(patterns: Mapping[str, Any], block: nn.Module, blocks_path: str, roo
             notes.append(f"{p or '(block)'}: no column->row pair left; kept replicated")
         styles = {n: s for n, s in styles.items() if _parent(n) not in dropped_parents}
     return styles, notes
+
+
+# Hugging Face styles of a replicated layer some of whose last output features feed every rank's
+# sharded attention heads directly -> the config attribute giving how many (transformers'
+# MlaKvAProjParallel: multi-head latent attention's ``kv_a_proj_with_mqa`` ends with the rotary key
+# that all heads share, which bypasses the column-parallel ``kv_b_proj``; without the sum each rank
+# would train it on its own heads' gradient only).
+GRAD_SUM_STYLES = {"mla_kv_a_proj": "qk_rope_head_dim"}
+
+
+def grad_sums_of(patterns: Mapping[str, Any], block: nn.Module, blocks_path: str, root_prefixes: tuple[str, ...],
+                 config: Any) -> tuple[dict[str, int], list[str]]:
+    """(TPPlan.grad_sums, names whose width the config does not give) of a carried plan's
+    ``GRAD_SUM_STYLES`` entries that name a Linear layer of ``block``."""
+    names = [n for n, _ in block.named_modules() if n]
+    prefixes = tuple(f"{form}.0." for form in strip_prefixes(blocks_path, root_prefixes))
+    sums: dict[str, int] = {}
+    missing: list[str] = []
+    for name, style in _match(patterns, names, prefixes).items():
+        attr = GRAD_SUM_STYLES.get(str(style))
+        if attr is None or not is_tp_linear(block.get_submodule(name)):
+            continue
+        width = getattr(config, attr, None)
+        if isinstance(width, int) and not isinstance(width, bool) and width >= 1:
+            sums[name] = width
+        else:
+            missing.append(f"{name} ({style}: config.{attr})")
+    return sums, missing
 
 
 def packed_names(patterns: Mapping[str, Any], block: nn.Module, blocks_path: str,

@@ -9,8 +9,8 @@ ZeRO-0) and with tensor parallelism (tp2 x dp2 x ep2, 4 ranks: the plain MoE's e
 tp by its TP plan, HF Mixtral's whole on each tp rank). The other expert layouts found by behaviour
 at ep2: plain-torch 3-D stacks with per-expert biases and a shared expert, HF gpt-oss (biased router,
 per-expert biases, ZeRO-1) and HF DBRX (weights packed along their rows, ZeRO-3). Layer chains
-whose later units hold the experts: HF DeepSeek-V3 (a dense first layer; ep2 at ZeRO-1, and with
-the block-list pipeline pp2 x dp2 x ep2) and a plain-torch
+whose later units hold the experts: HF DeepSeek-V3 (a dense first layer; ep2 at ZeRO-1, with the
+block-list pipeline pp2 x dp2 x ep2 and with tensor parallelism tp2 x dp2 x ep2) and a plain-torch
 chain with an nn.ModuleList of experts (ep2, ZeRO-3).
 """
 
@@ -105,7 +105,11 @@ CASES_4 = [MoECase(name=f"{m}-ep2xdp2", model=m, parallel={"dp": 4, "ep": 2}) fo
     # a chain's MoE units cut by the block-list pipeline (stage 0: the dense layer and one MoE
     # layer; stage 1: two MoE layers)
     MoECase(name="hf-deepseek-v3-pp2xdp2xep2-zero0", model="hf-deepseek-v3", global_batch_size=8,
-            parallel={"dp": 2, "pp": 2, "ep": 2, "zero": 0, "pp_schedule": "1f1b"})] if _models(("hf-deepseek-v3",)) else []
+            parallel={"dp": 2, "pp": 2, "ep": 2, "zero": 0, "pp_schedule": "1f1b"}),
+    # beside tensor-parallel latent attention (the shared rotary key's gradient summed over the tp
+    # ranks: TPPlan.grad_sums) and tensor-parallel shared experts; the routed experts whole per tp rank
+    MoECase(name="hf-deepseek-v3-tp2xdp2xep2-zero1", model="hf-deepseek-v3",
+            parallel={"dp": 2, "tp": 2, "ep": 2, "zero": 1})] if _models(("hf-deepseek-v3",)) else []
 WORLD = {2: CASES_2, 4: CASES_4}
 ALL = [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4]
 

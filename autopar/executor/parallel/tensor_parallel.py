@@ -69,6 +69,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -379,6 +380,35 @@ def _copy_output(module: nn.Module, args: Any, out: Any) -> Any:
     return _map_first_output(out, torch.Tensor.clone)
 
 
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the tp ranks (Megatron's "copy to the
+    tensor-parallel region", here for features a replicated layer hands every rank's heads)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()  # summed in place: never the caller's buffer
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _grad_sum_hook(width: int, tp_mesh: DeviceMesh) -> Callable[..., Any]:
+    """A forward hook on a replicated layer whose last ``width`` output features reach every tp
+    rank's sharded heads directly (TPPlan.grad_sums: multi-head latent attention's shared rotary
+    key): their gradient, partial on each rank, is summed over the tp ranks; the other features
+    reach the heads through a column-parallel layer, whose input gradient DTensor sums already."""
+    group = tp_mesh.get_group()
+
+    def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        kept, shared = out.split([out.shape[-1] - width, width], dim=-1)
+        return torch.cat([kept, _SumGradOverTP.apply(shared, group)], dim=-1)
+    return hook
+
+
 def apply_tp(
     part: nn.Module,
     spec: ModelSpec,
@@ -413,6 +443,8 @@ def apply_tp(
                     # blocks (BERT) add a norm's output to a rowwise output.
                     layout[name] = SequenceParallel(use_local_output=True)
         parallelize_module(block, tp_mesh, layout)
+        for name, width in plan.grad_sums.items():
+            block.get_submodule(name).register_forward_hook(_grad_sum_hook(width, tp_mesh))
         for name in spec.unit_inplace_outputs(int(key)):
             # after the rowwise output hook: to_local()'s view may not be modified in place (spec/inplace.py)
             block.get_submodule(name).register_forward_hook(_copy_output)
