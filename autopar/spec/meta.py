@@ -41,11 +41,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autopar.spec.meta_fallback import run_for_shapes
-from autopar.spec.meta_memo import lookup, memo_key, remember
+from autopar.spec.meta_memo import flat_tensors, lookup, memo_key, remember
 from autopar.spec.meta_values import KnownValues, meta_format
 
 _SCATTER_VALUE = {torch.ops.aten.scatter.value, torch.ops.aten.scatter_.value}
@@ -180,6 +181,8 @@ class _TolerantMeta(TorchDispatchMode):
         self.alive: list[torch.Tensor] = []  # keeps routing tensors alive so their ids stay theirs
         self.alls: set[int] = set()  # ids of all() results (kept alive in ``alive``): they read True
         self.known = KnownValues()  # the experts a balanced routing hits, and picks of them (meta_values.py)
+        self.learned: set[int] = set()  # ids of float tensors computed from a parameter (kept in learned_alive)
+        self.learned_alive: list[torch.Tensor] = []
 
     def _is_routed(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and id(t) in self.routed
@@ -294,6 +297,7 @@ class _TolerantMeta(TorchDispatchMode):
             self.known.note_experts_hit(out, self.routing.num_experts)
         elif name in _PASS_ON and _is_meta(args):
             self.known.propagate(func, args, kwargs, out)
+        self._note_learned(args, kwargs, out)
         if name in ("all", "_is_all_true") and _is_meta(args) and isinstance(out, torch.Tensor):
             self.alls.add(id(out))
             self.alive.append(out)
@@ -309,6 +313,16 @@ class _TolerantMeta(TorchDispatchMode):
                 one_hot = func in _SCATTER_VALUE and len(args) > 2 and self._is_routed(args[2])
                 self._mark(out, name, inputs, floats=one_hot)
         return out
+
+    def _note_learned(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """Float results of an op reading a parameter, or a result of one, are ``learned`` (the
+        provenance a top-1 router's scores must have, ``_note_top1``; grad mode may be off)."""
+        if not any(isinstance(t, nn.Parameter) or id(t) in self.learned for t in flat_tensors((args, kwargs))):
+            return
+        for t in flat_tensors(out):
+            if t.is_floating_point() and id(t) not in self.learned:
+                self.learned.add(id(t))
+                self.learned_alive.append(t)
 
     def _count(self) -> None:
         self.ops += 1
@@ -332,9 +346,14 @@ class _TolerantMeta(TorchDispatchMode):
     def _note_top1(self, name: str, args: tuple, kwargs: dict, out: Any) -> bool:
         """A top-1 router (Switch-style): ``scores.argmax(-1)`` or ``scores.max(-1)`` over E <= 1024
         scores of a float tensor that is not itself routed, while no top-k routing is known (a
-        vocabulary argmax is wider; an expert-id max is a routed tensor's). True when noted."""
+        vocabulary argmax is wider; an expert-id max is a routed tensor's). The scores must come from
+        a parameter (``learned``, or a gradient where autograd records): a router's come from its
+        learned projection, while a max over values the model computes from its inputs alone
+        (LongT5's global block ids, from the attention mask) picks no expert. True when noted."""
         scores = args[0]
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if not scores.requires_grad and id(scores) not in self.learned:
+            return False  # no learned weight behind these scores (LongT5's max over block ids): no router
         if (self.routing is not None or dim is None or not scores.is_floating_point() or scores.dim() < 2
                 or int(dim) not in (-1, scores.dim() - 1) or not 2 <= scores.shape[-1] <= 1024):
             return False

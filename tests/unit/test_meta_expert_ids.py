@@ -82,3 +82,18 @@ def test_a_float_one_hot_scattered_at_the_routing_counts_tokens_per_expert() -> 
     with tolerant_meta():
         y = moe(x)  # before: split sizes [0, 0, 0, 0] (the float mask was not a routing tensor)
     assert y.shape == (TOKENS * 2, D)
+
+
+def test_a_max_over_values_without_a_learned_weight_behind_them_is_no_router() -> None:
+    # LongT5's transient-global attention takes torch.max over block ids built from the attention
+    # mask: taken for a top-1 router over the sequence, it made the ep reason name experts
+    ids = torch.ones(2, 64, device="meta").cumsum(1)
+    with tolerant_meta() as mode:
+        torch.max(ids, dim=-1)
+    assert mode.routing is None
+    with torch.device("meta"):
+        moe = SwitchMoE(keyed=False)
+        x = torch.empty(TOKENS, D)
+    with tolerant_meta() as mode:
+        moe(x)
+    assert mode.routing is not None and mode.routing.num_experts == E  # a router's scores carry a gradient
