@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
+from autopar.cost.chain import build_chain_terms, evaluate_chain
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.estimate import config_from_plan
 from autopar.cost.framework import grad_reduce_bytes
@@ -121,6 +122,9 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
     layout = Layout.of(cfg)
     links = {axis: axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp", "pp")}
     expert = terms.expert  # expert parallelism: experts over the ep group, their gradients over edp
+    chain = build_chain_terms(graph, cluster, cfg) if graph.chain else None  # priced unit by unit
+    if chain is not None:
+        expert = chain.expert
     if expert is not None:
         links.update((axis, axis_link(cluster, layout, axis)) for axis in EXPERT_AXES)
     s_ratio = (cfg.seq_len / cfg.cp) / graph.seq_len if graph.is_sequence_model else 1.0
@@ -131,8 +135,11 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
     last = len(chunks) - 1
     m = cfg.num_microbatches
     reduce_bytes = grad_reduce_bytes(cfg, cluster)
-    ranks = evaluate(terms, chunks, 0.0, 1.0, cluster.peak_flops,  # parameters per pipeline rank
-                     recompute_blocks=plan.parallel.recompute_blocks).ranks
+    if chain is not None:  # parameters per pipeline rank: each unit's own
+        ranks = evaluate_chain(chain, plan.stage_ranges(), 0.0, 1.0, cluster.peak_flops).ranks
+    else:
+        ranks = evaluate(terms, chunks, 0.0, 1.0, cluster.peak_flops,
+                         recompute_blocks=plan.parallel.recompute_blocks).ranks
     out = []
     for r in range(cfg.pp):
         local = [c for c in range(len(chunks)) if chunk_rank(c, cfg.pp) == r]
@@ -142,6 +149,11 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
         if plan.parallel.recompute_blocks is not None:
             rerun = plan.parallel.recompute_blocks[r][2]
         params = ranks[r].params
+        moe_blocks = blocks  # blocks holding experts: all of a block list, a chain's MoE units
+        if chain is not None:
+            moe_blocks = sum(sum(chain.expert_units[a:b]) for c, (a, b) in enumerate(plan.stage_ranges())
+                             if chunk_rank(c, cfg.pp) == r)
+        moe_rerun = moe_blocks if rerun else 0
         items: list[CommItem] = []
 
         def add(what: str, kind: str, axis: str, calls: float, nbytes: float) -> None:
@@ -154,12 +166,12 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
         _tp_items(add, graph, cfg, shape, blocks * m, x, terms, 0 in local, last in local, m, rerun * m)
         _cp_items(add, graph, cfg, blocks * m, x, rerun * m)
         if expert is not None:  # expert parallelism: dense parameters over dp x cp, experts over edp, tokens over ep
-            params -= blocks * (expert.block_params - expert.dense_params)
-            _dp_items(add, cfg, blocks * expert.expert_params, m, reduce_bytes, axis="edp", label="experts: ")
-            a2a_calls = (blocks + rerun) * m * 2
+            params -= moe_blocks * (expert.block_params - expert.dense_params)
+            _dp_items(add, cfg, moe_blocks * expert.expert_params, m, reduce_bytes, axis="edp", label="experts: ")
+            a2a_calls = (moe_blocks + moe_rerun) * m * 2
             add("EP dispatch + combine (forward" + (", and again in recompute)" if rerun else ")"),
                 "all_to_all", "ep", a2a_calls, expert.a2a_bytes)
-            add("EP dispatch + combine (backward)", "all_to_all", "ep", blocks * m * 2, expert.a2a_bytes)
+            add("EP dispatch + combine (backward)", "all_to_all", "ep", moe_blocks * m * 2, expert.a2a_bytes)
         _dp_items(add, cfg, params, m, reduce_bytes)
         if cfg.pp > 1:
             sends = m * (sum(c < last for c in local) + sum(c > 0 for c in local))

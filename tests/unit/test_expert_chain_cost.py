@@ -92,3 +92,19 @@ def test_the_search_offers_ep_on_the_chain() -> None:
     space = SearchSpace(num_gpus=8, gpus_per_node=8, global_batch=32, seq_len=16, micro_batches=(2,))
     rejected: Counter = Counter()
     assert {b.ep for b in enumerate_branches(_graph(), space, rejected)} >= {1, 2, 4}
+
+
+def test_explain_counts_the_all_to_alls_of_the_moe_units_only() -> None:
+    from autopar.explain.volume import communication_volume
+
+    # stages [0, 2) and [2, 4): one and two MoE units
+    plan = plan_from_dict({**copy.deepcopy(BASE), "parallel": {"dp": 4, "tp": 1, "pp": 2, "ep": 2,
+                                                                "stages": [[0, 2], [2, 4]]}})
+    first, second = communication_volume(plan, _graph(), load_cluster("a100-80g"))
+    m = plan.num_microbatches
+
+    def calls(stage, what):
+        return sum(i.calls_per_step for i in stage.items if i.what.startswith(what))
+
+    assert calls(first, "EP dispatch + combine (backward)") == 1 * m * 2
+    assert calls(second, "EP dispatch + combine (backward)") == 2 * m * 2
