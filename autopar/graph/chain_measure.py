@@ -116,6 +116,8 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
     regions = ParamRegions(model)
     handles = regions.handles
     in_bytes = [0.0] * len(unit_mods)
+    for p in model.parameters():  # every traced backward starts without gradients, as a step's first
+        p.grad = None  # does: a gradient left by the previous shape's run turns its copies into adds
 
     def run(set_region_raw: Callable[[str], None]) -> None:
         set_region = regions.setter(set_region_raw)
