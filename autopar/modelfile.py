@@ -64,10 +64,14 @@ class ModelFile:
         return getattr(self.module, "loss_fn", None)
 
     def build(self, device: str | torch.device = "meta") -> nn.Module:
-        """Call ``build_model()`` under ``device`` (meta by default: no memory is used)."""
+        """Call ``build_model()`` under ``device`` (meta by default: no memory is used). On meta,
+        every parameter the model registers is on meta, wherever its constructor made it."""
         from autopar.usercode import user_code  # time limit, exits and BaseExceptions, stdout to stderr
 
-        with user_code("build_model()", self.path, f" on {device}"), torch.device(device):
+        # a parameter made by a constructor that ignores the default device (XLNet's
+        # ``nn.Parameter(torch.FloatTensor(d, n, h))``) would be a CPU tensor inside a meta model
+        on_meta = _parameters_on_meta() if torch.device(device).type == "meta" else contextlib.nullcontext()
+        with user_code("build_model()", self.path, f" on {device}"), torch.device(device), on_meta:
             model = self.module.build_model()
         if not isinstance(model, nn.Module):
             raise ModelFileError(f"{self.path}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
@@ -133,10 +137,13 @@ def _parameters_on_meta() -> Iterator[None]:
     """Every parameter a module registers goes to meta as it is registered; buffers and plain
     tensors stay where they are made (the CPU)."""
     register = nn.Module.register_parameter
+    moved: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (original, meta): one registered twice stays tied
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
-            param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+            if id(param) not in moved:
+                moved[id(param)] = (param, type(param)(param.detach().to("meta"), requires_grad=param.requires_grad))
+            param = moved[id(param)][1]
         register(module, name, param)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]

@@ -109,3 +109,36 @@ def test_non_sequence_model_without_declarations(repo: Path) -> None:
     assert mf.seq_len is None and mf.tp_plan is None and mf.pipeline_blocks == "blocks" and callable(mf.loss_fn)
     x = mf.example_inputs(4)
     assert x.device.type == "meta" and tuple(x.shape) == (4, 256)
+
+
+_LEGACY_PARAMETERS = '''
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Parameter(torch.FloatTensor(8, 2, 4))  # a legacy constructor: on the CPU whatever the device
+        self.o = self.q  # the same parameter twice
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 8), Attention())
+
+
+def example_inputs(micro_batch_size):
+    return torch.zeros(micro_batch_size, 8)
+'''
+
+
+def test_a_parameter_a_legacy_constructor_makes_on_the_cpu_is_on_meta_in_a_meta_build(tmp_path: Path) -> None:
+    # HF XLNet builds its attention weights with torch.FloatTensor(...): a CPU tensor of garbage inside
+    # the meta model, and its forward on meta mixed devices ("Tensor on device meta is not on the
+    # expected device cpu")
+    path = tmp_path / "legacy_parameters.py"
+    path.write_text(_LEGACY_PARAMETERS, encoding="utf-8")
+    model = load_model_file(path).build("meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert model[1].q is model[1].o  # a parameter registered twice stays one parameter
+    assert load_model_file(path).build("cpu")[1].q.device.type == "cpu"  # other devices: as built
