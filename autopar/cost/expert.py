@@ -15,6 +15,13 @@ traced block at that shape (autopar.cost.compute's GEMM efficiency; fewer, large
 matters where the tokens per expert are few (small micro-batches). A grouped forward GEMM over
 all of a rank's rows (tokens x top_k, any split among experts) keeps its shape.
 
+Expert weights. The work of a block that grows with neither the micro-batch nor the sequence --
+autocast's casts of the weights, the weight gradients' casts and their accumulation, memory ops
+over whole parameters -- is proportional to the parameters a rank holds; under ep it holds E / ep
+of the experts, so the experts' share of that work (their share of the block's parameters) shrinks
+by (1 - 1 / ep) (``expert_weight_work_delta_s``). With 256 stacked experts (DeepSeek-V3) it is the
+larger part of a small micro-batch's backward.
+
 Imbalance. Routing is never balanced; with ep > 1 the step waits for the rank whose experts got the
 most tokens. ``imbalance`` f >= 1 (``autopar plan --moe-imbalance F``; default 1.0, balanced) is
 the busiest rank's load over the mean: its expert GEMMs take f times the balanced time (the extra
@@ -131,6 +138,25 @@ def expert_gemm_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "Shape",
     return delta["fwd"], delta["bwd"]
 
 
+def expert_weight_work_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "Shape", ep: int, expert_share: float,
+                               region: str = "block") -> tuple[float, float]:
+    """(forward, backward) seconds (<= 0) by which one rank's token-independent work of one block
+    shrinks under ep, per micro-batch at ``shape`` (module docstring): the memory ops whose bytes
+    grow with neither the micro-batch nor the sequence -- autocast's weight casts, the weight
+    gradients' casts and their accumulation -- are proportional to the parameters the rank holds,
+    and it holds E / ep of the experts. ``expert_share``: the experts' share of the block's
+    parameters on one rank at ep = 1."""
+    if ep == 1 or expert_share <= 0.0 or region not in graph.regions:
+        return 0.0, 0.0
+    delta = {"fwd": 0.0, "bwd": 0.0}
+    for op in graph.regions[region].ops:
+        if op.kind != "mem" or abs(op.bytes_exps.b) > 0.25 or abs(op.bytes_exps.s) > 0.25:
+            continue
+        now, _ = op_time_s(op, shape, cluster, graph.seq_len)
+        delta[op.phase] -= now * expert_share * (1.0 - 1.0 / ep)
+    return delta["fwd"], delta["bwd"]
+
+
 def experts_tp_sharded(graph: "ModelGraph") -> bool:
     """Whether the graph's TP plan shards the experts' weights (Megatron-Core's expert tensor
     parallelism: a plain-torch MoE's expert Linears, colwise/rowwise), rather than leaving them
@@ -153,6 +179,8 @@ class ExpertCost:
     imbalance_bwd_s: float
     gemm_fwd_s: float  # the expert GEMMs at their ep shape minus as traced (expert_gemm_delta_s)
     gemm_bwd_s: float
+    weights_fwd_s: float  # the token-independent work of the E - E / ep experts not held (<= 0;
+    weights_bwd_s: float  # expert_weight_work_delta_s)
     expert_params: float  # expert parameters of one block on this rank (E / ep experts, / tp when TP shards them)
     all_expert_params: float  # the same at ep = 1 (all E experts)
     dense_params: float  # the block's other parameters on this rank
@@ -194,11 +222,13 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     edp_link = axis_link(cluster, layout, "edp")
     edp_sync, _, _ = per_step_sync(cfg, edp_link, cluster)
     gemm_fwd, gemm_bwd = expert_gemm_delta_s(graph, cluster, shape, ep, region) if shape is not None else (0.0, 0.0)
+    weights_fwd, weights_bwd = (expert_weight_work_delta_s(graph, cluster, shape, ep, min(1.0, all_experts / block_params),
+                                                           region) if shape is not None and block_params else (0.0, 0.0))
     extra = max(0.0, experts * edp_sync - (equivalent - dense) * dense_sync_s_per_param) / cfg.num_microbatches
     return ExpertCost(
         ep=ep, imbalance=f, link=link.link_name, a2a_bytes=a2a_bytes, a2a_fwd_s=a2a_fwd, a2a_bwd_s=a2a_fwd,
         imbalance_fwd_s=(f - 1.0) * share * block_fwd_s, imbalance_bwd_s=(f - 1.0) * share * block_bwd_s,
-        gemm_fwd_s=gemm_fwd, gemm_bwd_s=gemm_bwd,
+        gemm_fwd_s=gemm_fwd, gemm_bwd_s=gemm_bwd, weights_fwd_s=weights_fwd, weights_bwd_s=weights_bwd,
         expert_params=experts, all_expert_params=all_experts, dense_params=dense, block_params=equivalent, grad_sync_extra_s=extra,
         state_split={"params": state.params, "grads": state.grads, "optimizer": state.optimizer},
     )
@@ -245,8 +275,10 @@ def adjust_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", block: 
     saving = 0.0
     if cfg.zero == 3:  # the gathered block holds this rank's E / ep experts, not all E
         saving = 2 * (expert.all_expert_params - expert.expert_params) * cfg.dtype_bytes
-    fwd_extra = expert.a2a_fwd_s + expert.imbalance_fwd_s + expert.gemm_fwd_s  # gemm: the ep shapes
-    bwd_extra = expert.a2a_bwd_s + expert.imbalance_bwd_s + expert.gemm_bwd_s + expert.grad_sync_extra_s
+    # gemm: the ep shapes; weights: the experts' token-independent work, E / ep of it
+    fwd_extra = expert.a2a_fwd_s + expert.imbalance_fwd_s + expert.gemm_fwd_s + expert.weights_fwd_s
+    bwd_extra = (expert.a2a_bwd_s + expert.imbalance_bwd_s + expert.gemm_bwd_s + expert.weights_bwd_s
+                 + expert.grad_sync_extra_s)
     recompute_extra = fwd_extra if cfg.recompute == "full" else 0.0  # a recomputed block re-runs its all-to-alls
     if cfg.zero in (2, 3):  # dense parameters gathered over dp x cp, experts over their edp ranks
         bwd_plain = block.bwd_s - block.zero_comm_s
@@ -275,6 +307,7 @@ def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, f
     extra = ((cost.imbalance_fwd_s * (1 + recompute) + cost.imbalance_bwd_s) * mb_blocks
              + (a2a_s - balanced_a2a_s))
     gemm = (cost.gemm_fwd_s * (1 + recompute) + cost.gemm_bwd_s) * mb_blocks
+    weights = (cost.weights_fwd_s * (1 + recompute) + cost.weights_bwd_s) * mb_blocks
     return {
         "ep": cost.ep, "imbalance": cost.imbalance, "a2a_link": cost.link,
         # over the wire: the (ep - 1) / ep of each message that leaves the GPU (explain's "sent")
@@ -283,4 +316,7 @@ def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, f
         "expert_params_per_rank": cost.expert_params * num_blocks / cfg.pp,
         # the expert GEMMs at their ep shape (E / ep experts, ep x the rows) minus as traced; < 0: faster
         "expert_gemm_s_per_step": gemm,
+        # the token-independent work (weight casts, weight-gradient casts and sums) of the experts a
+        # rank does not hold; <= 0
+        "expert_weights_s_per_step": weights,
     }

@@ -108,3 +108,27 @@ def test_explain_counts_the_all_to_alls_of_the_moe_units_only() -> None:
 
     assert calls(first, "EP dispatch + combine (backward)") == 1 * m * 2
     assert calls(second, "EP dispatch + combine (backward)") == 2 * m * 2
+
+
+def test_a_rank_does_the_weight_work_of_the_experts_it_holds_only() -> None:
+    """The token-independent memory ops of a unit (weight casts, weight-gradient casts and sums)
+    are proportional to the parameters a rank holds: under ep their experts' share shrinks by
+    1 - 1/ep, whatever the micro-batch; ep 1 and a unit without experts change nothing."""
+    from autopar.cost.compute import op_time_s
+    from autopar.cost.expert import expert_weight_work_delta_s
+    from autopar.graph.scaling import Shape
+
+    g, cl = _graph(), load_cluster("a100-80g")
+    region = g.chain[1].region
+    fixed = {"fwd": 0.0, "bwd": 0.0}
+    for b in (1, 4):
+        shape = Shape(b=b, s_ratio=1.0, kv_ratio=1.0, t=1.0)
+        for phase in fixed:
+            fixed[phase] = sum(op_time_s(op, shape, cl, g.seq_len)[0] for op in g.regions[region].ops
+                               if op.phase == phase and op.kind == "mem" and abs(op.bytes_exps.b) <= 0.25
+                               and abs(op.bytes_exps.s) <= 0.25)
+        assert fixed["bwd"] > 0  # the weight gradients' copies
+        got = expert_weight_work_delta_s(g, cl, shape, 4, 0.8, region)
+        assert got == pytest.approx((-fixed["fwd"] * 0.8 * 0.75, -fixed["bwd"] * 0.8 * 0.75))
+        assert expert_weight_work_delta_s(g, cl, shape, 1, 0.8, region) == (0.0, 0.0)
+    assert _terms(ep=2).expert.weights_bwd_s < 0
