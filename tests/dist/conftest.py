@@ -8,3 +8,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # so spawned workers can import harness
+
+
+def pytest_collection_finish(session) -> None:  # noqa: ANN001
+    """The session's shared spawns run only what the selected tests use (tests/dist/shared.py)."""
+    import shared
+
+    shared.select(session.items)

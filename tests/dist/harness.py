@@ -4,7 +4,9 @@ One spawn per world size runs many plan cases in sequence (process start costs s
 Rank 0 of each case saves ``{case}.pt`` = {"losses": [...], "params": {name: full tensor}} into a
 result directory; the test process compares them with ``run_reference`` of the same seed and data.
 A case that raises aborts the whole spawn (its peers would otherwise wait in a collective); the
-cases already finished keep their results and the rest report the error.
+cases already finished keep their results and the rest report the error. The test modules share
+one spawn per world size for the whole session through tests/dist/shared.py (``share``, ``result``),
+which runs on these pieces; ``spawn_cases`` is a module's own spawn.
 
 ``AUTOPAR_TEST_BACKEND=nccl`` runs the same cases on NCCL, one GPU per rank (a machine with at least
 the world size in GPUs): the ranks train on ``cuda:<rank>`` and their results come back on the host,
@@ -14,7 +16,8 @@ compared with the same single-process CPU reference. The default is gloo on CPU.
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
+import json
 import os
 import socket
 import tempfile
@@ -219,16 +222,18 @@ def _spawn_cases_in(world: int, cases: list[Case], out_dir: str) -> dict[str, An
 
 
 def spawn_named(worker: Callable[..., None], world: int, items: list[Any], out_dir: str,
-                prepare: Callable[[list[Any]], None] | None = None) -> dict[str, Any]:
+                prepare: Callable[[list[Any]], None] | None = None, keep_going: bool = False) -> dict[str, Any]:
     """``mp.spawn(worker, args=(world, port, todo, out_dir))`` over named ``items`` (each ``.name``),
     whose worker saves ``{name}.pt`` (rank 0) or ``{name}.err`` per item in ``out_dir``; returns
     {name: the loaded result, or the error text}. A second spawn runs only the items without a
     result, and only when the first died without a Python error (a native abort in gloo, seen
-    rarely here and once in CI). ``prepare(todo)`` runs before each spawn (e.g. to start a
-    half-written output over)."""
+    rarely here and once in CI). ``keep_going``: after a Python error too, spawned again with the
+    items after the failed one (each such spawn ends at least one item). ``prepare(todo)`` runs
+    before each spawn (e.g. to start a half-written output over)."""
     error = None
     todo = list(items)
-    for _attempt in range(2):
+    aborts = 0
+    while todo:
         if prepare is not None:
             prepare(todo)
         try:
@@ -236,9 +241,13 @@ def spawn_named(worker: Callable[..., None], world: int, items: list[Any], out_d
             break
         except Exception as exc:  # noqa: BLE001 - reported per item below
             error = f"spawn failed: {exc}"
-            if any((Path(out_dir) / f"{i.name}.err").exists() for i in todo):
+            failed = any((Path(out_dir) / f"{i.name}.err").exists() for i in todo)
+            if failed and not keep_going:
                 break
-            todo = [i for i in todo if not (Path(out_dir) / f"{i.name}.pt").exists()]
+            aborts += not failed
+            if aborts > 1:
+                break
+            todo = [i for i in todo if not any((Path(out_dir) / f"{i.name}{e}").exists() for e in (".pt", ".err"))]
     results: dict[str, Any] = {}
     for item in items:
         ok, err = Path(out_dir) / f"{item.name}.pt", Path(out_dir) / f"{item.name}.err"
@@ -251,15 +260,23 @@ def spawn_named(worker: Callable[..., None], world: int, items: list[Any], out_d
     return results
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(case_type: type, model: str, global_batch_size: int, micro_batch_size: int):
+def _reference_key(case: Case) -> str:
+    """What a single-process run depends on: the model file and the training section (batch,
+    micro-batch, dtype, optimizer); the parallel layout and the cluster do not enter it."""
+    d = case.plan_dict()
+    return json.dumps({"model": d["model"], "training": d["training"]}, sort_keys=True, default=str)
+
+
+_REFERENCES: dict[str, Any] = {}  # _reference_key -> reference_for's answer, for the session
+
+
+def _reference(case: Case):
     import torch
 
     from autopar.executor.runtime.train import run_reference
     from autopar.modelfile import load_model_file
 
-    case = case_type(name="ref", model=model, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
-    plan = case.plan()
+    plan = dataclasses.replace(case, name="ref", parallel={}).plan()
     mf = load_model_file(plan.model.file)
     torch.set_num_threads(2)
     grads: dict = {}
@@ -276,5 +293,9 @@ def _reference(case_type: type, model: str, global_batch_size: int, micro_batch_
 
 def reference_for(case: Case):
     """(losses, parameters after the steps, first-step gradients) of ``case``'s model trained as one
-    process (its Case subclass says where the model file is), computed once per model and batch."""
-    return _reference(type(case), case.model, case.global_batch_size, case.micro_batch_size)
+    process (its Case subclass says where the model file is and how it trains), computed once per
+    model file and training section for the session, whichever module's Case asks."""
+    key = _reference_key(case)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(case)
+    return _REFERENCES[key]
