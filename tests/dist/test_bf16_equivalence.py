@@ -13,20 +13,20 @@ missing or doubled 1/dp, 1/cp or 1/micro-batch factor.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from harness import Case, reference_for, spawn_cases
+from harness import Case, reference_for
+from shared import result, share
 
 pytestmark = pytest.mark.dist
 
 
 @dataclass(frozen=True, kw_only=True)
 class BF16Case(Case):
-    """A Case trained in bf16 (its reference too: reference_for keys on the Case type)."""
+    """A Case trained in bf16 (its reference too: reference_for keys on the plan's training section)."""
 
     def plan_dict(self) -> dict[str, Any]:
         d = super().plan_dict()
@@ -34,24 +34,19 @@ class BF16Case(Case):
         return d
 
 
-CASES = [
+CASES = share(2, [
     BF16Case(name="bf16-ddp", model="gpt", parallel={"dp": 2, "zero": 0}),
     BF16Case(name="bf16-zero1", model="gpt", parallel={"dp": 2, "zero": 1}),
     BF16Case(name="bf16-zero3", model="llama", parallel={"dp": 2, "zero": 3}),
     BF16Case(name="bf16-tp2-sp", model="llama", parallel={"tp": 2, "sequence_parallel": True}),
     BF16Case(name="bf16-cp2-ring", model="llama", parallel={"cp": 2, "cp_kind": "ring"}),
     BF16Case(name="bf16-pp2-1f1b", model="gpt", parallel={"pp": 2, "pp_schedule": "1f1b"}),
-]
-
-
-@functools.lru_cache(maxsize=None)
-def _results() -> dict[str, Any]:
-    return spawn_cases(2, CASES)
+])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_bf16_plan_trains_as_one_process(case: BF16Case) -> None:
-    got = _results()[case.name]
+    got = result(2, case)
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, _, ref_grads = reference_for(case)
     assert len(got["losses"]) == len(ref_losses)

@@ -1,19 +1,19 @@
 """Issue 11 (models that do not repeat one block): a ResNet-like conv net (stages of different
 widths: a layer chain), a ViT whose blocks sit in an nn.Sequential (with a bare class token and
 position table) and HF T5 (encoder and decoder blocks) train like one process under every
-dimension the planner offers them: dp2, zero3 and pp2 (one spawn, fp32, 3 steps). A decoder whose
+dimension the planner offers them: dp2, zero3 and pp2 (the session's 2-rank spawn, fp32, 3 steps). A decoder whose
 one ModuleList holds dense then MoE blocks, each reading a mask and a position table beside its
 input (tests/dist/models/mixed_blocks.py, DeepSeek-V3's layout), pipelines as a block list."""
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import harness
 import pytest
 import torch
-from harness import HERE, ZOO, Case, reference_for, spawn_cases
+from harness import HERE, ZOO, Case, reference_for
+from shared import result, share
 
 pytestmark = pytest.mark.dist
 
@@ -53,16 +53,12 @@ CASES = [
 if HAS_TRANSFORMERS:
     CASES += [ChainCase(name="t5-dp2", model="t5", parallel={"dp": 2}),
               ChainCase(name="t5-zero3", model="t5", parallel={"dp": 2, "zero": 3})]
-
-
-@functools.lru_cache(maxsize=None)
-def _results() -> dict:
-    return spawn_cases(2, CASES)
+share(2, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_chain_model_trains_like_one_rank(case: ChainCase) -> None:
-    got = _results()[case.name]
+    got = result(2, case)
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, ref_params, ref_grads = reference_for(case)
     assert len(got["losses"]) == len(ref_losses) == 3

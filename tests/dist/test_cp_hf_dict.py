@@ -7,7 +7,6 @@ rel 1e-4 over 3 steps, step-1 gradients, final parameters).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from harness import Case, reference_for, spawn_cases  # noqa: E402
+from harness import Case, reference_for  # noqa: E402
+from shared import result, share  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -47,11 +47,8 @@ CASES = {
     4: [SFTCase(name="sft-tp2xcp2", model="sft", parallel={"tp": 2, "cp": 2, "cp_kind": "ring"}),
         SFTCase(name="sft-dp2xcp2-zero3", model="sft", parallel={"dp": 2, "cp": 2, "cp_kind": "allgather", "zero": 3})],
 }
-
-
-@functools.lru_cache(maxsize=None)
-def _results(world: int) -> dict:
-    return spawn_cases(world, CASES[world])
+for _world, _cases in CASES.items():
+    share(_world, _cases)
 
 
 @pytest.mark.parametrize(("world", "case"), [(w, c) for w, cs in CASES.items() for c in cs],
@@ -63,7 +60,7 @@ def test_sft_labels_train_like_one_process_under_cp(world: int, case: SFTCase) -
     spec = model_spec(load_model_file(SFT))
     assert (spec.token_key, spec.labels_key) == ("input_ids", "labels")
     assert spec.support_reason("cp") is None
-    got = _results(world)[case.name]
+    got = result(world, case)
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, ref_params, ref_grads = reference_for(case)
     assert len(got["losses"]) == len(ref_losses) == 3

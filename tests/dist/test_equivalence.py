@@ -1,6 +1,6 @@
 """Issue 4 acceptance: every plan gives the single-process losses (fp32, rel 1e-4) and parameters.
 
-Three spawns in all (2, 4 and 8 ranks), each running its cases in sequence.
+Run in the session's spawns of 2, 4 and 8 ranks (tests/dist/shared.py), in sequence with the other modules' cases.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import functools
 
 import pytest
 import torch
-from harness import LR, STEPS, Case, reference_for, spawn_cases
+from harness import LR, STEPS, Case, reference_for
+from shared import result, share
 
 pytestmark = pytest.mark.dist
 
@@ -35,7 +36,7 @@ def _model_cases(model: str) -> list[Case]:
     ]
 
 
-CASES_2 = _model_cases("gpt") + _model_cases("llama") + [
+CASES_2 = share(2, _model_cases("gpt") + _model_cases("llama") + [
     Case(name="mlp-dp2", model="mlp", parallel={"dp": 2}),
     Case(name="mlp-zero3", model="mlp", parallel={"dp": 2, "zero": 3}),
     Case(name="mlp-pp2", model="mlp", parallel={"pp": 2, "pp_schedule": "1f1b"}),
@@ -46,8 +47,8 @@ CASES_2 = _model_cases("gpt") + _model_cases("llama") + [
     # per-op selective recompute across pipeline stages and around the ring's attention
     Case(name="llama-pp2-1f1b-op", model="llama", parallel={"pp": 2, "pp_schedule": "1f1b", "recompute": "op"}),
     Case(name="gpt-cp2-ring-op", model="gpt", parallel={"cp": 2, "cp_kind": "ring", "recompute": "op"}),
-]
-CASES_4 = [
+])
+CASES_4 = share(4, [
     Case(name=f"{m}-dp2xtp2", model=m, parallel={"dp": 2, "tp": 2, "sequence_parallel": True}) for m in ("gpt", "llama")
 ] + [
     Case(name="gpt-dp2xtp2-zero3", model="gpt", parallel={"dp": 2, "tp": 2, "zero": 3}),
@@ -69,21 +70,15 @@ CASES_4 = [
     Case(name="llama-pp2xcp2-ulysses", model="llama", parallel={"pp": 2, "cp": 2, "cp_kind": "ulysses"}),
     # the last stage's loss on vocab-sharded logits falls back to the gather as the flat step does
     Case(name="gpt-gather-loss-pp2xtp2", model="gpt-gather-loss", parallel={"pp": 2, "tp": 2, "pp_schedule": "1f1b"}),
-]
-CASES_8 = [
+])
+CASES_8 = share(8, [
     Case(name=f"{m}-pp2xdp2xtp2", model=m, parallel={"pp": 2, "dp": 2, "tp": 2, "pp_schedule": "1f1b"})
     for m in ("gpt", "llama")
-]
-WORLD = {2: CASES_2, 4: CASES_4, 8: CASES_8}
-
-
-@functools.lru_cache(maxsize=None)
-def _results(world: int) -> dict:
-    return spawn_cases(world, WORLD[world])
+])
 
 
 def _check(world: int, case: Case) -> None:
-    got = _results(world)[case.name]
+    got = result(world, case)
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, ref_params, ref_grads = reference_for(case)
     assert len(got["losses"]) == len(ref_losses)

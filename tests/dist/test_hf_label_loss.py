@@ -10,12 +10,11 @@ otherwise), the edges sharded by vocabulary.
 - MPT: attention through a per-head ALiBi bias built outside the blocks keeps attention replicated
   (no SP), its MLP tensor-parallel.
 
-One spawn of 2 gloo ranks runs the three cases (tests/dist/harness.py), tiny configs of the zoo's files.
+The session's spawn of 2 gloo ranks runs the three cases (tests/dist/shared.py), tiny configs of the zoo's files.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from harness import ZOO, Case, reference_for, spawn_cases  # noqa: E402
+from harness import ZOO, Case, reference_for  # noqa: E402
+from shared import result, share  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -48,16 +48,11 @@ class LabelCase(Case):
 
 
 SP = {"tp": 2, "sequence_parallel": True}
-CASES = [
+CASES = share(2, [
     LabelCase(name="hf-glm4-tp2-sp", model="hf-glm4", parallel=SP),
     LabelCase(name="hf-cohere-tp2-sp", model="hf-cohere", parallel=SP),
     LabelCase(name="hf-mpt-tp2", model="hf-mpt", parallel={"tp": 2}),
-]
-
-
-@functools.lru_cache(maxsize=None)
-def _results() -> dict:
-    return spawn_cases(2, CASES)
+])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -68,7 +63,7 @@ def test_label_trained_hf_model_under_tp_trains_like_one_rank(case: LabelCase) -
     spec = model_spec(load_model_file(FILES[case.model]))
     for dim in ("tp", "sp") if case.parallel.get("sequence_parallel") else ("tp",):
         assert spec.support_reason(dim) is None, f"{dim} is not offered: {spec.support_reason(dim)}"
-    got = _results()[case.name]
+    got = result(2, case)
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     assert got["vocab_sharded"], "the embedding and head were not sharded by vocabulary"
     assert not [n for n in got["notes"] if "all-gathered" in n], got["notes"]  # the loss ran vocab-parallel

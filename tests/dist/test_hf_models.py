@@ -5,12 +5,11 @@ tuple-returning blocks, post-LN blocks under SP (BERT), 0-d parameters under ZeR
 dimension the planner offers, training like one rank (fp32, losses rel 1e-4 over 3 steps, step-1
 gradients and final parameters).
 
-One spawn per world size (2 and 4 gloo ranks) runs its cases in sequence (tests/dist/harness.py).
+The session's spawns of 2 and 4 gloo ranks run its cases in sequence (tests/dist/shared.py).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from harness import ZOO, Case, reference_for, spawn_cases  # noqa: E402
+from harness import ZOO, Case, reference_for  # noqa: E402
+from shared import result, share  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -76,7 +76,7 @@ def _cases(model: str, *names: str) -> list[FileCase]:
     return [FileCase(name=f"{model}-{n}", model=model, parallel=plans[n]) for n in names]
 
 
-CASES = (
+CASES = share(2, (
     _cases("hf-llama", "dp2", "zero1", "zero3", "tp2-sp", "pp2-1f1b", "pp2-gpipe", "cp2-ring", "dp2-selective",
            "dp2-full", "cp2-selective")
     + _cases("hf-mistral", "dp2", "tp2-sp", "pp2-1f1b")
@@ -87,20 +87,14 @@ CASES = (
     + _cases("bare-pos-gpt", "pp2-1f1b", "tp2")
     + _cases("hf-bert", "tp2-sp", "tp2")
     + _cases("scalar-params", "zero1", "zero3")
-)
+))
 # Four ranks: pipeline stages combined with tensor (+ sequence) and context parallelism on HF Llama.
-CASES_4 = [
+CASES_4 = share(4, [
     FileCase(name="hf-llama-pp2xtp2-sp", model="hf-llama",
              parallel={"pp": 2, "tp": 2, "sequence_parallel": True, "pp_schedule": "1f1b"}),
     FileCase(name="hf-llama-pp2xcp2", model="hf-llama", parallel={"pp": 2, "cp": 2, "cp_kind": "allgather"}),
     FileCase(name="hf-qwen2-pp2xdp2-zero3", model="hf-qwen2", parallel={"pp": 2, "dp": 2, "zero": 3}),
-]
-WORLD = {2: CASES, 4: CASES_4}
-
-
-@functools.lru_cache(maxsize=None)
-def _results(world: int) -> dict:
-    return spawn_cases(world, WORLD[world])
+])
 
 
 def _check(world: int, case: FileCase) -> None:
@@ -111,7 +105,7 @@ def _check(world: int, case: FileCase) -> None:
     for dim, used in _DIMS.items():
         if used(case.parallel):
             assert spec.support_reason(dim) is None, f"{dim} is not offered: {spec.support_reason(dim)}"
-    got = _results(world)[case.name]
+    got = result(world, case)
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, ref_params, ref_grads = reference_for(case)
     assert len(got["losses"]) == len(ref_losses)

@@ -1,5 +1,5 @@
 """Mechanisms found on architectures the zoo had not seen, each on a small model of its own and run
-on 2 gloo ranks against one process (one spawn for all the cases):
+on 2 gloo ranks against one process (in the session's 2-rank spawn, tests/dist/shared.py):
 
 - a per-channel layer scale in a module of its own runs under Megatron sequence parallelism like a
   norm (spec/sp_check.is_norm; tests/dist/models/layer_scale.py, HF DINOv2's pattern): SP is offered
@@ -20,13 +20,13 @@ on 2 gloo ranks against one process (one spawn for all the cases):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from harness import HERE, Case, reference_for, spawn_cases
+from harness import HERE, Case, reference_for
+from shared import result, share
 
 pytestmark = pytest.mark.dist
 
@@ -55,18 +55,13 @@ class FileCase(Case):
         }
 
 
-CASES = [
+CASES = share(2, [
     FileCase(name="layer-scale-tp2-sp", model="layer-scale", parallel={"tp": 2, "sequence_parallel": True}),
     FileCase(name="unused-dp2", model="tuple-unused", parallel={"dp": 2}),
     FileCase(name="tuple-pp2", model="tuple-unused", parallel={"pp": 2}),
     FileCase(name="skipped-zero3", model="skipped", parallel={"dp": 2, "zero": 3}),
     FileCase(name="skipped-ddp", model="skipped", parallel={"dp": 2}),
-]
-
-
-@functools.lru_cache(maxsize=None)
-def _results() -> dict:
-    return spawn_cases(2, CASES)
+])
 
 
 def _spec(model: str):
@@ -93,7 +88,7 @@ def test_the_spec_notes_the_router() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_trains_like_one_rank(case: FileCase) -> None:
-    got = _results()[case.name]
+    got = result(2, case)
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, ref_params, _ = reference_for(case)
     assert got["losses"] == pytest.approx(ref_losses, rel=1e-4)

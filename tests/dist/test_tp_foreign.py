@@ -2,7 +2,7 @@
 a fixed ``split_size``) and a decoder with its own module names (fused key/value projection), each at
 tp = 2 with and without sequence parallelism, against one rank; and autopar's GPT with a tp_plan
 written as HF writes one (``layers.*.attn.qkv``); a decoder whose fused projections only the data
-flow can count (tests/dist/models/fused_chunks.py). One spawn.
+flow can count (tests/dist/models/fused_chunks.py). In the session's 2-rank spawn (tests/dist/shared.py).
 
 The plans come from the data flow (autopar.spec.tp_infer); the executor shards Conv1D with
 autopar.executor.parallel.tp_conv1d. fp32: losses within rel 1e-4, gradients and parameters as in
@@ -11,13 +11,13 @@ test_equivalence.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from harness import HERE, ZOO, Case, reference_for, spawn_cases
+from harness import HERE, ZOO, Case, reference_for
+from shared import result, share
 
 pytestmark = pytest.mark.dist
 
@@ -48,7 +48,7 @@ def _plan_dict(case: Case) -> dict[str, Any]:
     }
 
 
-CASES = [
+CASES = share(2, [
     ForeignCase(name="hf-gpt2-tp2", model="hf-gpt2", parallel={"tp": 2}),
     ForeignCase(name="hf-gpt2-tp2-sp", model="hf-gpt2", parallel={"tp": 2, "sequence_parallel": True}),
     # fused q/k/v and gate/up split by chunk, column and row layers in different modules
@@ -57,18 +57,13 @@ CASES = [
     ForeignCase(name="gpt-hf-patterns-tp2", model="gpt-hf-patterns", parallel={"tp": 2}),
     ForeignCase(name="odd-names-tp2", model="odd-names", parallel={"tp": 2}),
     ForeignCase(name="odd-names-tp2-sp", model="odd-names", parallel={"tp": 2, "sequence_parallel": True}),
-]
-
-
-@functools.lru_cache(maxsize=None)
-def _results() -> dict:
-    pytest.importorskip("transformers")
-    return spawn_cases(2, CASES)
+])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_foreign_model_tp2_matches_one_rank(case: ForeignCase) -> None:
-    got = _results()[case.name]
+    pytest.importorskip("transformers")
+    got = result(2, case)
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, ref_params, ref_grads = reference_for(case)
     for step, (a, b) in enumerate(zip(got["losses"], ref_losses, strict=True)):
