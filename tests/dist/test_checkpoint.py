@@ -1,4 +1,5 @@
-"""Issue 6 acceptance: checkpoint, resume and reshard (gloo on CPU, one 4-rank spawn for everything).
+"""Issue 6 acceptance: checkpoint, resume and reshard (gloo on CPU, in the session's 4-rank spawn:
+tests/dist/shared.py; a Job per action, in order, the checkpoints in the spawn's folder).
 
 * Resume: 3 steps + checkpoint, then a fresh executable of the same plan resumes and runs steps 4-6:
   the losses equal the uninterrupted 6-step run of that plan (same plan: rel 1e-6).
@@ -11,17 +12,15 @@
 from __future__ import annotations
 
 import functools
-import json
 import shutil
-import tempfile
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import LR, SEED, Case, gloo_rank, spawn_named
+from harness import LR, SEED, Case
+from shared import Job, result, share
 
 pytestmark = pytest.mark.dist
 STEPS = 6
@@ -77,7 +76,8 @@ ACTIONS = [
 ]
 
 
-def _run(action: Action, root: Path) -> dict:
+def _run(work_dir: Path, action: Action) -> dict | None:
+    """Rank 0: the action's losses, first step and notes (and its final parameters)."""
     from autopar.executor.checkpoint.checkpoint import Checkpointer, find_latest, load
     from autopar.executor.parallel.apply import build_executable, full_parameters
     from autopar.executor.parallel.mesh import build_mesh
@@ -85,6 +85,11 @@ def _run(action: Action, root: Path) -> dict:
     from autopar.executor.runtime.train import StepHooks, train
     from autopar.modelfile import load_model_file
 
+    root = work_dir / "checkpoint"
+    if action.save:  # a respawn (harness.spawn_named) starts a half-written checkpoint over
+        if dist.get_rank() == 0:
+            shutil.rmtree(root / action.save, ignore_errors=True)
+        dist.barrier()
     plan = action.case.plan()
     mf = load_model_file(plan.model.file)
     spec, _ = preflight(plan, mf, dist.get_world_size())
@@ -106,8 +111,8 @@ def _run(action: Action, root: Path) -> dict:
                 ck.save(exe, done, history)
 
         hooks = StepHooks(after_step=after)
-    result = train(exe, mf, steps=action.steps, seed=SEED, start_step=start, hooks=hooks)
-    out = {"losses": list(result.losses), "start": result.start_step, "notes": notes}
+    run = train(exe, mf, steps=action.steps, seed=SEED, start_step=start, hooks=hooks)
+    out = {"losses": list(run.losses), "start": run.start_step, "notes": notes}
     if action.params:
         params = full_parameters(exe)
         c = mesh.coords
@@ -115,40 +120,20 @@ def _run(action: Action, root: Path) -> dict:
         everything: list = [None] * dist.get_world_size()
         dist.all_gather_object(everything, mine)
         out["params"] = {k: v for d in everything if d for k, v in d.items()}
-    return out
+    return out if dist.get_rank() == 0 else None
 
 
-def _worker(rank: int, world: int, port: int, actions: list[Action], root: str) -> None:
-    with gloo_rank(rank, world, port):
-        for action in actions:
-            try:
-                out = _run(action, Path(root))
-                if rank == 0:
-                    torch.save(out, Path(root) / f"{action.name}.pt")
-            except BaseException:
-                (Path(root) / f"{action.name}.err").write_text(traceback.format_exc())
-                raise
-            dist.barrier()
-        if rank == 0:  # the directory protocol after all those saves
-            listing = {d: sorted(p.name for p in (Path(root) / d).iterdir()) for d in ("A", "B", "C")}
-            (Path(root) / "listing.json").write_text(json.dumps(listing))
+def _listing(work_dir: Path) -> dict[str, list[str]]:
+    """The directory protocol after all those saves."""
+    return {d: sorted(p.name for p in (work_dir / "checkpoint" / d).iterdir()) for d in ("A", "B", "C")}
 
 
-@functools.lru_cache(maxsize=None)
-def _results() -> tuple[dict, dict]:
-    root = tempfile.mkdtemp(prefix="autopar-ckpt-")
-
-    def fresh_checkpoints(todo: list[Action]) -> None:
-        # a respawn (harness.spawn_named) keeps the checkpoints the finished actions saved and
-        # starts a half-written one over
-        for a in todo:
-            if a.save:
-                shutil.rmtree(Path(root) / a.save, ignore_errors=True)
-
-    out = spawn_named(_worker, 4, ACTIONS, root, prepare=fresh_checkpoints)
-    listing = json.loads((Path(root) / "listing.json").read_text()) if (Path(root) / "listing.json").exists() else {}
-    shutil.rmtree(root, ignore_errors=True)
-    return out, listing
+# a Job per action, in order, each after the action that saved the checkpoint it loads
+_SAVER = {a.save: f"ckpt-{a.name}" for a in ACTIONS if a.save}
+JOBS = {a.name: Job(name=f"ckpt-{a.name}", fn=_run, args=(a,), needs=(_SAVER[a.load],) if a.load else ())
+        for a in ACTIONS}
+LISTING = Job(name="ckpt-listing", fn=_listing, needs=tuple(JOBS[a.name].name for a in ACTIONS))
+share(4, [*JOBS.values(), LISTING])
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,9 +148,9 @@ def _reference(model: str) -> tuple[list[float], dict]:
 
 
 def _got(name: str) -> dict:
-    got = _results()[0][name]
-    assert isinstance(got, dict), f"{name} failed:\n{got}"
-    return got
+    got = result(4, JOBS[name])
+    assert isinstance(got, list), f"{name} failed:\n{got}"
+    return got[0]  # rank 0's
 
 
 def test_resume_same_plan_equals_uninterrupted_run() -> None:
@@ -200,7 +185,9 @@ def test_reshard_other_direction_first_run_matches() -> None:
 
 def test_checkpoint_directory_protocol() -> None:
     """keep=2 newest complete checkpoints, a ``latest`` pointer, no ``.tmp`` left behind."""
-    listing = _results()[1]
+    listing = result(4, LISTING)
+    assert isinstance(listing, list), f"listing failed:\n{listing}"
+    listing = listing[0]
     assert listing["A"] == ["latest", "step-3"]
     assert listing["B"] == ["latest", "step-2", "step-3"]
     assert listing["C"] == ["latest", "step-3"]

@@ -2,36 +2,37 @@
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import torch
-from harness import gloo_rank, spawn_again_on_abort
+from shared import Job, result, share
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _profile(_work_dir) -> dict | None:
+    import torch.distributed as dist
+
     from autopar.profiler.comm import profile_comm
 
-    with gloo_rank(rank, world, port):
-        result = profile_comm(torch.device("cpu"), sizes=(2**12, 2**16, 2**20), repeats=3)
-        from autopar.profiler.fsdp import profile_fsdp
+    prof = profile_comm(torch.device("cpu"), sizes=(2**12, 2**16, 2**20), repeats=3)
+    from autopar.profiler.fsdp import profile_fsdp
 
-        fsdp = profile_fsdp(torch.device("cpu"), result["fits"], result["rendezvous_s"], steps=3)
-        if rank == 0:
-            torch.save({k: (f.latency_s, f.bandwidth_bytes_per_s, f.points) for k, f in result["fits"].items()}
-                       | {"_meta": (result["ranks"], result["link"], result["memory_baseline_bytes"], result["rendezvous_s"]),
-                          "_fsdp": fsdp}, out)
+    fsdp = profile_fsdp(torch.device("cpu"), prof["fits"], prof["rendezvous_s"], steps=3)
+    if dist.get_rank() != 0:
+        return None
+    return ({k: (f.latency_s, f.bandwidth_bytes_per_s, f.points) for k, f in prof["fits"].items()}
+            | {"_meta": (prof["ranks"], prof["link"], prof["memory_baseline_bytes"], prof["rendezvous_s"]),
+               "_fsdp": fsdp})
+
+
+PROFILE = share(2, [Job(name="comm-profile", fn=_profile)])[0]  # in the session's 2-rank spawn (shared.py)
 
 
 def test_two_rank_gloo_comm_profile_fits_every_collective() -> None:
     from autopar.profile_tables import COLLECTIVES
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "comm.pt")
-        spawn_again_on_abort(_worker, 2, out)
-        result = torch.load(out, weights_only=False)
-    ranks, link, baseline, rendezvous = result.pop("_meta")
-    fsdp = result.pop("_fsdp")
+    ranks = result(2, PROFILE)
+    assert isinstance(ranks, list), f"the profile failed:\n{ranks}"
+    got = ranks[0]
+    ranks, link, baseline, rendezvous = got.pop("_meta")
+    fsdp = got.pop("_fsdp")
     # FSDP2's per-tensor time on the reference model (4 units of 4 layers + a root layer)
     assert (fsdp["tensors"], fsdp["units"]) == (34, 5)
     assert all(fsdp[k] >= 0 for k in ("gather_s_per_tensor", "reduce_s_per_tensor", "optimizer_s_per_tensor"))
@@ -41,8 +42,8 @@ def test_two_rank_gloo_comm_profile_fits_every_collective() -> None:
     assert ranks == 2 and link == "intra_node"
     assert 0 <= rendezvous < 0.05  # a wait for a descheduled partner, at most a few time slices
     assert 50 * 2**20 < baseline < 4 * 2**30  # a python + torch process, not zero, not absurd
-    assert set(result) == set(COLLECTIVES)
-    for kind, (latency, bandwidth, points) in result.items():
+    assert set(got) == set(COLLECTIVES)
+    for kind, (latency, bandwidth, points) in got.items():
         assert [p[1] for p in points] == [2**12, 2**16, 2**20], kind
         assert all(p[0] == 2 and p[2] > 0 for p in points), kind
         assert latency >= 0 and 1e6 < bandwidth < 1e12, kind

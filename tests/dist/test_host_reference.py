@@ -9,13 +9,13 @@ gone once the build returns. A node without room for the file builds a copy per 
 
 from __future__ import annotations
 
+import gc
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-from harness import SEED, Case, gloo_rank, spawn_again_on_abort
+from harness import SEED, Case
+from shared import Job, result, share
 
 pytestmark = pytest.mark.dist
 
@@ -30,7 +30,26 @@ def _mapped_reference_files() -> list[str]:
         return sorted({line.split(None, 5)[-1].strip().removesuffix(" (deleted)") for line in f if FILE_PREFIX in line})
 
 
-def _build(out_dir: Path, no_room: bool) -> None:
+def _build(_work_dir, no_room: bool) -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    # the ranks' processes run other modules' cases too: the node layout is set for this build only,
+    # and earlier builds' mapped files (kept while a collectable cycle holds their model) let go
+    gc.collect()
+    launcher = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK")}
+    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2), GROUP_RANK=str(rank // 2))
+    try:
+        return _build_on_nodes(no_room)
+    finally:
+        for k, v in launcher.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _build_on_nodes(no_room: bool) -> dict:
     import torch.distributed as dist
 
     import autopar.executor.parallel.apply as apply_mod
@@ -39,8 +58,6 @@ def _build(out_dir: Path, no_room: bool) -> None:
     from autopar.executor.runtime.checks import preflight
     from autopar.modelfile import load_model_file
 
-    rank = dist.get_rank()
-    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2), GROUP_RANK=str(rank // 2))
     plan = CASE.plan()
     mf = load_model_file(plan.model.file)
     spec, _ = preflight(plan, mf, dist.get_world_size())
@@ -64,21 +81,21 @@ def _build(out_dir: Path, no_room: bool) -> None:
     seen["left"] = sorted(p.name for d in host_ref.file_dirs() if d.is_dir()
                           for p in d.glob(f"{host_ref.FILE_PREFIX}*"))
     seen["params"] = apply_mod.full_parameters(exe)
-    torch.save(seen, out_dir / f"{'no-room' if no_room else 'shared'}-{rank}.pt")
-    dist.barrier()
+    return seen
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    with gloo_rank(rank, world, port):
-        for no_room in (False, True):
-            _build(Path(out_dir), no_room)
+# in the session's 4-rank spawn (tests/dist/shared.py): each job's result is the 4 ranks' records
+JOBS = share(4, [Job(name=f"hostref-{kind}", fn=_build, args=(kind == "no-room",)) for kind in ("shared", "no-room")])
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    with tempfile.TemporaryDirectory(prefix="autopar-hostref-") as out:
-        spawn_again_on_abort(_worker, 4, out)
-        return {p.stem: torch.load(p, weights_only=False) for p in Path(out).glob("*.pt")}
+    out = {}
+    for job, kind in zip(JOBS, ("shared", "no-room")):
+        ranks = result(4, job)
+        assert isinstance(ranks, list), f"{job.name} failed:\n{ranks}"
+        out.update({f"{kind}-{r}": got for r, got in enumerate(ranks)})
+    return out
 
 
 def test_every_rank_maps_its_nodes_file(results) -> None:

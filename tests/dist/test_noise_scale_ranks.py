@@ -1,6 +1,6 @@
 """The gradient noise scale and AdaScale on gloo ranks (executor/runtime/grad_norms.py, noise_scale.py, adascale.py).
 
-Two spawns (2 and 4 ranks) run every case in sequence on the least-squares model
+The session's spawns of 2 and 4 ranks (tests/dist/shared.py) run every case in sequence on the least-squares model
 (tests/dist/models/least_squares.py) with SGD:
 
 * exact: each step's two squared norms -- the mean local one at B_small and the reduced one at
@@ -13,18 +13,16 @@ Two spawns (2 and 4 ranks) run every case in sequence on the least-squares model
 
 from __future__ import annotations
 
-import functools
 import math
-import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import HERE, Case, gloo_rank, spawn_named
+from harness import HERE, Case
 from harness import test_device as device_of
+from shared import Job, result, share
 
 pytestmark = pytest.mark.dist
 
@@ -68,10 +66,10 @@ CASES_4 = (_cases("dp4", {"dp": 4}, 4)
               LsqCase(name="dp2xpp2-exact", parallel={"dp": 2, "pp": 2, "pp_schedule": "1f1b"}, micro_batch_size=4),
               LsqCase(name="adascale-dp4", parallel={"dp": 4}, micro_batch_size=4, global_batch_size=16,
                       steps=int(TARGET), adascale=True)])
-WORLD = {2: CASES_2, 4: CASES_4}
 
 
-def _run(case: LsqCase, out_dir: Path) -> None:
+def _run(_work_dir, case: LsqCase) -> dict | None:
+    """Rank 0: the losses, the noise scale's history, AdaScale's record (and its final weights)."""
     from autopar.executor.parallel.apply import build_executable, full_parameters
     from autopar.executor.parallel.mesh import build_mesh
     from autopar.executor.runtime.checks import preflight
@@ -82,38 +80,26 @@ def _run(case: LsqCase, out_dir: Path) -> None:
     mf = load_model_file(plan.model.file)
     spec, _ = preflight(plan, mf, dist.get_world_size())
     exe = build_executable(plan, mf, spec, build_mesh(plan, device_of()), seed=SEED, lr=case.lr, loss_fn=mf.loss_fn)
-    result = train(exe, mf, steps=case.steps, seed=SEED, measure_noise=True,
-                   adascale=AdaScaleOptions(target_steps=TARGET) if case.adascale else None)
+    run = train(exe, mf, steps=case.steps, seed=SEED, measure_noise=True,
+                adascale=AdaScaleOptions(target_steps=TARGET) if case.adascale else None)
     params = full_parameters(exe) if case.adascale else None
-    if dist.get_rank() == 0:
-        noise = result.noise_scale
-        torch.save({"losses": list(result.losses), "noise": noise.to_json() if noise else None, "params": params,
-                    "adascale": result.adascale.to_json() if result.adascale else None}, out_dir / f"{case.name}.pt")
-    dist.barrier()
+    if dist.get_rank() != 0:
+        return None
+    noise = run.noise_scale
+    return {"losses": list(run.losses), "noise": noise.to_json() if noise else None, "params": params,
+            "adascale": run.adascale.to_json() if run.adascale else None}
 
 
-def _worker(rank: int, world: int, port: int, cases: list[LsqCase], out_dir: str) -> None:
-    with gloo_rank(rank, world, port):
-        for case in cases:
-            try:
-                _run(case, Path(out_dir))
-            except BaseException:
-                (Path(out_dir) / f"{case.name}.err").write_text(traceback.format_exc())
-                raise
-
-
-@functools.lru_cache(maxsize=None)
-def _results(world: int) -> dict[str, Any]:
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix=f"autopar-noise{world}-") as out:
-        return spawn_named(_worker, world, WORLD[world], out)
+# a Job per case, named as the case (the tests' parameter selects it)
+JOBS = {c.name: Job(name=c.name, fn=_run, args=(c,)) for c in CASES_2 + CASES_4}
+share(2, [JOBS[c.name] for c in CASES_2])
+share(4, [JOBS[c.name] for c in CASES_4])
 
 
 def _got(world: int, name: str) -> dict[str, Any]:
-    got = _results(world)[name]
-    assert isinstance(got, dict), f"{name} failed:\n{got}"
-    return got
+    got = result(world, JOBS[name])
+    assert isinstance(got, list), f"{name} failed:\n{got}"
+    return got[0]  # rank 0's
 
 
 def _reference_norms(b_small: int, steps: int, lr: float, global_batch: int = 16, model_out: list | None = None,

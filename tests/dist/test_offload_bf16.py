@@ -14,14 +14,11 @@ mixed-precision policy, not autocast: it computes what ZeRO-1 computes there.
 
 from __future__ import annotations
 
-import functools
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-from harness import Case, gloo_rank, spawn_again_on_abort
+from harness import Case
+from shared import Job, result, share
 
 pytestmark = pytest.mark.dist
 
@@ -42,7 +39,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _one(case: Case) -> dict:
+def _one(_work_dir, case: Case) -> dict:
     from autopar.executor.parallel.apply import build_executable
     from autopar.executor.parallel.mesh import build_mesh
     from autopar.executor.parallel.offload import HostOptimizer
@@ -81,24 +78,21 @@ PP_ZERO1 = Case(name="bf16-pp2-dp2-zero1", model="gpt", parallel={"pp": 2, "dp":
 PP_ZERO0 = Case(name="bf16-pp2-dp2-zero0", model="gpt", parallel={"pp": 2, "dp": 2, "zero": 0, "pp_schedule": "1f1b"})
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    with gloo_rank(rank, world, port):
-        for case in ((PLAIN, OFFLOAD) if world == 2 else (PP_ZERO1, PP_ZERO0)):
-            got = _one(case)
-            if rank == 0:
-                torch.save(got, Path(out_dir) / f"{case.name}.pt")
-            dist.barrier()
+# in the session's spawns of 2 and 4 ranks (tests/dist/shared.py)
+WORLD = {PLAIN.name: 2, OFFLOAD.name: 2, PP_ZERO1.name: 4, PP_ZERO0.name: 4}
+JOBS = {c.name: Job(name=c.name, fn=_one, args=(c,)) for c in (PLAIN, OFFLOAD, PP_ZERO1, PP_ZERO0)}
+for _name, _world in WORLD.items():
+    share(_world, [JOBS[_name]])
 
 
-@functools.lru_cache(maxsize=None)
-def _results(world: int = 2) -> dict:
-    with tempfile.TemporaryDirectory(prefix="autopar-offload-bf16-") as out_dir:
-        spawn_again_on_abort(_worker, world, out_dir)
-        return {p.stem: torch.load(p, weights_only=False) for p in Path(out_dir).glob("*.pt")}
+def _got(case: Case) -> dict:
+    got = result(WORLD[case.name], JOBS[case.name])
+    assert isinstance(got, list), f"{case.name} failed:\n{got}"
+    return got[0]  # rank 0's
 
 
 def test_optimizer_offload_keeps_bf16_params_and_grads_on_the_device() -> None:
-    plain, off = _results()[PLAIN.name], _results()[OFFLOAD.name]
+    plain, off = _got(PLAIN), _got(OFFLOAD)
     assert plain["param_dtypes"] == ["torch.float32"], plain  # FSDP2's shard is the fp32 master
     assert off["param_dtypes"] == ["torch.bfloat16"], off
     assert off["grad_dtypes"] == ["torch.bfloat16"], off
@@ -107,14 +101,14 @@ def test_optimizer_offload_keeps_bf16_params_and_grads_on_the_device() -> None:
 
 
 def test_optimizer_offload_in_bf16_trains_like_the_plan_without_it() -> None:
-    plain, off = _results()[PLAIN.name], _results()[OFFLOAD.name]
+    plain, off = _got(PLAIN), _got(OFFLOAD)
     assert off["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-6)
     for step, (a, b) in enumerate(zip(off["losses"], plain["losses"])):
         assert abs(a - b) <= 5e-3 * abs(b), f"step {step}: loss {a} with offload vs {b} without"
 
 
 def test_replicate_trains_in_bf16_under_fsdp2s_policy() -> None:
-    zero1, zero0 = _results(4)[PP_ZERO1.name], _results(4)[PP_ZERO0.name]
+    zero1, zero0 = _got(PP_ZERO1), _got(PP_ZERO0)
     assert zero0["param_dtypes"] == ["torch.float32"], zero0  # the fp32 parameters are the optimizer's
     assert zero0["grad_dtypes"] == ["torch.float32"], zero0
     # autocast over fp32 weights kept the residual stream in fp32 (twice the activations priced)

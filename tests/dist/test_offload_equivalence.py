@@ -1,21 +1,19 @@
 """Issue 14: plans with CPU offload and activation offload give the single-process run (2 gloo ranks).
 
-One spawn runs every case: optimizer offload (executor/parallel/offload.py's HostOptimizer) at ZeRO-1, under
-a pipeline and with DDP plus activation offload; FSDP2's CPUOffloadPolicy (params + grads +
-optimizer at ZeRO-3); activation offload under tensor parallelism (DTensor activations). Each
-rank also reports what the executor built, so a case that silently ran without offload fails.
+The session's 2-rank spawn (tests/dist/shared.py) runs every case: optimizer offload
+(executor/parallel/offload.py's HostOptimizer) at ZeRO-1, under a pipeline and with DDP plus
+activation offload; FSDP2's CPUOffloadPolicy (params + grads + optimizer at ZeRO-3); activation
+offload under tensor parallelism (DTensor activations). Each rank also reports what the executor
+built, so a case that silently ran without offload fails.
 """
 
 from __future__ import annotations
 
-import functools
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-from harness import Case, _run_case, gloo_rank, reference_for, spawn_again_on_abort
+from harness import Case, reference_for
+from shared import Job, result, share
 
 pytestmark = pytest.mark.dist
 
@@ -65,29 +63,20 @@ def _built(case: Case) -> dict:
             "activation_bytes": OffloadSavedTensors.host_bytes - before}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    with gloo_rank(rank, world, port):
-        for case in CASES:
-            _run_case(case, Path(out_dir))
-            built = _built(case)
-            if rank == 0:
-                torch.save(built, Path(out_dir) / f"{case.name}.built")
-            dist.barrier()
+def _built_on_rank(_work_dir, case: Case) -> dict:
+    return _built(case)
 
 
-@functools.lru_cache(maxsize=None)
-def _results() -> dict:
-    with tempfile.TemporaryDirectory(prefix="autopar-offload-") as out_dir:
-        spawn_again_on_abort(_worker, 2, out_dir)
-        out = {p.stem: torch.load(p, weights_only=False) for p in Path(out_dir).glob("*.pt")}
-        for p in Path(out_dir).glob("*.built"):
-            out[p.stem]["built"] = torch.load(p, weights_only=False)
-        return out
+# each case trains (harness._run_case), then is built once more to report what the executor made
+share(2, CASES)
+BUILT = {c.name: Job(name=f"{c.name}-built", fn=_built_on_rank, args=(c,), goes_with=c.name) for c in CASES}
+share(2, list(BUILT.values()))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_offload_gives_the_single_process_run(case: Case) -> None:
-    got = _results()[case.name]
+    got = result(2, case)
+    assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, ref_params, _ = reference_for(case)
     assert len(got["losses"]) == len(ref_losses) == 3
     for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
@@ -95,7 +84,9 @@ def test_offload_gives_the_single_process_run(case: Case) -> None:
     for name, ref in ref_params.items():
         torch.testing.assert_close(got["params"][name], ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
     off = case.parallel["offload"]
-    built = got["built"]
+    built = result(2, BUILT[case.name])
+    assert isinstance(built, list), f"{case.name}'s build failed:\n{built}"
+    built = built[0]
     # Optimizer-only offload runs HostOptimizer; FSDP2's policy covers the params case (its optimizer
     # is a plain one over host parameters); activations went through the hooks.
     assert built["host_optimizer"] == (off.get("optimizer", False) and not off.get("params", False)), built

@@ -2,21 +2,19 @@
 (pp 2) gives the one-rank losses, gradients and parameters, and each block runs the mode the plan's
 rule gives it (``Plan.block_recompute``: a rank's first blocks full, then selective, then none).
 
-One spawn: each case trains 3 steps (``harness._run_case``), then is built once more so every rank
-can report which of its modules run under checkpoint.
+In the session's 2-rank spawn (tests/dist/shared.py): each case trains 3 steps (``harness._run_case``),
+then is built once more so every rank can report which of its modules run under checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import SEED, Case, _run_case, gloo_rank, reference_for, spawn_again_on_abort
+from harness import SEED, Case, reference_for
+from shared import Job, result, share
 
 pytestmark = pytest.mark.dist
 
@@ -33,7 +31,7 @@ CASES = [
 ]
 
 
-def _checkpointed(case: Case, out_dir: Path) -> None:
+def _checkpointed(_work_dir, case: Case) -> dict:
     """Which module names of this rank's chunks run under checkpoint (an instance ``forward``)."""
     from autopar.executor.parallel.apply import build_executable
     from autopar.executor.parallel.mesh import build_mesh
@@ -46,32 +44,17 @@ def _checkpointed(case: Case, out_dir: Path) -> None:
     exe = build_executable(plan, mf, spec, build_mesh(plan, torch.device("cpu")), seed=SEED, lr=1e-3,
                            loss_fn=mf.loss_fn)
     names = sorted(name for part in exe.parts for name, mod in part.named_modules() if "forward" in vars(mod))
-    record = {"blocks_path": spec.blocks_path, "core": spec.core_name, "names": names}
-    (out_dir / f"{case.name}.rank{dist.get_rank()}.json").write_text(json.dumps(record))
-    dist.barrier()
+    return {"blocks_path": spec.blocks_path, "core": spec.core_name, "names": names}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    with gloo_rank(rank, world, port):
-        for case in CASES:
-            _run_case(case, Path(out_dir))
-            _checkpointed(case, Path(out_dir))
-
-
-@pytest.fixture(scope="module")
-def results():
-    with tempfile.TemporaryDirectory(prefix="autopar-mix-") as out_dir:
-        spawn_again_on_abort(_worker, 2, out_dir)
-        out = {}
-        for case in CASES:
-            ranks = [json.loads((Path(out_dir) / f"{case.name}.rank{r}.json").read_text()) for r in range(2)]
-            out[case.name] = (torch.load(Path(out_dir) / f"{case.name}.pt", weights_only=False), ranks)
-        return out
+share(2, CASES)
+MODES = share(2, [Job(name=f"{c.name}-modes", fn=_checkpointed, args=(c,), goes_with=c.name) for c in CASES])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_recompute_mix_gives_the_one_rank_losses(results, case: Case) -> None:
-    got, _ = results[case.name]
+def test_recompute_mix_gives_the_one_rank_losses(case: Case) -> None:
+    got = result(2, case)
+    assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, ref_params, ref_grads = reference_for(case)
     assert len(got["losses"]) == len(ref_losses) == 3
     for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
@@ -83,8 +66,9 @@ def test_recompute_mix_gives_the_one_rank_losses(results, case: Case) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_each_block_runs_the_mode_the_plan_gives_it(results, case: Case) -> None:
-    _, ranks = results[case.name]
+def test_each_block_runs_the_mode_the_plan_gives_it(case: Case) -> None:
+    ranks = result(2, MODES[CASES.index(case)])
+    assert isinstance(ranks, list), f"{case.name} failed:\n{ranks}"
     modes = case.plan().block_recompute()
     assert len(set(modes)) >= 2  # a real mix
     seen: dict[int, str] = {}

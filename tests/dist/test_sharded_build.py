@@ -9,12 +9,12 @@ not yet sharded; the equivalence of the trained weights is tests/dist/test_equiv
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
+import sys
 
 import pytest
 import torch
-from harness import SEED, Case, gloo_rank, spawn_again_on_abort
+from harness import SEED, Case
+from shared import Job, result, share
 from torch.distributed.tensor import DTensor
 
 pytestmark = pytest.mark.dist
@@ -30,7 +30,8 @@ def _whole_bytes(module: torch.nn.Module) -> int:
                if p.device.type != "meta" and not isinstance(p, DTensor))
 
 
-def _build(case: Case, out_dir: Path) -> None:
+def _build(_work_dir, case: Case) -> dict | None:
+    """Rank 0: the fully_shard calls seen and the built model's full parameters."""
     import torch.distributed as dist
     import torch.distributed.fsdp as fsdp
 
@@ -66,28 +67,32 @@ def _build(case: Case, out_dir: Path) -> None:
         exe = apply_mod.build_executable(plan, mf, spec, mesh, seed=SEED, lr=1e-3, loss_fn=mf.loss_fn)
     finally:
         apply_mod.apply_data_parallel, fsdp.fully_shard = real_wrap, real_shard
+        # a module first imported during the build took the stand-ins by name (torch's pipelining
+        # stage: ``from torch.distributed.fsdp import fully_shard``); later cases of the ranks'
+        # shared spawn (tests/dist/shared.py) must find torch's own
+        for module in list(sys.modules.values()):
+            names = vars(module) if hasattr(module, "__dict__") else {}
+            for name, stand_in, real in (("fully_shard", shard, real_shard), ("apply_data_parallel", wrap, real_wrap)):
+                if names.get(name) is stand_in:
+                    setattr(module, name, real)
     full = apply_mod.full_parameters(exe)
-    if dist.get_rank() == 0:
-        torch.save({"seen": seen, "params": full}, out_dir / f"{case.name}.pt")
-    dist.barrier()
+    return {"seen": seen, "params": full} if dist.get_rank() == 0 else None
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    with gloo_rank(rank, world, port):
-        for case in CASES:
-            _build(case, Path(out_dir))
+# in the session's 2-rank spawn (tests/dist/shared.py); the names are the cases' with "build-" before
+JOBS = {c.name: Job(name=f"build-{c.name}", fn=_build, args=(c,)) for c in CASES}
+share(2, list(JOBS.values()))
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, dict]:
-    with tempfile.TemporaryDirectory(prefix="autopar-build-") as out:
-        spawn_again_on_abort(_worker, 2, out)
-        return {c.name: torch.load(Path(out) / f"{c.name}.pt", weights_only=False) for c in CASES}
+def _results(case: str) -> dict:
+    got = result(2, JOBS[case])
+    assert isinstance(got, list), f"{case} failed:\n{got}"
+    return got[0]
 
 
 @pytest.mark.parametrize("case", [c.name for c in CASES])
-def test_at_most_the_root_and_one_block_are_whole(results, case: str) -> None:
-    seen = results[case]["seen"]
+def test_at_most_the_root_and_one_block_are_whole(case: str) -> None:
+    seen = _results(case)["seen"]
     assert seen, "no fully_shard call recorded"
     for name, whole, root, block in seen:
         assert whole <= root + block, f"{name}: {whole} bytes whole on the device, more than root {root} + block {block}"
@@ -96,13 +101,13 @@ def test_at_most_the_root_and_one_block_are_whole(results, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", [c.name for c in CASES])
-def test_weights_are_the_seed_models(results, case: str) -> None:
+def test_weights_are_the_seed_models(case: str) -> None:
     from autopar.executor.parallel.host_reference import build_reference
     from autopar.modelfile import load_model_file
 
     plan = CASES[[c.name for c in CASES].index(case)].plan()
     ref = dict(build_reference(load_model_file(plan.model.file), SEED).named_parameters())
-    got = results[case]["params"]
+    got = _results(case)["params"]
     if plan.parallel.pp > 1:
         pytest.skip("rank 0 holds stage 0 only")
     for name, t in ref.items():

@@ -1,6 +1,6 @@
 """Issue 12: ZeRO-1 at any tp is FSDP2 with one reduce-scatter and one all-gather per step.
 
-One 4-rank gloo spawn runs (a) equivalence cases -- ZeRO-1 at tp2 x dp2 (with and without SP), at tp 1
+The session's 4-rank gloo spawn (tests/dist/shared.py) runs (a) equivalence cases -- ZeRO-1 at tp2 x dp2 (with and without SP), at tp 1
 and under a pipeline give the single-process losses, gradients and parameters, as tests/dist/test_equivalence.py
 checks them -- and (b) a count of FSDP2's collectives in one step at 2 and at 4 micro-batches, for
 ZeRO-1 and ZeRO-2: ZeRO-1's count does not change with the micro-batches, ZeRO-2's grows with them.
@@ -8,29 +8,26 @@ ZeRO-1 and ZeRO-2: ZeRO-1's count does not change with the micro-batches, ZeRO-2
 
 from __future__ import annotations
 
-import functools
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-from harness import SEED, Case, _run_case, gloo_rank, reference_for, spawn_again_on_abort
+from harness import SEED, Case, reference_for
+from shared import Job, result, share
 
 pytestmark = pytest.mark.dist
 
-EQUIVALENCE = [
+EQUIVALENCE = share(4, [
     Case(name="gpt-tp2xdp2-zero1", model="gpt", parallel={"tp": 2, "dp": 2, "zero": 1}),
     Case(name="llama-tp2xdp2-zero1-sp", model="llama", parallel={"tp": 2, "dp": 2, "zero": 1, "sequence_parallel": True}),
     Case(name="gpt-dp4-zero1", model="gpt", parallel={"dp": 4, "zero": 1}, global_batch_size=8),
     # at pp > 1 torch's pipelining stage switches the gradient sync itself (cost.zero.executed_zero)
     Case(name="gpt-pp2xdp2-zero1", model="gpt", parallel={"pp": 2, "dp": 2, "zero": 1, "pp_schedule": "1f1b"}),
-]
+])
 # (case, micro-batches per dp rank): global batch = dp * M, micro-batch 1
 COUNTS = [(zero, m) for zero in (1, 2) for m in (2, 4)]
 
 
-def _count_case(zero: int, m: int, out_dir: Path) -> None:
+def _count_case(_work_dir, zero: int, m: int) -> dict[str, int]:
     """FSDP2 collectives of the second step (the first also runs FSDP2's lazy init)."""
     from autopar.executor.parallel.apply import build_executable
     from autopar.executor.parallel.mesh import build_mesh
@@ -64,29 +61,16 @@ def _count_case(zero: int, m: int, out_dir: Path) -> None:
     finally:
         dist.all_gather_single = originals["all_gather"]
         dist.reduce_scatter_single = originals["reduce_scatter"]
-    if dist.get_rank() == 0:
-        torch.save(counts, out_dir / f"count-z{zero}-m{m}.pt")
-    dist.barrier()
+    return counts
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    with gloo_rank(rank, world, port):
-        for case in EQUIVALENCE:
-            _run_case(case, Path(out_dir))
-        for zero, m in COUNTS:
-            _count_case(zero, m, Path(out_dir))
-
-
-@functools.lru_cache(maxsize=None)
-def _results() -> dict:
-    with tempfile.TemporaryDirectory(prefix="autopar-zero1-") as out_dir:
-        spawn_again_on_abort(_worker, 4, out_dir)
-        return {p.stem: torch.load(p, weights_only=False) for p in Path(out_dir).glob("*.pt")}
+COUNT_JOBS = share(4, [Job(name=f"zero1-count-z{zero}-m{m}", fn=_count_case, args=(zero, m)) for zero, m in COUNTS])
 
 
 @pytest.mark.parametrize("case", EQUIVALENCE, ids=lambda c: c.name)
 def test_zero1_gives_the_single_process_run(case: Case) -> None:
-    got = _results()[case.name]
+    got = result(4, case)
+    assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, ref_params, ref_grads = reference_for(case)
     for step, (a, b) in enumerate(zip(got["losses"], ref_losses)):
         assert a == pytest.approx(b, rel=1e-4), f"step {step}: loss {a} vs reference {b}"
@@ -99,8 +83,9 @@ def test_zero1_gives_the_single_process_run(case: Case) -> None:
 
 
 def test_zero1_collectives_per_step_do_not_grow_with_micro_batches() -> None:
-    r = _results()
-    z1_2, z1_4, z2_2, z2_4 = (r[f"count-z{z}-m{m}"] for z, m in COUNTS)
+    ranks = [result(4, job) for job in COUNT_JOBS]
+    assert all(isinstance(r, list) for r in ranks), ranks
+    z1_2, z1_4, z2_2, z2_4 = (r[0] for r in ranks)  # rank 0's counts
     assert z1_2 == z1_4, (z1_2, z1_4)  # once per step, whatever M
     assert z1_2["reduce_scatter"] > 0 and z1_2["all_gather"] > 0
     # ZeRO-2 reduce-scatters and re-gathers in every micro-batch: twice the calls at twice the M
