@@ -224,7 +224,10 @@ def probe_structure(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Prob
         owner = n.rpartition(".")[0]
         if n in bare_names or not any(owner == m or owner.startswith(m + ".") for m in ran):
             bare[n] = frozenset(phases | ({"blocks"} if n in side else set()))
-    return Probe(prologue=prologue, epilogue=tuple(n for n in epilogue if n not in shared),
+    # a module the prologue runs too is no epilogue module: a parameter-holding one is shared, a
+    # parameter-free one (XLNet's one dropout, applied to the embeddings and to the last block's
+    # output) runs for real on every stage, where dropping it broke the first stage's prologue
+    return Probe(prologue=prologue, epilogue=tuple(n for n in epilogue if n not in prologue),
                  block_out=Template.of(block_out[0]), block_first_param=first_param, bare=bare,
                  shared=shared, output=Template.of(result), carried=carried)
 

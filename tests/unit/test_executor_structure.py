@@ -201,3 +201,44 @@ def test_a_prologue_module_whose_weight_the_head_reads_is_real_on_the_last_stage
     _, _, probe, (_, last) = _chunks(path, [(0, 2), (2, 4)])
     assert probe.shared == ("embed",) and probe.carried == ()
     assert isinstance(last.chunk.embed, nn.Embedding) and last.chunk.embed.weight.shape == (32, 16)
+
+
+_ONE_DROPOUT = '''
+import torch
+from torch import nn
+
+SEQ_LEN = 8
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.dropout = nn.Dropout(0.0)  # one module before and after the blocks
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids):
+        h = self.dropout(self.embed(ids))
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.dropout(h))
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(micro_batch_size):
+    return torch.randint(0, 32, (micro_batch_size, SEQ_LEN))
+'''
+
+
+def test_a_parameter_free_module_the_prologue_runs_too_is_not_dropped_before_the_last_stage(tmp_path: Path) -> None:
+    # HF XLNet applies one dropout to the embeddings and to the last block's output: as an epilogue
+    # module it was replaced on the first stage, whose prologue then called the replacement
+    path = tmp_path / "one_dropout.py"
+    path.write_text(_ONE_DROPOUT, encoding="utf-8")
+    _, _, probe, (first, _) = _chunks(path, [(0, 2), (2, 4)])
+    assert "dropout" in probe.prologue and probe.epilogue == ("head",)
+    assert isinstance(first.chunk.dropout, nn.Dropout)
