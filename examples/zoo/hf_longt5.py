@@ -4,7 +4,7 @@ one summary token per ``global_block_size`` tokens computed inside the layer), a
 decoder with cross-attention, relative position buckets in the first block of each stack, gated GELU.
 
 Full size: LongT5-TGlobal-large (24 + 24 layers, d_model 1024, 16 heads of 64, d_ff 2816, vocab 32128,
-4096 input tokens, local radius 127, global blocks of 16).
+4096 input tokens and 512 target tokens, local radius 127, global blocks of 16).
 """
 
 import torch
@@ -29,7 +29,7 @@ def build_model():
 
 def example_inputs(micro_batch_size):
     src = torch.randint(1, CONFIG.vocab_size, (micro_batch_size, SEQ_LEN))
-    tgt = torch.randint(1, CONFIG.vocab_size, (micro_batch_size, SEQ_LEN))
+    tgt = torch.randint(1, CONFIG.vocab_size, (micro_batch_size, SEQ_LEN // 8))  # a summary of the document
     return {"input_ids": src, "labels": tgt}
 
 
