@@ -73,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--steps is the total step count. After a restart (--max-restarts) this happens automatically")
     g.add_argument("--max-restarts", type=int, default=0, metavar="R",
                    help="with --nproc-per-node: restart the job R times after a rank fails (resuming from the latest checkpoint)")
+    g = parser.add_argument_group("checking a plan against one rank")
+    g.add_argument("--grad-norms", action="store_true",
+                   help="write each parameter's first-step gradient norm (reduced, before the optimizer step) "
+                        "into the --report JSON, to compare with the same run on one rank")
     g = parser.add_argument_group("tracing")
     g.add_argument("--trace", metavar="OUT.json", help="write rank 0's measured torch.profiler trace (Chrome format)")
     g.add_argument("--trace-steps", type=int, default=2, metavar="K", help="steps to trace after one warm-up (default 2)")
@@ -102,7 +106,8 @@ def _relaunch(args: argparse.Namespace, model: str) -> int:
     cmd += ["--checkpoint-every", str(args.checkpoint_every), "--keep-checkpoints", str(args.keep_checkpoints),
             "--trace-steps", str(args.trace_steps)]
     cmd += [f for f, on in (("--resume", args.resume), ("--trace-all-ranks", args.trace_all_ranks),
-                            ("--adascale", args.adascale), ("--adascale-force", args.adascale_force)) if on]
+                            ("--adascale", args.adascale), ("--adascale-force", args.adascale_force),
+                            ("--grad-norms", args.grad_norms)) if on]
     if args.adascale_target is not None:
         cmd += ["--adascale-target", repr(args.adascale_target)]
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "AUTOPAR_CKPT_LOCKED": "1"}

@@ -197,8 +197,13 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
         if log and start_step >= options.steps:
             log(f"the checkpoint already has {start_step} >= --steps {options.steps} steps; nothing to train")
         adascale = AdaScaleOptions(target_steps=options.adascale_target) if options.adascale else None
+        on_grads, grad_norms = None, None
+        if options.grad_norms:  # executor/runtime/grad_digest.py
+            from autopar.executor.runtime.grad_digest import first_step_grad_norms
+
+            on_grads, grad_norms = first_step_grad_norms(exe, start_step)
         result = train(exe, mf, steps=options.step_limit, seed=seed, log=log, start_step=start_step, hooks=hooks,
-                       measure_noise=True, adascale=adascale)
+                       measure_noise=True, adascale=adascale, on_grads=on_grads)
         if tracer is not None:
             if tracer.close() and log:
                 log(f"trace written to {tracer.path}")
@@ -208,6 +213,8 @@ def run_rank(options: RunOptions, plan, mf, spec, warnings: list[str], world: in
             report["start_step"] = result.start_step
             report["resumed_from"] = str(decision.path) if decision.path else None
             report["loss_history"] = list(history) if options.checkpoint_dir else list(result.losses)
+            if grad_norms is not None:
+                report["grad_norms"] = dict(sorted(grad_norms.items()))
             print(format_comparison(report), flush=True)
             if options.report_path:
                 from autopar.outputs import write_text_atomic

@@ -41,6 +41,8 @@ class RunOptions:
     adascale: bool = False
     adascale_target: float | None = None
     adascale_force: bool = False  # Adam(W): AdaScale is not validated for it; run it anyway
+    # each parameter's first-step gradient norm in the report (executor/runtime/grad_digest.py)
+    grad_norms: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -56,6 +58,8 @@ class RunOptions:
             if value < low:
                 raise AutoparError(f"{flag} must be >= {low}, got {value}")
         self._check_adascale()
+        if self.grad_norms and self.report_path is None:
+            raise AutoparError("--grad-norms writes into the JSON report: add --report PATH")
         if self.checkpoint_dir is None:
             for flag, on in (("--resume", self.resume), ("--checkpoint-every", self.checkpoint_every > 0)):
                 if on:
@@ -87,4 +91,4 @@ class RunOptions:
                    trace_path=args.trace, trace_steps=args.trace_steps, trace_all_ranks=args.trace_all_ranks,
                    max_loss_ratio=args.max_loss_ratio, adascale=getattr(args, "adascale", False),
                    adascale_target=getattr(args, "adascale_target", None),
-                   adascale_force=getattr(args, "adascale_force", False))
+                   adascale_force=getattr(args, "adascale_force", False), grad_norms=getattr(args, "grad_norms", False))
