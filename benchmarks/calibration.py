@@ -17,7 +17,10 @@ each with published, predicted and error, and the mean and max |error| per table
 6. torchtitan_a100.yaml: torchtitan's FSDP2 runs of Llama 2 13B / 70B and Llama 3 8B / 70B on 64 A100-80GB
    (docs/performance.md), tokens/s per GPU on ``a100-80g`` with the runs' FSDP2 settings; a held-out source
    only, never fitted (informational here; its held-out figure is printed by --holdout);
-7. ranking: Kendall's tau of the predicted order of each multi-configuration source's configurations
+7. megatron_moe_h100.yaml: Megatron-Core MoE runs on DGX H100 (Megatron-MoE-ModelZoo: Qwen3-235B-A22B,
+   Mixtral 8x22B), each the closest plan autopar expresses on ``h100-80g-megatron`` (autopar.reference_moe);
+   a held-out source only, never fitted (informational: all-to-all and DeepEP rows in separate tables);
+8. ranking: Kendall's tau of the predicted order of each multi-configuration source's configurations
    against the published order (autopar.reference_rank; target: tau >= 0.8 with three or more).
 
 Usage: python benchmarks/calibration.py        (exit code 1 if any target is missed; runs in about a minute)
@@ -274,6 +277,56 @@ def torchtitan_a100_table() -> None:
     print()
 
 
+def megatron_moe_table() -> None:
+    """megatron_moe_h100.yaml (autopar.reference_moe): Megatron-Core MoE step times on DGX H100 against the
+    closest plan autopar expresses, priced on h100-80g-megatron with the shipped constants; held out,
+    never fitted. All-to-all rows (what autopar prices) and DeepEP rows in separate tables; every
+    difference between the source's settings and the plan is listed under its table; a what-if column
+    prices the same row with tp folded into dp (experts neither replicated over tp nor strided by it)."""
+    import dataclasses
+
+    from autopar.reference_moe import moe_rows, predict
+
+    def layout(tp: int, pp: int, dp: int, v: int, ep: int) -> str:
+        return f"{tp}/{pp}/{dp}" + (f" v{v}" if v > 1 else "") + f" ep{ep}"
+
+    for dispatcher, title in (("a2a", "all-to-all dispatcher (what autopar prices)"),
+                              ("deepep", "DeepEP dispatcher (fused, node-deduplicated all-to-all: not what autopar "
+                                         "prices; reported apart)")):
+        rows, errors, notes, skipped = [], [], [], []
+        for row in moe_rows():
+            if row.dispatcher != dispatcher:
+                continue
+            p = predict(row)
+            if p.estimate is None:
+                skipped.append(f"  {row.name}: skipped -- {p.mapped.skip}")
+                continue
+            est, par = p.estimate, p.mapped.plan.parallel
+            errors.append(p.error_pct)
+            t = est.time_breakdown_s
+            twin = ""
+            if row.tp > 1:
+                alt = predict(dataclasses.replace(row, tp=1, dp=row.dp * row.tp))
+                twin = f"{alt.estimate.step_time_s:.2f} ({alt.error_pct:+.0f} %)"
+            rc = "" if row.recompute == par.recompute else f"{row.recompute or 'none'} -> "
+            rows.append((row.name, row.gpus, layout(row.tp, row.pp, row.dp, row.vpp, row.ep),
+                         layout(par.tp, par.pp, par.dp, par.pp_virtual_stages, par.ep) + f" z{par.zero}",
+                         f"{rc}{par.recompute}", row.mbs, row.gbs, f"{row.step_time_s:.2f}" + ("*" if row.derived else ""),
+                         f"{est.step_time_s:.2f}", f"{p.error_pct:+.1f}", f"{t['compute']:.2f}", f"{t['recompute']:.2f}",
+                         f"{t['ep_comm']:.2f} {est.moe['a2a_link']}", f"{t['tp_comm'] + t['pp_comm']:.2f}",
+                         f"{t['bubble']:.2f}", f"{t['zero_comm'] + t['optimizer'] + t['dp_tail']:.2f}",
+                         f"{est.peak_memory_bytes / 2**30:.0f}" + ("" if est.fits else " (over)"), twin))
+            notes += [f"  {row.name}: {flag}" for flag in p.mapped.flags]
+        print(f"megatron_moe_h100.yaml: Megatron-Core MoE on DGX H100, BF16, {title} -- step time (h100-80g-megatron)")
+        print(table(["run", "GPUs", "Megatron tp/pp/dp ep", "priced tp/pp/dp ep", "recompute", "mb", "batch",
+                     "published s", "predicted s", "error %", "compute", "recompute s", "ep a2a", "tp+p2p", "bubble",
+                     "dp+opt", "mem GiB", "what-if tp 1 s"], rows, align="lrllrrrrrrrrrrrrrr"))
+        print(summary(errors, f"Megatron MoE {dispatcher}", None, None) + "  (held out, never fitted)")
+        print("(* derived from the published TFLOP/s with Megatron's FLOP count; where the plan differs from the run:)")
+        print("\n".join(notes + skipped))
+        print()
+
+
 def memory_tables() -> None:
     """Published peak memory (memory_public.yaml) against the cost model's tensor peak on the
     reported stage (target 5 %), and every h100_public.yaml run's predicted peak against the
@@ -397,6 +450,7 @@ def main() -> int:
     zero_table()
     h100_tables()
     torchtitan_a100_table()
+    megatron_moe_table()
     memory_tables()
     ranking_table()
     return _verdict("calibration", start)
