@@ -222,6 +222,8 @@ def row_plan(row: MoeRow, model: MoeModel | None = None) -> MoePlan:
     if row.tp * ep > GPUS_PER_NODE >= row.ep * row.etp:
         flags.append(f"all-to-all over the network: autopar's ep group spans tp x ep = {row.tp * ep} GPUs, "
                      f"Megatron's {row.ep} (within a node)")
+    if row.section.lower().startswith("dropless training") and "force" not in row.notes:
+        flags.append("dropless routing priced balanced (moe_imbalance 1.0): the imbalance is not published")
     recompute = {"": "none", "full": "full"}.get(row.recompute.strip())
     if recompute is None:
         recompute = "none"
