@@ -25,8 +25,7 @@ from autopar.errors import ModelFileError
 from autopar.graph.build import ParamRegions, TracedRun, default_loss, first_tensor, slice_sequence
 from autopar.graph.chain_tp import chain_tp_comm_hooks, shard_chain_for_tp, sharded_params
 from autopar.graph.fused_scan import fit_with_scan
-from autopar.graph.measure import moe_facts
-from autopar.graph.model_graph import ChainUnit, ModelGraph, RegionParams
+from autopar.graph.model_graph import ChainUnit, ModelGraph, MoEFacts, RegionParams
 from autopar.graph.scaling import RegionFit
 from autopar.graph.trace import Trace, run_and_trace
 from autopar.modelfile import ModelFile, call_model
@@ -261,7 +260,7 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
         tp_reason=support["tp"], cp_reason=support["cp"], pp_reason=support["pp"], support=support,
         tp_source=_tp_source(spec), tp_styles={}, regions=regions, params=params, tied_params=tied,
         block_input_bytes=units[0].input_bytes,
-        build_seconds=time.perf_counter() - start, chain=units, moe=moe_facts(spec.moe),
+        build_seconds=time.perf_counter() - start, chain=units, moe=MoEFacts.of(spec.moe),
     )
 
 

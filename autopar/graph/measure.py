@@ -162,7 +162,7 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         tp_source=spec.tp.describe(), tp_styles=dict(tp_plan or {}),
         regions=regions, params=params, tied_params=tied,
         block_input_bytes=base.block_input_bytes,
-        build_seconds=time.perf_counter() - start, moe=moe_facts(spec.moe),  # expert parallelism
+        build_seconds=time.perf_counter() - start, moe=MoEFacts.of(spec.moe),  # expert parallelism
         carried=_carried(mf, small, spec, shapes) if support["pp"] is None else (),
     )
 
@@ -178,13 +178,6 @@ def _carried(mf: ModelFile, small: nn.Module, spec: Any, shapes: tuple[Any, Any,
         if clock is not None and clock.expired:  # the time limit's interrupt is not the probe's failure
             raise clock.error(mf.path) from None
         return ()
-
-
-def moe_facts(moe) -> MoEFacts | None:  # noqa: ANN001 - autopar.spec.moe.MoESpec | None
-    if moe is None:
-        return None
-    return MoEFacts(num_experts=moe.num_experts, top_k=moe.top_k, params_per_expert=moe.params_per_expert,
-                    experts_path=moe.experts_path)
 
 
 def _inputs(mf: ModelFile, micro_batch: int, dtype: torch.dtype) -> Any:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from autopar.graph.scaling import FitQuantity, RegionFit, Shape
 from autopar.layout import tp_heads_reason, ulysses_reason
@@ -82,6 +82,14 @@ class MoEFacts:
     def expert_params(self) -> int:
         """Parameters of all experts of one block."""
         return self.num_experts * self.params_per_expert
+
+    @staticmethod
+    def of(moe: Any) -> "MoEFacts | None":
+        """The facts of an autopar.spec.moe.MoESpec (None: dense)."""
+        if moe is None:
+            return None
+        return MoEFacts(num_experts=moe.num_experts, top_k=moe.top_k, params_per_expert=moe.params_per_expert,
+                        experts_path=moe.experts_path)
 
 
 @dataclass(frozen=True, kw_only=True)

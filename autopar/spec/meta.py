@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from autopar.spec.meta_fallback import run_for_shapes
 from autopar.spec.meta_memo import flat_tensors, lookup, memo_key, remember
@@ -181,8 +182,9 @@ class _TolerantMeta(TorchDispatchMode):
         self.alive: list[torch.Tensor] = []  # keeps routing tensors alive so their ids stay theirs
         self.alls: set[int] = set()  # ids of all() results (kept alive in ``alive``): they read True
         self.known = KnownValues()  # the experts a balanced routing hits, and picks of them (meta_values.py)
-        self.learned: set[int] = set()  # ids of float tensors computed from a parameter (kept in learned_alive)
-        self.learned_alive: list[torch.Tensor] = []
+        # float tensors computed from a parameter, held weakly: a strong reference would keep every
+        # activation alive and the live-memory trace (graph/live.py) would count them all
+        self.learned: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
     def _is_routed(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and id(t) in self.routed
@@ -317,12 +319,11 @@ class _TolerantMeta(TorchDispatchMode):
     def _note_learned(self, args: tuple, kwargs: dict, out: Any) -> None:
         """Float results of an op reading a parameter, or a result of one, are ``learned`` (the
         provenance a top-1 router's scores must have, ``_note_top1``; grad mode may be off)."""
-        if not any(isinstance(t, nn.Parameter) or id(t) in self.learned for t in flat_tensors((args, kwargs))):
+        if not any(isinstance(t, nn.Parameter) or t in self.learned for t in flat_tensors((args, kwargs))):
             return
         for t in flat_tensors(out):
-            if t.is_floating_point() and id(t) not in self.learned:
-                self.learned.add(id(t))
-                self.learned_alive.append(t)
+            if t.is_floating_point():
+                self.learned[t] = True
 
     def _count(self) -> None:
         self.ops += 1
@@ -352,7 +353,7 @@ class _TolerantMeta(TorchDispatchMode):
         (LongT5's global block ids, from the attention mask) picks no expert. True when noted."""
         scores = args[0]
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        if not scores.requires_grad and id(scores) not in self.learned:
+        if not scores.requires_grad and scores not in self.learned:
             return False  # no learned weight behind these scores (LongT5's max over block ids): no router
         if (self.routing is not None or dim is None or not scores.is_floating_point() or scores.dim() < 2
                 or int(dim) not in (-1, scores.dim() - 1) or not 2 <= scores.shape[-1] <= 1024):
