@@ -309,9 +309,19 @@ def plan_for(path: Path, support: Support, parallel: Mapping[str, Any]) -> dict[
     }))
 
 
+@dataclass(frozen=True, kw_only=True)
+class Trained:
+    """What a run cell compares with one rank: every step's loss and each parameter's first-step
+    gradient norm (``autopar run --grad-norms``: a wrong gradient the losses of three steps hide)."""
+
+    losses: list[float]
+    grad_norms: dict[str, float]
+
+
 def run_losses(path: Path, support: Support, parallel: Mapping[str, Any], work_dir: Path, tag: str,
-               timeout_s: float = RUN_TIMEOUT_S) -> list[float]:
-    """``autopar run`` of the tiny model under ``parallel`` (one rank: in-process); the per-step losses."""
+               timeout_s: float = RUN_TIMEOUT_S) -> Trained:
+    """``autopar run`` of the tiny model under ``parallel`` (one rank: in-process); the per-step
+    losses and first-step gradient norms."""
     import yaml
 
     plan = plan_for(path, support, parallel)
@@ -320,13 +330,15 @@ def run_losses(path: Path, support: Support, parallel: Mapping[str, Any], work_d
     plan_path.write_text(yaml.safe_dump(plan, sort_keys=False), encoding="utf-8")
     report.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "autopar", "run", str(plan_path), "--steps", str(STEPS), "--report", str(report),
-           "--timeout", "60"]
+           "--timeout", "60", "--grad-norms"]
     if world > 1:
         cmd += ["--nproc-per-node", str(world)]
     code, out, _ = _run(cmd, timeout_s, work_dir)
     if code != 0 or not report.exists():
         raise ZooError(f"exit {code}: {_short(one_line_cause(out, code))}", failure_excerpt(out))
-    return [float(x) for x in json.loads(report.read_text(encoding="utf-8"))["losses"]]
+    data = json.loads(report.read_text(encoding="utf-8"))
+    return Trained(losses=[float(x) for x in data["losses"]],
+                   grad_norms={str(k): float(v) for k, v in data.get("grad_norms", {}).items()})
 
 
 def compare_losses(reference: Sequence[float], got: Sequence[float], rtol: float = RTOL) -> str | None:
@@ -339,7 +351,7 @@ def compare_losses(reference: Sequence[float], got: Sequence[float], rtol: float
     return None
 
 
-def run_cell(path: Path, support: Support, dim: str, reference: list[float] | ZooError, work_dir: Path) -> Cell:
+def run_cell(path: Path, support: Support, dim: str, reference: Trained | ZooError, work_dir: Path) -> Cell:
     """One run cell: n/a when autopar does not offer the dimension, else the run compared with 1 rank."""
     for key in RUN_NEEDS[dim]:
         if support.reason(key) is not None:
@@ -351,19 +363,21 @@ def run_cell(path: Path, support: Support, dim: str, reference: list[float] | Zo
         parallel["sequence_parallel"] = False  # tp is offered without Megatron SP: run tp alone
     start = time.perf_counter()
     try:
-        losses = run_losses(path, support, parallel, work_dir, dim.replace("+", "-"))
+        got = run_losses(path, support, parallel, work_dir, dim.replace("+", "-"))
     except ZooError as exc:
         return Cell(status="FAIL", detail=exc.cause, tail=exc.tail)
     except Exception as exc:  # a plan autopar.plan refuses (e.g. num_blocks does not split)
         return Cell(status="FAIL", detail=_short(f"{type(exc).__name__}: {exc}"))
     secs = time.perf_counter() - start
-    diff = compare_losses(reference, losses)
+    from autopar.executor.runtime.grad_digest import compare_grad_norms
+
+    diff = compare_losses(reference.losses, got.losses) or compare_grad_norms(reference.grad_norms, got.grad_norms)
     if diff:
         return Cell(status="FAIL", detail=diff, seconds=secs)
     return Cell(status="ok", detail="" if parallel.get("sequence_parallel", True) else "no sp", seconds=secs)
 
 
-def reference_losses(path: Path, support: Support, work_dir: Path) -> list[float] | ZooError:
+def reference_losses(path: Path, support: Support, work_dir: Path) -> Trained | ZooError:
     """The one-rank run every 2-rank run is compared with (or the error it ended in)."""
     try:
         return run_losses(path, support, {}, work_dir, "ref")
@@ -409,7 +423,7 @@ def evaluate(model: ZooModel, *, dims: Sequence[str] = tuple(RUNS), plan: bool =
         cells = {k: Cell(status="ok", detail=sup.tp_source if k == "tp" and sup.tp_source else "")
                  if sup.reason(k) is None else
                  Cell(status="n/a", detail=_short(sup.reason(k)), expected=k in expected) for k in SUPPORT_KEYS}
-        ref = reference_losses(tiny, sup, work) if dims else []
+        ref = reference_losses(tiny, sup, work) if dims else Trained(losses=[], grad_norms={})
         runs = {d: run_cell(tiny, sup, d, ref, work) for d in dims}
     return ModelResult(model=model, plan=plan_c, support=sup, support_cells=cells, runs=runs)
 

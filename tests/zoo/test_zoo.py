@@ -2,7 +2,8 @@
 
 Each case takes one zoo model file (examples/zoo/), asks autopar whether it offers the dimension, runs
 the tiny size 3 steps under a 2-rank plan of that dimension with ``autopar run`` and compares every
-step's loss with the same model on one rank (benchmarks/zoo_lib.py, shared with
+step's loss and each parameter's first-step gradient norm (``--grad-norms``) with the same model on
+one rank (benchmarks/zoo_lib.py, shared with
 benchmarks/model_zoo.py, which runs the whole matrix). Hugging Face cases skip without transformers.
 """
 
