@@ -117,27 +117,55 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: di
     return fc.wait_tensor(fc.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group))
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    """No values to read: a fake tensor (``autopar rehearse``) or a meta one."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
+
+
+def routing_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert of the top-k expert ids ``flat``. On fake tensors (``autopar rehearse``:
+    no values to count) the balanced split the cost model assumes, the remainder to the first
+    experts: the same on every rank, so the exchange's sizes are known without reading a value."""
+    if not _is_fake(flat):
+        return torch.bincount(flat, minlength=num_experts)
+    each, extra = divmod(flat.numel(), num_experts)
+    return torch.tensor([each + (e < extra) for e in range(num_experts)], dtype=torch.int64, device=flat.device)
+
+
+def _values(t: torch.Tensor, balanced: list[int]) -> list[int]:
+    """``t.tolist()``, or on fake tensors (a rehearsal) the balanced values every rank agrees on."""
+    return balanced if _is_fake(t) else t.tolist()
+
+
 def exchange(rows: torch.Tensor, counts: torch.Tensor, groups: ExpertGroups,
              compute: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
     """Send ``rows`` (sorted by expert id; ``counts[e]`` rows for expert e, all E) to the ranks
     owning their experts, run ``compute(rows grouped by local expert, rows per local expert)`` there,
-    and return the results in the order of ``rows``. Collective over the ep group."""
+    and return the results in the order of ``rows``. Collective over the ep group. On fake tensors
+    (a rehearsal) every rank sends and receives the balanced counts of ``routing_counts``."""
     ep, per, group = groups.ep, groups.num_experts // groups.ep, groups.ep_group
     send_counts = counts.to(torch.int64).reshape(ep, per)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)  # (source rank, local expert)
-    send_splits = send_counts.sum(1).tolist()
-    recv_splits = recv_counts.sum(1).tolist()
+    each, extra = divmod(rows.shape[0], groups.num_experts)  # balanced: what routing_counts gave every rank
+    mine = [[each + (r * per + e < extra) for e in range(per)] for r in range(ep)]
+    recv_table = [[each + (groups.ep_rank * per + e < extra) for e in range(per)] for _ in range(ep)]
+    send_splits = _values(send_counts.sum(1), [sum(row) for row in mine])
+    recv_splits = _values(recv_counts.sum(1), [sum(row) for row in recv_table])
     received = _a2a(rows, recv_splits, send_splits, group)
     # received rows come by source rank, each source's by local expert: regroup by local expert
+    flat_recv = [n for row in recv_table for n in row]
     local_ids = torch.repeat_interleave(torch.arange(per, device=rows.device).repeat(ep),
-                                        recv_counts.flatten().to(rows.device))
+                                        recv_counts.flatten().to(rows.device), output_size=sum(recv_splits))
     order = torch.argsort(local_ids, stable=True)
     grouped = received[order]
+    per_local = _values(recv_counts.sum(0), [sum(flat_recv[e::per]) for e in range(per)])
     # + an exact 0 that depends on the received rows: the dispatch's backward (an all-to-all over
     # the ep group) must run on every rank, also where the local experts got no rows and their
     # output does not depend on them (autograd would skip it there and the peers wait forever)
-    out_grouped = compute(grouped, recv_counts.sum(0).tolist()) + grouped[:0].sum()
+    out_grouped = compute(grouped, per_local) + grouped[:0].sum()
     out = torch.empty_like(out_grouped).index_copy(0, order, out_grouped) if order.numel() else out_grouped
     return _a2a(out, send_splits, recv_splits, group)
 
@@ -180,11 +208,12 @@ def _stacked_forward(groups: ExpertGroups, original: Callable, call: tuple[str, 
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = torch.arange(tokens, device=flat.device).repeat_interleave(k)[order]
-        counts = torch.bincount(flat, minlength=groups.num_experts)
+        counts = routing_counts(flat, groups.num_experts)
 
         def compute(rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
             ids = torch.repeat_interleave(torch.arange(len(per_expert), device=rows.device),
-                                          torch.tensor(per_expert, device=rows.device))[:, None]
+                                          torch.tensor(per_expert, device=rows.device),
+                                          output_size=sum(per_expert))[:, None]
             a, kw = _with(args, kwargs, rows_at, rows)
             a, kw = _with(a, kw, index_at, ids)
             a, kw = _with(a, kw, weights_at, torch.ones(ids.shape, dtype=rows.dtype, device=rows.device))
