@@ -455,7 +455,7 @@ def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.devic
     if par.cp > 1:
         batch = batch[:, : plan.training.seq_len // par.cp]
     kwargs = shaped.io.step_kwargs(batch)
-    with torch.no_grad():
+    with torch.no_grad(), _shape_autocast(plan, device, shaped.parts + [first]):
         handed = first(**kwargs)
     # the hidden state, and the carried prologue outputs after it (pipeline_probe.Probe.carried)
     handed = tuple(handed) if isinstance(handed, (tuple, list)) else (handed,)
@@ -473,7 +473,7 @@ def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.devic
     for c, part in zip(shaped.chunk_ids, shaped.parts):
         inputs = () if c == 0 else handed
         if c == par.num_stage_chunks - 1:  # the model's outputs, as differentiable as in a run
-            with torch.no_grad():
+            with torch.no_grad(), _shape_autocast(plan, device, shaped.parts + [first]):
                 outputs = part(*inputs, **shaped.io.step_kwargs(batch))
             outputs = tuple(map(_differentiable, outputs)) if isinstance(outputs, (tuple, list)) else \
                 _differentiable(outputs)
@@ -481,6 +481,22 @@ def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.devic
             outputs = hidden
         out.append((inputs, outputs))
     return out
+
+
+def _shape_autocast(plan: Plan, device: torch.device, parts: list[nn.Module]) -> Any:
+    """The training dtype's autocast (grouped GEMMs included: runtime/grouped_autocast.py) around a
+    forward run only for its shapes: stacked experts' grouped GEMMs take no fp32 operands on a GPU
+    or on fake tensors, and a stage's parameters are fp32 until FSDP2 wraps it. Shapes do not
+    depend on it; the residual stream stays fp32 under autocast, as without it."""
+    from contextlib import nullcontext
+
+    from autopar.executor.runtime.grouped_autocast import holds_stacked_weights, with_grouped_autocast
+
+    if plan.training.dtype == "fp32":
+        return nullcontext()
+    dtype = TORCH_DTYPES[plan.training.dtype]
+    return with_grouped_autocast(torch.autocast(device.type, dtype=dtype), device.type, dtype,
+                                 holds_stacked_weights([p for p in parts if p is not None]))
 
 
 def _differentiable(t: Any) -> Any:

@@ -65,6 +65,7 @@ from autopar.executor.parallel.pipeline_parallel import run_schedule, sync_tied_
 from autopar.executor.parallel.tensor_parallel import VocabParallelLoss, loss_context
 from autopar.executor.runtime.adascale import AdaScale, AdaScaleReport, scaled_lr
 from autopar.executor.runtime.grad_norms import GradNormMeter, Unmeasured, install
+from autopar.executor.runtime.grouped_autocast import holds_stacked_weights, with_grouped_autocast
 from autopar.executor.runtime.noise_scale import NoiseScaleEstimator, NoiseScaleReport, NormSample
 from autopar.executor.runtime.steady import steady_state
 from autopar.modelfile import ModelFile, call_model
@@ -175,12 +176,14 @@ def rank_batch(exe: Executable, mf: ModelFile, step: int, seed: int) -> Any:
     return to_device(rows(global_batch(mf, g, step, seed), d * per_dp, (d + 1) * per_dp), exe.mesh.device)
 
 
-def _autocast(plan: Plan, device: torch.device, fsdp: bool):
+def _autocast(plan: Plan, device: torch.device, fsdp: bool, stacked: bool = False):
     """bf16/fp16 autocast for DDP and unwrapped parts (``fsdp``: FSDP2 and ``replicate`` cast via
-    their MixedPrecisionPolicy)."""
+    their MixedPrecisionPolicy); ``stacked``: the model holds weights stacked per expert, whose
+    grouped GEMMs autocast does not cast (grouped_autocast.py)."""
     if plan.training.dtype == "fp32" or fsdp:
         return nullcontext()
-    return torch.autocast(device.type, dtype=TORCH_DTYPES[plan.training.dtype])
+    dtype = TORCH_DTYPES[plan.training.dtype]
+    return with_grouped_autocast(torch.autocast(device.type, dtype=dtype), device.type, dtype, stacked)
 
 
 def cuda_device_peak_bytes(device: torch.device) -> tuple[int, int]:
@@ -228,7 +231,7 @@ class _Trainer:
         stats = self.stats
         if stats is not None:
             stats.meter.begin_step()
-        with _autocast(plan, exe.mesh.device, fsdp), loss_context(par.tp):
+        with _autocast(plan, exe.mesh.device, fsdp, holds_stacked_weights(exe.parts)), loss_context(par.tp):
             if exe.schedule is not None:
                 contrib = self._pipeline_step(batch)
             else:
@@ -459,7 +462,7 @@ def run_reference(
         total = 0.0
         for i in range(n):
             mb = rows(batch, i * mbs, (i + 1) * mbs)
-            with _autocast(plan, torch.device("cpu"), False):
+            with _autocast(plan, torch.device("cpu"), False, holds_stacked_weights([model])):
                 loss = mf.loss_fn(call_model(model, mb), mb)
             (loss / n).backward()
             total += float(loss.detach()) / n
