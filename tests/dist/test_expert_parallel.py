@@ -16,14 +16,14 @@ chain with an nn.ModuleList of experts (ep2, ZeRO-3).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from harness import SEED, STEPS, ZOO, Case, reference_for, spawn_cases
+from harness import SEED, STEPS, ZOO, Case, reference_for
+from shared import result, share
 
 pytestmark = pytest.mark.dist
 
@@ -110,13 +110,8 @@ CASES_4 = [MoECase(name=f"{m}-ep2xdp2", model=m, parallel={"dp": 4, "ep": 2}) fo
     # ranks: TPPlan.grad_sums) and tensor-parallel shared experts; the routed experts whole per tp rank
     MoECase(name="hf-deepseek-v3-tp2xdp2xep2-zero1", model="hf-deepseek-v3",
             parallel={"dp": 2, "tp": 2, "ep": 2, "zero": 1})] if _models(("hf-deepseek-v3",)) else []
-WORLD = {2: CASES_2, 4: CASES_4}
+CASES_2, CASES_4 = share(2, CASES_2), share(4, CASES_4)  # in the session's shared spawns (shared.py)
 ALL = [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4]
-
-
-@functools.lru_cache(maxsize=None)
-def _results(world: int) -> dict:
-    return spawn_cases(world, WORLD[world])
 
 
 def _routing_is_uneven(model: str) -> bool:
@@ -146,7 +141,7 @@ def _routing_is_uneven(model: str) -> bool:
 @pytest.mark.parametrize("world,case", ALL, ids=lambda x: x.name if isinstance(x, Case) else f"{x}ranks")
 def test_expert_parallel_trains_like_one_rank(world: int, case: MoECase) -> None:
     assert _routing_is_uneven(case.model), "the test needs uneven routing"
-    got = _results(world)[case.name]
+    got = result(world, case)
     assert isinstance(got, dict), f"{case.name} failed:\n{got}"
     ref_losses, ref_params, ref_grads = reference_for(case)
     assert len(got["losses"]) == STEPS
