@@ -153,7 +153,8 @@ def communication_volume(plan: Plan, graph: ModelGraph, cluster: Cluster,
         if chain is not None:
             moe_blocks = sum(sum(chain.expert_units[a:b]) for c, (a, b) in enumerate(plan.stage_ranges())
                              if chunk_rank(c, cfg.pp) == r)
-        moe_rerun = moe_blocks if rerun else 0
+        # recomputed blocks holding experts: a block list's rerun; a chain's recompute is one mode
+        moe_rerun = rerun if chain is None else (moe_blocks if rerun else 0)
         items: list[CommItem] = []
 
         def add(what: str, kind: str, axis: str, calls: float, nbytes: float) -> None:

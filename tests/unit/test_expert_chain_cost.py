@@ -132,3 +132,19 @@ def test_a_rank_does_the_weight_work_of_the_experts_it_holds_only() -> None:
         assert got == pytest.approx((-fixed["fwd"] * 0.8 * 0.75, -fixed["bwd"] * 0.8 * 0.75))
         assert expert_weight_work_delta_s(g, cl, shape, 1, 0.8, region) == (0.0, 0.0)
     assert _terms(ep=2).expert.weights_bwd_s < 0
+
+
+def test_explain_counts_a_block_list_s_recomputed_all_to_alls_per_block() -> None:
+    """A block list under a per-stage recompute mix re-runs the all-to-alls of its fully recomputed
+    blocks only (the same count as its other recomputed collectives), not of every block."""
+    from autopar.explain.volume import communication_volume
+
+    moe = Path(__file__).resolve().parents[2] / "examples" / "zoo" / "torch_moe.py"
+    plan = plan_from_dict({**copy.deepcopy(BASE), "model": {"file": str(moe), "num_blocks": 4},
+                           "training": {**BASE["training"], "seq_len": 32},
+                           "parallel": {"dp": 8, "tp": 1, "pp": 1, "ep": 2,
+                                        "recompute_blocks": [[3, 0, 1]]}})
+    (stage,) = communication_volume(plan, build_graph(str(moe)), load_cluster("a100-80g"))
+    m = plan.num_microbatches
+    forward = next(i for i in stage.items if i.what.startswith("EP dispatch + combine (forward"))
+    assert forward.calls_per_step == (4 + 1) * m * 2
