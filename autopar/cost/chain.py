@@ -106,7 +106,8 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
                               dpcp_link=dpcp_link, tokens_bytes=unit.input_bytes * cfg.micro_batch * s_ratio,
                               shape=shape, region=unit.region)
             part, expert = ep.block, ep.expert or expert
-            gathered -= ep.transient_saving_bytes / (2 * cfg.dtype_bytes)  # this rank's E / ep experts only
+            if ep.expert is not None:  # this rank gathers its E / ep experts only
+                gathered -= ep.expert.all_expert_params - ep.expert.expert_params
         parts.append(part)
         cuts.append(collective_time_s("p2p", in_bytes, pp_link) if i and cfg.pp > 1 else 0.0)
         # ZeRO-3: the unit's gathered parameters (and gradients), as build_terms for a block

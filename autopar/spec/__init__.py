@@ -89,25 +89,10 @@ def find_core(block: nn.Module) -> str | None:
     return None
 
 
-def _first_call(run: Callable[[], Any]) -> Callable[[nn.Module], tuple[tuple, dict] | None]:
-    """``call(module)``: the (args, kwargs) of ``module``'s first call in one meta forward (``run``)."""
-    def call(module: nn.Module) -> tuple[tuple, dict] | None:
-        seen: list[tuple[tuple, dict]] = []
-        hook = module.register_forward_pre_hook(
-            lambda _m, args, kwargs: seen.append((args, kwargs)) if not seen else None, with_kwargs=True)
-        try:
-            run()
-        except Exception:  # the probe's own run already succeeded; a failure here says nothing new
-            return None
-        finally:
-            hook.remove()
-        return seen[0] if seen else None
-    return call
-
-
 def _first_calls(run: Callable[[], Any], root: nn.Module) -> Callable[[nn.Module], tuple[tuple, dict] | None]:
     """``call(module)`` for every module under ``root``, from one meta forward (``run``) recording
-    each one's first (args, kwargs) -- ``_first_call``'s answer without a forward per module."""
+    each one's first (args, kwargs), or None where it was not called (or the forward failed: the
+    probe's own run already succeeded, so a failure here says nothing new)."""
     seen: dict[int, tuple[tuple, dict]] = {}
     ran: list[bool] = []
 
@@ -119,7 +104,7 @@ def _first_calls(run: Callable[[], Any], root: nn.Module) -> Callable[[nn.Module
                 for m in root.modules()]
             try:
                 run()
-            except Exception:  # the probe's own run already succeeded; a failure here says nothing new
+            except Exception:
                 seen.clear()
             finally:
                 for h in hooks:
@@ -337,7 +322,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
         isinstance(inputs, tuple) and all(isinstance(v, torch.Tensor) for v in inputs))
     token_batch = isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point()
     token_key, labels_key = token_dict_keys(inputs)
-    moe = moe_of(model, block, observed, _first_call(run))
+    moe = moe_of(model, block, observed, _first_calls(run, block))
     # MoE blocks are refused SP before any check (spec/support.py); a block without TP has none.
     sp_why, keyword_parents = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
                                if tp.styles and moe is None else (None, ()))

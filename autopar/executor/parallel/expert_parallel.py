@@ -134,11 +134,6 @@ def routing_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.tensor([each + (e < extra) for e in range(num_experts)], dtype=torch.int64, device=flat.device)
 
 
-def _values(t: torch.Tensor, balanced: list[int]) -> list[int]:
-    """``t.tolist()``, or on fake tensors (a rehearsal) the balanced values every rank agrees on."""
-    return balanced if _is_fake(t) else t.tolist()
-
-
 def exchange(rows: torch.Tensor, counts: torch.Tensor, groups: ExpertGroups,
              compute: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
     """Send ``rows`` (sorted by expert id; ``counts[e]`` rows for expert e, all E) to the ranks
@@ -149,19 +144,20 @@ def exchange(rows: torch.Tensor, counts: torch.Tensor, groups: ExpertGroups,
     send_counts = counts.to(torch.int64).reshape(ep, per)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)  # (source rank, local expert)
-    each, extra = divmod(rows.shape[0], groups.num_experts)  # balanced: what routing_counts gave every rank
-    mine = [[each + (r * per + e < extra) for e in range(per)] for r in range(ep)]
-    recv_table = [[each + (groups.ep_rank * per + e < extra) for e in range(per)] for _ in range(ep)]
-    send_splits = _values(send_counts.sum(1), [sum(row) for row in mine])
-    recv_splits = _values(recv_counts.sum(1), [sum(row) for row in recv_table])
+    if _is_fake(send_counts):  # a rehearsal: the balanced counts routing_counts gave every rank
+        each, extra = divmod(rows.shape[0], groups.num_experts)
+        mine = [each + (groups.ep_rank * per + e < extra) for e in range(per)]  # what each source sends here
+        send_splits = [sum(each + (r * per + e < extra) for e in range(per)) for r in range(ep)]
+        recv_splits, per_local = [sum(mine)] * ep, [n * ep for n in mine]
+    else:
+        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        per_local = recv_counts.sum(0).tolist()
     received = _a2a(rows, recv_splits, send_splits, group)
     # received rows come by source rank, each source's by local expert: regroup by local expert
-    flat_recv = [n for row in recv_table for n in row]
     local_ids = torch.repeat_interleave(torch.arange(per, device=rows.device).repeat(ep),
                                         recv_counts.flatten().to(rows.device), output_size=sum(recv_splits))
     order = torch.argsort(local_ids, stable=True)
     grouped = received[order]
-    per_local = _values(recv_counts.sum(0), [sum(flat_recv[e::per]) for e in range(per)])
     # + an exact 0 that depends on the received rows: the dispatch's backward (an all-to-all over
     # the ep group) must run on every rank, also where the local experts got no rows and their
     # output does not depend on them (autograd would skip it there and the peers wait forever)

@@ -8,7 +8,8 @@ kernel two fp32 tensors and fail on a GPU ("Expected inputs of BF16 type"), thou
 kernel takes fp32, trains. While autocast is on, this mode casts a grouped GEMM's fp32 operands to
 the autocast dtype, as autocast does for ``mm``: the fp32 weights stay the master copy and the
 cast's backward returns their gradients in fp32. Active only for a model holding 3-D parameters
-(stacked experts), so other models' forwards pay no per-op Python hook.
+(stacked experts; a Conv1d's weight is 3-D too, and such a model pays the hook for nothing), so
+other models' forwards pay no per-op Python hook.
 """
 
 from __future__ import annotations

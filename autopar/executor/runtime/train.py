@@ -217,6 +217,7 @@ class _Trainer:
         self.vocab_loss = VocabParallelLoss(mf.loss_fn)
         self.loss_fn: Callable = self.vocab_loss if exe.plan.parallel.tp > 1 else mf.loss_fn
         self.checked_cp_loss = False
+        self.stacked = holds_stacked_weights(exe.parts)  # grouped GEMMs to cast under autocast (grouped_autocast.py)
         self.stats: _Statistics | None = None  # train(measure_noise=True): gradient statistics per step
 
     def step(self, batch: Any, on_grads: Callable[[], None] | None = None) -> torch.Tensor:
@@ -231,7 +232,7 @@ class _Trainer:
         stats = self.stats
         if stats is not None:
             stats.meter.begin_step()
-        with _autocast(plan, exe.mesh.device, fsdp, holds_stacked_weights(exe.parts)), loss_context(par.tp):
+        with _autocast(plan, exe.mesh.device, fsdp, self.stacked), loss_context(par.tp):
             if exe.schedule is not None:
                 contrib = self._pipeline_step(batch)
             else:
@@ -456,13 +457,14 @@ def run_reference(
     opt = build_optimizer(list(model.parameters()), plan.training.optimizer, lr, False, None)
     g, mbs = plan.training.global_batch_size, plan.training.micro_batch_size
     n = g // mbs
+    stacked = holds_stacked_weights([model])
     losses = []
     for step in range(steps):
         batch = global_batch(mf, g, step, seed)
         total = 0.0
         for i in range(n):
             mb = rows(batch, i * mbs, (i + 1) * mbs)
-            with _autocast(plan, torch.device("cpu"), False, holds_stacked_weights([model])):
+            with _autocast(plan, torch.device("cpu"), False, stacked):
                 loss = mf.loss_fn(call_model(model, mb), mb)
             (loss / n).backward()
             total += float(loss.detach()) / n
