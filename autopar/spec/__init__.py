@@ -45,6 +45,7 @@ from autopar.spec.tp_plan import (
     resolve,
     root_prefixes,
 )
+from autopar.spec.vocab_edges import embedding_read_late, vocab_edges
 from autopar.usercode import model_failed
 
 __all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model", "token_dict_keys"]
@@ -131,35 +132,6 @@ def chain_experts(model: nn.Module, units: tuple[str, ...], observed_top_k: Call
                           for _, m in found if m is not None):
         return holders, None
     return holders, moe
-
-
-def _vocab_edges(model: nn.Module, blocks_path: str) -> tuple[str | None, str | None]:
-    """The token embedding and the output head: Hugging Face's ``get_input_embeddings`` /
-    ``get_output_embeddings`` when the model has them, else the nn.Embedding outside the blocks whose
-    vocabulary an nn.Linear outside the blocks projects to (that Linear is the head; the largest such
-    embedding wins), else the largest nn.Embedding alone (GPT's position embedding is smaller)."""
-    inside = blocks_path + "."
-    outside = [(n, m) for n, m in model.named_modules() if n and n != blocks_path and not n.startswith(inside)]
-    names = {id(m): n for n, m in outside}
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    if callable(get_in):
-        try:
-            e, h = get_in(), get_out() if callable(get_out) else None
-        except (NotImplementedError, AttributeError):
-            e = h = None
-        emb = names.get(id(e)) if isinstance(e, nn.Embedding) else None
-        head = names.get(id(h)) if isinstance(h, nn.Linear) else None
-        if emb is not None and head is not None and h.out_features != e.num_embeddings:
-            head = None
-        if emb is not None:
-            return emb, head
-    embeddings = sorted(((m.num_embeddings, n) for n, m in outside if isinstance(m, nn.Embedding)), reverse=True)
-    linears = [(n, m) for n, m in outside if isinstance(m, nn.Linear)]
-    for vocab, e_name in embeddings:
-        heads = [n for n, m in linears if m.out_features == vocab]
-        if heads:
-            return e_name, heads[-1]
-    return (embeddings[0][1] if embeddings else None), None
 
 
 def _tied(model: nn.Module) -> tuple[tuple[str, ...], ...]:
@@ -312,7 +284,9 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
 
     tp = _tp_plan_of(mf, model, blocks_path, block, infer)
     heads, kv = _heads(model, block, lambda: (infer().heads, infer().kv_heads))
-    emb, head = _vocab_edges(model, blocks_path)
+    emb, head = vocab_edges(model, blocks_path, probe)
+    if emb is not None and embedding_read_late(model, emb, head, blocks[len(blocks) - 1], run):
+        emb = None  # its table is read whole after the blocks: kept replicated (spec/vocab_edges.py)
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -382,7 +356,9 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run:
     first = chain.units[0].rsplit(".", 1)[0]
     probe = chain.probe
     heads, kv = _heads(model, model.get_submodule(chain.units[0]), lambda: (None, None))  # no block to infer from
-    emb, head = _vocab_edges(model, first)
+    emb, head = vocab_edges(model, first, probe)
+    if emb is not None and embedding_read_late(model, emb, head, model.get_submodule(chain.units[-1]), run):
+        emb = None  # its table is read whole after the blocks: kept replicated (spec/vocab_edges.py)
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

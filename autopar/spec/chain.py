@@ -219,8 +219,11 @@ def probe_chain(model: nn.Module, units: list[str], run: Callable[[], Any]) -> C
         bare.setdefault(name, ())
     reason = _pp_reason(ordered, [info[i] for i in order], modules, bare, twice, L)
     first, last = info[ran_order[0]], info[ran_order[-1]]
+    # after the last call: position L, or the call count where a shared unit ran at every depth
+    # (positions then stay counted in calls: ALBERT's head runs at position 12 of a 1-unit chain)
+    end = len(calls) if twice else L
     probe = Probe(prologue=tuple((n, returned.get(n, "Tensor")) for n, pos in modules.items() if pos == (0,)),
-                  epilogue=tuple(n for n, pos in modules.items() if pos == (L,)),
+                  epilogue=tuple(n for n, pos in modules.items() if pos == (end,)),
                   block_call=BlockCall(num_args=first["num_args"], kwargs=first["kwargs"],
                                        first_arg_is_tensor=first["first"] is not None),
                   block_output="Tensor" if isinstance(last.get("out"), torch.Tensor) else type(last.get("out")).__name__)

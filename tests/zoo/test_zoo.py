@@ -58,10 +58,9 @@ CASES = [
     # the head multiplies by the input embedding's weight (h @ embeddings.weight.T): that prologue module is
     # shared, real on the last stage (spec/pipeline_probe.py)
     pytest.param("hf_perceiver", "pp2", ("pp",), id="hf_perceiver-pp2"),
-    # the spec takes the position table for the token embedding and the cross-attention's dense2 (64
-    # features = 64 positions) for the vocabulary head; sharding it mixes a DTensor into the prologue
-    pytest.param("hf_perceiver", "tp2+sp", ("tp",), id="hf_perceiver-tp2",
-                 marks=_xfail("vocab edges: a Linear before the blocks taken for the output head")),
+    # the cross-attention before the blocks has a Linear as wide as the position table: only a module
+    # after the blocks can be the vocabulary head (spec/vocab_edges.py)
+    pytest.param("hf_perceiver", "tp2+sp", ("tp",), id="hf_perceiver-tp2"),
 ]
 
 
