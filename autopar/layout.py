@@ -242,6 +242,52 @@ def tp_heads_reason(tp: int, num_heads: int | None, num_kv_heads: int | None) ->
     return None
 
 
+@dataclass(frozen=True, kw_only=True)
+class TPDegrees:
+    """What decides, degree by degree, whether tensor parallelism runs on a model: the one predicate
+    the search, ``autopar estimate`` and the executor's preflight ask (``reason``).
+
+    A degree must divide the heads and key/value heads (``tp_heads_reason``) and the width of every
+    planned layer (``widths``: layer name -> the width tp splits; colwise its outputs, rowwise its
+    inputs). The code a block runs can ask more of a rank's width than a shape rule sees (CodeGen
+    reshapes its fused qkv into ``mp_num = 4`` groups of whole heads: at 2 heads a rank it fails),
+    so every degree the rules allow was also run, block 0 at one rank's width on meta
+    (spec/tp_degree.py), and ``refused`` holds those that failed, with why. Only divisors of the
+    heads and widths pass the rules, so every degree ``reason`` can say None to has been run."""
+
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    widths: tuple[tuple[str, int], ...] = ()
+    refused: tuple[tuple[int, str], ...] = ()
+
+    def rule_reason(self, tp: int) -> str | None:
+        """Why ``tp`` breaks a shape rule (heads, widths), None if it keeps them all."""
+        if tp == 1:
+            return None
+        why = tp_heads_reason(tp, self.num_heads, self.num_kv_heads)
+        if why:
+            return why
+        for name, width in self.widths:
+            if width % tp:
+                return f"tp = {tp} does not divide the width {width} of {name}; pick another tp"
+        return None
+
+    def reason(self, tp: int) -> str | None:
+        """None if degree ``tp`` runs on the model, else one line saying why not."""
+        return self.rule_reason(tp) or dict(self.refused).get(tp)
+
+    def candidates(self) -> tuple[int, ...]:
+        """The degrees > 1 that keep every shape rule (what the meta check runs): the divisors of the
+        heads' and widths' greatest common divisor; none where neither heads nor widths are known."""
+        import math
+
+        sizes = [n for n in (self.num_heads, self.num_kv_heads) if n] + [w for _, w in self.widths]
+        if not sizes:
+            return ()
+        g = math.gcd(*sizes)
+        return tuple(d for d in range(2, g + 1) if g % d == 0 and self.rule_reason(d) is None)
+
+
 def ulysses_reason(tp: int, cp: int, num_heads: int | None, num_kv_heads: int | None) -> str | None:
     """Ulysses trades the sequence for heads: tp x cp divides the heads (and, as the cost model
     prices it, the key/value heads; pass None where K/V heads are repeated first)."""

@@ -261,6 +261,7 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
         tp_source=_tp_source(spec), tp_styles={}, regions=regions, params=params, tied_params=tied,
         block_input_bytes=units[0].input_bytes,
         build_seconds=time.perf_counter() - start, chain=units, moe=MoEFacts.of(spec.moe),
+        tp_degrees=spec.tp_degrees,
     )
 
 

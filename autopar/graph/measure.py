@@ -163,6 +163,7 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         regions=regions, params=params, tied_params=tied,
         block_input_bytes=base.block_input_bytes,
         build_seconds=time.perf_counter() - start, moe=MoEFacts.of(spec.moe),  # expert parallelism
+        tp_degrees=spec.tp_degrees,
         carried=_carried(mf, small, spec, shapes) if support["pp"] is None else (),
     )
 

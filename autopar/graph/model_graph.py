@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from autopar.graph.scaling import FitQuantity, RegionFit, Shape
-from autopar.layout import tp_heads_reason, ulysses_reason
+from autopar.layout import TPDegrees, tp_heads_reason, ulysses_reason
 from autopar.plan import DTYPE_BYTES
 
 if TYPE_CHECKING:
@@ -133,6 +133,9 @@ class ModelGraph:
     # regions["block"] / params["block"] describe unit 0 only; the cost model reads the units
     # (cost/chain.py). Empty: the blocks repeat.
     chain: tuple[ChainUnit, ...] = ()
+    # Which tp degrees run (layout.TPDegrees, from the spec): what ``tp_allowed`` asks. None (a
+    # graph built by hand): the heads rule alone.
+    tp_degrees: TPDegrees | None = None
     # Expert parallelism: the blocks' mixture of experts (from autopar.spec.moe), None when dense; the cost
     # model prices expert parallelism from it (autopar.cost.expert). A chain: the one its units marked
     # ``experts`` hold.
@@ -233,6 +236,8 @@ class ModelGraph:
             return None
         if self.tp_reason:
             return self.tp_reason
+        if self.tp_degrees is not None:  # the predicate the executor's preflight asks too
+            return self.tp_degrees.reason(tp)
         return tp_heads_reason(tp, self.num_heads, self.num_kv_heads)
 
     def ulysses_allowed(self, tp: int, cp: int) -> str | None:

@@ -35,6 +35,7 @@ from autopar.spec.short_run import middle_blocks_answered, only_unit_runs
 from autopar.spec.sp_check import sp_check
 from autopar.spec.spec_inputs import is_int_matrix, spec_inputs
 from autopar.spec.support import support_of
+from autopar.spec.tp_degree import tp_degrees_of
 from autopar.spec.tp_infer import Inference, infer_tp
 from autopar.spec.tp_plan import (
     TPPlan,
@@ -296,7 +297,9 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
         isinstance(inputs, tuple) and all(isinstance(v, torch.Tensor) for v in inputs))
     token_batch = isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point()
     token_key, labels_key = token_dict_keys(inputs)
-    moe = moe_of(model, block, observed, _first_calls(run, block))
+    block_calls = _first_calls(run, block)  # one recording forward, shared by the readers below
+    moe = moe_of(model, block, observed, block_calls)
+    degrees = tp_degrees_of(heads, kv, block, tp.styles, tp.local_attrs, blocks_path, block_calls)
     # MoE blocks are refused SP before any check (spec/support.py); a block without TP has none.
     sp_why, keyword_parents = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
                                if tp.styles and moe is None else (None, ()))
@@ -312,7 +315,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
         inputs_are_token_batch=token_batch, token_key=token_key, labels_key=labels_key,
         is_sequence_model=mf.seq_len is not None, hf_attention=hf, cp_mixing=cp_mixing, routed=bool(routing),
         notes=tp.dropped,
-        moe=moe, sp_check=sp_why, tp_inplace_outputs=inplace_outputs(block, tp.styles, run) if tp.styles else (),
+        moe=moe, sp_check=sp_why, tp_degrees=degrees, tp_inplace_outputs=inplace_outputs(block, tp.styles, run) if tp.styles else (),
         chain=_meta_call(where, lambda: block_list_chain(model, blocks_path, run)) if isinstance(blocks, nn.Sequential) else None,
     )
     return _with_support(spec)
@@ -401,7 +404,9 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run:
         why = (f"no single list of identical blocks (a chain of {chain.num_units} units in {lists}); tp plans apply "
                "to the blocks of one module list")
     tp = TPPlan(styles={}, source=source, detail=why)
-    return ModelSpec(
+    degrees = tp_degrees_of(heads, kv, None, {}, (), first, None,
+                            kinds={f"{k.unit}.": (model.get_submodule(k.unit), k.plan.styles) for k in kinds})
+    return ModelSpec(tp_degrees=degrees,
         blocks_path=first, num_blocks=chain.num_units, blocks_kind="chain", tp=tp, core_name=None,
         num_heads=heads, num_kv_heads=kv, accepts_positions="positions" in params, vocab_embedding=emb,
         vocab_head=head, tied=_tied(model), probe=probe, bare_params=tuple(chain.bare),

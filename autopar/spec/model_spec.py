@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from autopar.layout import TPDegrees
 from autopar.spec.attention import HFAttention
 from autopar.spec.blocks import Probe
 from autopar.spec.chain import Chain
@@ -68,6 +69,14 @@ class ModelSpec:
     # A chain read as one module list (chain.block_list): the TP plan of each unit kind, in chain
     # order (spec/chain_tp.py); empty otherwise. ``tp`` stays empty for a chain.
     kind_tp: tuple[KindPlan, ...] = ()
+    # Which tp degrees run (spec/tp_degree.py): the one predicate of a degree, asked by the search
+    # (through the graph), estimate and the executor's preflight. Default: the heads rule alone.
+    tp_degrees: TPDegrees = field(default_factory=TPDegrees)
+
+    def __post_init__(self) -> None:
+        if self.tp_degrees.num_heads is None and self.num_heads is not None:  # a spec built by hand
+            object.__setattr__(self, "tp_degrees", TPDegrees(num_heads=self.num_heads,
+                                                             num_kv_heads=self.num_kv_heads))
 
     @property
     def unit_paths(self) -> tuple[str, ...]:

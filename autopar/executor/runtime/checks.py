@@ -8,7 +8,7 @@ from torch import nn
 
 from autopar.errors import AutoparError
 from autopar.executor.runtime.introspect import ModelSpec, example_shape_check, inspect_model
-from autopar.layout import tp_heads_reason, ulysses_reason
+from autopar.layout import ulysses_reason
 from autopar.modelfile import ModelFile
 from autopar.plan import DIMENSION_NAMES, Plan
 
@@ -92,20 +92,10 @@ def preflight(plan: Plan, mf: ModelFile, world_size: int | None = None) -> tuple
         from autopar.executor.parallel.expert_parallel import check_expert_parallel
 
         check_expert_parallel(plan, spec, where, mf)
-    if par.tp > 1:
-        reason = tp_heads_reason(par.tp, spec.num_heads, spec.num_kv_heads)
+    if par.tp > 1:  # heads, widths and the block run at this degree: the planner's predicate (layout.TPDegrees)
+        reason = spec.tp_degrees.reason(par.tp)
         if reason:
             raise AutoparError(reason)
-        blocks = model.get_submodule(spec.blocks_path)
-        kinds = spec.chain.kinds if spec.kind_tp else (0,)  # a chain's units: one check per kind
-        planned = [(i, name, style) for i in sorted(set(kinds)) for name, style in spec.unit_tp(i).styles.items()]
-        for i, name, style in planned:
-            lin = blocks[i].get_submodule(name)
-            # nn.Linear, or HF Conv1D (weight (in, out))
-            in_f, out_f = (lin.in_features, lin.out_features) if isinstance(lin, nn.Linear) else tuple(lin.weight.shape)
-            width = out_f if style == "colwise" else in_f
-            if width % par.tp:
-                raise AutoparError(f"tp = {par.tp} does not divide the width {width} of {name}; pick another tp")
     if par.cp > 1:
         if spec.token_key is None:
             example_shape_check(mf.example_inputs(1), where, need_sequence=True)
