@@ -251,7 +251,8 @@ class TPDegrees:
     planned layer (``widths``: layer name -> the width tp splits; colwise its outputs, rowwise its
     inputs). The code a block runs can ask more of a rank's width than a shape rule sees (CodeGen
     reshapes its fused qkv into ``mp_num = 4`` groups of whole heads: at 2 heads a rank it fails),
-    so every degree the rules allow was also run, block 0 at one rank's width on meta
+    so every degree the rules allow was also run, block 0 (a chain: one unit of each kind) at one
+    rank's width on meta
     (spec/tp_degree.py), and ``refused`` holds those that failed, with why. Only divisors of the
     heads and widths pass the rules, so every degree ``reason`` can say None to has been run."""
 

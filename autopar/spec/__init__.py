@@ -35,7 +35,7 @@ from autopar.spec.short_run import middle_blocks_answered, only_unit_runs
 from autopar.spec.sp_check import sp_check
 from autopar.spec.spec_inputs import is_int_matrix, spec_inputs
 from autopar.spec.support import support_of
-from autopar.spec.tp_degree import tp_degrees_of
+from autopar.spec.tp_degree import PlannedUnit, tp_degrees_of
 from autopar.spec.tp_infer import Inference, infer_tp
 from autopar.spec.tp_plan import (
     TPPlan,
@@ -299,7 +299,8 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
     token_key, labels_key = token_dict_keys(inputs)
     block_calls = _first_calls(run, block)  # one recording forward, shared by the readers below
     moe = moe_of(model, block, observed, block_calls)
-    degrees = tp_degrees_of(heads, kv, block, tp.styles, tp.local_attrs, blocks_path, block_calls)
+    degrees = tp_degrees_of(heads, kv, (PlannedUnit(prefix="", module=block, styles=tp.styles,
+                                                    local_attrs=tp.local_attrs, container=blocks_path),), block_calls)
     # MoE blocks are refused SP before any check (spec/support.py); a block without TP has none.
     sp_why, keyword_parents = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
                                if tp.styles and moe is None else (None, ()))
@@ -404,8 +405,10 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run:
         why = (f"no single list of identical blocks (a chain of {chain.num_units} units in {lists}); tp plans apply "
                "to the blocks of one module list")
     tp = TPPlan(styles={}, source=source, detail=why)
-    degrees = tp_degrees_of(heads, kv, None, {}, (), first, None,
-                            kinds={f"{k.unit}.": (model.get_submodule(k.unit), k.plan.styles) for k in kinds})
+    # one unit of each kind, run at every degree the rules allow as the forward called it
+    planned = tuple(PlannedUnit(prefix=f"{k.unit}.", module=model.get_submodule(k.unit), styles=k.plan.styles,
+                                local_attrs=k.plan.local_attrs, container=k.unit.rsplit(".", 1)[0]) for k in kinds)
+    degrees = tp_degrees_of(heads, kv, planned, _first_calls(run, model) if planned else None)
     return ModelSpec(tp_degrees=degrees,
         blocks_path=first, num_blocks=chain.num_units, blocks_kind="chain", tp=tp, core_name=None,
         num_heads=heads, num_kv_heads=kv, accepts_positions="positions" in params, vocab_embedding=emb,
