@@ -19,7 +19,7 @@ from autopar.graph.short_probe import build_bounded
 from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit
 from autopar.modelfile import ModelFile, load_model_file
 from autopar.spec import model_spec
-from autopar.spec.tp_shard import shard_for_tp
+from autopar.spec.tp_shard import Edges, shard_for_tp
 from autopar.torch_dtypes import TORCH_DTYPES
 from autopar.usercode import model_failed
 
@@ -120,7 +120,8 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     tp_reason = spec.support_reason("tp")
     t2, loss_t2 = None, True
     if tp_reason is None:
-        sharded = shard_for_tp(small, blocks_attr, tp_plan, 2, spec.tp.local_attrs)
+        edges = (spec.vocab_embedding, spec.vocab_head)  # the edges the executor shards by vocabulary
+        sharded = shard_for_tp(small, blocks_attr, tp_plan, 2, spec.tp.local_attrs, edges=edges)
         try:
             t2 = run(sharded, inputs1)
         except ModelFileError as exc:
@@ -132,7 +133,8 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
             # loss_fn's own constant (logits.view(-1, VOCAB)): trace again with the model's default
             # loss; the edges keep their vocab-parallel exponents, the loss region is fitted without
             # tp (measured at full vocabulary).
-            local = shard_for_tp(small, blocks_attr, tp_plan, 2, spec.tp.local_attrs, vocab_constants=True)
+            local = shard_for_tp(small, blocks_attr, tp_plan, 2, spec.tp.local_attrs, vocab_constants=True,
+                                 edges=edges)
             try:
                 t2 = run(local, inputs1)
             except ModelFileError:
@@ -148,7 +150,8 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         except ValueError:
             # Shapes change the op sequence: fall back to fitting without TP (rare; non-transformer code paths).
             regions[region] = fit_with_scan(region, base.trace, b2.trace, None, None)
-    params, tied = _region_params(small, base.param_regions, t2, blocks_attr, tp_plan, spec.tp.local_attrs)
+    params, tied = _region_params(small, base.param_regions, t2, blocks_attr, tp_plan, spec.tp.local_attrs,
+                                  (spec.vocab_embedding, spec.vocab_head))
     support = dict(spec.support)
     if tp_reason is not None:  # the sharded block did not trace: TP and what needs it are off
         support.update(tp=tp_reason, sp=support["sp"] or "needs tp")
@@ -191,7 +194,8 @@ def _cast_float(value: Any, dtype: torch.dtype) -> Any:
 
 
 def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any, blocks_attr: str,
-                   tp_plan: dict[str, str] | None, local_attrs: tuple[str, ...] = ()) -> tuple[dict[str, RegionParams], int]:
+                   tp_plan: dict[str, str] | None, local_attrs: tuple[str, ...] = (),
+                   edges: Edges | None = None) -> tuple[dict[str, RegionParams], int]:
     counts = {"pre": 0, "block": 0, "post": 0, "loss": 0}
     tensors = dict.fromkeys(counts, 0)
     tied = 0
@@ -208,7 +212,7 @@ def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any
             tied += p.numel()
     sharded = {"pre": 0, "block": 0, "post": 0, "loss": 0}
     if t2 is not None and tp_plan:
-        sharded_model = shard_for_tp(small, blocks_attr, tp_plan, 2, local_attrs)
+        sharded_model = shard_for_tp(small, blocks_attr, tp_plan, 2, local_attrs, edges=edges)
         for (name, p), (_, q) in zip(small.named_parameters(), sharded_model.named_parameters()):
             if p.numel() != q.numel():
                 regions = param_regions.get(id(p), {"pre"})

@@ -77,7 +77,7 @@ from autopar.profiler.cores import usable_cores
 from autopar.profiler.memory import LiveBytes
 from autopar.spec import find_core as _find_core  # the executor's own rule for the attention core
 from autopar.spec import model_spec
-from autopar.spec.tp_shard import shard_for_tp, vocab_size_of
+from autopar.spec.tp_shard import Edges, shard_for_tp, vocab_size_of
 from autopar.torch_dtypes import TORCH_DTYPES
 
 
@@ -152,16 +152,16 @@ def materialise(model: nn.Module, device: torch.device,
 
 
 def _rank_model(small: nn.Module, blocks_attr: str, tp_plan: dict[str, str], tp: int,
-                local_attrs: tuple[str, ...] = ()) -> tuple[nn.Module, int | None]:
+                local_attrs: tuple[str, ...] = (), edges: Edges | None = None) -> tuple[nn.Module, int | None]:
     """(``small`` as one tp rank holds it, the vocabulary rows of its embedding that token ids must
     stay below; None: the ids need no wrapping -- tp = 1, or no vocabulary)."""
     if tp == 1:
         return small, None
-    vocab = vocab_size_of(small)
+    vocab = vocab_size_of(small, edges)
     rows = vocab // tp if vocab is not None and vocab % tp == 0 else vocab  # the executor's rule
     # vocab_constants: a model's own label loss (HF: logits viewed by config.vocab_size) runs on the
     # rank's vocabulary slice, as the executor's vocab-parallel loss runs it on the DTensor logits.
-    sharded = shard_for_tp(small, blocks_attr, tp_plan, tp, local_attrs, vocab_constants=True)
+    sharded = shard_for_tp(small, blocks_attr, tp_plan, tp, local_attrs, vocab_constants=True, edges=edges)
     if rows is not None:
         # ids left whole (_clamp_tokens: beside labels) are wrapped where the rank's table is read
         for mod in sharded.modules():
@@ -331,7 +331,8 @@ def profile_layers(mf: ModelFile, device: torch.device, cfg: LayerProfileConfig,
     for tp in cfg.tps:
         if tp > 1 and not tp_plan:
             continue
-        rank_model, vocab = _rank_model(small, blocks_attr, tp_plan, tp, spec.tp.local_attrs)
+        rank_model, vocab = _rank_model(small, blocks_attr, tp_plan, tp, spec.tp.local_attrs,
+                                        (spec.vocab_embedding, spec.vocab_head))
         with mf.running(f"while building the block at tp {tp} on {device}"):  # its reset_parameters
             model = materialise(rank_model, device, buffers)
         if dtype != torch.float32:

@@ -50,7 +50,26 @@ def localise_vocab_constants(model: nn.Module, vocab: int, tp: int) -> int:
     return changed
 
 
-def vocab_size_of(model: nn.Module) -> int | None:
+# (token embedding, output head): the dotted names the spec found (ModelSpec.vocab_embedding /
+# vocab_head, spec/vocab_edges.py), None where there is none
+Edges = tuple[str | None, str | None]
+
+
+def _edge(model: nn.Module, name: str | None, kind: type) -> nn.Module | None:
+    try:
+        mod = model.get_submodule(name) if name else None
+    except AttributeError:
+        return None
+    return mod if isinstance(mod, kind) else None
+
+
+def vocab_size_of(model: nn.Module, edges: Edges | None = None) -> int | None:
+    """The vocabulary tensor parallelism shards: with the spec's ``edges``, the token embedding's rows,
+    else the head's outputs (None: neither, nothing is sharded by vocabulary); without them the
+    largest nn.Embedding's rows."""
+    if edges is not None:
+        emb, head = _edge(model, edges[0], nn.Embedding), _edge(model, edges[1], nn.Linear)
+        return emb.num_embeddings if emb is not None else (head.out_features if head is not None else None)
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     return max(sizes) if sizes else None
 
@@ -89,7 +108,8 @@ def shard_block_for_tp(block: nn.Module, tp_plan: Mapping[str, str], tp: int, lo
 
 
 def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str], tp: int,
-                 local_attrs: tuple[str, ...] = (), *, vocab: bool = True, vocab_constants: bool = False) -> nn.Module:
+                 local_attrs: tuple[str, ...] = (), *, vocab: bool = True, vocab_constants: bool = False,
+                 edges: Edges | None = None) -> nn.Module:
     """A meta copy whose first block's Linear layers and vocabulary edges hold 1/tp of their width,
     as each tensor-parallel rank of the executor holds them: the token embedding vocab/tp rows, the
     output head vocab/tp output columns (executor/parallel/tensor_parallel.py), a tied embedding/head weight
@@ -97,17 +117,25 @@ def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str],
     such edges replicated; ``vocab=False`` keeps the edges whole regardless. Only shapes matter on
     meta. HF ``Conv1D`` layers shard like Linear layers (their weight is transposed);
     ``local_attrs`` (TPPlan.local_attrs) are divided by tp; ``vocab_constants``: the model's integer
-    vocabulary attributes too (``localise_vocab_constants``), where the edges are sharded."""
+    vocabulary attributes too (``localise_vocab_constants``), where the edges are sharded.
+    ``edges``: the spec's token embedding and head, the only edges the executor shards (with the
+    modules holding their weights: a tied lookup); the logits, their buffers and the vocabulary
+    attributes are a rank's slice only where the head is sharded. None: every nn.Embedding and
+    nn.Linear outside the blocks as large as the largest table."""
     sharded = copy.deepcopy(model)
     shard_block_for_tp(sharded.get_submodule(blocks_attr)[0], tp_plan, tp, local_attrs, blocks_attr)
     if not vocab:
         return sharded
-    vocab = vocab_size_of(sharded)
+    vocab = vocab_size_of(sharded, edges)
     if vocab is not None and vocab % tp == 0:
+        chosen = None if edges is None else {id(m.weight) for m in (_edge(sharded, edges[0], nn.Embedding),
+                                                                   _edge(sharded, edges[1], nn.Linear)) if m is not None}
         new_by_old: dict[int, nn.Parameter] = {}  # id(old weight) -> its sharded replacement (ties)
         for name, mod in list(sharded.named_modules()):
             if name.startswith(blocks_attr + ".") or name == blocks_attr:
                 continue
+            if chosen is not None and id(getattr(mod, "weight", None)) not in chosen:
+                continue  # not an edge the executor shards, nor tied to one
             new: nn.Module | None = None
             if isinstance(mod, nn.Embedding) and mod.num_embeddings == vocab:
                 new = nn.Embedding(vocab // tp, mod.embedding_dim, device="meta", dtype=mod.weight.dtype)
@@ -123,10 +151,11 @@ def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str],
             setattr(sharded.get_submodule(parent_name) if parent_name else sharded, leaf, new)
         # a vocabulary bias added to the logits (BART's final_logits_bias): the executor's replicated
         # DTensor meets the logits as the rank's slice
-        for mod, bname, buf in vocab_buffers(sharded, blocks_attr, vocab):
+        logits_sharded = edges is None or _edge(model, edges[1], nn.Linear) is not None
+        for mod, bname, buf in vocab_buffers(sharded, blocks_attr, vocab) if logits_sharded else ():
             mod.register_buffer(bname, buf[..., : vocab // tp].clone(),
                                 persistent=bname not in mod._non_persistent_buffers_set)
-        if vocab_constants:
+        if vocab_constants and logits_sharded:
             localise_vocab_constants(sharded, vocab, tp)
     return sharded
 

@@ -87,3 +87,24 @@ def test_without_a_probe_every_module_outside_the_blocks_is_a_candidate() -> Non
     call = BlockCall(num_args=1, kwargs=(), first_arg_is_tensor=True)
     probe = Probe(prologue=(("pre", "Tensor"),), epilogue=("late",), block_call=call, block_output="Tensor")
     assert vocab_edges(model, "blocks", probe) == (None, None)
+
+
+def test_the_planners_tp_rank_copy_shards_the_edges_the_executor_shards(tmp_path: Path) -> None:
+    """The meta copy the planner traces at tp 2 narrows only the spec's edges (and what is tied to
+    them), so a table kept whole by the executor is priced whole."""
+    from autopar.spec.tp_shard import shard_for_tp
+
+    path = tmp_path / "pre_linear_matmul_head.py"
+    path.write_text(_MODEL.format(head=False), encoding="utf-8")
+    mf = load_model_file(path)
+    model, spec = mf.build("meta"), model_spec(mf)
+    edges = (spec.vocab_embedding, spec.vocab_head)
+    rank = shard_for_tp(model, "blocks", {"fc": "colwise"}, 2, edges=edges)
+    assert rank.tok.weight.shape == (64, 32) and rank.mix.weight.shape == (64, 32)
+    linear_head = tmp_path / "pre_linear_head.py"
+    linear_head.write_text(_MODEL.format(head=True), encoding="utf-8")
+    mf = load_model_file(linear_head)
+    model, spec = mf.build("meta"), model_spec(mf)
+    rank = shard_for_tp(model, "blocks", {"fc": "colwise"}, 2, edges=(spec.vocab_embedding, spec.vocab_head))
+    assert rank.tok.weight.shape == (32, 32) and rank.head.weight.shape == (32, 32)
+    assert rank.mix.weight.shape == (64, 32)  # as wide as the vocabulary, before the blocks: left whole
