@@ -162,7 +162,9 @@ def exchange(rows: torch.Tensor, counts: torch.Tensor, groups: ExpertGroups,
     # the ep group) must run on every rank, also where the local experts got no rows and their
     # output does not depend on them (autograd would skip it there and the peers wait forever)
     out_grouped = compute(grouped, per_local) + grouped[:0].sum()
-    out = torch.empty_like(out_grouped).index_copy(0, order, out_grouped) if order.numel() else out_grouped
+    # back to arrival order by a gather with the inverse permutation: index_copy's backward keeps
+    # its source (rows x width) alive for the shape alone, a gather keeps only the indices
+    out = out_grouped[torch.argsort(order)] if order.numel() else out_grouped
     return _a2a(out, send_splits, recv_splits, group)
 
 
@@ -218,8 +220,12 @@ def _stacked_forward(groups: ExpertGroups, original: Callable, call: tuple[str, 
             return _touch(y, list(self.parameters()))
 
         y = exchange(hidden[token_of], counts, groups, compute)
-        y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
-        return torch.zeros_like(hidden).index_add(0, token_of, y.to(hidden.dtype)).reshape(shape)
+        # each token's k results back in (token, k) order by a gather with the inverse permutation,
+        # weighted and summed over k: what the model's own code saves for backward (index_add's
+        # backward would keep its weighted source, rows x width, alive for the shape alone)
+        y = y[torch.argsort(order)].reshape(tokens, k, hidden.shape[-1])
+        y = (y * top_k_weights.reshape(tokens, k, 1).to(y.dtype)).sum(1)
+        return y.to(hidden.dtype).reshape(shape)
     return forward
 
 
