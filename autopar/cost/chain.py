@@ -12,7 +12,16 @@ A chain is planned with one chunk per pipeline rank (v = 1: GPipe or 1F1B). Rank
 
     t_r   = sum_{i in r} tau_i + [r > 0] p2p(s_r) + [r < pp-1] p2p(s_{r+1}) + [r = 0] pre + [r = pp-1] post
     step  = (M - 1) max_r t_r + sum_r t_r + max_r tail_r
-    mem_r = sigma P_r + I_r (sum_{i in r} alpha_i + edges) + max_{i in r} transient_i + reserve
+    mem_r = sigma P_r + I_r (sum_{i in r} alpha_i + edges) + other_r + reserve
+    other_r = root_r + max([r < pp-1 or not] max_{i in r} phase_i - [r = pp-1] post_act,
+                           [r = pp-1] loss, [r = 0] pre_peak) + M (buf(s_r) [r > 0] + buf(s_{r+1}) [r < pp-1])
+
+phase_i is unit i's backward (``unit_phase_bytes``): its transients (ZeRO-3's gathered
+parameters and gradients, its recompute working set) + its temporaries (gradients of
+activations, ``Part.peak_bytes``) + FSDP2's held reduce-scatter input beyond the unit's own
+activations; the loss and embedding phases, the root's gathered parameters and the pipeline's
+receive buffers (one per micro-batch per cut, ``cut_buffer_bytes``) are the ones
+``StageTerms.rank_other_bytes`` gives a block list's ranks.
 
 tail_r as in ``cost.step.evaluate``. With tp > 1 (a list of differing blocks with a TP plan per
 unit kind, spec/chain_tp.py) tau_i is unit i's region at t = tp -- fitted under its kind's plan, so
@@ -32,9 +41,17 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time
 from autopar.cost.expert import ExpertCost, adjust_terms, moe_summary
-from autopar.cost.stage import Config, Part, StageTerms, _tp_backward_exposed, _tp_time, build_terms
+from autopar.cost.stage import (
+    Config,
+    Part,
+    StageTerms,
+    _pipeline_buffer_bytes,
+    _tp_backward_exposed,
+    _tp_time,
+    build_terms,
+)
 from autopar.cost.step import Estimate, RankCost
-from autopar.cost.zero import overlapped, per_microbatch_exposed
+from autopar.cost.zero import held_reduce_input_bytes_per_param, overlapped, per_microbatch_exposed
 from autopar.graph.model_graph import ChainUnit, ModelGraph
 from autopar.graph.scaling import Shape
 from autopar.layout import Layout
@@ -48,6 +65,10 @@ class ChainTerms:
     units: tuple[Part, ...]
     cut_p2p_s: tuple[float, ...]  # [i]: a cut before unit i (index 0 unused: 0.0)
     unit_transient_bytes: tuple[float, ...]
+    # [i]: what unit i's backward holds beyond saved activations and states (module docstring)
+    unit_phase_bytes: tuple[float, ...] = ()
+    # [i]: one pipeline receive buffer of a cut before unit i (0 where the software allocates none)
+    cut_buffer_bytes: tuple[float, ...] = ()
     # ep > 1: the expert-parallel terms of one unit holding the experts (all such units share the
     # graph's one mixture), and which units hold them; None / all False otherwise
     expert: ExpertCost | None = None
@@ -56,6 +77,13 @@ class ChainTerms:
     def __post_init__(self) -> None:
         if not (len(self.units) == len(self.cut_p2p_s) == len(self.unit_transient_bytes) >= 1):
             raise ValueError("ChainTerms needs one part, cut time and transient per unit")
+        n = len(self.units)
+        if not self.unit_phase_bytes:
+            object.__setattr__(self, "unit_phase_bytes", tuple(self.unit_transient_bytes))
+        if not self.cut_buffer_bytes:
+            object.__setattr__(self, "cut_buffer_bytes", (0.0,) * n)
+        if not (len(self.unit_phase_bytes) == len(self.cut_buffer_bytes) == n):
+            raise ValueError("ChainTerms needs one backward phase and cut buffer per unit")
         if self.base.config.virtual_stages != 1:
             raise ValueError("a chain is planned with one chunk per pipeline rank (virtual_stages 1)")
 
@@ -84,7 +112,8 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
     layout = Layout.of(cfg)
     pp_link, dpcp_link = axis_link(cluster, layout, "pp"), axis_link(cluster, layout, "dp_cp")
     tp_link = axis_link(cluster, layout, "tp")
-    parts, cuts, transient = [], [], []
+    parts, cuts, transient, phases, buffers = [], [], [], [], []
+    held_per_param = held_reduce_input_bytes_per_param(cfg, cluster)
     expert: ExpertCost | None = None
     for i, unit in enumerate(graph.chain):
         rt = graph_region_time(graph, unit.region, cluster, shape)
@@ -99,7 +128,8 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
         params = _unit_params(graph, unit, cfg.tp)
         zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
         part = Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=0.0,
-                    zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops)
+                    zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
+                    peak_bytes=rt.peak_bytes)
         gathered = params
         if cfg.ep > 1 and unit.experts:  # its experts sharded over ep ranks, priced as a block's (cost/expert.py)
             ep = adjust_terms(graph, cluster, cfg, part, dense_state_bytes=base.state_bytes_per_param,
@@ -112,7 +142,13 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
         cuts.append(collective_time_s("p2p", in_bytes, pp_link) if i and cfg.pp > 1 else 0.0)
         # ZeRO-3: the unit's gathered parameters (and gradients), as build_terms for a block
         transient.append((3 * gathered * cfg.dtype_bytes if cfg.zero == 3 else 0.0) + work)
+        # its backward: + gradients of activations, + FSDP2's held reduce-scatter input (the unit
+        # after it has released its activations by then), as StageTerms.rank_other_bytes's block
+        phases.append(transient[-1] + part.peak_bytes + max(0.0, part.params * held_per_param - part.act_bytes))
+        buffers.append(_pipeline_buffer_bytes(cfg, cluster, unit.input_bytes * cfg.micro_batch * s_ratio, sp,
+                                              base.carried_bytes))
     return ChainTerms(base=base, units=tuple(parts), cut_p2p_s=tuple(cuts), unit_transient_bytes=tuple(transient),
+                      unit_phase_bytes=tuple(phases), cut_buffer_bytes=tuple(buffers),
                       expert=expert, expert_units=tuple(u.experts and expert is not None for u in graph.chain))
 
 
@@ -150,6 +186,8 @@ class StageLoad:
     act_bytes: float
     transient_bytes: float
     expert_units: int = 0  # units holding experts sharded over ep (ChainTerms.expert)
+    phase_bytes: float = 0.0  # the largest backward phase of its units (ChainTerms.unit_phase_bytes)
+    buffer_bytes: float = 0.0  # one micro-batch's pipeline receive buffers (its cuts in and out)
 
 
 def stage_load(terms: ChainTerms, start: int, end: int, rank: int) -> StageLoad:
@@ -171,7 +209,18 @@ def stage_load(terms: ChainTerms, start: int, end: int, rank: int) -> StageLoad:
         params, act = params + t.post.params + t.tied_params, act + t.post.act_bytes
     return StageLoad(time_s=time, bwd_s=bwd, params=params, act_bytes=act,
                      transient_bytes=max(terms.unit_transient_bytes[start:end], default=0.0),
-                     expert_units=sum(terms.expert_units[start:end]))
+                     expert_units=sum(terms.expert_units[start:end]),
+                     phase_bytes=max(terms.unit_phase_bytes[start:end], default=0.0),
+                     buffer_bytes=cut_buffers_bytes(terms, start, end))
+
+
+def cut_buffers_bytes(terms: ChainTerms, start: int, end: int) -> float:
+    """The receive buffers of one micro-batch on the rank holding units [start, end): the
+    activations of its first unit's input and the gradient of its output (the next rank's input)."""
+    if terms.config.pp == 1:
+        return 0.0
+    return (terms.cut_buffer_bytes[start] if start > 0 else 0.0) + \
+        (terms.cut_buffer_bytes[end] if end < terms.num_units else 0.0)
 
 
 def stage_tail_s(terms: ChainTerms, load: StageLoad) -> float:
@@ -186,6 +235,8 @@ def stage_tail_s(terms: ChainTerms, load: StageLoad) -> float:
 
 
 def stage_memory(terms: ChainTerms, load: StageLoad, rank: int) -> dict[str, float]:
+    """Bytes by kind of the rank ``rank`` holding ``load`` at its peak (module docstring): model
+    states, saved activations and "other" (the largest phase, buffers, the reserve)."""
     t, split = terms.base, terms.base.state_split
     memory = {kind: load.params * split[kind] for kind in ("params", "grads", "optimizer")}
     ex = terms.expert
@@ -193,7 +244,31 @@ def stage_memory(terms: ChainTerms, load: StageLoad, rank: int) -> dict[str, flo
         equivalent = load.expert_units * (ex.block_params - ex.dense_params)
         for kind in memory:
             memory[kind] += load.expert_units * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
-    return {**memory, "activations": t.inflight(rank) * load.act_bytes, "other": load.transient_bytes + t.reserve_bytes}
+    other = _other_bytes(terms, load, rank, loss=True)
+    if t.loss_free_grads > 0:  # a step's only micro-batch, no pipeline (StageTerms.one_microbatch_other_bytes)
+        absent = t.loss_free_grads * memory["grads"]
+        at_loss = _other_bytes(terms, load, rank, loss=True, blocks=False)
+        rest = _other_bytes(terms, load, rank, loss=False)
+        other = at_loss if at_loss - absent > rest else rest
+        if at_loss - absent > rest:
+            memory["grads"] -= absent
+    return {**memory, "activations": t.inflight(rank) * load.act_bytes, "other": other + t.reserve_bytes}
+
+
+def _other_bytes(terms: ChainTerms, load: StageLoad, rank: int, *, loss: bool, blocks: bool = True) -> float:
+    """``other_r`` of the module docstring less the reserve; ``loss`` False leaves the loss phase
+    out, ``blocks`` False the units' and embedding's phases (the loss phase alone)."""
+    t, c = terms.base, terms.config
+    first, last = rank == 0, rank == c.pp - 1
+    phases = [0.0]
+    if blocks:
+        phases.append(load.phase_bytes - (t.post.act_bytes if last else 0.0))
+        if first:
+            phases.append(t.pre.peak_bytes)
+    if last and loss:
+        # ZeRO-3: the last unit's parameters, gathered ahead of its backward while the loss runs
+        phases.append(t.post.peak_bytes + (terms.units[-1].params * c.dtype_bytes if c.zero == 3 else 0.0))
+    return t.root_bytes(first, last) + max(phases) + c.num_microbatches * load.buffer_bytes
 
 
 def evaluate_chain(terms: ChainTerms, ranges: Sequence[tuple[int, int]], model_flops_per_step: float,

@@ -194,7 +194,7 @@ class StageTerms:
                                       own_act=self.recompute_parts[mode].act_bytes)
                 - self.rank_other_bytes(rank, last_rank))
 
-    def _root_bytes(self, first: bool, last: bool) -> float:
+    def root_bytes(self, first: bool, last: bool) -> float:
         """ZeRO-3's root parameters on a rank: FSDP2 keeps the root unit (embedding, head) gathered."""
         return self.zero3_root_params_per_byte * ((self.pre.params if first else 0.0) +
                                                   (self.post.params if last else 0.0))
@@ -212,7 +212,7 @@ class StageTerms:
         them, holds more than the others with them."""
         assert self.config.pp == 1, "a rank without a pipeline: first and last"
         absent = self.loss_free_grads * grads_bytes
-        at_loss = self._root_bytes(True, True) + self._loss_phase_bytes
+        at_loss = self.root_bytes(True, True) + self._loss_phase_bytes
         rest = self.rank_other_bytes(rank, rank, loss=False)
         return (at_loss, grads_bytes - absent) if at_loss - absent > rest else (rest, grads_bytes)
 
@@ -252,7 +252,7 @@ class StageTerms:
             phases.append(self._loss_phase_bytes)
         if first:
             phases.append(self.pre.peak_bytes)
-        other = self._root_bytes(first, last) + max(phases)
+        other = self.root_bytes(first, last) + max(phases)
         if c.pp > 1 and self.pipeline_buffer_bytes > 0:
             receiving = 2 * c.virtual_stages - first - last
             other += c.num_microbatches * receiving * self.pipeline_buffer_bytes

@@ -26,6 +26,7 @@ from autopar.graph.build import ParamRegions, TracedRun, default_loss, first_ten
 from autopar.graph.chain_tp import chain_tp_comm_hooks, shard_chain_for_tp, sharded_params
 from autopar.graph.fused_scan import fit_with_scan
 from autopar.graph.model_graph import ChainUnit, ModelGraph, MoEFacts, RegionParams
+from autopar.graph.records import PeakRecord
 from autopar.graph.scaling import RegionFit
 from autopar.graph.trace import Trace, run_and_trace
 from autopar.modelfile import ModelFile, call_model
@@ -109,9 +110,13 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
                       unit_mods: list[nn.Module], tp_styles: Sequence[Mapping[str, str]] = ()
                       ) -> tuple[TracedRun, list[float]]:
     """One forward+backward of ``model`` on meta attributed to pre / unit.i / post / loss (i: the
-    position in ``unit_mods``, the units the forward runs, in order), and the bytes of the tensor
-    each of them received. ``tp_styles[i]``: unit i's TP plan, whose collectives are recorded in its
-    region (graph/chain_tp.py); empty: no TP."""
+    position in ``unit_mods``, the units the forward runs, in order), its memory timeline
+    (``Trace.peaks``, graph/live.py, from a second, unrecorded run: the loss's fp32 logits and their
+    gradients, each unit's gradients of activations), and the bytes of the tensor each unit
+    received. ``tp_styles[i]``: unit i's TP plan, whose collectives are recorded in its region
+    (graph/chain_tp.py); empty: no TP."""
+    from autopar.graph.live import live_peaks
+
     regions = ParamRegions(model)
     handles = regions.handles
     in_bytes = [0.0] * len(unit_mods)
@@ -122,37 +127,8 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
         set_region = regions.setter(set_region_raw)
         if tp_styles:
             handles.extend(chain_tp_comm_hooks(unit_mods, tp_styles, trace))
-
-        last = len(unit_mods) - 1
-        for i, mod in enumerate(unit_mods):
-            def pre(mod: nn.Module, args: tuple, kwargs: dict, i: int = i) -> None:
-                set_region(f"unit.{i}")
-                x = first_tensor((args, kwargs))
-                if x is not None:
-                    in_bytes[i] = float(x.numel() * x.element_size())
-                    if x.requires_grad:  # its gradient done: what ran before unit i is next
-                        before = "pre" if i == 0 else f"unit.{i - 1}"
-                        x.register_hook(lambda g, r=before: set_region(f"bwd:{r}"))
-
-            def post(mod: nn.Module, args: tuple, out: Any, i: int = i) -> None:
-                if i == last:
-                    set_region("post")
-                y = first_tensor(out)
-                if y is not None and y.requires_grad:
-                    y.register_hook(lambda g, i=i: set_region(f"bwd:unit.{i}"))
-
-            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-            handles.append(mod.register_forward_hook(post))
-        set_region("pre")
-        with tolerant_meta():
-            out = call_model(model, inputs)
-        set_region("loss")
-        loss = loss_fn(out, inputs) if loss_fn is not None else default_loss(out)
-        y = first_tensor(out)
-        if y is not None and y.requires_grad:
-            y.register_hook(lambda g: set_region("bwd:post"))
-        set_region("bwd:loss")
-        loss.backward()
+        handles.extend(_unit_hooks(unit_mods, set_region, in_bytes))
+        _chain_step(model, inputs, loss_fn, set_region)
 
     trace = Trace()
     try:
@@ -160,7 +136,64 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
     finally:
         for h in handles:
             h.remove()
+    hooks: list = []
+
+    def step(set_region: Callable[[str], None]) -> None:
+        hooks.extend(_unit_hooks(unit_mods, set_region, [0.0] * len(unit_mods)))
+        _chain_step(model, inputs, loss_fn, set_region)
+
+    try:
+        peaks = live_peaks(step, list(model.parameters()))
+    finally:
+        for h in hooks:
+            h.remove()
+    trace.peaks = [PeakRecord(region=region, phase=phase, nbytes=max(0.0, float(v)))
+                   for (phase, region), v in peaks.items()]
     return TracedRun(trace=trace, param_regions=regions.by_param, block_input_bytes=in_bytes[0]), in_bytes
+
+
+def _unit_hooks(unit_mods: list[nn.Module], set_region: Callable[[str], None], in_bytes: list[float]) -> list:
+    """Hooks that switch the region at each unit's entry (and, in backward, when its input's
+    gradient is done: what ran before it is next) and after the last unit (post); ``in_bytes[i]``
+    becomes the bytes of unit i's input."""
+    handles = []
+    last = len(unit_mods) - 1
+    for i, mod in enumerate(unit_mods):
+        def pre(mod: nn.Module, args: tuple, kwargs: dict, i: int = i) -> None:
+            set_region(f"unit.{i}")
+            x = first_tensor((args, kwargs))
+            if x is not None:
+                in_bytes[i] = float(x.numel() * x.element_size())
+                if x.requires_grad:  # its gradient done: what ran before unit i is next
+                    before = "pre" if i == 0 else f"unit.{i - 1}"
+                    x.register_hook(lambda g, r=before: set_region(f"bwd:{r}"))
+
+        def post(mod: nn.Module, args: tuple, out: Any, i: int = i) -> None:
+            if i == last:
+                set_region("post")
+            y = first_tensor(out)
+            if y is not None and y.requires_grad:
+                y.register_hook(lambda g, i=i: set_region(f"bwd:unit.{i}"))
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+        handles.append(mod.register_forward_hook(post))
+    return handles
+
+
+def _chain_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                set_region: Callable[[str], None]) -> None:
+    """The model file's forward, loss and backward, the output not held once the loss has it."""
+    set_region("pre")
+    with tolerant_meta():
+        out = call_model(model, inputs)
+    set_region("loss")
+    loss = loss_fn(out, inputs) if loss_fn is not None else default_loss(out)
+    y = first_tensor(out)
+    if y is not None and y.requires_grad:
+        y.register_hook(lambda g: set_region("bwd:post"))
+    del out, y
+    set_region("bwd:loss")
+    loss.backward()
 
 
 def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len: int | None, dtype: str,
@@ -321,6 +354,7 @@ def _rename_regions(trace: Trace, names: dict[str, str]) -> None:
     trace.ops[:] = [dataclasses.replace(o, region=names.get(o.region, o.region)) for o in trace.ops]
     trace.saved[:] = [dataclasses.replace(r, region=names.get(r.region, r.region)) for r in trace.saved]
     trace.comm[:] = [(names.get(c[0], c[0]), *c[1:]) for c in trace.comm]
+    trace.peaks[:] = [dataclasses.replace(p, region=names.get(p.region, p.region)) for p in trace.peaks]
 
 
 def _params(model: nn.Module, units: tuple[str, ...], param_regions: dict[int, set[str]]

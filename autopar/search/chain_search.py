@@ -18,7 +18,15 @@ from collections import Counter
 from typing import Callable
 
 from autopar.cluster import Cluster
-from autopar.cost.chain import ChainTerms, build_chain_terms, evaluate_chain
+from autopar.cost.chain import (
+    ChainTerms,
+    StageLoad,
+    build_chain_terms,
+    cut_buffers_bytes,
+    evaluate_chain,
+    stage_memory,
+    stage_tail_s,
+)
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import even_stage_ranges
 from autopar.search.candidates import Candidate, SearchResult, TopK
@@ -28,29 +36,22 @@ from autopar.search.space import SearchSpace, enumerate_configs
 
 class StagePricer:
     """``(a, b, rank) -> (time, tail)`` of a stage, or None when it does not fit memory; O(1) per
-    call from prefix sums (the same sums ``cost.chain.stage_load`` forms)."""
+    call from prefix sums and range maxima (the same sums and maxima ``cost.chain.stage_load``
+    forms; the memory is ``cost.chain.stage_memory`` of that load)."""
 
     def __init__(self, terms: ChainTerms) -> None:
         self.terms, self.L = terms, terms.num_units
-        acc = {"time": [0.0], "bwd": [0.0], "params": [0.0], "act": [0.0]}
-        for u in terms.units:
-            for key, val in (("time", u.time_s), ("bwd", u.bwd_s), ("params", u.params), ("act", u.act_bytes)):
+        acc: dict[str, list[float]] = {"time": [0.0], "bwd": [0.0], "params": [0.0], "act": [0.0], "experts": [0.0]}
+        for u, ex in zip(terms.units, terms.expert_units or (False,) * self.L):
+            for key, val in (("time", u.time_s), ("bwd", u.bwd_s), ("params", u.params), ("act", u.act_bytes),
+                             ("experts", float(ex))):
                 acc[key].append(acc[key][-1] + val)
         self.acc = acc
-        # sparse table for the largest transient of a range
-        self.table = [list(terms.unit_transient_bytes)]
-        k = 1
-        while 2 * k <= self.L:
-            prev = self.table[-1]
-            self.table.append([max(prev[i], prev[i + k]) for i in range(len(prev) - k)])
-            k *= 2
+        self.transient = _RangeMax(terms.unit_transient_bytes)
+        self.phase = _RangeMax(terms.unit_phase_bytes)
 
-    def _max_transient(self, a: int, b: int) -> float:
-        j = (b - a).bit_length() - 1
-        row = self.table[j]
-        return max(row[a], row[b - (1 << j)])
-
-    def __call__(self, a: int, b: int, rank: int) -> tuple[float, float] | None:
+    def load(self, a: int, b: int, rank: int) -> StageLoad:
+        """``cost.chain.stage_load(terms, a, b, rank)`` from the sums."""
         terms, t, acc = self.terms, self.terms.base, self.acc
         pp = terms.config.pp
         time_s = acc["time"][b] - acc["time"][a]
@@ -66,16 +67,32 @@ class StagePricer:
         if rank == pp - 1:
             time_s, bwd = time_s + t.post.time_s, bwd + t.post.bwd_s
             params, act = params + t.post.params + t.tied_params, act + t.post.act_bytes
-        memory = (params * t.state_bytes_per_param + t.inflight(rank) * act + self._max_transient(a, b)
-                  + t.reserve_bytes)
-        if memory > t.capacity_bytes:
+        return StageLoad(time_s=time_s, bwd_s=bwd, params=params, act_bytes=act,
+                         transient_bytes=self.transient(a, b), expert_units=round(acc["experts"][b] - acc["experts"][a]),
+                         phase_bytes=self.phase(a, b), buffer_bytes=cut_buffers_bytes(terms, a, b))
+
+    def __call__(self, a: int, b: int, rank: int) -> tuple[float, float] | None:
+        load = self.load(a, b, rank)
+        if sum(stage_memory(self.terms, load, rank).values()) > self.terms.base.capacity_bytes:
             return None
-        sync = params * t.grad_sync_s_per_param
-        if t.grad_sync_overlaps:
-            tail = max(t.grad_sync_floor_s if sync > 0 else 0.0, sync - bwd) + t.overlap_cost_fraction * sync
-        else:
-            tail = sync
-        return time_s, tail + params * t.after_sync_s_per_param
+        return load.time_s, stage_tail_s(self.terms, load)
+
+
+class _RangeMax:
+    """The largest of ``values[a:b]`` in O(1) (a sparse table)."""
+
+    def __init__(self, values: tuple[float, ...]) -> None:
+        self.table = [list(values)]
+        k = 1
+        while 2 * k <= len(values):
+            prev = self.table[-1]
+            self.table.append([max(prev[i], prev[i + k]) for i in range(len(prev) - k)])
+            k *= 2
+
+    def __call__(self, a: int, b: int) -> float:
+        j = (b - a).bit_length() - 1
+        row = self.table[j]
+        return max(row[a], row[b - (1 << j)])
 
 
 def search_chain(graph: ModelGraph, cluster: Cluster, space: SearchSpace, *, top_k: int = 5,

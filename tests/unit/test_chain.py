@@ -185,9 +185,13 @@ def test_chain_partition_equals_brute_force_over_the_cost_model() -> None:
                 load = stage_load(terms, a, b, r)
                 t, z = StagePricer(terms)(a, b, r)
                 assert t == pytest.approx(load.time_s, rel=1e-9) and z == pytest.approx(stage_tail_s(terms, load), rel=1e-9)
-                assert sum(stage_memory(terms, load, r).values()) == pytest.approx(
-                    load.params * terms.base.state_bytes_per_param + terms.base.inflight(r) * load.act_bytes
-                    + load.transient_bytes + terms.base.reserve_bytes, rel=1e-9)
+                fast = dataclasses.asdict(StagePricer(terms).load(a, b, r))
+                assert fast == pytest.approx(dataclasses.asdict(load), rel=1e-9)
+                mem = stage_memory(terms, load, r)
+                # the states, the in-flight activations, and at least the units' backward phase
+                assert sum(mem.values()) >= (load.params * terms.base.state_bytes_per_param
+                                             + terms.base.inflight(r) * load.act_bytes + load.transient_bytes
+                                             + terms.base.reserve_bytes) * (1 - 1e-9)
         best = min(evaluate_chain(terms, rngs, 1.0, 1.0, cluster.peak_flops).step_time_s for rngs in _ranges(g.num_blocks, cfg.pp))
         part = optimal_partition(g.num_blocks, cfg.pp, cfg.num_microbatches, StagePricer(terms))
         assert part.objective_s == pytest.approx(best, rel=1e-9)
