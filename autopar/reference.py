@@ -93,6 +93,25 @@ def megatron_rows() -> list[MegatronRow]:
     return [MegatronRow(**{rename.get(c, c): v for c, v in zip(cols, row)}) for row in data["rows"]]
 
 
+def sc21_cluster():  # noqa: ANN201 - returns autopar.cluster.Cluster
+    """a100-80g with the software SC21's runs used: Megatron-LM of early 2021, whose tensor-parallel
+    backward all-reduce was synchronous. A setting of the run, as torchtitan's FSDP2 settings are
+    (autopar.reference_a100.a100_cluster), never a fitted term.
+
+    Megatron-LM overlapped a column-parallel layer's input-gradient all-reduce with its weight-gradient
+    GEMM only from 2021-08-30 (commit cf7efd4f, "allreduce overlap with wgrad gemm",
+    ``--async-tensor-parallel-allreduce``; the default from 2022-02-13, commit 83b1e42f). SC21's
+    results (arXiv:2104.04473, April 2021) predate it: their mpu/layers.py wrapped each column-parallel
+    input in ``copy_to_tensor_model_parallel_region``, whose backward all-reduces after the layer's
+    whole backward, in the path of the next op. The a100-80g profile prices the later Megatron-LM of
+    Korthikanti et al. 2022 (Tables 4 and 5), which overlaps it."""
+    import dataclasses
+
+    from autopar.cluster import load_cluster
+
+    return dataclasses.replace(load_cluster("a100-80g"), async_tp_backward=False)
+
+
 def megatron_plan(row: MegatronRow):  # noqa: ANN201 - returns autopar.plan.Plan
     """The published configuration of ``row`` as a plan v1."""
     from autopar.plan import ClusterRef, ModelRef, Parallel, Plan, Training

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from autopar import api  # noqa: E402
 from autopar.engines.capability import get_engine, search_knobs  # noqa: E402
-from autopar.reference import gpt_model_path, megatron_plan, megatron_rows  # noqa: E402
+from autopar.reference import gpt_model_path, megatron_plan, megatron_rows, sc21_cluster  # noqa: E402
 from autopar.reference_h100 import model_path, public_plan, public_runs, software_cluster  # noqa: E402
 from autopar.report import plan_brief, table  # noqa: E402
 from autopar.search.driver import search_plans  # noqa: E402
@@ -51,11 +51,9 @@ def cases(groups: set[str]) -> list[tuple]:
             out.append((run.group, run.name, str(model_path(run.model)), public_plan(run, profile), cluster,
                         "megatron" if run.software == "megatron" else "autopar"))
     if "sc21" in groups:
-        from autopar.cluster import load_cluster
-
-        for row in megatron_rows():  # Megatron-LM's own runs, priced on the base A100 profile as calibrated
+        for row in megatron_rows():  # Megatron-LM's own runs, on the A100 profile with the software they used
             out.append(("sc21", f"gpt-{row.params_billion:g}b", str(gpt_model_path(row.config)), megatron_plan(row),
-                        load_cluster("a100-80g"), "megatron"))
+                        sc21_cluster(), "megatron"))
     return out
 
 

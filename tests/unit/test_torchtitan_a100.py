@@ -116,8 +116,10 @@ def test_the_cluster_is_a100_80g_with_fsdp2s_fp32_reduction() -> None:
     assert profile == "a100-80g" and cluster.grad_reduce_bytes == 4 and cluster.overlap_grad_reduce
     # the hardware and every fitted constant are the profile's own
     for name in ("peak_flops", "memory_bytes", "memory_efficiency", "attention_efficiency", "gemm",
-                 "overlap_cost_fraction", "autocast_weight_copies"):
+                 "autocast_weight_copies"):
         assert getattr(cluster, name) == getattr(shipped, name), name
+    # a hidden collective costs what FSDP2's NCCL kernels take (the software's figure), not Megatron's
+    assert cluster.overlap_cost_fraction == load_cluster("h100-80g").overlap_cost_fraction != shipped.overlap_cost_fraction
 
 
 @functools.lru_cache(maxsize=None)
