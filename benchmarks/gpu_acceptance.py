@@ -1,7 +1,7 @@
 """The one-GPU acceptance run: what a careful read of the executor says may break or mis-measure on
 CUDA + NCCL (../shared/reviews/gpu-readiness.md, "One-GPU acceptance script"), checked on the GPU.
 
-Thirteen checks, each under about a minute on one H100/H200, each printing what it measured and
+Fourteen checks, each under about a minute on one H100/H200, each printing what it measured and
 PASS / FAIL / INFO (a figure to record, no verdict) / SKIP (needs what this machine lacks). The
 finding each covers is in brackets. Run it first whenever a GPU is at hand, and commit its output to
 docs/results.md:
@@ -653,13 +653,48 @@ def check_timing(device: str, work: Path) -> Result:
     return ("PASS" if spread <= 0.05 else "FAIL"), text
 
 
+def check_ring_pieces(device: str, work: Path) -> Result:
+    """14 [B13] ring / all-gather attention's pieces on this device's kernels, at bf16 (CUDA: the
+    FlashAttention-2 kernels, a chunk's strided log-sum-exp into the backward) and at fp32 (CUDA:
+    explicit scores, which FlashAttention-2 cannot take): one rank's two-chunk causal shard merged
+    by log-sum-exp, forward and backward, against ``scaled_dot_product_attention`` in fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    from autopar.executor.parallel import ring_attention as ra
+
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    b, h, kv, s, d = 1, 8, 2, 128 if MODEL["quick"] else 512, 64
+    chunks = [(0, s // 2), (s // 2, s // 2)]
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(b, n, s, d, generator=g).to(dev) for n in (h, kv, kv, h))
+    qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=True)
+    ref.backward(dout)
+    want = [ref.detach(), qr.grad, kr.grad, vr.grad]
+    parts, worst = [], 0.0
+    for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float32, 1e-4)):
+        ql, kl, vl, dl = (t.to(dtype) for t in (q, k, v, dout))
+        merge = ra._Merge(ql, chunks, d ** -0.5)
+        merge.add(kl, vl, chunks)
+        out, lse = merge.result()
+        dq = torch.zeros(ql.shape, dtype=torch.float32, device=dev)
+        dkv = ra._block_backward(dl, ql, out, lse, chunks, kl, vl, chunks, d ** -0.5, dq)
+        got = [out, dq, dkv[0], dkv[1]]
+        err = max(float((x.float() - y).abs().max() / y.abs().max().clamp_min(1e-6)) for x, y in zip(got, want))
+        worst = max(worst, err / tol)
+        parts.append(f"{str(dtype).removeprefix('torch.')} max rel {err:.1e} (tol {tol:.0e})")
+    text = f"{b}x{h}/{kv} heads x {s} tokens x {d}, two chunks: " + ", ".join(parts)
+    return ("PASS" if worst <= 1.0 else "FAIL"), text
+
+
 CHECKS: list[tuple[int, str, Callable[[str, Path], Result]]] = [
     (1, "environment", check_env), (2, "flight recorder + reserve", check_recorder),
     (3, "fp32 on TF32", check_fp32), (4, "validate zero 0 / 3", check_validate), (5, "ZeRO-3 offload build", check_zero3_build),
     (6, "profile", check_profile), (7, "activation offload", check_activation_offload),
     (8, "optimizer offload", check_host_optimizer), (9, "fp16 refused", check_fp16), (10, "out of memory", check_oom),
     (11, "device override", check_device_override), (12, "timing", check_timing),
-    (13, "kernel split (Llama block)", check_kernel_split),
+    (13, "kernel split (Llama block)", check_kernel_split), (14, "ring attention pieces", check_ring_pieces),
 ]
 
 

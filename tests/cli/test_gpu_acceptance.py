@@ -19,9 +19,10 @@ def test_dry_run_passes_every_check(tmp_path: Path) -> None:
                            "--quick", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     checks = json.loads(out.read_text())["checks"]
-    assert [c["check"] for c in checks] == list(range(1, 14))
+    assert [c["check"] for c in checks] == list(range(1, 15))
     assert all(c["status"] in ("PASS", "INFO") for c in checks), checks
     by = {c["check"]: c for c in checks}
     assert "gloo:all_reduce" in by[2]["measured"]  # the recorder read back
     assert "first losses" in by[4]["measured"] and "exit 3" in by[10]["measured"]
     assert all(f"{kind} " in by[13]["measured"] for kind in ("gemm", "attention", "element-wise"))
+    assert "bfloat16" in by[14]["measured"] and "float32" in by[14]["measured"]

@@ -184,6 +184,19 @@ def position_kwargs(accepts_positions: bool, positions: torch.Tensor) -> dict[st
     return {"positions": positions} if accepts_positions else {"position_ids": positions[None]}
 
 
+def autocast_operand(q: torch.Tensor) -> torch.Tensor:
+    """``q`` in autocast's dtype where autocast is on for its device and ``q`` is fp32 -- what
+    autocast does to ``scaled_dot_product_attention`` (the Ulysses kind's, a one-rank run's). The
+    ring's flash calls need it: autocast has no rule for the flash backward op, which got the fp32
+    tensors the function saved (FlashAttention-2 takes 16 bits only); and a query arrives in fp32
+    under autocast wherever the model's rotary tables are fp32 (Hugging Face Llama multiplies its
+    16-bit projections by them)."""
+    device = q.device.type
+    if q.dtype != torch.float32 or not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return q
+    return q.to(torch.get_autocast_dtype(device))
+
+
 class ContextParallelAttention(nn.Module):
     """Drop-in replacement of a block's attention core for one cp rank (inputs are local shards)."""
 
@@ -193,6 +206,20 @@ class ContextParallelAttention(nn.Module):
         self.positions = [shard_indices(seq_len, cp, r) for r in range(cp)]  # plain list: not a buffer
         self.chunks = [shard_chunks(seq_len, cp, r) for r in range(cp)]  # the same, as ranges
         self.local = False  # set by local_attention
+        # Ulysses' (order, inverse order) on each device, moved there once: a host tensor's copy to
+        # a GPU waits for the stream to drain, once per block and micro-batch if made per call
+        self._orders: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def orders(self, device: torch.device, fake: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rank order -> natural sequence order, its inverse) on ``device``; cached per device
+        except for ``fake`` tensors (a rehearsal's: made under a fake mode, they may not outlive it)."""
+        hit = None if fake else self._orders.get(device)
+        if hit is None:
+            order = torch.argsort(torch.cat(self.positions))
+            hit = (order.to(device), torch.argsort(order).to(device))
+            if not fake:
+                self._orders[device] = hit
+        return hit
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Causal attention of the local (b, heads, s_local, head_dim) shards; ``scale`` defaults
@@ -202,18 +229,21 @@ class ContextParallelAttention(nn.Module):
         gqa = k.shape[1] != q.shape[1]  # grouped-query attention: fewer K/V heads, each shared
         if self.local:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        if self.kind in ("ring", "allgather"):  # flash kernels block by block (executor/parallel/ring_attention.py)
+            q = autocast_operand(q)
         if k.dtype != q.dtype or v.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.kind in ("ring", "allgather"):  # flash kernels block by block (executor/parallel/ring_attention.py)
+        if self.kind in ("ring", "allgather"):
             fn = RingAttention if self.kind == "ring" else AllGatherAttention
             return fn.apply(q, k, v, self.group, self.cp, self.rank, self.chunks, scale)
         if gqa and k.shape[1] % self.cp:  # Ulysses splits the kv heads too: repeat only where cp must
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        pos = [p.to(q.device) for p in self.positions]
-        return self._ulysses(q, k, v, pos, scale)
+        from torch._subclasses.fake_tensor import is_fake
 
-    def _ulysses(self, q, k, v, pos, scale):
+        return self._ulysses(q, k, v, self.orders(q.device, is_fake(q) or q.device.type == "meta"), scale)
+
+    def _ulysses(self, q, k, v, orders, scale):
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         b, h, s_l, d = q.shape
@@ -224,11 +254,11 @@ class ContextParallelAttention(nn.Module):
             y = all_to_all_single_autograd(x.permute(1, 0, 2, 3).contiguous(), None, None, self.group)
             return y.view(cp, n // cp, b, s_l, d).permute(2, 1, 0, 3, 4).reshape(b, n // cp, cp * s_l, d)
 
-        order = torch.argsort(torch.cat(pos))  # rank-order -> natural sequence order
+        order, back = orders  # rank order -> natural sequence order, and back
         qs, ks, vs = (to_heads(x)[:, :, order] for x in (q, k, v))
         # Rank r holds q heads [r h/cp, (r+1) h/cp) and kv heads [r kv/cp, ...): the groups line up.
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[1] != h // cp)
-        o = o[:, :, torch.argsort(order)].reshape(b, h // cp, cp, s_l, d).permute(2, 1, 0, 3, 4).reshape(h, b, s_l, d)
+        o = o[:, :, back].reshape(b, h // cp, cp, s_l, d).permute(2, 1, 0, 3, 4).reshape(h, b, s_l, d)
         back = all_to_all_single_autograd(o.contiguous(), None, None, self.group)
         return back.view(h, b, s_l, d).permute(1, 0, 2, 3)
 

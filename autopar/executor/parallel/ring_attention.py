@@ -6,7 +6,8 @@ Each rank holds chunks of the sequence (``shard_chunks``: chunks r and 2cp-1-r o
 for causal balance; contiguous shards where the length does not split so). A query chunk against a
 key chunk is *full* (every key precedes every query), *causal* (the same positions) or *empty*,
 so every piece runs one flash-attention kernel -- ``_scaled_dot_product_flash_attention`` on CUDA,
-``..._for_cpu`` on the CPU, both returning the log-sum-exp -- and the pieces merge exactly:
+``..._for_cpu`` on the CPU, both returning the log-sum-exp (on CUDA an fp32 piece, which
+FlashAttention-2 cannot take, runs on explicit scores: attention_math.py) -- and the pieces merge exactly:
 
     lse = logaddexp(lse_a, lse_b),   out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)
 
@@ -29,6 +30,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+from autopar.executor.parallel.attention_math import math_piece, math_piece_backward
 
 Chunks = Sequence[tuple[int, int]]  # (first position, length) per contiguous chunk, in local order
 
@@ -78,12 +81,35 @@ def _fold(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
+CUDA_FLASH_DTYPES = (torch.float16, torch.bfloat16)  # FlashAttention-2's: no fp32 kernel
+CUDA_FLASH_MAX_HEAD_DIM = 256
+
+
+def _device_type(t: torch.Tensor) -> str:
+    """The device type whose kernels a piece runs on (a seam: the CPU tests take the CUDA branch)."""
+    return t.device.type
+
+
+def flash_takes(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the device's flash kernel takes a piece of ``dtype`` and ``head_dim``: CUDA's
+    (FlashAttention-2) fp16 and bf16 only, head dims up to 256 -- an fp32 piece raises there, where
+    the CPU's kernel, which the tests run, takes any floating dtype. Elsewhere the piece runs on
+    explicit scores (attention_math.py)."""
+    if device_type != "cuda":
+        return True
+    return dtype in CUDA_FLASH_DTYPES and head_dim <= CUDA_FLASH_MAX_HEAD_DIM
+
+
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """(out, lse) of one piece: the flash kernel of the device."""
+    """(out, lse) of one piece: the flash kernel of the device, or explicit scores where it has
+    none for the piece's dtype or head dim (``flash_takes``)."""
     k, v = _repeat(q, k, v)
     dv = v.shape[-1]
     v = _pad_head(v, q.shape[-1])
-    if q.device.type == "cuda":
+    device = _device_type(q)
+    if not flash_takes(device, q.dtype, q.shape[-1]):
+        out, lse = math_piece(q, k, v, causal, scale)
+    elif device == "cuda":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -103,10 +129,17 @@ def _flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):  # noq
     k, v = _repeat(q, k, v)
     dv = v.shape[-1]
     v, dout, out = (_pad_head(t, q.shape[-1]) for t in (v, dout, out))
-    if q.device.type == "cuda":
+    device = _device_type(q)
+    if not flash_takes(device, q.dtype, q.shape[-1]):
+        gq, gk, gv = math_piece_backward(dout, q, k, v, out, lse, causal, scale)
+    elif device == "cuda":
         none = torch.empty(0, dtype=torch.int64, device=q.device)
+        # lse is a chunk's slice of the shard's (b, heads, s) log-sum-exp: strided. q, k, v, out
+        # and dout go to the kernel with their strides, but FlashAttention-2 takes its log-sum-exp
+        # as a bare pointer to a dense (b, heads, s_q) block: a dense copy (a few KB)
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, none, none, q.shape[-2], k.shape[-2], 0.0, causal, none, none, scale=scale)
+            dout, q, k, v, out, lse.contiguous(), none, none, q.shape[-2], k.shape[-2], 0.0, causal, none, none,
+            scale=scale)
     else:
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
