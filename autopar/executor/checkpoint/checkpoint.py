@@ -62,6 +62,7 @@ from autopar.executor.checkpoint.checkpoint_meta import (  # noqa: F401  (re-exp
     CheckpointMeta,
 )
 from autopar.executor.parallel.apply import Executable, original_name
+from autopar.executor.parallel.full_value import full_tensor
 from autopar.executor.parallel.offload import HostOptimizer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -232,11 +233,8 @@ def _local_params(exe: Executable) -> list[tuple[str, str, torch.Tensor]]:
 
 
 def _full_unpermuted(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    if isinstance(t, DTensor) and t.to_local().device.type != t.device_mesh.device_type:
-        # a host master (optimizer offload): gathered over the mesh's backend from its device
-        t = DTensor.from_local(t.to_local(), t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                               stride=t.stride())
-    full = t.full_tensor() if isinstance(t, DTensor) else t
+    # a host master (optimizer offload) is gathered over the mesh's backend from its device
+    full = full_tensor(t)
     return full.detach()[torch.argsort(perm.to(full.device))].clone()
 
 
@@ -307,7 +305,7 @@ def _apply_alias(fix: _Alias) -> None:
                 raise CheckpointError(f"cannot restore the second local copy of {fix.key}: its layout differs from the first's")
             dst.to_local().copy_(src.to_local())
         else:
-            dst.copy_(src.full_tensor() if isinstance(src, DTensor) else src)
+            dst.copy_(full_tensor(src))  # a host master's shard is gathered from the mesh's device
 
 
 def _apply_fixup(fix: _Gathered, loaded: torch.Tensor) -> None:

@@ -530,14 +530,15 @@ def full_parameters(exe: Executable, *, grads: bool = False) -> dict[str, torch.
     by original name, tied aliases included. Collective over each parameter's mesh (all ranks of a
     pipeline stage must call it). Missing gradients come back as zeros.
     """
+    from autopar.executor.parallel.full_value import full_tensor
+
     out: dict[str, torch.Tensor] = {}
     local = {n: p for part in exe.parts for n, p in named_full(part, remove_duplicate=False)}
     for name, p in local.items():
         t = p
         if grads:
             t = p.grad if p.grad is not None else torch.zeros_like(p)
-        t = t.full_tensor() if isinstance(t, DTensor) else t
-        t = t.detach().float().cpu()
+        t = full_tensor(t).detach().float().cpu()  # a host shard (FSDP2's CPU offload) gathered on the device
         if name in exe.permutations:
             t = t[torch.argsort(exe.permutations[name])]
         out[name] = t
