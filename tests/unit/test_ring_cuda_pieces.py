@@ -158,3 +158,32 @@ def test_ulysses_orders_move_to_the_device_once() -> None:
     assert torch.equal(order, want) and torch.equal(back, torch.argsort(want))
     fake_order, _ = attn.orders(dev, fake=True)
     assert fake_order is not order and torch.equal(fake_order, order)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_math_piece_in_query_blocks_is_the_whole_piece(causal: bool) -> None:
+    """The explicit scores are taken a block of query rows at a time (a 16k-token chunk's would be
+    tens of GiB at once): blocks of 3 rows, and of 1, give the one-block result."""
+    from autopar.executor.parallel import attention_math as am
+
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 3, 10, 8, dtype=torch.float64) for _ in range(4))
+    whole_out, whole_lse = am.math_piece(q, k, v, causal, 0.3)
+    whole_grads = am.math_piece_backward(dout, q, k, v, whole_out, whole_lse, causal, 0.3)
+    for rows in (3, 1):
+        budget = rows * 2 * 3 * 10 * 8 * am._LIVE  # (b, heads, keys) fp64 per row, _LIVE of them
+        assert len(am.query_blocks(q, 10, budget)) == -(-10 // rows)
+        out, lse = am.math_piece(q, k, v, causal, 0.3, budget)
+        torch.testing.assert_close(out, whole_out)
+        torch.testing.assert_close(lse, whole_lse)
+        for g, w in zip(am.math_piece_backward(dout, q, k, v, out, lse, causal, 0.3, budget), whole_grads):
+            torch.testing.assert_close(g, w)
+
+
+def test_query_blocks_bound_a_long_chunk() -> None:
+    from autopar.executor.parallel import attention_math as am
+
+    q = torch.empty(1, 32, 16384, 128, device="meta")
+    blocks = am.query_blocks(q, 16384)
+    rows = blocks[0].stop - blocks[0].start
+    assert 1 * 32 * rows * 16384 * 4 * am._LIVE <= am.BLOCK_BYTES and blocks[-1].stop == 16384
