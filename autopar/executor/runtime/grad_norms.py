@@ -64,15 +64,24 @@ class Unmeasured:
 
 
 def _sq_norms(tensors: list[torch.Tensor], weights: list[float], device: torch.device) -> torch.Tensor:
-    """Σ weight · |t|² in fp64 on ``device`` (norms taken in fp32 whatever the gradients' dtype)."""
+    """Σ weight · |t|² in fp64 on ``device`` (norms taken in fp32 whatever the gradients' dtype).
+    No host data goes to the device: this runs in every FSDP2 group's post-backward and on every
+    DDP bucket, and a host list copied to a GPU (``torch.tensor(weights, device=...)``) waits for
+    the stream to drain, which would stall the backward it measures. The weights (a few distinct
+    values: 1 / tp, shard counts) scale a sum each, as Python numbers."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
     if not tensors:
-        return torch.zeros((), dtype=torch.float64, device=device)
+        return total
     try:
         norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     except (TypeError, RuntimeError):  # an older torch: no dtype argument
         norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
-    sq = torch.stack([n.to(device, torch.float64) for n in norms]).square()
-    return (sq * torch.tensor(weights, dtype=torch.float64, device=device)).sum()
+    by_weight: dict[float, list[torch.Tensor]] = {}
+    for n, w in zip(norms, weights):
+        by_weight.setdefault(float(w), []).append(n.to(device, torch.float64))
+    for w, group in by_weight.items():
+        total += torch.stack(group).square().sum() * w
+    return total
 
 
 def _shard_count(t: torch.Tensor, names: tuple[str, ...] | None = None) -> int:
