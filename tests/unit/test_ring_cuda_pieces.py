@@ -187,3 +187,17 @@ def test_query_blocks_bound_a_long_chunk() -> None:
     blocks = am.query_blocks(q, 16384)
     rows = blocks[0].stop - blocks[0].start
     assert 1 * 32 * rows * 16384 * 4 * am._LIVE <= am.BLOCK_BYTES and blocks[-1].stop == 16384
+
+
+def test_ulysses_moves_autocast_dtype(monkeypatch) -> None:
+    """(M16) Under autocast Ulysses' all-to-alls carry autocast's dtype: SDPA casts after them
+    anyway, and an fp32 query (rotary tables in fp32) moved twice the bytes the price holds."""
+    import torch.distributed._functional_collectives as fc
+
+    moved: list[torch.dtype] = []
+    monkeypatch.setattr(fc, "all_to_all_single_autograd", lambda x, out, inp, group: (moved.append(x.dtype), x)[1])
+    attn = cpmod.ContextParallelAttention("ulysses", None, 2, 0, 8)
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8, dtype=torch.bfloat16), torch.randn(1, 2, 4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn(q, k, v)
+    assert moved == [torch.bfloat16] * 4 and out.dtype == torch.bfloat16

@@ -229,11 +229,12 @@ class ContextParallelAttention(nn.Module):
         gqa = k.shape[1] != q.shape[1]  # grouped-query attention: fewer K/V heads, each shared
         if self.local:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        if self.kind in ("ring", "allgather"):  # flash kernels block by block (executor/parallel/ring_attention.py)
-            q = autocast_operand(q)
+        # the ring's flash calls need autocast's dtype (autocast_operand); Ulysses' SDPA would cast
+        # after its all-to-alls, so casting first moves half the bytes of an fp32 query, as priced
+        q = autocast_operand(q)
         if k.dtype != q.dtype or v.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        if self.kind in ("ring", "allgather"):
+        if self.kind in ("ring", "allgather"):  # flash kernels block by block (executor/parallel/ring_attention.py)
             fn = RingAttention if self.kind == "ring" else AllGatherAttention
             return fn.apply(q, k, v, self.group, self.cp, self.rank, self.chunks, scale)
         if gqa and k.shape[1] % self.cp:  # Ulysses splits the kv heads too: repeat only where cp must
