@@ -68,7 +68,7 @@ def _sq_norms(tensors: list[torch.Tensor], weights: list[float], device: torch.d
     No host data goes to the device: this runs in every FSDP2 group's post-backward and on every
     DDP bucket, and a host list copied to a GPU (``torch.tensor(weights, device=...)``) waits for
     the stream to drain, which would stall the backward it measures. The weights (a few distinct
-    values: 1 / tp, shard counts) scale a sum each, as Python numbers."""
+    values: 1 / tp, shard counts) scale a sum each, as Python numbers; ``device`` is the sum's."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     if not tensors:
         return total
@@ -76,11 +76,13 @@ def _sq_norms(tensors: list[torch.Tensor], weights: list[float], device: torch.d
         norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     except (TypeError, RuntimeError):  # an older torch: no dtype argument
         norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
-    by_weight: dict[float, list[torch.Tensor]] = {}
+    # grouped by weight and by the norms' device: a host-offloaded gradient's norm is summed on the
+    # host and added as a host scalar (a kernel argument), not copied up one by one
+    groups: dict[tuple[float, torch.device], list[torch.Tensor]] = {}
     for n, w in zip(norms, weights):
-        by_weight.setdefault(float(w), []).append(n.to(device, torch.float64))
-    for w, group in by_weight.items():
-        total += torch.stack(group).square().sum() * w
+        groups.setdefault((float(w), n.device), []).append(n)
+    for (w, _), group in groups.items():
+        total += torch.stack(group).to(torch.float64).square().sum() * w
     return total
 
 
