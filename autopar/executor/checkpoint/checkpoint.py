@@ -30,7 +30,9 @@ AdamW moments: DTensors (TP, FSDP2, FSDP2 x TP) keep their shards and DCP record
 offsets, plain tensors (DDP, replicated) are deduplicated by DCP; on load DCP reads whatever slice
 each rank's new layout needs. Two exceptions are handled here: fused QKV weights under tp > 1 are
 stored row-permuted (tensor_parallel.py), so they and their moments are gathered, un-permuted and
-saved whole (load: read whole, permute, keep the local shard); ZeRO-1 (ZeroRedundancyOptimizer)
+saved whole (load: read whole, permute, keep the local shard) -- whole copies held on the host, one
+gathered on the device at a time (every layer's fused weight and moments whole at once would not fit
+a GPU beside the model); ZeRO-1 (ZeroRedundancyOptimizer)
 keeps each parameter's state on one rank only, which DCP handles as a key present on one rank.
 
 The ``torch.distributed.checkpoint.state_dict`` helpers (get/set_state_dict) are not used: they take
@@ -63,7 +65,7 @@ from autopar.executor.checkpoint.checkpoint_meta import (  # noqa: F401  (re-exp
 )
 from autopar.executor.parallel.apply import Executable, original_name
 from autopar.executor.parallel.full_value import full_tensor
-from autopar.executor.parallel.offload import HostOptimizer
+from autopar.executor.parallel.offload import HOST, HostOptimizer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -233,9 +235,11 @@ def _local_params(exe: Executable) -> list[tuple[str, str, torch.Tensor]]:
 
 
 def _full_unpermuted(t: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    # a host master (optimizer offload) is gathered over the mesh's backend from its device
-    full = full_tensor(t)
-    return full.detach()[torch.argsort(perm.to(full.device))].clone()
+    """The whole, un-permuted value of ``t`` on the host (collective over its mesh). Gathered on the
+    mesh's device (a host master, optimizer offload, too: full_value.py) and moved to the host at
+    once: the state dict holds every layer's whole fused weight and moments until DCP writes them."""
+    full = full_tensor(t).detach().to(HOST)
+    return full[torch.argsort(perm.to(HOST))]
 
 
 def build_state(exe: Executable, *, rng: bool, for_load: bool) -> tuple[dict[str, Any], list[_Gathered | _Alias]]:
@@ -259,8 +263,8 @@ def build_state(exe: Executable, *, rng: bool, for_load: bool) -> tuple[dict[str
         if perm is None:
             state[key] = value
             return
-        if for_load:
-            holder = torch.empty(tuple(value.shape), dtype=value.dtype, device=exe.mesh.device)
+        if for_load:  # on the host, as saved (_full_unpermuted); _apply_fixup takes each to the device
+            holder = torch.empty(tuple(value.shape), dtype=value.dtype, device=HOST)
             state[key] = holder
             fixups.append(_Gathered(key=key, target=value, perm=perm))
         else:
