@@ -57,7 +57,13 @@ class HostOptimizer(torch.optim.Optimizer):
     """An optimizer whose states and fp32 master weights live in host memory and whose update runs
     on the CPU (module docstring). ``make_inner(masters)`` builds the real optimizer over the host
     masters (AdamW or SGD from data_parallel.build_optimizer), so the update is exactly that
-    optimizer's; ``param_groups`` are the inner optimizer's (a learning-rate schedule works)."""
+    optimizer's; ``param_groups`` are the inner optimizer's (a learning-rate schedule works).
+
+    Device parameters held in the training dtype (``host_masters``: bf16 beside fp32 masters) cross
+    the link in that dtype through a host staging buffer of it, pinned on CUDA, converted on the
+    CPU: a copy between tensors of two dtypes and two devices converts on the GPU when
+    non-blocking (the upload then carried fp32, twice the priced bytes, through a device
+    temporary) and through an unpinned host temporary when blocking (the download)."""
 
     def __init__(self, params: Iterable[nn.Parameter], make_inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                  *, pin_memory: bool) -> None:
@@ -70,6 +76,8 @@ class HostOptimizer(torch.optim.Optimizer):
                 master.copy_(_local(p))
                 self.masters.append(master)
         self._index = {id(p): i for i, p in enumerate(self.device_params)}
+        # per parameter held in another dtype than its master: a host buffer of its dtype and shape
+        self._stage: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.inner = make_inner(self.masters)
         # Not Optimizer.__init__: the inner optimizer owns the groups and the state.
         self.defaults = self.inner.defaults
@@ -88,16 +96,31 @@ class HostOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("HostOptimizer.step takes no closure")
-        for p, master in zip(self.device_params, self.masters):  # 1. gradients down
+        if self._stage and self._pin:  # last step's uploads read the staging buffers: done first
+            torch.cuda.current_stream(self.device_params[0].device).synchronize()
+        for i, (p, master) in enumerate(zip(self.device_params, self.masters)):  # 1. gradients down
             if p.grad is None:
                 master.grad = None
                 continue
             if master.grad is None:
                 master.grad = _host_like(master, self._pin)
-            master.grad.copy_(_local(p.grad))
+            grad = _local(p.grad)
+            if grad.dtype != master.dtype:  # the training dtype over the link, converted on the host
+                grad = self._staging(i, grad).copy_(grad)
+            master.grad.copy_(grad)
         self.inner.step()  # 2. the update, on the CPU
-        for p, master in zip(self.device_params, self.masters):  # 3. updated values up
-            _local(p).copy_(master, non_blocking=self._pin)
+        for i, (p, master) in enumerate(zip(self.device_params, self.masters)):  # 3. updated values up
+            local = _local(p)
+            src = self._staging(i, local).copy_(master) if local.dtype != master.dtype else master
+            local.copy_(src, non_blocking=self._pin)
+
+    def _staging(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Parameter ``i``'s host buffer in ``like``'s dtype and shape (pinned on CUDA), made once."""
+        stage = self._stage.get((i, like.dtype))
+        if stage is None:
+            stage = torch.empty(like.shape, dtype=like.dtype, device=HOST, pin_memory=self._pin)
+            self._stage[(i, like.dtype)] = stage
+        return stage
 
     def host_copy(self, p: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]] | None:
         """The fp32 master of device parameter ``p`` and the inner optimizer's state of it (what a
