@@ -692,7 +692,38 @@ def check_ring_pieces(device: str, work: Path) -> Result:
         worst = max(worst, err / tol)
         parts.append(f"{str(dtype).removeprefix('torch.')} max rel {err:.1e} (tol {tol:.0e})")
     text = f"{b}x{h}/{kv} heads x {s} tokens x {d}, two chunks: " + ", ".join(parts)
-    return ("PASS" if worst <= 1.0 else "FAIL"), text
+    return ("PASS" if worst <= 1.0 else "FAIL"), text + "; " + _strided_lse_answer(dev, h, s, d)
+
+
+def _strided_lse_answer(dev: Any, heads: int, s: int, d: int) -> str:
+    """B14's open question: does the device's flash backward read a strided log-sum-exp (the second
+    chunk's slice) right? autopar hands it a dense copy either way; this only records the answer."""
+    import torch
+
+    from autopar.executor.parallel import ring_attention as ra
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(1, heads, s, d, generator=g).to(dev, torch.bfloat16) for _ in range(4))
+    out, lse = ra._flash(q, k, v, True, d ** -0.5)
+    half = slice(s // 2, s)
+    args = [t[:, :, half] for t in (dout, q, k, v, out)]
+    strided = lse[:, :, half]
+    if dev.type == "cuda":
+        none = torch.empty(0, dtype=torch.int64, device=dev)
+
+        def bwd(lse_part: Any) -> Any:
+            return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                *args, lse_part, none, none, s // 2, s // 2, 0.0, True, none, none, scale=d ** -0.5)
+    else:
+        def bwd(lse_part: Any) -> Any:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                *args, lse_part, 0.0, True, scale=d ** -0.5)
+    # FlashAttention-2's dq accumulates by atomics: two runs differ in the last bits, a misread
+    # log-sum-exp by the size of the gradients
+    rel = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+              for a, b in zip(bwd(strided), bwd(strided.contiguous())))
+    verdict = "the same gradients as" if rel < 1e-2 else "DIFFERENT gradients from"
+    return f"B14: a strided log-sum-exp gives {verdict} a dense one (max rel {rel:.1e})"
 
 
 CHECKS: list[tuple[int, str, Callable[[str, Path], Result]]] = [
