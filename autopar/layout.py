@@ -18,6 +18,14 @@ the stride of ``dp_cp`` that hold all E experts between them, E / ep each; an ``
 dp x cp / ep ranks, ep times further apart, that hold the same experts and reduce their gradients
 together. The executor's expert DeviceMesh has the dimensions ``EXPERT_DIMS``, of ``expert_shape``.
 
+Under sequence parallelism (tp > 1) the MoE layers run on each tp rank's sequence shard, so the tp
+ranks too hold different tokens of the same samples: the experts' ranks are then drawn from
+``dp x cp x tp`` (``folds_tp``; Megatron-Core's MoE parallel folding with expert tp 1), ep
+innermost -- across the tp ranks first, so an ep group of tp x k ranks stays inside a node where
+tp does. The pool the expert axes split is the ``moe_dp`` axis (dp x cp, or dp x cp x tp when
+folded): what a MoE layer's replicated parameters (its router, an unsharded shared expert) are
+data-parallel over.
+
 The search (search/space.py), the cost model (cost/comm.py, cost/expert.py), explain (explain/mesh.py,
 explain/volume.py) and the executor's DeviceMeshes (executor/parallel/mesh.py,
 executor/parallel/expert_parallel.py) all read this one object; the legality rules below are the
@@ -35,7 +43,7 @@ from dataclasses import dataclass, fields
 
 DIMS = ("pp", "dp", "cp", "tp")  # outermost to innermost: the DeviceMesh's dimension order
 AXES = ("tp", "cp", "dp", "dp_cp", "pp")  # every axis a group runs on, innermost first (explain's order)
-EXPERT_AXES = ("ep", "edp")  # expert parallelism: dp_cp refactored as edp x ep, ep innermost
+EXPERT_AXES = ("ep", "edp", "moe_dp")  # expert parallelism: moe_dp refactored as edp x ep, ep innermost
 EXPERT_DIMS = ("pp", "edp", "ep", "tp")  # the expert DeviceMesh's dimension order (expert_shape)
 
 
@@ -100,10 +108,17 @@ class Layout:
     cp: int = 1
     tp: int = 1
     ep: int = 1  # expert parallelism: ranks of dp x cp an MoE block's experts are sharded over
+    # sequence parallelism at tp > 1: MoE layers run on sequence shards and the expert axes split
+    # dp x cp x tp (module docstring)
+    folds_tp: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "folds_tp":
+                if not isinstance(value, bool):
+                    raise ValueError(f"folds_tp must be a bool, got {value!r}")
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"the {f.name} degree must be a positive integer, got {value!r}")
 
@@ -111,12 +126,17 @@ class Layout:
     def of(cls, degrees: object) -> Layout:
         """The layout of anything with ``pp``, ``dp``, ``cp`` and ``tp`` attributes, and ``ep`` where
         it has one (a plan's ``parallel`` section, the cost model's ``Config``)."""
-        return cls(**{d: getattr(degrees, d) for d in DIMS}, ep=getattr(degrees, "ep", 1))
+        tp = degrees.tp
+        folds = bool(getattr(degrees, "sequence_parallel", False)) and tp > 1
+        return cls(**{d: getattr(degrees, d) for d in DIMS}, ep=getattr(degrees, "ep", 1), folds_tp=folds)
 
     @property
     def expert_shape(self) -> tuple[int, ...]:
         """The degrees in ``EXPERT_DIMS`` order: the shape of the executor's expert DeviceMesh, the
-        ``DIMS`` shape with dp x cp refactored as edp x ep (the same ranks in the same order)."""
+        ``DIMS`` shape with dp x cp refactored as edp x ep (the same ranks in the same order); folded,
+        dp x cp x tp refactored so, and the mesh's tp dimension of size 1."""
+        if self.folds_tp:
+            return (self.pp, self.size("edp"), self.ep, 1)
         return tuple(getattr(self, d) if d in DIMS else self.size(d) for d in EXPERT_DIMS)
 
     @property
@@ -137,15 +157,16 @@ class Layout:
             return self.dp * self.cp
         if axis in EXPERT_AXES:
             self._check_experts()
-            return self.ep if axis == "ep" else self.dp * self.cp // self.ep
+            pool = self.dp * self.cp * (self.tp if self.folds_tp else 1)
+            return {"ep": self.ep, "edp": pool // self.ep, "moe_dp": pool}[axis]
         _check_axis(axis)
         return getattr(self, axis)
 
     def stride(self, axis: str) -> int:
         """Distance in the rank order between neighbouring members of a group of ``axis``."""
-        if axis in EXPERT_AXES:  # ep innermost of dp_cp, edp outside it
+        if axis in EXPERT_AXES:  # ep innermost of moe_dp, edp outside it
             self._check_experts()
-            return self.stride("dp_cp") * (self.ep if axis == "edp" else 1)
+            return (1 if self.folds_tp else self.stride("dp_cp")) * (self.ep if axis == "edp" else 1)
         inner = DIMS[DIMS.index("cp" if axis == "dp_cp" else _check_axis(axis)) + 1:]
         out = 1
         for d in inner:
@@ -197,8 +218,8 @@ class Layout:
         return place(2 if self.pp > 1 else 1, self.stride("pp"), gpus_per_node)
 
     def _check_experts(self) -> None:
-        """The expert axes exist only where ep divides dp x cp (``ep_reason``)."""
-        reason = ep_reason(self.ep, self.size("dp_cp"), None)
+        """The expert axes exist only where ep divides their pool (``ep_reason``)."""
+        reason = ep_reason(self.ep, self.dp * self.cp * (self.tp if self.folds_tp else 1), None, folds_tp=self.folds_tp)
         if reason:
             raise ValueError(reason)
 
@@ -315,16 +336,18 @@ def ring_balance_reason(cp: int, seq_len: int) -> str | None:
     return None
 
 
-def ep_reason(ep: int, dp_cp: int, num_experts: int | None) -> str | None:
+def ep_reason(ep: int, pool: int, num_experts: int | None, *, folds_tp: bool = False) -> str | None:
     """Expert parallelism shards whole experts: ep divides the model's ``num_experts`` (None: not
-    known here), and its ep ranks are drawn from the ``dp_cp`` = dp x cp ranks, so ep divides dp_cp.
-    What the model itself must have for any ep > 1 is spec/support.py's ``ep`` predicate."""
+    known here), and its ep ranks are drawn from the ``pool`` = dp x cp ranks (dp x cp x tp under
+    sequence parallelism: ``folds_tp``, ``Layout.size("moe_dp")``), so ep divides the pool. What the
+    model itself must have for any ep > 1 is spec/support.py's ``ep`` predicate."""
     if ep == 1:
         return None
     if num_experts is not None and num_experts % ep:
         return f"ep = {ep} does not divide the model's {num_experts} experts; pick an ep that divides {num_experts}"
-    if dp_cp % ep:
-        return f"ep = {ep} does not divide dp x cp = {dp_cp}; pick an ep that divides {dp_cp}"
+    if pool % ep:
+        what = "dp x cp x tp (sequence parallelism)" if folds_tp else "dp x cp"
+        return f"ep = {ep} does not divide {what} = {pool}; pick an ep that divides {pool}"
     return None
 
 

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import yaml
 
 from autopar.errors import PlanError
-from autopar.layout import Layout, cp_seq_reason, tp_node_reason, world_size_reason
+from autopar.layout import Layout, cp_seq_reason, ep_reason, tp_node_reason, world_size_reason
 
 PLAN_VERSION = 1
 CP_KINDS = ("ring", "allgather", "ulysses")
@@ -241,9 +241,12 @@ class Parallel:
                 f"parallel.pp_virtual_stages must be 1 for {self.pp_schedule}; "
                 "only interleaved-1f1b has virtual stages"
             )
-        if (self.dp * self.cp) % self.ep:  # expert parallelism: ep ranks are drawn from the dp x cp ranks
-            raise PlanError(f"parallel.ep = {self.ep} does not divide dp x cp = {self.dp * self.cp}; "
-                            "pick an ep that divides it")
+        # expert parallelism: ep ranks are drawn from dp x cp (x tp under SP): autopar.layout's rule
+        layout = self.layout
+        reason = ep_reason(self.ep, layout.dp * layout.cp * (layout.tp if layout.folds_tp else 1), None,
+                           folds_tp=layout.folds_tp)
+        if reason:
+            raise PlanError(f"parallel.{reason}")
         if self.recompute_blocks is not None:  # per-stage recompute
             object.__setattr__(self, "recompute_blocks", _normalise_recompute_blocks(self.recompute_blocks, self.pp))
         recompute = self.recompute if self.recompute_blocks is None else "mixed"

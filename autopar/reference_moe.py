@@ -15,13 +15,12 @@ meta once and kept in autopar's graph cache (``autopar.graph.cache``).
 How Megatron-Core's settings map (``row_plan``):
 
 - ZeRO: the distributed optimizer (FSDP "/") is ZeRO-1; Megatron-FSDP ("On") is priced as ZeRO-3.
-- Sequence parallelism: on in every Megatron run; autopar refuses it on blocks that hold experts
-  (``check_plan_against_model``: it would route only a rank's sequence shard), so the plan has it off
-  and, at tp > 1, every tp rank holds the micro-batch's whole sequence.
+- Sequence parallelism: on in every Megatron run at tp > 1, and in the plan: the MoE layers route
+  each tp rank's sequence shard (Megatron-Core's MoE parallel folding, autopar.layout's ``folds_tp``).
 - Expert parallelism: Megatron with expert tensor parallelism 1 draws its ep ranks from tp x dp
-  (an ep group of 8 at tp 2 is the node's 8 GPUs); autopar draws ep from dp x cp, tp innermost. An
-  ep that does not divide dp x cp becomes the largest one that does (flagged), and where tp x ep
-  passes a node autopar's all-to-all crosses the network where Megatron's stayed on NVLink (flagged).
+  (an ep group of 8 at tp 2 is the node's 8 GPUs); so does autopar under sequence parallelism, tp
+  ranks first. An ep that does not divide dp x cp x tp or the experts becomes the largest one that
+  does (flagged); expert tp > 1 is priced as 1 (flagged).
 - Pipeline: Megatron's ``--account-for-embedding-in-pipeline-split`` / ``-loss-`` (Qwen3) count the
   embedding and the loss as one layer each; the plan's stages give each (virtual) chunk the layers
   Megatron's does. Where a chunk would hold no layer (Qwen3 at pp 32 x vpp 3: 96 units, one each),
@@ -210,18 +209,15 @@ def row_plan(row: MoeRow, model: MoeModel | None = None) -> MoePlan:
     zero = 3 if row.fsdp else 1
     if row.fsdp:
         flags.append("Megatron-FSDP priced as ZeRO-3")
-    if row.tp > 1:
-        flags.append("sp off: autopar refuses sequence parallelism on expert blocks (every tp rank routes and "
-                     "computes the whole sequence's experts; Megatron each rank's 1/tp)")
+    # sequence parallelism at tp > 1, as every Megatron run: the MoE layers route each tp rank's
+    # sequence shard and the ep ranks come from dp x cp x tp, tp first (autopar.layout's folds_tp)
+    pool = row.dp * row.cp * row.tp
+    if row.etp > 1:
+        flags.append(f"expert tp {row.etp} -> 1: the model file's stacked experts are whole on each rank")
     ep = row.ep
-    if (row.dp * row.cp) % ep or m.experts % ep:
-        ep = max(e for e in range(1, row.dp * row.cp + 1) if (row.dp * row.cp) % e == 0 and m.experts % e == 0
-                 and e <= row.ep)
-        flags.append(f"ep {row.ep} -> {ep}: autopar draws ep from dp x cp = {row.dp * row.cp} (Megatron, etp 1, from "
-                     "tp x dp)")
-    if row.tp * ep > GPUS_PER_NODE >= row.ep * row.etp:
-        flags.append(f"all-to-all over the network: autopar's ep group spans tp x ep = {row.tp * ep} GPUs, "
-                     f"Megatron's {row.ep} (within a node)")
+    if pool % ep or m.experts % ep:
+        ep = max(e for e in range(1, pool + 1) if pool % e == 0 and m.experts % e == 0 and e <= row.ep)
+        flags.append(f"ep {row.ep} -> {ep}: ep must divide dp x cp x tp = {pool} and the experts")
     if row.section.lower().startswith("dropless training") and "force" not in row.notes:
         flags.append("dropless routing priced balanced (moe_imbalance 1.0): the imbalance is not published")
     recompute = {"": "none", "full": "full"}.get(row.recompute.strip())
@@ -243,7 +239,7 @@ def row_plan(row: MoeRow, model: MoeModel | None = None) -> MoePlan:
         cluster=ClusterRef(profile=PROFILE, num_gpus=row.gpus, gpus_per_node=GPUS_PER_NODE),
         training=Training(global_batch_size=row.gbs, micro_batch_size=row.mbs, seq_len=row.seq, dtype="bf16",
                           optimizer="adam"),
-        parallel=Parallel(dp=row.dp, tp=row.tp, pp=row.pp, cp=row.cp, ep=ep, zero=zero, sequence_parallel=False,
+        parallel=Parallel(dp=row.dp, tp=row.tp, pp=row.pp, cp=row.cp, ep=ep, zero=zero, sequence_parallel=row.tp > 1,
                           recompute=recompute, pp_schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
                           pp_virtual_stages=vpp, stages=stages),
     )

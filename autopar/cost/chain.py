@@ -131,7 +131,8 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
                     zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
                     peak_bytes=rt.peak_bytes)
         gathered = params
-        if cfg.ep > 1 and unit.experts:  # its experts sharded over ep ranks, priced as a block's (cost/expert.py)
+        # its experts sharded over ep ranks, or run on a sequence shard under SP, priced as a block's (cost/expert.py)
+        if (cfg.ep > 1 or (cfg.sequence_parallel and cfg.tp > 1)) and unit.experts:
             ep = adjust_terms(graph, cluster, cfg, part, dense_state_bytes=base.state_bytes_per_param,
                               dpcp_link=dpcp_link, tokens_bytes=unit.input_bytes * cfg.micro_batch * s_ratio,
                               shape=shape, region=unit.region)

@@ -58,7 +58,7 @@ def check_plan_against_model(plan: Plan, graph: ModelGraph) -> None:
     if par.ep > 1:  # expert parallelism
         from autopar.cost.expert import check_ep
 
-        reason = check_ep(graph, par.ep, par.dp * par.cp)
+        reason = check_ep(graph, par.ep, par.layout)
         if reason:
             raise PlanError(f"parallel.ep = {par.ep} is not possible: {reason}; plan with ep = 1")
     if par.cp > 1:

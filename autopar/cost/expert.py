@@ -33,7 +33,11 @@ All-to-all. Per MoE block and micro-batch a rank sends its tokens x top_k rows o
 (``dispatch``) and receives as many back (``combine``); backward does both again. Each is an
 all-to-all over the ep group: ep ranks at stride tp in the ``[pp, dp, cp, tp]`` order (ep
 innermost of dp x cp; the ``ep`` and ``edp`` axes of autopar.layout, which owns their sizes,
-strides and rules), so on NVLink while tp x ep fits a node and on the network beyond.
+strides and rules), so on NVLink while tp x ep fits a node and on the network beyond. Under
+sequence parallelism the MoE layers run on each tp rank's sequence shard (Megatron-Core's MoE
+parallel folding): a rank routes 1/tp of the tokens, and the ep ranks are drawn from dp x cp x tp,
+tp ranks first (stride 1); the experts' compute on the shard is the traced block's replicated work,
+which the block's shape already divides by tp.
 They are on the critical path (the experts wait for their tokens), so they are priced exposed.
 
 Memory and gradients. A rank holds E / ep experts of every block; their states shard over the
@@ -55,8 +59,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from autopar.cost.comm import axis_link, collective_time_s
-from autopar.cost.compute import op_time_s
+from autopar.cost.compute import is_core, is_parameter_sized, op_time_s
 from autopar.cost.framework import per_microbatch_s
+from autopar.cost.fused_elementwise import block_traffic
 from autopar.cost.memory import state_bytes_per_param
 from autopar.cost.zero import gradient_bytes_per_param, per_microbatch_exposed, per_step_sync
 from autopar.errors import PlanError
@@ -78,8 +83,8 @@ def check_imbalance(imbalance: float) -> None:
         raise PlanError(f"the MoE imbalance factor must be a number in [1, 64] (1 = balanced routing), got {imbalance!r}")
 
 
-def check_ep(graph: "ModelGraph", ep: int, dp_cp: int) -> str | None:
-    """Why ``ep`` is not legal for ``graph`` at dp x cp = ``dp_cp`` (None: it is)."""
+def check_ep(graph: "ModelGraph", ep: int, layout: Layout) -> str | None:
+    """Why ``ep`` is not legal for ``graph`` under ``layout``'s degrees (None: it is)."""
     if ep == 1:
         return None
     reason = graph.supports("ep")  # what the model must have (autopar.spec.support.ep_support)
@@ -87,7 +92,8 @@ def check_ep(graph: "ModelGraph", ep: int, dp_cp: int) -> str | None:
         return f"{graph.name}: {reason}"
     if graph.moe is None:  # a graph measured without the ep predicate (older cache)
         return f"ep = {ep} needs a mixture-of-experts model; {graph.name} has no experts in its blocks"
-    return ep_reason(ep, dp_cp, graph.moe.num_experts)  # the degree's rules: autopar.layout
+    pool = layout.dp * layout.cp * (layout.tp if layout.folds_tp else 1)
+    return ep_reason(ep, pool, graph.moe.num_experts, folds_tp=layout.folds_tp)  # the degree's rules: autopar.layout
 
 
 def expert_flops_per_token(graph: "ModelGraph") -> float:
@@ -108,13 +114,31 @@ def _token_axis(op: "FitOp", per_expert: float) -> int | None:
     return None
 
 
+def _grouped_rows_axis(op: "FitOp") -> int | None:
+    """The dimension of a grouped expert GEMM (torch's ``_grouped_mm``) that grows with the tokens."""
+    if op.kind != "gemm" or op.name != "_grouped_mm" or op.dims is None or op.dims_exps is None:
+        return None
+    return next((a for a in (1, 2, 3) if abs(op.dims_exps[a].b - 1.0) < 0.25 and abs(op.dims_exps[a].s - 1.0) < 0.25),
+                None)
+
+
+def _on_shard(op: "FitOp", axis: int, sp: float) -> "FitOp":
+    """Expert GEMM ``op`` on a tp rank's sequence shard (1/sp of its token rows)."""
+    dims = list(op.dims)
+    dims[axis] = max(1, round(dims[axis] / sp))
+    return replace(op, dims=tuple(dims), flops=op.flops / sp)
+
+
 def expert_gemm_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "Shape", ep: int,
-                        region: str = "block") -> tuple[float, float]:
+                        region: str = "block", sp: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds by which one rank's expert GEMMs of one block (the fitted
     ``region``: "block", or a chain unit's), per micro-batch at ``shape``, run faster (negative) or
-    slower under ep than as traced (module docstring)."""
+    slower under ep than as traced (module docstring). ``sp`` > 1: the MoE layer runs on a tp rank's
+    sequence shard (sequence parallelism, autopar.layout's ``folds_tp``), so its expert GEMMs get
+    1/sp of the rows -- which a GEMM's price, evaluated at the gathered sequence the TP region's
+    GEMMs see, does not divide by itself."""
     moe = graph.moe
-    if ep == 1 or moe is None or region not in graph.regions:
+    if (ep == 1 and sp == 1.0) or moe is None or region not in graph.regions:
         return 0.0, 0.0
     per_expert = graph.seq_len * moe.top_k / moe.num_experts
     if per_expert >= graph.seq_len:  # no dimension tells one expert's tokens from a sequence's
@@ -122,8 +146,16 @@ def expert_gemm_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "Shape",
     delta = {"fwd": 0.0, "bwd": 0.0}
     for op in graph.regions[region].ops:
         axis = _token_axis(op, per_expert)
-        if axis is None:
+        rows = axis if axis is not None else _grouped_rows_axis(op) if sp > 1.0 else None
+        if rows is None:
             continue
+        now, _ = op_time_s(op, shape, cluster, graph.seq_len)
+        shard = _on_shard(op, rows, sp) if sp > 1.0 else op
+        if axis is None or ep == 1:  # a grouped GEMM over all the rank's rows: its shard's shape only
+            then, _ = op_time_s(shard, shape, cluster, graph.seq_len)
+            delta[op.phase] += then - now
+            continue
+        op = shard
         dims = list(op.dims)
         dims[axis] *= ep
         batched = dims[0] == moe.num_experts and abs(op.dims_exps[0].b) < 0.25 and abs(op.dims_exps[0].s) < 0.25
@@ -132,7 +164,6 @@ def expert_gemm_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "Shape",
             bigger, share = replace(op, dims=tuple(dims)), 1.0
         else:  # one GEMM per expert: the rank runs E / ep of the E, each on ep times the rows
             bigger, share = replace(op, dims=tuple(dims), flops=op.flops * ep), 1.0 / ep
-        now, _ = op_time_s(op, shape, cluster, graph.seq_len)
         then, _ = op_time_s(bigger, shape, cluster, graph.seq_len)
         delta[op.phase] += share * then - now
     return delta["fwd"], delta["bwd"]
@@ -148,11 +179,20 @@ def expert_weight_work_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "
     parameters on one rank at ep = 1."""
     if ep == 1 or expert_share <= 0.0 or region not in graph.regions:
         return 0.0, 0.0
+    ops = graph.regions[region].ops
+    # each op priced as the region's time prices it (cost.compute._region_time): software that
+    # accumulates weight gradients inside the GEMM has no such copies, and fused element-wise
+    # kernels replace the eager ones -- what the block was not charged cannot shrink
+    sequence_model = any(op.bytes_exps.s > 0.5 for op in ops)
+    fused = region == "block" and cluster.fused_elementwise and block_traffic(graph) is not None
     delta = {"fwd": 0.0, "bwd": 0.0}
-    for op in graph.regions[region].ops:
-        if op.kind != "mem" or abs(op.bytes_exps.b) > 0.25 or abs(op.bytes_exps.s) > 0.25:
+    for op in ops:
+        if op.kind != "mem" or abs(op.bytes_exps.b) > 0.25 or abs(op.bytes_exps.s) > 0.25 or is_core(op):
             continue
-        now, _ = op_time_s(op, shape, cluster, graph.seq_len)
+        parameter_sized = is_parameter_sized(op, sequence_model)
+        if fused and not parameter_sized:
+            continue
+        now, _ = op_time_s(op, shape, cluster, graph.seq_len, parameter_sized)
         delta[op.phase] -= now * expert_share * (1.0 - 1.0 / ep)
     return delta["fwd"], delta["bwd"]
 
@@ -202,7 +242,8 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     f = cfg.moe_imbalance
     layout = Layout.of(cfg)
     link = axis_link(cluster, layout, "ep")
-    a2a_bytes = tokens_bytes * moe.top_k * f
+    # under SP (folded) a rank routes its sequence shard: 1/tp of the block input
+    a2a_bytes = tokens_bytes / (cfg.tp if layout.folds_tp else 1) * moe.top_k * f
     # collective_time_s takes the full message: ep ranks' shares of what one rank sends
     one = collective_time_s("all_to_all", a2a_bytes, link)
     a2a_fwd = DISPATCH_COMBINE_PER_PASS * one
@@ -221,7 +262,8 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     equivalent = dense + experts * state.total / dense_state_bytes
     edp_link = axis_link(cluster, layout, "edp")
     edp_sync, _, _ = per_step_sync(cfg, edp_link, cluster)
-    gemm_fwd, gemm_bwd = expert_gemm_delta_s(graph, cluster, shape, ep, region) if shape is not None else (0.0, 0.0)
+    sp = float(cfg.tp) if layout.folds_tp else 1.0  # the MoE layer on a sequence shard
+    gemm_fwd, gemm_bwd = expert_gemm_delta_s(graph, cluster, shape, ep, region, sp) if shape is not None else (0.0, 0.0)
     weights_fwd, weights_bwd = (expert_weight_work_delta_s(graph, cluster, shape, ep, min(1.0, all_experts / block_params),
                                                            region) if shape is not None and block_params else (0.0, 0.0))
     extra = max(0.0, experts * edp_sync - (equivalent - dense) * dense_sync_s_per_param) / cfg.num_microbatches
@@ -264,6 +306,11 @@ def adjust_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", block: 
     ``tokens_bytes``: one rank's block input per micro-batch; ``shape``: the block's; ``region``: its
     fitted region ("block", or a chain unit's holding the experts: cost/chain.py)."""
     if cfg.ep == 1:
+        if cfg.sequence_parallel and cfg.tp > 1 and graph.moe is not None:  # the experts on the shard
+            fwd, bwd = expert_gemm_delta_s(graph, cluster, shape, 1, region, float(cfg.tp))
+            rec = fwd if cfg.recompute == "full" else 0.0
+            block = replace(block, fwd_s=block.fwd_s + fwd, bwd_s=block.bwd_s + bwd + rec,
+                            recompute_s=block.recompute_s + rec)
         return ExpertTerms(block=block, expert=None, transient_saving_bytes=0.0)
     expert = expert_cost(graph, cluster, cfg, dense_state_bytes=dense_state_bytes,
                          dense_sync_s_per_param=per_step_sync(cfg, dpcp_link, cluster)[0],

@@ -229,9 +229,10 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
                     schedules = tuple(_schedules(space, pp, L, m, rejected))
                     if not schedules:
                         continue
-                    eps = _ep_degrees(graph, space, tp, pp, dp * cp, rejected)  # expert parallelism
                     for kind in kinds:
                         for sp in (space.sequence_parallel if tp > 1 and not graph.supports("sp") else (False,)):
+                            # expert parallelism: ep from dp x cp, or dp x cp x tp under SP (autopar.layout)
+                            eps = _ep_degrees(graph, space, dp * cp * (tp if sp else 1), sp, rejected)
                             for rc in recompute_modes:
                                 for ep in eps:
                                     yield Branch(tp=tp, cp=cp, cp_kind=kind, sequence_parallel=sp, micro_batch=mb,
@@ -265,17 +266,18 @@ def mix_modes(graph: ModelGraph) -> tuple[str, ...]:
                  if m == "none" or (not graph.supports(m) and (m != "selective" or selective_saves)))
 
 
-def _ep_degrees(graph: ModelGraph, space: SearchSpace, tp: int, pp: int, dp_cp: int, rejected: Counter) -> tuple[int, ...]:
-    """The legal ep degrees (autopar.layout's ``ep_reason``: ep divides the experts and dp x cp, at
-    any tp and pp). 1 is always legal (dense experts)."""
+def _ep_degrees(graph: ModelGraph, space: SearchSpace, pool: int, folds_tp: bool, rejected: Counter) -> tuple[int, ...]:
+    """The legal ep degrees (autopar.layout's ``ep_reason``: ep divides the experts and its
+    ``pool``, dp x cp, or dp x cp x tp under sequence parallelism: ``folds_tp``). 1 is always
+    legal (dense experts)."""
     if graph.moe is None or graph.supports("ep"):  # what the model must have: spec/support.py
         return (1,) if space.allows("ep_degrees", 1) else ()
     out = []
-    for ep in divisors(graph.moe.num_experts):  # the experts' rule holds: only dp x cp's can fail
+    for ep in divisors(graph.moe.num_experts):  # the experts' rule holds: only the pool's can fail
         if not space.allows("ep_degrees", ep):
             rejected["constraint: ep"] += 1
-        elif ep_reason(ep, dp_cp, graph.moe.num_experts):
-            rejected["ep does not divide dp x cp"] += 1
+        elif ep_reason(ep, pool, graph.moe.num_experts, folds_tp=folds_tp):
+            rejected["ep does not divide dp x cp (x tp under sp)"] += 1
         else:
             out.append(ep)
     return tuple(out)

@@ -252,7 +252,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
         if experts:  # a layer's experts, which a router picks among, are no units of the model's chain
             chain = _meta_call(where, lambda: find_chain(model, run, exclude | experts))
         if chain is not None:
-            spec = _chain_spec(mf, model, chain, inputs, run)
+            spec = _chain_spec(mf, model, chain, inputs, run, observed)
             units, moe = chain_experts(model, chain.units, observed, run)
             return _with_support(dataclasses.replace(spec, expert_units=units, moe=moe, routed=bool(routing)))
         mixed = heterogeneous_lists(model)
@@ -301,9 +301,8 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
     moe = moe_of(model, block, observed, block_calls)
     degrees = tp_degrees_of(heads, kv, (PlannedUnit(prefix="", module=block, styles=tp.styles,
                                                     local_attrs=tp.local_attrs, container=blocks_path),), block_calls)
-    # MoE blocks are refused SP before any check (spec/support.py); a block without TP has none.
-    sp_why, keyword_parents = (sp_check(block, tp.styles, plan_fused(block, tp), tp.local_attrs, run)
-                               if tp.styles and moe is None else (None, ()))
+    # A block without TP has no SP check; an MoE block's routed part runs on the sequence shard.
+    sp_why, keyword_parents = (_sp_check_with_experts(block, tp, moe, run) if tp.styles else (None, ()))
     hf = hf_attention(model, block, mf.seq_len)
     cp_mixing = (mixing_outside_attention(model, blocks_path, hf.module, inputs)
                  if hf is not None and mf.seq_len is not None and (token_batch or token_key) else None)
@@ -352,7 +351,25 @@ def _meta_call(where: str, fn: Any) -> Any:
         raise model_failed(where, "on the meta device", exc) from None
 
 
-def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run: Callable[[], Any]) -> ModelSpec:
+def _sp_check_with_experts(unit: nn.Module, plan: TPPlan, moe: MoESpec | None, run: Callable[[], Any]
+                           ) -> tuple[str | None, tuple[str, ...]]:
+    """spec/sp_check.py's check of ``unit`` under ``plan``, its mixture of experts ``moe`` (None:
+    dense) run on the sequence shard -- refused where the plan shards the experts (their Linears
+    would see the shard routed to them, not a gathered input) or they are the unit's own children."""
+    if moe is None:
+        return sp_check(unit, plan.styles, plan_fused(unit, plan), plan.local_attrs, run)
+    owner = moe.experts_path.rpartition(".")[0]
+    if any(n == moe.experts_path or n.startswith(moe.experts_path + ".") for n in plan.styles):
+        return (f"the tp plan shards the experts ({moe.experts_path}): sequence parallelism routes each tp "
+                "rank's sequence shard to whole experts"), ()
+    if not owner:
+        return (f"the experts ({moe.experts_path}) are the block's own children: sequence parallelism runs a "
+                "mixture of experts module on the sequence shard"), ()
+    return sp_check(unit, plan.styles, plan_fused(unit, plan), plan.local_attrs, run, moe_module=owner)
+
+
+def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run: Callable[[], Any],
+                observed: Callable[[], tuple[int, int] | None] = lambda: None) -> ModelSpec:
     """The spec of a model without a repeated block list: its layer chain (spec/chain.py).
     ``blocks_path`` names the container of the first unit (what block-list readers index);
     ``num_blocks`` counts the chain's units. ``spec.tp`` (one block's plan) stays empty; a chain
@@ -394,8 +411,8 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run:
         kinds = _meta_call(str(mf.path), lambda: chain_kind_plans(
             model, chain, resolve_unit,
             lambda unit, plan: focused(unit, lambda r: inplace_outputs(unit, plan.styles, r)),
-            lambda unit, plan: focused(unit, lambda r: sp_check(unit, plan.styles, plan_fused(unit, plan),
-                                                                 plan.local_attrs, r)[0])))
+            lambda unit, plan: focused(unit, lambda r: _sp_check_with_experts(
+                unit, plan, moe_of(model, unit, observed) if observed() is not None else None, r)[0])))
         why = chain_tp_reason(kinds)
         if why is None:  # every kind has a plan; whether tp runs is spec/support.py's tp predicate
             why = "plans per unit kind: " + "; ".join(k.describe() for k in kinds)

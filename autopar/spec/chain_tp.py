@@ -90,11 +90,8 @@ def chain_tp_reason(kinds: tuple[KindPlan, ...]) -> str | None:
 
 def chain_sp_reason(kinds: tuple[KindPlan, ...], expert_units: tuple[str, ...]) -> str | None:
     """Why sequence parallelism does not run the chain exactly (one line), or None when every kind
-    has a plan whose SP check passes and no unit holds experts. A kind left replicated would
-    compute on its rank's sequence shard only; a routed layer would route only that shard."""
-    if expert_units:
-        return (f"{expert_units[0]} holds a mixture of experts: between sequence-parallel norms it would route "
-                "only this rank's sequence shard")
+    has a plan whose SP check passes (a unit's mixture of experts routes its rank's sequence shard:
+    spec/sp_check.py). A kind left replicated would compute on its rank's sequence shard only."""
     for kp in kinds:
         if kp.runs and not kp.plan.styles:
             return f"unit kind {kp.unit} has no tp plan: under sequence parallelism it would see a sequence shard"

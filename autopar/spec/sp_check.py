@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 from autopar.spec.tp_infer import _MAX_CHECK_INPUT, _MAX_CHECK_PARAMS, _RTOL, _materialise, _rank_copy, _real
 
 _TP = 2
+_RTOL_FP32 = 1e-4  # the numeric check in float32 (stacked experts), summing a few hundred products
 
 
 def is_norm(mod: nn.Module) -> bool:
@@ -73,11 +74,41 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return next((t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)), None)
 
 
-def _stray_parameter(block: nn.Module, styles: Mapping[str, str]) -> str | None:
+def _under(name: str, prefixes: Any) -> bool:
+    return any(name == n or name.startswith(n + ".") for n in prefixes)
+
+
+def shard_local_modules(block: nn.Module, styles: Mapping[str, str], moe_module: str) -> tuple[str, ...] | str:
+    """The children of a mixture-of-experts module ``moe_module`` (block-relative) that run on a tp
+    rank's sequence shard under sequence parallelism: those holding parameters, no tensor-parallel
+    layer and no colwise parent (whose input is all-gathered) -- the router, the routed experts, an
+    unsharded shared expert and its gate. Each tp rank trains them on its own tokens, so the
+    executor reduces their gradients over dp x cp x tp (autopar.layout's ``moe_dp``; the experts
+    over its ``edp``). A string: why the module cannot run so (one line)."""
+    moe = block.get_submodule(moe_module)
+    if any(True for _ in moe.parameters(recurse=False)):
+        return (f"{moe_module} holds parameters of its own beside its submodules: sequence parallelism reduces a "
+                "mixture of experts' gradients over the tp ranks submodule by submodule")
+    gathered = {_parent(n) for n, s in styles.items() if s == "colwise"}
+    if _under(moe_module, gathered):
+        return (f"{moe_module} gets its input all-gathered (a colwise layer's parent): its router would see the "
+                "whole sequence on every tp rank")
+    out = []
+    for child, mod in moe.named_children():
+        path = f"{moe_module}.{child}"
+        if not any(True for _ in mod.parameters()):
+            continue
+        if any(_under(n, (path,)) for n in styles):
+            continue  # a tensor-parallel shared expert: its own layers (a stray parameter is refused later)
+        out.append(path)
+    return tuple(out)
+
+
+def _stray_parameter(block: nn.Module, styles: Mapping[str, str], local: tuple[str, ...] = ()) -> str | None:
     norms = {n for n, m in block.named_modules() if is_norm(m)}
     for name, _ in block.named_parameters():
         owner = _parent(name)
-        if owner in styles or any(owner == n or owner.startswith(n + ".") for n in norms):
+        if owner in styles or _under(owner, norms) or _under(owner, local):
             continue
         return (f"{name} is in neither a tensor-parallel layer nor a norm: under sequence parallelism each "
                 "tp rank would compute with it on its own sequence shard")
@@ -85,20 +116,28 @@ def _stray_parameter(block: nn.Module, styles: Mapping[str, str]) -> str | None:
 
 
 def sp_check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int], local_attrs: tuple[str, ...],
-             run: Callable[[], Any]) -> tuple[str | None, tuple[str, ...]]:
+             run: Callable[[], Any], moe_module: str | None = None) -> tuple[str | None, tuple[str, ...]]:
     """(None when SP runs ``block`` (block 0; ``run()`` one meta forward of the model) exactly, else
     why not (see the module docstring); the colwise parents the block calls with their input by
-    keyword only (HF attention: ``hidden_states=``)). Never raises: the user's code runs here."""
+    keyword only (HF attention: ``hidden_states=``)). ``moe_module``: the block's mixture of experts
+    (the parent of its experts), whose ``shard_local_modules`` run on the sequence shard and have
+    their gradients reduced over the tp ranks too. Never raises: the user's code runs here."""
     keyword: list[str] = []
     try:
-        return _check(block, styles, fused, local_attrs, run, keyword), tuple(keyword)
+        local: tuple[str, ...] = ()
+        if moe_module is not None:
+            found = shard_local_modules(block, styles, moe_module)
+            if isinstance(found, str):
+                return found, ()
+            local = found
+        return _check(block, styles, fused, local_attrs, run, keyword, local), tuple(keyword)
     except Exception as exc:  # noqa: BLE001 - the user's block code, on meta and CPU
         why = f"the sequence-parallel check of block 0 failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         return why, tuple(keyword)
 
 
 def _check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int], local_attrs: tuple[str, ...],
-           run: Callable[[], Any], keyword: list[str]) -> str | None:
+           run: Callable[[], Any], keyword: list[str], local: tuple[str, ...] = ()) -> str | None:
     cols = [n for n, s in styles.items() if s == "colwise"]
     parents = sorted({_parent(c) for c in cols if _parent(c)})
     called: dict[str, bool] = {}
@@ -123,7 +162,7 @@ def _check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int]
     finally:
         for h in handles:
             h.remove()
-    why = _stray_parameter(block, styles)
+    why = _stray_parameter(block, styles, local)
     if why:
         return why
     if by_keyword:  # SequenceParallel wraps a norm's first positional input only
@@ -153,8 +192,12 @@ def _check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int]
 def _numeric(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int], local_attrs: tuple[str, ...],
              parents: list[str], args: tuple, kwargs: dict) -> str | None:
     gen = torch.Generator().manual_seed(0)
-    full = _materialise(block, gen)
-    args, kwargs = _real((args, kwargs), gen)
+    # float64, but where the block holds weights stacked per expert: torch's grouped GEMM (HF's
+    # stacked experts) takes no float64, so float32 and a tolerance float32 can keep
+    stacked = any(p.dim() >= 3 for p in block.parameters())
+    dtype, rtol = (torch.float32, _RTOL_FP32) if stacked else (torch.float64, _RTOL)
+    full = _materialise(block, gen, dtype)
+    args, kwargs = _real((args, kwargs), gen, dtype)
     hidden = _map_first(full, args, kwargs, lambda t: t)
     x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get(_first_param(full) or "")
     if hidden is None or x is None or x.dim() < 2 or x.shape[1] % _TP:
@@ -218,6 +261,6 @@ def _numeric(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, in
         return f"the simulated sequence-parallel block returned shape {tuple(got.shape)}, the full block {tuple(want.shape)}"
     scale = float(want.abs().max()) or 1.0
     err = float((got - want).abs().max()) / scale
-    if err > _RTOL:
+    if err > rtol:
         return f"the simulated sequence-parallel block differs from the full block (relative error {err:.1e})"
     return None

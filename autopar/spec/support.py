@@ -59,10 +59,6 @@ def sp_support(spec: "ModelSpec") -> str | None:
         why = chain_sp_reason(spec.kind_tp, spec.expert_units)
         if why is not None:
             return why
-    if spec.moe is not None:  # the executor does not yet split a routed layer's tokens across tp ranks
-        return (f"the blocks hold a mixture of experts ({spec.moe.experts_path}): between sequence-parallel "
-                "norms it would route only this rank's sequence shard and its expert gradients would differ "
-                "across tp ranks")
     call = spec.probe.block_call
     if not call.first_arg_is_tensor and call.num_args == 0 and not call.kwargs:
         return "the blocks are called without a hidden-state input to split over the sequence"

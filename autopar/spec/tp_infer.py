@@ -189,12 +189,12 @@ def _choose_attrs_by_shapes(block: nn.Module, flow: Flow, styles: dict[str, str]
     return (None, cand) if b < a else (None, ())
 
 
-def _real(value: Any, gen: torch.Generator) -> Any:
+def _real(value: Any, gen: torch.Generator, dtype: torch.dtype = torch.float64) -> Any:
     def conv(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         if t.is_floating_point():
-            return torch.randn(t.shape, generator=gen, dtype=torch.float64)
+            return torch.randn(t.shape, generator=gen, dtype=dtype)
         if t.dtype == torch.bool:
             return torch.ones(t.shape, dtype=torch.bool)
         return torch.zeros(t.shape, dtype=t.dtype)
@@ -202,8 +202,8 @@ def _real(value: Any, gen: torch.Generator) -> Any:
     return tree_map(conv, value)
 
 
-def _materialise(block: nn.Module, gen: torch.Generator) -> nn.Module:
-    real = copy.deepcopy(block).to_empty(device="cpu").double()
+def _materialise(block: nn.Module, gen: torch.Generator, dtype: torch.dtype = torch.float64) -> nn.Module:
+    real = copy.deepcopy(block).to_empty(device="cpu").to(dtype)
     with torch.no_grad():
         for t in list(real.parameters()) + list(real.buffers()):
             if t.is_floating_point():

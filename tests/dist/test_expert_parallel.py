@@ -11,7 +11,9 @@ at ep2: plain-torch 3-D stacks with per-expert biases and a shared expert, HF gp
 per-expert biases, ZeRO-1) and HF DBRX (weights packed along their rows, ZeRO-3). Layer chains
 whose later units hold the experts: HF DeepSeek-V3 (a dense first layer; ep2 at ZeRO-1, with the
 block-list pipeline pp2 x dp2 x ep2 and with tensor parallelism tp2 x dp2 x ep2) and a plain-torch
-chain with an nn.ModuleList of experts (ep2, ZeRO-3).
+chain with an nn.ModuleList of experts (ep2, ZeRO-3). Sequence parallelism through HF Mixtral's MoE
+layers (each tp rank routes its sequence shard; ep drawn from dp x tp, tp first): tp2 x ep2,
+tp2 x dp2 x ep4 (ZeRO-1) and tp2 x dp2 x ep2 (ZeRO-0).
 """
 
 from __future__ import annotations
@@ -87,7 +89,12 @@ CASES_2 = [MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2}) for m 
     # a chain's MoE units (the dense first one keeps its MLP whole)
     MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2, **extra})
     for m, extra in (("hf-deepseek-v3", {"zero": 1}), ("chain-moe-list", {"zero": 3}))
-    if m in _models(("hf-deepseek-v3", "chain-moe-list"))]
+    if m in _models(("hf-deepseek-v3", "chain-moe-list"))] + [
+    # sequence parallelism through the MoE layers: each tp rank routes its sequence shard, the ep
+    # ranks drawn from the tp ranks (Megatron-Core's MoE parallel folding); the router's and the
+    # experts' gradients reduced over them
+    MoECase(name="hf-mixtral-tp2-sp-ep2", model="hf-mixtral", parallel={"tp": 2, "sequence_parallel": True, "ep": 2})
+    for m in _models() if m == "hf-mixtral"]
 CASES_4 = [MoECase(name=f"{m}-ep2xdp2", model=m, parallel={"dp": 4, "ep": 2}) for m in _models()] + [
     MoECase(name=f"{m}-ep2xdp2-zero1", model=m, parallel={"dp": 4, "ep": 2, "zero": 1}) for m in _models()] + [
     # one expert per rank under ZeRO-2 (what the planner picks for Mixtral-8x7B at 64 A100s)
@@ -110,6 +117,13 @@ CASES_4 = [MoECase(name=f"{m}-ep2xdp2", model=m, parallel={"dp": 4, "ep": 2}) fo
     # ranks: TPPlan.grad_sums) and tensor-parallel shared experts; the routed experts whole per tp rank
     MoECase(name="hf-deepseek-v3-tp2xdp2xep2-zero1", model="hf-deepseek-v3",
             parallel={"dp": 2, "tp": 2, "ep": 2, "zero": 1})] if _models(("hf-deepseek-v3",)) else []
+CASES_4 += [
+    # sequence parallelism through the MoE layers over dp x tp: ep 4 across both (ZeRO-1 shards the
+    # experts over their edp ranks), and ep 2 over the tp ranks at ZeRO-0 (FSDP2's replicate reduces
+    # the experts and the router over dp x tp)
+    MoECase(name=f"hf-mixtral-tp2xdp2-sp-ep{ep}-zero{z}", model="hf-mixtral",
+            parallel={"dp": 2, "tp": 2, "sequence_parallel": True, "ep": ep, "zero": z})
+    for ep, z in ((4, 1), (2, 0)) if "hf-mixtral" in _models()]
 CASES_2, CASES_4 = share(2, CASES_2), share(4, CASES_4)  # in the session's shared spawns (shared.py)
 ALL = [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4]
 

@@ -68,8 +68,10 @@ def test_the_chain_is_measured_and_priced_under_each_kinds_plan(tmp_path: Path) 
     from autopar.graph import build_graph
 
     spec = _spec(tmp_path)
-    assert spec.support_reason("tp") is None  # tp, but sp would route a sequence shard in the MoE units
-    assert spec.support_reason("sp").startswith("layers.2 holds a mixture of experts")
+    assert spec.support_reason("tp") is None
+    # sp: the MoE units would route their sequence shard (allowed), but the dense kind's block does
+    # not run on a shard exactly (its position table is added inside the unit)
+    assert spec.support_reason("sp").startswith("unit kind layers.0: the simulated sequence-parallel block")
     graph = build_graph(load_model_file(tmp_path / "mixed.py"), dtype="fp32")  # its pos table is fp32
     assert graph.tp_reason is None and graph.tp_source.startswith("per unit kind")
     # each kind's region holds its own collectives: dense 2 pairs, MoE 1 (its attention)

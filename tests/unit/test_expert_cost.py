@@ -70,13 +70,16 @@ def test_bad_ep_is_a_one_line_plan_error(parallel, needle) -> None:
 def test_ep_legality_names_the_reason() -> None:
     g = _graph()
     assert g.moe is not None and (g.moe.num_experts, g.moe.top_k) == (4, 2)
-    assert check_ep(g, 1, 8) is None and check_ep(g, 4, 8) is None
-    assert "does not divide the model's 4 experts" in check_ep(g, 8, 8)
-    assert "does not divide dp x cp = 6" in check_ep(g, 4, 6)
+    from autopar.layout import Layout
+
+    dp8, dp6 = Layout(dp=8), Layout(dp=6)
+    assert check_ep(g, 1, dp8) is None and check_ep(g, 4, dp8) is None
+    assert "does not divide the model's 4 experts" in check_ep(g, 8, dp8)
+    assert "does not divide dp x cp = 6" in check_ep(g, 4, dp6)
     dense = dataclasses.replace(g, moe=None)
-    assert "has no experts in its blocks" in check_ep(dense, 2, 8)
+    assert "has no experts in its blocks" in check_ep(dense, 2, dp8)
     refused = dataclasses.replace(g, support={**g.support, "ep": "the blocks differ"})  # spec/support.py's ep
-    assert check_ep(refused, 2, 8) == "torch_moe: the blocks differ"
+    assert check_ep(refused, 2, dp8) == "torch_moe: the blocks differ"
     with pytest.raises(PlanError, match="parallel.ep = 8 is not possible"):
         estimate_plan(_plan(ep=8), g, load_cluster("a100-80g"))
 
@@ -224,7 +227,7 @@ def test_search_offers_ep_where_legal_and_records_it() -> None:
     assert all(ep == 1 or dpcp % ep == 0 for tp, pp, dpcp, ep in eps)
     # pp x ep and tp x ep run (tests/dist/test_expert_parallel.py)
     assert any(ep > 1 and pp > 1 for tp, pp, dpcp, ep in eps) and any(ep > 1 and tp > 1 for tp, pp, dpcp, ep in eps)
-    assert rejected["ep does not divide dp x cp"] > 0
+    assert rejected["ep does not divide dp x cp (x tp under sp)"] > 0
     only = SearchSpace(num_gpus=8, gpus_per_node=8, global_batch=64, seq_len=32, micro_batches=(1,), ep_degrees=(4,))
     assert {b.ep for b in enumerate_branches(g, only, Counter())} == {4}
 

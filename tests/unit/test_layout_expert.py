@@ -30,7 +30,8 @@ def _flat(lay: Layout, rank: int) -> int:
 @pytest.mark.parametrize("lay", LAYOUTS, ids=_ids)
 def test_ep_is_innermost_of_dp_cp_and_edp_holds_the_same_experts(lay: Layout) -> None:
     n = lay.world_size
-    for axis in EXPERT_AXES:
+    assert lay.groups("moe_dp") == lay.groups("dp_cp")  # without SP the pool is dp x cp
+    for axis in ("ep", "edp"):
         groups = lay.groups(axis)
         assert sorted(r for g in groups for r in g) == list(range(n))  # a partition
         for g in groups:
@@ -110,3 +111,59 @@ def test_of_reads_ep_where_the_degrees_have_one() -> None:
     assert Layout.of(SimpleNamespace(pp=1, dp=4, cp=2, tp=2)).ep == 1
     with pytest.raises(ValueError, match="the ep degree must be a positive integer"):
         Layout(ep=0)
+
+
+# (pp, dp, cp, tp, ep) under sequence parallelism: ep inside the tp ranks, across tp and dp, all of them
+FOLDED = [Layout(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, folds_tp=True)
+          for pp, dp, cp, tp, ep in [(1, 2, 1, 2, 2), (1, 2, 1, 2, 4), (2, 4, 1, 2, 8), (1, 2, 2, 2, 4), (1, 4, 1, 2, 1)]]
+
+
+@pytest.mark.parametrize("lay", FOLDED, ids=_ids)
+def test_under_sp_the_expert_axes_split_dp_cp_tp_tp_first(lay: Layout) -> None:
+    """Megatron-Core's MoE parallel folding: an ep group is ep consecutive ranks of one pipeline
+    stage (the tp ranks first), an edp group the ranks of the stage with the same ep index, and
+    moe_dp every rank of the stage."""
+    stage = lay.world_size // lay.pp
+    assert lay.size("moe_dp") == lay.dp * lay.cp * lay.tp == stage
+    assert lay.size("ep") * lay.size("edp") == stage
+    for r in range(lay.world_size):
+        f = r % stage  # the rank's index on the flattened (dp, cp, tp) axis
+        ep_group, edp_group = lay.group("ep", r), lay.group("edp", r)
+        assert ep_group == tuple(r - f % lay.ep + i for i in range(lay.ep))
+        assert all(g % stage % lay.ep == f % lay.ep and g // stage == r // stage for g in edp_group)
+        assert lay.group("moe_dp", r) == tuple(range(r - f, r - f + stage))
+    ranks = torch.arange(lay.world_size).reshape(lay.expert_shape)  # the executor's expert mesh
+    for i, axis in ((1, "edp"), (2, "ep")):
+        along = ranks.movedim(i, -1).reshape(-1, lay.size(axis))
+        assert sorted(tuple(g) for g in along.tolist()) == sorted(lay.groups(axis))
+
+
+def test_sp_draws_ep_from_the_tp_ranks_too() -> None:
+    sp = SimpleNamespace(pp=1, dp=2, cp=1, tp=4, ep=8, sequence_parallel=True)
+    assert Layout.of(sp).folds_tp and Layout.of(sp).size("edp") == 1
+    assert not Layout.of(SimpleNamespace(pp=1, dp=8, cp=1, tp=1, ep=8, sequence_parallel=True)).folds_tp  # tp 1
+    assert ep_reason(8, 8, 64, folds_tp=True) is None
+    assert ep_reason(16, 8, 64, folds_tp=True) == ("ep = 16 does not divide dp x cp x tp (sequence parallelism) = 8; "
+                                                   "pick an ep that divides 8")
+    with pytest.raises(ValueError, match="does not divide dp x cp = 2"):
+        Layout.of(SimpleNamespace(pp=1, dp=2, cp=1, tp=4, ep=8, sequence_parallel=False)).size("ep")
+
+
+@pytest.mark.parametrize("lay", FOLDED, ids=_ids)
+def test_the_executors_folded_meshes_make_the_layouts_groups(lay: Layout) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.executor.parallel.expert_parallel import expert_groups
+
+    plan = SimpleNamespace(parallel=SimpleNamespace(layout=lay))
+    spec = SimpleNamespace(moe=SimpleNamespace(num_experts=8 * lay.ep))
+    for rank in sorted({0, 1, lay.world_size - 1}):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world_size)
+        try:
+            groups = expert_groups(plan, spec, torch.device("cpu"))
+            assert tuple(groups.mesh["ep"].mesh.tolist()) == lay.group("ep", rank)
+            assert tuple(groups.mesh["edp"].mesh.tolist()) == lay.group("edp", rank)
+            assert tuple(groups.pool_mesh.mesh.tolist()) == lay.group("moe_dp", rank)
+            assert groups.grad_divide == lay.dp * lay.cp  # the tp ranks hold other tokens of the same samples
+        finally:
+            dist.destroy_process_group()

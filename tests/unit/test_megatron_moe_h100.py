@@ -129,18 +129,20 @@ def test_megatron_splits_qwen3_with_the_embedding_and_loss_as_layers() -> None:
 def test_the_a2a_rows_map_to_the_closest_plans_with_every_difference_flagged() -> None:
     q = row_plan(BY_NAME["qwen3-235b-a2a-ep8-pp32"])
     par = q.plan.parallel
+    # sequence parallelism on, as the run: ep 8 drawn from dp x tp = 8 (autopar.layout's folds_tp)
     assert (par.dp, par.tp, par.pp, par.ep, par.zero, par.pp_virtual_stages, par.sequence_parallel, par.recompute) == (
-        4, 2, 32, 4, 1, 1, False, "none")
+        4, 2, 32, 8, 1, 1, True, "none")
+    assert par.layout.group("ep", 0) == tuple(range(8))  # one node's 8 GPUs, as Megatron's
     per_rank = [b - a for a, b in q.plan.stage_ranges()]
     assert per_rank[0] == per_rank[-1] == 2 and set(per_rank[1:-1]) == {3}
     assert q.plan.cluster.profile == PROFILE and q.plan.training.global_batch_size == 2048
     text = " ".join(q.flags)
-    assert "ep 8 -> 4" in text and "vpp 3 -> 1" in text and "sp off" in text and "norm, act" in text
+    assert "vpp 3 -> 1" in text and "norm, act" in text and not any(f.startswith("ep ") for f in q.flags)
     x = row_plan(BY_NAME["mixtral-8x22b-a2a-balanced"])
     par = x.plan.parallel
     assert (par.dp, par.tp, par.pp, par.ep, par.pp_virtual_stages, par.pp_schedule, par.stages) == (
         8, 2, 8, 8, 7, "interleaved-1f1b", None)
-    assert any("network" in f for f in x.flags) and not any(f.startswith("ep ") for f in x.flags)
+    assert x.plan.parallel.sequence_parallel and not any(f.startswith("ep ") for f in x.flags)
 
 
 def test_rows_autopar_cannot_price_are_skipped_with_a_reason() -> None:
@@ -160,8 +162,8 @@ def test_a_shrunk_row_prices_on_the_tiny_model() -> None:
                                account_for_embedding_and_loss=True)
     row = dataclasses.replace(BY_NAME["qwen3-235b-a2a-ep8-pp32"], gpus=8, tp=2, pp=2, vpp=1, dp=2, ep=4, edp=1,
                               gbs=4, ga=2, seq=32)
-    mapped = row_plan(row, tiny)
-    assert mapped.plan.parallel.ep == 2 and [b - a for a, b in mapped.plan.stage_ranges()] == [2, 2]
+    mapped = row_plan(row, tiny)  # ep 4 from dp x tp = 4 under sequence parallelism
+    assert mapped.plan.parallel.ep == 4 and [b - a for a, b in mapped.plan.stage_ranges()] == [2, 2]
     graph = cached_graph(str(model_path(tiny)), seq_len=None, dtype="bf16")[0]
     est = estimate_plan(mapped.plan, graph, load_cluster(PROFILE))
     assert math.isfinite(est.step_time_s) and est.step_time_s > 0 and est.time_breakdown_s["ep_comm"] > 0

@@ -96,7 +96,7 @@ def test_hf_mixtral_grouped_mm_traces_in_fp32(tmp_path) -> None:
     assert _block_fwd_flops(fp32) == pytest.approx(_block_fwd_flops(bf16))
 
 
-def test_hf_mixtral_moe_spec_and_no_sequence_parallelism(tmp_path) -> None:
+def test_hf_mixtral_moe_spec_and_sequence_parallelism(tmp_path) -> None:
     pytest.importorskip("transformers")
     spec = model_spec(load_model_file(_variant(tmp_path, "mixtral_spec", "hf_mixtral_tiny.py", EXPERTS="grouped_mm")))
     moe = spec.moe
@@ -104,8 +104,8 @@ def test_hf_mixtral_moe_spec_and_no_sequence_parallelism(tmp_path) -> None:
     assert (moe.experts_path, moe.experts_kind, moe.num_experts, moe.top_k, moe.top_k_source, moe.router_name) == (
         "mlp.experts", "stacked", 4, 2, "config", "mlp.gate")
     assert moe.params_per_expert == 3 * 64 * 128
-    if spec.support["tp"] is None:
-        assert "mixture of experts" in spec.support["sp"]
+    if spec.support["tp"] is None:  # its routed part runs on the sequence shard (spec/sp_check.py)
+        assert spec.support["sp"] is None
 
 
 def test_topk_moe_spec_reads_top_k_from_the_router_call(tmp_path) -> None:
@@ -186,7 +186,7 @@ def test_plan_search_says_why_sp_is_left_out_for_moe(tmp_path) -> None:
     from autopar.search.space import SearchSpace, enumerate_branches
 
     g = build_graph(str(_topk(tmp_path, "moe_rejected")), dtype="fp32")
-    assert g.supports("tp") is None and "mixture of experts" in g.supports("sp")
+    assert g.supports("tp") is None and "the tp plan shards the experts" in g.supports("sp")
     rejected: Counter = Counter()
     space = SearchSpace(num_gpus=4, gpus_per_node=4, global_batch=8, seq_len=32, micro_batches=(1,))
     branches = list(enumerate_branches(g, space, rejected))

@@ -280,8 +280,9 @@ def shape_parts(plan: Plan, mf: ModelFile, spec: ModelSpec, mesh: ParallelMesh, 
     for part in shaped.parts + extra:
         _shape_part(part, plan, spec, mesh, notes)
 
-    # 3b. expert parallelism: this rank's experts (on meta), tokens routed over the ep group
-    if par.ep > 1:
+    # 3b. expert parallelism: this rank's experts (on meta), tokens routed over the ep group; under
+    # SP a mixture of experts runs on the sequence shard and reduces its gradients over tp too
+    if par.ep > 1 or (par.layout.folds_tp and spec.moe_units):
         from autopar.executor.parallel import expert_parallel as ep_mod
 
         prefix = pipe.STAGE_PREFIX if par.pp > 1 else ""
@@ -357,8 +358,14 @@ def place(
     if expert is not None:  # experts reduce over their edp ranks, not dp x cp
         from autopar.executor.parallel import expert_parallel as ep_mod
 
+        policy = None
+        if par.offload.params:  # host offload (ep 1 under SP): the MoE layers' own FSDP2 units too
+            from autopar.executor.parallel.offload import cpu_offload_policy
+
+            policy = cpu_offload_policy(device)
         ep_mod.wrap_experts(expert, parts[0], zero=zero, dtype=plan.training.dtype, dp_cp=par.dp * par.cp,
-                            replicated=par.pp > 1 or par.tp > 1)  # ZeRO 0 wraps with replicate there, not DDP
+                            replicated=par.pp > 1 or par.tp > 1,  # ZeRO 0 wraps with replicate there, not DDP
+                            offload_policy=policy)
 
     # 5. ZeRO / FSDP2 / DDP over dp x cp
     dp_mesh = mesh.dp_cp
@@ -542,7 +549,7 @@ def full_parameters(exe: Executable, *, grads: bool = False) -> dict[str, torch.
         if name in exe.permutations:
             t = t[torch.argsort(exe.permutations[name])]
         out[name] = t
-    if exe.expert is not None:  # expert parallelism: the other ep ranks' experts
+    if exe.expert is not None and exe.expert.groups.ep > 1:  # expert parallelism: the other ep ranks' experts
         from autopar.executor.parallel.expert_parallel import gather_full
 
         out = gather_full(exe.expert, out)

@@ -59,7 +59,9 @@ def check_expert_parallel(plan: Any, spec: Any, where: str, mf: Any) -> None:
     reason = spec.support_reason("ep")
     if reason:
         raise AutoparError(f"expert parallelism cannot run on {where}: {reason}; plan with ep = 1")
-    reason = ep_reason(par.ep, par.layout.size("dp_cp"), spec.moe.num_experts)
+    layout = par.layout
+    reason = ep_reason(par.ep, layout.dp * layout.cp * (layout.tp if layout.folds_tp else 1), spec.moe.num_experts,
+                       folds_tp=layout.folds_tp)
     if reason:
         raise AutoparError(f"{where}: {reason}")
 
@@ -75,9 +77,13 @@ class ExpertGroups:
 
     mesh: Any  # DeviceMesh with dims pp, edp, ep, tp
     ep: int
-    edp: int  # ranks holding the same experts: dp * cp / ep
+    edp: int  # ranks holding the same experts: dp * cp / ep (dp * cp * tp / ep folded)
     num_experts: int
     grad_divide: int  # dp * cp
+    # sequence parallelism (autopar.layout's folds_tp): the MoE layers run on the tp ranks' sequence
+    # shards, and their replicated parts (router, an unsharded shared expert) are data-parallel over
+    # this 1-D mesh of dp x cp x tp ranks (``moe_dp``); None otherwise
+    pool_mesh: Any = None
 
     @property
     def ep_rank(self) -> int:
@@ -103,8 +109,11 @@ def expert_groups(plan: Any, spec: Any, device: torch.device) -> ExpertGroups:
 
     layout = plan.parallel.layout
     mesh = init_device_mesh(device.type, layout.expert_shape, mesh_dim_names=EXPERT_DIMS)
+    pool = None
+    if layout.folds_tp:  # the moe_dp axis: every rank of a pipeline stage (dp x cp x tp, contiguous)
+        pool = init_device_mesh(device.type, (layout.pp, layout.size("moe_dp")), mesh_dim_names=("pp", "moe_dp"))["moe_dp"]
     return ExpertGroups(mesh=mesh, ep=layout.size("ep"), edp=layout.size("edp"), num_experts=spec.moe.num_experts,
-                        grad_divide=layout.size("dp_cp"))
+                        grad_divide=layout.size("dp_cp"), pool_mesh=pool)
 
 
 # ---------------------------------------------------------------- dispatch and combine
@@ -141,6 +150,13 @@ def exchange(rows: torch.Tensor, counts: torch.Tensor, groups: ExpertGroups,
     and return the results in the order of ``rows``. Collective over the ep group. On fake tensors
     (a rehearsal) every rank sends and receives the balanced counts of ``routing_counts``."""
     ep, per, group = groups.ep, groups.num_experts // groups.ep, groups.ep_group
+    # Under autocast (fp32 parameters: DDP, pipeline stages at ZeRO 0-1) the rows travel in the
+    # autocast dtype, as the cost model prices them: the expert GEMMs would cast them so anyway
+    dtype, device_type = rows.dtype, rows.device.type
+    if rows.is_floating_point() and torch.is_autocast_enabled(device_type):
+        low = torch.get_autocast_dtype(device_type)
+        if low.itemsize < dtype.itemsize:
+            rows = rows.to(low)
     send_counts = counts.to(torch.int64).reshape(ep, per)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)  # (source rank, local expert)
@@ -165,7 +181,7 @@ def exchange(rows: torch.Tensor, counts: torch.Tensor, groups: ExpertGroups,
     # back to arrival order by a gather with the inverse permutation: index_copy's backward keeps
     # its source (rows x width) alive for the shape alone, a gather keeps only the indices
     out = out_grouped[torch.argsort(order)] if order.numel() else out_grouped
-    return _a2a(out, send_splits, recv_splits, group)
+    return _a2a(out.to(rows.dtype), send_splits, recv_splits, group).to(dtype)
 
 
 def _touch(y: torch.Tensor, params: list[nn.Parameter]) -> torch.Tensor:
@@ -363,6 +379,9 @@ class ExpertParallel:
     rows: dict[str, torch.Tensor] = field(default_factory=dict)  # stacked param name -> the full rows it holds
     names: list[str] = field(default_factory=list)  # full-model names of the expert parameters
     fsdp: bool = False  # True: FSDP2 reduces the expert gradients (ZeRO >= 1)
+    # sequence parallelism: each MoE unit's other modules run on the sequence shard (the router, an
+    # unsharded shared expert: spec/sp_check.shard_local_modules), data-parallel over moe_dp
+    shard_local: list[nn.Module] = field(default_factory=list)
 
     def expert_params(self) -> list[nn.Parameter]:
         return [p for m in self.experts for p in m.parameters()]
@@ -371,13 +390,27 @@ class ExpertParallel:
 def apply_expert_parallel(parts: list[nn.Module], spec: Any, groups: ExpertGroups, prefix: str = "") -> ExpertParallel:
     """Shard the experts of every unit of ``parts`` that holds them (``ModelSpec.moe_units``: every
     block of a block list, a chain's MoE units; this rank's model, or its pipeline chunks, in which
-    the model sits under ``prefix``; on meta, before materialising) and route their tokens over the
-    ep group. A unit another pipeline stage runs is absent from a chunk or stands in there (its
-    children are no modules): it is skipped."""
+    the model sits under ``prefix``; on meta, before materialising, after TP) and route their tokens
+    over the ep group. A unit another pipeline stage runs is absent from a chunk or stands in there
+    (its children are no modules): it is skipped. At ep = 1 (sequence parallelism without expert
+    parallelism) nothing is sharded or routed: the state names the experts and the shard-local
+    modules, whose gradients ``wrap_experts`` reduces over the tp ranks too."""
     state = ExpertParallel(groups=groups, experts=[])
     for part in parts:
         _apply_to_part(part, spec, state, prefix)
     return state
+
+
+def _shard_local(unit: nn.Module, spec: Any, unit_path: str) -> list[nn.Module]:
+    """The unit's modules that run on the sequence shard under SP, the experts apart."""
+    from autopar.spec.sp_check import shard_local_modules
+
+    owner = spec.moe.experts_path.rpartition(".")[0]
+    styles = spec.unit_tp(spec.unit_paths.index(unit_path)).styles
+    found = shard_local_modules(unit, styles, owner)
+    if isinstance(found, str):  # preflight's sp check said so already (spec/sp_check.py)
+        raise AutoparError(f"{unit_path}: {found}")
+    return [unit.get_submodule(n) for n in found if n != spec.moe.experts_path]
 
 
 def _apply_to_part(part: nn.Module, spec: Any, state: ExpertParallel, prefix: str) -> None:
@@ -389,6 +422,11 @@ def _apply_to_part(part: nn.Module, spec: Any, state: ExpertParallel, prefix: st
             experts = unit.get_submodule(moe.experts_path)
         except AttributeError:
             continue  # on another pipeline stage
+        if groups.pool_mesh is not None:
+            state.shard_local.extend(_shard_local(unit, spec, unit_path))
+        if groups.ep == 1:
+            state.experts.append(experts)
+            continue
         base = f"{unit_path}.{moe.experts_path}."
         if moe.experts_kind == "stacked":
             _shard_stacked(experts, groups, base, state.rows, moe.call)
@@ -399,7 +437,7 @@ def _apply_to_part(part: nn.Module, spec: Any, state: ExpertParallel, prefix: st
 
 
 def wrap_experts(state: ExpertParallel, part: nn.Module, *, zero: int, dtype: str, dp_cp: int,
-                 replicated: bool = False) -> None:
+                 replicated: bool = False, offload_policy: Any = None) -> None:
     """Before the data-parallel wrap of ``part``: ZeRO >= 1 shards each experts module over its
     edp ranks with FSDP2 (the outer ``fully_shard`` calls then leave them alone), gradients divided
     by dp*cp; ZeRO 0 tells DDP to skip them (``install_grad_sync`` reduces them), or, where the
@@ -407,7 +445,8 @@ def wrap_experts(state: ExpertParallel, part: nn.Module, *, zero: int, dtype: st
     whose gradient sync the pipelining stage drives after the step's backwards, or DTensor
     parameters at tp > 1), replicates each experts module over its edp ranks the same way (DDP's
     ignore list means nothing to ``replicate``, which would average the experts over dp x cp)."""
-    if zero >= 2 or (zero == 1 and dp_cp > 1) or replicated:
+    folded = state.groups.pool_mesh is not None  # SP: the tp ranks hold other tokens, never DDP's
+    if zero >= 2 or (zero == 1 and dp_cp > 1) or replicated or folded:
         from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -415,15 +454,22 @@ def wrap_experts(state: ExpertParallel, part: nn.Module, *, zero: int, dtype: st
 
         mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[dtype], reduce_dtype=torch.float32) \
             if dtype != "fp32" else MixedPrecisionPolicy()
-        for m in state.experts:
-            if zero == 0:
-                replicate(m, mesh=state.groups.edp_mesh, mp_policy=mp)
+        # ZeRO 1 on one data-parallel rank (the part runs unwrapped) shards nothing either
+        shard = zero >= 2 or (zero == 1 and dp_cp > 1)
+        meshes = [(m, state.groups.edp_mesh) for m in state.experts]
+        meshes += [(m, state.groups.pool_mesh) for m in state.shard_local]
+        for m, mesh in meshes:
+            if not shard:
+                replicate(m, mesh=mesh, mp_policy=mp)
             else:
-                fully_shard(m, mesh=state.groups.edp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
+                extra = {"offload_policy": offload_policy} if offload_policy is not None else {}  # host offload
+                fully_shard(m, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=mp, **extra)
             m.set_gradient_divide_factor(float(state.groups.grad_divide))
-            edp_group = state.groups.edp_mesh.get_group()
-            if edp_group.size() > 1 and dist.get_backend(edp_group) == "gloo":
-                # gloo has no PREMUL_SUM: sum, then divide (a 1-rank group reduces nothing)
+            group = mesh.get_group()
+            if shard and group.size() > 1 and dist.get_backend(group) == "gloo":
+                # gloo has no PREMUL_SUM for the reduce-scatter: sum, then divide (a 1-rank group
+                # reduces nothing). Not for replicate: it all-reduces with SUM after dividing once,
+                # and torch 2.13's forced sum divides a replicated gradient by the factor twice
                 m.set_force_sum_reduction_for_comms(True)
         state.fsdp = True
         return
