@@ -9,6 +9,8 @@ GPT-3 175B, Llama-3 70B and 405B at 64 and 1,024 GPUs and for three zoo models (
 
     python benchmarks/rehearse_memory.py [--cases gpt3-175b@64,...] [--cluster h100-80g]
 
+Layer chains and experts: ``--cases hf-deepseek@64,hf-t5@64,resnet@64,hf-mixtral@64``.
+
 A case ``model@gpus:mode`` plans with recompute ``mode`` only (``llama3-8b@8:op``: torchtitan's Llama
 3.1 8B FSDP run of calibration/h100_public.yaml, per-op selective recompute, global batch 16 of
 micro-batches of 2 as it ran).
@@ -34,7 +36,10 @@ LLAMA3_8B = LlamaConfig(num_layers=32, hidden_size=4096, num_heads=32, num_kv_he
 BATCH = {"llama3-8b": dict(global_batch=16, micro_batch=[2])}  # torchtitan's run (calibration/h100_public.yaml)
 LLAMA3_405B = LlamaConfig(num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8, ffn_hidden_size=53248,
                           seq_len=8192, vocab_size=128256)
-ZOO = {"hf-llama": "hf_llama.py", "hf-mixtral": "hf_mixtral.py", "vit": "vit.py", "torch-encoder": "torch_encoder.py"}
+ZOO = {"hf-llama": "hf_llama.py", "hf-mixtral": "hf_mixtral.py", "vit": "vit.py", "torch-encoder": "torch_encoder.py",
+       # layer chains (no repeated block list): DeepSeek-V2-Lite (a dense layer, then MoE layers),
+       # T5 (encoder and decoder), ResNet-152 (four stages of differing blocks)
+       "hf-deepseek": "hf_deepseek_v3.py", "hf-t5": "hf_t5.py", "resnet": "resnet.py"}
 DEFAULT_CASES = ("gpt3-175b@64", "llama3-70b@64", "llama3-405b@64", "gpt3-175b@1024", "llama3-70b@1024",
                  "llama3-405b@1024", "hf-llama@64", "vit@64", "torch-encoder@64")
 GIB = 2**30
@@ -77,8 +82,8 @@ def main() -> int:
                                 progress=lambda text: print(f"  {case}: {text}", file=sys.stderr, flush=True))
             reh_s = time.perf_counter() - t0
             par = plan.parallel
-            layout = (f"dp{par.dp} tp{par.tp} pp{par.pp} cp{par.cp} z{par.zero} mb{plan.training.micro_batch_size} "
-                      f"{par.recompute if par.recompute_blocks is None else 'mixed'}")
+            layout = (f"dp{par.dp} tp{par.tp} pp{par.pp} cp{par.cp}{f' ep{par.ep}' if par.ep > 1 else ''} z{par.zero} "
+                      f"mb{plan.training.micro_batch_size} {par.recompute if par.recompute_blocks is None else 'mixed'}")
             for r in reh.ranks:
                 worst = max(worst, abs(r.tensor_error_pct))
                 rows.append([case, layout if r is reh.ranks[0] else "", r.stage, f"{r.predicted_peak_bytes / GIB:.2f}",
