@@ -43,6 +43,8 @@ FILES = {
     # stacked experts beside a shared expert) and a plain-torch one with an nn.ModuleList of experts
     "hf-deepseek-v3": (ZOO / "hf_deepseek_v3.py", 4, 32, True),
     "chain-moe-list": (Path(__file__).resolve().parent / "models" / "chain_moe_list.py", 4, 16, False),
+    # one expert per ep rank, more than one edp rank: FSDP2 shards the experts on another dimension
+    "moe-two-experts": (Path(__file__).resolve().parent / "models" / "moe_two_experts.py", 4, 32, False),
 }
 _FIRST = ("torch-moe", "hf-mixtral")  # the layouts every combination of degrees is tested on
 
@@ -118,6 +120,8 @@ CASES_4 = [MoECase(name=f"{m}-ep2xdp2", model=m, parallel={"dp": 4, "ep": 2}) fo
     MoECase(name="hf-deepseek-v3-tp2xdp2xep2-zero1", model="hf-deepseek-v3",
             parallel={"dp": 2, "tp": 2, "ep": 2, "zero": 1})] if _models(("hf-deepseek-v3",)) else []
 CASES_4 += [
+    MoECase(name=f"moe-two-experts-ep2xdp4-zero{z}", model="moe-two-experts", parallel={"dp": 4, "ep": 2, "zero": z})
+    for z in (1, 3)] + [
     # sequence parallelism through the MoE layers over dp x tp: ep 4 across both (ZeRO-1 shards the
     # experts over their edp ranks), and ep 2 over the tp ranks at ZeRO-0 (FSDP2's replicate reduces
     # the experts and the router over dp x tp)
