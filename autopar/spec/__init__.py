@@ -119,8 +119,9 @@ def chain_experts(model: nn.Module, units: tuple[str, ...], observed_top_k: Call
                   run: Callable[[], Any]) -> tuple[tuple[str, ...], MoESpec | None]:
     """The units (dotted paths) of a chain holding a mixture of experts (autopar.spec.moe), and
     the MoESpec they all hold -- None where they differ (another path, count, top-k or size). The
-    first such unit's experts are read with how the meta forward called them (``MoESpec.call``);
-    the others must match it but for that call, which is the same code on every unit."""
+    first such unit's experts are read with how the meta forward called them (``MoESpec.call``,
+    ``MoESpec.grouped``); the others must match its read without them, which is the same code on
+    every unit."""
     if observed_top_k() is None:
         return (), None
     found = [(u, moe_of(model, model.get_submodule(u), observed_top_k)) for u in units]
@@ -129,8 +130,11 @@ def chain_experts(model: nn.Module, units: tuple[str, ...], observed_top_k: Call
         return (), None
     first = model.get_submodule(holders[0])
     moe = moe_of(model, first, observed_top_k, _first_calls(run, first))
-    if moe is None or any(dataclasses.replace(m, call=None) != dataclasses.replace(moe, call=None)
-                          for _, m in found if m is not None):
+    # the others are read without their calls: they must match the first's read without its own,
+    # which names the same experts as its read with them (a grouped stack's siblings add parameters)
+    bare = found[units.index(holders[0])][1]
+    if moe is None or dataclasses.replace(moe, call=None, grouped=(), params_per_expert=bare.params_per_expert) != bare \
+            or any(m != bare for _, m in found if m is not None):
         return holders, None
     return holders, moe
 
@@ -359,7 +363,7 @@ def _sp_check_with_experts(unit: nn.Module, plan: TPPlan, moe: MoESpec | None, r
     if moe is None:
         return sp_check(unit, plan.styles, plan_fused(unit, plan), plan.local_attrs, run)
     owner = moe.experts_path.rpartition(".")[0]
-    if any(n == moe.experts_path or n.startswith(moe.experts_path + ".") for n in plan.styles):
+    if any(n == path or n.startswith(path + ".") for path in moe.paths for n in plan.styles):
         return (f"the tp plan shards the experts ({moe.experts_path}): sequence parallelism routes each tp "
                 "rank's sequence shard to whole experts"), ()
     if not owner:

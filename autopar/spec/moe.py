@@ -19,7 +19,12 @@ Found by behaviour, whatever the names: a router's top-k choice among E expert w
 * how stacked experts are called (``MoESpec.call``): the arguments of the experts module's forward
   that carry the token rows, the top-k expert indices (integer, (tokens, k)) and their weights
   (floating, (tokens, k)), by position or keyword, seen on meta. Expert parallelism calls the
-  model's own expert code on each rank's rows through them.
+  model's own expert code on each rank's rows through them. Or (``MoESpec.grouped``) the rows
+  already grouped by expert and the rows per expert (E counts summing to the rows: the rows of
+  expert e are the next counts[e] rows), the MoE module's own code doing the routing, gating and
+  scatter around them (JetMoE's ``ParallelExperts``): every sibling stack the MoE module calls so
+  is one of the same experts (an up and a down projection), and expert parallelism sends each
+  call's grouped rows to the ranks holding their experts.
 * shared experts (a dense MLP every token goes through beside the routed ones, Qwen-MoE's or
   DeepSeek's ``shared_experts``) are not experts here: they hold no per-expert parameters, so they
   stay with the block's dense part (replicated over ep, sharded by TP where its plan says so).
@@ -46,6 +51,8 @@ _MODULE_TOP_K = _CONFIG_TOP_K + ("top_k", "k")
 _SUB_CONFIGS = ("ffn_config", "moe_config", "text_config")
 # The roles of a stacked experts module's forward arguments (MoESpec.call): rows, indices, weights.
 CALL_ROLES = ("rows", "indices", "weights")
+# ... and of one called with its rows grouped by expert (MoESpec.grouped): the module, rows, counts.
+GROUPED_ROLES = ("path", "rows", "counts")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +69,11 @@ class MoESpec:
     # stacked experts: where their forward takes (rows, top-k indices, top-k weights) -- a position
     # ("0", "1", ...) or a keyword each; None where the meta forward showed no such call
     call: tuple[str, str, str] | None = None
+    # stacked experts called with their rows already grouped by expert and the rows per expert
+    # (GROUPED_ROLES): every stack of the mixture so called, (block-relative path, where its forward
+    # takes the rows, where the counts), experts_path's first; its siblings' parameters are counted
+    # in params_per_expert. Empty where the meta forward showed no such call
+    grouped: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.experts_kind not in ("ModuleList", "stacked"):
@@ -77,6 +89,11 @@ class MoESpec:
     def expert_params(self) -> int:
         """Parameters of all experts of one block (every rank holds them all without expert parallelism)."""
         return self.num_experts * self.params_per_expert
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Every module holding these experts' parameters (one but for grouped stacks)."""
+        return tuple(g[0] for g in self.grouped) or (self.experts_path,)
 
     @property
     def active_fraction(self) -> float:
@@ -197,6 +214,50 @@ def routed_call(args: tuple, kwargs: dict, top_k: int) -> tuple[str, str, str] |
     return rows, index[0], weights
 
 
+def grouped_call(args: tuple, kwargs: dict, num_experts: int) -> tuple[str, str] | None:
+    """Where a stacked experts module's call passes its rows grouped by expert and the rows per
+    expert (positions as "0", "1", ...), or None when it does not: the counts a list or tuple of
+    ``num_experts`` ints, or a 1-D integer tensor of that many, and the rows a floating 2-D tensor
+    of as many rows as the counts sum to (on meta, the balanced counts autopar.spec.meta answers)."""
+    items = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+
+    def total(v: Any) -> int | None:
+        if isinstance(v, (list, tuple)) and len(v) == num_experts and all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v):
+            return sum(v)
+        if (isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == num_experts
+                and not v.is_floating_point() and v.dtype != torch.bool and v.device.type != "meta"):
+            return int(v.sum())
+        return None
+
+    counts = next(((key, n) for key, v in items if (n := total(v)) is not None), None)
+    if counts is None:
+        return None
+    rows = next((key for key, t in items if isinstance(t, torch.Tensor) and t.is_floating_point()
+                 and t.dim() == 2 and t.shape[0] == counts[1]), None)
+    return None if rows is None else (rows, counts[0])
+
+
+def _grouped_stacks(block: nn.Module, path: str, num_experts: int,
+                    first_call: Callable[[nn.Module], tuple[tuple, dict] | None]) -> tuple[tuple[str, str, str], ...]:
+    """The stacks of one mixture called with grouped rows and counts: the experts module at
+    ``path`` and its siblings (children of the module holding it, the MoE module whose own code
+    calls them) that are per expert for the same E and called so; () where ``path`` is not."""
+    def read(p: str) -> tuple[str, str, str] | None:
+        called = first_call(block.get_submodule(p))
+        found = grouped_call(*called, num_experts) if called is not None else None
+        return None if found is None else (p, *found)
+
+    first = read(path)
+    if first is None:
+        return ()
+    owner_path = path.rpartition(".")[0]
+    owner = block.get_submodule(owner_path) if owner_path else block
+    siblings = [f"{owner_path}.{n}" if owner_path else n for n, m in owner.named_children()
+                if not _is_torch_layer(m) and _per_expert_stack(m, num_experts)]
+    return (first,) + tuple(g for p in siblings if p != path and (g := read(p)) is not None)
+
+
 def moe_of(model: nn.Module, block: nn.Module, observed_top_k: Callable[[], tuple[int, int] | None],
            first_call: Callable[[nn.Module], tuple[tuple, dict] | None] = lambda _m: None) -> MoESpec | None:
     """The MoESpec of ``block`` (a block of ``model``), None when it has no experts.
@@ -236,12 +297,15 @@ def moe_of(model: nn.Module, block: nn.Module, observed_top_k: Callable[[], tupl
         if not routed:
             return None
         top_k, source = seen[0], "topk call"
-    call = None
+    call, grouped = None, ()
     if kind == "stacked":
         called = first_call(block.get_submodule(path))
         call = routed_call(*called, top_k) if called is not None else None
+        if call is None:
+            grouped = _grouped_stacks(block, path, num_experts, first_call)
+            per += sum(p.numel() for g in grouped[1:] for p in block.get_submodule(g[0]).parameters()) // num_experts
     return MoESpec(experts_path=path, experts_kind=kind, num_experts=num_experts, top_k=top_k,
-                   top_k_source=source, params_per_expert=per, router_name=router, call=call)
+                   top_k_source=source, params_per_expert=per, router_name=router, call=call, grouped=grouped)
 
 
 def routes_among(model: nn.Module, list_path: str, observed: tuple[int, int] | None) -> bool:

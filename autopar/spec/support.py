@@ -157,7 +157,8 @@ def op_support(spec: "ModelSpec") -> str | None:
 def ep_support(spec: "ModelSpec") -> str | None:
     # executor/parallel/expert_parallel.py shards the experts of every unit that holds them (spec/moe.py:
     # a router's top-k among an nn.ModuleList of experts, or among per-expert stacked / packed weights
-    # called with the rows, the top-k indices and their weights) -- every block of a block list, or the
+    # called with the rows, the top-k indices and their weights, or with rows grouped by expert and the
+    # rows per expert) -- every block of a block list, or the
     # units of a chain that hold one same mixture (DeepSeek's MoE layers after its dense first ones);
     # the cost model prices each such unit with the all-to-alls and sharded experts (cost/expert.py).
     moe = spec.moe
@@ -172,9 +173,10 @@ def ep_support(spec: "ModelSpec") -> str | None:
                 "of identical modules nor weights stacked per expert, which expert parallelism shards")
     if moe is None:
         return f"{NO_EXPERTS} (no router choosing top-k among expert weights)"
-    if moe.experts_kind == "stacked" and moe.call is None:
-        return (f"the stacked experts ({moe.experts_path}) are not called with the token rows, the top-k expert "
-                "indices and their weights, which expert parallelism sends to the ranks holding the experts")
+    if moe.experts_kind == "stacked" and moe.call is None and not moe.grouped:
+        return (f"the stacked experts ({moe.experts_path}) are called neither with the token rows, the top-k "
+                "expert indices and their weights nor with the rows grouped by expert and the rows per expert, "
+                "which expert parallelism sends to the ranks holding the experts")
     return None
 
 

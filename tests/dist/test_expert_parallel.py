@@ -8,7 +8,8 @@ ZeRO-2 (ep4, 4 ranks); both with a pipeline (pp2 x dp2 x ep2, 4 ranks: 1F1B at Z
 ZeRO-0) and with tensor parallelism (tp2 x dp2 x ep2, 4 ranks: the plain MoE's experts sharded over
 tp by its TP plan, HF Mixtral's whole on each tp rank). The other expert layouts found by behaviour
 at ep2: plain-torch 3-D stacks with per-expert biases and a shared expert, HF gpt-oss (biased router,
-per-expert biases, ZeRO-1) and HF DBRX (weights packed along their rows, ZeRO-3). Layer chains
+per-expert biases, ZeRO-1), HF DBRX (weights packed along their rows, ZeRO-3) and HF JetMoE (stacks
+called with rows grouped by expert and the rows per expert, ZeRO-1). Layer chains
 whose later units hold the experts: HF DeepSeek-V3 (a dense first layer; ep2 at ZeRO-1, with the
 block-list pipeline pp2 x dp2 x ep2 and with tensor parallelism tp2 x dp2 x ep2) and a plain-torch
 chain with an nn.ModuleList of experts (ep2, ZeRO-3). Sequence parallelism through HF Mixtral's MoE
@@ -39,6 +40,9 @@ FILES = {
     "torch-moe-stacked": (ZOO / "torch_moe_stacked.py", 4, 32, False),
     "hf-gpt-oss": (ZOO / "hf_gpt_oss.py", 4, 32, True),
     "hf-dbrx": (ZOO / "hf_dbrx.py", 4, 32, True),
+    # stacks called with their rows already grouped by expert and the rows per expert, the MoE
+    # module's own code routing and scattering (JetMoE's up and down projections, two exchanges)
+    "hf-jetmoe": (ZOO / "hf_jetmoe.py", 4, 64, True),
     # a layer chain whose later units hold the experts: HF DeepSeek-V3 (a dense first layer, then
     # stacked experts beside a shared expert) and a plain-torch one with an nn.ModuleList of experts
     "hf-deepseek-v3": (ZOO / "hf_deepseek_v3.py", 4, 32, True),
@@ -86,8 +90,9 @@ CASES_2 = [MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2}) for m 
     for m in _models() if m == "hf-mixtral"] + [
     # the other expert layouts at ep2 (with ZeRO-1 and ZeRO-3 over their edp ranks)
     MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2, **extra})
-    for m, extra in (("torch-moe-stacked", {}), ("hf-gpt-oss", {"zero": 1}), ("hf-dbrx", {"zero": 3}))
-    if m in _models(("torch-moe-stacked", "hf-gpt-oss", "hf-dbrx"))] + [
+    for m, extra in (("torch-moe-stacked", {}), ("hf-gpt-oss", {"zero": 1}), ("hf-dbrx", {"zero": 3}),
+                     ("hf-jetmoe", {"zero": 1}))
+    if m in _models(("torch-moe-stacked", "hf-gpt-oss", "hf-dbrx", "hf-jetmoe"))] + [
     # a chain's MoE units (the dense first one keeps its MLP whole)
     MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2, **extra})
     for m, extra in (("hf-deepseek-v3", {"zero": 1}), ("chain-moe-list", {"zero": 3}))

@@ -29,6 +29,7 @@ MOE_ZOO = {
     "hf_qwen2_moe": ("stacked", True),  # a gated shared expert
     "hf_gpt_oss": ("stacked", True),  # a biased router, per-expert biases, other argument names
     "hf_dbrx": ("stacked", True),  # weights packed as (experts x ffn, hidden) rows
+    "hf_jetmoe": ("stacked", True),  # stacks called with rows grouped by expert and the rows per expert
     "hf_deepseek_v3": ("stacked", True),  # a chain: a dense first block, then units holding the experts
     "bare_pos_gpt": (None, False),  # dense
 }

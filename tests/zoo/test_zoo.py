@@ -61,6 +61,8 @@ CASES = [
     # the cross-attention before the blocks has a Linear as wide as the position table: only a module
     # after the blocks can be the vocabulary head (spec/vocab_edges.py)
     pytest.param("hf_perceiver", "tp2+sp", ("tp",), id="hf_perceiver-tp2"),
+    # experts called with rows grouped by expert and the rows per expert (spec/moe.py's grouped call)
+    pytest.param("hf_jetmoe", "ep2", ("ep",), id="hf_jetmoe-ep2"),
 ]
 
 

@@ -33,6 +33,10 @@ Two kinds of experts (``autopar.spec.moe``):
   the module's own weighting and scatter build the output (and its autograd graph). This needs a
   deterministic router (no jitter in training) and experts mapping the width to itself; the router
   and the glue run twice, the experts once.
+* stacked experts called with their rows already grouped by expert and the rows per expert (JetMoE's
+  ``ParallelExperts``, ``MoESpec.grouped``): the MoE module's own code routes, gates and scatters, so
+  each such stack (an up and a down projection) sends its grouped rows to their experts and returns
+  its results in the order of its rows (expert_grouped.py).
 """
 
 from __future__ import annotations
@@ -246,11 +250,12 @@ def _stacked_forward(groups: ExpertGroups, original: Callable, call: tuple[str, 
 
 
 def _shard_stacked(experts: nn.Module, groups: ExpertGroups, prefix: str, rows: dict[str, torch.Tensor],
-                   call: tuple[str, str, str]) -> None:
+                   call: tuple[str, str, str] | None, forward: Callable | None = None) -> None:
     """Keep this rank's rows of every per-expert parameter under ``experts`` (stacked: E leading;
-    packed: E x f rows, f per expert; on meta: materialise copies them in), and set the expert
+    packed: E x f rows, f per expert; on meta: materialise copies them in), set the expert
     count the model's own expert loop reads (an attribute equal to E whose name says experts) to
-    the local experts."""
+    the local experts, and route its calls: ``forward(original forward)`` when given (experts
+    called with grouped rows: expert_grouped.py), else ``_stacked_forward`` through ``call``."""
     local, num = groups.local_experts, groups.num_experts
     for name, p in list(experts.named_parameters()):
         owner_path, _, leaf = name.rpartition(".")
@@ -265,7 +270,8 @@ def _shard_stacked(experts: nn.Module, groups: ExpertGroups, prefix: str, rows: 
             if "expert" in attr and isinstance(value, int) and not isinstance(value, bool) and value == num:
                 setattr(mod, attr, len(local))  # the model's own expert loop runs over the local experts
     cls = type(experts)
-    experts.__class__ = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _stacked_forward(groups, cls.forward, call)})
+    routed = forward(cls.forward) if forward is not None else _stacked_forward(groups, cls.forward, call)
+    experts.__class__ = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": routed})
 
 
 # ---------------------------------------------------------------- a ModuleList of experts
@@ -410,7 +416,7 @@ def _shard_local(unit: nn.Module, spec: Any, unit_path: str) -> list[nn.Module]:
     found = shard_local_modules(unit, styles, owner)
     if isinstance(found, str):  # preflight's sp check said so already (spec/sp_check.py)
         raise AutoparError(f"{unit_path}: {found}")
-    return [unit.get_submodule(n) for n in found if n != spec.moe.experts_path]
+    return [unit.get_submodule(n) for n in found if n not in spec.moe.paths]
 
 
 def _apply_to_part(part: nn.Module, spec: Any, state: ExpertParallel, prefix: str) -> None:
@@ -419,21 +425,26 @@ def _apply_to_part(part: nn.Module, spec: Any, state: ExpertParallel, prefix: st
     for unit_path in spec.moe_units:
         try:
             unit = part.get_submodule(prefix + unit_path)
-            experts = unit.get_submodule(moe.experts_path)
+            held = [unit.get_submodule(p) for p in moe.paths]
         except AttributeError:
             continue  # on another pipeline stage
         if groups.pool_mesh is not None:
             state.shard_local.extend(_shard_local(unit, spec, unit_path))
         if groups.ep == 1:
-            state.experts.append(experts)
+            state.experts.extend(held)
             continue
-        base = f"{unit_path}.{moe.experts_path}."
-        if moe.experts_kind == "stacked":
-            _shard_stacked(experts, groups, base, state.rows, moe.call)
-        else:
-            _shard_list(unit.get_submodule(owner_path) if owner_path else unit, experts, groups)
-        state.experts.append(experts)
-        state.names.extend(base + n for n, _ in experts.named_parameters())
+        for path, experts in zip(moe.paths, held):
+            base = f"{unit_path}.{path}."
+            if moe.grouped:
+                from autopar.executor.parallel.expert_grouped import shard_grouped
+
+                shard_grouped(experts, groups, base, state.rows, moe.grouped[moe.paths.index(path)])
+            elif moe.experts_kind == "stacked":
+                _shard_stacked(experts, groups, base, state.rows, moe.call)
+            else:
+                _shard_list(unit.get_submodule(owner_path) if owner_path else unit, experts, groups)
+            state.experts.append(experts)
+            state.names.extend(base + n for n, _ in experts.named_parameters())
 
 
 def wrap_experts(state: ExpertParallel, part: nn.Module, *, zero: int, dtype: str, dp_cp: int,
