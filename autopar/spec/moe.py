@@ -218,23 +218,24 @@ def grouped_call(args: tuple, kwargs: dict, num_experts: int) -> tuple[str, str]
     """Where a stacked experts module's call passes its rows grouped by expert and the rows per
     expert (positions as "0", "1", ...), or None when it does not: the counts a list or tuple of
     ``num_experts`` ints, or a 1-D integer tensor of that many, and the rows a floating 2-D tensor
-    of as many rows as the counts sum to (on meta, the balanced counts autopar.spec.meta answers)."""
+    of as many rows as the counts sum to (on meta, the balanced counts autopar.spec.meta answers; a
+    meta tensor of counts has no sum to read, and any 2-D floating tensor beside it is the rows)."""
     items = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
 
-    def total(v: Any) -> int | None:
+    def total(v: Any) -> int | None:  # -1: a count of rows not known (a meta tensor)
         if isinstance(v, (list, tuple)) and len(v) == num_experts and all(
                 isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v):
             return sum(v)
         if (isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == num_experts
-                and not v.is_floating_point() and v.dtype != torch.bool and v.device.type != "meta"):
-            return int(v.sum())
+                and not v.is_floating_point() and v.dtype != torch.bool):
+            return -1 if v.device.type == "meta" else int(v.sum())
         return None
 
     counts = next(((key, n) for key, v in items if (n := total(v)) is not None), None)
     if counts is None:
         return None
     rows = next((key for key, t in items if isinstance(t, torch.Tensor) and t.is_floating_point()
-                 and t.dim() == 2 and t.shape[0] == counts[1]), None)
+                 and t.dim() == 2 and counts[1] in (-1, t.shape[0])), None)
     return None if rows is None else (rows, counts[0])
 
 

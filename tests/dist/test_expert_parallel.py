@@ -9,7 +9,8 @@ ZeRO-0) and with tensor parallelism (tp2 x dp2 x ep2, 4 ranks: the plain MoE's e
 tp by its TP plan, HF Mixtral's whole on each tp rank). The other expert layouts found by behaviour
 at ep2: plain-torch 3-D stacks with per-expert biases and a shared expert, HF gpt-oss (biased router,
 per-expert biases, ZeRO-1), HF DBRX (weights packed along their rows, ZeRO-3) and HF JetMoE (stacks
-called with rows grouped by expert and the rows per expert, ZeRO-1). Layer chains
+called with rows grouped by expert and the rows per expert, ZeRO-1; a plain-torch one passing the
+counts as a tensor by keyword, ZeRO-3). Layer chains
 whose later units hold the experts: HF DeepSeek-V3 (a dense first layer; ep2 at ZeRO-1, with the
 block-list pipeline pp2 x dp2 x ep2 and with tensor parallelism tp2 x dp2 x ep2) and a plain-torch
 chain with an nn.ModuleList of experts (ep2, ZeRO-3). Sequence parallelism through HF Mixtral's MoE
@@ -43,6 +44,8 @@ FILES = {
     # stacks called with their rows already grouped by expert and the rows per expert, the MoE
     # module's own code routing and scattering (JetMoE's up and down projections, two exchanges)
     "hf-jetmoe": (ZOO / "hf_jetmoe.py", 4, 64, True),
+    # the same call under other conventions: counts an integer tensor by keyword, per-expert biases
+    "grouped-moe": (Path(__file__).resolve().parent / "models" / "grouped_moe.py", 4, 16, False),
     # a layer chain whose later units hold the experts: HF DeepSeek-V3 (a dense first layer, then
     # stacked experts beside a shared expert) and a plain-torch one with an nn.ModuleList of experts
     "hf-deepseek-v3": (ZOO / "hf_deepseek_v3.py", 4, 32, True),
@@ -91,8 +94,8 @@ CASES_2 = [MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2}) for m 
     # the other expert layouts at ep2 (with ZeRO-1 and ZeRO-3 over their edp ranks)
     MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2, **extra})
     for m, extra in (("torch-moe-stacked", {}), ("hf-gpt-oss", {"zero": 1}), ("hf-dbrx", {"zero": 3}),
-                     ("hf-jetmoe", {"zero": 1}))
-    if m in _models(("torch-moe-stacked", "hf-gpt-oss", "hf-dbrx", "hf-jetmoe"))] + [
+                     ("hf-jetmoe", {"zero": 1}), ("grouped-moe", {"zero": 3}))
+    if m in _models(("torch-moe-stacked", "hf-gpt-oss", "hf-dbrx", "hf-jetmoe", "grouped-moe"))] + [
     # a chain's MoE units (the dense first one keeps its MLP whole)
     MoECase(name=f"{m}-ep2", model=m, parallel={"dp": 2, "ep": 2, **extra})
     for m, extra in (("hf-deepseek-v3", {"zero": 1}), ("chain-moe-list", {"zero": 3}))
