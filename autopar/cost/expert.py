@@ -200,9 +200,14 @@ def expert_weight_work_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "
 def experts_tp_sharded(graph: "ModelGraph") -> bool:
     """Whether the graph's TP plan shards the experts' weights (Megatron-Core's expert tensor
     parallelism: a plain-torch MoE's expert Linears, colwise/rowwise), rather than leaving them
-    whole on every tp rank (HF Mixtral's stacked experts, which then compute redundantly)."""
-    path = graph.moe.experts_path if graph.moe is not None else ""
-    return bool(path) and any(k == path or k.startswith(path + ".") for k in graph.tp_styles)
+    whole on every tp rank (HF Mixtral's stacked experts, which then compute redundantly). A
+    block list's plan is ``tp_styles``; a chain with a plan per unit kind, the plan of the kind
+    holding the experts (``moe_tp_styles``)."""
+    if graph.moe is None:
+        return False
+    paths = graph.moe.paths or (graph.moe.experts_path,)
+    styles = graph.moe_tp_styles if graph.chain else graph.tp_styles
+    return any(k == p or k.startswith(p + ".") for p in paths for k in styles)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -291,7 +291,8 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
         name=mf.name, sha256=mf.sha256, num_blocks=len(units), seq_len=base_seq if is_seq else 1,
         is_sequence_model=is_seq, dtype=dtype, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
         tp_reason=support["tp"], cp_reason=support["cp"], pp_reason=support["pp"], support=support,
-        tp_source=_tp_source(spec), tp_styles={}, regions=regions, params=params, tied_params=tied,
+        tp_source=_tp_source(spec), tp_styles={}, moe_tp_styles=_moe_tp_styles(spec, support),
+        regions=regions, params=params, tied_params=tied,
         block_input_bytes=units[0].input_bytes,
         build_seconds=time.perf_counter() - start, chain=units, moe=MoEFacts.of(spec.moe),
         tp_degrees=spec.tp_degrees,
@@ -338,6 +339,15 @@ def _edge_sharded(small: nn.Module, container: str | None, base: TracedRun) -> d
             regions = base.param_regions.get(id(p), {"pre"})
             out["pre" if "pre" in regions else "post"] += p.numel()
     return out
+
+
+def _moe_tp_styles(spec: ModelSpec, support: Mapping[str, str | None]) -> dict[str, str]:
+    """The TP plan of the first unit holding the experts, where the chain has plans per unit kind
+    and TP runs: the units holding them hold one same mixture (spec.chain_experts), so whether
+    that plan shards the experts is what the cost model prices for all of them."""
+    if not (spec.kind_tp and spec.moe_units and support.get("tp") is None):
+        return {}
+    return dict(spec.unit_tp(spec.chain.units.index(spec.moe_units[0])).styles)
 
 
 def _tp_source(spec: ModelSpec) -> str:

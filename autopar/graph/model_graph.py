@@ -73,6 +73,9 @@ class MoEFacts:
     top_k: int
     params_per_expert: int
     experts_path: str
+    # every module holding the experts' parameters (MoESpec.paths: grouped stacks are several);
+    # empty: experts_path alone
+    paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.num_experts >= 2 and 1 <= self.top_k <= self.num_experts and self.params_per_expert >= 1):
@@ -89,7 +92,7 @@ class MoEFacts:
         if moe is None:
             return None
         return MoEFacts(num_experts=moe.num_experts, top_k=moe.top_k, params_per_expert=moe.params_per_expert,
-                        experts_path=moe.experts_path)
+                        experts_path=moe.experts_path, paths=moe.paths)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +132,9 @@ class ModelGraph:
     support: Mapping[str, str | None] = field(default_factory=dict)
     tp_source: str = ""  # the TP plan used and where it came from (spec.TPPlan.describe())
     tp_styles: Mapping[str, str] = field(default_factory=dict)  # block-relative name -> colwise|rowwise
+    # A chain with a TP plan per unit kind (its tp_styles stay empty): the plan of the units holding
+    # the experts (unit-relative), whether it shards them is what the cost model reads of it
+    moe_tp_styles: Mapping[str, str] = field(default_factory=dict)
     # A model without one repeated block: its units in forward order (num_blocks of them). Then
     # regions["block"] / params["block"] describe unit 0 only; the cost model reads the units
     # (cost/chain.py). Empty: the blocks repeat.

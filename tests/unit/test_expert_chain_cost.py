@@ -148,3 +148,39 @@ def test_explain_counts_a_block_list_s_recomputed_all_to_alls_per_block() -> Non
     m = plan.num_microbatches
     forward = next(i for i in stage.items if i.what.startswith("EP dispatch + combine (forward"))
     assert forward.calls_per_step == (4 + 1) * m * 2
+
+
+def test_a_chain_whose_moe_kind_plan_shards_the_experts_prices_1_over_tp_of_them() -> None:
+    """A chain with a TP plan per unit kind: the MoE kind's plan shards the experts' Linears
+    (colwise / rowwise), so at tp 2 x ep 2 a rank holds half of its two experts' weights; the
+    graph records that kind's plan, the block list's tp_styles staying empty."""
+    import dataclasses
+
+    from autopar.cost.expert import experts_tp_sharded
+
+    g = _graph()
+    assert not g.tp_styles and g.moe_tp_styles.get("ffn.experts.0.up") == "colwise"
+    assert experts_tp_sharded(g)
+    cfg = config_from_plan(_plan(dp=4, tp=2, ep=2))
+    ex = build_chain_terms(g, load_cluster("a100-80g"), cfg).expert
+    assert ex.all_expert_params == pytest.approx(g.moe.expert_params / 2)
+    assert ex.expert_params == pytest.approx(g.moe.expert_params / 4)
+    assert ex.dense_params > 0
+    # a plan of the MoE kind that leaves the experts whole: every tp rank holds them whole
+    whole = dataclasses.replace(g, moe_tp_styles={"ffn.router": "colwise"})
+    assert not experts_tp_sharded(whole)
+    ex = build_chain_terms(whole, load_cluster("a100-80g"), cfg).expert
+    assert ex.all_expert_params == pytest.approx(g.moe.expert_params)
+
+
+def test_grouped_stacks_are_all_the_experts_the_tp_plan_may_shard() -> None:
+    """Experts held by several stacks (MoEFacts.paths): a plan sharding any of them shards the experts."""
+    import dataclasses
+
+    from autopar.cost.expert import experts_tp_sharded
+    from autopar.graph.model_graph import MoEFacts
+
+    g = _graph()
+    moe = MoEFacts(num_experts=4, top_k=2, params_per_expert=10, experts_path="ffn.w_in", paths=("ffn.w_in", "ffn.w_out"))
+    assert experts_tp_sharded(dataclasses.replace(g, moe=moe, moe_tp_styles={"ffn.w_out": "rowwise"}))
+    assert not experts_tp_sharded(dataclasses.replace(g, moe=moe, moe_tp_styles={"ffn.up": "colwise"}))
