@@ -247,8 +247,9 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     f = cfg.moe_imbalance
     layout = Layout.of(cfg)
     link = axis_link(cluster, layout, "ep")
-    # under SP (folded) a rank routes its sequence shard: 1/tp of the block input
-    a2a_bytes = tokens_bytes / (cfg.tp if layout.folds_tp else 1) * moe.top_k * f
+    # under SP (folded) a rank routes its sequence shard: 1/tp of the block input; grouped stacks
+    # (JetMoE's up and down projections) each send their rows and get their results back
+    a2a_bytes = tokens_bytes / (cfg.tp if layout.folds_tp else 1) * moe.top_k * f * moe.exchange_factor
     # collective_time_s takes the full message: ep ranks' shares of what one rank sends
     one = collective_time_s("all_to_all", a2a_bytes, link)
     a2a_fwd = DISPATCH_COMBINE_PER_PASS * one

@@ -76,6 +76,9 @@ class MoEFacts:
     # every module holding the experts' parameters (MoESpec.paths: grouped stacks are several);
     # empty: experts_path alone
     paths: tuple[str, ...] = ()
+    # the bytes ep exchanges per MoE layer over one dispatch and one combine of the tokens
+    # (MoESpec.exchange_factor: grouped stacks exchange their rows and results each)
+    exchange_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.num_experts >= 2 and 1 <= self.top_k <= self.num_experts and self.params_per_expert >= 1):
@@ -92,7 +95,7 @@ class MoEFacts:
         if moe is None:
             return None
         return MoEFacts(num_experts=moe.num_experts, top_k=moe.top_k, params_per_expert=moe.params_per_expert,
-                        experts_path=moe.experts_path, paths=moe.paths)
+                        experts_path=moe.experts_path, paths=moe.paths, exchange_factor=moe.exchange_factor)
 
 
 @dataclass(frozen=True, kw_only=True)

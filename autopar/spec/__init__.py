@@ -91,28 +91,46 @@ def find_core(block: nn.Module) -> str | None:
     return None
 
 
-def _first_calls(run: Callable[[], Any], root: nn.Module) -> Callable[[nn.Module], tuple[tuple, dict] | None]:
-    """``call(module)`` for every module under ``root``, from one meta forward (``run``) recording
+class _FirstCalls:
+    """``calls(module)`` for every module under ``root``, from one meta forward (``run``) recording
     each one's first (args, kwargs), or None where it was not called (or the forward failed: the
-    probe's own run already succeeded, so a failure here says nothing new)."""
-    seen: dict[int, tuple[tuple, dict]] = {}
-    ran: list[bool] = []
+    probe's own run already succeeded, so a failure here says nothing new); ``calls.output(module)``
+    what that first call returned (None: not called)."""
 
-    def call(module: nn.Module) -> tuple[tuple, dict] | None:
-        if not ran:
-            ran.append(True)
-            hooks = [m.register_forward_pre_hook(
-                lambda m_, args, kwargs: seen.setdefault(id(m_), (args, kwargs)), with_kwargs=True)
-                for m in root.modules()]
-            try:
-                run()
-            except Exception:
-                seen.clear()
-            finally:
-                for h in hooks:
-                    h.remove()
-        return seen.get(id(module))
-    return call
+    def __init__(self, run: Callable[[], Any], root: nn.Module) -> None:
+        self.run, self.root, self.ran = run, root, False
+        self.seen: dict[int, tuple[tuple, dict]] = {}
+        self.outputs: dict[int, Any] = {}
+
+    def _record(self) -> None:
+        self.ran = True
+        hooks = [h for m in self.root.modules() for h in (
+            m.register_forward_pre_hook(lambda m_, args, kwargs: self.seen.setdefault(id(m_), (args, kwargs)),
+                                        with_kwargs=True),
+            m.register_forward_hook(lambda m_, _args, out: self.outputs.setdefault(id(m_), out)))]
+        try:
+            self.run()
+        except Exception:
+            self.seen.clear()
+            self.outputs.clear()
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def __call__(self, module: nn.Module) -> tuple[tuple, dict] | None:
+        if not self.ran:
+            self._record()
+        return self.seen.get(id(module))
+
+    def output(self, module: nn.Module) -> Any:
+        if not self.ran:
+            self._record()
+        return self.outputs.get(id(module))
+
+
+def _first_calls(run: Callable[[], Any], root: nn.Module) -> _FirstCalls:
+    """The first call of every module under ``root`` in one meta forward (``_FirstCalls``)."""
+    return _FirstCalls(run, root)
 
 
 def chain_experts(model: nn.Module, units: tuple[str, ...], observed_top_k: Callable[[], tuple[int, int] | None],
@@ -129,12 +147,13 @@ def chain_experts(model: nn.Module, units: tuple[str, ...], observed_top_k: Call
     if not holders:
         return (), None
     first = model.get_submodule(holders[0])
-    moe = moe_of(model, first, observed_top_k, _first_calls(run, first))
+    calls = _first_calls(run, first)
+    moe = moe_of(model, first, observed_top_k, calls, calls.output)
     # the others are read without their calls: they must match the first's read without its own,
     # which names the same experts as its read with them (a grouped stack's siblings add parameters)
     bare = found[units.index(holders[0])][1]
-    if moe is None or dataclasses.replace(moe, call=None, grouped=(), params_per_expert=bare.params_per_expert) != bare \
-            or any(m != bare for _, m in found if m is not None):
+    if moe is None or any(m != bare for _, m in found if m is not None) or dataclasses.replace(
+            moe, call=None, grouped=(), grouped_widths=(), params_per_expert=bare.params_per_expert) != bare:
         return holders, None
     return holders, moe
 
@@ -302,7 +321,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
     token_batch = isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point()
     token_key, labels_key = token_dict_keys(inputs)
     block_calls = _first_calls(run, block)  # one recording forward, shared by the readers below
-    moe = moe_of(model, block, observed, block_calls)
+    moe = moe_of(model, block, observed, block_calls, block_calls.output)
     degrees = tp_degrees_of(heads, kv, (PlannedUnit(prefix="", module=block, styles=tp.styles,
                                                     local_attrs=tp.local_attrs, container=blocks_path),), block_calls)
     # A block without TP has no SP check; an MoE block's routed part runs on the sequence shard.

@@ -74,6 +74,9 @@ class MoESpec:
     # takes the rows, where the counts), experts_path's first; its siblings' parameters are counted
     # in params_per_expert. Empty where the meta forward showed no such call
     grouped: tuple[tuple[str, str, str], ...] = ()
+    # the width of each grouped stack's rows and of its results (seen on meta): what expert
+    # parallelism exchanges, there and back, for each of them
+    grouped_widths: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.experts_kind not in ("ModuleList", "stacked"):
@@ -94,6 +97,15 @@ class MoESpec:
     def paths(self) -> tuple[str, ...]:
         """Every module holding these experts' parameters (one but for grouped stacks)."""
         return tuple(g[0] for g in self.grouped) or (self.experts_path,)
+
+    @property
+    def exchange_factor(self) -> float:
+        """The bytes expert parallelism exchanges for one MoE layer over one dispatch and one
+        combine of the tokens (the first grouped stack's rows): 1 but for grouped stacks, each of
+        which sends its rows and gets its results back (JetMoE: (d + 2f + f + d) / 2d)."""
+        if not self.grouped_widths:
+            return 1.0
+        return sum(a + b for a, b in self.grouped_widths) / (2 * self.grouped_widths[0][0])
 
     @property
     def active_fraction(self) -> float:
@@ -260,12 +272,13 @@ def _grouped_stacks(block: nn.Module, path: str, num_experts: int,
 
 
 def moe_of(model: nn.Module, block: nn.Module, observed_top_k: Callable[[], tuple[int, int] | None],
-           first_call: Callable[[nn.Module], tuple[tuple, dict] | None] = lambda _m: None) -> MoESpec | None:
+           first_call: Callable[[nn.Module], tuple[tuple, dict] | None] = lambda _m: None,
+           first_output: Callable[[nn.Module], Any] = lambda _m: None) -> MoESpec | None:
     """The MoESpec of ``block`` (a block of ``model``), None when it has no experts.
     ``observed_top_k()`` returns (k, E) of the router ``topk`` a meta forward called (or None);
     ``first_call(module)`` the (args, kwargs) a meta forward first called ``module`` with (None: not
-    called). The experts need a router module or that topk call, so that a list of identical
-    layers is not mistaken for experts."""
+    called), ``first_output(module)`` what that call returned. The experts need a router module or
+    that topk call, so that a list of identical layers is not mistaken for experts."""
     seen = observed_top_k()
     found, router = None, None
     if seen is not None:  # by behaviour: E from the routing, the router mapping the width to E scores
@@ -298,15 +311,34 @@ def moe_of(model: nn.Module, block: nn.Module, observed_top_k: Callable[[], tupl
         if not routed:
             return None
         top_k, source = seen[0], "topk call"
-    call, grouped = None, ()
+    call, grouped, widths = None, (), ()
     if kind == "stacked":
         called = first_call(block.get_submodule(path))
         call = routed_call(*called, top_k) if called is not None else None
         if call is None:
             grouped = _grouped_stacks(block, path, num_experts, first_call)
             per += sum(p.numel() for g in grouped[1:] for p in block.get_submodule(g[0]).parameters()) // num_experts
+            widths = _grouped_widths(block, grouped, first_call, first_output)
     return MoESpec(experts_path=path, experts_kind=kind, num_experts=num_experts, top_k=top_k,
-                   top_k_source=source, params_per_expert=per, router_name=router, call=call, grouped=grouped)
+                   top_k_source=source, params_per_expert=per, router_name=router, call=call, grouped=grouped,
+                   grouped_widths=widths)
+
+
+def _grouped_widths(block: nn.Module, grouped: tuple[tuple[str, str, str], ...],
+                    first_call: Callable[[nn.Module], tuple[tuple, dict] | None],
+                    first_output: Callable[[nn.Module], Any]) -> tuple[tuple[int, int], ...]:
+    """(rows width, results width) of each grouped stack's first call; () where a result is not one
+    2-D tensor (the exchange is then priced as one dispatch and combine)."""
+    widths = []
+    for path, rows_at, _ in grouped:
+        module = block.get_submodule(path)
+        args, kwargs = first_call(module)
+        out = first_output(module)
+        rows = args[int(rows_at)] if rows_at.isdigit() else kwargs[rows_at]
+        if not (isinstance(out, torch.Tensor) and out.dim() == 2):
+            return ()
+        widths.append((int(rows.shape[-1]), int(out.shape[-1])))
+    return tuple(widths)
 
 
 def routes_among(model: nn.Module, list_path: str, observed: tuple[int, int] | None) -> bool:

@@ -53,3 +53,33 @@ def test_experts_without_a_grouped_call_keep_one_path() -> None:
     moe = MoESpec(experts_path="mlp.experts", experts_kind="stacked", num_experts=4, top_k=2,
                   top_k_source="config", params_per_expert=10, router_name="mlp.gate")
     assert moe.paths == ("mlp.experts",)
+
+
+def test_grouped_stacks_exchange_their_rows_and_results_each_and_are_priced_so() -> None:
+    """Each grouped stack sends its rows and gets its results back under ep: the up projection
+    (32 -> 48) and the down one (48 -> 32) exchange (32 + 48 + 48 + 32) / (2 x 32) = 2.5 times the
+    bytes of one dispatch and combine of the tokens, which the cost model prices."""
+    import dataclasses
+
+    from autopar.cluster import load_cluster
+    from autopar.cost.estimate import config_from_plan
+    from autopar.cost.stage import build_terms
+    from autopar.graph.measure import build_graph
+    from autopar.plan import plan_from_dict
+
+    path = MODELS / "grouped_moe.py"
+    moe = model_spec(load_model_file(path)).moe
+    assert moe.grouped_widths == ((32, 48), (48, 32)) and moe.exchange_factor == pytest.approx(2.5)
+    g = build_graph(str(path))
+    assert g.moe.exchange_factor == pytest.approx(2.5) and g.moe.paths == ("moe.w_in", "moe.w_out")
+    cfg = config_from_plan(plan_from_dict({
+        "version": 1, "model": {"file": str(path), "num_blocks": 4},
+        "cluster": {"profile": "a100-80g", "num_gpus": 2, "gpus_per_node": 8},
+        "training": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 16, "dtype": "bf16",
+                     "optimizer": "adamw"},
+        "parallel": {"dp": 2, "tp": 1, "pp": 1, "ep": 2}}))
+    cl = load_cluster("a100-80g")
+    grouped = build_terms(g, cl, cfg).expert
+    once = build_terms(dataclasses.replace(g, moe=dataclasses.replace(g.moe, exchange_factor=1.0)), cl, cfg).expert
+    assert grouped.a2a_bytes == pytest.approx(2.5 * once.a2a_bytes)
+    assert grouped.a2a_fwd_s > once.a2a_fwd_s
