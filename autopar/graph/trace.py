@@ -5,7 +5,8 @@ decomposition PyTorch runs (``addmm``, ``bmm``, ``native_layer_norm``, their bac
 come from ``torch.utils.flop_counter``'s registry, the same table ``FlopCounterMode`` uses; bytes
 moved are the sizes of the op's tensor inputs and outputs (view ops move nothing). Saved-for-backward
 tensors come from ``saved_tensors_hooks``; parameters (and views of them) are not activations and are
-left out, and a tensor saved by two ops is counted once.
+left out, and a tensor saved by two ops is counted once; a saved view counts the storage it keeps
+alive, once however many views of it are saved.
 
 Two ops are measured the way a CUDA device runs them, not the way the CPU fallback does, because
 autoplan plans GPU clusters: ``F.dropout`` becomes ``native_dropout`` (a 1-byte mask is saved, not
@@ -58,6 +59,14 @@ _FREE_OPS = {"detach", "empty", "empty_like", "empty_strided", "new_empty", "new
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the storage ``t`` lives in (what saving any view of it keeps alive)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage
+        return _nbytes(t)
 
 
 def _gemm_dims(name: str, args: tuple) -> tuple[int, int, int, int]:
@@ -371,12 +380,15 @@ def record(trace: Trace, state: _State, param_ids: set[int]) -> Iterator[None]:
         if id(t) in param_ids or id(root) in param_ids:
             return t
         saved_ids.add(id(root))
-        key = (id(root), t.storage_offset(), t.numel())
+        # A saved view keeps its whole storage alive, and two views of one storage hold it once: a
+        # bias expanded over the batch (T5's position bias into SDPA) is one (heads, s, s) tensor,
+        # not batch x that; one slice of a fused projection's output keeps all of it
+        key = id(root)
         if key not in seen:
             seen.add(key)
-            keep.append(t)
+            keep.append(root)
             saved_at.append((len(trace.saved), id(root)))
-            trace.saved.append(SavedRecord(region=state.region, nbytes=float(_nbytes(t))))
+            trace.saved.append(SavedRecord(region=state.region, nbytes=float(_storage_nbytes(root))))
         return t
 
     recorder = _Recorder(trace, state)
