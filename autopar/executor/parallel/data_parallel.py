@@ -293,11 +293,18 @@ def sync_every_microbatch(stage_module: nn.Module) -> None:
 
 def _cast_parameters(module: nn.Module, dtype: torch.dtype, chosen: Callable[[nn.Parameter], bool]) -> None:
     """Floating-point parameters of ``module`` that ``chosen`` picks, cast to ``dtype`` in place
-    (``.data``: the Parameter objects stay, so tied weights stay tied; buffers are left alone)."""
+    (the Parameter objects stay, so tied weights stay tied; buffers are left alone). A tensor-parallel
+    (DTensor) parameter has its contents swapped: assigning ``.data`` to a DTensor parameter
+    changes the dtype it reports but not its local shard's, which FSDP2 shards from -- a
+    vocabulary-parallel embedding stayed fp32 beside bf16 parameters, and FSDP2 refused the group
+    (GPT-3's top plan at 64 H100s, optimizer offload with tp 4 and pp 8)."""
     with torch.no_grad():
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != dtype and chosen(p):
-                p.data = p.data.to(dtype)
+                if isinstance(p, DTensor):
+                    torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad))
+                else:
+                    p.data = p.data.to(dtype)
 
 
 def zero1_microbatch(module: nn.Module, last: bool) -> None:
