@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autopar.executor.parallel import expert_exchange as exchange_mod
 from autopar.executor.parallel import expert_parallel as ep_mod
 
 
@@ -16,7 +17,7 @@ def test_rows_travel_in_the_autocast_dtype(monkeypatch) -> None:
     from autopar.executor.parallel.expert_parallel import ExpertGroups
 
     sent: list[torch.dtype] = []
-    monkeypatch.setattr(ep_mod, "_a2a", lambda x, out_s, in_s, group: (sent.append(x.dtype), x.clone())[1])
+    monkeypatch.setattr(exchange_mod, "_a2a", lambda x, out_s, in_s, group: (sent.append(x.dtype), x.clone())[1])
     monkeypatch.setattr(dist, "all_to_all_single", lambda out, inp, group=None: out.copy_(inp))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:

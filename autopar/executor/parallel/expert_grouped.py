@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autopar.executor.parallel.expert_parallel import ExpertGroups, _arg, _shard_stacked, _touch, _with, exchange
+from autopar.executor.parallel.expert_exchange import ExpertGroups, _arg, _touch, _with, exchange, keep_local_experts
 
 
 def _local_counts(counts: Any, per_local: list[int]) -> Any:
@@ -52,5 +52,5 @@ def shard_grouped(experts: nn.Module, groups: ExpertGroups, prefix: str, rows: d
     """Keep this rank's experts of the stack ``experts`` (its entry ``grouped`` of
     ``MoESpec.grouped``: path, rows at, counts at) and route its calls over the ep group."""
     _, rows_at, counts_at = grouped
-    _shard_stacked(experts, groups, prefix, rows, None,
-                   forward=lambda original: grouped_forward(groups, original, rows_at, counts_at))
+    keep_local_experts(experts, groups, prefix, rows,
+                       lambda original: grouped_forward(groups, original, rows_at, counts_at))
