@@ -153,8 +153,6 @@ def _forward_backward(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
 def _peaks(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
            block: nn.Module | None) -> list[PeakRecord]:
     """The step's memory timeline (graph/live.py) as one record per (region, phase)."""
-    from autopar.graph.live import live_peaks
-
     handles: list = []
 
     def step(set_region: Callable[[str], None]) -> None:
@@ -162,8 +160,17 @@ def _peaks(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Te
             handles.extend(_region_hooks(block, set_region, {}))
         _forward_backward(model, inputs, loss_fn, set_region)
 
+    return peak_records(step, list(model.parameters()), handles)
+
+
+def peak_records(step: Callable[[Callable[[str], None]], Any], params: list[torch.Tensor], handles: list
+                 ) -> list[PeakRecord]:
+    """``live_peaks(step, params)`` (graph/live.py) as one record per (region, phase); the hooks
+    ``step`` put in ``handles`` are removed after, whatever happens."""
+    from autopar.graph.live import live_peaks
+
     try:
-        peaks = live_peaks(step, list(model.parameters()))
+        peaks = live_peaks(step, params)
     finally:
         for h in handles:
             h.remove()

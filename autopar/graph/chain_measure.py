@@ -22,11 +22,10 @@ import torch
 from torch import nn
 
 from autopar.errors import ModelFileError
-from autopar.graph.build import ParamRegions, TracedRun, default_loss, first_tensor, slice_sequence
+from autopar.graph.build import ParamRegions, TracedRun, default_loss, first_tensor, peak_records, slice_sequence
 from autopar.graph.chain_tp import chain_tp_comm_hooks, shard_chain_for_tp, sharded_params
 from autopar.graph.fused_scan import fit_with_scan
 from autopar.graph.model_graph import ChainUnit, ModelGraph, MoEFacts, RegionParams
-from autopar.graph.records import PeakRecord
 from autopar.graph.scaling import RegionFit
 from autopar.graph.trace import Trace, run_and_trace
 from autopar.modelfile import ModelFile, call_model
@@ -115,8 +114,6 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
     gradients, each unit's gradients of activations), and the bytes of the tensor each unit
     received. ``tp_styles[i]``: unit i's TP plan, whose collectives are recorded in its region
     (graph/chain_tp.py); empty: no TP."""
-    from autopar.graph.live import live_peaks
-
     regions = ParamRegions(model)
     handles = regions.handles
     in_bytes = [0.0] * len(unit_mods)
@@ -142,13 +139,7 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
         hooks.extend(_unit_hooks(unit_mods, set_region, [0.0] * len(unit_mods)))
         _chain_step(model, inputs, loss_fn, set_region)
 
-    try:
-        peaks = live_peaks(step, list(model.parameters()))
-    finally:
-        for h in hooks:
-            h.remove()
-    trace.peaks = [PeakRecord(region=region, phase=phase, nbytes=max(0.0, float(v)))
-                   for (phase, region), v in peaks.items()]
+    trace.peaks = peak_records(step, list(model.parameters()), hooks)
     return TracedRun(trace=trace, param_regions=regions.by_param, block_input_bytes=in_bytes[0]), in_bytes
 
 
