@@ -5,7 +5,8 @@ profile (``h100-80g``: autopar run / FSDP2) is rehearsed (``autopar rehearse``: 
 stage's first rank, on fake tensors over a fake process group) and the cost model's peak per stage
 is printed beside the rehearsed one. The error is over tensor bytes (the reserve the profile adds
 for the CUDA context and communication buffers is the same on both sides). Target: within 5 % for
-GPT-3 175B, Llama-3 70B and 405B at 64 and 1,024 GPUs and for three zoo models (docs/rehearse.md).
+GPT-3 175B, Llama-3 70B and 405B at 64 and 1,024 GPUs and for zoo models -- block lists, layer chains
+(DeepSeek-V2-Lite, T5, ResNet-152) and expert parallelism (DeepSeek-V2-Lite, Mixtral-8x7B) (docs/rehearse.md).
 
     python benchmarks/rehearse_memory.py [--cases gpt3-175b@64,...] [--cluster h100-80g]
 
@@ -41,7 +42,8 @@ ZOO = {"hf-llama": "hf_llama.py", "hf-mixtral": "hf_mixtral.py", "vit": "vit.py"
        # T5 (encoder and decoder), ResNet-152 (four stages of differing blocks)
        "hf-deepseek": "hf_deepseek_v3.py", "hf-t5": "hf_t5.py", "resnet": "resnet.py"}
 DEFAULT_CASES = ("gpt3-175b@64", "llama3-70b@64", "llama3-405b@64", "gpt3-175b@1024", "llama3-70b@1024",
-                 "llama3-405b@1024", "hf-llama@64", "vit@64", "torch-encoder@64")
+                 "llama3-405b@1024", "hf-llama@64", "vit@64", "torch-encoder@64",
+                 "hf-deepseek@64", "hf-mixtral@64", "hf-t5@64", "resnet@64")
 GIB = 2**30
 
 
