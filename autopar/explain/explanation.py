@@ -271,7 +271,9 @@ def _moe_section(ex: Explanation) -> list[str]:
     lines += [
         f"{moe.num_experts // par.ep} of {moe.num_experts} experts per rank "
         f"({param_count(m['expert_params_per_rank'])} expert parameters), the same on the {edp} rank(s) "
-        "of its edp group (dp x cp / ep), which reduce their gradients and shard their ZeRO states",
+        + ("of its edp group (dp x cp x tp / ep: under sequence parallelism each tp rank routes its own "
+           "sequence shard), " if par.layout.folds_tp else "of its edp group (dp x cp / ep), ")
+        + "which reduce their gradients and shard their ZeRO states",
         f"all-to-all over the ep group of {par.ep} ({m['a2a_link']}): "
         f"{_human_bytes(m['a2a_bytes_per_step'])} sent per GPU per step (dispatch + combine in forward and backward"
         + (", and again in the full recompute), " if par.recompute == "full" else "), ")
