@@ -428,11 +428,12 @@ def trace(plan: PlanLike, model: ModelLike | None = None, cluster: "str | Cluste
 def rehearsal(plan: PlanLike, model: ModelLike | None = None, cluster: "str | Cluster | None" = None, *,
               ranks: Sequence[int] | None = None, profile: str | None = None, workers: int | None = None,
               progress: Callable[[str], None] | None = None, use_cache: bool = True,
-              warn: Warn = python_warning) -> "Rehearsal":
+              warn: Warn = python_warning, why: int = 0) -> "Rehearsal":
     """``autopar rehearse``: the executor applied to ``ranks`` of ``plan`` at its full world size on
     fake tensors over a fake process group (one CPU process per rank, no GPU), one training step
     each under torch's memory tracker, beside the cost model's prediction (``estimation``'s,
-    with the same ``cluster``/``profile``). ``ranks`` None: the first rank of every pipeline
+    with the same ``cluster``/``profile``); ``why`` > 0: each rank also names the ``why`` largest
+    groups of tensors alive at its peak (autopar.rehearse.why). ``ranks`` None: the first rank of every pipeline
     stage. A plan the executor cannot apply at full scale, a plan for another model, or a model
     that reads tensor values is a one-line AutoparError."""
     from autopar.executor.runtime.checks import preflight
@@ -441,7 +442,7 @@ def rehearsal(plan: PlanLike, model: ModelLike | None = None, cluster: "str | Cl
     est = estimation(model, plan, cluster, profile=profile, use_cache=use_cache, warn=warn)
     mf = load_model(est.model)
     preflight(est.plan, mf, est.plan.parallel.world_size)
-    return rehearse(est.plan, str(mf.path), est.estimate, est.cluster.name, ranks, progress, workers)
+    return rehearse(est.plan, str(mf.path), est.estimate, est.cluster.name, ranks, progress, workers, why)
 
 
 def apply_plan(model: ModelLike, plan: PlanLike, *, seed: int = 0, lr: float = 1e-3,

@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="PATH", help="measured profile layered over the cluster profile")
     p.add_argument("--workers", type=positive_int, metavar="N",
                    help="ranks rehearsed at once, one process each (default: the CPU cores)")
+    p.add_argument("--why", type=positive_int, metavar="N", default=0,
+                   help="also list, per rank, the N largest groups of tensors alive at its peak: their part, "
+                        "the op that made them and the module it ran in")
     p.add_argument("--json", action="store_true", help="print one JSON object (ranks, capacity_bytes, fits)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--no-cache", action="store_true",
@@ -48,7 +51,8 @@ def main(args: argparse.Namespace) -> int:
 
     with stdout_to_stderr():  # the model file's prints never mix with the table or the JSON
         reh = api.rehearsal(args.plan, args.model, args.cluster, ranks=args.ranks, profile=args.profile,
-                            workers=args.workers, progress=progress, use_cache=not args.no_cache, warn=warn)
+                            workers=args.workers, progress=progress, use_cache=not args.no_cache, warn=warn,
+                            why=args.why)
     print(json.dumps(rehearsal_json(reh), indent=2) if args.json else format_rehearsal(reh))
     return 0
 

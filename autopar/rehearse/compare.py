@@ -10,6 +10,7 @@ added equally to both.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -36,6 +37,7 @@ class RankRehearsal:
     seconds: float
     microbatches: tuple[int, ...] = ()  # the rehearsed steps' micro-batches (rank.rehearsed_microbatches)
     host_bytes: float = 0.0  # what the rank keeps in host memory (offload), not in ``peak_bytes``
+    origins: tuple = ()  # why.LiveGroup: the largest groups alive at the peak (``rehearse --why``)
 
     @property
     def tensor_error_pct(self) -> float:
@@ -74,14 +76,17 @@ def check_ranks(plan: "Plan", ranks: Sequence[int]) -> tuple[int, ...]:
 
 
 def rehearse(plan: "Plan", model_path: str, estimate: "Estimate", cluster_name: str,
-             ranks: Sequence[int] | None = None, progress: Any = None, workers: int | None = None) -> Rehearsal:
+             ranks: Sequence[int] | None = None, progress: Any = None, workers: int | None = None,
+             why: int = 0) -> Rehearsal:
     """Rehearse ``ranks`` of ``plan`` (default: ``default_ranks``) beside the cost model's
     ``estimate`` of it. Each rank runs in a process of its own (a fresh fake world: torch keeps
     process-group state per process), ``workers`` at a time (default: the CPU cores).
-    ``progress(text)``: called as ranks start and finish. One-line AutoparError on bad input."""
+    ``progress(text)``: called as ranks start and finish. ``why`` > 0: each rank also names the
+    ``why`` largest groups of tensors alive at its peak (autopar.rehearse.why). One-line
+    AutoparError on bad input."""
     chosen = check_ranks(plan, default_ranks(plan) if ranks is None else ranks)
     reserve = estimate.reserve_bytes
-    got = _rehearse_ranks(plan, model_path, chosen, progress, workers)
+    got = _rehearse_ranks(plan, model_path, chosen, progress, workers, why)
     out = []
     for r in chosen:
         m = got[r]
@@ -90,13 +95,14 @@ def rehearse(plan: "Plan", model_path: str, estimate: "Estimate", cluster_name: 
         out.append(RankRehearsal(rank=r, stage=m.stage, peak_bytes=m.peak_bytes + reserve,
                                  parts={**parts, "reserve": reserve}, predicted_peak_bytes=stage.peak_bytes,
                                  predicted_parts=dict(stage.memory_bytes), reserve_bytes=reserve, seconds=m.seconds,
-                                 microbatches=m.microbatches, host_bytes=m.parts.get("host", 0.0)))
+                                 microbatches=m.microbatches, host_bytes=m.parts.get("host", 0.0),
+                                 origins=m.origins))
     return Rehearsal(ranks=tuple(out), capacity_bytes=estimate.capacity_bytes, cluster=cluster_name,
                      microbatches=plan.num_microbatches)
 
 
 def _rehearse_ranks(plan: "Plan", model_path: str, ranks: Sequence[int], progress: Any,
-                    workers: int | None) -> dict[int, Any]:
+                    workers: int | None, why: int = 0) -> dict[int, Any]:
     """rank -> ``rank.RankMemory``. Every step (a rank at one micro-batch count) runs in a fresh
     spawned process of its own (``rank.rehearse_step``), ``workers`` at a time; the first error is
     raised."""
@@ -113,7 +119,8 @@ def _rehearse_ranks(plan: "Plan", model_path: str, ranks: Sequence[int], progres
     seconds: dict[int, float] = dict.fromkeys(ranks, 0.0)
     pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1)
     try:
-        futures = {pool.submit(_step_in_process, with_microbatches(plan, m), model_path, r): (r, m) for r, m in tasks}
+        futures = {pool.submit(_step_in_process, with_microbatches(plan, m), model_path, r, why): (r, m)
+                   for r, m in tasks}
         if progress is not None:
             progress(f"rehearsing {len(ranks)} rank(s) ({len(tasks)} steps), {n} at a time")
         done = 0
@@ -130,7 +137,7 @@ def _rehearse_ranks(plan: "Plan", model_path: str, ranks: Sequence[int], progres
     return {r: rank_memory(plan, r, [steps[(r, m)] for m in counts], seconds[r]) for r in ranks}
 
 
-def _step_in_process(plan: "Plan", model_path: str, rank: int) -> tuple[Any, float]:
+def _step_in_process(plan: "Plan", model_path: str, rank: int, why: int = 0) -> tuple[Any, float]:
     import time
     import warnings
 
@@ -142,7 +149,7 @@ def _step_in_process(plan: "Plan", model_path: str, rank: int) -> tuple[Any, flo
     start = time.perf_counter()
     mf = load_model_file(model_path)
     spec, _warnings = preflight(plan, mf, plan.parallel.world_size)
-    return rehearse_step(plan, mf, spec, rank), time.perf_counter() - start
+    return rehearse_step(plan, mf, spec, rank, why), time.perf_counter() - start
 
 
 def rehearsal_json(reh: Rehearsal) -> dict[str, Any]:
@@ -151,7 +158,8 @@ def rehearsal_json(reh: Rehearsal) -> dict[str, Any]:
         "ranks": [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes,
                    "predicted_peak_bytes": r.predicted_peak_bytes, "tensor_error_pct": r.tensor_error_pct,
                    "parts": dict(r.parts), "predicted_parts": dict(r.predicted_parts), "seconds": r.seconds,
-                   "rehearsed_microbatches": list(r.microbatches), "host_bytes": r.host_bytes}
+                   "rehearsed_microbatches": list(r.microbatches), "host_bytes": r.host_bytes,
+                   **({"live_at_peak": [dataclasses.asdict(g) for g in r.origins]} if r.origins else {})}
                   for r in reh.ranks],
         "microbatches": reh.microbatches,
         "capacity_bytes": reh.capacity_bytes,
@@ -162,6 +170,7 @@ def rehearsal_json(reh: Rehearsal) -> dict[str, Any]:
 def format_rehearsal(reh: Rehearsal) -> str:
     """The table ``autopar rehearse`` prints: per rank, rehearsed and predicted memory by part (GiB,
     or MiB when every peak is under 1 GiB)."""
+    from autopar.rehearse.why import format_groups
     from autopar.report import table
 
     unit, scale = ("GiB", GIB) if max(r.peak_bytes for r in reh.ranks) >= GIB else ("MiB", 2**20)
@@ -186,9 +195,10 @@ def format_rehearsal(reh: Rehearsal) -> str:
     else:
         steps = f"{reh.microbatches} micro-batches per step, all rehearsed"
     verdict = "fits" if reh.fits else "does NOT fit"
+    why = "".join("\n\n" + format_groups(r.rank, r.origins, scale, unit) for r in reh.ranks if r.origins)
     return (table(head, rows)
             + f"\n\nparts: rehearsed / predicted {unit}; reserve: what no tensor holds (CUDA context, NCCL buffers), "
             + "added to both; error: the cost model's tensor bytes against the rehearsal's"
             + f"\n{steps}"
             + f"\npeak {worst.peak_bytes / scale:.2f} {unit} (rank {worst.rank}) of {reh.capacity_bytes / scale:.2f} "
-            + f"{unit} on {reh.cluster}: the plan {verdict}")
+            + f"{unit} on {reh.cluster}: the plan {verdict}" + why)

@@ -62,6 +62,7 @@ class RankMemory:
     parts: dict[str, float]  # params, grads, optimizer, activations, temporaries (device), host
     seconds: float  # wall time of this rank's rehearsal
     microbatches: tuple[int, ...]  # the micro-batches of each rehearsed step (module docstring)
+    origins: tuple = ()  # why.LiveGroup at the (last rehearsed step's) peak, with ``rehearse --why``
 
 
 def rehearsed_microbatches(plan: Plan) -> tuple[int, ...]:
@@ -109,18 +110,22 @@ def rank_memory(plan: Plan, rank: int, peaks: list[PeakMemory], seconds: float) 
         peak = PeakMemory(peak_bytes=at(peaks[0].peak_bytes, peaks[1].peak_bytes),
                           parts={k: at(v, peaks[1].parts[k]) for k, v in peaks[0].parts.items()})
     return RankMemory(rank=rank, stage=plan.parallel.layout.coords(rank).pp, peak_bytes=peak.peak_bytes,
-                      parts=peak.parts, seconds=seconds, microbatches=counts)
+                      parts=peak.parts, seconds=seconds, microbatches=counts, origins=peaks[-1].origins)
 
 
-def rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> PeakMemory:
+def rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int, why: int = 0) -> PeakMemory:
     """The peak of one tracked training step of ``rank`` (``plan`` as given). Brings up a fake world
     of its own: torch keeps process-group state per process (DeviceMesh's caches hold group names),
-    so call it once per process (autopar.rehearse.compare runs each in a fresh one)."""
+    so call it once per process (autopar.rehearse.compare runs each in a fresh one). ``why`` > 0:
+    also the ``why`` largest groups of tensors alive at the peak, by origin (autopar.rehearse.why)."""
+    import dataclasses as _dc
+
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.executor.parallel.apply import place, shape_parts
     from autopar.executor.parallel.mesh import MESH_DIMS, ParallelMesh, rank_coords
     from autopar.executor.runtime.train import _Trainer
+    from autopar.rehearse.why import WhyTracker, top_groups
 
     par = plan.parallel
     device = torch.device("cpu")
@@ -135,7 +140,7 @@ def rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> PeakMemory
                 trainer = _Trainer(exe, mf)
                 trainer.checked_cp_loss = True  # a value check (module docstring)
                 _create_optimizer_states(exe)
-                tracker = StepTracker(**_host_resident(plan, exe))
+                tracker = (WhyTracker if why else StepTracker)(**_host_resident(plan, exe))
                 tracker.track_external(*exe.parts, exe.optimizer)
                 with tracker, _target_device_functions(plan):
                     trainer.step(batch)
@@ -143,7 +148,8 @@ def rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int) -> PeakMemory
                 raise
             except Exception as exc:  # the user's model on fake tensors, or the executor on this plan
                 raise AutoparError(_one_line(mf, rank, exc)) from None
-    return peak_of(tracker)
+    peak = peak_of(tracker)
+    return _dc.replace(peak, origins=top_groups(tracker, why)) if why else peak
 
 
 def _target_device_functions(plan: Plan) -> Any:

@@ -102,6 +102,7 @@ class PeakMemory:
 
     peak_bytes: float
     parts: dict[str, float]
+    origins: tuple = ()  # why.LiveGroup: the largest groups alive at the peak (``rehearse --why``)
 
 
 def peak_of(tracker: StepTracker) -> PeakMemory:
