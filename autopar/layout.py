@@ -157,7 +157,7 @@ class Layout:
             return self.dp * self.cp
         if axis in EXPERT_AXES:
             self._check_experts()
-            pool = self.dp * self.cp * (self.tp if self.folds_tp else 1)
+            pool = moe_pool(self.dp, self.cp, self.tp, self.folds_tp)
             return {"ep": self.ep, "edp": pool // self.ep, "moe_dp": pool}[axis]
         _check_axis(axis)
         return getattr(self, axis)
@@ -217,9 +217,15 @@ class Layout:
         one rank when there is no pipeline)."""
         return place(2 if self.pp > 1 else 1, self.stride("pp"), gpus_per_node)
 
+    def expert_reason(self, num_experts: int | None) -> str | None:
+        """``ep_reason`` of this layout's ep over its pool (``moe_pool``), for ``num_experts`` experts
+        (None: not known here)."""
+        return ep_reason(self.ep, moe_pool(self.dp, self.cp, self.tp, self.folds_tp), num_experts,
+                         folds_tp=self.folds_tp)
+
     def _check_experts(self) -> None:
         """The expert axes exist only where ep divides their pool (``ep_reason``)."""
-        reason = ep_reason(self.ep, self.dp * self.cp * (self.tp if self.folds_tp else 1), None, folds_tp=self.folds_tp)
+        reason = self.expert_reason(None)
         if reason:
             raise ValueError(reason)
 
@@ -334,6 +340,12 @@ def ring_balance_reason(cp: int, seq_len: int) -> str | None:
         return (f"ring attention balances causal work with 2 x cp chunks: seq_len {seq_len} "
                 f"must be divisible by {2 * cp}")
     return None
+
+
+def moe_pool(dp: int, cp: int, tp: int, folds_tp: bool) -> int:
+    """The ranks an MoE layer's experts are drawn from (the ``moe_dp`` axis): dp x cp, and the tp
+    ranks too under sequence parallelism (``folds_tp``: module docstring)."""
+    return dp * cp * (tp if folds_tp else 1)
 
 
 def ep_reason(ep: int, pool: int, num_experts: int | None, *, folds_tp: bool = False) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import yaml
 
 from autopar.errors import PlanError
-from autopar.layout import Layout, cp_seq_reason, ep_reason, tp_node_reason, world_size_reason
+from autopar.layout import Layout, cp_seq_reason, tp_node_reason, world_size_reason
 
 PLAN_VERSION = 1
 CP_KINDS = ("ring", "allgather", "ulysses")
@@ -242,9 +242,7 @@ class Parallel:
                 "only interleaved-1f1b has virtual stages"
             )
         # expert parallelism: ep ranks are drawn from dp x cp (x tp under SP): autopar.layout's rule
-        layout = self.layout
-        reason = ep_reason(self.ep, layout.dp * layout.cp * (layout.tp if layout.folds_tp else 1), None,
-                           folds_tp=layout.folds_tp)
+        reason = self.layout.expert_reason(None)
         if reason:
             raise PlanError(f"parallel.{reason}")
         if self.recompute_blocks is not None:  # per-stage recompute

@@ -66,24 +66,18 @@ class ChainTerms:
     cut_p2p_s: tuple[float, ...]  # [i]: a cut before unit i (index 0 unused: 0.0)
     unit_transient_bytes: tuple[float, ...]
     # [i]: what unit i's backward holds beyond saved activations and states (module docstring)
-    unit_phase_bytes: tuple[float, ...] = ()
+    unit_phase_bytes: tuple[float, ...]
     # [i]: one pipeline receive buffer of a cut before unit i (0 where the software allocates none)
-    cut_buffer_bytes: tuple[float, ...] = ()
+    cut_buffer_bytes: tuple[float, ...]
     # ep > 1: the expert-parallel terms of one unit holding the experts (all such units share the
     # graph's one mixture), and which units hold them; None / all False otherwise
     expert: ExpertCost | None = None
     expert_units: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
-        if not (len(self.units) == len(self.cut_p2p_s) == len(self.unit_transient_bytes) >= 1):
-            raise ValueError("ChainTerms needs one part, cut time and transient per unit")
-        n = len(self.units)
-        if not self.unit_phase_bytes:
-            object.__setattr__(self, "unit_phase_bytes", tuple(self.unit_transient_bytes))
-        if not self.cut_buffer_bytes:
-            object.__setattr__(self, "cut_buffer_bytes", (0.0,) * n)
-        if not (len(self.unit_phase_bytes) == len(self.cut_buffer_bytes) == n):
-            raise ValueError("ChainTerms needs one backward phase and cut buffer per unit")
+        if not (len(self.units) == len(self.cut_p2p_s) == len(self.unit_transient_bytes) == len(self.unit_phase_bytes)
+                == len(self.cut_buffer_bytes) >= 1):
+            raise ValueError("ChainTerms needs one part, cut time, transient, backward phase and cut buffer per unit")
         if self.base.config.virtual_stages != 1:
             raise ValueError("a chain is planned with one chunk per pipeline rank (virtual_stages 1)")
 
@@ -132,7 +126,7 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
                     peak_bytes=rt.peak_bytes)
         gathered = params
         # its experts sharded over ep ranks, or run on a sequence shard under SP, priced as a block's (cost/expert.py)
-        if (cfg.ep > 1 or (cfg.sequence_parallel and cfg.tp > 1)) and unit.experts:
+        if (cfg.ep > 1 or layout.folds_tp) and unit.experts:
             ep = adjust_terms(graph, cluster, cfg, part, dense_state_bytes=base.state_bytes_per_param,
                               dpcp_link=dpcp_link, tokens_bytes=unit.input_bytes * cfg.micro_batch * s_ratio,
                               shape=shape, region=unit.region)
@@ -249,9 +243,9 @@ def stage_memory(terms: ChainTerms, load: StageLoad, rank: int) -> dict[str, flo
     if t.loss_free_grads > 0:  # a step's only micro-batch, no pipeline (StageTerms.one_microbatch_other_bytes)
         absent = t.loss_free_grads * memory["grads"]
         at_loss = _other_bytes(terms, load, rank, loss=True, blocks=False)
-        rest = _other_bytes(terms, load, rank, loss=False)
-        other = at_loss if at_loss - absent > rest else rest
-        if at_loss - absent > rest:
+        other = _other_bytes(terms, load, rank, loss=False)
+        if at_loss - absent > other:  # the peak is at the loss, before those gradients exist
+            other = at_loss
             memory["grads"] -= absent
     return {**memory, "activations": t.inflight(rank) * load.act_bytes, "other": other + t.reserve_bytes}
 

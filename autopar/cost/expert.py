@@ -65,7 +65,7 @@ from autopar.cost.fused_elementwise import block_traffic
 from autopar.cost.memory import state_bytes_per_param
 from autopar.cost.zero import gradient_bytes_per_param, per_microbatch_exposed, per_step_sync
 from autopar.errors import PlanError
-from autopar.layout import Layout, ep_reason
+from autopar.layout import Layout, ep_reason, moe_pool
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
@@ -92,7 +92,7 @@ def check_ep(graph: "ModelGraph", ep: int, layout: Layout) -> str | None:
         return f"{graph.name}: {reason}"
     if graph.moe is None:  # a graph measured without the ep predicate (older cache)
         return f"ep = {ep} needs a mixture-of-experts model; {graph.name} has no experts in its blocks"
-    pool = layout.dp * layout.cp * (layout.tp if layout.folds_tp else 1)
+    pool = moe_pool(layout.dp, layout.cp, layout.tp, layout.folds_tp)
     return ep_reason(ep, pool, graph.moe.num_experts, folds_tp=layout.folds_tp)  # the degree's rules: autopar.layout
 
 
@@ -312,7 +312,7 @@ def adjust_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", block: 
     ``tokens_bytes``: one rank's block input per micro-batch; ``shape``: the block's; ``region``: its
     fitted region ("block", or a chain unit's holding the experts: cost/chain.py)."""
     if cfg.ep == 1:
-        if cfg.sequence_parallel and cfg.tp > 1 and graph.moe is not None:  # the experts on the shard
+        if Layout.of(cfg).folds_tp and graph.moe is not None:  # the experts on the shard
             fwd, bwd = expert_gemm_delta_s(graph, cluster, shape, 1, region, float(cfg.tp))
             rec = fwd if cfg.recompute == "full" else 0.0
             block = replace(block, fwd_s=block.fwd_s + fwd, bwd_s=block.bwd_s + bwd + rec,

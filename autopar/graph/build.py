@@ -96,7 +96,7 @@ def trace_model(
             handles.extend(_region_hooks(block, set_region, io))
             if tp_plan:
                 handles.extend(_tp_comm_hooks(block, tp_plan, blocks_attr or "", trace))
-        _forward_backward(model, inputs, loss_fn, set_region)
+        forward_backward(model, inputs, loss_fn, set_region)
 
     trace = Trace()
     try:
@@ -133,8 +133,8 @@ def _region_hooks(block: nn.Module, set_region: Callable[[str], None], io: dict[
             block.register_forward_hook(post_hook, with_kwargs=True)]
 
 
-def _forward_backward(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                      set_region: Callable[[str], None]) -> None:
+def forward_backward(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                     set_region: Callable[[str], None]) -> None:
     """The model file's forward, loss and backward, as the training loop runs them (the output is
     not held once the loss has it)."""
     set_region("pre")
@@ -158,7 +158,7 @@ def _peaks(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Te
     def step(set_region: Callable[[str], None]) -> None:
         if block is not None:
             handles.extend(_region_hooks(block, set_region, {}))
-        _forward_backward(model, inputs, loss_fn, set_region)
+        forward_backward(model, inputs, loss_fn, set_region)
 
     return peak_records(step, list(model.parameters()), handles)
 

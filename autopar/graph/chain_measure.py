@@ -22,15 +22,14 @@ import torch
 from torch import nn
 
 from autopar.errors import ModelFileError
-from autopar.graph.build import ParamRegions, TracedRun, default_loss, first_tensor, peak_records, slice_sequence
+from autopar.graph.build import ParamRegions, TracedRun, first_tensor, forward_backward, peak_records, slice_sequence
 from autopar.graph.chain_tp import chain_tp_comm_hooks, shard_chain_for_tp, sharded_params
 from autopar.graph.fused_scan import fit_with_scan
 from autopar.graph.model_graph import ChainUnit, ModelGraph, MoEFacts, RegionParams
 from autopar.graph.scaling import RegionFit
 from autopar.graph.trace import Trace, run_and_trace
-from autopar.modelfile import ModelFile, call_model
+from autopar.modelfile import ModelFile
 from autopar.spec import ModelSpec
-from autopar.spec.meta import tolerant_meta
 from autopar.spec.tp_plan import TPPlan
 from autopar.usercode import model_failed
 
@@ -125,7 +124,7 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
         if tp_styles:
             handles.extend(chain_tp_comm_hooks(unit_mods, tp_styles, trace))
         handles.extend(_unit_hooks(unit_mods, set_region, in_bytes))
-        _chain_step(model, inputs, loss_fn, set_region)
+        forward_backward(model, inputs, loss_fn, set_region)
 
     trace = Trace()
     try:
@@ -137,7 +136,7 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
 
     def step(set_region: Callable[[str], None]) -> None:
         hooks.extend(_unit_hooks(unit_mods, set_region, [0.0] * len(unit_mods)))
-        _chain_step(model, inputs, loss_fn, set_region)
+        forward_backward(model, inputs, loss_fn, set_region)
 
     trace.peaks = peak_records(step, list(model.parameters()), hooks)
     return TracedRun(trace=trace, param_regions=regions.by_param, block_input_bytes=in_bytes[0]), in_bytes
@@ -169,22 +168,6 @@ def _unit_hooks(unit_mods: list[nn.Module], set_region: Callable[[str], None], i
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
         handles.append(mod.register_forward_hook(post))
     return handles
-
-
-def _chain_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                set_region: Callable[[str], None]) -> None:
-    """The model file's forward, loss and backward, the output not held once the loss has it."""
-    set_region("pre")
-    with tolerant_meta():
-        out = call_model(model, inputs)
-    set_region("loss")
-    loss = loss_fn(out, inputs) if loss_fn is not None else default_loss(out)
-    y = first_tensor(out)
-    if y is not None and y.requires_grad:
-        y.register_hook(lambda g: set_region("bwd:post"))
-    del out, y
-    set_region("bwd:loss")
-    loss.backward()
 
 
 def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len: int | None, dtype: str,

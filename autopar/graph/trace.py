@@ -370,8 +370,7 @@ def _param_ids(params: Iterator[torch.Tensor]) -> set[int]:
 @contextmanager
 def record(trace: Trace, state: _State, param_ids: set[int]) -> Iterator[None]:
     """Record ops and saved tensors of everything run inside (forward and backward alike)."""
-    seen: set[tuple[int, int, int]] = set()
-    saved_ids: set[int] = set()
+    saved_ids: set[int] = set()  # the roots saved, each counted once (module docstring)
     keep: list[torch.Tensor] = []  # keeps saved tensors alive so ids stay unique while recording
     saved_at: list[tuple[int, int]] = []  # (index in trace.saved, id of the root it saves)
 
@@ -379,13 +378,11 @@ def record(trace: Trace, state: _State, param_ids: set[int]) -> Iterator[None]:
         root = t._base if t._base is not None else t
         if id(t) in param_ids or id(root) in param_ids:
             return t
-        saved_ids.add(id(root))
         # A saved view keeps its whole storage alive, and two views of one storage hold it once: a
         # bias expanded over the batch (T5's position bias into SDPA) is one (heads, s, s) tensor,
         # not batch x that; one slice of a fused projection's output keeps all of it
-        key = id(root)
-        if key not in seen:
-            seen.add(key)
+        if id(root) not in saved_ids:
+            saved_ids.add(id(root))
             keep.append(root)
             saved_at.append((len(trace.saved), id(root)))
             trace.saved.append(SavedRecord(region=state.region, nbytes=float(_storage_nbytes(root))))

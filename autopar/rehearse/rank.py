@@ -118,8 +118,6 @@ def rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int, why: int = 0)
     of its own: torch keeps process-group state per process (DeviceMesh's caches hold group names),
     so call it once per process (autopar.rehearse.compare runs each in a fresh one). ``why`` > 0:
     also the ``why`` largest groups of tensors alive at the peak, by origin (autopar.rehearse.why)."""
-    import dataclasses as _dc
-
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.executor.parallel.apply import place, shape_parts
@@ -149,7 +147,7 @@ def rehearse_step(plan: Plan, mf: ModelFile, spec: Any, rank: int, why: int = 0)
             except Exception as exc:  # the user's model on fake tensors, or the executor on this plan
                 raise AutoparError(_one_line(mf, rank, exc)) from None
     peak = peak_of(tracker)
-    return _dc.replace(peak, origins=top_groups(tracker, why)) if why else peak
+    return dataclasses.replace(peak, origins=top_groups(tracker, why)) if why else peak
 
 
 def _target_device_functions(plan: Plan) -> Any:

@@ -21,7 +21,7 @@ from typing import Iterator
 
 from autopar.cost.stage import Config
 from autopar.graph.model_graph import ModelGraph
-from autopar.layout import cp_seq_reason, ep_reason, executed_zero, ring_balance_reason, tp_node_reason
+from autopar.layout import cp_seq_reason, ep_reason, executed_zero, moe_pool, ring_balance_reason, tp_node_reason
 from autopar.plan import CP_KINDS, OFFLOAD_LABELS, PLAN_RECOMPUTE_MODES, RECOMPUTE_MODES, Offload, offload_reason
 
 # Per-stage recompute: "mixed" is a per-rank mix of the modes, the split program choosing the counts
@@ -232,7 +232,7 @@ def enumerate_branches(graph: ModelGraph, space: SearchSpace, rejected: Counter)
                     for kind in kinds:
                         for sp in (space.sequence_parallel if tp > 1 and not graph.supports("sp") else (False,)):
                             # expert parallelism: ep from dp x cp, or dp x cp x tp under SP (autopar.layout)
-                            eps = _ep_degrees(graph, space, dp * cp * (tp if sp else 1), sp, rejected)
+                            eps = _ep_degrees(graph, space, moe_pool(dp, cp, tp, sp), sp, rejected)
                             for rc in recompute_modes:
                                 for ep in eps:
                                     yield Branch(tp=tp, cp=cp, cp_kind=kind, sequence_parallel=sp, micro_batch=mb,

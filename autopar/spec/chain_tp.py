@@ -88,7 +88,7 @@ def chain_tp_reason(kinds: tuple[KindPlan, ...]) -> str | None:
     return None
 
 
-def chain_sp_reason(kinds: tuple[KindPlan, ...], expert_units: tuple[str, ...]) -> str | None:
+def chain_sp_reason(kinds: tuple[KindPlan, ...]) -> str | None:
     """Why sequence parallelism does not run the chain exactly (one line), or None when every kind
     has a plan whose SP check passes (a unit's mixture of experts routes its rank's sequence shard:
     spec/sp_check.py). A kind left replicated would compute on its rank's sequence shard only."""

@@ -56,7 +56,7 @@ def sp_support(spec: "ModelSpec") -> str | None:
     if tp_support(spec):
         return "needs tp"
     if spec.kind_tp:  # blocks that differ: every kind's plan checked as a block's (spec/chain_tp.py)
-        why = chain_sp_reason(spec.kind_tp, spec.expert_units)
+        why = chain_sp_reason(spec.kind_tp)
         if why is not None:
             return why
     call = spec.probe.block_call

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.executor.parallel.expert_exchange import (  # noqa: F401 - routing_counts, exchange: this module's API
+from autopar.executor.parallel.expert_exchange import (
     ExpertGroups,
     _arg,
     _touch,
@@ -60,7 +60,7 @@ from autopar.executor.parallel.expert_exchange import (  # noqa: F401 - routing_
     routing_counts,
 )
 from autopar.executor.parallel.expert_grouped import shard_grouped
-from autopar.layout import EXPERT_DIMS, ep_reason
+from autopar.layout import EXPERT_DIMS
 
 
 def check_expert_parallel(plan: Any, spec: Any, where: str, mf: Any) -> None:
@@ -73,9 +73,7 @@ def check_expert_parallel(plan: Any, spec: Any, where: str, mf: Any) -> None:
     reason = spec.support_reason("ep")
     if reason:
         raise AutoparError(f"expert parallelism cannot run on {where}: {reason}; plan with ep = 1")
-    layout = par.layout
-    reason = ep_reason(par.ep, layout.dp * layout.cp * (layout.tp if layout.folds_tp else 1), spec.moe.num_experts,
-                       folds_tp=layout.folds_tp)
+    reason = par.layout.expert_reason(spec.moe.num_experts)
     if reason:
         raise AutoparError(f"{where}: {reason}")
 
@@ -135,13 +133,6 @@ def _stacked_forward(groups: ExpertGroups, original: Callable, call: tuple[str, 
         y = (y * top_k_weights.reshape(tokens, k, 1).to(y.dtype)).sum(1)
         return y.to(hidden.dtype).reshape(shape)
     return forward
-
-
-def _shard_stacked(experts: nn.Module, groups: ExpertGroups, prefix: str, rows: dict[str, torch.Tensor],
-                   call: tuple[str, str, str]) -> None:
-    """``keep_local_experts`` with the calls routed through ``call`` (``_stacked_forward``)."""
-    keep_local_experts(experts, groups, prefix, rows, lambda original: _stacked_forward(groups, original, call))
-
 
 
 # ---------------------------------------------------------------- a ModuleList of experts
@@ -308,7 +299,8 @@ def _apply_to_part(part: nn.Module, spec: Any, state: ExpertParallel, prefix: st
             if moe.grouped:
                 shard_grouped(experts, groups, base, state.rows, moe.grouped[moe.paths.index(path)])
             elif moe.experts_kind == "stacked":
-                _shard_stacked(experts, groups, base, state.rows, moe.call)
+                keep_local_experts(experts, groups, base, state.rows,
+                                   lambda original: _stacked_forward(groups, original, moe.call))
             else:
                 _shard_list(unit.get_submodule(owner_path) if owner_path else unit, experts, groups)
             state.experts.append(experts)
@@ -337,11 +329,11 @@ def wrap_experts(state: ExpertParallel, part: nn.Module, *, zero: int, dtype: st
         shard = zero >= 2 or (zero == 1 and dp_cp > 1)
         meshes = [(m, state.groups.edp_mesh) for m in state.experts]
         meshes += [(m, state.groups.pool_mesh) for m in state.shard_local]
+        extra = {"offload_policy": offload_policy} if offload_policy is not None else {}  # host offload
         for m, mesh in meshes:
             if not shard:
                 replicate(m, mesh=mesh, mp_policy=mp)
             else:
-                extra = {"offload_policy": offload_policy} if offload_policy is not None else {}  # host offload
                 fully_shard(m, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=mp,
                             shard_placement_fn=_even_shard(mesh.size()), **extra)
             m.set_gradient_divide_factor(float(state.groups.grad_divide))
