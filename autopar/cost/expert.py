@@ -62,6 +62,7 @@ from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import is_core, is_parameter_sized, op_time_s
 from autopar.cost.framework import per_microbatch_s
 from autopar.cost.fused_elementwise import block_traffic
+from autopar.cost.fused_moe import expert_sort_s
 from autopar.cost.memory import state_bytes_per_param
 from autopar.cost.zero import gradient_bytes_per_param, per_microbatch_exposed, per_step_sync
 from autopar.errors import PlanError
@@ -120,6 +121,17 @@ def _grouped_rows_axis(op: "FitOp") -> int | None:
         return None
     return next((a for a in (1, 2, 3) if abs(op.dims_exps[a].b - 1.0) < 0.25 and abs(op.dims_exps[a].s - 1.0) < 0.25),
                 None)
+
+
+def is_expert_gemm(graph: "ModelGraph", op: "FitOp") -> bool:
+    """Whether ``op`` is one of the block's expert GEMMs: its rows are one expert's tokens, or a
+    grouped GEMM's rows grow with the tokens."""
+    moe = graph.moe
+    if moe is None or op.kind != "gemm":
+        return False
+    per_expert = graph.seq_len * moe.top_k / moe.num_experts
+    return ((per_expert < graph.seq_len and _token_axis(op, per_expert) is not None)
+            or _grouped_rows_axis(op) is not None)
 
 
 def _on_shard(op: "FitOp", axis: int, sp: float) -> "FitOp":
@@ -226,6 +238,8 @@ class ExpertCost:
     gemm_bwd_s: float
     weights_fwd_s: float  # the token-independent work of the E - E / ep experts not held (<= 0;
     weights_bwd_s: float  # expert_weight_work_delta_s)
+    sort_fwd_s: float = 0.0  # Megatron's dispatcher sorting the received rows by local expert and back
+    sort_bwd_s: float = 0.0  # (expert_sort_s)
     expert_params: float  # expert parameters of one block on this rank (E / ep experts, / tp when TP shards them)
     all_expert_params: float  # the same at ep = 1 (all E experts)
     dense_params: float  # the block's other parameters on this rank
@@ -273,10 +287,12 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     weights_fwd, weights_bwd = (expert_weight_work_delta_s(graph, cluster, shape, ep, min(1.0, all_experts / block_params),
                                                            region) if shape is not None and block_params else (0.0, 0.0))
     extra = max(0.0, experts * edp_sync - (equivalent - dense) * dense_sync_s_per_param) / cfg.num_microbatches
+    sort = expert_sort_s(graph, cluster, shape, ep, sp, f) if shape is not None and region == "block" else 0.0
     return ExpertCost(
         ep=ep, imbalance=f, link=link.link_name, a2a_bytes=a2a_bytes, a2a_fwd_s=a2a_fwd, a2a_bwd_s=a2a_fwd,
         imbalance_fwd_s=(f - 1.0) * share * block_fwd_s, imbalance_bwd_s=(f - 1.0) * share * block_bwd_s,
         gemm_fwd_s=gemm_fwd, gemm_bwd_s=gemm_bwd, weights_fwd_s=weights_fwd, weights_bwd_s=weights_bwd,
+        sort_fwd_s=sort, sort_bwd_s=sort,
         expert_params=experts, all_expert_params=all_experts, dense_params=dense, block_params=equivalent, grad_sync_extra_s=extra,
         state_split={"params": state.params, "grads": state.grads, "optimizer": state.optimizer},
     )
@@ -328,10 +344,12 @@ def adjust_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", block: 
     saving = 0.0
     if cfg.zero == 3:  # the gathered block holds this rank's E / ep experts, not all E
         saving = 2 * (expert.all_expert_params - expert.expert_params) * cfg.dtype_bytes
-    # gemm: the ep shapes; weights: the experts' token-independent work, E / ep of it
-    fwd_extra = expert.a2a_fwd_s + expert.imbalance_fwd_s + expert.gemm_fwd_s + expert.weights_fwd_s
+    # gemm: the ep shapes; weights: the experts' token-independent work, E / ep of it; sort: the
+    # dispatcher's ordering of the received rows by local expert
+    fwd_extra = (expert.a2a_fwd_s + expert.imbalance_fwd_s + expert.gemm_fwd_s + expert.weights_fwd_s
+                 + expert.sort_fwd_s)
     bwd_extra = (expert.a2a_bwd_s + expert.imbalance_bwd_s + expert.gemm_bwd_s + expert.weights_bwd_s
-                 + expert.grad_sync_extra_s)
+                 + expert.sort_bwd_s + expert.grad_sync_extra_s)
     recompute_extra = fwd_extra if cfg.recompute == "full" else 0.0  # a recomputed block re-runs its all-to-alls
     if cfg.zero in (2, 3):  # dense parameters gathered over dp x cp, experts over their edp ranks
         bwd_plain = block.bwd_s - block.zero_comm_s
@@ -351,7 +369,7 @@ def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, f
     micro-batch in forward, backward, and again in a full recompute; at the busiest rank) and
     their exposed time, the time the imbalance factor adds over balanced routing (its extra
     expert compute and all-to-all volume; 0 at imbalance 1), and what the expert GEMMs' ep shapes
-    change (``expert_gemm_delta_s``, every pass)."""
+    change (``expert_gemm_delta_s``, every pass) and the dispatcher's chunk sorts (``expert_sort_s``)."""
     mb_blocks = num_blocks * cfg.num_microbatches / cfg.pp  # one pipeline rank's blocks x micro-batches
     passes = 2 + (1 if cfg.recompute == "full" else 0)  # forward, backward, recomputed forward
     a2a_s = (cost.a2a_fwd_s * (passes - 1) + cost.a2a_bwd_s) * mb_blocks
@@ -361,6 +379,7 @@ def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, f
              + (a2a_s - balanced_a2a_s))
     gemm = (cost.gemm_fwd_s * (1 + recompute) + cost.gemm_bwd_s) * mb_blocks
     weights = (cost.weights_fwd_s * (1 + recompute) + cost.weights_bwd_s) * mb_blocks
+    sort = (cost.sort_fwd_s * (1 + recompute) + cost.sort_bwd_s) * mb_blocks
     return {
         "ep": cost.ep, "imbalance": cost.imbalance, "a2a_link": cost.link,
         # over the wire: the (ep - 1) / ep of each message that leaves the GPU (explain's "sent")
@@ -372,4 +391,6 @@ def moe_summary(cost: ExpertCost, cfg: "Config", num_blocks: int) -> dict[str, f
         # the token-independent work (weight casts, weight-gradient casts and sums) of the experts a
         # rank does not hold; <= 0
         "expert_weights_s_per_step": weights,
+        # Megatron's dispatcher sorting the received rows by local expert and back (0 elsewhere)
+        "expert_sort_s_per_step": sort,
     }
