@@ -30,6 +30,9 @@ How Megatron-Core's settings map (``row_plan``):
   priced; its rerun, element-wise ops, is a few percent of a layer).
 - Routing: priced balanced (moe_imbalance 1.0): the Qwen3 rows do not say (forced balance is the
   model zoo's benchmark practice), the Mixtral pair states dropless and forced balance.
+- Element-wise work: as the profile's software runs it (``fused_elementwise``): both model configs
+  set ``--moe-permute-fusion`` and ``--moe-router-fusion``, and Megatron-Core's grouped experts apply
+  the routing weight inside a fused SwiGLU (autopar.cost.fused_moe), not as the HF file's eager ops.
 """
 
 from __future__ import annotations
