@@ -110,3 +110,34 @@ def test_blocks_not_of_that_form_keep_their_eager_pricing() -> None:
     beside) are not Megatron's routed layer: no fused traffic, every traced op priced."""
     g = build_graph(str(ROOT / "examples/zoo/hf_jetmoe.py"), dtype="bf16")
     assert moe_widths(g) is None and block_traffic(g) is None
+
+
+def test_the_sorts_enter_an_ep_plans_block_and_its_summary(qwen3) -> None:  # noqa: ANN001
+    """At ep 2 (4 local experts of 8) the block's forward and backward carry one pass of the sorts each
+    (and a full recompute's forward again); ``estimate --json``'s moe object says what they cost."""
+    from autopar.cost.expert import moe_summary
+    from autopar.cost.stage import Config, build_terms
+
+    cfg = Config(dp=2, tp=1, pp=1, cp=1, cp_kind="", sequence_parallel=False, zero=1, recompute="none",
+                 schedule="1f1b", virtual_stages=1, micro_batch=1, global_batch=4, seq_len=qwen3.seq_len,
+                 dtype_bytes=2, optimizer="adam", ep=2)
+    terms = build_terms(qwen3, MEGATRON, cfg)
+    shape = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=1, sp=1)
+    one = expert_sort_s(qwen3, MEGATRON, shape, 2, 1.0, 1.0)
+    assert terms.expert.sort_fwd_s == terms.expert.sort_bwd_s == pytest.approx(one) and one > 0
+    plain = build_terms(qwen3, dataclasses.replace(MEGATRON, fused_elementwise=False), cfg)
+    assert plain.expert.sort_fwd_s == 0.0
+    summary = moe_summary(terms.expert, cfg, num_blocks=4)
+    assert summary["expert_sort_s_per_step"] == pytest.approx(2 * one * 4 * cfg.num_microbatches)
+
+
+def test_experts_the_tp_plan_shards_divide_their_activation_by_tp() -> None:
+    """A plain-torch MoE whose TP plan shards the expert Linears (Megatron-Core's expert tensor
+    parallelism): the activation over the rows is tp-sharded, the permutations are not."""
+    g = build_graph(str(ROOT / "examples/zoo/torch_moe.py"), dtype="bf16")
+    w = moe_widths(g)
+    assert w.experts_sharded and (w.expert_in, w.expert_mid) == (2 * 96, 96)
+    m = moe_traffic(w, 2)
+    assert m.fwd_wide_bytes == 2 * 2 * (2 * 96 + 96) + SCORE_BYTES * 2
+    assert m.fwd_stream_bytes == moe_traffic(dataclasses.replace(w, experts_sharded=False), 2).fwd_stream_bytes \
+        - m.fwd_wide_bytes
