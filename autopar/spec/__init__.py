@@ -46,6 +46,7 @@ from autopar.spec.tp_plan import (
     resolve,
     root_prefixes,
 )
+from autopar.spec.tp_replicated import replicated_flow
 from autopar.spec.vocab_edges import embedding_read_late, vocab_edges
 from autopar.usercode import model_failed
 
@@ -306,7 +307,7 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
             memo.append(infer_tp(model, block, run))
         return memo[0]
 
-    tp = _tp_plan_of(mf, model, blocks_path, block, infer)
+    tp = _with_flow(_tp_plan_of(mf, model, blocks_path, block, infer), block, run)
     heads, kv = _heads(model, block, lambda: (infer().heads, infer().kv_heads))
     emb, head = vocab_edges(model, blocks_path, probe)
     if emb is not None and embedding_read_late(model, emb, head, blocks[len(blocks) - 1], run):
@@ -374,13 +375,20 @@ def _meta_call(where: str, fn: Any) -> Any:
         raise model_failed(where, "on the meta device", exc) from None
 
 
+def _with_flow(plan: TPPlan, unit: nn.Module, run: Callable[[], Any]) -> TPPlan:
+    """``plan`` with the data flow of its replicated modules (spec/tp_replicated.py) read on ``unit``."""
+    if not plan.styles:
+        return plan
+    return dataclasses.replace(plan, flow=replicated_flow(unit, plan.styles, plan.grad_sums, run))
+
+
 def _sp_check_with_experts(unit: nn.Module, plan: TPPlan, moe: MoESpec | None, run: Callable[[], Any]
                            ) -> tuple[str | None, tuple[str, ...]]:
     """spec/sp_check.py's check of ``unit`` under ``plan``, its mixture of experts ``moe`` (None:
     dense) run on the sequence shard -- refused where the plan shards the experts (their Linears
     would see the shard routed to them, not a gathered input) or they are the unit's own children."""
     if moe is None:
-        return sp_check(unit, plan.styles, plan_fused(unit, plan), plan.local_attrs, run)
+        return sp_check(unit, plan.styles, plan_fused(unit, plan), plan.local_attrs, run, flow=plan.flow)
     owner = moe.experts_path.rpartition(".")[0]
     if any(n == path or n.startswith(path + ".") for path in moe.paths for n in plan.styles):
         return (f"the tp plan shards the experts ({moe.experts_path}): sequence parallelism routes each tp "
@@ -388,7 +396,7 @@ def _sp_check_with_experts(unit: nn.Module, plan: TPPlan, moe: MoESpec | None, r
     if not owner:
         return (f"the experts ({moe.experts_path}) are the block's own children: sequence parallelism runs a "
                 "mixture of experts module on the sequence shard"), ()
-    return sp_check(unit, plan.styles, plan_fused(unit, plan), plan.local_attrs, run, moe_module=owner)
+    return sp_check(unit, plan.styles, plan_fused(unit, plan), plan.local_attrs, run, moe_module=owner, flow=plan.flow)
 
 
 def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run: Callable[[], Any],
@@ -428,8 +436,9 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run:
                 return probe(run)
 
         def resolve_unit(container: str, unit: nn.Module) -> TPPlan:
-            return _tp_plan_of(mf, model, container, unit,
+            plan = _tp_plan_of(mf, model, container, unit,
                                lambda: focused(unit, lambda r: infer_tp(model, unit, r)), relative)
+            return focused(unit, lambda r: _with_flow(plan, unit, r))
 
         kinds = _meta_call(str(mf.path), lambda: chain_kind_plans(
             model, chain, resolve_unit,

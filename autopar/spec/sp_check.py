@@ -9,7 +9,12 @@ DTensor sums over the tp ranks). ``sp_check`` answers for block 0, in three step
 fails giving the reason (one line):
 
 1. *parameters*: every parameter belongs to a tp layer or a norm; any other (an attention whose
-   pair inference refused, a bare bias) would be trained by each rank on its own shard only;
+   pair inference refused, a bare bias) would be trained by each rank on its own shard only --
+   unless the block's data flow (``TPPlan.flow``, spec/tp_replicated.py) shows it computing on whole
+   tensors only (multi-head latent attention's ``q_a_proj`` on the all-gathered input), which every
+   rank then runs whole with the full gradient; a norm on whole tensors is left out of
+   ``SequenceParallel`` (its gradient must not be summed), and a whole tensor meeting a shard other
+   than as a colwise layer's input is refused;
 2. *calls*: every colwise layer has a parent module below the block, and the block calls that parent
    (a block that calls ``self.qkv.proj(x)`` directly never runs ``self.qkv``'s hook);
 3. *numbers* (blocks small enough, as for the tp check): two threads run the block as the two ranks
@@ -30,6 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from autopar.spec.tp_infer import _MAX_CHECK_INPUT, _MAX_CHECK_PARAMS, _RTOL, _materialise, _rank_copy, _real
+from autopar.spec.tp_plan import ReplicatedFlow
 
 _TP = 2
 _RTOL_FP32 = 1e-4  # the numeric check in float32 (stacked experts), summing a few hundred products
@@ -104,7 +110,10 @@ def shard_local_modules(block: nn.Module, styles: Mapping[str, str], moe_module:
     return tuple(out)
 
 
-def _stray_parameter(block: nn.Module, styles: Mapping[str, str], local: tuple[str, ...] = ()) -> str | None:
+def _stray_parameter(block: nn.Module, styles: Mapping[str, str], local: tuple[str, ...] = (),
+                     flow: ReplicatedFlow | None = None) -> str | None:
+    if flow is not None:  # by data flow: whole-input layers (MLA's q_a_proj) run whole on every rank
+        return flow.reason(True, local)
     norms = {n for n, m in block.named_modules() if is_norm(m)}
     for name, _ in block.named_parameters():
         owner = _parent(name)
@@ -116,7 +125,8 @@ def _stray_parameter(block: nn.Module, styles: Mapping[str, str], local: tuple[s
 
 
 def sp_check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int], local_attrs: tuple[str, ...],
-             run: Callable[[], Any], moe_module: str | None = None) -> tuple[str | None, tuple[str, ...]]:
+             run: Callable[[], Any], moe_module: str | None = None,
+             flow: ReplicatedFlow | None = None) -> tuple[str | None, tuple[str, ...]]:
     """(None when SP runs ``block`` (block 0; ``run()`` one meta forward of the model) exactly, else
     why not (see the module docstring); the colwise parents the block calls with their input by
     keyword only (HF attention: ``hidden_states=``)). ``moe_module``: the block's mixture of experts
@@ -130,14 +140,15 @@ def sp_check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, in
             if isinstance(found, str):
                 return found, ()
             local = found
-        return _check(block, styles, fused, local_attrs, run, keyword, local), tuple(keyword)
+        return _check(block, styles, fused, local_attrs, run, keyword, local, flow), tuple(keyword)
     except Exception as exc:  # noqa: BLE001 - the user's block code, on meta and CPU
         why = f"the sequence-parallel check of block 0 failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         return why, tuple(keyword)
 
 
 def _check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int], local_attrs: tuple[str, ...],
-           run: Callable[[], Any], keyword: list[str], local: tuple[str, ...] = ()) -> str | None:
+           run: Callable[[], Any], keyword: list[str], local: tuple[str, ...] = (),
+           flow: ReplicatedFlow | None = None) -> str | None:
     cols = [n for n, s in styles.items() if s == "colwise"]
     parents = sorted({_parent(c) for c in cols if _parent(c)})
     called: dict[str, bool] = {}
@@ -146,7 +157,8 @@ def _check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int]
         lambda m, a, k: captured.append((a, dict(k))) if not captured else None, with_kwargs=True)]
     by_keyword: list[str] = []
     for n, m in block.named_modules():
-        if n and is_norm(m) and not isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+        wrapped = flow is None or n in flow.shard_norms(True)  # only these get SequenceParallel
+        if n and wrapped and is_norm(m) and not isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
             handles.append(m.register_forward_pre_hook(
                 lambda m, a, k, n=n: by_keyword.append(n) if not (a and isinstance(a[0], torch.Tensor)) else None,
                 with_kwargs=True))
@@ -162,7 +174,7 @@ def _check(block: nn.Module, styles: Mapping[str, str], fused: Mapping[str, int]
     finally:
         for h in handles:
             h.remove()
-    why = _stray_parameter(block, styles, local)
+    why = _stray_parameter(block, styles, local, flow)
     if why:
         return why
     if by_keyword:  # SequenceParallel wraps a norm's first positional input only

@@ -24,6 +24,7 @@ from autopar.spec.model_spec import DIMENSIONS
 
 if TYPE_CHECKING:  # pragma: no cover
     from autopar.spec.model_spec import ModelSpec
+    from autopar.spec.tp_plan import TPPlan
 
 # ep's reason for a model without experts (the search says other ep reasons in its rejected line)
 NO_EXPERTS = "no mixture of experts in the blocks"
@@ -35,10 +36,21 @@ def tp_support(spec: "ModelSpec") -> str | None:
         why = chain_tp_reason(spec.kind_tp)
         if why is not None:
             return f"no tp plan: {why}"
-        return _heads_reason(spec)  # every unit kind with shardable layers has a plan (spec/chain_tp.py)
+        # every unit kind with shardable layers has a plan (spec/chain_tp.py)
+        return _heads_reason(spec) or _replicated_reason([kp.plan for kp in spec.kind_tp])
     if not spec.tp_plan:
         return f"no tp plan: {spec.tp.detail or 'none declared or found'}"
-    return _heads_reason(spec)
+    return _heads_reason(spec) or _replicated_reason([spec.tp])
+
+
+def _replicated_reason(plans: list["TPPlan"]) -> str | None:
+    # The parameters a plan leaves whole on every tp rank, by the block's data flow (spec/tp_replicated.py):
+    # summed over tp where they compute on a shard (norms), else each rank's full gradient.
+    for plan in plans:
+        why = plan.flow.reason(False) if plan.styles and plan.flow is not None else None
+        if why is not None:
+            return why
+    return None
 
 
 def _heads_reason(spec: "ModelSpec") -> str | None:

@@ -33,6 +33,45 @@ SOURCES = ("declared", "model", "inferred")
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReplicatedFlow:
+    """What a block's data flow under its TP plan shows about the parameters it leaves whole on
+    every tp rank (spec/tp_replicated.py; block-relative parameter names, in block order).
+    ``on_shard``: those an op uses on a tp shard without SP, ``on_shard_sp``: under SP -- their
+    gradient needs a sum over tp, the others' is full on every rank; ``not_norms``: those of either
+    outside a norm (spec/sp_check.is_norm), whose sum the executor has no way to add;
+    ``leak``/``leak_sp``: why some replicated parameter would train on a partial gradient no sum of
+    a parameter fixes (one line), None when none would."""
+
+    on_shard: tuple[str, ...] = ()
+    on_shard_sp: tuple[str, ...] = ()
+    not_norms: tuple[str, ...] = ()
+    leak: str | None = None
+    leak_sp: str | None = None
+
+    def shard_norms(self, sequence_parallel: bool) -> tuple[str, ...]:
+        """The norms (module names) whose gradient the executor sums over tp (DTensor's ``SequenceParallel``)."""
+        on = self.on_shard_sp if sequence_parallel else self.on_shard
+        return tuple(dict.fromkeys(_parent(p) for p in on if p not in self.not_norms))
+
+    def reason(self, sequence_parallel: bool, exempt: tuple[str, ...] = ()) -> str | None:
+        """Why the executor cannot train the replicated parameters right (one line), or None.
+        ``exempt``: modules computing on the shard that reduce their gradients elsewhere (a mixture
+        of experts' under SP: spec/sp_check.shard_local_modules)."""
+        leak = self.leak_sp if sequence_parallel else self.leak
+        if leak is not None:
+            return leak
+        for name in self.on_shard_sp if sequence_parallel else self.on_shard:
+            if name not in self.not_norms or any(name.startswith(e + ".") for e in exempt):
+                continue
+            if sequence_parallel:
+                return (f"{name} is in neither a tensor-parallel layer nor a norm: under sequence parallelism each "
+                        "tp rank would compute with it on its own sequence shard")
+            return (f"{name} is in neither a tensor-parallel layer nor a norm and computes on each tp rank's "
+                    "shard of the heads: each rank would train it on its own heads' share of the gradient")
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
 class TPPlan:
     """A block-relative TP plan and its provenance. ``styles`` is empty when TP is impossible."""
 
@@ -50,6 +89,9 @@ class TPPlan:
     # heads directly, not through a column-parallel layer, so that each rank's gradient of them is
     # a partial sum the executor adds up over the tp ranks in backward (``grad_sums_of``)
     grad_sums: Mapping[str, int] = field(default_factory=dict)
+    # which replicated modules compute on a tp shard (their gradient summed over tp), read off the
+    # block's data flow (spec/tp_replicated.py); None: not read (the executor's plain rules apply)
+    flow: ReplicatedFlow | None = None
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES + ("none",):

@@ -57,7 +57,10 @@ embedding and head, as torchtitan does it):
   elementwise, so training the permuted weight is the same as training the original.
 * SP (Megatron-SP): the residual stream between blocks is sharded over the sequence (dim 1);
   norms run on the shard (``SequenceParallel``); the input of each attention/MLP sub-block is
-  all-gathered (backward: reduce-scatter) and the rowwise output is reduce-scattered. The first
+  all-gathered (backward: reduce-scatter) and the rowwise output is reduce-scattered. Which norms
+  sum their gradient over tp, and which replicated layers take the gathered input whole, follows
+  the block's data flow (tp_replicated.py: MLA's q_a_proj and q_a_layernorm compute the full
+  gradient on every rank; a per-head q_norm, with or without SP, a partial one). The first
   block's input is split and the last block's output all-gathered, both with DTensor autograd.
 """
 
@@ -82,9 +85,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autopar.executor.parallel import tp_replicated as replicated
 from autopar.executor.parallel.tp_conv1d import conv1d_layout, is_conv1d
 from autopar.executor.runtime.introspect import ModelSpec
-from autopar.spec.sp_check import is_norm
 from autopar.spec.tp_plan import plan_fused, set_local_attrs
 from autopar.spec.tp_shard import vocab_buffers
 
@@ -436,13 +439,15 @@ def apply_tp(
                 layout[name] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
         layout.update(conv1d_layout(block, plan.styles, plan_fused(block, plan),
                                     sequence_parallel=sequence_parallel))
-        if sequence_parallel:
-            for name, mod in block.named_modules():
-                if name and is_norm(mod):
-                    # A plain local shard out, as the rowwise layers' reduce-scatter gives: post-LN
-                    # blocks (BERT) add a norm's output to a rowwise output.
-                    layout[name] = SequenceParallel(use_local_output=True)
+        summed = replicated.summed_norms(block, plan, sequence_parallel)
+        for name in summed:
+            # A plain local shard out, as the rowwise layers' reduce-scatter gives: post-LN blocks
+            # (BERT) add a norm's output to a rowwise output.
+            layout[name] = SequenceParallel(use_local_output=True)
         parallelize_module(block, tp_mesh, layout)
+        if sequence_parallel:
+            for name in replicated.whole_modules(block, plan, summed):
+                block.get_submodule(name).register_forward_pre_hook(replicated.local_input_pre_hook, with_kwargs=True)
         for name, width in plan.grad_sums.items():
             block.get_submodule(name).register_forward_hook(_grad_sum_hook(width, tp_mesh))
         for name in spec.unit_inplace_outputs(int(key)):
