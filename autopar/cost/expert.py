@@ -60,9 +60,10 @@ from typing import TYPE_CHECKING
 
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import is_core, is_parameter_sized, op_time_s
+from autopar.cost.expert_gemms import experts_tp_sharded, grouped_rows_axis, token_axis
 from autopar.cost.framework import per_microbatch_s
 from autopar.cost.fused_elementwise import block_traffic
-from autopar.cost.fused_moe import expert_sort_s
+from autopar.cost.fused_moe import SORT_KERNELS, sort_bytes_per_token
 from autopar.cost.memory import state_bytes_per_param
 from autopar.cost.zero import gradient_bytes_per_param, per_microbatch_exposed, per_step_sync
 from autopar.errors import PlanError
@@ -103,37 +104,6 @@ def expert_flops_per_token(graph: "ModelGraph") -> float:
     return 0.0 if moe is None else 2.0 * moe.top_k * moe.params_per_expert
 
 
-def _token_axis(op: "FitOp", per_expert: float) -> int | None:
-    """The dimension of GEMM ``op`` that counts one expert's tokens (it scales with micro-batch and
-    sequence, and is tokens x top_k / E at the traced shape), or None: not an expert GEMM."""
-    if op.kind != "gemm" or op.dims is None or op.dims_exps is None:
-        return None
-    for axis in (1, 2, 3):
-        e = op.dims_exps[axis]
-        if abs(e.b - 1.0) < 0.25 and abs(e.s - 1.0) < 0.25 and abs(op.dims[axis] - per_expert) < 0.5:
-            return axis
-    return None
-
-
-def _grouped_rows_axis(op: "FitOp") -> int | None:
-    """The dimension of a grouped expert GEMM (torch's ``_grouped_mm``) that grows with the tokens."""
-    if op.kind != "gemm" or op.name != "_grouped_mm" or op.dims is None or op.dims_exps is None:
-        return None
-    return next((a for a in (1, 2, 3) if abs(op.dims_exps[a].b - 1.0) < 0.25 and abs(op.dims_exps[a].s - 1.0) < 0.25),
-                None)
-
-
-def is_expert_gemm(graph: "ModelGraph", op: "FitOp") -> bool:
-    """Whether ``op`` is one of the block's expert GEMMs: its rows are one expert's tokens, or a
-    grouped GEMM's rows grow with the tokens."""
-    moe = graph.moe
-    if moe is None or op.kind != "gemm":
-        return False
-    per_expert = graph.seq_len * moe.top_k / moe.num_experts
-    return ((per_expert < graph.seq_len and _token_axis(op, per_expert) is not None)
-            or _grouped_rows_axis(op) is not None)
-
-
 def _on_shard(op: "FitOp", axis: int, sp: float) -> "FitOp":
     """Expert GEMM ``op`` on a tp rank's sequence shard (1/sp of its token rows)."""
     dims = list(op.dims)
@@ -157,8 +127,8 @@ def expert_gemm_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "Shape",
         return 0.0, 0.0
     delta = {"fwd": 0.0, "bwd": 0.0}
     for op in graph.regions[region].ops:
-        axis = _token_axis(op, per_expert)
-        rows = axis if axis is not None else _grouped_rows_axis(op) if sp > 1.0 else None
+        axis = token_axis(op, per_expert)
+        rows = axis if axis is not None else grouped_rows_axis(op) if sp > 1.0 else None
         if rows is None:
             continue
         now, _ = op_time_s(op, shape, cluster, graph.seq_len)
@@ -209,17 +179,20 @@ def expert_weight_work_delta_s(graph: "ModelGraph", cluster: "Cluster", shape: "
     return delta["fwd"], delta["bwd"]
 
 
-def experts_tp_sharded(graph: "ModelGraph") -> bool:
-    """Whether the graph's TP plan shards the experts' weights (Megatron-Core's expert tensor
-    parallelism: a plain-torch MoE's expert Linears, colwise/rowwise), rather than leaving them
-    whole on every tp rank (HF Mixtral's stacked experts, which then compute redundantly). A
-    block list's plan is ``tp_styles``; a chain with a plan per unit kind, the plan of the kind
-    holding the experts (``moe_tp_styles``)."""
-    if graph.moe is None:
-        return False
-    paths = graph.moe.paths or (graph.moe.experts_path,)
-    styles = graph.moe_tp_styles if graph.chain else graph.tp_styles
-    return any(k == p or k.startswith(p + ".") for p in paths for k in styles)
+def expert_sort_s(graph: "ModelGraph", cluster: "Cluster", shape: "Shape", ep: int, sp: float,
+                  imbalance: float) -> float:
+    """Seconds of one pass (forward or backward) of the all-to-all dispatcher's chunk sorts on one
+    rank, per block and micro-batch at ``shape``, where the software fuses the MoE layer's
+    element-wise work (``fused_elementwise``: Megatron-Core's dispatcher, autopar.cost.fused_moe):
+    with more than one local expert the rows it receives are sorted by expert before the experts
+    and restored after them -- work a one-rank trace does not show. The busiest rank receives
+    ``imbalance`` times the rows; ``sp`` > 1: it routes its sequence shard."""
+    per_token = sort_bytes_per_token(graph, ep)
+    if not cluster.fused_elementwise or per_token == 0.0 or block_traffic(graph) is None:
+        return 0.0
+    tokens = shape.b * shape.s_ratio * graph.seq_len / sp
+    bw = cluster.memory_bandwidth_bytes_per_s * cluster.memory_efficiency
+    return tokens * per_token * imbalance / bw + SORT_KERNELS * cluster.kernel_overhead_s
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,7 +33,7 @@ from its projections). The rows sit on the routing rank's shard (sequence parall
 tokens, autopar.layout), so they count with the residual stream (divided by sp); experts the TP
 plan shards (expert tensor parallelism) have their activation width divided by tp instead.
 
-What depends on ep is added where ep is priced (autopar.cost.expert, ``expert_sort_s`` here): with
+What depends on ep is added where ep is priced (autopar.cost.expert's ``expert_sort_s``): with
 more than one local expert the all-to-all dispatcher sorts the received rows by local expert and
 restores their order after the experts (``sort_chunks_by_idxs``): 2 k d h each way, forward and
 backward. At ep 1 permute already groups the rows by expert.
@@ -44,12 +44,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from autopar.cost.expert_gemms import experts_tp_sharded, is_expert_gemm
 from autopar.cost.megatron_memory import LayerWidths
 
 if TYPE_CHECKING:
-    from autopar.cluster import Cluster
     from autopar.graph.model_graph import ModelGraph
-    from autopar.graph.scaling import FitOp, Shape
+    from autopar.graph.scaling import FitOp
 
 SCORE_BYTES = 4  # Megatron's fused router computes scores and probabilities in fp32 (moe_router_fusion)
 # router, permute, weighted activation, unpermute: one fused kernel each, in forward and in backward
@@ -111,12 +111,10 @@ def _projections(gemms: list["FitOp"], hidden: int) -> tuple[int, int, list["Fit
 def moe_widths(graph: "ModelGraph") -> MoeWidths | None:
     """The widths of ``graph``'s MoE block, read off its forward GEMMs at the base shape: the
     attention's input projections out of h before the attention kernel, its output projection
-    (the first GEMM after it back into h), the experts' GEMMs (autopar.cost.expert: the rows that
-    grow with the tokens), and a shared expert's projections (the other GEMMs out of h after the
+    (the first GEMM after it back into h), the experts' GEMMs (autopar.cost.expert_gemms: the rows
+    that grow with the tokens), and a shared expert's projections (the other GEMMs out of h after the
     attention, but the router's E scores and a one-wide gate). None: not a sequence model's MoE
     block of that form (a chain's units, grouped stacks the model routes itself: priced as traced)."""
-    from autopar.cost.expert import experts_tp_sharded, is_expert_gemm
-
     moe = graph.moe
     if moe is None or graph.chain or not graph.is_sequence_model or not graph.num_heads or "block" not in graph.regions:
         return None
@@ -174,21 +172,3 @@ def sort_bytes_per_token(graph: "ModelGraph", ep: int) -> float:
         return 0.0
     hidden = graph.block_input_bytes / (graph.seq_len * graph.dtype_bytes)
     return 2 * 2 * moe.top_k * graph.dtype_bytes * hidden
-
-
-def expert_sort_s(graph: "ModelGraph", cluster: "Cluster", shape: "Shape", ep: int, sp: float,
-                  imbalance: float) -> float:
-    """Seconds of one pass (forward or backward) of the all-to-all dispatcher's chunk sorts on one
-    rank, per block and micro-batch at ``shape``, where the software fuses the MoE layer's
-    element-wise work (``fused_elementwise``: Megatron-Core's dispatcher, module docstring):
-    with more than one local expert the rows it receives are sorted by expert before the experts
-    and restored after them -- work a one-rank trace does not show. The busiest rank receives
-    ``imbalance`` times the rows; ``sp`` > 1: it routes its sequence shard."""
-    from autopar.cost.fused_elementwise import block_traffic
-
-    per_token = sort_bytes_per_token(graph, ep)
-    if not cluster.fused_elementwise or per_token == 0.0 or block_traffic(graph) is None:
-        return 0.0
-    tokens = shape.b * shape.s_ratio * graph.seq_len / sp
-    bw = cluster.memory_bandwidth_bytes_per_s * cluster.memory_efficiency
-    return tokens * per_token * imbalance / bw + SORT_KERNELS * cluster.kernel_overhead_s

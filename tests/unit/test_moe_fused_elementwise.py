@@ -12,15 +12,9 @@ import pytest
 
 from autopar.cluster import load_cluster
 from autopar.cost.compute import graph_region_time, op_time_s
+from autopar.cost.expert import expert_sort_s
 from autopar.cost.fused_elementwise import BWD_KERNELS, FWD_KERNELS, block_traffic, qk_normed, traffic_of
-from autopar.cost.fused_moe import (
-    MOE_KERNELS,
-    SCORE_BYTES,
-    expert_sort_s,
-    moe_traffic,
-    moe_widths,
-    sort_bytes_per_token,
-)
+from autopar.cost.fused_moe import MOE_KERNELS, SCORE_BYTES, moe_traffic, moe_widths, sort_bytes_per_token
 from autopar.graph import build_graph
 from autopar.graph.scaling import Shape
 
