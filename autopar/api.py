@@ -170,6 +170,17 @@ def choose_cluster(cluster: "str | os.PathLike[str] | Cluster | None" = None, pr
                          label=profile or cluster or default)
 
 
+def with_memory_margin(choice: ClusterChoice, fraction: float) -> ClusterChoice:
+    """``choice`` with plans leaving ``fraction`` of each GPU's memory free (``plan --memory-margin``;
+    autopar.cluster.Cluster.memory_margin_fraction); a one-line error outside [0, 0.5)."""
+    import dataclasses
+
+    if not 0.0 <= fraction < 0.5:
+        raise AutoparError(f"--memory-margin {fraction:g}: give a share of each GPU's memory from 0 to below 0.5 "
+                           "(0.03 leaves 3 %)")
+    return dataclasses.replace(choice, cluster=dataclasses.replace(choice.cluster, memory_margin_fraction=fraction))
+
+
 def price(choice: ClusterChoice, run: "RunConditions", *, model_label: str, warn: Warn = python_warning) -> "Cluster":
     """``choice``'s cluster priced for ``run`` (measured profiles: autopar.profile_conditions): a
     one-line ClusterError where the profile's figures cannot hold (another dtype or device), a

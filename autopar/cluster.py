@@ -119,6 +119,11 @@ class Cluster:
     # (``nccl_bytes_per_group`` per axis of size > 1; autopar.cost.stage.reserve_bytes).
     framework_reserve_bytes: float
     nccl_bytes_per_group: float = 0.0
+    # The share of device memory a plan leaves free (``gpu.memory_margin_fraction``): the cost
+    # model's error against rehearsals on the side that runs out of memory, and the caching
+    # allocator's slack above the live tensors, which no tensor-level model sees. Plans must fit
+    # ``usable_memory_bytes``; 0 = the whole device.
+    memory_margin_fraction: float = 0.0
     # Dense FLOP/s of fp32 matmuls as autopar run executes them: TF32 tensor cores on CUDA (the
     # executor sets float32 matmul precision "high"), half of a Hopper's or Ampere's bf16 peak.
     # 0: the same as peak_flops (a CPU profile, measured in fp32). profile_conditions.price_for_run
@@ -206,6 +211,11 @@ class Cluster:
     # cost model consults them where they apply and falls back to the figures above otherwise.
     measured: MeasuredProfile | None = field(default=None, compare=False)
 
+    @property
+    def usable_memory_bytes(self) -> float:
+        """Device memory a plan may fill: ``memory_bytes`` less the margin (``memory_margin_fraction``)."""
+        return self.memory_bytes * (1.0 - self.memory_margin_fraction)
+
     def gemm_flops_per_s(self, m: float, n: float, k: float) -> float:
         """FLOP/s of an (m x k) @ (k x n) GEMM, m counting a batched GEMM's batch: the GEMM table's
         rate at this shape where the profile has one, else peak x the GEMM efficiency curve."""
@@ -282,6 +292,23 @@ def _link(data: Any, where: str) -> Link:
     )
 
 
+def usable_text(cluster: Cluster) -> str:
+    """The memory a plan may fill, as the CLI says it: "79.2 GiB", or with a margin
+    "76.8 GiB (79.2 less a 3 % margin)"."""
+    whole = f"{cluster.memory_bytes / 2**30:,.1f} GiB"
+    if not cluster.memory_margin_fraction:
+        return whole
+    return (f"{cluster.usable_memory_bytes / 2**30:,.1f} GiB ({cluster.memory_bytes / 2**30:,.1f} less a "
+            f"{cluster.memory_margin_fraction * 100:g} % margin)")
+
+
+def _margin(value: float, where: str) -> float:
+    if not 0.0 <= value < 0.5:
+        raise ClusterError(f"{where}: 'memory_margin_fraction' must be at least 0 and below 0.5 (a share of the "
+                           f"device's memory), got {value}")
+    return value
+
+
 def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Cluster:
     where = f"cluster profile {source or name}"
     if not isinstance(data, Mapping):
@@ -310,6 +337,7 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
             inter_node=_link(_get(net, "inter_node", f"{where} network"), f"{where} network.inter_node"),
             framework_reserve_bytes=_num(gpu, "framework_reserve_bytes", f"{where} gpu"),
             nccl_bytes_per_group=_num(gpu, "nccl_bytes_per_group", f"{where} gpu", 0.0),
+            memory_margin_fraction=_margin(_num(gpu, "memory_margin_fraction", f"{where} gpu", 0.0), f"{where} gpu"),
             fp32_peak_flops=_num(gpu, "fp32_peak_flops", f"{where} gpu", 0.0),
             optimizer_bytes_per_param=_num(eff, "optimizer_bytes_per_param", f"{where} efficiency", 32.0),
             overlap_cost_fraction=_num(eff, "overlap_cost_fraction", f"{where} efficiency", 0.1),

@@ -94,7 +94,7 @@ def megatron_rows() -> list[MegatronRow]:
 
 
 def sc21_cluster():  # noqa: ANN201 - returns autopar.cluster.Cluster
-    """a100-80g with the software SC21's runs used: Megatron-LM of early 2021, whose tensor-parallel
+    """a100-80g-megatron with the software SC21's runs used: Megatron-LM of early 2021, whose tensor-parallel
     backward all-reduce was synchronous. A setting of the run, as torchtitan's FSDP2 settings are
     (autopar.reference_a100.a100_cluster), never a fitted term.
 
@@ -103,13 +103,13 @@ def sc21_cluster():  # noqa: ANN201 - returns autopar.cluster.Cluster
     ``--async-tensor-parallel-allreduce``; the default from 2022-02-13, commit 83b1e42f). SC21's
     results (arXiv:2104.04473, April 2021) predate it: their mpu/layers.py wrapped each column-parallel
     input in ``copy_to_tensor_model_parallel_region``, whose backward all-reduces after the layer's
-    whole backward, in the path of the next op. The a100-80g profile prices the later Megatron-LM of
+    whole backward, in the path of the next op. The a100-80g-megatron profile prices the later Megatron-LM of
     Korthikanti et al. 2022 (Tables 4 and 5), which overlaps it."""
     import dataclasses
 
     from autopar.cluster import load_cluster
 
-    return dataclasses.replace(load_cluster("a100-80g"), async_tp_backward=False)
+    return dataclasses.replace(load_cluster("a100-80g-megatron"), async_tp_backward=False)
 
 
 def megatron_plan(row: MegatronRow):  # noqa: ANN201 - returns autopar.plan.Plan
@@ -119,7 +119,7 @@ def megatron_plan(row: MegatronRow):  # noqa: ANN201 - returns autopar.plan.Plan
     v = row.virtual_stages
     return Plan(
         model=ModelRef(file=str(gpt_model_path(row.config)), num_blocks=row.num_layers),
-        cluster=ClusterRef(profile="a100-80g", num_gpus=row.num_gpus, gpus_per_node=8),
+        cluster=ClusterRef(profile="a100-80g-megatron", num_gpus=row.num_gpus, gpus_per_node=8),
         training=Training(global_batch_size=row.global_batch, micro_batch_size=row.micro_batch, seq_len=2048,
                           dtype="fp16", optimizer="adam"),
         parallel=Parallel(dp=row.dp, tp=row.tp, pp=row.pp, recompute="full",
@@ -193,14 +193,14 @@ def table5_graph(row: Table5Row) -> ModelGraph:
 
 
 def table5_plan(row: Table5Row, mode: str):  # noqa: ANN201 - returns autopar.plan.Plan
-    """The published configuration of ``row`` in ``mode`` (TABLE5_MODES) as a plan v1 on a100-80g:
+    """The published configuration of ``row`` in ``mode`` (TABLE5_MODES) as a plan v1 on a100-80g-megatron:
     dp 1, tp and pp as published, plain 1F1B, micro-batch as published, fp16, ZeRO-0."""
     from autopar.plan import ClusterRef, ModelRef, Parallel, Plan, Training
 
     sp, recompute = TABLE5_MODES[mode]
     return Plan(
         model=ModelRef(file=str(plain_gpt_path(row.model)), num_blocks=row.num_layers),
-        cluster=ClusterRef(profile="a100-80g", num_gpus=row.num_gpus, gpus_per_node=8),
+        cluster=ClusterRef(profile="a100-80g-megatron", num_gpus=row.num_gpus, gpus_per_node=8),
         training=Training(global_batch_size=row.global_batch, micro_batch_size=row.micro_batch, seq_len=2048,
                           dtype="fp16", optimizer="adam"),
         parallel=Parallel(dp=1, tp=row.tp, pp=row.pp, sequence_parallel=sp, recompute=recompute,

@@ -20,13 +20,11 @@ from autopar.reference_h100 import PublicRun, dict_rows
 GROUP = "torchtitan_a100"
 A100_PEAK_FLOPS = 312e12  # torchtitan utils.get_peak_flops for an A100: bf16 dense
 
-# The one A100 profile: the hardware, and the constants fitted on SC21 and Korthikanti's Table 4
-# (reference_fit). There is no A100 variant for FSDP2 / eager PyTorch (as h100-80g is to
-# h100-80g-megatron), and none is made here: a100-80g's software section describes Megatron-LM's
-# SC21 runs, and of it only what the cost model prices differently for a ZeRO-3 run is torchtitan's
-# to state (below). Its kernel terms (a GEMM efficiency curve, one attention efficiency, one HBM
-# share for element-wise kernels) were never tied to Megatron's fused kernels the way
-# h100-80g-megatron's ``fused_elementwise`` is: an eager model file's element-wise ops are priced
+# a100-80g prices autopar's own executor (FSDP2, eager PyTorch kernels), the software torchtitan's
+# runs used, with the kernel terms fitted on SC21 and Korthikanti's Table 4 (reference_fit, priced
+# under a100-80g-megatron's Megatron-LM software). Those terms (a GEMM efficiency curve, one attention
+# efficiency, one HBM share for element-wise kernels) were never tied to Megatron's fused kernels the
+# way h100-80g-megatron's ``fused_elementwise`` is: an eager model file's element-wise ops are priced
 # as written, which is what a run with compile = false executes.
 PROFILE = "a100-80g"
 
@@ -59,17 +57,17 @@ def a100_runs() -> list[PublicRun]:
 
 def a100_cluster(run: PublicRun) -> tuple[Cluster, str]:
     """(a100-80g with torchtitan's stated software settings, its name). Settings of the run, as its
-    recompute or micro-batch are, never fitted terms: FSDP2's MixedPrecisionPolicy reduces gradients
-    in fp32 (reduce_dtype=torch.float32; a100-80g's Megatron-LM SC21 reduced fp16 gradients), and
-    FSDP2 reduce-scatters each block's gradients inside the backward pass (SC21 all-reduced after it).
-    a100-80g's bf16 parameters without autocast copies are FSDP2's param_dtype bf16 already.
+    recompute or micro-batch are, never fitted terms -- a100-80g's own, stated again so that the
+    source keeps them whatever the profile says: FSDP2's MixedPrecisionPolicy reduces gradients in
+    fp32 (reduce_dtype=torch.float32), and FSDP2 reduce-scatters each block's gradients inside the
+    backward pass.
 
     The share of a hidden collective's time that still costs (``overlap_cost_fraction``) is FSDP2's,
     h100-80g's figure: it is what NCCL's kernels take from the compute they hide behind (SMs and HBM,
-    docs/profiles.md), a property of the software's kernels, where a100-80g's own (the code's default,
-    0.1) is Megatron's few-SM collectives. It is fitted on H100 (llm-foundry), never on these rows; the
+    docs/profiles.md), a property of the software's kernels (a100-80g copies it; a100-80g-megatron's, the
+    code's default 0.1, is Megatron's few-SM collectives). It is fitted on H100 (llm-foundry), never on these rows; the
     row it moves most is the one with the most hidden collective time (Llama 2 70B, per-op recompute:
-    a third of its step), which was the worst (-9.9 %) at a100-80g's figure."""
+    a third of its step), which was the worst (-9.9 %) at Megatron's figure."""
     if run.group != GROUP:
         raise ValueError(f"{run.name} is a {run.group} run, not {GROUP}")
     fsdp2 = load_cluster("h100-80g").overlap_cost_fraction

@@ -5,7 +5,8 @@ chosen against published measurements (``FITTED``): on H100 (calibration/h100_pu
 GEMM and attention rates come from kernel tables (autopar.kernel_tables), the share of those rates
 a GPU sustains through a training step, the share of HBM bandwidth its element-wise kernels reach,
 and each software's share of an overlapped collective's time that still costs; on A100
-(``a100-80g``: Megatron-LM SC21 Table 1 and Korthikanti et al. 2022 Table 4) the GEMMs' best
+(``a100-80g``'s kernel terms, priced under ``a100-80g-megatron``'s software: Megatron-LM SC21 Table 1
+and Korthikanti et al. 2022 Table 4) the GEMMs' best
 fraction and half-efficiency size, the fused attention's efficiency and the element-wise kernels'
 share of HBM bandwidth. An error measured on the runs those constants were chosen on says little
 about a run they were not; so, for each public source in turn, every constant of its GPU is
@@ -69,6 +70,7 @@ class FittedConstant:
 
 
 H100 = ("h100-80g", "h100-80g-megatron")  # one GPU: h100-80g-megatron inherits h100-80g's hardware figures
+A100 = ("a100-80g", "a100-80g-megatron")  # likewise: the A100 kernel terms sit in a100-80g, both price with them
 FITTED = (
     FittedConstant(name="sustained fraction", profiles=H100, low=0.6, high=1.0, field="sustained_fraction"),
     FittedConstant(name="H100 memory", profiles=H100, low=0.2, high=0.95, field="memory_efficiency"),
@@ -76,10 +78,10 @@ FITTED = (
                    field="overlap_cost_fraction"),
     FittedConstant(name="overlap cost (Megatron)", profiles=("h100-80g-megatron",), low=0.0, high=0.9,
                    field="overlap_cost_fraction"),
-    FittedConstant(name="A100 gemm_max", profiles=("a100-80g",), low=0.55, high=0.95, field="gemm.max"),
-    FittedConstant(name="A100 gemm_half_dim", profiles=("a100-80g",), low=16.0, high=1024.0, field="gemm.half_dim"),
-    FittedConstant(name="A100 attention", profiles=("a100-80g",), low=0.15, high=0.9, field="attention_efficiency"),
-    FittedConstant(name="A100 memory", profiles=("a100-80g",), low=0.4, high=0.95, field="memory_efficiency"),
+    FittedConstant(name="A100 gemm_max", profiles=A100, low=0.55, high=0.95, field="gemm.max"),
+    FittedConstant(name="A100 gemm_half_dim", profiles=A100, low=16.0, high=1024.0, field="gemm.half_dim"),
+    FittedConstant(name="A100 attention", profiles=A100, low=0.15, high=0.9, field="attention_efficiency"),
+    FittedConstant(name="A100 memory", profiles=A100, low=0.4, high=0.95, field="memory_efficiency"),
 )
 
 ITERATIONS = 30
@@ -115,7 +117,7 @@ def _public_rows(runs: Sequence[PublicRun], cluster_of: Callable[[PublicRun], tu
 
 def _sc21_rows() -> list[_Row]:
     """Megatron-LM SC21 Table 1: iteration time of each published configuration (fp16, full recompute),
-    on a100-80g with the software the runs used (a synchronous TP backward: reference.sc21_cluster)."""
+    on a100-80g-megatron with the software the runs used (a synchronous TP backward: reference.sc21_cluster)."""
     from autopar.cost.estimate import estimate_plan
     from autopar.reference import gpt_graph, megatron_plan, megatron_rows, sc21_cluster
 
@@ -123,7 +125,7 @@ def _sc21_rows() -> list[_Row]:
     out = []
     for row in megatron_rows():
         plan, graph = megatron_plan(row), gpt_graph(row.config, "fp16")
-        out.append(_Row(name=f"{row.params_billion:g}B", source="sc21", profile="a100-80g", base=base,
+        out.append(_Row(name=f"{row.params_billion:g}B", source="sc21", profile="a100-80g-megatron", base=base,
                         published=row.iteration_time_s,
                         predict=lambda c, plan=plan, graph=graph: estimate_plan(plan, graph, c).step_time_s))
     return out
@@ -135,7 +137,7 @@ def _table4_rows() -> list[_Row]:
     from autopar.cost.stage import Config, build_terms
     from autopar.reference import KORTHIKANTI_22B, TABLE4_MODES, gpt_graph, load_calibration
 
-    base = load_cluster("a100-80g")
+    base = load_cluster("a100-80g-megatron")
     graph = gpt_graph(KORTHIKANTI_22B, "fp16")
     out = []
     for name, fwd, bwd, _ in load_calibration("korthikanti_2022.yaml")["table4_one_layer_of_22B_model_ms"]["rows"]:
@@ -144,7 +146,7 @@ def _table4_rows() -> list[_Row]:
                      schedule="1f1b", virtual_stages=1, micro_batch=4, global_batch=4, seq_len=2048, dtype_bytes=2,
                      optimizer="adam")
         for phase, ms in (("fwd", fwd), ("bwd", bwd)):
-            out.append(_Row(name=f"{name} {phase}", source="korthikanti_t4", profile="a100-80g", base=base,
+            out.append(_Row(name=f"{name} {phase}", source="korthikanti_t4", profile="a100-80g-megatron", base=base,
                             published=ms / 1e3,
                             predict=lambda c, cfg=cfg, phase=phase: getattr(build_terms(graph, c, cfg).block,
                                                                             f"{phase}_s")))
@@ -157,9 +159,9 @@ def _table5_rows() -> list[_Row]:
     parallelism + selective recompute, each model from autopar/models/plain_gpt.py -- a model file
     that declares no tp_plan (its tp plan inferred from the data flow).
 
-    A held-out source only (PREDICTED_ONLY), never fitted: its rows are predicted with the a100-80g
+    A held-out source only (PREDICTED_ONLY), never fitted: its rows are predicted with the A100
     constants re-derived from SC21 Table 1 and Table 4, so its held-out error is that of a run the
-    A100 calibration never saw. It is not made a fitted source because (1) the shipped a100-80g
+    A100 calibration never saw. It is not made a fitted source because (1) the shipped A100
     constants were chosen without it: its error at those constants would be mislabelled in-sample,
     and refitting the profile with it is a profile change of its own; (2) on the one configuration
     both papers ran per pipeline replica (the 1T model, tp 8 x pp 64, micro-batch 1, 512
@@ -171,13 +173,13 @@ def _table5_rows() -> list[_Row]:
     from autopar.cost.estimate import estimate_plan
     from autopar.reference import TABLE5_MODES, table5_graph, table5_plan, table5_rows
 
-    base = load_cluster("a100-80g")
+    base = load_cluster("a100-80g-megatron")
     out = []
     for row in table5_rows():
         graph = table5_graph(row)
         for mode in TABLE5_MODES:
             plan = table5_plan(row, mode)
-            out.append(_Row(name=f"{row.model} {mode}", source="korthikanti_t5", profile="a100-80g", base=base,
+            out.append(_Row(name=f"{row.model} {mode}", source="korthikanti_t5", profile="a100-80g-megatron", base=base,
                             published=row.time_s(mode),
                             predict=lambda c, plan=plan, graph=graph: estimate_plan(plan, graph, c).step_time_s))
     return out

@@ -7,7 +7,7 @@ over all pairs; a predicted tie counts as neither):
 
 * Korthikanti et al. 2022, Table 4: one layer of the 22B model on 8 A100s in five settings (no
   recompute, sequence parallelism, full recompute, selective recompute, selective + sequence
-  parallelism), forward + backward milliseconds; priced with ``a100-80g``.
+  parallelism), forward + backward milliseconds; priced with ``a100-80g-megatron``.
 * NVIDIA's dgxc recipes: Nemotron-4 15B on 16 H100s at tp 2 and tp 4 (same GPUs, batch and
   sequence), step time; priced with ``h100-80g-megatron``.
 * torchtitan's Llama 3.1 8B with FSDP2 on 8 and 128 H100s: throughput per GPU (the step times are
@@ -73,7 +73,7 @@ def _table4() -> RankedSource:
     from autopar.cost.stage import Config, build_terms
     from autopar.reference import KORTHIKANTI_22B, TABLE4_MODES, gpt_graph, load_calibration
 
-    cluster, graph = load_cluster("a100-80g"), gpt_graph(KORTHIKANTI_22B, "fp16")
+    cluster, graph = load_cluster("a100-80g-megatron"), gpt_graph(KORTHIKANTI_22B, "fp16")
     rows = load_calibration("korthikanti_2022.yaml")["table4_one_layer_of_22B_model_ms"]["rows"]
     predicted = []
     for name, *_ in rows:

@@ -2,7 +2,7 @@
 each with published, predicted and error, and the mean and max |error| per table:
 
 1. Megatron-LM SC21 Table 1: iteration time of GPT 1.7B-1T on 32-3,072 A100-80GB (targets: mean <= 3 %,
-   every row <= 6 %), each row's exact configuration estimated with ``--cluster a100-80g`` and the
+   every row <= 6 %), each row's exact configuration estimated with ``--cluster a100-80g-megatron`` and the
    software the runs used: Megatron-LM of early 2021, a synchronous TP backward (reference.sc21_cluster);
 2. Korthikanti et al. 2022 Table 4: forward/backward time of one 22B layer (target: 10 %); its Table 5:
    end-to-end iteration time of the 22B-1T models (Table 3's configurations) with full recompute and
@@ -102,7 +102,7 @@ def megatron_table(cluster) -> None:  # noqa: ANN001
         layout = f"{row.tp}/{row.pp}/{row.dp}" + (f" v={row.virtual_stages}" if row.virtual_stages > 1 else "")
         rows.append((f"{row.params_billion:g}B", row.num_gpus, layout, row.micro_batch, row.global_batch,
                      f"{row.iteration_time_s:.2f}", f"{est.step_time_s:.2f}", f"{err:+.1f}", f"{est.mfu * 100:.1f}"))
-    print("Megatron-LM SC21 Table 1 (A100-80GB, full recompute, fp16, a100-80g with SC21's synchronous TP backward) "
+    print("Megatron-LM SC21 Table 1 (A100-80GB, full recompute, fp16, a100-80g-megatron with SC21's synchronous TP backward) "
           "-- iteration time")
     print(table(["model", "GPUs", "tp/pp/dp", "mb", "batch", "published s", "predicted s", "error %", "MFU %"], rows))
     print(summary(errors, "SC21", 3, 6))
@@ -146,7 +146,7 @@ def table5(cluster) -> None:  # noqa: ANN001
                          f"{t['compute']:.2f}", f"{t['recompute']:.2f}", f"{t['tp_comm']:.2f}", f"{t['pp_comm']:.2f}",
                          f"{t['bubble']:.2f}", f"{t['optimizer'] + t['dp_tail']:.2f}"))
     print("Korthikanti 2022 Table 5 -- iteration time (A100-80GB, fp16, dp 1, 1F1B; model file without a tp_plan; "
-          "a100-80g); where the predicted step goes, s")
+          "a100-80g-megatron); where the predicted step goes, s")
     print(table(["model", "setting", "tp/pp/dp", "mb", "batch", "published s", "predicted s", "error %", "MFU %",
                  "compute", "recompute", "tp comm", "p2p", "bubble", "optimizer"], rows, align="llrrrrrrrrrrrrr"))
     print(summary(errors, "Table 5", None, None) + "  (held out, never fitted: targets 5 % mean, 10 % max "
@@ -445,7 +445,7 @@ def main() -> int:
     if "--holdout" in sys.argv[1:]:
         holdout_table()
         return _verdict("held-out", start)
-    cluster = load_cluster("a100-80g")
+    cluster = load_cluster("a100-80g-megatron")
     megatron_table(sc21_cluster())
     table4(cluster)
     table5(cluster)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autopar.cluster import usable_text
 from autopar.commands.args import check_moe_imbalance, gpu_counts, int_list, positive_int, warn
 from autopar.engines.capability import ENGINE_NAMES
 from autopar.errors import AutoparError
@@ -108,6 +109,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "optimizer = Adam states on the host, step on the CPU; params = FSDP2 CPU offload of "
                         "params, grads and optimizer (zero 3); activations = saved activations on the host "
                         "(recompute none)")
+    p.add_argument("--memory-margin", type=float, default=None, metavar="F",
+                   help="share of each GPU's memory the plans leave free (default: the profile's "
+                        "gpu.memory_margin_fraction, 0.03 on the shipped GPUs: the cost model's error against "
+                        "rehearsals and the allocator's slack; 0 fills the device)")
     p.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
                    help="mixture of experts: the busiest expert-parallel rank's token load over the mean "
                         "(default 1.0, balanced routing; 1.2 = 20%% more), pricing ep > 1")
@@ -152,6 +157,8 @@ def _plan(args: argparse.Namespace) -> int:
     check_moe_imbalance(args.moe_imbalance)
     # loaded once, priced for each point; an engine's software profile where one exists (plan --engine)
     cluster = api.engine_cluster_choice(args.engine, args.cluster, args.profile, warn)
+    if args.memory_margin is not None:
+        cluster = api.with_memory_margin(cluster, args.memory_margin)
     constraints = constraints_of(args)
     batches, seqs = args.global_batch or (None,), args.seq_len or (None,)
     from autopar.search.time_to_target import objective_of
@@ -276,7 +283,7 @@ def _sweep(args: argparse.Namespace, plan_point: Any, batches: tuple, seqs: tupl
     if first is not None:
         g, c = first.found.graph, first.found.cluster
         print(f"model    {g.name}: {g.num_blocks} blocks    cluster {c.name}: {c.gpus_per_node} GPUs per node, "
-              f"{c.memory_bytes / 2**30:,.1f} GiB each")
+              f"{usable_text(c)} each")
         if first.found.fixed:
             print(f"fixed    {constraint_text(first.found.fixed)} (by you)")
         print()

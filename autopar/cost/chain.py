@@ -263,7 +263,8 @@ def _other_bytes(terms: ChainTerms, load: StageLoad, rank: int, *, loss: bool, b
     if last and loss:
         # ZeRO-3: the last unit's parameters, gathered ahead of its backward while the loss runs
         phases.append(t.post.peak_bytes + (terms.units[-1].params * c.dtype_bytes if c.zero == 3 else 0.0))
-    return t.root_bytes(first, last) + max(phases) + c.num_microbatches * load.buffer_bytes
+    held = t.stage_output_bytes if last else 0.0  # the output of the micro-batch in its loss and backward
+    return t.root_bytes(first, last) + max(phases) + held + c.num_microbatches * load.buffer_bytes
 
 
 def evaluate_chain(terms: ChainTerms, ranges: Sequence[tuple[int, int]], model_flops_per_step: float,

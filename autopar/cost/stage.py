@@ -49,7 +49,7 @@ from autopar.graph.scaling import Shape
 from autopar.layout import Layout
 
 
-def _autocast_copies(cluster: Cluster, cfg: Config) -> bool:
+def keeps_autocast_copies(cluster: Cluster, cfg: Config) -> bool:
     """Whether a micro-batch keeps 16-bit copies of the weights (``Cluster.autocast_weight_copies``):
     training in 16 bits under autocast, i.e. a data-parallel kind without FSDP2's param_dtype (DDP,
     or one data-parallel rank; ``replicate`` takes FSDP2's policy)."""
@@ -81,6 +81,20 @@ def _pipeline_buffer_bytes(cfg: Config, cluster: Cluster, tokens_bytes: float, s
     if cfg.pp == 1 or not cluster.pipeline_buffers_per_microbatch:
         return 0.0
     return (tokens_bytes / sp + carried_bytes) * (4.0 / cfg.dtype_bytes if trains_under_autocast(cfg) else 1.0)
+
+
+def _stage_output_bytes(graph: ModelGraph, cluster: Cluster, cfg: Config, shape: Shape, replicated: bool) -> float:
+    """The model's output (the head's logits) of one micro-batch as the last pipeline stage holds it
+    (``StageTerms.stage_output_bytes``): torch pipelining keeps a stage's output from its forward until
+    its backward has run (``fwd_cache``), where the training loop without a pipeline lets it go once
+    the loss has it (graph/build.forward_backward: the trace's live peaks do not hold it). It is what
+    the model returned (``ModelGraph.output``) at this rank's shape: vocabulary-sharded where the
+    head is. 0 at pp = 1 and under Megatron's schedules, which free it after the loss."""
+    out = graph.output
+    if cfg.pp == 1 or not cluster.pipeline_buffers_per_microbatch or out is None:
+        return 0.0
+    at = replace(shape, t=1.0, sp=1.0) if replicated else shape
+    return out.nbytes * at.scale(out.exps)
 
 
 def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
@@ -186,8 +200,9 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         loss_free_grads=loss_free_grads_share(cfg, cluster),
         tied_params=tied,
         reserve_bytes=reserve_bytes(cluster, cfg, tokens_bytes),
-        capacity_bytes=cluster.memory_bytes,
+        capacity_bytes=cluster.usable_memory_bytes,
         pipeline_buffer_bytes=_pipeline_buffer_bytes(cfg, cluster, tokens_bytes, sp, carried),
+        stage_output_bytes=_stage_output_bytes(graph, cluster, cfg, shape, replicated),
         carried_bytes=carried,
         zero3_root_params_per_byte=float(d) if cfg.zero == 3 else 0.0,
         zero3_gather_bytes=block_params * d if cfg.zero == 3 else 0.0,
@@ -339,7 +354,7 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
         recompute, act = 0.0, rt.saved_bytes
     params = graph.params["block"].per_rank(cfg.tp)
     # each Linear's autocast copy of its weight is an op output that full and per-op recompute do not keep
-    if cfg.recompute not in ("full", "op") and _autocast_copies(cluster, cfg):
+    if cfg.recompute not in ("full", "op") and keeps_autocast_copies(cluster, cfg):
         act += params * cfg.dtype_bytes  # each Linear's cast weight, saved per micro-batch in flight
     bwd = rt.bwd_s + tp_b + cp_b + recompute
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)

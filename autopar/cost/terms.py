@@ -123,6 +123,10 @@ class StageTerms:
     # chunk that receives (activations forward, their gradients backward): the bytes of one
     # (0: the software allocates them as it goes, cluster.pipeline_buffers_per_microbatch)
     pipeline_buffer_bytes: float = 0.0
+    # The model's output of one micro-batch (the head's logits), which torch pipelining's last stage
+    # keeps from the micro-batch's forward through its backward (cost.stage._stage_output_bytes);
+    # 0 at pp = 1 and where the software frees it at the loss
+    stage_output_bytes: float = 0.0
     # Bytes per micro-batch a stage receives beside the hidden state (ModelGraph.carried_bytes), in
     # ``p2p_s`` and ``pipeline_buffer_bytes`` already; kept for ``autopar explain``. 0 at pp = 1.
     carried_bytes: float = 0.0
@@ -238,7 +242,8 @@ class StageTerms:
         * the first rank's embedding backward (its temporaries);
 
         and in every phase ZeRO-3's root parameters (embedding, head: FSDP2 keeps the root unit
-        gathered from forward to backward) and the pipeline's receive buffers
+        gathered from forward to backward), on the last rank of a pipeline the output of the
+        micro-batch whose loss and backward run (``stage_output_bytes``), and the pipeline's receive buffers
         (``pipeline_buffer_bytes`` per micro-batch and receiving chunk: every chunk but the first
         receives activations, every one but the last their gradients). Non-decreasing in
         ``working``: a mix pays the largest working set of the modes it uses. ``loss`` False: the
@@ -252,7 +257,7 @@ class StageTerms:
             phases.append(self._loss_phase_bytes)
         if first:
             phases.append(self.pre.peak_bytes)
-        other = self.root_bytes(first, last) + max(phases)
+        other = self.root_bytes(first, last) + max(phases) + (self.stage_output_bytes if last else 0.0)
         if c.pp > 1 and self.pipeline_buffer_bytes > 0:
             receiving = 2 * c.virtual_stages - first - last
             other += c.num_microbatches * receiving * self.pipeline_buffer_bytes

@@ -69,6 +69,29 @@ class TracedRun:
     trace: Trace
     param_regions: dict[int, set[str]]  # id(parameter) -> regions whose modules used it
     block_input_bytes: float  # bytes of the tensor entering the first block (what full recompute keeps)
+    # bytes of the tensors the model returned (its logits: what torch pipelining's last stage holds
+    # until the micro-batch's backward; the training loop without a pipeline drops them at the loss)
+    output_bytes: float = 0.0
+
+
+def output_bytes(value: Any) -> float:
+    """Bytes of the tensors in a (nested) model output, each storage once."""
+    seen: dict[int, float] = {}
+
+    def visit(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            storage = v.untyped_storage()
+            seen[id(storage)] = float(storage.nbytes())
+        elif isinstance(v, Mapping):  # a ModelOutput pytree does not know
+            for x in v.values():
+                visit(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x)
+
+    for leaf in tree_flatten(value)[0]:
+        visit(leaf)
+    return sum(seen.values())
 
 
 def first_tensor(value: Any) -> torch.Tensor | None:
@@ -88,7 +111,7 @@ def trace_model(
     memory timeline (``Trace.peaks``, graph/live.py) from a second, unrecorded run."""
     regions = ParamRegions(model)
     handles = regions.handles
-    io: dict[str, float] = {"in": 0.0}
+    io: dict[str, float] = {"in": 0.0, "out": 0.0}
 
     def run(set_region_raw: Callable[[str], None]) -> None:
         set_region = regions.setter(set_region_raw)
@@ -96,7 +119,7 @@ def trace_model(
             handles.extend(_region_hooks(block, set_region, io))
             if tp_plan:
                 handles.extend(_tp_comm_hooks(block, tp_plan, blocks_attr or "", trace))
-        forward_backward(model, inputs, loss_fn, set_region)
+        forward_backward(model, inputs, loss_fn, set_region, io)
 
     trace = Trace()
     try:
@@ -106,7 +129,7 @@ def trace_model(
             h.remove()
     trace.peaks = _peaks(model, inputs, loss_fn, block)
     return TracedRun(trace=trace, param_regions=regions.by_param,
-                     block_input_bytes=io["in"])
+                     block_input_bytes=io["in"], output_bytes=io["out"])
 
 
 def _region_hooks(block: nn.Module, set_region: Callable[[str], None], io: dict[str, float]) -> list:
@@ -134,12 +157,14 @@ def _region_hooks(block: nn.Module, set_region: Callable[[str], None], io: dict[
 
 
 def forward_backward(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                     set_region: Callable[[str], None]) -> None:
+                     set_region: Callable[[str], None], io: dict[str, float] | None = None) -> None:
     """The model file's forward, loss and backward, as the training loop runs them (the output is
-    not held once the loss has it)."""
+    not held once the loss has it); ``io["out"]``: set to the output's bytes."""
     set_region("pre")
     with tolerant_meta():  # value reads of meta tensors (HF's .item() checks) get a default
         out = call_model(model, inputs)
+    if io is not None:
+        io["out"] = output_bytes(out)
     set_region("loss")
     loss = loss_fn(out, inputs) if loss_fn is not None else default_loss(out)
     y = first_tensor(out)

@@ -26,7 +26,7 @@ from autopar.graph.build import ParamRegions, TracedRun, first_tensor, forward_b
 from autopar.graph.chain_tp import chain_tp_comm_hooks, shard_chain_for_tp, sharded_params
 from autopar.graph.fused_scan import fit_with_scan
 from autopar.graph.model_graph import ChainUnit, ModelGraph, MoEFacts, RegionParams
-from autopar.graph.scaling import RegionFit
+from autopar.graph.scaling import RegionFit, fit_output
 from autopar.graph.trace import Trace, run_and_trace
 from autopar.modelfile import ModelFile
 from autopar.spec import ModelSpec
@@ -116,6 +116,7 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
     regions = ParamRegions(model)
     handles = regions.handles
     in_bytes = [0.0] * len(unit_mods)
+    io: dict[str, float] = {"out": 0.0}
     for p in model.parameters():  # every traced backward starts without gradients, as a step's first
         p.grad = None  # does: a gradient left by the previous shape's run turns its copies into adds
 
@@ -124,7 +125,7 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
         if tp_styles:
             handles.extend(chain_tp_comm_hooks(unit_mods, tp_styles, trace))
         handles.extend(_unit_hooks(unit_mods, set_region, in_bytes))
-        forward_backward(model, inputs, loss_fn, set_region)
+        forward_backward(model, inputs, loss_fn, set_region, io)
 
     trace = Trace()
     try:
@@ -139,7 +140,8 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
         forward_backward(model, inputs, loss_fn, set_region)
 
     trace.peaks = peak_records(step, list(model.parameters()), hooks)
-    return TracedRun(trace=trace, param_regions=regions.by_param, block_input_bytes=in_bytes[0]), in_bytes
+    return TracedRun(trace=trace, param_regions=regions.by_param, block_input_bytes=in_bytes[0],
+                     output_bytes=io["out"]), in_bytes
 
 
 def _unit_hooks(unit_mods: list[nn.Module], set_region: Callable[[str], None], in_bytes: list[float]) -> list:
@@ -270,6 +272,8 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
         block_input_bytes=units[0].input_bytes,
         build_seconds=time.perf_counter() - start, chain=units, moe=MoEFacts.of(spec.moe),
         tp_degrees=spec.tp_degrees,
+        output=fit_output(base.output_bytes, b2.output_bytes, s_half and s_half.output_bytes,
+                          t2 and t2.output_bytes),
     )
 
 

@@ -14,7 +14,7 @@ from autopar.graph.build import one_block_model, sequence_keep, slice_sequence, 
 from autopar.graph.carried import measure_carried
 from autopar.graph.fused_scan import fit_with_scan
 from autopar.graph.model_graph import ModelGraph, MoEFacts, RegionParams
-from autopar.graph.scaling import FitQuantity, RegionFit
+from autopar.graph.scaling import FitQuantity, RegionFit, fit_output
 from autopar.graph.short_probe import build_bounded
 from autopar.graph.time_limit import active_clock, enter_stage, measure_time_limit
 from autopar.modelfile import ModelFile, load_model_file
@@ -168,6 +168,8 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         build_seconds=time.perf_counter() - start, moe=MoEFacts.of(spec.moe),  # expert parallelism
         tp_degrees=spec.tp_degrees,
         carried=_carried(mf, small, spec, shapes) if support["pp"] is None else (),
+        output=fit_output(base.output_bytes, b2.output_bytes, s_half and s_half.output_bytes,
+                          t2 and t2.output_bytes),
     )
 
 

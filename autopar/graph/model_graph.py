@@ -157,6 +157,10 @@ class ModelGraph:
     # outputs the executor carries, spec.pipeline_probe.Probe.carried), one sample at seq_len, with
     # their batch and sequence exponents (graph/carried.py). Empty: nothing is carried.
     carried: tuple[FitQuantity, ...] = ()
+    # What the model returns (its logits), one sample at seq_len, with its batch, sequence and tp
+    # exponents (graph/build.TracedRun.output_bytes): torch pipelining's last stage holds it from a
+    # micro-batch's forward through its backward (cost.stage). None: not measured.
+    output: FitQuantity | None = None
 
     def carried_bytes(self, micro_batch: float, s_ratio: float) -> float:
         """Bytes a pipeline stage receives beside the hidden state per micro-batch of ``micro_batch``

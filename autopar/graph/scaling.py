@@ -142,6 +142,15 @@ def _exps(base: float, b2: float | None, s_half: float | None, t2: float | None)
     )
 
 
+def fit_output(base: float, b2: float | None, s_half: float | None, t2: float | None) -> FitQuantity | None:
+    """The model's output (``TracedRun.output_bytes`` of the traces at the base shape, micro-batch 2,
+    half the sequence and tp 2; None where not traced) as a quantity; None where the forward
+    returned no tensor."""
+    if base <= 0:
+        return None
+    return FitQuantity(what="output", phase="fwd", nbytes=base, exps=_exps(base, b2, s_half, t2))
+
+
 def _align(a: list[OpRecord], b: list[OpRecord]) -> list[OpRecord | None]:
     """For each op of ``a``, its counterpart in ``b`` (None where unmatched).
 

@@ -94,6 +94,8 @@ def at_sequence(graph: ModelGraph, seq_len: int, mf: ModelFile) -> ModelGraph:
     regions = {name: at_longer_sequence(fit, ratio) for name, fit in graph.regions.items()}
     chain = tuple(dataclasses.replace(u, input_bytes=u.input_bytes * ratio) for u in graph.chain)
     carried = tuple(dataclasses.replace(q, nbytes=q.nbytes * ratio ** q.exps.s) for q in graph.carried)
+    out = graph.output
+    output = None if out is None else dataclasses.replace(out, nbytes=out.nbytes * ratio ** out.exps.s)
     return dataclasses.replace(graph, sha256=mf.sha256, seq_len=seq_len, probe_seq_len=graph.seq_len,
                                regions=regions, chain=chain, block_input_bytes=graph.block_input_bytes * ratio,
-                               carried=carried)
+                               carried=carried, output=output)

@@ -53,7 +53,7 @@ FSDP2's mixed-precision policy runs the executor's parts and as the meta trace m
 autocast, whose per-forward copy of every Linear weight would be counted as the block's
 activations (2 bytes per block parameter per micro-batch; about 70 % too much on a Llama-7B block
 at 4k tokens). The cost model adds those copies itself where the executor trains under autocast
-(cost/stage.py ``_autocast_copies``).
+(cost/stage.py ``keeps_autocast_copies``).
 """
 
 from __future__ import annotations

@@ -160,5 +160,5 @@ def search_chain(graph: ModelGraph, cluster: Cluster, space: SearchSpace, *, top
     return SearchResult(
         top=tuple(top.items), num_configs=num_configs, num_evaluated=evaluated, num_ilp_solved=solved,
         rejected=dict(rejected), elapsed_s=time.perf_counter() - start, optimal=True,
-        min_memory_bytes=min_mem, min_memory_config=min_cfg, capacity_bytes=cluster.memory_bytes,
+        min_memory_bytes=min_mem, min_memory_config=min_cfg, capacity_bytes=cluster.usable_memory_bytes,
     )

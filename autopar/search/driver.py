@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from autopar.cluster import Cluster
+from autopar.cluster import Cluster, usable_text
 from autopar.cost.compute import measured_table_warning
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.graph.cache import ModelSource, cached_graph
@@ -135,7 +135,7 @@ def search_plans(
         from autopar.search.offload_need import needed_text  # with host offload, the host memory too
 
         raise InfeasibleError(
-            f"no plan fits {cluster.memory_bytes / 2**30:,.1f} GiB per GPU on {gpus} GPUs: the smallest plan needs "
+            f"no plan fits {usable_text(cluster)} per GPU on {gpus} GPUs: the smallest plan needs "
             f"{needed_text(graph, cluster, space, result)}; "
             + infeasible_hint(graph, cluster, space, fixed, user_batch=global_batch is not None)
         )

@@ -25,7 +25,7 @@ _UNCONSTRAINED = {f.name: f.default for f in dataclasses.fields(SearchSpace)
 
 def _fits(graph: ModelGraph, cluster: Cluster, space: SearchSpace) -> bool:
     need, cfg = smallest_memory(graph, cluster, space)
-    return cfg is not None and need <= cluster.memory_bytes
+    return cfg is not None and need <= cluster.usable_memory_bytes
 
 
 def infeasible_hint(graph: ModelGraph, cluster: Cluster, space: SearchSpace, fixed: Mapping[str, Any],
@@ -40,7 +40,7 @@ def infeasible_hint(graph: ModelGraph, cluster: Cluster, space: SearchSpace, fix
     # Memory per GPU falls about as 1/N: start at the power-of-two multiple that ratio asks for and
     # double (at most three checks, at most 65,536 GPUs).
     need, _ = smallest_memory(graph, cluster, space)
-    ratio = need / cluster.memory_bytes if math.isfinite(need) else 2.0
+    ratio = need / cluster.usable_memory_bytes if math.isfinite(need) else 2.0
     first = 2 ** max(1, math.ceil(math.log2(max(ratio, 1.0))))
     for factor in ((first // 2,) if first >= 4 else ()) + (first, first * 2, first * 4):
         n = space.num_gpus * factor

@@ -48,7 +48,7 @@ def least_host_that_fits(graph: ModelGraph, cluster: Cluster, space: SearchSpace
         if cfg.zero != (zero if cfg.dp * cfg.cp > 1 else 0):
             continue
         peak, host = _host_of(graph, cluster, cfg)
-        if peak <= cluster.memory_bytes and host < best[0]:
+        if peak <= cluster.usable_memory_bytes and host < best[0]:
             best = (host, cfg)
     return best
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from autopar.cluster import Cluster
+from autopar.cluster import Cluster, usable_text
 from autopar.cost.estimate import estimate_json
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import RECOMPUTE_MODES, ClusterRef, ModelRef, Parallel, Plan, Training
@@ -117,7 +117,7 @@ def result_report(result: SearchResult, plans: list[Plan], graph: ModelGraph, cl
            f"{graph.seq_len}: a forward at full length dispatches too many ops to trace (a loop over positions?)"]
           if graph.probe_seq_len else []),
         f"cluster  {cluster.name}: {space.num_gpus} GPUs, {cluster.gpus_per_node} per node, "
-        f"{gib(cluster.memory_bytes)} GiB each",
+        f"{usable_text(cluster)} each",
         *([f"tp plan  {graph.tp_source}: "
            + ", ".join(f"{n} {s}" for n, s in graph.tp_styles.items())] if graph.tp_styles else
           ([f"tp plan  {graph.tp_source}"] if graph.tp_source else [])),

@@ -118,8 +118,8 @@ def search(
             visited += 1
             if progress and visited % 500 == 0:
                 progress(visited, len(bounded), time.perf_counter() - start)
-        if mem_lb > cluster.memory_bytes:
-            if not offload_pass and mem_off > cluster.memory_bytes:  # else the offload pass may fit it
+        if mem_lb > cluster.usable_memory_bytes:
+            if not offload_pass and mem_off > cluster.usable_memory_bytes:  # else the offload pass may fit it
                 rejected["memory: cannot fit even with an ideal split"] += branch.num_configs
             continue
         if lb >= top.threshold():
@@ -149,7 +149,7 @@ def search(
                 rejected["dominated: more offload than a plan that fits needs"] += len(branch.schedules)
                 continue
             if off.any and _memory_lb(graph, cluster, base_terms[branch.block_key], branch, True, zero, off) > \
-                    cluster.memory_bytes:
+                    cluster.usable_memory_bytes:
                 rejected["memory: cannot fit even with an ideal split"] += len(branch.schedules)
                 continue
             plain0 = plain_terms.get((id(branch), zero))
@@ -235,7 +235,7 @@ def search(
     return SearchResult(
         top=tuple(top.items), num_configs=num_configs, num_evaluated=evaluated, num_ilp_solved=solved,
         rejected=dict(rejected), elapsed_s=time.perf_counter() - start, optimal=optimal,
-        min_memory_bytes=min_mem, min_memory_config=min_mem_cfg, capacity_bytes=cluster.memory_bytes,
+        min_memory_bytes=min_mem, min_memory_config=min_mem_cfg, capacity_bytes=cluster.usable_memory_bytes,
         num_mixes_refined=refined,
     )
 
@@ -258,7 +258,7 @@ def _memory_lb(graph: ModelGraph, cluster: Cluster, base: StageTerms, branch: Br
     best = state.total
     if branch.pp == 1 and branch.num_microbatches == 1:  # the loss may meet no gradient (stage.loss_free_grads_share)
         best -= state.grads
-    block_act = _least_block_act(base, graph)
+    block_act = _least_block_act(base, graph, cluster)
     if offload is not None:
         offs: Sequence[Offload] = (offload,)
     else:
@@ -322,17 +322,21 @@ def _upper_capacity(base: StageTerms, branch: Branch, zero: int, off: Offload, s
     return upper_capacity(base, zero=zero, offload=off, schedule=schedule[0], pp=branch.pp,
                           virtual_stages=schedule[1], num_microbatches=branch.num_microbatches,
                           shard_degree=branch.dp * branch.cp, dtype_bytes=space.dtype_bytes,
-                          optimizer=space.optimizer, capacity_bytes=cluster.memory_bytes,
-                          block_act_bytes=_least_block_act(base, graph), moment_bytes=cluster.optimizer_moment_bytes,
+                          optimizer=space.optimizer, capacity_bytes=cluster.usable_memory_bytes,
+                          block_act_bytes=_least_block_act(base, graph, cluster), moment_bytes=cluster.optimizer_moment_bytes,
                           master_bytes=cluster.master_weight_bytes)
 
 
-def _least_block_act(base: StageTerms, graph: ModelGraph) -> float:
+def _least_block_act(base: StageTerms, graph: ModelGraph, cluster: Cluster) -> float:
     """The activations a block of ``base``'s branch keeps at the least: a per-stage recompute mix keeps at
-    least its most frugal mode's."""
-    if base.recompute_parts is None:
-        return base.block.act_bytes
-    return min(base.recompute_parts[m].act_bytes for m in mix_modes(graph))
+    least its most frugal mode's, and none keeps the autocast weight copies of ``base``'s data-parallel
+    kind where another ZeRO stage or offload of the branch trains through FSDP2's param_dtype."""
+    from autopar.cost.stage import keeps_autocast_copies
+
+    copies = base.block.params * base.config.dtype_bytes if keeps_autocast_copies(cluster, base.config) else 0.0
+    parts = ({base.config.recompute: base.block} if base.recompute_parts is None
+             else {m: base.recompute_parts[m] for m in mix_modes(graph)})
+    return min(p.act_bytes - (0.0 if m in ("full", "op") else copies) for m, p in parts.items())
 
 
 def _fits_somehow(caps: list[int], virtual_stages: int, num_blocks: int) -> bool:

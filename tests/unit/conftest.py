@@ -29,6 +29,14 @@ def a100():
 
 
 @pytest.fixture(scope="session")
+def a100_megatron():
+    """The A100 under Megatron-LM's software, the runs Korthikanti et al. and SC21 measured."""
+    from autopar.cluster import load_cluster
+
+    return load_cluster("a100-80g-megatron")
+
+
+@pytest.fixture(scope="session")
 def small_gpt():
     """A 16-layer GPT small enough to estimate in milliseconds; its blocks dominate the embedding
     and head (vocab 512), so pipeline stages are close to uniform."""

@@ -4,7 +4,7 @@
 - Korthikanti et al. 2022, Table 4: forward/backward time of one 22B layer on A100 (10 %);
 - Megatron-LM SC21, Table 1: iteration time of GPT 1.7B-1T on up to 3,072 A100 (10 % per row, 5 % mean).
 
-The a100-80g profile is fitted on physics (GEMM shapes, message sizes), not per row; these tests keep it honest.
+The A100 profiles' kernel terms are fitted on physics (GEMM shapes, message sizes), not per row; these tests keep it honest.
 """
 
 from __future__ import annotations
@@ -72,24 +72,24 @@ def _table2_params():
 
 
 @pytest.mark.parametrize("mode,s,b,h,a,t", list(_table2_params()))
-def test_table2_activation_bytes_per_layer(table2_graphs, a100, make_config, mode: str, s: int, b: int, h: int,
+def test_table2_activation_bytes_per_layer(table2_graphs, a100_megatron, make_config, mode: str, s: int, b: int, h: int,
                                            a: int, t: int) -> None:
     """Activations one layer keeps per micro-batch (``terms.block.act_bytes``), measured with
     saved_tensors_hooks on meta and scaled by the fitted exponents, within 2 % of Table 2."""
     sp, recompute, uses_tp = TABLE2_MODES[mode]
     tp = t if uses_tp else 1
     cfg = make_config(tp=tp, sequence_parallel=sp and tp > 1, recompute=recompute, micro_batch=b, seq_len=s)
-    act = build_terms(table2_graphs[(s, h, a)], a100, cfg).block.act_bytes
+    act = build_terms(table2_graphs[(s, h, a)], a100_megatron, cfg).block.act_bytes
     expected = korthikanti_bytes(mode, s, b, h, a, tp)
     assert act == pytest.approx(expected, rel=0.02), f"{mode}: {act:.4g} vs {expected:.4g}"
 
 
 @pytest.mark.parametrize("s,b,h,a,t", TABLE2_SHAPES[:4])
-def test_full_recompute_with_sequence_parallel_keeps_a_slice_of_the_input(table2_graphs, a100, make_config, s: int,
+def test_full_recompute_with_sequence_parallel_keeps_a_slice_of_the_input(table2_graphs, a100_megatron, make_config, s: int,
                                                                           b: int, h: int, a: int, t: int) -> None:
     """Table 2's full recompute (2sbh) is without SP; with SP each rank keeps its 1/t slice: 2sbh/t."""
     cfg = make_config(tp=t, sequence_parallel=True, recompute="full", micro_batch=b, seq_len=s)
-    act = build_terms(table2_graphs[(s, h, a)], a100, cfg).block.act_bytes
+    act = build_terms(table2_graphs[(s, h, a)], a100_megatron, cfg).block.act_bytes
     assert act == pytest.approx(2 * s * b * h / t, rel=0.02)
 
 
@@ -97,12 +97,12 @@ def test_full_recompute_with_sequence_parallel_keeps_a_slice_of_the_input(table2
 
 
 @pytest.fixture(scope="module")
-def table4_terms(a100, make_config):
+def table4_terms(a100_megatron, make_config):
     graph = gpt_graph(KORTHIKANTI_22B, "fp16")
     out = {}
     for name, (sp, recompute) in TABLE4_MODES.items():
         cfg = make_config(tp=8, sequence_parallel=sp, recompute=recompute, micro_batch=4, seq_len=2048)
-        out[name] = build_terms(graph, a100, cfg)
+        out[name] = build_terms(graph, a100_megatron, cfg)
     return out
 
 
@@ -140,7 +140,7 @@ ROWS = megatron_rows()
 
 @pytest.fixture(scope="module")
 def megatron_predictions():
-    sc21 = sc21_cluster()  # a100-80g with SC21's synchronous TP backward
+    sc21 = sc21_cluster()  # a100-80g-megatron with SC21's synchronous TP backward
     return {row.params_billion: estimate_plan(megatron_plan(row), gpt_graph(row.config, "fp16"), sc21).step_time_s
             for row in ROWS}
 

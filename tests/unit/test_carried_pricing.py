@@ -105,7 +105,7 @@ def test_a_pp2_plan_sends_and_holds_the_carried_bytes_beside_the_hidden_state(tp
 
 
 def test_with_pipeline_scatter_gather_the_carried_values_go_whole_beside_each_rail_share() -> None:
-    graph, cluster = _graph(dtype="fp32"), load_cluster("a100-80g")
+    graph, cluster = _graph(dtype="fp32"), load_cluster("a100-80g-megatron")
     assert cluster.pipeline_scatter_gather
     cfg = config_from_plan(_plan(tp=2))
     layout = Layout.of(cfg)

@@ -210,14 +210,14 @@ def test_chain_memory_limit_shapes_the_partition() -> None:
     terms = build_chain_terms(g, base, cfg)
     peaks = {rngs: evaluate_chain(terms, rngs, 1.0, 1.0, 1.0).peak_memory_bytes for rngs in _ranges(5, 2)}
     cap = sorted(peaks.values())[1]  # two partitions fit
-    tight = dataclasses.replace(base, memory_bytes=cap)
+    tight = dataclasses.replace(base, memory_margin_fraction=0.0, memory_bytes=cap)
     terms = build_chain_terms(g, tight, cfg)
     fitting = [r for r, p in peaks.items() if p <= cap]
     best = min(fitting, key=lambda r: evaluate_chain(terms, r, 1.0, 1.0, 1.0).step_time_s)
     part = optimal_partition(5, 2, cfg.num_microbatches, StagePricer(terms))
     assert part.ranges in fitting and evaluate_chain(terms, part.ranges, 1.0, 1.0, 1.0).step_time_s == pytest.approx(
         evaluate_chain(terms, best, 1.0, 1.0, 1.0).step_time_s)
-    nothing = dataclasses.replace(base, memory_bytes=min(peaks.values()) - 1)
+    nothing = dataclasses.replace(base, memory_margin_fraction=0.0, memory_bytes=min(peaks.values()) - 1)
     assert optimal_partition(5, 2, cfg.num_microbatches, StagePricer(build_chain_terms(g, nothing, cfg))) is None
 
 

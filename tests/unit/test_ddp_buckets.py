@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from autopar.cost.comm import axis_link, collective_time_s
+from autopar.cost.framework import grad_reduce_bytes
 from autopar.cost.stage import build_terms
 from autopar.cost.zero import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_sizes
 from autopar.layout import Layout
@@ -42,7 +43,7 @@ def test_an_exposed_ddp_sync_costs_each_bucket_as_one_collective(small_gpt, a100
         assert terms.grad_sync_fixed_s == 0.0
         return
     link = axis_link(cluster, Layout.of(cfg), "dp_cp")
-    buckets = ddp_buckets(params * cfg.dtype_bytes)
+    buckets = ddp_buckets(params * grad_reduce_bytes(cfg, cluster))  # autopar run's DDP reduces fp32
     assert len(buckets) > 2
     exposed = sum(collective_time_s("all_reduce", b, link) for b in buckets)
     assert params * terms.grad_sync_s_per_param + terms.grad_sync_fixed_s == pytest.approx(exposed, rel=1e-9)

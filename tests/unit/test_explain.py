@@ -101,7 +101,7 @@ def test_tp_and_dp_volume_follow_the_formulas(small_gpt, a100, make_plan) -> Non
         assert fwd.sent_bytes_per_step == pytest.approx(2 * 8 * m * x * wire_factor("all_reduce", 2))
         assert items[("TP backward (blocks)", "all_reduce")].calls_per_step == 2 * 8 * m
         dp = items[("DP gradient all-reduce (bucketed)", "all_reduce")]
-        assert dp.message_bytes == pytest.approx(est.ranks[v.rank].params * 2)
+        assert dp.message_bytes == pytest.approx(est.ranks[v.rank].params * a100.grad_reduce_bytes)  # fp32 reduce
         assert dp.calls_per_step == 1 and dp.axis == "dp_cp"
         pp = [i for i in v.items if i.axis == "pp"]
         assert sum(i.calls_per_step for i in pp) == m  # stage 0 sends activations, stage 1 gradients

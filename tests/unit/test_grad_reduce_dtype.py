@@ -30,8 +30,9 @@ def test_which_dtype_each_software_reduces_in() -> None:
     assert grad_reduce_bytes(cfg(), load_cluster("h100-80g")) == 4  # autopar run: fp32
     assert grad_reduce_bytes(cfg(), load_cluster("h200-141g")) == 4  # inherits h100-80g's software
     assert grad_reduce_bytes(cfg(), load_cluster("h100-80g-megatron")) == 2  # NeMo: its bf16 gradient buffer
-    assert grad_reduce_bytes(cfg(), load_cluster("a100-80g")) == 2  # Megatron-LM SC21: the training dtype
-    assert grad_reduce_bytes(cfg(dtype_bytes=4), load_cluster("a100-80g")) == 4
+    assert grad_reduce_bytes(cfg(), load_cluster("a100-80g")) == 4  # autopar run on A100s, as h100-80g
+    assert grad_reduce_bytes(cfg(), load_cluster("a100-80g-megatron")) == 2  # Megatron-LM SC21: the training dtype
+    assert grad_reduce_bytes(cfg(dtype_bytes=4), load_cluster("a100-80g-megatron")) == 4
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -68,8 +69,8 @@ def test_profile_setting_is_checked() -> None:
     from autopar.cluster import SHIPPED_PROFILES
 
     base = yaml.safe_load((SHIPPED_PROFILES / "a100-80g.yaml").read_text())
-    base["software"] = {**base.get("software", {}), "grad_reduce_bytes": 4}
-    assert cluster_from_dict(base, "x").grad_reduce_bytes == 4
+    base["software"] = {**base.get("software", {}), "grad_reduce_bytes": 2}
+    assert cluster_from_dict(base, "x").grad_reduce_bytes == 2
     base["software"]["grad_reduce_bytes"] = 3
     with pytest.raises(ClusterError, match="'grad_reduce_bytes' must be 0 .*, 2 .* or 4"):
         cluster_from_dict(base, "x")

@@ -101,9 +101,10 @@ def _mix_case():
     from autopar.reference import gpt_graph
 
     graph = gpt_graph(GPTConfig(num_layers=6, hidden_size=128, num_heads=4, seq_len=64, vocab_size=4096))
-    # 11 MiB: the last rank also holds its loss's fp32 copies while the loss runs (graph/live.py)
-    cluster = dataclasses.replace(load_cluster("a100-80g"), memory_bytes=11 * 2**20, framework_reserve_bytes=0.0,
-                                  nccl_bytes_per_group=0.0)
+    # 11 MiB: the last rank also holds its loss's fp32 copies while the loss runs (graph/live.py); sized on
+    # Megatron's schedules (no pipeline receive buffer per micro-batch)
+    cluster = dataclasses.replace(load_cluster("a100-80g-megatron"), memory_margin_fraction=0.0, memory_bytes=11 * 2**20,
+                                  framework_reserve_bytes=0.0, nccl_bytes_per_group=0.0)
     cfg = dataclasses.replace(_config(8, 1, 3), recompute="mixed", sequence_parallel=False, micro_batch=2,
                               global_batch=128, seq_len=64, offload=Offload(optimizer=True))
     terms = build_terms(graph, cluster, cfg)

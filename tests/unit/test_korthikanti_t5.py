@@ -71,7 +71,7 @@ def _predicted() -> dict[tuple[str, str], float]:
     from autopar.cluster import load_cluster
     from autopar.cost.estimate import estimate_plan
 
-    cluster = load_cluster("a100-80g")
+    cluster = load_cluster("a100-80g-megatron")
     out = {}
     for row in table5_rows():
         graph = table5_graph(row)

@@ -9,6 +9,7 @@ import pytest
 
 from autopar.cluster import cluster_from_dict, load_cluster
 from autopar.cost.comm import axis_link, collective_time_s
+from autopar.cost.framework import grad_reduce_bytes
 from autopar.cost.host import evaluate_with_host, host_per_node
 from autopar.cost.memory import inflight_microbatches
 from autopar.cost.stage import Config, build_terms
@@ -58,7 +59,7 @@ def test_params_offload_is_fsdp2_at_zero3_and_extends_each_gather_by_the_host_co
     b = base.block
     h = b.params * d / n / bw
     ag = collective_time_s("all_gather", b.params * d, link) + h
-    rs = collective_time_s("reduce_scatter", b.params * d, link) + h
+    rs = collective_time_s("reduce_scatter", b.params * grad_reduce_bytes(off.config, a100), link) + h  # fp32 reduce
     c = a100.overlap_cost_fraction
     bwd = b.bwd_s - b.zero_comm_s
     want = max(0.0, ag - b.fwd_s) + c * min(ag, b.fwd_s) + max(0.0, ag + rs - bwd) + c * min(ag + rs, bwd)

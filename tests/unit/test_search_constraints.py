@@ -27,7 +27,8 @@ SMALL = GPTConfig(num_layers=8, hidden_size=128, num_heads=4, seq_len=64, vocab_
 
 def _cluster(memory_mib: float, gpus_per_node: int):
     a100 = load_cluster("a100-80g")
-    return dataclasses.replace(a100, memory_bytes=memory_mib * 2**20, framework_reserve_bytes=0.0, nccl_bytes_per_group=0.0,
+    return dataclasses.replace(a100, memory_margin_fraction=0.0, memory_bytes=memory_mib * 2**20, framework_reserve_bytes=0.0,
+                               nccl_bytes_per_group=0.0,
                                gpus_per_node=gpus_per_node, name=f"tiny-{memory_mib}")
 
 
@@ -159,7 +160,7 @@ def _tight_terms():
     """The memory-tight case of issue 17: 8-block GPT, 16 GPUs, slow inter-node links, 40 GiB."""
     graph = gpt_graph(GPTConfig(num_layers=8, hidden_size=4096, num_heads=32, seq_len=2048, vocab_size=51200))
     a100 = load_cluster("a100-80g")
-    slow = dataclasses.replace(a100, name="slow", memory_bytes=40 * 2**30,
+    slow = dataclasses.replace(a100, name="slow", memory_margin_fraction=0.0, memory_bytes=40 * 2**30,
                                inter_node=Link(bandwidth_bytes_per_s=1e9, latency_s=2e-5))
     space = SearchSpace(num_gpus=16, gpus_per_node=8, global_batch=64, seq_len=2048, micro_batches=(1, 2))
     return graph, slow, space
@@ -276,12 +277,13 @@ def test_parametric_equals_cp_sat_on_gpt3_programs() -> None:
 def test_no_fit_hint_names_only_remedies_that_fit() -> None:
     graph = gpt_graph(GPTConfig(num_layers=8, hidden_size=1024, num_heads=8, seq_len=1024, vocab_size=50304))
     h200 = load_cluster("h200-141g")
-    tight = dataclasses.replace(h200, memory_bytes=0.3 * 2**30, framework_reserve_bytes=0.0, nccl_bytes_per_group=0.0)
+    tight = dataclasses.replace(h200, memory_margin_fraction=0.0, memory_bytes=0.3 * 2**30, framework_reserve_bytes=0.0,
+                                nccl_bytes_per_group=0.0)
     space = SearchSpace(num_gpus=1, gpus_per_node=1, global_batch=8, seq_len=1024, micro_batches=(1,))
     hint = infeasible_hint(graph, tight, space, {}, user_batch=False)
     assert "--gpus" in hint
     assert "--cluster a100-80g" in hint  # the least memory above 0.3 GiB that fits; CPU profiles never named
-    hopeless = dataclasses.replace(h200, memory_bytes=2**30 * 141)
+    hopeless = dataclasses.replace(h200, memory_margin_fraction=0.0, memory_bytes=2**30 * 141)
     huge = gpt_graph(GPTConfig(num_layers=8, hidden_size=12288, num_heads=96, seq_len=2048, vocab_size=51200))
     one = SearchSpace(num_gpus=1, gpus_per_node=1, global_batch=8, seq_len=2048, micro_batches=(1,))
     hint = infeasible_hint(huge, hopeless, one, {}, user_batch=False)

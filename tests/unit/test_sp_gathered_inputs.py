@@ -3,7 +3,7 @@ all-gather, at the full sequence (what the executor and torchtitan keep for back
 Megatron-LM saves the sequence shard and gathers it again. The trace marks a block's saved GEMM
 inputs; the cost model keeps the replicated ones whole under SP where the profile's software saves
 them so (``sp_saves_gathered_input``: autopar run, torchtitan), and divides them where it does not
-(Megatron-LM, the ``a100-80g`` profile of its SC21 runs)."""
+(Megatron-LM, the ``a100-80g-megatron`` profile of its SC21 runs)."""
 
 from __future__ import annotations
 
@@ -28,14 +28,15 @@ def test_a_block_saves_two_gathered_gemm_inputs(small_gpt) -> None:
     assert any(q.gemm_input and q.exps.t > 0.5 for q in block.saved)
 
 
-def test_executor_sp_keeps_the_gathered_inputs_whole(small_gpt, a100) -> None:
+def test_executor_sp_keeps_the_gathered_inputs_whole(small_gpt, a100, a100_megatron) -> None:
     from autopar.cluster import load_cluster
 
     block = small_gpt.regions["block"]
     tp = 4
     shape = Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=tp, sp=tp)
     executor = load_cluster("h100-80g")
-    assert executor.sp_saves_gathered_input and not a100.sp_saves_gathered_input
+    assert executor.sp_saves_gathered_input and a100.sp_saves_gathered_input  # both price autopar run
+    assert not a100_megatron.sp_saves_gathered_input
     megatron = dataclasses.replace(executor, sp_saves_gathered_input=False)
     executor_saved = region_time(block, executor, shape).saved_bytes
     megatron_saved = region_time(block, megatron, shape).saved_bytes
@@ -46,7 +47,7 @@ def test_executor_sp_keeps_the_gathered_inputs_whole(small_gpt, a100) -> None:
     assert region_time(block, executor, plain).saved_bytes == region_time(block, megatron, plain).saved_bytes
 
 
-def test_autocast_kinds_keep_a_weight_copy_per_micro_batch(small_gpt, a100, make_config) -> None:
+def test_autocast_kinds_keep_a_weight_copy_per_micro_batch(small_gpt, a100_megatron, make_config) -> None:
     """ZeRO-0 under autopar run trains under autocast over fp32 parameters: each Linear saves its
     weight's 16-bit copy per micro-batch; FSDP2's param_dtype (ZeRO-3 here) and Megatron do not."""
     from autopar.cluster import load_cluster
@@ -58,6 +59,6 @@ def test_autocast_kinds_keep_a_weight_copy_per_micro_batch(small_gpt, a100, make
     assert z0.act_bytes - z3.act_bytes == z0.params * 2  # fp16 training: 2 bytes per weight
     full = build_terms(small_gpt, executor, make_config(dp=8, zero=0, recompute="full")).block
     assert full.act_bytes == build_terms(small_gpt, executor, make_config(dp=8, zero=3, recompute="full")).block.act_bytes
-    m0 = build_terms(small_gpt, a100, make_config(dp=8, zero=0)).block
-    m3 = build_terms(small_gpt, a100, make_config(dp=8, zero=3)).block
+    m0 = build_terms(small_gpt, a100_megatron, make_config(dp=8, zero=0)).block
+    m3 = build_terms(small_gpt, a100_megatron, make_config(dp=8, zero=3)).block
     assert m0.act_bytes == m3.act_bytes
