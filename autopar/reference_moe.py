@@ -26,8 +26,16 @@ How Megatron-Core's settings map (``row_plan``):
   Megatron's does. Where a chunk would hold no layer (Qwen3 at pp 32 x vpp 3: 96 units, one each),
   the plan keeps the per-rank layer counts with no interleaving (flagged).
 - Recompute: none, full as stated; Megatron's ``--recompute-modules layernorm moe_act`` ("norm, act")
-  reruns only norms and the experts' activation: priced as none (flagged: its memory saving is not
-  priced; its rerun, element-wise ops, is a few percent of a layer).
+  reruns only the pre-MLP norm and the experts' activation: priced as none (flagged). No plan field
+  carries those modules (``parallel.recompute`` is none, selective or full for the whole layer), so
+  their memory saving is not priced: the pre-MLP norm's output and the SwiGLU's output, h + k f bytes
+  per token of the sequence shard (autopar.cost.megatron_moe_memory takes them by keyword), 14 % of a
+  Qwen3-235B layer's activations; the rerun, element-wise ops, is a few percent of a layer.
+- Activations: as Megatron-Core keeps them (``activation_memory: megatron``): the attention half by
+  the dense layer's formula, the MoE half from the block's widths -- the router's small fp32 outputs,
+  k permuted rows of h, fc1's 2 f and the SwiGLU's f output per token (autopar.cost.megatron_moe_memory),
+  not the HF file's eager saved tensors. The DeepEP rows are priced with the same rows: its dispatch
+  keeps no more of them.
 - Routing: priced balanced (moe_imbalance 1.0): the Qwen3 rows do not say (forced balance is the
   model zoo's benchmark practice), the Mixtral pair states dropless and forced balance.
 - Element-wise work: as the profile's software runs it (``fused_elementwise``): both model configs
@@ -226,7 +234,8 @@ def row_plan(row: MoeRow, model: MoeModel | None = None) -> MoePlan:
     recompute = {"": "none", "full": "full"}.get(row.recompute.strip())
     if recompute is None:
         recompute = "none"
-        flags.append(f"recompute '{row.recompute}' (norms / expert activation only) priced as none")
+        flags.append(f"recompute '{row.recompute}' (norms / expert activation only) priced as none: no plan field "
+                     "carries Megatron's recompute modules, their memory saving is not priced")
     vpp, stages = row.vpp, None
     if row.pp > 1:  # pipeline chunks as Megatron splits them
         counts = megatron_chunk_layers(m.layers, row.pp, row.vpp, m.account_for_embedding_and_loss)

@@ -96,10 +96,15 @@ def measure_widths(graph: "ModelGraph") -> LayerWidths | None:
         return None
     dropouts = sum(1 for op in graph.regions["block"].ops
                    if op.phase == "fwd" and op.name == "native_dropout" and not op.bytes_exps.quadratic)
+    return LayerWidths(hidden=hidden, attn_in=attn_in, attn_out=attn_out, mlp_in=mlp_in, mlp_mid=mlp_mid,
+                       heads=graph.num_heads, dropouts=dropouts, vocab=head_width(graph, hidden))
+
+
+def head_width(graph: "ModelGraph", hidden: int) -> int:
+    """The output head's width: the widest forward GEMM out of ``hidden`` after the blocks (0: none)."""
     head = [op.dims[2] for op in graph.regions["post"].ops
             if op.phase == "fwd" and op.kind == "gemm" and op.dims is not None and op.dims[3] == hidden]
-    return LayerWidths(hidden=hidden, attn_in=attn_in, attn_out=attn_out, mlp_in=mlp_in, mlp_mid=mlp_mid,
-                       heads=graph.num_heads, dropouts=dropouts, vocab=max(head, default=0))
+    return max(head, default=0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,7 +33,7 @@ from autopar.cost.framework import (
     per_step_s_per_param,
     trains_under_autocast,
 )
-from autopar.cost.megatron_memory import layer_widths, megatron_activations
+from autopar.cost.megatron_moe_memory import megatron_block_activations
 from autopar.cost.memory import state_bytes_per_param
 from autopar.cost.terms import Config, Part, StageTerms
 from autopar.cost.zero import (
@@ -164,11 +164,10 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         # (its gradients are reduce-scattered as soon as they are whole); measured by rehearsal
         transient += 2 * block_params * d
         transient -= ep.transient_saving_bytes  # expert parallelism: this rank's E / ep experts only
-    widths = layer_widths(graph) if cluster.activation_memory == "megatron" else None
-    if widths is None:
+    mega = megatron_block_activations(graph, cfg) if cluster.activation_memory == "megatron" else None
+    if mega is None:
         transient += _recompute_working(graph, cluster, cfg, shape, core_shape)
-    else:  # Megatron-Core + TE keep their own activations (cost/megatron_memory.py)
-        mega = megatron_activations(widths, cfg, cfg.dtype_bytes, cfg.recompute)
+    else:  # Megatron-Core + TE keep their own activations (cost/megatron_memory.py, megatron_moe_memory.py)
         transient += mega.block_working
         block, pre = evolve(block, act_bytes=mega.block), evolve(pre, act_bytes=mega.pre)
         post = evolve(post, act_bytes=mega.post, peak_bytes=mega.post_peak)
