@@ -46,11 +46,12 @@ CASES = [
     pytest.param("hf_bert", "tp2+sp", ("tp", "sp"), id="hf_bert-tp2+sp"),  # post-LN under SP, a tied bias
     pytest.param("hf_qwen2", "cp2", ("cp",), id="hf_qwen2-cp2"),  # a dict of input_ids and labels, output.loss
     # blocks of two structures in one list, a tp plan per unit kind (spec/chain_tp.py), SP where each
-    # kind passes its check (DeepSeek: not between routed layers):
+    # kind passes its check (DeepSeek's MLA: its replicated q_a/kv_a projections and norms on whole,
+    # gathered inputs, spec/tp_replicated.py):
     # ModernBERT's plans inferred (layer 0 has no attention norm), DeepSeek-V3's from HF's _tp_plan
     # (dense layers' MLP, MoE layers' shared experts; the routed experts replicated)
     pytest.param("hf_modernbert", "tp2+sp", ("tp", "sp"), id="hf_modernbert-tp2+sp"),
-    pytest.param("hf_deepseek_v3", "tp2+sp", ("tp",), id="hf_deepseek_v3-tp2"),
+    pytest.param("hf_deepseek_v3", "tp2+sp", ("tp", "sp"), id="hf_deepseek_v3-tp2+sp"),
     # TP inferred for unusual names: test_tp_is_inferred_for_unusual_module_names (the plan; inferred
     # plans train in hf_gpt2/hf_falcon/hf_modernbert above); MoE under data
     # parallelism and ep: tests/dist/test_expert_parallel.py
