@@ -92,8 +92,8 @@ def moe_bytes_per_token(w: MoeWidths, cfg: "Config", dtype_bytes: int, *, qk_nor
         extra += d * (w.dense.mlp_in + w.dense.mlp_mid) / sp
     extra += ROUTING_BYTES_PER_EXPERT * w.experts / sp
     mid = 0 if moe_act else w.expert_mid
-    if w.experts_sharded:  # expert tp: the rows gathered over tp, the experts' widths sharded
-        rows = d * h + (d * (w.expert_in + mid) + SCORE_BYTES) / t
+    if w.experts_sharded:  # expert tp: the rows (and their probabilities) gathered over tp, the widths sharded
+        rows = d * h + SCORE_BYTES + d * (w.expert_in + mid) / t
     else:
         rows = (d * (h + w.expert_in + mid) + SCORE_BYTES) / sp
     extra += k * rows * cfg.moe_imbalance

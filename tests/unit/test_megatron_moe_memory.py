@@ -77,7 +77,7 @@ def test_the_busiest_rank_keeps_imbalance_times_the_rows_and_expert_tp_gathers_t
     rows = K * (2 * (H + 3 * F) + 4) / 2
     assert skewed - base == pytest.approx(0.5 * rows)
     sharded = moe_bytes_per_token(dataclasses.replace(w, experts_sharded=True), _cfg(), 2, qk_norm=False)
-    assert sharded - 17 * E / 2 == pytest.approx(K * (2 * H + (2 * 3 * F + 4) / 2))  # rows whole, widths / tp
+    assert sharded - 17 * E / 2 == pytest.approx(K * (2 * H + 4 + 2 * 3 * F / 2))  # rows whole, widths / tp
 
 
 def test_qk_norms_keep_q_and_k_and_a_replicated_shared_expert_sits_on_the_shard() -> None:
