@@ -64,6 +64,17 @@ _MID = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=1024, moe_in
             qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, vocab_size=8192, max_position_embeddings=2048)
 
 
+def _mid_deepseek(tmp_path: Path) -> Path:
+    """The zoo's DeepSeek-V3 file at the ``_MID`` size and 1,024 tokens (skips without transformers)."""
+    pytest.importorskip("transformers")
+    src = (ZOO / "hf_deepseek_v3.py").read_text()
+    src = src.replace('SIZE = "tiny"', f"SIZES['mid'] = {_MID!r}\nSIZE = 'mid'")
+    src = src.replace('SEQ_LEN = 32 if SIZE == "tiny" else 2048', "SEQ_LEN = 1024")
+    model = tmp_path / "deepseek_mid.py"
+    model.write_text(src)
+    return model
+
+
 @pytest.mark.parametrize("ep", [1, 2])
 def test_a_layer_chain_is_priced_as_rehearsed(tmp_path: Path, ep: int) -> None:
     """A chain model's memory has the phases a block list's has (the loss's fp32 logits and their
@@ -77,12 +88,7 @@ def test_a_layer_chain_is_priced_as_rehearsed(tmp_path: Path, ep: int) -> None:
     from autopar.plan import plan_from_dict
     from autopar.rehearse.compare import rehearse
 
-    pytest.importorskip("transformers")
-    src = (ZOO / "hf_deepseek_v3.py").read_text()
-    src = src.replace('SIZE = "tiny"', f"SIZES['mid'] = {_MID!r}\nSIZE = 'mid'")
-    src = src.replace('SEQ_LEN = 32 if SIZE == "tiny" else 2048', "SEQ_LEN = 1024")
-    model = tmp_path / "deepseek_mid.py"
-    model.write_text(src)
+    model = _mid_deepseek(tmp_path)
     plan = plan_from_dict({
         "version": 1, "model": {"file": str(model), "num_blocks": 4},
         "cluster": {"profile": "a100-80g", "num_gpus": 2, "gpus_per_node": 2},
@@ -106,12 +112,7 @@ def test_a_pipelined_chain_is_priced_as_rehearsed(tmp_path: Path) -> None:
     from autopar.plan import plan_from_dict
     from autopar.rehearse.compare import rehearse
 
-    pytest.importorskip("transformers")
-    src = (ZOO / "hf_deepseek_v3.py").read_text()
-    src = src.replace('SIZE = "tiny"', f"SIZES['mid'] = {_MID!r}\nSIZE = 'mid'")
-    src = src.replace('SEQ_LEN = 32 if SIZE == "tiny" else 2048', "SEQ_LEN = 1024")
-    model = tmp_path / "deepseek_mid.py"
-    model.write_text(src)
+    model = _mid_deepseek(tmp_path)
     plan = plan_from_dict({
         "version": 1, "model": {"file": str(model), "num_blocks": 4},
         "cluster": {"profile": "a100-80g", "num_gpus": 2, "gpus_per_node": 2},
