@@ -47,10 +47,17 @@ def test_the_graph_counts_parameter_tensors(small_gpt) -> None:
     (dict(zero=0), "ddp"), (dict(zero=0, tp=2), "replicate"), (dict(zero=0, pp=2), "replicate"),
     (dict(zero=1), "fully_shard"), (dict(zero=1, dp=1), "none"), (dict(zero=3, dp=1), "fully_shard"),
     (dict(zero=0, dp=1), "none"), (dict(zero=2), "fully_shard"),
+    # one data-parallel rank with DTensor parameters or a pipeline: autocast (a weight copy per micro-batch)
+    (dict(zero=0, dp=1, tp=2), "none"), (dict(zero=1, dp=1, pp=2), "none"),
 ])
 def test_the_wrapper_is_the_one_the_executor_applies(changes, wrapper) -> None:
-    assert dp_wrapper(cfg(**changes)) == wrapper
-    assert has_dtensor_params(cfg(**changes)) == (wrapper in ("fully_shard", "replicate") or changes.get("tp", 1) > 1)
+    from autopar.executor.parallel.data_parallel import wrap_kind
+
+    c = cfg(**changes)
+    assert dp_wrapper(c) == wrapper
+    assert has_dtensor_params(c) == (wrapper in ("fully_shard", "replicate") or changes.get("tp", 1) > 1)
+    executed = wrap_kind(c.zero, c.dp * c.cp, replicated=c.tp > 1 or c.pp > 1)
+    assert {"fsdp": "fully_shard"}.get(executed, executed) == wrapper
 
 
 def test_a_profile_without_the_figures_prices_nothing_new(small_gpt, a100) -> None:
