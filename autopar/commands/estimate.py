@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from autopar.cluster import usable_text
 from autopar.commands.args import check_moe_imbalance, positive_int, warn
 from autopar.engines.capability import EXPORT_ENGINES
 from autopar.errors import AutoparError
@@ -73,7 +74,8 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(estimate_json(est.estimate), indent=2))
         return 0
     est = api.estimation(args.model, args.plan, args.cluster, **options)
-    print(estimate_report(est.plan, est.estimate, est.graph.name, est.graph.num_params, est.cluster.name))
+    print(estimate_report(est.plan, est.estimate, est.graph.name, est.graph.num_params, est.cluster.name,
+                          usable_text(est.cluster)))
     if est.estimate.moe:
         print(_moe_text(est.estimate.moe))
     if not args.no_rank:
@@ -162,7 +164,8 @@ def _estimate_from(args: argparse.Namespace) -> int:
     if imp.config.ignored:
         print(f"not read {', '.join(imp.config.ignored)} (settings that do not change what autopar prices, "
               f"or that the model file describes)")
-    print(estimate_report(est.plan, est.estimate, est.graph.name, est.graph.num_params, est.cluster.name))
+    print(estimate_report(est.plan, est.estimate, est.graph.name, est.graph.num_params, est.cluster.name,
+                          usable_text(est.cluster)))
     if not args.no_rank:
         print("")
         print(_rank_text(est, args, engine=engine))
