@@ -175,9 +175,9 @@ def with_memory_margin(choice: ClusterChoice, fraction: float) -> ClusterChoice:
     autopar.cluster.Cluster.memory_margin_fraction); a one-line error outside [0, 0.5)."""
     import dataclasses
 
-    if not 0.0 <= fraction < 0.5:
-        raise AutoparError(f"--memory-margin {fraction:g}: give a share of each GPU's memory from 0 to below 0.5 "
-                           "(0.03 leaves 3 %)")
+    from autopar.cluster import memory_margin
+
+    fraction = memory_margin(fraction, "--memory-margin")
     return dataclasses.replace(choice, cluster=dataclasses.replace(choice.cluster, memory_margin_fraction=fraction))
 
 

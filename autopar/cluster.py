@@ -302,10 +302,12 @@ def usable_text(cluster: Cluster) -> str:
             f"{cluster.memory_margin_fraction * 100:g} % margin)")
 
 
-def _margin(value: float, where: str) -> float:
+def memory_margin(value: float, what: str) -> float:
+    """``value`` as a memory margin (``Cluster.memory_margin_fraction``, named ``what`` in the
+    error): a share of the device's memory from 0 to below 0.5, else a one-line ClusterError."""
     if not 0.0 <= value < 0.5:
-        raise ClusterError(f"{where}: 'memory_margin_fraction' must be at least 0 and below 0.5 (a share of the "
-                           f"device's memory), got {value}")
+        raise ClusterError(f"{what} must be at least 0 and below 0.5 (a share of the device's memory; 0.03 "
+                           f"leaves 3 %), got {value:g}")
     return value
 
 
@@ -337,7 +339,8 @@ def cluster_from_dict(data: Any, name: str, source: Path | None = None) -> Clust
             inter_node=_link(_get(net, "inter_node", f"{where} network"), f"{where} network.inter_node"),
             framework_reserve_bytes=_num(gpu, "framework_reserve_bytes", f"{where} gpu"),
             nccl_bytes_per_group=_num(gpu, "nccl_bytes_per_group", f"{where} gpu", 0.0),
-            memory_margin_fraction=_margin(_num(gpu, "memory_margin_fraction", f"{where} gpu", 0.0), f"{where} gpu"),
+            memory_margin_fraction=memory_margin(_num(gpu, "memory_margin_fraction", f"{where} gpu", 0.0),
+                                                 f"{where} gpu: 'memory_margin_fraction'"),
             fp32_peak_flops=_num(gpu, "fp32_peak_flops", f"{where} gpu", 0.0),
             optimizer_bytes_per_param=_num(eff, "optimizer_bytes_per_param", f"{where} efficiency", 32.0),
             overlap_cost_fraction=_num(eff, "overlap_cost_fraction", f"{where} efficiency", 0.1),

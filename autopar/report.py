@@ -94,8 +94,9 @@ def plan_brief(plan: Plan) -> str:
 
 
 def estimate_report(plan: Plan, est: Estimate, model_name: str, num_params: float, cluster_name: str,
-                    capacity_text: str = "") -> str:
-    """The human-readable output of ``autopar estimate``."""
+                    capacity_text: str) -> str:
+    """The human-readable output of ``autopar estimate``; ``capacity_text``: what a plan may fill, as
+    the CLI says it (autopar.cluster.usable_text: the margin named)."""
     out = [
         f"model    {model_name}: {param_count(num_params)} parameters, {plan.model.num_blocks} blocks, "
         f"seq {plan.training.seq_len}, global batch {plan.training.global_batch_size}, {plan.training.dtype}",
@@ -120,7 +121,5 @@ def estimate_report(plan: Plan, est: Estimate, model_name: str, num_params: floa
                       "total GiB", "headroom"], stage_rows))
     verdict = "fits" if est.fits else "DOES NOT FIT"
     out.append("")
-    # ``capacity_text``: what a plan may fill as the CLI says it (autopar.cluster.usable_text: the margin named)
-    of = capacity_text or f"{gib(est.capacity_bytes)} GiB"
-    out.append(f"peak memory {gib(est.peak_memory_bytes)} GiB of {of} per GPU: {verdict}")
+    out.append(f"peak memory {gib(est.peak_memory_bytes)} GiB of {capacity_text} per GPU: {verdict}")
     return "\n".join(out)

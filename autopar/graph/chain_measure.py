@@ -272,8 +272,7 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
         block_input_bytes=units[0].input_bytes,
         build_seconds=time.perf_counter() - start, chain=units, moe=MoEFacts.of(spec.moe),
         tp_degrees=spec.tp_degrees,
-        output=fit_output(base.output_bytes, b2.output_bytes, s_half and s_half.output_bytes,
-                          t2 and t2.output_bytes),
+        output=fit_output(base, b2, s_half, t2),
     )
 
 

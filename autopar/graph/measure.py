@@ -168,8 +168,7 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         build_seconds=time.perf_counter() - start, moe=MoEFacts.of(spec.moe),  # expert parallelism
         tp_degrees=spec.tp_degrees,
         carried=_carried(mf, small, spec, shapes) if support["pp"] is None else (),
-        output=fit_output(base.output_bytes, b2.output_bytes, s_half and s_half.output_bytes,
-                          t2 and t2.output_bytes),
+        output=fit_output(base, b2, s_half, t2),
     )
 
 

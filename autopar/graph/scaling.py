@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from autopar.graph.align import matching_blocks
 from autopar.graph.records import OpRecord, SavedRecord, Trace
@@ -142,13 +143,14 @@ def _exps(base: float, b2: float | None, s_half: float | None, t2: float | None)
     )
 
 
-def fit_output(base: float, b2: float | None, s_half: float | None, t2: float | None) -> FitQuantity | None:
-    """The model's output (``TracedRun.output_bytes`` of the traces at the base shape, micro-batch 2,
-    half the sequence and tp 2; None where not traced) as a quantity; None where the forward
-    returned no tensor."""
-    if base <= 0:
+def fit_output(base: Any, b2: Any, s_half: Any | None, t2: Any | None) -> FitQuantity | None:
+    """The model's output (``output_bytes`` of graph/build.TracedRun: the traces at the base shape,
+    micro-batch 2, half the sequence and tp 2; None where not traced) as a quantity; None where the
+    forward returned no tensor."""
+    if base.output_bytes <= 0:
         return None
-    return FitQuantity(what="output", phase="fwd", nbytes=base, exps=_exps(base, b2, s_half, t2))
+    other = [None if run is None else run.output_bytes for run in (b2, s_half, t2)]
+    return FitQuantity(what="output", phase="fwd", nbytes=base.output_bytes, exps=_exps(base.output_bytes, *other))
 
 
 def _align(a: list[OpRecord], b: list[OpRecord]) -> list[OpRecord | None]:

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 from autopar.cluster import Cluster
 from autopar.cost.evolve import evolve
 from autopar.cost.host import evaluate_with_host, host_family, host_lower_bound
-from autopar.cost.stage import Config, StageTerms, build_terms, software_recompute_reason
+from autopar.cost.stage import Config, StageTerms, build_terms, keeps_autocast_copies, software_recompute_reason
 from autopar.cost.step import evaluate
 from autopar.errors import PlanError
 from autopar.graph.model_graph import ModelGraph
@@ -331,8 +331,6 @@ def _least_block_act(base: StageTerms, graph: ModelGraph, cluster: Cluster) -> f
     """The activations a block of ``base``'s branch keeps at the least: a per-stage recompute mix keeps at
     least its most frugal mode's, and none keeps the autocast weight copies of ``base``'s data-parallel
     kind where another ZeRO stage or offload of the branch trains through FSDP2's param_dtype."""
-    from autopar.cost.stage import keeps_autocast_copies
-
     copies = base.block.params * base.config.dtype_bytes if keeps_autocast_copies(cluster, base.config) else 0.0
     parts = ({base.config.recompute: base.block} if base.recompute_parts is None
              else {m: base.recompute_parts[m] for m in mix_modes(graph)})

@@ -75,6 +75,19 @@ def _mid_deepseek(tmp_path: Path) -> Path:
     return model
 
 
+def _mid_plan(model: Path, micro_batch_size: int, **parallel: int):  # noqa: ANN202 - a plan v1
+    """A plan of the mid-size DeepSeek on 2 ranks of a100-80g: global batch 8 of 1,024 tokens, bf16, AdamW."""
+    from autopar.plan import plan_from_dict
+
+    return plan_from_dict({
+        "version": 1, "model": {"file": str(model), "num_blocks": 4},
+        "cluster": {"profile": "a100-80g", "num_gpus": 2, "gpus_per_node": 2},
+        "training": {"global_batch_size": 8, "micro_batch_size": micro_batch_size, "seq_len": 1024, "dtype": "bf16",
+                     "optimizer": "adamw"},
+        "parallel": parallel,
+    })
+
+
 @pytest.mark.parametrize("ep", [1, 2])
 def test_a_layer_chain_is_priced_as_rehearsed(tmp_path: Path, ep: int) -> None:
     """A chain model's memory has the phases a block list's has (the loss's fp32 logits and their
@@ -85,17 +98,10 @@ def test_a_layer_chain_is_priced_as_rehearsed(tmp_path: Path, ep: int) -> None:
     from autopar.cluster import load_cluster
     from autopar.cost.estimate import estimate_plan
     from autopar.graph.measure import build_graph
-    from autopar.plan import plan_from_dict
     from autopar.rehearse.compare import rehearse
 
     model = _mid_deepseek(tmp_path)
-    plan = plan_from_dict({
-        "version": 1, "model": {"file": str(model), "num_blocks": 4},
-        "cluster": {"profile": "a100-80g", "num_gpus": 2, "gpus_per_node": 2},
-        "training": {"global_batch_size": 8, "micro_batch_size": 4, "seq_len": 1024, "dtype": "bf16",
-                     "optimizer": "adamw"},
-        "parallel": {"dp": 2, "tp": 1, "pp": 1, "ep": ep, "zero": 1},
-    })
+    plan = _mid_plan(model, 4, dp=2, tp=1, pp=1, ep=ep, zero=1)
     est = estimate_plan(plan, build_graph(str(model)), load_cluster("a100-80g"))
     (rank,) = rehearse(plan, str(model), est, "a100-80g", ranks=[0], workers=1).ranks
     assert abs(rank.tensor_error_pct) < 5.0, rank
@@ -109,17 +115,10 @@ def test_a_pipelined_chain_is_priced_as_rehearsed(tmp_path: Path) -> None:
     from autopar.cluster import load_cluster
     from autopar.cost.estimate import estimate_plan
     from autopar.graph.measure import build_graph
-    from autopar.plan import plan_from_dict
     from autopar.rehearse.compare import rehearse
 
     model = _mid_deepseek(tmp_path)
-    plan = plan_from_dict({
-        "version": 1, "model": {"file": str(model), "num_blocks": 4},
-        "cluster": {"profile": "a100-80g", "num_gpus": 2, "gpus_per_node": 2},
-        "training": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 1024, "dtype": "bf16",
-                     "optimizer": "adamw"},
-        "parallel": {"dp": 1, "tp": 1, "pp": 2, "zero": 1},
-    })
+    plan = _mid_plan(model, 2, dp=1, tp=1, pp=2, zero=1)
     graph = build_graph(str(model))
     est = estimate_plan(plan, graph, load_cluster("a100-80g"))
     # the model's output, one micro-batch of bf16 logits (vocabulary 8192), is what the last stage holds
