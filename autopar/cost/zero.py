@@ -150,9 +150,15 @@ def held_reduce_input_bytes_per_param(cfg: "Config", cluster: "Cluster") -> floa
     without a pipeline (ZeRO-1 on its last micro-batch). At pp > 1 ZeRO-1/2 reduce after the last
     backward, when the activations are gone; software with a gradient buffer of its own
     (``Cluster.main_grad_bytes``, Megatron-Core) reduces in place. Measured by rehearsal (Llama-3
-    405B, ZeRO-3: 11.9 GiB, a block's 3.2 B parameters in fp32)."""
-    if cluster.main_grad_bytes or dp_wrapper(cfg) != "fully_shard":
+    405B, ZeRO-3: 11.9 GiB, a block's 3.2 B parameters in fp32). ``replicate`` (ZeRO-0 with
+    DTensors or a pipeline) is FSDP2 with a unit per block as well, all-reducing the same flat fp32
+    input: in the peak without a pipeline (the last micro-batch's backward), after it with one
+    (the pipelining stage reduces once the step's backwards are done)."""
+    wrapper = dp_wrapper(cfg)
+    if cluster.main_grad_bytes or wrapper not in ("fully_shard", "replicate"):
         return 0.0
+    if wrapper == "replicate":
+        return float(FP32_BYTES) if cfg.pp == 1 else 0.0
     return float(FP32_BYTES) if executed_zero(cfg.zero, cfg.pp) == 3 or cfg.pp == 1 else 0.0
 
 

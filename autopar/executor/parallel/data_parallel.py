@@ -183,7 +183,17 @@ def apply_data_parallel(
 
         # FSDP2's mixed precision, not autocast: autocast over fp32 parameters kept a 16-bit copy
         # of every weight per micro-batch and an fp32 residual stream (rehearsed 15-26 % above
-        # the price of Llama-3 70B's ZeRO-0 plan at 64 H100s)
+        # the price of Llama-3 70B's ZeRO-0 plan at 64 H100s).
+        # One unit per block, then the root, as fully_shard's: a unit's 16-bit gradients live until
+        # its backward ends and its fp32 reduce input until the next unit's reduce, so a whole-stage
+        # unit held a pipeline chunk of each at the peak (GPT-3's Megatron layout at dp 2 rehearsed
+        # 5 % over its price), and its all-reduce could only start once the whole stage's backward
+        # had run.
+        blocks = list(blocks)
+        for group in shared_module_groups(blocks):
+            replicate(group, mesh=mesh, mp_policy=mp)
+        for block in blocks:
+            replicate(block, mesh=mesh, mp_policy=mp)
         replicate(part, mesh=mesh, mp_policy=mp)
         if routed:
             routed_grads.install(part, mesh.get_group(), device)
@@ -318,6 +328,18 @@ def zero1_microbatch(module: nn.Module, last: bool) -> None:
     assert isinstance(module, FSDPModule), "ZeRO-1 parts are FSDP2 modules"
     module.set_requires_gradient_sync(last)
     module.set_reshard_after_backward(last)
+
+
+def replicate_microbatch(module: nn.Module, last: bool) -> None:
+    """Before micro-batch i of a step on a ``replicate`` part without a pipeline: gradient sync on
+    the last only (DDP's ``no_sync`` before it), so the step all-reduces its gradients once, block
+    by block behind the last backward, as the cost model prices ZeRO-0 -- not once per micro-batch.
+    Until then each unit accumulates its unsharded gradients in the reduce dtype (fp32), the
+    gradient memory ``replicate`` holds anyway. (At pp > 1 the pipelining stage switches it.)"""
+    from torch.distributed.fsdp import FSDPModule
+
+    assert isinstance(module, FSDPModule), "replicate parts are FSDP2 modules"
+    module.set_requires_gradient_sync(last)
 
 
 def build_optimizer(

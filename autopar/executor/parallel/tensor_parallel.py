@@ -41,8 +41,10 @@ embedding and head, as torchtitan does it):
   replicated DTensor, which DTensor slices to the logits' shard.
 * a vocabulary not divisible by tp keeps the edges replicated (a note says so).
 * DTensor has no vocab-sharded strategy for the embedding's backward: with a replicated output
-  gradient it computes the weight's gradient Replicate (full vocabulary on every rank). Left so, the
-  gradient of a Shard(0) parameter is full-size (memory) and its local tensor is not the shard
+  gradient it computes the weight's gradient Replicate (full vocabulary on every rank), so the
+  lookup runs on each rank's own rows (tp_vocab_lookup.py, Megatron's VocabParallelEmbedding).
+  Where DTensor's lookup stays (max_norm, scale_grad_by_freq, sparse embeddings) the gradient
+  of the Shard(0) parameter is full-size (memory) and its local tensor is not the shard
   (pipeline_parallel.sync_tied_grads would all-reduce mismatched tensors). ``keep_grad_placements``
   hooks re-shard such a gradient as soon as it is accumulated (Replicate -> Shard(0) is a local
   slice, no communication). FSDP2 / replicate parts need no hook: they reduce into the parameter's
@@ -86,6 +88,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.executor.parallel import tp_replicated as replicated
+from autopar.executor.parallel import tp_vocab_lookup as vocab_lookup
 from autopar.executor.parallel.tp_conv1d import conv1d_layout, is_conv1d
 from autopar.executor.runtime.introspect import ModelSpec
 from autopar.spec.tp_plan import plan_fused, set_local_attrs
@@ -151,6 +154,7 @@ def shard_vocab_edges(part: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> 
     sites = _alias_sites(part, [m for m in (emb, head) if m is not None])
     if emb is not None:
         parallelize_module(emb, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        vocab_lookup.install(emb)  # backward on the rank's rows only (tp_vocab_lookup.py)
     if head is not None:
         if tied:
             head.weight = emb.weight  # the embedding's DTensor parameter; _SharedColwise keeps it
@@ -165,6 +169,7 @@ def shard_vocab_edges(part: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> 
             # another lookup of the same table: it must look up vocab-parallel as the embedding does,
             # or it mixes the sharded weight with the replicated ids
             parallelize_module(mod, tp_mesh, _SharedRowwise(input_layouts=Replicate(), output_layouts=Replicate()))
+            vocab_lookup.install(mod)
     if head is not None:
         _vocab_buffers_as_dtensors(part, getattr(spec, "blocks_path", None), vocab, tp_mesh)
     return []

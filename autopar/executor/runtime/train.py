@@ -59,7 +59,12 @@ from autopar.executor.parallel.context_parallel import (
     position_kwargs,
     shard_batch,
 )
-from autopar.executor.parallel.data_parallel import MIXED_PRECISION_KINDS, build_optimizer, zero1_microbatch
+from autopar.executor.parallel.data_parallel import (
+    MIXED_PRECISION_KINDS,
+    build_optimizer,
+    replicate_microbatch,
+    zero1_microbatch,
+)
 from autopar.executor.parallel.host_reference import build_reference
 from autopar.executor.parallel.pipeline_parallel import run_schedule, sync_tied_grads
 from autopar.executor.parallel.tensor_parallel import VocabParallelLoss, loss_context
@@ -257,6 +262,8 @@ class _Trainer:
             sync = model.no_sync() if kind == "ddp" and i < m - 1 else nullcontext()
             if exe.dp[0].zero1:  # one reduce-scatter and one all-gather per step (data_parallel.py)
                 zero1_microbatch(model, last=i == m - 1)
+            elif kind == "replicate":  # one all-reduce per step, as DDP's no_sync gives
+                replicate_microbatch(model, last=i == m - 1)
             with sync:
                 if par.cp > 1:
                     loss = self._cp_loss(model, mb)
