@@ -42,15 +42,16 @@ if TYPE_CHECKING:
 
 
 def dp_wrapper(cfg: "Config") -> str:
-    """How the executor wraps a part for data parallelism over dp x cp (data_parallel.py):
+    """How the executor wraps a part for data parallelism over dp x cp (data_parallel.wrap_kind):
     ``fully_shard`` (ZeRO-2/3, or ZeRO-1 with more than one rank), ``replicate`` (ZeRO-0 with
-    DTensor parameters or a pipeline), ``ddp`` or ``none``."""
+    DTensor parameters or a pipeline, on one data-parallel rank too), ``ddp`` or ``none`` (one
+    rank, no tp, no pipeline)."""
     n = cfg.dp * cfg.cp
     if cfg.zero >= 2 or (cfg.zero == 1 and n > 1):
         return "fully_shard"
-    if n == 1:
-        return "none"
-    return "replicate" if cfg.tp > 1 or cfg.pp > 1 else "ddp"
+    if cfg.tp > 1 or cfg.pp > 1:
+        return "replicate"
+    return "none" if n == 1 else "ddp"
 
 
 def trains_under_autocast(cfg: "Config") -> bool:

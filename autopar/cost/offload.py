@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from autopar.cost.comm import axis_link
 from autopar.cost.evolve import evolve
+from autopar.cost.framework import dp_wrapper
 from autopar.cost.memo import IdentityMemo
 from autopar.cost.zero import per_microbatch_exposed
 from autopar.errors import PlanError
@@ -122,6 +123,7 @@ def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
     elif off.optimizer:  # ZeRO-Offload style: states on the host, the step on the CPU
         host_state = split["optimizer"]
         split["optimizer"] = 0.0
+        split["params"] += _stored_device_params(cfg, d, n)
         step_copy = share * 2 * d
         optimizer_s = share * (2 * d / bw + 1 / rate)
     act = block.act_bytes
@@ -137,6 +139,22 @@ def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
     return evolve(base, config=cfg, block=block, pre=pre, post=post, state_split=split, recompute_parts=mixed,
                    state_bytes_per_param=sum(split.values()), optimizer_s_per_param=optimizer_s,
                    transient_bytes=transient, offload=cost)
+
+
+def _stored_device_params(cfg: "Config", d: float, n: int) -> float:
+    """Bytes per parameter of the parameters FSDP2 stores on the device under optimizer offload,
+    beside the compute copy the state split already prices as params: the executor casts them to
+    the training dtype (their fp32 masters live on the host, data_parallel ``host_masters``), and
+    FSDP2 still gathers a separate unsharded copy to compute with -- the shard (1/N) under
+    ``fully_shard`` at ZeRO 1-2, the whole parameter under ``replicate`` (rehearsed: GPT-3 at dp 1
+    tp 8 pp 8, 5.26 GiB stored beside 5.06 gathered on stage 0). ZeRO-3's params already are
+    the shard; DDP and an unwrapped part keep no second copy."""
+    wrapper = dp_wrapper(cfg)
+    if wrapper == "replicate":
+        return d
+    if wrapper == "fully_shard" and cfg.zero < 3:
+        return d / n
+    return 0.0
 
 
 def _with_host_copies(cfg: "Config", part: "Part", link: Any, cluster: "Cluster", bw: float, n: int) -> "Part":

@@ -47,8 +47,9 @@ def test_the_graph_counts_parameter_tensors(small_gpt) -> None:
     (dict(zero=0), "ddp"), (dict(zero=0, tp=2), "replicate"), (dict(zero=0, pp=2), "replicate"),
     (dict(zero=1), "fully_shard"), (dict(zero=1, dp=1), "none"), (dict(zero=3, dp=1), "fully_shard"),
     (dict(zero=0, dp=1), "none"), (dict(zero=2), "fully_shard"),
-    # one data-parallel rank with DTensor parameters or a pipeline: autocast (a weight copy per micro-batch)
-    (dict(zero=0, dp=1, tp=2), "none"), (dict(zero=1, dp=1, pp=2), "none"),
+    # one data-parallel rank with DTensor parameters or a pipeline: replicate for its mixed precision
+    # (unwrapped, autocast kept a weight copy per micro-batch in flight)
+    (dict(zero=0, dp=1, tp=2), "replicate"), (dict(zero=1, dp=1, pp=2), "replicate"),
 ])
 def test_the_wrapper_is_the_one_the_executor_applies(changes, wrapper) -> None:
     from autopar.executor.parallel.data_parallel import wrap_kind

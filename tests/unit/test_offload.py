@@ -37,13 +37,30 @@ def test_optimizer_offload_moves_the_states_and_prices_copies_and_the_cpu_step(s
     base, off = both(small_gpt, a100, offload=Offload(optimizer=True))
     n, d, bw = 4, 2, a100.host_link_bandwidth_bytes_per_s
     rate = a100.cpu_optimizer_params_per_s / 8  # this node's 8 GPUs share the host's CPU Adam
-    # GPU: no optimizer states; host: K / N = 12 / 4 bytes per parameter (ZeRO-1)
+    # GPU: no optimizer states, the parameter shard stored in bf16 beside FSDP2's gathered copy;
+    # host: K / N = 12 / 4 bytes per parameter (ZeRO-1)
     assert off.state_split["optimizer"] == 0.0 and base.state_split["optimizer"] == pytest.approx(12 / n)
-    assert off.state_bytes_per_param == pytest.approx(base.state_bytes_per_param - 12 / n)
+    assert off.state_split["params"] == pytest.approx(base.state_split["params"] + d / n)
+    assert off.state_bytes_per_param == pytest.approx(base.state_bytes_per_param - 12 / n + d / n)
     assert off.offload.host_state_bytes_per_param == pytest.approx(12 / n)
     # tail per parameter: gradient shard down + updated shard up + CPU Adam, one after the other
     assert off.optimizer_s_per_param == pytest.approx((1 / n) * (2 * d / bw + 1 / rate))
     assert off.block == base.block and off.grad_sync_s_per_param == base.grad_sync_s_per_param
+
+
+@pytest.mark.parametrize("changes,stored", [
+    (dict(dp=1, tp=2, zero=0), 2.0),  # replicate over one rank: the whole parameter stored in bf16
+    (dict(dp=2, tp=1, pp=2, zero=0), 2.0),  # replicate, a pipeline stage
+    (dict(dp=4, zero=2), 2.0 / 4),  # fully_shard keeps the gathered copy through the step: the shard more
+    (dict(dp=4, zero=3), 0.0),  # ZeRO-3's params are the shard already
+    (dict(dp=4, tp=1, zero=0), 0.0),  # DDP: the fp32 parameters themselves, no second copy
+])
+def test_optimizer_offload_keeps_the_stored_parameters_fsdp2_gathers_from(small_gpt, a100, changes, stored) -> None:
+    """Under optimizer offload the executor stores FSDP2's parameters in the training dtype and
+    FSDP2 gathers a separate compute copy from them (rehearsed: GPT-3 at dp 1 tp 8 pp 8, 5.26 GiB
+    stored beside 5.06 GiB gathered on the first stage)."""
+    base, off = both(small_gpt, a100, offload=Offload(optimizer=True), **changes)
+    assert off.state_split["params"] == pytest.approx(base.state_split["params"] + stored)
 
 
 def test_params_offload_is_fsdp2_at_zero3_and_extends_each_gather_by_the_host_copy(small_gpt, a100) -> None:

@@ -33,7 +33,8 @@ each, so ZeRO's savings are unchanged.
 
 Mixed precision: FSDP2 and ``replicate`` get ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``
 (the forward runs on one 16-bit copy of the parameters, its residual stream in 16 bits); DDP and an
-unwrapped part run forward under ``torch.autocast`` (see train.py). fp32 keeps everything in fp32.
+unwrapped part (one data-parallel rank, no tp, no pipeline) run forward under ``torch.autocast``
+(see train.py). fp32 keeps everything in fp32.
 """
 
 from __future__ import annotations
@@ -75,15 +76,18 @@ MIXED_PRECISION_KINDS = ("fsdp", "replicate")
 
 
 def wrap_kind(zero: int, dp_size: int, *, replicated: bool) -> str:
-    """How ``apply_data_parallel`` wraps a part: "fsdp" (``uses_fsdp``), "none" (one data-parallel
-    rank), "replicate" (``replicated``: DTensor parameters or a pipeline stage, which DDP cannot
-    take) or "ddp". The cost model prices the same rule from a plan's degrees
-    (``autopar.cost.framework.dp_wrapper``: planner code does not import the executor)."""
+    """How ``apply_data_parallel`` wraps a part: "fsdp" (``uses_fsdp``), "replicate"
+    (``replicated``: DTensor parameters or a pipeline stage, which DDP cannot take -- on one
+    data-parallel rank too, for its mixed-precision policy: unwrapped, such a part trained under
+    autocast, each Linear saving a 16-bit copy of its weight per micro-batch in flight, 122 GiB on
+    the first stage of GPT-3's Megatron layout), "none" (one data-parallel rank, neither) or "ddp".
+    The cost model prices the same rule from a plan's degrees (``autopar.cost.framework.dp_wrapper``:
+    planner code does not import the executor)."""
     if uses_fsdp(zero, dp_size):
         return "fsdp"
-    if dp_size == 1:
-        return "none"
-    return "replicate" if replicated else "ddp"
+    if replicated:
+        return "replicate"
+    return "none" if dp_size == 1 else "ddp"
 
 
 def apply_data_parallel(
@@ -125,7 +129,7 @@ def apply_data_parallel(
     FSDP2 reduces in fp32 and stores in the parameter's dtype -- are held on the device in the
     training dtype, as ZeRO-Offload and Megatron-LM's CPU optimizer do: 2 + 2 bytes per sharded
     parameter instead of 4 + 4, what autopar.cost.offload prices. Each module is cast just before
-    it is sharded.
+    it is sharded; a ``replicate`` part whole, before it is wrapped.
 
     ``unused_params``: some trainable parameters get no gradient from the loss (spec/unused.py); DDP
     then follows the autograd graph each step to mark them ready (``find_unused_parameters``), else
@@ -190,6 +194,8 @@ def apply_data_parallel(
         # 5 % over its price), and its all-reduce could only start once the whole stage's backward
         # had run.
         blocks = list(blocks)
+        if host_masters and dtype != "fp32":  # optimizer offload: as for FSDP2 above, 16-bit device parameters
+            _cast_parameters(part, TORCH_DTYPES[dtype], lambda p: True)
         for group in shared_module_groups(blocks):
             replicate(group, mesh=mesh, mp_policy=mp)
         for block in blocks:
