@@ -77,7 +77,7 @@ def test_cluster_option_changes_the_hardware(run_cli_forked, json_run, repo: Pat
     res = run_cli_forked("estimate", *EXAMPLE, "--cluster", "h100-80g", "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["step_time_s"] < 0.8 * json.loads(json_run.stdout)["step_time_s"]
-    by_path = run_cli_forked("estimate", *EXAMPLE, "--cluster", str(repo / "profiles" / "a100-80g-megatron.yaml"), "--json")
+    by_path = run_cli_forked("estimate", *EXAMPLE, "--cluster", str(repo / "profiles" / "a100-80g.yaml"), "--json")
     assert by_path.returncode == 0, by_path.stderr
     assert json.loads(by_path.stdout)["step_time_s"] == json.loads(json_run.stdout)["step_time_s"]
 

@@ -27,7 +27,7 @@ zero    mechanism
 ======  =============================================================================================
 
 0-d parameters (a learnable scalar gate or temperature): FSDP2 cannot shard them (it refuses to
-wrap a module holding one), so they are left out of FSDP2 (``ignored_params``), stay whole on every
+wrap a module holding one, under ``replicate`` too), so they are left out of FSDP2 (``ignored_params``), stay whole on every
 rank and get their gradients averaged over the mesh by a hook (``_average_grads_of``): a few bytes
 each, so ZeRO's savings are unchanged.
 
@@ -158,9 +158,7 @@ def apply_data_parallel(
             _cast_parameters(part, stored, lambda p: id(p) not in in_blocks)
 
         def ignored(module: nn.Module) -> dict[str, Any]:
-            # 0-d parameters (a learnable scale) cannot be sharded: kept whole, averaged by hooks
-            scalars = {p for p in module.parameters() if p.dim() == 0}
-            return {"ignored_params": scalars, **extra} if scalars else dict(extra)
+            return _without_scalars(module, extra)
 
         # Modules whose parameters several blocks share (Zamba2's shared attention block, tied into
         # every hybrid layer) form one FSDP group first: FSDP2 refuses a parameter in two groups.
@@ -197,10 +195,11 @@ def apply_data_parallel(
         if host_masters and dtype != "fp32":  # optimizer offload: as for FSDP2 above, 16-bit device parameters
             _cast_parameters(part, TORCH_DTYPES[dtype], lambda p: True)
         for group in shared_module_groups(blocks):
-            replicate(group, mesh=mesh, mp_policy=mp)
+            replicate(group, mesh=mesh, mp_policy=mp, **_without_scalars(group[0], {}))
         for block in blocks:
-            replicate(block, mesh=mesh, mp_policy=mp)
-        replicate(part, mesh=mesh, mp_policy=mp)
+            replicate(block, mesh=mesh, mp_policy=mp, **_without_scalars(block, {}))
+        replicate(part, mesh=mesh, mp_policy=mp, **_without_scalars(part, {}))
+        _average_grads_of([p for p in part.parameters() if p.dim() == 0], mesh)
         if routed:
             routed_grads.install(part, mesh.get_group(), device)
         return DataParallelResult(module=part, kind="replicate", sharded_optimizer=False)
@@ -267,6 +266,14 @@ def shared_module_groups(blocks: list[nn.Module]) -> list[list[nn.Module]]:
             taken.append(m)
             groups.setdefault(ids, []).append(m)
     return [g for g in groups.values() if len(g) > 1]
+
+
+def _without_scalars(module: nn.Module, extra: dict[str, Any]) -> dict[str, Any]:
+    """``fully_shard`` / ``replicate`` keyword arguments for ``module``: its 0-d parameters (a learnable
+    scale, CLIP's ``logit_scale``), which FSDP2 refuses to manage under either, left out -- kept whole
+    and averaged over the mesh by hooks (``_average_grads_of``) -- with ``extra``."""
+    scalars = {p for p in module.parameters() if p.dim() == 0}
+    return {"ignored_params": scalars, **extra} if scalars else dict(extra)
 
 
 def _average_grads_of(params: list[nn.Parameter], mesh: DeviceMesh) -> list[nn.Parameter]:

@@ -449,8 +449,10 @@ def run_schedule(schedule: Any, io: StepIO, batch: Any, *, is_last: bool, target
     return losses
 
 
-def _dense(grad: torch.Tensor) -> torch.Tensor:
-    return grad.contiguous()
+def _dense(grad: torch.Tensor | None) -> torch.Tensor | None:
+    # None: an input no output depends on (torch pipelining's backward shape inference asks for
+    # every input's gradient; met by HF CLIP at pp 2 under replicate)
+    return None if grad is None else grad.contiguous()
 
 
 def tied_groups(
