@@ -154,11 +154,8 @@ def held_reduce_input_bytes_per_param(cfg: "Config", cluster: "Cluster") -> floa
     DTensors or a pipeline) is FSDP2 with a unit per block as well, all-reducing the same flat fp32
     input: in the peak without a pipeline (the last micro-batch's backward), after it with one
     (the pipelining stage reduces once the step's backwards are done)."""
-    wrapper = dp_wrapper(cfg)
-    if cluster.main_grad_bytes or wrapper not in ("fully_shard", "replicate"):
+    if cluster.main_grad_bytes or dp_wrapper(cfg) not in ("fully_shard", "replicate"):
         return 0.0
-    if wrapper == "replicate":
-        return float(FP32_BYTES) if cfg.pp == 1 else 0.0
     return float(FP32_BYTES) if executed_zero(cfg.zero, cfg.pp) == 3 or cfg.pp == 1 else 0.0
 
 

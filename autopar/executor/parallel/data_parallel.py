@@ -27,9 +27,9 @@ zero    mechanism
 ======  =============================================================================================
 
 0-d parameters (a learnable scalar gate or temperature): FSDP2 cannot shard them (it refuses to
-wrap a module holding one, under ``replicate`` too), so they are left out of FSDP2 (``ignored_params``), stay whole on every
-rank and get their gradients averaged over the mesh by a hook (``_average_grads_of``): a few bytes
-each, so ZeRO's savings are unchanged.
+wrap a module holding one, under ``replicate`` too), so they are left out of FSDP2
+(``ignored_params``), stay whole on every rank and get their gradients averaged over the mesh by a
+hook (``_average_grads_of``): a few bytes each, so ZeRO's savings are unchanged.
 
 Mixed precision: FSDP2 and ``replicate`` get ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``
 (the forward runs on one 16-bit copy of the parameters, its residual stream in 16 bits); DDP and an
@@ -157,9 +157,6 @@ def apply_data_parallel(
             in_blocks = {id(p) for block in blocks for p in block.parameters()}
             _cast_parameters(part, stored, lambda p: id(p) not in in_blocks)
 
-        def ignored(module: nn.Module) -> dict[str, Any]:
-            return _without_scalars(module, extra)
-
         # Modules whose parameters several blocks share (Zamba2's shared attention block, tied into
         # every hybrid layer) form one FSDP group first: FSDP2 refuses a parameter in two groups.
         shared = shared_module_groups(blocks)
@@ -169,11 +166,11 @@ def apply_data_parallel(
             if stored is not None:
                 _cast_parameters(block, stored, lambda p: True)
             for group in [g for g in shared if any(m is g[0] for m in block.modules())]:
-                fully_shard(group, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, **ignored(group[0]))
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, **ignored(block))
+                fully_shard(group, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, **_without_scalars(group[0], extra))
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, **_without_scalars(block, extra))
         # Root: FSDP2's default (None) keeps the root's parameters gathered from forward to backward,
         # which comes right after -- re-gathering them would only add an all-gather.
-        fully_shard(part, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=mp, **ignored(part))
+        fully_shard(part, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=mp, **_without_scalars(part, extra))
         _average_grads_of([p for p in part.parameters() if p.dim() == 0], mesh)
         if routed:
             routed_grads.install(part, mesh.get_group(), device)
