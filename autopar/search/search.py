@@ -482,8 +482,8 @@ def _refine_with_mixes(top: TopK, graph: ModelGraph, cluster: Cluster, space: Se
         return 0
     refined = 0
     for cand in list(top.items):
-        if cand.recompute_blocks is not None:
-            continue
+        if cand.recompute_blocks is not None or cand.config.offload.activations:
+            continue  # activation offload runs without recompute: a mix would re-run some blocks
         refined += 1
         terms = build_terms(graph, cluster, replace(cand.config, recompute="mixed"))
         mixed = _solve_mixed(terms, graph, cluster, model_flops, tokens, time_limit_s, cand.step_time_s)

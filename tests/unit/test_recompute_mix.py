@@ -149,8 +149,8 @@ def wide():
 # (memory MiB, dp link bytes/s, pp, schedule, v): the gradient sync outlasts the last backward, so
 # recompute (a longer backward) hides more of it -- each rank's front has many (t, z) mixes
 OVERLAP_CASES = [
-    (700, 1e10, 2, "1f1b", 1),
-    (700, 1e10, 2, "interleaved-1f1b", 2),
+    (720, 1e10, 2, "1f1b", 1),
+    (720, 1e10, 2, "interleaved-1f1b", 2),
     (1200, 1e9, 2, "1f1b", 1),
     (900, 1e9, 3, "1f1b", 1),
 ]
