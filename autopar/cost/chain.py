@@ -49,9 +49,10 @@ from autopar.cost.stage import (
     _tp_backward_exposed,
     _tp_time,
     build_terms,
+    region_peak_bytes,
 )
 from autopar.cost.step import Estimate, RankCost
-from autopar.cost.zero import held_reduce_input_bytes_per_param, overlapped, per_microbatch_exposed
+from autopar.cost.zero import held_reduce_input_bytes_per_param, holds_unit_grads, overlapped, per_microbatch_exposed
 from autopar.graph.model_graph import ChainUnit, ModelGraph
 from autopar.graph.scaling import Shape
 from autopar.layout import Layout
@@ -123,7 +124,8 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
         zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
         part = Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=0.0,
                     zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
-                    peak_bytes=rt.peak_bytes)
+                    peak_bytes=region_peak_bytes(rt, cfg, cluster),
+                    peak_grads_bytes=rt.peak_grads_bytes if holds_unit_grads(cfg, cluster) else 0.0)
         gathered = params
         # its experts sharded over ep ranks, or run on a sequence shard under SP, priced as a block's (cost/expert.py)
         if (cfg.ep > 1 or layout.folds_tp) and unit.experts:
@@ -257,9 +259,10 @@ def _other_bytes(terms: ChainTerms, load: StageLoad, rank: int, *, loss: bool, b
     first, last = rank == 0, rank == c.pp - 1
     phases = [0.0]
     if blocks:
-        phases.append(load.phase_bytes - (t.post.act_bytes if last else 0.0))
+        root_grads = t.root_grad_bytes if last else 0.0  # FSDP2's root unit's, as StageTerms.rank_other_bytes
+        phases.append(load.phase_bytes - (t.post.act_bytes if last else 0.0) + root_grads)
         if first:
-            phases.append(t.pre.peak_bytes)
+            phases.append(t.pre.peak_bytes + root_grads)
     if last and loss:
         # ZeRO-3: the last unit's parameters, gathered ahead of its backward while the loss runs
         phases.append(t.post.peak_bytes + (terms.units[-1].params * c.dtype_bytes if c.zero == 3 else 0.0))

@@ -66,6 +66,10 @@ class RegionTime:
     saved_bytes: float  # activations kept for backward without recompute
     core_saved_bytes: float  # the attention-core part of saved_bytes (selective recompute drops it)
     peak_bytes: float = 0.0  # how far the live tensors rise above the saved ones here (RegionFit.peaks)
+    # the same with the region's parameter gradients counted from their creation to its backward's end
+    # (what an FSDP2 unit holds in the training dtype until its post-backward; graph/live.py's Tg)
+    peak_with_grads_bytes: float = 0.0
+    peak_grads_bytes: float = 0.0  # of peak_with_grads_bytes, the gradients
     # Per-op selective recompute (autopar.recompute_ops): the outputs it keeps of the ops it saves,
     # and those ops' forward time, which its recompute does not re-run.
     op_saved_bytes: float = 0.0
@@ -278,10 +282,18 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
         saved += b
     if scan is not None:
         saved += scan_saved_bytes(scan, shape)
-    peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks), default=0.0)
+    peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.what == "peak"), default=0.0)
+    # Tg (graph/live.py): backward's temporaries beside the region's own gradients; forward's as T
+    fwd_peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.what == "peak" and q.phase == "fwd"),
+                   default=0.0)
+    tg = {what: sum(q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.phase == "bwd" and q.what == what)
+          for what in ("peak_grads_temps", "peak_grads")}
+    with_grads = max(fwd_peak, tg["peak_grads_temps"] + tg["peak_grads"])
+    grads_at_peak = tg["peak_grads"] if with_grads > fwd_peak else 0.0
     return RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, core_bwd_s=core_b, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
                       fwd_flops=fwd_f, bwd_flops=bwd_f,
                       saved_bytes=saved, core_saved_bytes=core_saved, peak_bytes=peak,
+                      peak_with_grads_bytes=with_grads, peak_grads_bytes=grads_at_peak,
                       op_saved_bytes=op_bytes, op_saved_fwd_s=op_s)
 
 

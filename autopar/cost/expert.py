@@ -330,9 +330,14 @@ def adjust_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", block: 
         tensors = graph.params[region].tensors if region in graph.params else 0  # 0: a chain's (not counted)
         zero_ep += sum(per_microbatch_s(cfg, cluster, tensors))  # framework time
         block = replace(block, bwd_s=bwd_plain + zero_ep, zero_comm_s=zero_ep)
+    # FSDP2's unit gradients at the block's peak: those of the E / ep experts the rank holds (the peak
+    # falls after the experts' backward, which runs before attention's: all of them made by then)
+    held = (expert.dense_params + expert.expert_params) / (expert.dense_params + expert.all_expert_params)
+    dropped = block.peak_grads_bytes * (1.0 - held)
     block = replace(block, fwd_s=block.fwd_s + fwd_extra, bwd_s=block.bwd_s + bwd_extra + recompute_extra,
                     recompute_s=block.recompute_s + recompute_extra, params=expert.block_params,
-                    ep_comm_s=expert.a2a_fwd_s + expert.a2a_bwd_s + expert.grad_sync_extra_s)
+                    ep_comm_s=expert.a2a_fwd_s + expert.a2a_bwd_s + expert.grad_sync_extra_s,
+                    peak_bytes=block.peak_bytes - dropped, peak_grads_bytes=block.peak_grads_bytes - dropped)
     return ExpertTerms(block=block, expert=expert, transient_saving_bytes=saving)
 
 

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
-from autopar.cost.compute import graph_region_time, usable_layer_table
+from autopar.cost.compute import RegionTime, graph_region_time, usable_layer_table
 from autopar.cost.evolve import evolve
 from autopar.cost.expert import ExpertTerms, adjust_terms
 from autopar.cost.framework import (
@@ -40,6 +40,7 @@ from autopar.cost.zero import (
     ddp_fixed_sync_s,
     gradient_bytes_per_param,
     held_reduce_input_bytes_per_param,
+    holds_unit_grads,
     overlapped,
     per_microbatch_exposed,
     per_step_sync,
@@ -196,6 +197,9 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         framework_s_per_param=framework,
         transient_bytes=transient,
         held_reduce_bytes=block.params * held_reduce_input_bytes_per_param(cfg, cluster),
+        # the root unit's (head's) gradients, held by FSDP2 until the stage's backward ends
+        # (a tied head's too: the last stage's copy at pp > 1, the embedding's weight at pp = 1)
+        root_grad_bytes=(post.params + graph.tied_params / edge_tp) * d if holds_unit_grads(cfg, cluster) else 0.0,
         loss_free_grads=loss_free_grads_share(cfg, cluster),
         tied_params=tied,
         reserve_bytes=reserve_bytes(cluster, cfg, tokens_bytes),
@@ -360,7 +364,15 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
     zero += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # framework time: FSDP2's own time
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b,
                 zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
-                peak_bytes=rt.peak_bytes)
+                peak_bytes=region_peak_bytes(rt, cfg, cluster),
+                peak_grads_bytes=rt.peak_grads_bytes if holds_unit_grads(cfg, cluster) else 0.0)
+
+
+def region_peak_bytes(rt: RegionTime, cfg: Config, cluster: Cluster) -> float:
+    """A region's temporaries at its peak (``Part.peak_bytes``): with the region's own parameter
+    gradients made so far where the data-parallel wrap holds them until its post-backward (FSDP2:
+    cost/zero.holds_unit_grads), without them where the model states count them."""
+    return rt.peak_with_grads_bytes if holds_unit_grads(cfg, cluster) else rt.peak_bytes
 
 
 LOSS_PARALLEL_ALL_REDUCES = 3  # per token, forward: logit max, sum of exponentials, target logit
@@ -400,7 +412,13 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
     tensors = graph.params[region].tensors + (graph.params["loss"].tensors if region == "post" else 0)
     zero += sum(per_microbatch_s(cfg, cluster, tensors))  # framework time: FSDP2's own time
+    peak = max(region_peak_bytes(p, cfg, cluster) for p in parts)
+    if region == "pre" and cfg.pp > 1 and holds_unit_grads(cfg, cluster) and graph.tied_params:
+        # the trace sums a tied head's contribution into the embedding's gradient (Tg counts both);
+        # a pipeline's first stage has its own copy of the weight and no head to sum
+        edge_tp = cfg.tp if vocab_tp else 1
+        peak = max(0.0, peak - graph.tied_params / edge_tp * cfg.dtype_bytes)
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=0.0, tp_comm_s=tp, cp_comm_s=0.0, zero_comm_s=zero,
                 act_bytes=sum(p.saved_bytes for p in parts), params=params,
                 fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts),
-                peak_bytes=max(p.peak_bytes for p in parts))
+                peak_bytes=peak)

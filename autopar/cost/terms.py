@@ -73,6 +73,9 @@ class Part:
     # the most bytes of temporaries while this piece runs (the loss's fp32 copies of the logits and
     # their gradients, gradients of activations: graph/live.py); StageTerms.rank_other_bytes
     peak_bytes: float = 0.0
+    # of peak_bytes, the piece's own parameter gradients where FSDP2 holds them (cost.zero.holds_unit_grads):
+    # expert parallelism keeps E / ep experts' of them (cost/expert.py)
+    peak_grads_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -137,6 +140,10 @@ class StageTerms:
     # FSDP2's held reduce-scatter input: one block's gradients in fp32, held while the next block's
     # backward runs (cost.zero.held_reduce_input_bytes_per_param); 0 where it is not in the peak
     held_reduce_bytes: float = 0.0
+    # FSDP2's root unit (the head and final norm on the last stage) keeps its gradients, unsharded in
+    # the training dtype, from the head's backward until the stage's backward ends: through every
+    # block's backward of the micro-batch on the last rank (cost.zero.holds_unit_grads); 0 elsewhere
+    root_grad_bytes: float = 0.0
     # The share of the rank's gradient memory not yet allocated at its loss, where a step's loss
     # meets no gradient (``loss_free_grads_share``); 0 where the loss meets them all
     loss_free_grads: float = 0.0
@@ -241,6 +248,10 @@ class StageTerms:
           gradients) + under ZeRO-3 the first block's gathered parameters, prefetched for backward;
         * the first rank's embedding backward (its temporaries);
 
+        (``Part.peak_bytes`` counts a region's own parameter gradients where FSDP2 holds them
+        until the unit's post-backward, and the last rank's block and embedding phases add the
+        root unit's, ``root_grad_bytes``)
+
         and in every phase ZeRO-3's root parameters (embedding, head: FSDP2 keeps the root unit
         gathered from forward to backward), on the last rank of a pipeline the output of the
         micro-batch whose loss and backward run (``stage_output_bytes``), and the pipeline's receive buffers
@@ -251,12 +262,13 @@ class StageTerms:
         c = self.config
         first, last = rank == 0, rank == last_rank
         own = self.block.act_bytes if own_act is None else own_act
+        root_grads = self.root_grad_bytes if last else 0.0
         phases = [self.transient_bytes + working + self.block.peak_bytes - (self.post.act_bytes if last else 0.0)
-                  + max(0.0, self.held_reduce_bytes - own)]
+                  + max(0.0, self.held_reduce_bytes - own) + root_grads]
         if last and loss:
             phases.append(self._loss_phase_bytes)
         if first:
-            phases.append(self.pre.peak_bytes)
+            phases.append(self.pre.peak_bytes + root_grads)
         other = self.root_bytes(first, last) + max(phases) + (self.stage_output_bytes if last else 0.0)
         if c.pp > 1 and self.pipeline_buffer_bytes > 0:
             receiving = 2 * c.virtual_stages - first - last

@@ -140,6 +140,17 @@ def gradient_bytes_per_param(cfg: "Config", sharded_grads: float, uses_ddp: bool
     return sharded_grads
 
 
+def holds_unit_grads(cfg: "Config", cluster: "Cluster") -> bool:
+    """Whether the executor's wrap keeps each unit's parameter gradients, unsharded and in the
+    training dtype, from the op that makes them until the unit's post-backward folds them into its
+    accumulator or reduce input: FSDP2 (``fully_shard``, ``replicate``) does, so a block's backward
+    holds its own gradients made so far (graph/live.py's Tg) and the last stage's holds the root
+    unit's (the head's) until the step's backward ends. DDP and one unwrapped rank keep gradients
+    as the model states count them; a gradient buffer of the software's own
+    (``Cluster.main_grad_bytes``, Megatron-Core) takes each weight gradient as it is made."""
+    return not cluster.main_grad_bytes and dp_wrapper(cfg) in ("fully_shard", "replicate")
+
+
 def held_reduce_input_bytes_per_param(cfg: "Config", cluster: "Cluster") -> float:
     """Bytes per block parameter of the gradient reduce-scatter input FSDP2 still holds while the
     next block's backward runs: it keeps the last reduce-scatter's flat input, in the reduce dtype

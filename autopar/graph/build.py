@@ -195,11 +195,14 @@ def peak_records(step: Callable[[Callable[[str], None]], Any], params: list[torc
     from autopar.graph.live import live_peaks
 
     try:
-        peaks = live_peaks(step, params)
+        peaks, with_grads = live_peaks(step, params)
     finally:
         for h in handles:
             h.remove()
-    return [PeakRecord(region=region, phase=phase, nbytes=max(0.0, float(v))) for (phase, region), v in peaks.items()]
+    return [PeakRecord(region=region, phase=phase, nbytes=max(0.0, float(v)),
+                       grads_temps_nbytes=max(0.0, with_grads.get((phase, region), (0.0, 0.0))[0]),
+                       grads_nbytes=with_grads.get((phase, region), (0.0, 0.0))[1])
+            for (phase, region), v in peaks.items()]
 
 
 class ParamRegions:

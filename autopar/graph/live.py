@@ -17,6 +17,22 @@ block's at the loss; the blocks not yet back-propagated at a block's backward) p
 temporary has the shape of an activation or its gradient, so T scales like one (fitted in b, s and
 1/tp). Parameter gradients are left out (the cost model counts them as gradients), as is anything
 alive before the step.
+
+Under FSDP2 (``fully_shard`` and ``replicate``) a unit's parameter gradients exist, unsharded in
+the training dtype, from the op that makes them until the unit's post-backward folds them into its
+accumulator or reduce input: through the rest of that region's backward. ``unit_grad_peaks``
+replays the same events with them counted that way, region by region:
+
+    Tg(bwd, region) = max over that phase's ops of (temporaries + the region's gradients made so far)
+
+and reports at that op both parts, so that the cost model scales each by its own law (temporaries
+like an activation, gradients like the region's parameters) and prices Tg where the executor's wrap
+holds unit gradients (cost/stage.py, cost/zero.holds_unit_grads). A region's gradients are dropped
+when its backward ends; the root unit's (embedding, head) live on to the end of the step, which the
+cost model adds on the ranks that hold them. A weight used twice (a head tied to the embedding) has
+its contributions summed by autograd before it accumulates: Tg counts each contribution as the
+unit's gradient (the head's joins the root unit's), T keeps the early one a temporary -- what any
+wrap holds at one pipeline stage, and what the cost model leaves out where stages split them.
 """
 
 from __future__ import annotations
@@ -30,6 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.spec.meta import call_on_meta
 from autopar.spec.meta_memo import flat_tensors
+
+_SUMS = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
 
 
 @dataclass(kw_only=True)
@@ -45,6 +63,9 @@ class LiveBytes(TorchDispatchMode):
     clock: _Clock = field(default_factory=_Clock)
     events: list[tuple[int, int, str, str]] = field(default_factory=list)  # (+/- bytes, serial, phase, region)
     _live: dict[int, int] = field(default_factory=dict)  # id(storage) -> serial
+    # backward's sums: serial -> the serials added into it (autograd's input buffer sums a tied
+    # weight's contributions, the head's and the embedding's, before it accumulates the gradient)
+    sums: dict[int, set[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -69,6 +90,10 @@ class LiveBytes(TorchDispatchMode):
             self._live[key] = serial
             self.events.append((nbytes, serial, self.clock.phase, self.clock.region))
             weakref.finalize(st, self._free, key, serial, nbytes)
+        if self.clock.phase == "bwd" and func in _SUMS and isinstance(out, torch.Tensor):
+            into = self.serial_of(out)  # add_: its first input's
+            if into is not None:
+                self.sums.setdefault(into, set()).update({self._live.get(key) for key in inputs} - {None, into})
         return out
 
 
@@ -86,9 +111,47 @@ def peaks_over(events: list[tuple[int, int, str, str]], leave_out: set[int]) -> 
     return peaks
 
 
-def live_peaks(step: Callable[[Callable[[str], None]], Any], params: list[torch.Tensor]) -> dict[tuple[str, str], float]:
+def unit_grad_peaks(events: list[tuple[int, int, str, str]], saved: set[int], grads: set[int]
+                    ) -> dict[tuple[str, str], tuple[float, float]]:
+    """Replay ``events`` counting the parameter gradients ``grads`` from their creation until their
+    (phase, region) ends, the storages ``saved`` not at all: per backward (phase, region), at its
+    most live bytes, (temporaries, gradients) -- the two parts of Tg (module docstring)."""
+    temps, own, current = 0, 0, None
+    peaks: dict[tuple[str, str], tuple[float, float]] = {}
+    for nbytes, serial, phase, region in events:
+        if serial in saved:
+            continue
+        key = (phase, region)
+        if key != current:  # the unit's post-backward has folded its gradients away
+            current, own = key, 0
+        if serial in grads:
+            if nbytes < 0:
+                continue  # freed with p.grad after the step: gone already
+            own += nbytes
+        else:
+            temps += nbytes
+        if phase == "bwd" and nbytes > 0 and temps + own > sum(peaks.get(key, (0.0, 0.0))):
+            peaks[key] = (float(temps), float(own))
+    return peaks
+
+
+def _with_contributions(grads: set[int], sums: dict[int, set[int]]) -> set[int]:
+    """``grads`` and every storage summed into one of them in backward, transitively: the
+    contributions of a parameter used more than once are its gradient, made early."""
+    out, todo = set(), list(grads)
+    while todo:
+        serial = todo.pop()
+        if serial not in out:
+            out.add(serial)
+            todo.extend(sums.get(serial, ()))
+    return out
+
+
+def live_peaks(step: Callable[[Callable[[str], None]], Any], params: list[torch.Tensor]
+               ) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], tuple[float, float]]]:
     """Run ``step(set_region)`` (forward and backward; ``set_region`` as ``graph.trace.run_and_trace``
-    takes it) under ``LiveBytes``; per (phase, region) the temporaries' peak (module docstring)."""
+    takes it) under ``LiveBytes``; per (phase, region) the temporaries' peak T, and per backward
+    (phase, region) Tg's (temporaries, unit gradients) (module docstring)."""
     from autopar.graph.trace import cuda_like_functions
 
     for p in params:
@@ -111,7 +174,10 @@ def live_peaks(step: Callable[[Callable[[str], None]], Any], params: list[torch.
 
     with cuda_like_functions(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
         step(set_region)
-    grads = {mode.serial_of(p.grad) for p in params if p.grad is not None}
+    grads = {mode.serial_of(p.grad) for p in params if p.grad is not None} - {None}
     for p in params:
         p.grad = None
-    return peaks_over(mode.events, (grads | saved) - {None})
+    # T leaves out the gradients the model states count (a tied weight's early contribution stays a
+    # temporary: autograd holds it, whatever the wrap); Tg counts every contribution as the unit's
+    return (peaks_over(mode.events, grads | saved),
+            unit_grad_peaks(mode.events, saved, _with_contributions(grads, mode.sums)))

@@ -51,11 +51,14 @@ class SavedRecord:
 @dataclass(frozen=True, kw_only=True)
 class PeakRecord:
     """The most bytes of temporaries (live tensors never saved for backward) in one phase of one
-    region (``graph/live.py``)."""
+    region (``graph/live.py``): T, and in backward Tg's two parts at its peak -- temporaries and
+    the region's parameter gradients made so far (what an FSDP2 unit holds until its post-backward)."""
 
     region: str
     phase: str  # "fwd" | "bwd"
     nbytes: float
+    grads_temps_nbytes: float = 0.0
+    grads_nbytes: float = 0.0
 
 
 @dataclass(kw_only=True)

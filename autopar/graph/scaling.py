@@ -224,18 +224,25 @@ def fit_region(
     return RegionFit(ops=tuple(fitted), saved=saved, comm=comm, peaks=_fit_peaks(region, base, b2, s_half, t2))
 
 
+PEAK_PARTS = (("peak", "nbytes"), ("peak_grads_temps", "grads_temps_nbytes"), ("peak_grads", "grads_nbytes"))
+
+
 def _fit_peaks(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuantity, ...]:
-    """Each phase's peak above the saved activations (``Trace.peaks``), fitted like a saved tensor."""
-    def of(trace: Trace | None, phase: str) -> float | None:
+    """Each phase's peak above the saved activations (``Trace.peaks``), fitted like a saved tensor:
+    T as ``peak``, and Tg's temporaries and unit gradients (graph/live.py) as ``peak_grads_temps``
+    and ``peak_grads``, each with its own exponents (the gradients scale like the parameters)."""
+    def of(trace: Trace | None, phase: str, attr: str) -> float | None:
         if trace is None:
             return None
-        return next((p.nbytes for p in trace.peaks if p.region == region and p.phase == phase), None)
+        return next((getattr(p, attr) for p in trace.peaks if p.region == region and p.phase == phase), None)
 
     out = []
     for phase in ("fwd", "bwd"):
-        v = of(base, phase)
-        if v:
-            out.append(FitQuantity(what="peak", phase=phase, nbytes=v, exps=_exps(v, *(of(t, phase) for t in others))))
+        for what, attr in PEAK_PARTS:
+            v = of(base, phase, attr)
+            if v:
+                out.append(FitQuantity(what=what, phase=phase, nbytes=v,
+                                       exps=_exps(v, *(of(t, phase, attr) for t in others))))
     return tuple(out)
 
 

@@ -1,0 +1,143 @@
+"""FSDP2's unit gradients in the step's temporaries (graph/live.py's Tg; cost.zero.holds_unit_grads):
+a unit's parameter gradients live, unsharded in the training dtype, from the op that makes them to
+the unit's post-backward; the root unit's (head, tied or not) to the end of the stage's backward.
+DDP and one unwrapped rank count gradients as model states, so their price is T, as before."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.cluster import load_cluster
+from autopar.cost.estimate import config_from_plan
+from autopar.cost.stage import build_terms
+from autopar.cost.zero import holds_unit_grads
+from autopar.graph.live import live_peaks
+from autopar.models.gpt import GPTConfig
+from autopar.plan import ClusterRef, ModelRef, Parallel, Plan, Training
+from autopar.reference import gpt_graph, gpt_model_path
+
+W, V, TOKENS = 64, 1000, 32
+MIB = 2**20
+
+
+class _Tiny(nn.Module):
+    """Embedding, one two-Linear block, a head tied to the embedding or not (bf16 on meta)."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, W)
+        self.fc1, self.fc2 = nn.Linear(W, 4 * W, bias=False), nn.Linear(4 * W, W, bias=False)
+        self.head = None if tied else nn.Linear(W, V, bias=False)
+
+    def forward(self, x: torch.Tensor, set_region) -> torch.Tensor:  # noqa: ANN001
+        h = self.emb(x)
+        set_region("block")
+        h.register_hook(lambda g: set_region("bwd:pre"))
+        y = self.fc2(torch.relu(self.fc1(h)))
+        set_region("post")
+        y.register_hook(lambda g: set_region("bwd:block"))
+        return y @ (self.emb.weight if self.head is None else self.head.weight).t()
+
+
+def _peaks(tied: bool):  # noqa: ANN202
+    with torch.device("meta"):
+        model = _Tiny(tied).bfloat16()
+    x = torch.zeros(TOKENS, dtype=torch.long, device="meta")
+
+    def step(set_region) -> None:  # noqa: ANN001
+        set_region("pre")
+        out = model(x, set_region)
+        set_region("loss")
+        out.register_hook(lambda g: set_region("bwd:post"))
+        loss = out.float().mean()
+        del out
+        set_region("bwd:loss")
+        loss.backward()
+
+    return live_peaks(step, list(model.parameters()))
+
+
+def test_a_blocks_gradients_count_in_its_backward_and_are_dropped_after() -> None:
+    """Tg's gradient part in the block's backward is its weights' gradients (bf16), the first
+    one made (fc2's) at least; T leaves gradients out; the embedding's backward meets none of the
+    block's (its unit has folded them away)."""
+    t, tg = _peaks(tied=False)
+    fc_grad = W * 4 * W * 2  # one of fc1 / fc2, bf16
+    temps, grads = tg[("bwd", "block")]
+    assert fc_grad <= grads <= 2 * fc_grad
+    assert temps <= t[("bwd", "block")]
+    assert tg[("bwd", "pre")][1] == V * W * 2  # the embedding's own gradient only
+    assert tg[("bwd", "post")][1] == V * W * 2  # the head's
+
+
+def test_a_tied_heads_contribution_is_a_temporary_in_t_and_a_gradient_in_tg() -> None:
+    """The head's contribution to a tied weight waits in autograd's buffer until the embedding's
+    backward adds its own: a temporary through the block's backward in T (any wrap holds it at one
+    stage), the root unit's gradient in Tg (priced as ``root_grad_bytes``), never a block temporary."""
+    t_tied, tg_tied = _peaks(tied=True)
+    t_free, tg_free = _peaks(tied=False)
+    head = V * W * 2
+    assert t_tied[("bwd", "block")] - t_free[("bwd", "block")] == head
+    assert tg_tied[("bwd", "block")][0] == tg_free[("bwd", "block")][0]
+    # the embedding's backward: its contribution and the sum, both gradients
+    assert tg_tied[("bwd", "pre")][1] == 2 * head
+
+
+CFG = GPTConfig(num_layers=4, hidden_size=1024, num_heads=8, seq_len=1024, vocab_size=8192)
+
+
+@functools.lru_cache(maxsize=None)
+def _graph():
+    return gpt_graph(CFG)
+
+
+def _terms(**par):  # noqa: ANN202
+    dp, pp, tp = par.get("dp", 1), par.get("pp", 1), par.get("tp", 1)
+    plan = Plan(model=ModelRef(file=str(gpt_model_path(CFG)), num_blocks=CFG.num_layers),
+                cluster=ClusterRef(profile="h100-80g", num_gpus=dp * pp * tp, gpus_per_node=8),
+                training=Training(global_batch_size=dp * 4, micro_batch_size=1, seq_len=CFG.seq_len, dtype="bf16"),
+                parallel=Parallel(**par))
+    cfg = config_from_plan(plan)
+    cluster = load_cluster("h100-80g")
+    return build_terms(_graph(), cluster, cfg), holds_unit_grads(cfg, cluster)
+
+
+BLOCK_GRADS = 12 * 1024 * 1024 * 2  # qkv, proj, fc1, fc2 weights of one block, bf16
+
+
+@pytest.mark.parametrize("par,holds", [
+    ({"dp": 8, "zero": 0}, False),  # DDP: gradients are model states
+    ({"dp": 8, "zero": 1}, True),
+    ({"dp": 8, "zero": 3}, True),
+    ({"dp": 4, "pp": 2, "zero": 0, "pp_schedule": "1f1b"}, True),  # replicate
+])
+def test_the_block_phase_holds_unit_gradients_under_fsdp2_only(par: dict, holds: bool) -> None:
+    terms, held = _terms(**par)
+    ddp, _ = _terms(dp=8, zero=0)
+    assert held == holds
+    head = CFG.vocab_size * CFG.hidden_size * 2  # the tied head's gradient, bf16
+    if holds:
+        # the root unit's: the tied head's (and the final norm's), which DDP's T holds as a temporary
+        assert head <= terms.root_grad_bytes <= head + 4 * CFG.hidden_size * 2
+        # the block's phase: some of its own gradients, never more than all of them, beside the head's
+        extra = terms.block.peak_bytes + terms.root_grad_bytes - ddp.block.peak_bytes
+        assert 0.25 * BLOCK_GRADS < extra <= BLOCK_GRADS + 4 * CFG.hidden_size * 2
+    else:
+        assert terms.block.peak_bytes == ddp.block.peak_bytes and terms.root_grad_bytes == 0
+
+
+def test_root_gradients_are_on_the_last_stage_only() -> None:
+    terms, _ = _terms(dp=2, pp=2, zero=0, pp_schedule="1f1b")
+    without = terms.rank_other_bytes(0, 1)
+    last = terms.rank_other_bytes(1, 1)
+    assert terms.root_grad_bytes > 0
+    from dataclasses import replace
+
+    bare = replace(terms, root_grad_bytes=0.0)
+    assert bare.rank_other_bytes(0, 1) == without
+    assert last - bare.rank_other_bytes(1, 1) == pytest.approx(terms.root_grad_bytes, rel=1e-9) or \
+        bare.rank_other_bytes(1, 1) > last - terms.root_grad_bytes  # the loss phase can be the larger
