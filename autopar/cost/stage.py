@@ -368,6 +368,16 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
                 peak_grads_bytes=rt.peak_grads_bytes if holds_unit_grads(cfg, cluster) else 0.0)
 
 
+def vocab_width(graph: ModelGraph) -> int:
+    """The output head's width (the vocabulary), read off the head's GEMM out of the block's width
+    (0 where none is found: the loss's extra is then not priced)."""
+    from autopar.cost.megatron_memory import head_width
+
+    if not graph.seq_len or not graph.dtype_bytes:
+        return 0
+    return head_width(graph, round(graph.block_input_bytes / (graph.seq_len * graph.dtype_bytes)))
+
+
 def region_peak_bytes(rt: RegionTime, cfg: Config, cluster: Cluster) -> float:
     """A region's temporaries at its peak (``Part.peak_bytes``): with the region's own parameter
     gradients made so far where the data-parallel wrap holds them until its post-backward (FSDP2:
@@ -377,6 +387,11 @@ def region_peak_bytes(rt: RegionTime, cfg: Config, cluster: Cluster) -> float:
 
 LOSS_PARALLEL_ALL_REDUCES = 3  # per token, forward: logit max, sum of exponentials, target logit
 LOSS_STAT_BYTES = 4  # each an fp32 value per token (the loss's computation dtype)
+# What torch's loss_parallel holds at its peak beyond the eager cross-entropy the trace runs, in fp32
+# logits shards (tokens x V / tp): its decomposed log-softmax keeps x - max and its exponential where
+# the fused kernel keeps one output. Measured with torch's memory tracker on a fake process group
+# (tests/unit/test_loss_parallel_memory.py, which fails if a torch release changes it).
+LOSS_PARALLEL_EXTRA_SHARDS = 1
 
 
 def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_bytes, with_loss=False,  # noqa: ANN001
@@ -401,18 +416,21 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
         fwd += tp
     else:
         bwd += tp
+    loss_parallel_bytes = 0.0
     if with_loss and vocab_tp and cfg.tp > 1:
         tokens = shape.b * shape.s_ratio * graph.seq_len  # this rank's tokens per micro-batch
         stats = LOSS_PARALLEL_ALL_REDUCES * collective_time_s("all_reduce", tokens * LOSS_STAT_BYTES, tp_link)
         fwd += stats
         tp += stats
+        vocab = vocab_width(graph)
+        loss_parallel_bytes = LOSS_PARALLEL_EXTRA_SHARDS * tokens * vocab / cfg.tp * LOSS_STAT_BYTES
     params = graph.params[region].per_rank(1 if replicated else cfg.tp)
     if region == "post":
         params += graph.params["loss"].count
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
     tensors = graph.params[region].tensors + (graph.params["loss"].tensors if region == "post" else 0)
     zero += sum(per_microbatch_s(cfg, cluster, tensors))  # framework time: FSDP2's own time
-    peak = max(region_peak_bytes(p, cfg, cluster) for p in parts)
+    peak = max(region_peak_bytes(p, cfg, cluster) for p in parts) + loss_parallel_bytes
     if region == "pre" and cfg.pp > 1 and holds_unit_grads(cfg, cluster) and graph.tied_params:
         # the trace sums a tied head's contribution into the embedding's gradient (Tg counts both);
         # a pipeline's first stage has its own copy of the weight and no head to sum
