@@ -209,16 +209,42 @@ class ParamRegions:
     """Which regions' modules use each parameter during one traced forward: a forward pre-hook on
     every module of ``model`` notes the region the forward is in when the module runs. ``setter``
     wraps the tracer's region switch so that forward regions move ``current`` (backward ones,
-    ``bwd:*``, leave it). ``handles`` are the hooks to remove after the trace (callers add theirs)."""
+    ``bwd:*``, leave it). ``handles`` are the hooks to remove after the trace (callers add theirs).
+
+    A module whose parent reads its weights without calling it (``nn.MultiheadAttention`` hands
+    ``out_proj.weight`` to its functional forward) never runs: ``by_param`` gives its parameters
+    the regions of the nearest ancestor that ran (``_complete``, once the trace is over)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.current = "pre"
-        self.by_param: dict[int, set[str]] = {}  # id(parameter) -> regions whose modules used it
+        self._model = model
+        self._noted: dict[int, set[str]] = {}  # id(parameter) -> regions whose modules used it
+        self._ran: dict[int, set[str]] = {}  # id(module) -> regions it ran in
         self.handles: list = [mod.register_forward_pre_hook(self._note) for mod in model.modules()]
 
     def _note(self, mod: nn.Module, args: tuple) -> None:
+        self._ran.setdefault(id(mod), set()).add(self.current)
         for p in mod.parameters(recurse=False):
-            self.by_param.setdefault(id(p), set()).add(self.current)
+            self._noted.setdefault(id(p), set()).add(self.current)
+
+    @property
+    def by_param(self) -> dict[int, set[str]]:
+        """id(parameter) -> the regions whose modules used it (module docstring)."""
+        return self._complete()
+
+    def _complete(self) -> dict[int, set[str]]:
+        out = {k: set(v) for k, v in self._noted.items()}
+
+        def walk(mod: nn.Module, inherited: set[str] | None) -> None:
+            regions = self._ran.get(id(mod), inherited)
+            for p in mod.parameters(recurse=False):
+                if id(p) not in out and regions:
+                    out[id(p)] = set(regions)
+            for child in mod.children():
+                walk(child, regions)
+
+        walk(self._model, None)
+        return out
 
     def setter(self, set_region_raw: Callable[[str], None]) -> Callable[[str], None]:
         def set_region(name: str) -> None:
