@@ -147,8 +147,11 @@ def holds_unit_grads(cfg: "Config", cluster: "Cluster") -> bool:
     holds its own gradients made so far (graph/live.py's Tg) and the last stage's holds the root
     unit's (the head's) until the step's backward ends. DDP and one unwrapped rank keep gradients
     as the model states count them; a gradient buffer of the software's own
-    (``Cluster.main_grad_bytes``, Megatron-Core) takes each weight gradient as it is made."""
-    return not cluster.main_grad_bytes and dp_wrapper(cfg) in ("fully_shard", "replicate")
+    (``Cluster.main_grad_bytes``, Megatron-Core) takes each weight gradient as it is made. ZeRO-3
+    keeps the block transient its rehearsals measured (two gathered blocks, stage.build_terms) and
+    its root unit gathered (``root_bytes``), without them: the rehearsals since (Llama-3 405B at
+    dp 32 x tp 2) peak at the loss, so whether that transient covers the gradients is not measured."""
+    return not cluster.main_grad_bytes and cfg.zero != 3 and dp_wrapper(cfg) in ("fully_shard", "replicate")
 
 
 def held_reduce_input_bytes_per_param(cfg: "Config", cluster: "Cluster") -> float:
