@@ -52,7 +52,7 @@ from autopar.cost.stage import (
     region_peak_bytes,
 )
 from autopar.cost.step import Estimate, RankCost
-from autopar.cost.zero import held_reduce_input_bytes_per_param, holds_unit_grads, overlapped, per_microbatch_exposed
+from autopar.cost.zero import held_reduce_input_bytes_per_param, overlapped, per_microbatch_exposed
 from autopar.graph.model_graph import ChainUnit, ModelGraph
 from autopar.graph.scaling import Shape
 from autopar.layout import Layout
@@ -122,10 +122,10 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
         bwd = rt.bwd_s + tp_b + recompute
         params = _unit_params(graph, unit, cfg.tp)
         zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
+        peak, peak_grads = region_peak_bytes(rt, cfg, cluster)
         part = Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=0.0,
                     zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
-                    peak_bytes=region_peak_bytes(rt, cfg, cluster),
-                    peak_grads_bytes=rt.peak_grads_bytes if holds_unit_grads(cfg, cluster) else 0.0)
+                    peak_bytes=peak, peak_grads_bytes=peak_grads)
         gathered = params
         # its experts sharded over ep ranks, or run on a sequence shard under SP, priced as a block's (cost/expert.py)
         if (cfg.ep > 1 or layout.folds_tp) and unit.experts:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autopar.cost.expert_gemms import experts_tp_sharded, is_expert_gemm
-from autopar.cost.megatron_memory import LayerWidths
+from autopar.cost.megatron_memory import LayerWidths, block_width
 
 if TYPE_CHECKING:
     from autopar.graph.model_graph import ModelGraph
@@ -120,7 +120,7 @@ def moe_widths(graph: "ModelGraph") -> MoeWidths | None:
         return None
     if len(moe.paths) > 1:  # grouped stacks called by the model's own routing code (JetMoE): not that form
         return None
-    hidden = round(graph.block_input_bytes / (graph.seq_len * graph.dtype_bytes))
+    hidden = block_width(graph)
     fwd = _fwd(graph)
     core = next((i for i, op in enumerate(fwd) if op.kind == "attn"), None)
     if core is None:

@@ -77,7 +77,7 @@ def measure_widths(graph: "ModelGraph") -> LayerWidths | None:
     models keep their measured activations."""
     if graph.moe is not None or graph.chain or not graph.is_sequence_model or not graph.num_heads:
         return None
-    hidden = round(graph.block_input_bytes / (graph.seq_len * graph.dtype_bytes))
+    hidden = block_width(graph)
     fwd = [op for op in graph.regions["block"].ops if op.phase == "fwd"]
     core = next((i for i, op in enumerate(fwd) if op.kind == "attn"
                  or (op.kind == "gemm" and op.dims is not None and op.dims[0] > 1)), None)
@@ -98,6 +98,19 @@ def measure_widths(graph: "ModelGraph") -> LayerWidths | None:
                    if op.phase == "fwd" and op.name == "native_dropout" and not op.bytes_exps.quadratic)
     return LayerWidths(hidden=hidden, attn_in=attn_in, attn_out=attn_out, mlp_in=mlp_in, mlp_mid=mlp_mid,
                        heads=graph.num_heads, dropouts=dropouts, vocab=head_width(graph, hidden))
+
+
+def block_width(graph: "ModelGraph") -> int:
+    """The hidden width h a block reads: its input bytes per token at the measured base shape."""
+    return round(graph.block_input_bytes / (graph.seq_len * graph.dtype_bytes))
+
+
+def vocab_width(graph: "ModelGraph") -> int:
+    """The output head's width (the vocabulary) out of the blocks' width (0: no head GEMM found,
+    or a graph with no sequence to read the width off)."""
+    if not graph.seq_len or not graph.dtype_bytes:
+        return 0
+    return head_width(graph, block_width(graph))
 
 
 def head_width(graph: "ModelGraph", hidden: int) -> int:

@@ -33,6 +33,7 @@ from autopar.cost.framework import (
     per_step_s_per_param,
     trains_under_autocast,
 )
+from autopar.cost.megatron_memory import FP32_BYTES, vocab_width
 from autopar.cost.megatron_moe_memory import megatron_block_activations
 from autopar.cost.memory import state_bytes_per_param
 from autopar.cost.terms import Config, Part, StageTerms
@@ -362,27 +363,20 @@ def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_l
     bwd = rt.bwd_s + tp_b + cp_b + recompute
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
     zero += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # framework time: FSDP2's own time
+    peak, peak_grads = region_peak_bytes(rt, cfg, cluster)
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b,
                 zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
-                peak_bytes=region_peak_bytes(rt, cfg, cluster),
-                peak_grads_bytes=rt.peak_grads_bytes if holds_unit_grads(cfg, cluster) else 0.0)
+                peak_bytes=peak, peak_grads_bytes=peak_grads)
 
 
-def vocab_width(graph: ModelGraph) -> int:
-    """The output head's width (the vocabulary), read off the head's GEMM out of the block's width
-    (0 where none is found: the loss's extra is then not priced)."""
-    from autopar.cost.megatron_memory import head_width
-
-    if not graph.seq_len or not graph.dtype_bytes:
-        return 0
-    return head_width(graph, round(graph.block_input_bytes / (graph.seq_len * graph.dtype_bytes)))
-
-
-def region_peak_bytes(rt: RegionTime, cfg: Config, cluster: Cluster) -> float:
-    """A region's temporaries at its peak (``Part.peak_bytes``): with the region's own parameter
-    gradients made so far where the data-parallel wrap holds them until its post-backward (FSDP2:
-    cost/zero.holds_unit_grads), without them where the model states count them."""
-    return rt.peak_with_grads_bytes if holds_unit_grads(cfg, cluster) else rt.peak_bytes
+def region_peak_bytes(rt: RegionTime, cfg: Config, cluster: Cluster) -> tuple[float, float]:
+    """A region's temporaries at its peak and, of them, its own parameter gradients (``Part.peak_bytes``,
+    ``Part.peak_grads_bytes``): with the gradients made so far where the data-parallel wrap holds them
+    until its post-backward (FSDP2: cost/zero.holds_unit_grads), without them (0) where the model
+    states count them."""
+    if holds_unit_grads(cfg, cluster):
+        return rt.peak_with_grads_bytes, rt.peak_grads_bytes
+    return rt.peak_bytes, 0.0
 
 
 LOSS_PARALLEL_ALL_REDUCES = 3  # per token, forward: logit max, sum of exponentials, target logit
@@ -422,15 +416,14 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
         stats = LOSS_PARALLEL_ALL_REDUCES * collective_time_s("all_reduce", tokens * LOSS_STAT_BYTES, tp_link)
         fwd += stats
         tp += stats
-        vocab = vocab_width(graph)
-        loss_parallel_bytes = LOSS_PARALLEL_EXTRA_SHARDS * tokens * vocab / cfg.tp * LOSS_STAT_BYTES
+        loss_parallel_bytes = LOSS_PARALLEL_EXTRA_SHARDS * tokens * vocab_width(graph) / cfg.tp * FP32_BYTES
     params = graph.params[region].per_rank(1 if replicated else cfg.tp)
     if region == "post":
         params += graph.params["loss"].count
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
     tensors = graph.params[region].tensors + (graph.params["loss"].tensors if region == "post" else 0)
     zero += sum(per_microbatch_s(cfg, cluster, tensors))  # framework time: FSDP2's own time
-    peak = max(region_peak_bytes(p, cfg, cluster) for p in parts) + loss_parallel_bytes
+    peak = max(region_peak_bytes(p, cfg, cluster)[0] for p in parts) + loss_parallel_bytes
     if region == "pre" and cfg.pp > 1 and holds_unit_grads(cfg, cluster) and graph.tied_params:
         # the trace sums a tied head's contribution into the embedding's gradient (Tg counts both);
         # a pipeline's first stage has its own copy of the weight and no head to sum

@@ -126,7 +126,7 @@ def unit_grad_peaks(events: list[tuple[int, int, str, str]], saved: set[int], gr
             current, own = key, 0
         if serial in grads:
             if nbytes < 0:
-                continue  # freed with p.grad after the step: gone already
+                continue  # freed with p.grad after the step, or a contribution once summed: counted to its region's end
             own += nbytes
         else:
             temps += nbytes

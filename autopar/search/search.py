@@ -40,7 +40,7 @@ from autopar.cost.stage import Config, StageTerms, build_terms, keeps_autocast_c
 from autopar.cost.step import evaluate
 from autopar.errors import PlanError
 from autopar.graph.model_graph import ModelGraph
-from autopar.plan import NO_OFFLOAD, Offload, even_stage_ranges
+from autopar.plan import NO_OFFLOAD, Offload, even_stage_ranges, offload_reason
 from autopar.search.candidates import Candidate, SearchResult, TopK
 from autopar.search.ilp import MAX_ENUMERATED_SPLITS, SplitILP, rank_block_capacity, solve_split
 from autopar.search.space import Branch, SearchSpace, enumerate_branches, enumerate_configs, mix_modes
@@ -482,8 +482,9 @@ def _refine_with_mixes(top: TopK, graph: ModelGraph, cluster: Cluster, space: Se
         return 0
     refined = 0
     for cand in list(top.items):
-        if cand.recompute_blocks is not None or cand.config.offload.activations:
-            continue  # activation offload runs without recompute: a mix would re-run some blocks
+        c = cand.config
+        if cand.recompute_blocks is not None or offload_reason(c.offload, zero=c.zero, recompute="mixed", ep=c.ep):
+            continue  # an offload a mix cannot run with (activation offload re-runs no block)
         refined += 1
         terms = build_terms(graph, cluster, replace(cand.config, recompute="mixed"))
         mixed = _solve_mixed(terms, graph, cluster, model_flops, tokens, time_limit_s, cand.step_time_s)
@@ -520,8 +521,6 @@ def _confirm_with_cp_sat(cand: Candidate, graph: ModelGraph, cluster: Cluster, m
 
 def _frugal_offload(space: SearchSpace, cfg: Config, cluster: Cluster) -> Offload:
     """The offload mode allowed for ``cfg`` that leaves the least on the GPU (host offload)."""
-    from autopar.plan import offload_reason
-
     if not cluster.has_host:
         return NO_OFFLOAD
     for label in ("params+activations", "params", "optimizer+activations", "optimizer", "activations"):

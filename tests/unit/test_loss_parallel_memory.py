@@ -73,13 +73,14 @@ def test_the_last_ranks_loss_phase_adds_them_at_tp_above_1(monkeypatch: pytest.M
     from autopar.cluster import load_cluster
     from autopar.cost import stage
     from autopar.cost.estimate import config_from_plan
+    from autopar.cost.megatron_memory import vocab_width
     from autopar.models.gpt import GPTConfig
     from autopar.plan import ClusterRef, ModelRef, Parallel, Plan, Training
     from autopar.reference import gpt_graph, gpt_model_path
 
     gpt = GPTConfig(num_layers=2, hidden_size=512, num_heads=8, seq_len=512, vocab_size=8192)
     graph = gpt_graph(gpt)
-    assert stage.vocab_width(graph) == gpt.vocab_size
+    assert vocab_width(graph) == gpt.vocab_size
 
     def loss_phase(tp: int) -> float:
         plan = Plan(model=ModelRef(file=str(gpt_model_path(gpt)), num_blocks=gpt.num_layers),
