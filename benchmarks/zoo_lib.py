@@ -5,7 +5,8 @@ Used by ``benchmarks/model_zoo.py`` (the acceptance table) and ``tests/zoo/test_
 so both judge a model the same way. Everything autopar does here runs in a subprocess with a time
 limit: a model whose tracing hangs, or a run whose ranks deadlock, becomes a failure cell, never a
 hang of the benchmark. The one function that asks autopar what a model supports is ``_support_child``;
-it runs in a child (``python benchmarks/zoo_lib.py --support FILE``) for the same reason.
+it runs in a child (``python benchmarks/zoo_lib.py --support FILE``) for the same reason, which with
+``--reference WORK_DIR`` goes on to the model's one-rank reference run (``support_and_reference``).
 
 Cells are ``Cell`` values: ``ok``, ``FAIL`` (a one-line cause, plus the tail of the output for the
 failure log) or ``n/a`` (the reason the dimension is not offered).
@@ -145,17 +146,18 @@ def with_size(path: Path, size: str, out_dir: Path) -> Path:
     return out
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
+def _env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
-def _run(cmd: list[str], timeout_s: float, cwd: Path) -> tuple[int, str, float]:
-    """Run ``cmd``; (exit code, stdout+stderr, seconds). A timeout kills the whole process group."""
+def _run(cmd: list[str], timeout_s: float, cwd: Path, env: Mapping[str, str] | None = None) -> tuple[int, str, float]:
+    """Run ``cmd`` (in ``env``, default this process's environment now); (exit code, stdout+stderr,
+    seconds). A timeout kills the whole process group."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
@@ -264,15 +266,66 @@ def _support_child(path: str) -> dict[str, Any]:
             "tp_source": "declared" if mf.tp_plan else None}
 
 
+_MARKER = "ZOO-SUPPORT "
+
+
+def _support_from(d: Mapping[str, Any]) -> Support:
+    return Support(num_blocks=d["num_blocks"], seq_len=d["seq_len"], support=d["support"],
+                   tp_source=d.get("tp_source"), source=d["source"])
+
+
 def support_of(path: Path, timeout_s: float = SUPPORT_TIMEOUT_S) -> Support:
     """Ask autopar (in a child with a time limit) what it offers for ``path``; ZooError if it cannot say."""
     code, out, _ = _run([sys.executable, str(Path(__file__).resolve()), "--support", str(path)], timeout_s, REPO)
-    marker = [ln for ln in out.splitlines() if ln.startswith("ZOO-SUPPORT ")]
+    marker = [ln for ln in out.splitlines() if ln.startswith(_MARKER)]
     if code != 0 or not marker:
         raise ZooError(one_line_cause(out, code), failure_excerpt(out))
-    d = json.loads(marker[-1][len("ZOO-SUPPORT "):])
-    return Support(num_blocks=d["num_blocks"], seq_len=d["seq_len"], support=d["support"],
-                   tp_source=d.get("tp_source"), source=d["source"])
+    return _support_from(json.loads(marker[-1][len(_MARKER):]))
+
+
+def support_and_reference(path: Path, work_dir: Path, timeout_s: float = SUPPORT_TIMEOUT_S + RUN_TIMEOUT_S,
+                          env: Mapping[str, str] | None = None) -> tuple[Support, Trained | ZooError]:
+    """``support_of(path)`` and ``reference_losses(path, support, work_dir)`` in one child with a time
+    limit (``zoo_lib.py --support FILE --reference WORK_DIR``): the child asks autopar what it offers,
+    then runs the one-rank ``autopar run`` in the same process, as ``python -m autopar`` runs it
+    (``exit_process(main(argv))``), on the same plan and arguments as ``run_losses``. One process
+    start, and one import of torch, autopar and the model's libraries, fewer per model. ZooError
+    (raised) if autopar cannot say what it offers; the reference's own failure is returned, as
+    ``reference_losses`` returns it. ``env``: the child's environment (default: this process's now;
+    a caller in a thread passes one it took beforehand)."""
+    support_file = work_dir / f"{path.stem}-support.json"
+    support_file.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--support", str(path), "--reference", str(work_dir)]
+    try:
+        code, out, _ = _run(cmd, timeout_s, work_dir, env)
+    except ZooError as exc:
+        if not support_file.exists():  # timed out while asking what autopar offers
+            raise
+        return _support_from(json.loads(support_file.read_text(encoding="utf-8"))), exc
+    lines = out.splitlines()
+    at = next((i for i, ln in enumerate(lines) if ln.startswith(_MARKER)), None)
+    if at is None:
+        raise ZooError(one_line_cause(out, code), failure_excerpt(out))
+    support = _support_from(json.loads(lines[at][len(_MARKER):]))
+    ref_out = "\n".join(lines[at + 1:])  # the reference run's own output
+    report = _run_files(path, work_dir, "ref")[1]
+    if code != 0 or not report.exists():
+        return support, ZooError(f"exit {code}: {_short(one_line_cause(ref_out, code))}", failure_excerpt(ref_out))
+    return support, _trained(report)
+
+
+def _reference_child(path: str, work_dir: str) -> None:
+    """(In the child.) ``support_and_reference``'s child: print (and save) what autopar offers, then
+    run the one-rank reference in this process; exits with its exit code."""
+    d = _support_child(path)
+    work = Path(work_dir)
+    (work / f"{Path(path).stem}-support.json").write_text(json.dumps(d), encoding="utf-8")
+    print(_MARKER + json.dumps(d), flush=True)
+    argv, _ = _run_argv(Path(path), _support_from(d), {}, work, "ref")
+    from autopar.commands.main import exit_process, main
+
+    sys.argv = [sys.argv[0], *argv]
+    exit_process(main(argv))
 
 
 # ------------------------------------------------------------------------------------------------- plan
@@ -322,20 +375,34 @@ def run_losses(path: Path, support: Support, parallel: Mapping[str, Any], work_d
                timeout_s: float = RUN_TIMEOUT_S) -> Trained:
     """``autopar run`` of the tiny model under ``parallel`` (one rank: in-process); the per-step
     losses and first-step gradient norms."""
+    argv, report = _run_argv(path, support, parallel, work_dir, tag)
+    code, out, _ = _run([sys.executable, "-m", "autopar", *argv], timeout_s, work_dir)
+    if code != 0 or not report.exists():
+        raise ZooError(f"exit {code}: {_short(one_line_cause(out, code))}", failure_excerpt(out))
+    return _trained(report)
+
+
+def _run_files(path: Path, work_dir: Path, tag: str) -> tuple[Path, Path]:
+    return work_dir / f"{path.stem}-{tag}.yaml", work_dir / f"{path.stem}-{tag}.json"
+
+
+def _run_argv(path: Path, support: Support, parallel: Mapping[str, Any], work_dir: Path,
+              tag: str) -> tuple[list[str], Path]:
+    """Write the plan of ``run_losses``; (the ``autopar`` arguments that run it, the report's path)."""
     import yaml
 
     plan = plan_for(path, support, parallel)
     world = plan["cluster"]["num_gpus"]
-    plan_path, report = work_dir / f"{path.stem}-{tag}.yaml", work_dir / f"{path.stem}-{tag}.json"
+    plan_path, report = _run_files(path, work_dir, tag)
     plan_path.write_text(yaml.safe_dump(plan, sort_keys=False), encoding="utf-8")
     report.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "autopar", "run", str(plan_path), "--steps", str(STEPS), "--report", str(report),
-           "--timeout", "60", "--grad-norms"]
+    argv = ["run", str(plan_path), "--steps", str(STEPS), "--report", str(report), "--timeout", "60", "--grad-norms"]
     if world > 1:
-        cmd += ["--nproc-per-node", str(world)]
-    code, out, _ = _run(cmd, timeout_s, work_dir)
-    if code != 0 or not report.exists():
-        raise ZooError(f"exit {code}: {_short(one_line_cause(out, code))}", failure_excerpt(out))
+        argv += ["--nproc-per-node", str(world)]
+    return argv, report
+
+
+def _trained(report: Path) -> Trained:
     data = json.loads(report.read_text(encoding="utf-8"))
     return Trained(losses=[float(x) for x in data["losses"]],
                    grad_norms={str(k): float(v) for k, v in data.get("grad_norms", {}).items()})
@@ -413,7 +480,8 @@ def evaluate(model: ZooModel, *, dims: Sequence[str] = tuple(RUNS), plan: bool =
         (work / "tiny").mkdir()
         tiny = with_size(model.path, "tiny", work / "tiny")
         try:
-            sup = support_of(tiny)
+            # what autopar offers, and the one-rank run every run cell is compared with, in one child
+            sup, ref = support_and_reference(tiny, work) if dims else (support_of(tiny), Trained(losses=[], grad_norms={}))
         except ZooError as exc:
             fail = Cell(status="FAIL", detail=f"support: {_short(exc.cause)}", tail=exc.tail)
             skipped = Cell(status="n/a", detail="autopar could not say what it supports")
@@ -423,7 +491,6 @@ def evaluate(model: ZooModel, *, dims: Sequence[str] = tuple(RUNS), plan: bool =
         cells = {k: Cell(status="ok", detail=sup.tp_source if k == "tp" and sup.tp_source else "")
                  if sup.reason(k) is None else
                  Cell(status="n/a", detail=_short(sup.reason(k)), expected=k in expected) for k in SUPPORT_KEYS}
-        ref = reference_losses(tiny, sup, work) if dims else Trained(losses=[], grad_norms={})
         runs = {d: run_cell(tiny, sup, d, ref, work) for d in dims}
     return ModelResult(model=model, plan=plan_c, support=sup, support_cells=cells, runs=runs)
 
@@ -431,5 +498,8 @@ def evaluate(model: ZooModel, *, dims: Sequence[str] = tuple(RUNS), plan: bool =
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="zoo helper: --support FILE prints what autopar offers (JSON)")
     parser.add_argument("--support", metavar="FILE", required=True)
+    parser.add_argument("--reference", metavar="WORK_DIR", help="then run the one-rank reference there")
     args = parser.parse_args()
-    print("ZOO-SUPPORT " + json.dumps(_support_child(args.support)), flush=True)
+    if args.reference:
+        _reference_child(args.support, args.reference)
+    print(_MARKER + json.dumps(_support_child(args.support)), flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -67,9 +68,41 @@ CASES = [
 ]
 
 
+def _prepare(name: str, work: Path, env: dict[str, str] | None = None) -> dict:
+    """A model's tiny copy, what autopar offers and the one-rank losses (both from one child,
+    zoo_lib.support_and_reference, in ``env``: default this process's environment now). ZooError
+    when autopar cannot say what it offers."""
+    tiny = zoo_lib.with_size(zoo_lib.zoo_models([name])[0].path, "tiny", work)
+    support, reference = zoo_lib.support_and_reference(tiny, work, env=env)
+    return {"tiny": tiny, "work": work, "support": support, "reference": reference}
+
+
+def prepared_ahead(items: list) -> list[str]:
+    """The models ``_prepare`` can start on ahead for the selected ``items`` (pytest items), in the
+    order their run cases come: tests/zoo/conftest.py starts on them when the session's collection
+    ends, one child at a time in a thread, while the tests before the zoo's run (a child is one
+    process; most of those tests leave a core idle), and puts each model's Future in ``AHEAD``. Its
+    children get the environment of the collection's end, not what a test running then may have set
+    (monkeypatch.setenv)."""
+    names: list[str] = []
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if getattr(item, "originalname", None) != "test_zoo_model_trains_like_one_rank" or spec is None:
+            continue
+        name = spec.params["name"]
+        if name not in names and not zoo_lib.zoo_models([name])[0].missing() and (
+                HAS_TRANSFORMERS or not name.startswith("hf_")):
+            names.append(name)
+    return names
+
+
+AHEAD: dict[str, Future] = {}  # model -> _prepare's answer, started by tests/zoo/conftest.py
+
+
 @pytest.fixture(scope="module")
 def zoo_state(tmp_path_factory):
-    """Per model: its tiny copy and what autopar offers (computed once); the one-rank losses on first use."""
+    """Per model, computed once: ``_prepare``'s answer, the one started ahead (``AHEAD``) when there
+    is one. Each case still waits for its own model's answer."""
     cache: dict[str, dict] = {}
 
     def get(name: str) -> dict:
@@ -77,18 +110,9 @@ def zoo_state(tmp_path_factory):
             model = zoo_lib.zoo_models([name])[0]
             if model.missing():
                 pytest.skip(model.missing())
-            work = tmp_path_factory.mktemp(name)
-            tiny = zoo_lib.with_size(model.path, "tiny", work)
-            cache[name] = {"tiny": tiny, "work": work, "support": zoo_lib.support_of(tiny)}
+            cache[name] = AHEAD[name].result() if name in AHEAD else _prepare(name, tmp_path_factory.mktemp(name))
         return cache[name]
 
-    def reference(name: str):
-        state = get(name)
-        if "reference" not in state:
-            state["reference"] = zoo_lib.reference_losses(state["tiny"], state["support"], state["work"])
-        return state["reference"]
-
-    get.reference = reference
     return get
 
 
@@ -100,7 +124,7 @@ def test_zoo_model_trains_like_one_rank(zoo_state, name, dim, needs):
     support = state["support"]
     missing = [k for k in needs if support.reason(k) is not None]
     assert not missing, f"autopar does not offer {missing[0]} for {name}: {support.reason(missing[0])}"
-    cell = zoo_lib.run_cell(state["tiny"], support, dim, zoo_state.reference(name), state["work"])
+    cell = zoo_lib.run_cell(state["tiny"], support, dim, state["reference"], state["work"])
     assert cell.status == "ok", f"{name} {dim}: {cell}\n{cell.tail}"
 
 
