@@ -10,9 +10,10 @@ docs/results.md:
     python benchmarks/gpu_acceptance.py --device cpu    # dry run: every code path on CPU ranks
     python benchmarks/gpu_acceptance.py --only 1,2,4 --json out.json
     python benchmarks/gpu_acceptance.py --device cpu --quick   # dry run on a tiny model
+    python benchmarks/gpu_acceptance.py --device cpu --quick --jobs 2   # the same, two checks at a time
 
 Exit 0 when no check FAILs. The dry run is part of the tests (tests/cli/test_gpu_acceptance.py, with
---quick), so the script itself is known to work before the GPU's minutes are spent on it. --quick
+--quick --jobs 2), so the script itself is known to work before the GPU's minutes are spent on it. --quick
 (dry run only) swaps gpt_small for the same GPT at its tiny size (examples/zoo/autopar_gpt.py: 4
 layers, hidden 64, 32 tokens), gives check 8 one tensor instead of six and profiles on one core
 (check 6's contention curve, which a GPU profile does not take, then starts one helper rank, not
@@ -31,7 +32,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -433,14 +436,19 @@ def check_recorder(device: str, work: Path) -> Result:
 
 
 _VALIDATED: dict[str, tuple[dict, list[float]]] = {}  # plan -> (report, losses): one run per distinct plan
+_VALIDATING: dict[str, threading.Lock] = {}  # plan -> held while it is validated (--jobs: checks 3 and 4 at once)
+_VALIDATING_LOCK = threading.Lock()
 
 
 def _validate(device: str, work: Path, name: str, dtype: str | None = None,
               **parallel: Any) -> tuple[dict, list[float]]:
     # the dry run's fp32 plan (check 3) and its zero-0 plan (check 4) are one plan: validated once
     key = json.dumps(plan_dict(device, dtype, **parallel), sort_keys=True)
-    if key not in _VALIDATED:
-        _VALIDATED[key] = _validate_once(device, work, name, dtype, **parallel)
+    with _VALIDATING_LOCK:
+        lock = _VALIDATING.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _VALIDATED:
+            _VALIDATED[key] = _validate_once(device, work, name, dtype, **parallel)
     return _VALIDATED[key]
 
 
@@ -744,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="with --device cpu only: the dry run on a tiny model (examples/zoo/autopar_gpt.py, gpt_small's "
                          "GPT at 4 layers) -- every check's steps in a fraction of the time, its figures meaningless")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="with --device cpu only: run up to N checks at once (a dry run's figures mean nothing, and "
+                         "most of its time is the commands' process starts); results are printed in check order")
     ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -755,24 +766,36 @@ def main(argv: list[str] | None = None) -> int:
         if args.device != "cpu":
             ap.error("--quick is for the dry run (--device cpu): a GPU run checks gpt_small")
         use_quick_model()
+    if args.jobs < 1 or (args.jobs > 1 and args.device != "cpu"):
+        ap.error("--jobs N (N >= 1) above 1 is for the dry run (--device cpu): a GPU run's checks measure alone")
     if args.probe:
         print(json.dumps(PROBES[args.probe](args.device, Path(args.work))))
         return 0
     only = {int(x) for x in args.only.split(",") if x.strip()}
     rows, results, t_all = [], [], time.perf_counter()
+    todo = [(number, name, fn) for number, name, fn in CHECKS if not only or number in only]
     with tempfile.TemporaryDirectory(prefix="autopar-gpu-acceptance-") as tmp:
-        for number, name, fn in CHECKS:
-            if only and number not in only:
-                continue
+
+        def one(number: int, name: str, fn: Callable[[str, Path], Result]) -> dict:
             t0 = time.perf_counter()
             try:
                 status, text = fn(args.device, Path(tmp))
             except Exception as exc:  # noqa: BLE001 - one check's failure is its row, not the run's end
                 status, text = "FAIL", f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-            took = time.perf_counter() - t0
-            results.append({"check": number, "name": name, "status": status, "measured": text, "seconds": took})
-            print(f"{number:>2}  {name:<26} {status:<4}  {took:5.1f} s  {text}", flush=True)
-            rows.append(status)
+            return {"check": number, "name": name, "status": status, "measured": text,
+                    "seconds": time.perf_counter() - t0}
+
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            # --jobs N: the checks' files in the shared folder have names of their own, and each runs its
+            # commands in processes of their own; --jobs 1: each check in this thread, in turn
+            done = ([pool.submit(one, *check).result for check in todo] if args.jobs > 1 else
+                    [lambda check=check: one(*check) for check in todo])
+            for answer in done:
+                row = answer()
+                results.append(row)
+                print(f"{row['check']:>2}  {row['name']:<26} {row['status']:<4}  {row['seconds']:5.1f} s  "
+                      f"{row['measured']}", flush=True)
+                rows.append(row["status"])
     fails = rows.count("FAIL")
     print(f"{len(rows)} checks on {args.device} in {time.perf_counter() - t_all:.0f} s: "
           f"{rows.count('PASS')} pass, {fails} fail, {rows.count('INFO')} info, {rows.count('SKIP')} skipped")
