@@ -7,6 +7,10 @@ once started. So the test modules declare at import what they need run on ``worl
 function) -- and the first ``result(world, item)`` of the session runs every item declared for that
 world in one spawn, in the order declared; the later ones read the results kept for the session.
 
+The spawns start as soon as pytest has collected (``start_ahead``, called by conftest.py), one world
+after the other in a thread, while the tests collected before the distributed ones run (the CLI's,
+which mostly leave a core idle); ``result`` waits for its world's.
+
 Only the items the selected tests use run in it (``select``, called by conftest.py once pytest has
 collected): an item of a parametrized test runs when that test is selected (with the Jobs that go
 with it), every item of a module when any test of it without such a parameter is; and the items
@@ -22,9 +26,12 @@ later items of other modules run in the same processes.
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 import tempfile
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -51,6 +58,9 @@ Item = Case | Job
 _DECLARED: dict[int, dict[str, tuple[str, Item]]] = {}  # world -> item name -> (declaring module, item)
 _SELECTED: set[str] | None = None  # the names to run in the shared spawns; None: every declared one
 _RESULTS: dict[int, dict[str, Any]] = {}  # world -> item name -> result (or error text), once spawned
+_AHEAD: dict[int, Future] = {}  # world -> its spawn's results, started by start_ahead
+_POOL: list[ThreadPoolExecutor] = []
+_ENV: list[dict[str, str]] = []  # the environment the spawns get, taken by start_ahead
 
 
 def share(world: int, items: list[Item]) -> list[Item]:
@@ -97,12 +107,36 @@ def _with_needs(world: int, names: set[str]) -> list[Item]:
     return [it for name, (_, it) in declared.items() if name in closed]
 
 
+def _session_spawn(world: int) -> dict[str, Any]:
+    todo = [it for name, (_, it) in _DECLARED.get(world, {}).items() if _SELECTED is None or name in _SELECTED]
+    return _spawn(world, todo) if todo else {}
+
+
+def start_ahead() -> None:
+    """Start the session's spawns now, in a thread, one world after the other (the smallest first:
+    the order the test files ask for them), each with the items selected (``select``)."""
+    worlds = sorted(w for w, d in _DECLARED.items() if _SELECTED is None or _SELECTED & set(d))
+    if not worlds or _POOL:
+        return
+    _ENV.append(dict(os.environ))
+    _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shared-spawn"))
+    for world in worlds:
+        _AHEAD[world] = _POOL[0].submit(_session_spawn, world)
+
+
+def stop_ahead() -> None:
+    """The session ends: drop the spawns not started yet, wait for the one running."""
+    for pool in _POOL:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def result(world: int, item: Item) -> Any:
     """``item``'s result on ``world`` ranks: a Case's result dict, a Job's list of per-rank results,
-    or the error text. The first call for a world runs the session's spawn of it."""
+    or the error text. The first call for a world waits for the session's spawn of it (started
+    ahead), or runs it."""
     if world not in _RESULTS:
-        todo = [it for name, (_, it) in _DECLARED.get(world, {}).items() if _SELECTED is None or name in _SELECTED]
-        _RESULTS[world] = _spawn(world, todo) if todo else {}
+        ahead = _AHEAD.get(world)
+        _RESULTS[world] = ahead.result() if ahead is not None and not ahead.cancelled() else _session_spawn(world)
     done = _RESULTS[world]
     if item.name not in done:
         # what it needs runs again: the spawn's folder, and the files they left there, are gone
@@ -112,10 +146,15 @@ def result(world: int, item: Item) -> Any:
 
 def _spawn(world: int, items: list[Item]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"autopar-shared{world}-") as out_dir:
-        return spawn_named(_worker, world, items, out_dir, keep_going=True)
+        worker = functools.partial(_worker, env=_ENV[0] if _ENV else dict(os.environ))
+        return spawn_named(worker, world, items, out_dir, keep_going=True)
 
 
-def _worker(rank: int, world: int, port: int, items: list[Item], out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, items: list[Item], out_dir: str, env: dict[str, str]) -> None:
+    # the session's environment, not what a test running in the main thread beside a spawn started
+    # ahead may have set (monkeypatch.setenv: RANK, WORLD_SIZE, TORCHELASTIC_USE_AGENT_STORE, ...)
+    os.environ.clear()
+    os.environ.update(env)
     with gloo_rank(rank, world, port):
         for item in items:
             try:
