@@ -61,6 +61,7 @@ _RESULTS: dict[int, dict[str, Any]] = {}  # world -> item name -> result (or err
 _AHEAD: dict[int, Future] = {}  # world -> its spawn's results, started by start_ahead
 _POOL: list[ThreadPoolExecutor] = []
 _ENV: list[dict[str, str]] = []  # the environment the spawns get, taken by start_ahead
+_LOGS: dict[int, list[str]] = {}  # world -> the ranks' output of its spawns, not printed yet
 
 
 def share(world: int, items: list[Item]) -> list[Item]:
@@ -141,13 +142,19 @@ def result(world: int, item: Item) -> Any:
     if item.name not in done:
         # what it needs runs again: the spawn's folder, and the files they left there, are gone
         done.update(_spawn(world, _with_needs(world, {item.name}) or [item]))
+    for text in _LOGS.pop(world, []):  # captured with this test's output, as a spawn run in it was
+        print(text, file=sys.stderr)
     return done[item.name]
 
 
 def _spawn(world: int, items: list[Item]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"autopar-shared{world}-") as out_dir:
         worker = functools.partial(_worker, env=_ENV[0] if _ENV else dict(os.environ))
-        return spawn_named(worker, world, items, out_dir, keep_going=True)
+        try:
+            return spawn_named(worker, world, items, out_dir, keep_going=True)
+        finally:
+            logs = sorted(Path(out_dir).glob("rank*.log"))
+            _LOGS.setdefault(world, []).extend(f"--- {p.name}\n{p.read_text(errors='replace')}" for p in logs)
 
 
 def _worker(rank: int, world: int, port: int, items: list[Item], out_dir: str, env: dict[str, str]) -> None:
@@ -155,6 +162,13 @@ def _worker(rank: int, world: int, port: int, items: list[Item], out_dir: str, e
     # ahead may have set (monkeypatch.setenv: RANK, WORLD_SIZE, TORCHELASTIC_USE_AGENT_STORE, ...)
     os.environ.clear()
     os.environ.update(env)
+    # the ranks' output to a file, which result() prints in the test that reads the spawn first (a spawn
+    # started ahead runs outside any test, where pytest would not capture it)
+    log = os.open(os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+        stream.flush()
+        os.dup2(log, fd)
+    os.close(log)
     with gloo_rank(rank, world, port):
         for item in items:
             try:
