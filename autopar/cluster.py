@@ -179,6 +179,12 @@ class Cluster:
     # Sequence parallelism as DTensor runs it (autopar run, torchtitan): a column-parallel Linear saves
     # its all-gathered, full-sequence input for backward; Megatron-LM saves the shard and gathers again.
     sp_saves_gathered_input: bool = True
+    # Sequence parallelism at the model's edges: True where the software runs the embedding's
+    # dropout and the final norm on the sequence shard (Megatron-Core; torchtitan's SequenceParallel
+    # final norm); False where, as autopar run does, the first block's input is split and the last
+    # block's output all-gathered (executor/parallel/tensor_parallel.py), so that whatever a model
+    # file does before and after its blocks runs on the whole sequence on every tp rank.
+    sp_edges: bool = False
     # autopar run trains the data-parallel kinds without FSDP2's mixed-precision policy (DDP, a
     # single rank) under torch.autocast over fp32 parameters: every Linear saves the bf16 copy of its
     # weight for backward, one per micro-batch in flight. Megatron keeps bf16 parameters instead.
@@ -419,7 +425,7 @@ FSDP_KEYS = {"gather_s_per_tensor": "fsdp_gather_s_per_tensor", "reduce_s_per_te
 _SOFTWARE_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "async_tp_backward", "pipeline_scatter_gather",
                   "tp_comm_overlap", "fused_grad_accumulation", "fused_elementwise", "fused_scan",
                   "pipeline_buffers_per_microbatch",
-                  "sp_saves_gathered_input", "autocast_weight_copies")
+                  "sp_saves_gathered_input", "sp_edges", "autocast_weight_copies")
 ACTIVATION_MEMORY = ("measured", "megatron")
 CP_ATTENTION = ("chunks", "transformer_engine")
 MAIN_GRAD_BYTES = (0, 2, 4)

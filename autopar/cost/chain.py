@@ -137,8 +137,9 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
                 gathered -= ep.expert.all_expert_params - ep.expert.expert_params
         parts.append(part)
         cuts.append(collective_time_s("p2p", in_bytes, pp_link) if i and cfg.pp > 1 else 0.0)
-        # ZeRO-3: the unit's gathered parameters (and gradients), as build_terms for a block
-        transient.append((3 * gathered * cfg.dtype_bytes if cfg.zero == 3 else 0.0) + work)
+        # ZeRO-3: the unit's gathered parameters and the next one's, prefetched, as build_terms for a
+        # block (its unsharded gradients are in part.peak_bytes: cost.zero.holds_unit_grads)
+        transient.append((2 * gathered * cfg.dtype_bytes if cfg.zero == 3 else 0.0) + work)
         # its backward: + gradients of activations, + FSDP2's held reduce-scatter input (the unit
         # after it has released its activations by then), as StageTerms.rank_other_bytes's block
         phases.append(transient[-1] + part.peak_bytes + max(0.0, part.params * held_per_param - part.act_bytes))
@@ -264,8 +265,9 @@ def _other_bytes(terms: ChainTerms, load: StageLoad, rank: int, *, loss: bool, b
         if first:
             phases.append(t.pre.peak_bytes + root_grads)
     if last and loss:
-        # ZeRO-3: the last unit's parameters, gathered ahead of its backward while the loss runs
-        phases.append(t.post.peak_bytes + (terms.units[-1].params * c.dtype_bytes if c.zero == 3 else 0.0))
+        # ZeRO-3: the last unit's parameters, prefetched from the head's backward on (StageTerms._loss_phase_bytes)
+        gather = terms.units[-1].params * c.dtype_bytes if c.zero == 3 else 0.0
+        phases.append(max(t.post.peak_bytes, t.post.head_peak_bytes + gather))
     held = t.stage_output_bytes if last else 0.0  # the output of the micro-batch in its loss and backward
     return t.root_bytes(first, last) + max(phases) + held + c.num_microbatches * load.buffer_bytes
 

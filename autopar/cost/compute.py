@@ -68,8 +68,12 @@ class RegionTime:
     peak_bytes: float = 0.0  # how far the live tensors rise above the saved ones here (RegionFit.peaks)
     # the same with the region's parameter gradients counted from their creation to its backward's end
     # (what an FSDP2 unit holds in the training dtype until its post-backward; graph/live.py's Tg)
+    # (less, in backward, the saved activations it has freed by then: Tg')
     peak_with_grads_bytes: float = 0.0
     peak_grads_bytes: float = 0.0  # of peak_with_grads_bytes, the gradients
+    # peak_bytes less, in backward, the saved activations freed by then (graph/live.py's T'): the
+    # rise above the saved activations the region held when its backward began
+    peak_credited_bytes: float = 0.0
     # Per-op selective recompute (autopar.recompute_ops): the outputs it keeps of the ops it saves,
     # and those ops' forward time, which its recompute does not re-run.
     op_saved_bytes: float = 0.0
@@ -283,17 +287,19 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
     if scan is not None:
         saved += scan_saved_bytes(scan, shape)
     peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.what == "peak"), default=0.0)
-    # Tg (graph/live.py): backward's temporaries beside the region's own gradients; forward's as T
     fwd_peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.what == "peak" and q.phase == "fwd"),
                    default=0.0)
-    tg = {what: sum(q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.phase == "bwd" and q.what == what)
-          for what in ("peak_grads_temps", "peak_grads")}
-    with_grads = max(fwd_peak, tg["peak_grads_temps"] + tg["peak_grads"])
-    grads_at_peak = tg["peak_grads"] if with_grads > fwd_peak else 0.0
+    tails = {what: sum(q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.phase == "bwd" and q.what == what)
+             for what in ("peak_grads_temps", "peak_grads", "peak_grads_credit", "peak_credit_temps", "peak_credit")}
+    # T' and Tg' (graph/live.py): backward's peak less the saved activations freed by then (each
+    # part by its own law); forward's as T
+    with_grads = max(fwd_peak, tails["peak_grads_temps"] + tails["peak_grads"] - tails["peak_grads_credit"])
+    grads_at_peak = tails["peak_grads"] if with_grads > fwd_peak else 0.0
+    credited = max(fwd_peak, tails["peak_credit_temps"] - tails["peak_credit"])
     return RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, core_bwd_s=core_b, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
                       fwd_flops=fwd_f, bwd_flops=bwd_f,
                       saved_bytes=saved, core_saved_bytes=core_saved, peak_bytes=peak,
-                      peak_with_grads_bytes=with_grads, peak_grads_bytes=grads_at_peak,
+                      peak_with_grads_bytes=with_grads, peak_grads_bytes=grads_at_peak, peak_credited_bytes=credited,
                       op_saved_bytes=op_bytes, op_saved_fwd_s=op_s)
 
 

@@ -162,8 +162,8 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     block_params = graph.params["block"].per_rank(cfg.tp)
     transient = 0.0
     if cfg.zero == 3:
-        # FSDP2 in a block's backward: the block's gathered parameters and the next one's, prefetched
-        # (its gradients are reduce-scattered as soon as they are whole); measured by rehearsal
+        # FSDP2 in a block's backward: the block's gathered parameters and the next one's all-gather
+        # buffer, prefetched; its unsharded gradients are the block's Tg (cost.zero.holds_unit_grads)
         transient += 2 * block_params * d
         transient -= ep.transient_saving_bytes  # expert parallelism: this rank's E / ep experts only
     mega = megatron_block_activations(graph, cfg) if cluster.activation_memory == "megatron" else None
@@ -373,9 +373,13 @@ def region_peak_bytes(rt: RegionTime, cfg: Config, cluster: Cluster) -> tuple[fl
     """A region's temporaries at its peak and, of them, its own parameter gradients (``Part.peak_bytes``,
     ``Part.peak_grads_bytes``): with the gradients made so far where the data-parallel wrap holds them
     until its post-backward (FSDP2: cost/zero.holds_unit_grads), without them (0) where the model
-    states count them."""
+    states count them. Where the activations priced are the model file's own saved tensors
+    (``activation_memory: measured``), less those backward has freed by its peak (graph/live.py's Tg'
+    and T'); software with activations of its own (Megatron-Core + TE) keeps T, which frees nothing."""
     if holds_unit_grads(cfg, cluster):
         return rt.peak_with_grads_bytes, rt.peak_grads_bytes
+    if cluster.activation_memory == "measured":
+        return rt.peak_credited_bytes, 0.0
     return rt.peak_bytes, 0.0
 
 
@@ -395,7 +399,10 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
     all-reduces its input gradient in backward, and its loss (``loss_parallel``) all-reduces three
     per-token statistics in forward. Replicated edges (an old table, or a vocabulary tp does not
     divide) run whole on every tp rank and need none of these."""
-    # The fitted tp exponents already say which ops a vocab-parallel layer shards (0 for the rest).
+    # The fitted tp exponents already say which ops a vocab-parallel layer shards (0 for the rest);
+    # under SP the edges run on the whole sequence unless the software shards them (Cluster.sp_edges).
+    if not cluster.sp_edges:
+        shape = replace(shape, sp=1.0)
     t_shape = replace(shape, t=1.0, sp=1.0) if replicated else shape
     vocab_tp = not replicated and graph.shards_with_tp(region)
     parts = [graph_region_time(graph, region, cluster, t_shape)]
@@ -423,7 +430,8 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
     tensors = graph.params[region].tensors + (graph.params["loss"].tensors if region == "post" else 0)
     zero += sum(per_microbatch_s(cfg, cluster, tensors))  # framework time: FSDP2's own time
-    peak = max(region_peak_bytes(p, cfg, cluster)[0] for p in parts) + loss_parallel_bytes
+    peaks = [region_peak_bytes(p, cfg, cluster)[0] for p in parts]
+    peak = max(peaks) + loss_parallel_bytes
     if region == "pre" and cfg.pp > 1 and holds_unit_grads(cfg, cluster) and graph.tied_params:
         # the trace sums a tied head's contribution into the embedding's gradient (Tg counts both);
         # a pipeline's first stage has its own copy of the weight and no head to sum
@@ -432,4 +440,4 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=0.0, tp_comm_s=tp, cp_comm_s=0.0, zero_comm_s=zero,
                 act_bytes=sum(p.saved_bytes for p in parts), params=params,
                 fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts),
-                peak_bytes=peak)
+                peak_bytes=peak, head_peak_bytes=peaks[0] if region == "post" else 0.0)

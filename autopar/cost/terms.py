@@ -76,6 +76,10 @@ class Part:
     # of peak_bytes, the piece's own parameter gradients where FSDP2 holds them (cost.zero.holds_unit_grads):
     # expert parallelism keeps E / ep experts' of them (cost/expert.py)
     peak_grads_bytes: float = 0.0
+    # post only: the head's own backward at its peak, the loss's left out -- the phase from the
+    # gradient of the model's output on, where FSDP2's root pre-backward prefetches the last block
+    # under ZeRO-3 (StageTerms._loss_phase_bytes); 0 on the other pieces
+    head_peak_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -134,7 +138,7 @@ class StageTerms:
     # ``p2p_s`` and ``pipeline_buffer_bytes`` already; kept for ``autopar explain``. 0 at pp = 1.
     carried_bytes: float = 0.0
     # ZeRO-3 (FSDP2): bytes per root parameter kept gathered (the training dtype), and one block's
-    # gathered parameters prefetched while the loss runs; 0 elsewhere
+    # gathered parameters, prefetched once the gradient of the model's output is made; 0 elsewhere
     zero3_root_params_per_byte: float = 0.0
     zero3_gather_bytes: float = 0.0
     # FSDP2's held reduce-scatter input: one block's gradients in fp32, held while the next block's
@@ -212,9 +216,13 @@ class StageTerms:
 
     @property
     def _loss_phase_bytes(self) -> float:
-        """The last rank's loss phase of ``rank_other_bytes``: the loss's temporaries and ZeRO-3's
-        first block, prefetched for backward."""
-        return self.post.peak_bytes + self.zero3_gather_bytes
+        """The last rank's loss phase of ``rank_other_bytes``: the loss's and the head's backward
+        temporaries and, under ZeRO-3, the first block to run backward, which FSDP2 prefetches
+        from the root's pre-backward: a hook on the model's output that fires when its gradient is
+        made, so it meets the head's backward (``post.head_peak_bytes``) and not the loss's
+        where the loss runs outside the model (a ``loss_fn``), both where the model returns its
+        loss (the trace counts such a loss with the head: graph/build.forward_backward)."""
+        return max(self.post.peak_bytes, self.post.head_peak_bytes + self.zero3_gather_bytes)
 
     def one_microbatch_other_bytes(self, rank: int, grads_bytes: float) -> tuple[float, float]:
         """(other bytes, gradient bytes at the peak) of a rank without a pipeline whose step has one
@@ -244,8 +252,9 @@ class StageTerms:
           the block after it has finished its backward and released its activations (``own_act``,
           one micro-batch's saved bytes of a block of the mode in question; default the config's
           block): the larger of the two;
-        * the last rank's loss: its temporaries (the fp32 copies of the logits and their
-          gradients) + under ZeRO-3 the first block's gathered parameters, prefetched for backward;
+        * the last rank's loss and head backward: their temporaries (the fp32 copies of the
+          logits and their gradients) + under ZeRO-3, from the head's backward on, the first
+          block's gathered parameters, prefetched for backward (``_loss_phase_bytes``);
         * the first rank's embedding backward (its temporaries);
 
         (``Part.peak_bytes`` counts a region's own parameter gradients where FSDP2 holds them

@@ -143,15 +143,15 @@ def gradient_bytes_per_param(cfg: "Config", sharded_grads: float, uses_ddp: bool
 def holds_unit_grads(cfg: "Config", cluster: "Cluster") -> bool:
     """Whether the executor's wrap keeps each unit's parameter gradients, unsharded and in the
     training dtype, from the op that makes them until the unit's post-backward folds them into its
-    accumulator or reduce input: FSDP2 (``fully_shard``, ``replicate``) does, so a block's backward
-    holds its own gradients made so far (graph/live.py's Tg) and the last stage's holds the root
-    unit's (the head's) until the step's backward ends. DDP and one unwrapped rank keep gradients
-    as the model states count them; a gradient buffer of the software's own
-    (``Cluster.main_grad_bytes``, Megatron-Core) takes each weight gradient as it is made. ZeRO-3
-    keeps the block transient its rehearsals measured (two gathered blocks, stage.build_terms) and
-    its root unit gathered (``root_bytes``), without them: the rehearsals since (Llama-3 405B at
-    dp 32 x tp 2) peak at the loss, so whether that transient covers the gradients is not measured."""
-    return not cluster.main_grad_bytes and cfg.zero != 3 and dp_wrapper(cfg) in ("fully_shard", "replicate")
+    accumulator or reduce input: FSDP2 (``fully_shard`` at any ZeRO stage, ``replicate``) does, so a
+    block's backward holds its own gradients made so far (graph/live.py's Tg) and the last stage's
+    holds the root unit's (the head's) until the step's backward ends. DDP and one unwrapped rank
+    keep gradients as the model states count them; a gradient buffer of the software's own
+    (``Cluster.main_grad_bytes``, Megatron-Core) takes each weight gradient as it is made. Under
+    ZeRO-3 they sit beside the two gathered blocks (stage.build_terms): rehearsed on GPT-3-width
+    blocks at dp 2, the peak in an attention core's backward holds the block's gathered parameters,
+    the next block's all-gather buffer, fc1's, fc2's and proj's unsharded gradients and the head's."""
+    return not cluster.main_grad_bytes and dp_wrapper(cfg) in ("fully_shard", "replicate")
 
 
 def held_reduce_input_bytes_per_param(cfg: "Config", cluster: "Cluster") -> float:

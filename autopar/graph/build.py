@@ -195,14 +195,19 @@ def peak_records(step: Callable[[Callable[[str], None]], Any], params: list[torc
     from autopar.graph.live import live_peaks
 
     try:
-        peaks, with_grads = live_peaks(step, params)
+        live = live_peaks(step, params)
     finally:
         for h in handles:
             h.remove()
-    return [PeakRecord(region=region, phase=phase, nbytes=max(0.0, float(v)),
-                       grads_temps_nbytes=max(0.0, with_grads.get((phase, region), (0.0, 0.0))[0]),
-                       grads_nbytes=with_grads.get((phase, region), (0.0, 0.0))[1])
-            for (phase, region), v in peaks.items()]
+    none = (0.0, 0.0, 0.0)
+    records = []
+    for (phase, region), v in live.temps.items():
+        temps, _, credit = live.credited.get((phase, region), none)
+        g_temps, grads, g_credit = live.with_grads.get((phase, region), none)
+        records.append(PeakRecord(region=region, phase=phase, nbytes=max(0.0, float(v)),
+                                  credit_temps_nbytes=max(0.0, temps), credit_nbytes=credit,
+                                  grads_temps_nbytes=max(0.0, g_temps), grads_nbytes=grads, grads_credit_nbytes=g_credit))
+    return records
 
 
 class ParamRegions:

@@ -27,7 +27,19 @@ replays the same events with them counted that way, region by region:
 
 and reports at that op both parts, so that the cost model scales each by its own law (temporaries
 like an activation, gradients like the region's parameters) and prices Tg where the executor's wrap
-holds unit gradients (cost/stage.py, cost/zero.holds_unit_grads). A region's gradients are dropped
+holds unit gradients (cost/stage.py, cost/zero.holds_unit_grads).
+
+The cost model holds a region's saved activations whole beside its backward's peak, but backward
+releases a saved tensor once the op that needed it has run: mid-block, at an unfused attention
+core's backward, the MLP's saved tensors are gone. ``credited_peaks`` replays the events a third
+way, crediting each backward (phase, region) with the saved storages freed there so far:
+
+    T'(bwd, region)  = max over its ops of (temporaries - saved freed in it so far)
+    Tg'(bwd, region) = max over its ops of (temporaries + its gradients - saved freed in it so far)
+
+each reported as its parts at that op (the credit fitted like the activations it frees), so that
+the cost model prices the saved activations at backward's start plus T' or Tg' (cost/stage.py,
+where the activations it holds are the model file's own). A region's gradients are dropped
 when its backward ends; the root unit's (embedding, head) live on to the end of the step, which the
 cost model adds on the ranks that hold them. A weight used twice (a head tied to the embedding) has
 its contributions summed by autograd before it accumulates: Tg counts each contribution as the
@@ -111,27 +123,32 @@ def peaks_over(events: list[tuple[int, int, str, str]], leave_out: set[int]) -> 
     return peaks
 
 
-def unit_grad_peaks(events: list[tuple[int, int, str, str]], saved: set[int], grads: set[int]
-                    ) -> dict[tuple[str, str], tuple[float, float]]:
-    """Replay ``events`` counting the parameter gradients ``grads`` from their creation until their
-    (phase, region) ends, the storages ``saved`` not at all: per backward (phase, region), at its
-    most live bytes, (temporaries, gradients) -- the two parts of Tg (module docstring)."""
-    temps, own, current = 0, 0, None
-    peaks: dict[tuple[str, str], tuple[float, float]] = {}
+def credited_peaks(events: list[tuple[int, int, str, str]], saved: set[int], grads: set[int], *,
+                   hold_grads: bool) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """Replay ``events`` crediting, in each backward (phase, region), the saved storages ``saved``
+    freed there so far; the parameter gradients ``grads`` counted from their creation until their
+    (phase, region) ends where ``hold_grads`` (Tg'), left out otherwise (T'). Per backward (phase,
+    region), at its most of temporaries + gradients - credit: (temporaries, gradients, credit)
+    (module docstring)."""
+    temps, own, freed, current = 0, 0, 0, None
+    peaks: dict[tuple[str, str], tuple[float, float, float]] = {}
     for nbytes, serial, phase, region in events:
-        if serial in saved:
-            continue
         key = (phase, region)
-        if key != current:  # the unit's post-backward has folded its gradients away
-            current, own = key, 0
+        if key != current:  # a new region's backward: the unit's post-backward has folded its gradients away
+            current, own, freed = key, 0, 0
+        if serial in saved:
+            if phase == "bwd" and nbytes < 0:
+                freed -= nbytes
+            continue
         if serial in grads:
-            if nbytes < 0:
+            if not hold_grads or nbytes < 0:
                 continue  # freed with p.grad after the step, or a contribution once summed: counted to its region's end
             own += nbytes
         else:
             temps += nbytes
-        if phase == "bwd" and nbytes > 0 and temps + own > sum(peaks.get(key, (0.0, 0.0))):
-            peaks[key] = (float(temps), float(own))
+        best = peaks.get(key)
+        if phase == "bwd" and nbytes > 0 and (best is None or temps + own - freed > best[0] + best[1] - best[2]):
+            peaks[key] = (float(temps), float(own), float(freed))
     return peaks
 
 
@@ -147,11 +164,19 @@ def _with_contributions(grads: set[int], sums: dict[int, set[int]]) -> set[int]:
     return out
 
 
-def live_peaks(step: Callable[[Callable[[str], None]], Any], params: list[torch.Tensor]
-               ) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], tuple[float, float]]]:
+@dataclass(frozen=True, kw_only=True)
+class LivePeaks:
+    """``live_peaks``' result, per (phase, region): T; per backward (phase, region): T' as
+    (temporaries, 0, credit) and Tg' as (temporaries, unit gradients, credit) (module docstring)."""
+
+    temps: dict[tuple[str, str], float]
+    credited: dict[tuple[str, str], tuple[float, float, float]]
+    with_grads: dict[tuple[str, str], tuple[float, float, float]]
+
+
+def live_peaks(step: Callable[[Callable[[str], None]], Any], params: list[torch.Tensor]) -> LivePeaks:
     """Run ``step(set_region)`` (forward and backward; ``set_region`` as ``graph.trace.run_and_trace``
-    takes it) under ``LiveBytes``; per (phase, region) the temporaries' peak T, and per backward
-    (phase, region) Tg's (temporaries, unit gradients) (module docstring)."""
+    takes it) under ``LiveBytes``; T, T' and Tg' (module docstring)."""
     from autopar.graph.trace import cuda_like_functions
 
     for p in params:
@@ -179,5 +204,7 @@ def live_peaks(step: Callable[[Callable[[str], None]], Any], params: list[torch.
         p.grad = None
     # T leaves out the gradients the model states count (a tied weight's early contribution stays a
     # temporary: autograd holds it, whatever the wrap); Tg counts every contribution as the unit's
-    return (peaks_over(mode.events, grads | saved),
-            unit_grad_peaks(mode.events, saved, _with_contributions(grads, mode.sums)))
+    return LivePeaks(temps=peaks_over(mode.events, grads | saved),
+                     credited=credited_peaks(mode.events, saved, grads, hold_grads=False),
+                     with_grads=credited_peaks(mode.events, saved, _with_contributions(grads, mode.sums),
+                                               hold_grads=True))

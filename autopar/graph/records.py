@@ -51,14 +51,19 @@ class SavedRecord:
 @dataclass(frozen=True, kw_only=True)
 class PeakRecord:
     """The most bytes of temporaries (live tensors never saved for backward) in one phase of one
-    region (``graph/live.py``): T, and in backward Tg's two parts at its peak -- temporaries and
-    the region's parameter gradients made so far (what an FSDP2 unit holds until its post-backward)."""
+    region (``graph/live.py``): T, and in backward T''s and Tg''s parts at their peaks -- temporaries,
+    the region's parameter gradients made so far (what an FSDP2 unit holds until its post-backward)
+    and the saved activations backward has freed in the region by then (the credit)."""
 
     region: str
     phase: str  # "fwd" | "bwd"
     nbytes: float
     grads_temps_nbytes: float = 0.0
     grads_nbytes: float = 0.0
+    # backward: T' (temporaries less the saved activations freed so far, at its peak) and Tg''s credit
+    credit_temps_nbytes: float = 0.0
+    credit_nbytes: float = 0.0
+    grads_credit_nbytes: float = 0.0
 
 
 @dataclass(kw_only=True)

@@ -224,13 +224,16 @@ def fit_region(
     return RegionFit(ops=tuple(fitted), saved=saved, comm=comm, peaks=_fit_peaks(region, base, b2, s_half, t2))
 
 
-PEAK_PARTS = (("peak", "nbytes"), ("peak_grads_temps", "grads_temps_nbytes"), ("peak_grads", "grads_nbytes"))
+PEAK_PARTS = (("peak", "nbytes"), ("peak_grads_temps", "grads_temps_nbytes"), ("peak_grads", "grads_nbytes"),
+              ("peak_grads_credit", "grads_credit_nbytes"), ("peak_credit_temps", "credit_temps_nbytes"),
+              ("peak_credit", "credit_nbytes"))
 
 
 def _fit_peaks(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuantity, ...]:
     """Each phase's peak above the saved activations (``Trace.peaks``), fitted like a saved tensor:
-    T as ``peak``, and Tg's temporaries and unit gradients (graph/live.py) as ``peak_grads_temps``
-    and ``peak_grads``, each with its own exponents (the gradients scale like the parameters)."""
+    T as ``peak``, Tg''s temporaries, unit gradients and credit (graph/live.py) as ``peak_grads_temps``,
+    ``peak_grads`` and ``peak_grads_credit``, T''s as ``peak_credit_temps`` and ``peak_credit``, each
+    with its own exponents (the gradients scale like the parameters, a credit like the activations)."""
     def of(trace: Trace | None, phase: str, attr: str) -> float | None:
         if trace is None:
             return None

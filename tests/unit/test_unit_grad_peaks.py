@@ -1,8 +1,8 @@
 """FSDP2's unit gradients in the step's temporaries (graph/live.py's Tg; cost.zero.holds_unit_grads):
 a unit's parameter gradients live, unsharded in the training dtype, from the op that makes them to
 the unit's post-backward; the root unit's (head, tied or not) to the end of the stage's backward.
-DDP and one unwrapped rank count gradients as model states, so their price is T, as before; ZeRO-3
-keeps its own rehearsal-measured block transient."""
+DDP and one unwrapped rank count gradients as model states, so their price is T (T' where the
+activations are the model file's own), as before; ZeRO-3 holds them beside its two gathered blocks."""
 
 from __future__ import annotations
 
@@ -66,9 +66,10 @@ def test_a_blocks_gradients_count_in_its_backward_and_are_dropped_after() -> Non
     """Tg's gradient part in the block's backward is its weights' gradients (bf16), the first
     one made (fc2's) at least; T leaves gradients out; the embedding's backward meets none of the
     block's (its unit has folded them away)."""
-    t, tg = _peaks(tied=False)
+    live = _peaks(tied=False)
+    t, tg = live.temps, live.with_grads
     fc_grad = W * 4 * W * 2  # one of fc1 / fc2, bf16
-    temps, grads = tg[("bwd", "block")]
+    temps, grads, _ = tg[("bwd", "block")]
     assert fc_grad <= grads <= 2 * fc_grad
     assert temps <= t[("bwd", "block")]
     assert tg[("bwd", "pre")][1] == V * W * 2  # the embedding's own gradient only
@@ -79,8 +80,8 @@ def test_a_tied_heads_contribution_is_a_temporary_in_t_and_a_gradient_in_tg() ->
     """The head's contribution to a tied weight waits in autograd's buffer until the embedding's
     backward adds its own: a temporary through the block's backward in T (any wrap holds it at one
     stage), the root unit's gradient in Tg (priced as ``root_grad_bytes``), never a block temporary."""
-    t_tied, tg_tied = _peaks(tied=True)
-    t_free, tg_free = _peaks(tied=False)
+    tied, free = _peaks(tied=True), _peaks(tied=False)
+    t_tied, tg_tied, t_free, tg_free = tied.temps, tied.with_grads, free.temps, free.with_grads
     head = V * W * 2
     assert t_tied[("bwd", "block")] - t_free[("bwd", "block")] == head
     assert tg_tied[("bwd", "block")][0] == tg_free[("bwd", "block")][0]
@@ -113,7 +114,7 @@ BLOCK_GRADS = 12 * 1024 * 1024 * 2  # qkv, proj, fc1, fc2 weights of one block, 
 @pytest.mark.parametrize("par,holds", [
     ({"dp": 8, "zero": 0}, False),  # DDP: gradients are model states
     ({"dp": 8, "zero": 1}, True),
-    ({"dp": 8, "zero": 3}, False),  # its rehearsal-measured transient (cost.zero.holds_unit_grads)
+    ({"dp": 8, "zero": 3}, True),  # beside its two gathered blocks (rehearsed: cost.zero.holds_unit_grads)
     ({"dp": 4, "pp": 2, "zero": 0, "pp_schedule": "1f1b"}, True),  # replicate
 ])
 def test_the_block_phase_holds_unit_gradients_under_fsdp2_only(par: dict, holds: bool) -> None:
