@@ -173,7 +173,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         transient += mega.block_working
         block, pre = evolve(block, act_bytes=mega.block), evolve(pre, act_bytes=mega.pre)
         post = evolve(post, act_bytes=mega.post, peak_bytes=mega.post_peak)
-    edge_tp = cfg.tp if graph.params["pre"].tp_sharded and not replicated else 1
+    edge_tp = embedding_tp(graph, cfg, replicated)
     tied = graph.tied_params / edge_tp if cfg.pp > 1 else 0.0
     model_params = graph.num_blocks * block.params + pre.params + post.params  # a rank's share at pp = 1
     framework = per_step_s_per_param(
@@ -392,6 +392,13 @@ LOSS_STAT_BYTES = 4  # each an fp32 value per token (the loss's computation dtyp
 LOSS_PARALLEL_EXTRA_SHARDS = 1
 
 
+def embedding_tp(graph: ModelGraph, cfg: Config, replicated: bool) -> int:
+    """The tp degree dividing the embedding's weight (and a head tied to it) on a rank: tp where the
+    executor shards it over the vocabulary (its parameters say so), 1 where it stays whole (an
+    old table's replicated edges)."""
+    return cfg.tp if graph.params["pre"].tp_sharded and not replicated else 1
+
+
 def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_bytes, with_loss=False,  # noqa: ANN001
                replicated=False) -> Part:
     """The embedding (pre) or the head plus loss (post), as the executor runs them (see the module
@@ -435,8 +442,7 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
     if region == "pre" and cfg.pp > 1 and holds_unit_grads(cfg, cluster) and graph.tied_params:
         # the trace sums a tied head's contribution into the embedding's gradient (Tg counts both);
         # a pipeline's first stage has its own copy of the weight and no head to sum
-        edge_tp = cfg.tp if vocab_tp else 1
-        peak = max(0.0, peak - graph.tied_params / edge_tp * cfg.dtype_bytes)
+        peak = max(0.0, peak - graph.tied_params / embedding_tp(graph, cfg, replicated) * cfg.dtype_bytes)
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=0.0, tp_comm_s=tp, cp_comm_s=0.0, zero_comm_s=zero,
                 act_bytes=sum(p.saved_bytes for p in parts), params=params,
                 fwd_flops=sum(p.fwd_flops for p in parts), bwd_flops=sum(p.bwd_flops for p in parts),
