@@ -74,6 +74,8 @@ class RegionTime:
     # peak_bytes less, in backward, the saved activations freed by then (graph/live.py's T'): the
     # rise above the saved activations the region held when its backward began
     peak_credited_bytes: float = 0.0
+    fwd_peak_bytes: float = 0.0  # forward's T alone
+    bwd_grads_bytes: float = 0.0  # the region's gradients at Tg''s peak, whichever phase peaks
     # Per-op selective recompute (autopar.recompute_ops): the outputs it keeps of the ops it saves,
     # and those ops' forward time, which its recompute does not re-run.
     op_saved_bytes: float = 0.0
@@ -300,6 +302,7 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
                       fwd_flops=fwd_f, bwd_flops=bwd_f,
                       saved_bytes=saved, core_saved_bytes=core_saved, peak_bytes=peak,
                       peak_with_grads_bytes=with_grads, peak_grads_bytes=grads_at_peak, peak_credited_bytes=credited,
+                      fwd_peak_bytes=fwd_peak, bwd_grads_bytes=tails["peak_grads"],
                       op_saved_bytes=op_bytes, op_saved_fwd_s=op_s)
 
 

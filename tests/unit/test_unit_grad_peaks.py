@@ -144,3 +144,24 @@ def test_root_gradients_are_on_the_last_stage_only() -> None:
     assert terms.rank_other_bytes(1, 1, loss=False) - bare.rank_other_bytes(1, 1, loss=False) == pytest.approx(
         terms.root_grad_bytes, rel=1e-9)
     assert terms._loss_phase_bytes == bare._loss_phase_bytes
+
+
+def test_selective_recompute_reruns_the_core_beside_the_gradients_made_behind_it() -> None:
+    """Under selective recompute the attention core's forward re-runs when backward reaches it,
+    after proj's and the MLP's gradients are made: FSDP2 holds them beside the re-run's forward
+    temporaries (the unfused core's scores and softmax), which DDP does not."""
+    from autopar.cost.compute import graph_region_time
+    from autopar.graph.scaling import Shape
+
+    rt = graph_region_time(_graph(), "block", load_cluster("h100-80g"),
+                           Shape(b=1, s_ratio=1.0, kv_ratio=1.0, t=1.0))
+    # the gradients there: some of the block's weights', never more than all of them
+    assert 0.25 * BLOCK_GRADS < rt.bwd_grads_bytes <= BLOCK_GRADS + 8 * CFG.hidden_size * 2
+    beside = rt.fwd_peak_bytes + rt.bwd_grads_bytes - rt.peak_with_grads_bytes
+    assert beside > 0  # this GPT's forward peak (the core's s^2 softmax) with them tops backward's Tg'
+
+    def working(**par) -> float:  # noqa: ANN003
+        return _terms(recompute="selective", **par)[0].transient_bytes - _terms(**par)[0].transient_bytes
+
+    assert working(dp=8, zero=1) == pytest.approx(rt.core_saved_bytes + beside)
+    assert working(dp=8, zero=0) == pytest.approx(rt.core_saved_bytes)  # DDP: gradients are model states
