@@ -20,8 +20,8 @@ alive before the step.
 
 Under FSDP2 (``fully_shard`` and ``replicate``) a unit's parameter gradients exist, unsharded in
 the training dtype, from the op that makes them until the unit's post-backward folds them into its
-accumulator or reduce input: through the rest of that region's backward. ``unit_grad_peaks``
-replays the same events with them counted that way, region by region:
+accumulator or reduce input: through the rest of that region's backward. ``credited_peaks``
+(``hold_grads``) replays the same events with them counted that way, region by region:
 
     Tg(bwd, region) = max over that phase's ops of (temporaries + the region's gradients made so far)
 
