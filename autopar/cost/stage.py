@@ -198,6 +198,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         framework_s_per_param=framework,
         transient_bytes=transient,
         held_reduce_bytes=block.params * held_reduce_input_bytes_per_param(cfg, cluster),
+        pipeline_held_reduce_bytes_per_param=held_reduce_input_bytes_per_param(cfg, cluster) if cfg.pp > 1 else 0.0,
         # the root unit's (head's) gradients, held by FSDP2 until the stage's backward ends
         # (a tied head's too: the last stage's copy at pp > 1, the embedding's weight at pp = 1)
         root_grad_bytes=(post.params + graph.tied_params / edge_tp) * d if holds_unit_grads(cfg, cluster) else 0.0,

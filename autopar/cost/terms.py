@@ -144,6 +144,13 @@ class StageTerms:
     # FSDP2's held reduce-scatter input: one block's gradients in fp32, held while the next block's
     # backward runs (cost.zero.held_reduce_input_bytes_per_param); 0 where it is not in the peak
     held_reduce_bytes: float = 0.0
+    # torch pipelining runs each micro-batch's backward with FSDP2's is_last_backward off, so the
+    # final callback keeps the last reduce-scatter input of a micro-batch's backward alive into the
+    # next one's, until its first reduce: the root unit's gradients (the embedding's on the first
+    # stage, the head's on the last) or, on a stage whose root holds none, its first block's, in
+    # fp32. Bytes per parameter of that unit where gradients are reduced inside backward under a
+    # pipeline (ZeRO-3 at pp > 1), else 0: see ``_first_backward_held_bytes``
+    pipeline_held_reduce_bytes_per_param: float = 0.0
     # FSDP2's root unit (the head and final norm on the last stage) keeps its gradients, unsharded in
     # the training dtype, from the head's backward until the stage's backward ends: through every
     # block's backward of the micro-batch on the last rank (cost.zero.holds_unit_grads); 0 elsewhere
@@ -224,6 +231,15 @@ class StageTerms:
         loss (the trace counts such a loss with the head: graph/build.forward_backward)."""
         return max(self.post.peak_bytes, self.post.head_peak_bytes + self.zero3_gather_bytes)
 
+    def _first_backward_held_bytes(self, first: bool, last: bool) -> float:
+        """The previous micro-batch's last reduce-scatter input that a pipeline rank's first block
+        to run backward meets (``pipeline_held_reduce_bytes_per_param``): the root unit's
+        gradients where the rank holds edges, else its first block's. Rehearsed on GPT-3 175B at
+        64 H100s (dp 2 tp 4 pp 8, ZeRO-3): stage 6 holds a block's fp32 gradients (1.69 GiB) at
+        its peak, the last stage the head's (0.59 GiB)."""
+        root = (self.pre.params if first else 0.0) + (self.post.params + self.tied_params if last else 0.0)
+        return self.pipeline_held_reduce_bytes_per_param * (root if root > 0 else self.block.params)
+
     def one_microbatch_other_bytes(self, rank: int, grads_bytes: float) -> tuple[float, float]:
         """(other bytes, gradient bytes at the peak) of a rank without a pipeline whose step has one
         micro-batch (``loss_free_grads`` > 0): its loss meets ``loss_free_grads`` of the rank's
@@ -251,7 +267,9 @@ class StageTerms:
           reduce-scatter input (``held_reduce_bytes``), which a block's backward meets only once
           the block after it has finished its backward and released its activations (``own_act``,
           one micro-batch's saved bytes of a block of the mode in question; default the config's
-          block): the larger of the two;
+          block): the larger of the two; under a pipeline, also the first block to run
+          backward with the previous micro-batch's last reduce-scatter input whole
+          (``_first_backward_held_bytes``);
         * the last rank's loss and head backward: their temporaries (the fp32 copies of the
           logits and their gradients) + under ZeRO-3, from the head's backward on, the first
           block's gathered parameters, prefetched for backward (``_loss_phase_bytes``);
@@ -272,8 +290,10 @@ class StageTerms:
         first, last = rank == 0, rank == last_rank
         own = self.block.act_bytes if own_act is None else own_act
         root_grads = self.root_grad_bytes if last else 0.0
-        phases = [self.transient_bytes + working + self.block.peak_bytes - (self.post.act_bytes if last else 0.0)
-                  + max(0.0, self.held_reduce_bytes - own) + root_grads]
+        block = self.transient_bytes + self.block.peak_bytes - (self.post.act_bytes if last else 0.0) + root_grads
+        phases = [block + working + max(0.0, self.held_reduce_bytes - own)]
+        if self.pipeline_held_reduce_bytes_per_param:  # a micro-batch's first block: nothing released yet
+            phases.append(block + self._first_backward_held_bytes(first, last))
         if last and loss:
             phases.append(self._loss_phase_bytes)
         if first:
