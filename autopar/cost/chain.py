@@ -267,7 +267,7 @@ def _other_bytes(terms: ChainTerms, load: StageLoad, rank: int, *, loss: bool, b
     if last and loss:
         # ZeRO-3: the last unit's parameters, prefetched from the head's backward on (StageTerms._loss_phase_bytes)
         gather = terms.units[-1].params * c.dtype_bytes if c.zero == 3 else 0.0
-        phases.append(max(t.post.peak_bytes, t.post.head_peak_bytes + gather))
+        phases.append(t.loss_phase_bytes(gather))
     held = t.stage_output_bytes if last else 0.0  # the output of the micro-batch in its loss and backward
     return t.root_bytes(first, last) + max(phases) + held + c.num_microbatches * load.buffer_bytes
 

@@ -229,7 +229,12 @@ class StageTerms:
         made, so it meets the head's backward (``post.head_peak_bytes``) and not the loss's
         where the loss runs outside the model (a ``loss_fn``), both where the model returns its
         loss (the trace counts such a loss with the head: graph/build.forward_backward)."""
-        return max(self.post.peak_bytes, self.post.head_peak_bytes + self.zero3_gather_bytes)
+        return self.loss_phase_bytes(self.zero3_gather_bytes)
+
+    def loss_phase_bytes(self, gather_bytes: float) -> float:
+        """``_loss_phase_bytes`` with ``gather_bytes`` the first unit to run backward, prefetched
+        (a layer chain's last unit: cost/chain.py)."""
+        return max(self.post.peak_bytes, self.post.head_peak_bytes + gather_bytes)
 
     def _first_backward_held_bytes(self, first: bool, last: bool) -> float:
         """The previous micro-batch's last reduce-scatter input that a pipeline rank's first block
