@@ -13,13 +13,17 @@ A chain is planned with one chunk per pipeline rank (v = 1: GPipe or 1F1B). Rank
     t_r   = sum_{i in r} tau_i + [r > 0] p2p(s_r) + [r < pp-1] p2p(s_{r+1}) + [r = 0] pre + [r = pp-1] post
     step  = (M - 1) max_r t_r + sum_r t_r + max_r tail_r
     mem_r = sigma P_r + I_r (sum_{i in r} alpha_i + edges) + other_r + reserve
-    other_r = root_r + max([r < pp-1 or not] max_{i in r} phase_i - [r = pp-1] post_act,
+    other_r = root_r + max(max_{i in r} phase_i - [r = pp-1] post_act,
+                           first_r - [r = pp-1] post_act,
                            [r = pp-1] loss, [r = 0] pre_peak) + M (buf(s_r) [r > 0] + buf(s_{r+1}) [r < pp-1])
 
 phase_i is unit i's backward (``unit_phase_bytes``): its transients (ZeRO-3's gathered
 parameters and gradients, its recompute working set) + its temporaries (gradients of
 activations, ``Part.peak_bytes``) + FSDP2's held reduce-scatter input beyond the unit's own
-activations; the loss and embedding phases, the root's gathered parameters and the pipeline's
+activations; first_r is the backward of the rank's last unit, the first to run backward, when
+it meets the previous micro-batch's last reduce-scatter input whole (FSDP2 under torch pipelining
+keeps it until the next reduce: the root unit's gradients on an edge rank, else those of the
+rank's first unit; ``first_backward_bytes``, 0 without it); the loss and embedding phases, the root's gathered parameters and the pipeline's
 receive buffers (one per micro-batch per cut, ``cut_buffer_bytes``) are the ones
 ``StageTerms.rank_other_bytes`` gives a block list's ranks.
 
@@ -185,6 +189,9 @@ class StageLoad:
     transient_bytes: float
     expert_units: int = 0  # units holding experts sharded over ep (ChainTerms.expert)
     phase_bytes: float = 0.0  # the largest backward phase of its units (ChainTerms.unit_phase_bytes)
+    # under a pipeline that holds the previous micro-batch's last reduce-scatter input: the phase of
+    # its first unit to run backward (its last) with that input whole (first_backward_bytes); else 0
+    first_backward_bytes: float = 0.0
     buffer_bytes: float = 0.0  # one micro-batch's pipeline receive buffers (its cuts in and out)
 
 
@@ -209,7 +216,20 @@ def stage_load(terms: ChainTerms, start: int, end: int, rank: int) -> StageLoad:
                      transient_bytes=max(terms.unit_transient_bytes[start:end], default=0.0),
                      expert_units=sum(terms.expert_units[start:end]),
                      phase_bytes=max(terms.unit_phase_bytes[start:end], default=0.0),
-                     buffer_bytes=cut_buffers_bytes(terms, start, end))
+                     buffer_bytes=cut_buffers_bytes(terms, start, end),
+                     first_backward_bytes=first_backward_bytes(terms, start, end, rank))
+
+
+def first_backward_bytes(terms: ChainTerms, start: int, end: int, rank: int) -> float:
+    """The backward phase of the stage's first unit to run backward (unit ``end - 1``) when it meets
+    the previous micro-batch's last reduce-scatter input whole: nothing of this micro-batch has been
+    released yet (``StageTerms.first_backward_held_bytes``, with the stage's first unit as the
+    block whose reduce-scatter runs last); 0 where no pipeline holds it."""
+    t = terms.base
+    if not t.pipeline_held_reduce_bytes_per_param:
+        return 0.0
+    held = t.first_backward_held_bytes(rank == 0, rank == terms.config.pp - 1, terms.units[start].params)
+    return terms.unit_transient_bytes[end - 1] + terms.units[end - 1].peak_bytes + held
 
 
 def cut_buffers_bytes(terms: ChainTerms, start: int, end: int) -> float:
@@ -261,7 +281,10 @@ def _other_bytes(terms: ChainTerms, load: StageLoad, rank: int, *, loss: bool, b
     phases = [0.0]
     if blocks:
         root_grads = t.root_grad_bytes if last else 0.0  # FSDP2's root unit's, as StageTerms.rank_other_bytes
-        phases.append(load.phase_bytes - (t.post.act_bytes if last else 0.0) + root_grads)
+        own_post = t.post.act_bytes if last else 0.0
+        phases.append(load.phase_bytes - own_post + root_grads)
+        if load.first_backward_bytes:  # a micro-batch's first unit in backward: nothing released yet
+            phases.append(load.first_backward_bytes - own_post + root_grads)
         if first:
             phases.append(t.pre.peak_bytes + root_grads)
     if last and loss:

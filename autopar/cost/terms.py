@@ -149,7 +149,7 @@ class StageTerms:
     # next one's, until its first reduce: the root unit's gradients (the embedding's on the first
     # stage, the head's on the last) or, on a stage whose root holds none, its first block's, in
     # fp32. Bytes per parameter of that unit where gradients are reduced inside backward under a
-    # pipeline (ZeRO-3 at pp > 1), else 0: see ``_first_backward_held_bytes``
+    # pipeline (ZeRO-3 at pp > 1), else 0: see ``first_backward_held_bytes``
     pipeline_held_reduce_bytes_per_param: float = 0.0
     # FSDP2's root unit (the head and final norm on the last stage) keeps its gradients, unsharded in
     # the training dtype, from the head's backward until the stage's backward ends: through every
@@ -236,14 +236,17 @@ class StageTerms:
         (a layer chain's last unit: cost/chain.py)."""
         return max(self.post.peak_bytes, self.post.head_peak_bytes + gather_bytes)
 
-    def _first_backward_held_bytes(self, first: bool, last: bool) -> float:
+    def first_backward_held_bytes(self, first: bool, last: bool, first_unit_params: float | None = None) -> float:
         """The previous micro-batch's last reduce-scatter input that a pipeline rank's first block
         to run backward meets (``pipeline_held_reduce_bytes_per_param``): the root unit's
-        gradients where the rank holds edges, else its first block's. Rehearsed on GPT-3 175B at
-        64 H100s (dp 2 tp 4 pp 8, ZeRO-3): stage 6 holds a block's fp32 gradients (1.69 GiB) at
-        its peak, the last stage the head's (0.59 GiB)."""
+        gradients where the rank holds edges, else those of the rank's first block (default the
+        config's block; a layer chain's stage passes its first unit's parameters), whose
+        reduce-scatter runs last. Rehearsed on GPT-3 175B at 64 H100s (dp 2 tp 4 pp 8, ZeRO-3):
+        stage 6 holds a block's fp32 gradients (1.69 GiB) at its peak, the last stage the head's
+        (0.59 GiB)."""
         root = (self.pre.params if first else 0.0) + (self.post.params + self.tied_params if last else 0.0)
-        return self.pipeline_held_reduce_bytes_per_param * (root if root > 0 else self.block.params)
+        unit = self.block.params if first_unit_params is None else first_unit_params
+        return self.pipeline_held_reduce_bytes_per_param * (root if root > 0 else unit)
 
     def one_microbatch_other_bytes(self, rank: int, grads_bytes: float) -> tuple[float, float]:
         """(other bytes, gradient bytes at the peak) of a rank without a pipeline whose step has one
@@ -274,7 +277,7 @@ class StageTerms:
           one micro-batch's saved bytes of a block of the mode in question; default the config's
           block): the larger of the two; under a pipeline, also the first block to run
           backward with the previous micro-batch's last reduce-scatter input whole
-          (``_first_backward_held_bytes``);
+          (``first_backward_held_bytes``);
         * the last rank's loss and head backward: their temporaries (the fp32 copies of the
           logits and their gradients) + under ZeRO-3, from the head's backward on, the first
           block's gathered parameters, prefetched for backward (``_loss_phase_bytes``);
@@ -298,7 +301,7 @@ class StageTerms:
         block = self.transient_bytes + self.block.peak_bytes - (self.post.act_bytes if last else 0.0) + root_grads
         phases = [block + working + max(0.0, self.held_reduce_bytes - own)]
         if self.pipeline_held_reduce_bytes_per_param:  # a micro-batch's first block: nothing released yet
-            phases.append(block + self._first_backward_held_bytes(first, last))
+            phases.append(block + self.first_backward_held_bytes(first, last))
         if last and loss:
             phases.append(self._loss_phase_bytes)
         if first:

@@ -24,6 +24,7 @@ from autopar.cost.chain import (
     build_chain_terms,
     cut_buffers_bytes,
     evaluate_chain,
+    first_backward_bytes,
     stage_memory,
     stage_tail_s,
 )
@@ -69,7 +70,8 @@ class StagePricer:
             params, act = params + t.post.params + t.tied_params, act + t.post.act_bytes
         return StageLoad(time_s=time_s, bwd_s=bwd, params=params, act_bytes=act,
                          transient_bytes=self.transient(a, b), expert_units=round(acc["experts"][b] - acc["experts"][a]),
-                         phase_bytes=self.phase(a, b), buffer_bytes=cut_buffers_bytes(terms, a, b))
+                         phase_bytes=self.phase(a, b), buffer_bytes=cut_buffers_bytes(terms, a, b),
+                         first_backward_bytes=first_backward_bytes(terms, a, b, rank))
 
     def __call__(self, a: int, b: int, rank: int) -> tuple[float, float] | None:
         load = self.load(a, b, rank)
