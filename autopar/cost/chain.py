@@ -56,7 +56,7 @@ from autopar.cost.stage import (
     region_peak_bytes,
 )
 from autopar.cost.step import Estimate, RankCost
-from autopar.cost.zero import held_reduce_input_bytes_per_param, overlapped, per_microbatch_exposed
+from autopar.cost.zero import overlapped, per_microbatch_exposed
 from autopar.graph.model_graph import ChainUnit, ModelGraph
 from autopar.graph.scaling import Shape
 from autopar.layout import Layout
@@ -112,7 +112,7 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
     pp_link, dpcp_link = axis_link(cluster, layout, "pp"), axis_link(cluster, layout, "dp_cp")
     tp_link = axis_link(cluster, layout, "tp")
     parts, cuts, transient, phases, buffers = [], [], [], [], []
-    held_per_param = held_reduce_input_bytes_per_param(cfg, cluster)
+    held_per_param = base.held_reduce_bytes_per_param
     expert: ExpertCost | None = None
     for i, unit in enumerate(graph.chain):
         rt = graph_region_time(graph, unit.region, cluster, shape)

@@ -70,7 +70,6 @@ class RegionTime:
     # (what an FSDP2 unit holds in the training dtype until its post-backward; graph/live.py's Tg)
     # (less, in backward, the saved activations it has freed by then: Tg')
     peak_with_grads_bytes: float = 0.0
-    peak_grads_bytes: float = 0.0  # of peak_with_grads_bytes, the gradients
     # peak_bytes less, in backward, the saved activations freed by then (graph/live.py's T'): the
     # rise above the saved activations the region held when its backward began
     peak_credited_bytes: float = 0.0
@@ -80,6 +79,11 @@ class RegionTime:
     # and those ops' forward time, which its recompute does not re-run.
     op_saved_bytes: float = 0.0
     op_saved_fwd_s: float = 0.0
+
+    @property
+    def peak_grads_bytes(self) -> float:
+        """Of ``peak_with_grads_bytes``, the gradients: the backward's where Tg' tops forward's peak."""
+        return self.bwd_grads_bytes if self.peak_with_grads_bytes > self.fwd_peak_bytes else 0.0
 
 
 def is_core(op: FitOp) -> bool:
@@ -296,12 +300,11 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
     # T' and Tg' (graph/live.py): backward's peak less the saved activations freed by then (each
     # part by its own law); forward's as T
     with_grads = max(fwd_peak, tails["peak_grads_temps"] + tails["peak_grads"] - tails["peak_grads_credit"])
-    grads_at_peak = tails["peak_grads"] if with_grads > fwd_peak else 0.0
     credited = max(fwd_peak, tails["peak_credit_temps"] - tails["peak_credit"])
     return RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, core_bwd_s=core_b, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
                       fwd_flops=fwd_f, bwd_flops=bwd_f,
                       saved_bytes=saved, core_saved_bytes=core_saved, peak_bytes=peak,
-                      peak_with_grads_bytes=with_grads, peak_grads_bytes=grads_at_peak, peak_credited_bytes=credited,
+                      peak_with_grads_bytes=with_grads, peak_credited_bytes=credited,
                       fwd_peak_bytes=fwd_peak, bwd_grads_bytes=tails["peak_grads"],
                       op_saved_bytes=op_bytes, op_saved_fwd_s=op_s)
 

@@ -129,7 +129,8 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     tokens_bytes = graph.block_input_bytes * cfg.micro_batch * s_ratio  # one rank's block input, full width
     tp_link, cp_link, dpcp_link = (axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp"))
 
-    block = _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes)
+    block_rt = graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind)
+    block = _block_part(graph, cluster, cfg, block_rt, shape, tp_link, cp_link, dpcp_link, tokens_bytes)
     if graph.chain:  # a chain's experts are priced on the units that hold them (cost/chain.py)
         ep = ExpertTerms(block=block, expert=None, transient_saving_bytes=0.0)
     else:  # experts sharded over ep ranks
@@ -168,7 +169,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         transient -= ep.transient_saving_bytes  # expert parallelism: this rank's E / ep experts only
     mega = megatron_block_activations(graph, cfg) if cluster.activation_memory == "megatron" else None
     if mega is None:
-        transient += _recompute_working(graph, cluster, cfg, shape, core_shape)
+        transient += _recompute_working(block_rt, cluster, cfg)
     else:  # Megatron-Core + TE keep their own activations (cost/megatron_memory.py, megatron_moe_memory.py)
         transient += mega.block_working
         block, pre = evolve(block, act_bytes=mega.block), evolve(pre, act_bytes=mega.pre)
@@ -197,8 +198,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         optimizer_s_per_param=optimizer_s,
         framework_s_per_param=framework,
         transient_bytes=transient,
-        held_reduce_bytes=block.params * held_reduce_input_bytes_per_param(cfg, cluster),
-        pipeline_held_reduce_bytes_per_param=held_reduce_input_bytes_per_param(cfg, cluster) if cfg.pp > 1 else 0.0,
+        held_reduce_bytes_per_param=held_reduce_input_bytes_per_param(cfg, cluster),
         # the root unit's (head's) gradients, held by FSDP2 until the stage's backward ends
         # (a tied head's too: the last stage's copy at pp > 1, the embedding's weight at pp = 1)
         root_grad_bytes=(post.params + graph.tied_params / edge_tp) * d if holds_unit_grads(cfg, cluster) else 0.0,
@@ -223,15 +223,14 @@ def software_recompute_reason(cluster: Cluster, mode: str) -> str | None:
     return None
 
 
-def _recompute_working(graph: ModelGraph, cluster: Cluster, cfg: Config, shape: Shape, core_shape: Shape) -> float:
+def _recompute_working(rt: RegionTime, cluster: Cluster, cfg: Config) -> float:
     """What recompute re-materialises while a block's backward runs: the whole block (full, and
     per-op selective, whose re-run forward saves for backward what the block saves without
     recompute -- its kept outputs among them, counted here and in the block's activations alike, a
     bound above by at most those outputs) or its attention core (selective), as the model file
-    saves them."""
+    saves them; ``rt``: the block region at the config's shape."""
     if cfg.recompute not in ("full", "selective", "op"):
         return 0.0
-    rt = graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind)
     if cfg.recompute != "selective":
         return rt.saved_bytes
     # The core's forward re-runs when backward reaches it, after the ops behind it (proj, the MLP)
@@ -334,9 +333,9 @@ def _cp_time(graph: ModelGraph, cfg: Config, link, tokens_bytes: float) -> tuple
     return a2a, a2a
 
 
-def _block_part(graph, cluster, cfg, shape, core_shape, tp_link, cp_link, dpcp_link, tokens_bytes) -> Part:  # noqa: ANN001
+def _block_part(graph, cluster, cfg, rt, shape, tp_link, cp_link, dpcp_link, tokens_bytes) -> Part:  # noqa: ANN001
+    """The block's Part from its region ``rt`` at the config's shape (priced once in build_terms)."""
     fit = graph.regions["block"]
-    rt = graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind)
     tp_f = _tp_time(cluster, cfg, fit.comm, "fwd", shape, tp_link)
     tp_b = _tp_time(cluster, cfg, fit.comm, "bwd", shape, tp_link)
     if cluster.tp_comm_overlap:

@@ -141,16 +141,12 @@ class StageTerms:
     # gathered parameters, prefetched once the gradient of the model's output is made; 0 elsewhere
     zero3_root_params_per_byte: float = 0.0
     zero3_gather_bytes: float = 0.0
-    # FSDP2's held reduce-scatter input: one block's gradients in fp32, held while the next block's
-    # backward runs (cost.zero.held_reduce_input_bytes_per_param); 0 where it is not in the peak
-    held_reduce_bytes: float = 0.0
-    # torch pipelining runs each micro-batch's backward with FSDP2's is_last_backward off, so the
-    # final callback keeps the last reduce-scatter input of a micro-batch's backward alive into the
-    # next one's, until its first reduce: the root unit's gradients (the embedding's on the first
-    # stage, the head's on the last) or, on a stage whose root holds none, its first block's, in
-    # fp32. Bytes per parameter of that unit where gradients are reduced inside backward under a
-    # pipeline (ZeRO-3 at pp > 1), else 0: see ``first_backward_held_bytes``
-    pipeline_held_reduce_bytes_per_param: float = 0.0
+    # FSDP2's held reduce-scatter input, in bytes per parameter of the unit whose gradients it holds:
+    # fp32 where gradients are reduce-scattered unit by unit inside backward, else 0
+    # (cost.zero.held_reduce_input_bytes_per_param). A block's backward holds the previous block's
+    # (``held_reduce_bytes``); under a pipeline, a micro-batch's first block to run backward meets the
+    # previous micro-batch's last (``pipeline_held_reduce_bytes_per_param``)
+    held_reduce_bytes_per_param: float = 0.0
     # FSDP2's root unit (the head and final norm on the last stage) keeps its gradients, unsharded in
     # the training dtype, from the head's backward until the stage's backward ends: through every
     # block's backward of the micro-batch on the last rank (cost.zero.holds_unit_grads); 0 elsewhere
@@ -220,6 +216,18 @@ class StageTerms:
         """ZeRO-3's root parameters on a rank: FSDP2 keeps the root unit (embedding, head) gathered."""
         return self.zero3_root_params_per_byte * ((self.pre.params if first else 0.0) +
                                                   (self.post.params if last else 0.0))
+
+    @property
+    def held_reduce_bytes(self) -> float:
+        """One block's gradients in the reduce dtype, held while the next block's backward runs."""
+        return self.held_reduce_bytes_per_param * self.block.params
+
+    @property
+    def pipeline_held_reduce_bytes_per_param(self) -> float:
+        """``held_reduce_bytes_per_param`` where a pipeline keeps a micro-batch's last reduce-scatter
+        input into the next micro-batch's backward (torch pipelining runs each backward with FSDP2's
+        is_last_backward off, so the final callback keeps it until the next reduce), else 0."""
+        return self.held_reduce_bytes_per_param if self.config.pp > 1 else 0.0
 
     @property
     def _loss_phase_bytes(self) -> float:

@@ -67,7 +67,7 @@ def test_the_held_input_meets_a_released_block() -> None:
     cluster = load_cluster("h100-80g")
     t = build_terms(_graph(), cluster, _config(_plan(dp=8, zero=3, recompute="none")))
     assert t.held_reduce_bytes == pytest.approx(4 * t.block.params)
-    without = dataclasses.replace(t, held_reduce_bytes=0.0)
+    without = dataclasses.replace(t, held_reduce_bytes_per_param=0.0)
     extra = t.rank_other_bytes(0, 0) - without.rank_other_bytes(0, 0)
     assert extra == pytest.approx(max(0.0, t.held_reduce_bytes - t.block.act_bytes))
 

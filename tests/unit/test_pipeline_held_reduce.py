@@ -14,7 +14,7 @@ from test_unit_grad_peaks import _terms
 def test_zero3_under_a_pipeline_holds_the_last_reduced_units_fp32_gradients() -> None:
     terms, _ = _terms(dp=2, pp=2, zero=3, pp_schedule="1f1b")
     assert terms.pipeline_held_reduce_bytes_per_param == 4  # fp32 reduce input
-    bare = replace(terms, pipeline_held_reduce_bytes_per_param=0.0)
+    bare = replace(terms, held_reduce_bytes_per_param=0.0)
     # the last stage: the root unit's (head, its tied copy) gradients; the first: the embedding's
     head = terms.post.params + terms.tied_params
     assert terms.first_backward_held_bytes(False, True) == pytest.approx(4 * head)
