@@ -2,17 +2,24 @@
 so that no result depends on what an earlier run, or the user's own plans, left in
 ~/.cache/autopar (a cached graph skips the model file's code: a test that expects the file's
 prints or errors would pass or fail by the cache's state). Tests that exercise the cache's
-location set XDG_CACHE_HOME themselves. Ranks train on the CPU (AUTOPAR_DEVICE=cpu) on any host."""
+location set XDG_CACHE_HOME themselves. Ranks train on the CPU (AUTOPAR_DEVICE=cpu) on any host.
+
+tests/unit runs first: its tests are one process on one core, for minutes, and the work started ahead
+in threads when collection ends (the dist tests' shared spawns, tests/dist/shared.py; the zoo's
+preparations and run cells, tests/zoo/conftest.py) runs beside them on the other core, rather than
+beside the CLI and distributed tests, which start processes of their own."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
 _CACHE_DIR: list[str] = []
+FIRST = Path(__file__).resolve().parent / "unit"  # the folder whose tests run before the others'
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -25,3 +32,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     for path in _CACHE_DIR:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests of ``FIRST`` before the others, each part in the order collected."""
+    inside = {id(item) for item in items if FIRST in item.path.resolve().parents}
+    if inside and len(inside) < len(items):
+        items[:] = [item for item in items if id(item) in inside] + [item for item in items if id(item) not in inside]
