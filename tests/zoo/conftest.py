@@ -1,7 +1,9 @@
 """pytest set-up of the zoo tests: once the session's collection ends, the models of the selected run
 cases are prepared ahead (test_zoo.prepared_ahead, test_zoo._prepare: each model's support probe and
 one-rank reference, one child) in a thread, one child at a time, while the tests collected before the
-zoo's run; each run case waits for its own model's answer (test_zoo.AHEAD)."""
+zoo's run; each run case waits for its own model's answer (test_zoo.AHEAD). After the preparations,
+the same thread runs the selected cases' 2-rank run cells, one at a time (zoo_ahead.py): the tests
+before the zoo's (tests/unit, one process) leave a core idle for minutes."""
 
 from __future__ import annotations
 
@@ -10,8 +12,24 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+
+import zoo_ahead
 
 _STARTED: list[tuple[ThreadPoolExecutor, str]] = []
+_PATCHED: list[Any] = []  # zoo_lib, whose run_cell zoo_ahead stands in for during the session
+
+
+def _run_cases(items: list, names: list[str]) -> list[tuple[str, str]]:
+    """(model, dimension) of the selected run cases of the models prepared ahead, in test order."""
+    cases: list[tuple[str, str]] = []
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if getattr(item, "originalname", None) == "test_zoo_model_trains_like_one_rank" and spec is not None:
+            case = (spec.params["name"], spec.params["dim"])
+            if case[0] in names and case not in cases:
+                cases.append(case)
+    return cases
 
 
 def pytest_collection_finish(session) -> None:  # noqa: ANN001
@@ -30,9 +48,18 @@ def pytest_collection_finish(session) -> None:  # noqa: ANN001
     for name in names:
         (Path(root) / name).mkdir()
         module.AHEAD[name] = pool.submit(module._prepare, name, Path(root) / name, env)
+    zoo_lib = module.zoo_lib
+    zoo_ahead.install(zoo_lib)
+    _PATCHED.append(zoo_lib)
+    timeout_s = zoo_lib.RUN_TIMEOUT_S + zoo_ahead.CHILD_SLACK_S
+    for name, dim in _run_cases(zoo, names):
+        tiny = Path(root) / name / zoo_lib.zoo_models([name])[0].path.name  # where _prepare writes it
+        zoo_ahead.keep(tiny, dim, pool.submit(zoo_ahead.run_after, module.AHEAD[name], dim, env, timeout_s))
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001
     for pool, root in _STARTED:
         pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(root, ignore_errors=True)
+    for zoo_lib in _PATCHED:
+        zoo_ahead.uninstall(zoo_lib)
