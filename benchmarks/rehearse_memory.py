@@ -91,7 +91,10 @@ def main() -> int:
                 rows.append([case, layout if r is reh.ranks[0] else "", r.stage, f"{r.predicted_peak_bytes / GIB:.2f}",
                              f"{r.peak_bytes / GIB:.2f}", f"{r.tensor_error_pct:+.1f}",
                              f"{plan_s:.1f}" if r is reh.ranks[0] else "", f"{reh_s:.0f}" if r is reh.ranks[0] else ""])
-            print(f"  {case}: done in {reh_s:.0f} s", file=sys.stderr, flush=True)
+            # each case's figures as it ends, so a long run that stops early keeps what it measured
+            errors = " ".join(f"stage {r.stage} {r.predicted_peak_bytes / GIB:.2f}/{r.peak_bytes / GIB:.2f} GiB "
+                              f"{r.tensor_error_pct:+.1f} %" for r in reh.ranks)
+            print(f"  {case}: done in {reh_s:.0f} s ({layout}; predicted/rehearsed: {errors})", file=sys.stderr, flush=True)
     print(table(["case", "top plan", "stage", "predicted GiB", "rehearsed GiB", "error %", "plan s", "rehearse s"],
                 rows, align="llrrrrrr"))
     print(f"\nlargest |error| {worst:.1f} % (target 5 %) on {args.cluster}; error over tensor bytes "
