@@ -11,13 +11,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # so spawned workers c
 
 
 def pytest_collection_finish(session) -> None:  # noqa: ANN001
-    """The session's shared spawns run only what the selected tests use, and start now, in a thread
-    (tests/dist/shared.py)."""
+    """The session's shared spawns run only what the selected tests use, and start in a thread
+    (tests/dist/shared.py) once tests/unit, which runs first, is over (tests/session_phases.py): now
+    when it is not selected."""
+    import session_phases
     import shared
 
     shared.select(session.items)
     if not session.config.option.collectonly:
-        shared.start_ahead()
+        session_phases.after_first(shared.start_ahead)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001

@@ -1,9 +1,9 @@
 """pytest set-up of the zoo tests: once the session's collection ends, the models of the selected run
 cases are prepared ahead (test_zoo.prepared_ahead, test_zoo._prepare: each model's support probe and
-one-rank reference, one child) in a thread, one child at a time, while the tests collected before the
-zoo's run; each run case waits for its own model's answer (test_zoo.AHEAD). After the preparations,
-the same thread runs the selected cases' 2-rank run cells, one at a time (zoo_ahead.py): the tests
-before the zoo's (tests/unit, one process) leave a core idle for minutes."""
+one-rank reference, one child), then the selected cases' 2-rank run cells are run ahead, one at a time
+in a thread, in one helper process (zoo_ahead.py), while the tests collected before the zoo's run
+(tests/unit first: one process, a core idle). Each run case waits for its own model's answer
+(test_zoo.AHEAD) and its own cell's (zoo_ahead.run_cell_ahead)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import zoo_ahead
 
-_STARTED: list[tuple[ThreadPoolExecutor, str]] = []
+_STARTED: list[tuple[ThreadPoolExecutor, zoo_ahead.Lane, str]] = []
 _PATCHED: list[Any] = []  # zoo_lib, whose run_cell zoo_ahead stands in for during the session
 
 
@@ -42,24 +42,25 @@ def pytest_collection_finish(session) -> None:  # noqa: ANN001
     names = module.prepared_ahead(zoo)
     if not names:
         return
-    pool, root = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zoo-prepare"), tempfile.mkdtemp(prefix="autopar-zoo-")
-    _STARTED.append((pool, root))
-    env = dict(os.environ)  # now: a test running beside a child may set variables of its own
+    root = tempfile.mkdtemp(prefix="autopar-zoo-")
+    # now: a test running beside the lane may set variables of its own
+    pool, lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zoo-ahead"), zoo_ahead.Lane(dict(os.environ))
+    _STARTED.append((pool, lane, root))
     for name in names:
         (Path(root) / name).mkdir()
-        module.AHEAD[name] = pool.submit(module._prepare, name, Path(root) / name, env)
+        module.AHEAD[name] = pool.submit(zoo_ahead.prepare, lane, module._prepare, name, Path(root) / name)
     zoo_lib = module.zoo_lib
     zoo_ahead.install(zoo_lib)
     _PATCHED.append(zoo_lib)
-    timeout_s = zoo_lib.RUN_TIMEOUT_S + zoo_ahead.CHILD_SLACK_S
     for name, dim in _run_cases(zoo, names):
         tiny = Path(root) / name / zoo_lib.zoo_models([name])[0].path.name  # where _prepare writes it
-        zoo_ahead.keep(tiny, dim, pool.submit(zoo_ahead.run_after, module.AHEAD[name], dim, env, timeout_s))
+        zoo_ahead.keep(tiny, dim, pool.submit(zoo_ahead.run_after, lane, module.AHEAD[name], dim))
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001
-    for pool, root in _STARTED:
+    for pool, lane, root in _STARTED:
         pool.shutdown(wait=True, cancel_futures=True)
+        lane.close()
         shutil.rmtree(root, ignore_errors=True)
     for zoo_lib in _PATCHED:
         zoo_ahead.uninstall(zoo_lib)
