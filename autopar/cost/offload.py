@@ -90,6 +90,7 @@ def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
                     build: Callable[["ModelGraph", "Cluster", "Config"], "StageTerms"]) -> "StageTerms":
     """The terms of ``cfg``: those of the same config without offload (``build``, i.e.
     cost.stage.build_terms) with ``cfg.offload`` priced in (module docstring)."""
+    from autopar.cost.stage import rank_state_bytes  # stage builds the terms this adjusts
     from autopar.plan import NO_OFFLOAD, offload_reason
 
     off = cfg.offload
@@ -121,6 +122,10 @@ def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
         mb_copy = 3 * d / n  # zero 3: shard up for the forward and the backward gather, grad shard down
         optimizer_s = share / rate
     elif off.optimizer:  # ZeRO-Offload style: states on the host, the step on the CPU
+        # the split of this config, not of the one without offload: the executor keeps 16-bit device
+        # parameters here, so FSDP2's fp32 shards (cost.zero.fp32_shards) are the host's masters
+        state = rank_state_bytes(cfg, cluster)
+        split = {"params": state.params, "grads": state.grads, "optimizer": state.optimizer}
         host_state = split["optimizer"]
         split["optimizer"] = 0.0
         split["params"] += _stored_device_params(cfg, d, n)

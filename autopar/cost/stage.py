@@ -35,10 +35,11 @@ from autopar.cost.framework import (
 )
 from autopar.cost.megatron_memory import FP32_BYTES, vocab_width
 from autopar.cost.megatron_moe_memory import megatron_block_activations
-from autopar.cost.memory import state_bytes_per_param
+from autopar.cost.memory import StateBytes, state_bytes_per_param
 from autopar.cost.terms import Config, Part, StageTerms
 from autopar.cost.zero import (
     ddp_fixed_sync_s,
+    fp32_shards,
     gradient_bytes_per_param,
     held_reduce_input_bytes_per_param,
     holds_unit_grads,
@@ -48,7 +49,7 @@ from autopar.cost.zero import (
 )
 from autopar.graph.model_graph import ModelGraph
 from autopar.graph.scaling import Shape
-from autopar.layout import Layout
+from autopar.layout import Layout, executed_zero
 
 
 def keeps_autocast_copies(cluster: Cluster, cfg: Config) -> bool:
@@ -117,15 +118,8 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         core_shape = Shape(b=cfg.micro_batch, s_ratio=kv_ratio, kv_ratio=kv_ratio, t=cfg.tp * cfg.cp, sp=1.0)
     else:
         core_shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=kv_ratio, t=cfg.tp, sp=1.0)
-    state = state_bytes_per_param(zero=cfg.zero, shard_degree=cfg.dp * cfg.cp, dtype_bytes=cfg.dtype_bytes,
-                                  optimizer=cfg.optimizer, moment_bytes=cluster.optimizer_moment_bytes,
-                                  master_bytes=cluster.master_weight_bytes)
-    # As the executor holds gradients (autopar.cost.zero): ZeRO-1's whole fp32 accumulator, DDP's buckets.
     uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1  # else FSDP2 replicate
-    if cluster.main_grad_bytes and cfg.zero in (0, 1):  # the software's own whole gradient buffer
-        state = replace(state, grads=float(cluster.main_grad_bytes))
-    else:
-        state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
+    state = rank_state_bytes(cfg, cluster)
     tokens_bytes = graph.block_input_bytes * cfg.micro_batch * s_ratio  # one rank's block input, full width
     tp_link, cp_link, dpcp_link = (axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp"))
 
@@ -221,6 +215,30 @@ def software_recompute_reason(cluster: Cluster, mode: str) -> str | None:
         return ("the profile prices Megatron-Core, whose recompute is full or selective (core attention), "
                 "not per op; use recompute none, selective or full")
     return None
+
+
+def rank_state_bytes(cfg: Config, cluster: Cluster) -> StateBytes:
+    """Model-state bytes per parameter on a rank as the executor holds them: the ZeRO formula's
+    (autopar.cost.memory) with the gradients as the data-parallel wrap keeps them (cost.zero:
+    ZeRO-1's whole fp32 accumulator, DDP's buckets, a software's own gradient buffer) and, where
+    FSDP2 stores fp32 shards (``cost.zero.fp32_shards``), the master counted with the parameters
+    and the gradient shard in fp32: grads 4 / N, optimizer - 4 / N, params + 4 / N less, at ZeRO-3,
+    the 16-bit shard FSDP2 does not store (d / N). ZeRO-3's total is the formula's; ZeRO-2 holds
+    (4 - d) / N more."""
+    state = state_bytes_per_param(zero=cfg.zero, shard_degree=cfg.dp * cfg.cp, dtype_bytes=cfg.dtype_bytes,
+                                  optimizer=cfg.optimizer, moment_bytes=cluster.optimizer_moment_bytes,
+                                  master_bytes=cluster.master_weight_bytes)
+    uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1  # else FSDP2 replicate
+    if cluster.main_grad_bytes and cfg.zero in (0, 1):  # the software's own whole gradient buffer
+        return replace(state, grads=float(cluster.main_grad_bytes))
+    state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
+    if fp32_shards(cfg, cluster):
+        n, d = cfg.dp * cfg.cp, float(cfg.dtype_bytes)
+        # ZeRO-3 stores no 16-bit shard (FSDP2 casts as it gathers); ZeRO-2's whole 16-bit copies stay
+        shard16 = d / n if executed_zero(cfg.zero, cfg.pp) == 3 else 0.0
+        state = StateBytes(params=state.params - shard16 + FP32_BYTES / n, grads=FP32_BYTES / n,
+                           optimizer=state.optimizer - FP32_BYTES / n)
+    return state
 
 
 def _recompute_working(rt: RegionTime, cluster: Cluster, cfg: Config) -> float:

@@ -140,6 +140,22 @@ def gradient_bytes_per_param(cfg: "Config", sharded_grads: float, uses_ddp: bool
     return sharded_grads
 
 
+def fp32_shards(cfg: "Config", cluster: "Cluster") -> bool:
+    """Whether FSDP2 stores each parameter's shard in fp32 beside a 16-bit compute dtype, as the
+    executor's ``fully_shard`` at ZeRO-2/3 does (its mixed-precision policy: fp32 parameters,
+    ``param_dtype`` 16-bit): the shard is the optimizer's master -- no 16-bit shard is stored, the
+    cast happens as FSDP2 gathers -- and the gradient shard takes the sharded parameter's dtype,
+    fp32, not the training dtype the ZeRO formula counts (autopar.cost.memory). Rehearsed on
+    examples/gpt_small.py at dp 2 (docs/results.md): ZeRO-2 held 4 bytes of gradient shard per
+    parameter over 2 ranks where the formula priced 2 (-5.7 % of tensor bytes); ZeRO-3 the same
+    total with the master in the parameters. Not under host offload of the states (the executor then
+    keeps 16-bit device parameters, cost/offload.py) nor with a gradient buffer of the software's own
+    (``Cluster.main_grad_bytes``) or a master of another precision (``master_weight_bytes``)."""
+    return (dp_wrapper(cfg) == "fully_shard" and executed_zero(cfg.zero, cfg.pp) >= 2
+            and cfg.dtype_bytes < FP32_BYTES and not cfg.offload.states
+            and not cluster.main_grad_bytes and cluster.master_weight_bytes is None)
+
+
 def holds_unit_grads(cfg: "Config", cluster: "Cluster") -> bool:
     """Whether the executor's wrap keeps each unit's parameter gradients, unsharded and in the
     training dtype, from the op that makes them until the unit's post-backward folds them into its

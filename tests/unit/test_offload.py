@@ -11,7 +11,7 @@ from autopar.cluster import cluster_from_dict, load_cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.framework import grad_reduce_bytes
 from autopar.cost.host import evaluate_with_host, host_per_node
-from autopar.cost.memory import inflight_microbatches
+from autopar.cost.memory import inflight_microbatches, state_bytes_per_param
 from autopar.cost.stage import Config, build_terms
 from autopar.errors import ClusterError, InfeasibleError, PlanError
 from autopar.layout import Layout
@@ -60,7 +60,11 @@ def test_optimizer_offload_keeps_the_stored_parameters_fsdp2_gathers_from(small_
     FSDP2 gathers a separate compute copy from them (rehearsed: GPT-3 at dp 1 tp 8 pp 8, 5.26 GiB
     stored beside 5.06 GiB gathered on the first stage)."""
     base, off = both(small_gpt, a100, offload=Offload(optimizer=True), **changes)
-    assert off.state_split["params"] == pytest.approx(base.state_split["params"] + stored)
+    c = cfg(**changes)
+    formula = state_bytes_per_param(zero=c.zero, shard_degree=c.dp * c.cp, dtype_bytes=2, optimizer="adam")
+    # the ZeRO formula's 16-bit parameters plus the stored copy; not FSDP2's fp32 shards (the host has the masters)
+    assert off.state_split["params"] == pytest.approx(formula.params + stored)
+    assert off.offload.host_state_bytes_per_param == pytest.approx(formula.optimizer)
 
 
 def test_params_offload_is_fsdp2_at_zero3_and_extends_each_gather_by_the_host_copy(small_gpt, a100) -> None:
