@@ -65,7 +65,7 @@ from autopar.cost.framework import per_microbatch_s
 from autopar.cost.fused_elementwise import block_traffic
 from autopar.cost.fused_moe import SORT_KERNELS, sort_bytes_per_token
 from autopar.cost.memory import state_bytes_per_param
-from autopar.cost.zero import gradient_bytes_per_param, per_microbatch_exposed, per_step_sync
+from autopar.cost.zero import gradient_bytes_per_param, per_microbatch_exposed, per_step_sync, with_fp32_shards
 from autopar.errors import PlanError
 from autopar.layout import Layout, ep_reason, moe_pool
 
@@ -252,6 +252,7 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
                                   moment_bytes=cluster.optimizer_moment_bytes, master_bytes=cluster.master_weight_bytes)
     uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1
     state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
+    state = with_fp32_shards(state, cfg, cluster, edp)  # FSDP2's fp32 shards, over the edp ranks
     equivalent = dense + experts * state.total / dense_state_bytes
     edp_link = axis_link(cluster, layout, "edp")
     edp_sync, _, _ = per_step_sync(cfg, edp_link, cluster)

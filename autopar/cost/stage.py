@@ -39,17 +39,17 @@ from autopar.cost.memory import StateBytes, state_bytes_per_param
 from autopar.cost.terms import Config, Part, StageTerms
 from autopar.cost.zero import (
     ddp_fixed_sync_s,
-    fp32_shards,
     gradient_bytes_per_param,
     held_reduce_input_bytes_per_param,
     holds_unit_grads,
     overlapped,
     per_microbatch_exposed,
     per_step_sync,
+    with_fp32_shards,
 )
 from autopar.graph.model_graph import ModelGraph
 from autopar.graph.scaling import Shape
-from autopar.layout import Layout, executed_zero
+from autopar.layout import Layout
 
 
 def keeps_autocast_copies(cluster: Cluster, cfg: Config) -> bool:
@@ -221,10 +221,8 @@ def rank_state_bytes(cfg: Config, cluster: Cluster) -> StateBytes:
     """Model-state bytes per parameter on a rank as the executor holds them: the ZeRO formula's
     (autopar.cost.memory) with the gradients as the data-parallel wrap keeps them (cost.zero:
     ZeRO-1's whole fp32 accumulator, DDP's buckets, a software's own gradient buffer) and, where
-    FSDP2 stores fp32 shards (``cost.zero.fp32_shards``), the master counted with the parameters
-    and the gradient shard in fp32: grads 4 / N, optimizer - 4 / N, params + 4 / N less, at ZeRO-3,
-    the 16-bit shard FSDP2 does not store (d / N). ZeRO-3's total is the formula's; ZeRO-2 holds
-    (4 - d) / N more."""
+    FSDP2 stores fp32 shards, the master counted with the parameters and the gradient shard in fp32
+    (``cost.zero.with_fp32_shards``)."""
     state = state_bytes_per_param(zero=cfg.zero, shard_degree=cfg.dp * cfg.cp, dtype_bytes=cfg.dtype_bytes,
                                   optimizer=cfg.optimizer, moment_bytes=cluster.optimizer_moment_bytes,
                                   master_bytes=cluster.master_weight_bytes)
@@ -232,13 +230,7 @@ def rank_state_bytes(cfg: Config, cluster: Cluster) -> StateBytes:
     if cluster.main_grad_bytes and cfg.zero in (0, 1):  # the software's own whole gradient buffer
         return replace(state, grads=float(cluster.main_grad_bytes))
     state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
-    if fp32_shards(cfg, cluster):
-        n, d = cfg.dp * cfg.cp, float(cfg.dtype_bytes)
-        # ZeRO-3 stores no 16-bit shard (FSDP2 casts as it gathers); ZeRO-2's whole 16-bit copies stay
-        shard16 = d / n if executed_zero(cfg.zero, cfg.pp) == 3 else 0.0
-        state = StateBytes(params=state.params - shard16 + FP32_BYTES / n, grads=FP32_BYTES / n,
-                           optimizer=state.optimizer - FP32_BYTES / n)
-    return state
+    return with_fp32_shards(state, cfg, cluster, cfg.dp * cfg.cp)
 
 
 def _recompute_working(rt: RegionTime, cluster: Cluster, cfg: Config) -> float:

@@ -34,6 +34,7 @@ holds ZeRO-3's memory and is priced as ZeRO-3 at any pp.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from autopar.cost.comm import GroupLink, collective_time_s
@@ -42,6 +43,7 @@ from autopar.layout import executed_zero
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
+    from autopar.cost.memory import StateBytes
     from autopar.cost.terms import Config
 
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket: the last one cannot overlap backward
@@ -154,6 +156,20 @@ def fp32_shards(cfg: "Config", cluster: "Cluster") -> bool:
     return (dp_wrapper(cfg) == "fully_shard" and executed_zero(cfg.zero, cfg.pp) >= 2
             and cfg.dtype_bytes < FP32_BYTES and not cfg.offload.states
             and not cluster.main_grad_bytes and cluster.master_weight_bytes is None)
+
+
+def with_fp32_shards(state: "StateBytes", cfg: "Config", cluster: "Cluster", shard_degree: int) -> "StateBytes":
+    """``state`` (per parameter, sharded over ``shard_degree`` ranks) as FSDP2 holds it where it
+    stores fp32 shards (``fp32_shards``): the gradient shard in fp32 (4 / N), the master counted
+    with the parameters (+ 4 / N, - 4 / N of the optimizer's), and at ZeRO-3 no 16-bit shard
+    (- d / N: FSDP2 casts as it gathers; ZeRO-2's whole 16-bit copies stay). ZeRO-3's total is the
+    ZeRO formula's; ZeRO-2 holds (4 - d) / N more. Unchanged elsewhere."""
+    if not fp32_shards(cfg, cluster):
+        return state
+    n, d = max(1, shard_degree), float(cfg.dtype_bytes)
+    shard16 = d / n if executed_zero(cfg.zero, cfg.pp) == 3 else 0.0
+    return replace(state, params=state.params - shard16 + FP32_BYTES / n, grads=FP32_BYTES / n,
+                   optimizer=state.optimizer - FP32_BYTES / n)
 
 
 def holds_unit_grads(cfg: "Config", cluster: "Cluster") -> bool:
