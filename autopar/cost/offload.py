@@ -48,7 +48,7 @@ from autopar.cost.comm import axis_link
 from autopar.cost.evolve import evolve
 from autopar.cost.framework import dp_wrapper
 from autopar.cost.memo import IdentityMemo
-from autopar.cost.zero import per_microbatch_exposed
+from autopar.cost.zero import per_microbatch_exposed, rank_state_bytes
 from autopar.errors import PlanError
 from autopar.layout import Layout
 
@@ -90,7 +90,6 @@ def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
                     build: Callable[["ModelGraph", "Cluster", "Config"], "StageTerms"]) -> "StageTerms":
     """The terms of ``cfg``: those of the same config without offload (``build``, i.e.
     cost.stage.build_terms) with ``cfg.offload`` priced in (module docstring)."""
-    from autopar.cost.stage import rank_state_bytes  # stage builds the terms this adjusts
     from autopar.plan import NO_OFFLOAD, offload_reason
 
     off = cfg.offload

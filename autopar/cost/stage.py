@@ -35,17 +35,15 @@ from autopar.cost.framework import (
 )
 from autopar.cost.megatron_memory import FP32_BYTES, vocab_width
 from autopar.cost.megatron_moe_memory import megatron_block_activations
-from autopar.cost.memory import StateBytes, state_bytes_per_param
 from autopar.cost.terms import Config, Part, StageTerms
 from autopar.cost.zero import (
     ddp_fixed_sync_s,
-    gradient_bytes_per_param,
     held_reduce_input_bytes_per_param,
     holds_unit_grads,
     overlapped,
     per_microbatch_exposed,
     per_step_sync,
-    with_fp32_shards,
+    rank_state_bytes,
 )
 from autopar.graph.model_graph import ModelGraph
 from autopar.graph.scaling import Shape
@@ -215,22 +213,6 @@ def software_recompute_reason(cluster: Cluster, mode: str) -> str | None:
         return ("the profile prices Megatron-Core, whose recompute is full or selective (core attention), "
                 "not per op; use recompute none, selective or full")
     return None
-
-
-def rank_state_bytes(cfg: Config, cluster: Cluster) -> StateBytes:
-    """Model-state bytes per parameter on a rank as the executor holds them: the ZeRO formula's
-    (autopar.cost.memory) with the gradients as the data-parallel wrap keeps them (cost.zero:
-    ZeRO-1's whole fp32 accumulator, DDP's buckets, a software's own gradient buffer) and, where
-    FSDP2 stores fp32 shards, the master counted with the parameters and the gradient shard in fp32
-    (``cost.zero.with_fp32_shards``)."""
-    state = state_bytes_per_param(zero=cfg.zero, shard_degree=cfg.dp * cfg.cp, dtype_bytes=cfg.dtype_bytes,
-                                  optimizer=cfg.optimizer, moment_bytes=cluster.optimizer_moment_bytes,
-                                  master_bytes=cluster.master_weight_bytes)
-    uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1  # else FSDP2 replicate
-    if cluster.main_grad_bytes and cfg.zero in (0, 1):  # the software's own whole gradient buffer
-        return replace(state, grads=float(cluster.main_grad_bytes))
-    state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
-    return with_fp32_shards(state, cfg, cluster, cfg.dp * cfg.cp)
 
 
 def _recompute_working(rt: RegionTime, cluster: Cluster, cfg: Config) -> float:

@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING
 
 from autopar.cost.comm import GroupLink, collective_time_s
 from autopar.cost.framework import dp_wrapper, grad_reduce_bytes
+from autopar.cost.memory import StateBytes, state_bytes_per_param
 from autopar.layout import executed_zero
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster
-    from autopar.cost.memory import StateBytes
     from autopar.cost.terms import Config
 
 DDP_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket: the last one cannot overlap backward
@@ -158,7 +158,7 @@ def fp32_shards(cfg: "Config", cluster: "Cluster") -> bool:
             and not cluster.main_grad_bytes and cluster.master_weight_bytes is None)
 
 
-def with_fp32_shards(state: "StateBytes", cfg: "Config", cluster: "Cluster", shard_degree: int) -> "StateBytes":
+def with_fp32_shards(state: StateBytes, cfg: "Config", cluster: "Cluster", shard_degree: int) -> StateBytes:
     """``state`` (per parameter, sharded over ``shard_degree`` ranks) as FSDP2 holds it where it
     stores fp32 shards (``fp32_shards``): the gradient shard in fp32 (4 / N), the master counted
     with the parameters (+ 4 / N, - 4 / N of the optimizer's), and at ZeRO-3 no 16-bit shard
@@ -170,6 +170,22 @@ def with_fp32_shards(state: "StateBytes", cfg: "Config", cluster: "Cluster", sha
     shard16 = d / n if executed_zero(cfg.zero, cfg.pp) == 3 else 0.0
     return replace(state, params=state.params - shard16 + FP32_BYTES / n, grads=FP32_BYTES / n,
                    optimizer=state.optimizer - FP32_BYTES / n)
+
+
+def rank_state_bytes(cfg: "Config", cluster: "Cluster") -> StateBytes:
+    """Model-state bytes per parameter on a rank as the executor holds them: the ZeRO formula's
+    (autopar.cost.memory) with the gradients as the data-parallel wrap keeps them
+    (``gradient_bytes_per_param``: ZeRO-1's whole fp32 accumulator, DDP's buckets; a software's own
+    gradient buffer, ``Cluster.main_grad_bytes``) and, where FSDP2 stores fp32 shards, the master
+    counted with the parameters and the gradient shard in fp32 (``with_fp32_shards``)."""
+    state = state_bytes_per_param(zero=cfg.zero, shard_degree=cfg.dp * cfg.cp, dtype_bytes=cfg.dtype_bytes,
+                                  optimizer=cfg.optimizer, moment_bytes=cluster.optimizer_moment_bytes,
+                                  master_bytes=cluster.master_weight_bytes)
+    uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1  # else FSDP2 replicate
+    if cluster.main_grad_bytes and cfg.zero in (0, 1):  # the software's own whole gradient buffer
+        return replace(state, grads=float(cluster.main_grad_bytes))
+    state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
+    return with_fp32_shards(state, cfg, cluster, cfg.dp * cfg.cp)
 
 
 def holds_unit_grads(cfg: "Config", cluster: "Cluster") -> bool:

@@ -295,7 +295,10 @@ def test_zero3_cuts_state_memory_and_adds_zero_comm(small_gpt, a100, make_plan) 
     # each ZeRO stage holds less than the one before (at tp 1, DDP's bucket copy in ZeRO-0)
     base, z1, z2, z3 = (_est(small_gpt, a100, make_plan, dp=8, zero=z) for z in (0, 1, 2, 3))
     assert states(base) > states(z1) > states(z2) > states(z3)
-    assert z1.memory_bytes["optimizer"] == z2.memory_bytes["optimizer"] and z2.memory_bytes["grads"] < z1.memory_bytes["grads"]
+    # FSDP2's fp32 shards (cost.zero.fp32_shards): ZeRO-2's master shard counts with its parameters
+    params = z2.ranks[0].params
+    assert z2.memory_bytes["optimizer"] + 4 / 8 * params == pytest.approx(z1.memory_bytes["optimizer"])
+    assert z2.memory_bytes["grads"] < z1.memory_bytes["grads"]
 
 
 def test_sequence_parallel_cuts_activation_memory(a100_megatron, make_config) -> None:
@@ -495,11 +498,12 @@ def test_zero1_traffic_per_step_is_independent_of_micro_batches_zero2_grows(smal
               for z in (1, 2))
     assert z1.time_breakdown_s["zero_comm"] == 0 < z2.time_breakdown_s["zero_comm"]
     assert z1.step_time_s < z2.step_time_s
-    # ... and ZeRO-2 holds 1/dp of the gradients where ZeRO-1 holds a whole fp32 accumulator.
+    # ... and ZeRO-2 holds 1/dp of the gradients (FSDP2's fp32 shard) where ZeRO-1 holds a whole fp32
+    # accumulator; its fp32 master shard counts with the parameters (cost.zero.fp32_shards)
     params = z1.ranks[0].params
     assert z1.memory_bytes["grads"] == pytest.approx(4 * params)
-    assert z2.memory_bytes["grads"] == pytest.approx(2 * params / 4)
-    assert z1.memory_bytes["optimizer"] == z2.memory_bytes["optimizer"]
+    assert z2.memory_bytes["grads"] == pytest.approx(4 * params / 4)
+    assert z1.memory_bytes["optimizer"] == pytest.approx(z2.memory_bytes["optimizer"] + 4 * params / 4)
 
 
 def test_zero2_with_pipeline_is_priced_as_the_zero1_it_runs_as(small_gpt, a100, make_plan) -> None:

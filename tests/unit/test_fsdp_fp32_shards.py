@@ -11,7 +11,8 @@ import pytest
 
 from autopar.cluster import load_cluster
 from autopar.cost.memory import state_bytes_per_param
-from autopar.cost.stage import Config, rank_state_bytes
+from autopar.cost.stage import Config
+from autopar.cost.zero import rank_state_bytes
 from autopar.plan import Offload
 
 
