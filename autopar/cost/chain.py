@@ -263,14 +263,17 @@ def stage_memory(terms: ChainTerms, load: StageLoad, rank: int) -> dict[str, flo
         for kind in memory:
             memory[kind] += load.expert_units * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
     other = _other_bytes(terms, load, rank, loss=True)
-    if t.loss_free_grads > 0:  # a step's only micro-batch, no pipeline (StageTerms.one_microbatch_other_bytes)
-        absent = t.loss_free_grads * memory["grads"]
+    activations = t.inflight(rank) * load.act_bytes
+    if t.loss_free_grads > 0:  # a step's only micro-batch, no pipeline (StageTerms.one_microbatch_peak)
+        grads = memory["grads"]
+        absent = t.loss_free_grads * grads
         at_loss = _other_bytes(terms, load, rank, loss=True, blocks=False)
-        other = _other_bytes(terms, load, rank, loss=False)
-        if at_loss - absent > other:  # the peak is at the loss, before those gradients exist
-            other = at_loss
-            memory["grads"] -= absent
-    return {**memory, "activations": t.inflight(rank) * load.act_bytes, "other": other + t.reserve_bytes}
+        rest = _other_bytes(terms, load, rank, loss=False)
+        end_act = min(activations, terms.units[0].act_bytes + t.pre.act_bytes)  # the first unit's and the stem's
+        other, memory["grads"], activations = max(
+            ((at_loss, grads - absent, activations), (rest, grads - absent, activations), (rest, grads, end_act)),
+            key=sum)
+    return {**memory, "activations": activations, "other": other + t.reserve_bytes}
 
 
 def _other_bytes(terms: ChainTerms, load: StageLoad, rank: int, *, loss: bool, blocks: bool = True) -> float:

@@ -151,7 +151,9 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             for kind in ("params", "grads", "optimizer"):
                 memory[kind] += blocks[r] * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
         if terms.loss_free_grads > 0 and mix is None:  # a step's only micro-batch (stage.loss_free_grads_share)
-            other, memory["grads"] = terms.one_microbatch_other_bytes(r, memory["grads"])
+            # at the end of its backward only the first block's and the embedding's activations remain
+            other, memory["grads"], activations = terms.one_microbatch_peak(
+                r, memory["grads"], activations, b.act_bytes + pre.act_bytes)
         else:
             other = terms.rank_other_bytes(r, chunk_rank(last, pp)) + working[r]
         memory = {**memory, "activations": activations, "other": other + terms.reserve_bytes}

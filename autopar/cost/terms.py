@@ -256,16 +256,23 @@ class StageTerms:
         unit = self.block.params if first_unit_params is None else first_unit_params
         return self.pipeline_held_reduce_bytes_per_param * (root if root > 0 else unit)
 
-    def one_microbatch_other_bytes(self, rank: int, grads_bytes: float) -> tuple[float, float]:
-        """(other bytes, gradient bytes at the peak) of a rank without a pipeline whose step has one
-        micro-batch (``loss_free_grads`` > 0): its loss meets ``loss_free_grads`` of the rank's
-        ``grads_bytes`` not yet made, so the step peaks at the loss only where that phase, without
-        them, holds more than the others with them."""
+    def one_microbatch_peak(self, rank: int, grads_bytes: float, act_bytes: float,
+                            end_act_bytes: float) -> tuple[float, float, float]:
+        """(other bytes, gradient bytes, activation bytes) at the peak of a rank without a pipeline
+        whose step has one micro-batch (``loss_free_grads`` > 0). Its backward makes the gradients as
+        it releases the activations: no earlier micro-batch left gradients behind, so the rank's
+        whole gradients (``grads_bytes``) and whole activations (``act_bytes``) never meet. Three
+        moments, whichever holds most (between the last two the bytes change linearly, one block at a
+        time): the loss, with ``loss_free_grads`` of the gradients not yet made; the first block's
+        backward, with the same gradients and every activation; the end of backward, with every
+        gradient and only what the first block and the embedding saved (``end_act_bytes``)."""
         assert self.config.pp == 1, "a rank without a pipeline: first and last"
         absent = self.loss_free_grads * grads_bytes
         at_loss = self.root_bytes(True, True) + self._loss_phase_bytes
         rest = self.rank_other_bytes(rank, rank, loss=False)
-        return (at_loss, grads_bytes - absent) if at_loss - absent > rest else (rest, grads_bytes)
+        moments = ((at_loss, grads_bytes - absent, act_bytes), (rest, grads_bytes - absent, act_bytes),
+                   (rest, grads_bytes, min(act_bytes, end_act_bytes)))
+        return max(moments, key=sum)
 
     def rank_other_bytes(self, rank: int, last_rank: int, working: float = 0.0, own_act: float | None = None,
                          loss: bool = True) -> float:
@@ -301,7 +308,7 @@ class StageTerms:
         (``pipeline_buffer_bytes`` per micro-batch and receiving chunk: every chunk but the first
         receives activations, every one but the last their gradients). Non-decreasing in
         ``working``: a mix pays the largest working set of the modes it uses. ``loss`` False: the
-        loss phase left out (``one_microbatch_other_bytes``)."""
+        loss phase left out (``one_microbatch_peak``)."""
         c = self.config
         first, last = rank == 0, rank == last_rank
         own = self.block.act_bytes if own_act is None else own_act

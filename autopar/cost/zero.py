@@ -153,7 +153,9 @@ def fp32_shards(cfg: "Config", cluster: "Cluster") -> bool:
     total with the master in the parameters. Not under host offload of the states (the executor then
     keeps 16-bit device parameters, cost/offload.py) nor with a gradient buffer of the software's own
     (``Cluster.main_grad_bytes``) or a master of another precision (``master_weight_bytes``)."""
-    return (dp_wrapper(cfg) == "fully_shard" and executed_zero(cfg.zero, cfg.pp) >= 2
+    # ZeRO-1 with one micro-batch and no pipeline reduces inside its one backward, as ZeRO-2 does
+    one_backward = cfg.zero == 1 and cfg.num_microbatches == 1 and cfg.pp == 1
+    return (dp_wrapper(cfg) == "fully_shard" and (executed_zero(cfg.zero, cfg.pp) >= 2 or one_backward)
             and cfg.dtype_bytes < FP32_BYTES and not cfg.offload.states
             and not cluster.main_grad_bytes and cluster.master_weight_bytes is None)
 

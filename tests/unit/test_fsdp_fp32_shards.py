@@ -46,7 +46,7 @@ def test_zero2_holds_four_bytes_of_gradient_shard_not_two() -> None:
 
 
 @pytest.mark.parametrize("changes,why", [
-    (dict(zero=1, dp=4, global_batch=4), "ZeRO-1: the formula's whole gradients, one micro-batch"),
+    (dict(zero=1, dp=4, global_batch=16), "ZeRO-1 over 4 micro-batches: a whole fp32 accumulator"),
     (dict(zero=3, dtype_bytes=4), "fp32 training: the parameters are their own master"),
     (dict(zero=2, pp=2), "ZeRO-2 under a pipeline runs as ZeRO-1"),
     (dict(zero=3, offload=Offload(optimizer=True)), "optimizer offload: 16-bit device parameters, masters on the host"),
@@ -57,6 +57,53 @@ def test_elsewhere_the_formulas_split_stands(changes: dict, why: str) -> None:
     formula = _formula(cfg)
     assert state.params == pytest.approx(formula.params), why
     assert state.optimizer == pytest.approx(formula.optimizer), why
+
+
+def test_zero1_with_one_micro_batch_reduces_inside_its_backward_as_zero2() -> None:
+    cfg, h100 = _cfg(zero=1, dp=4, global_batch=4), load_cluster("h100-80g")
+    assert cfg.num_microbatches == 1
+    z1, z2 = rank_state_bytes(cfg, h100), rank_state_bytes(replace(cfg, zero=2), h100)
+    assert (z1.params, z1.grads, z1.optimizer) == pytest.approx((z2.params, z2.grads, z2.optimizer))
+    assert z1.grads == pytest.approx(4 / 4)
+
+
+def test_one_micro_batch_never_holds_whole_gradients_beside_whole_activations(tmp_path) -> None:  # noqa: ANN001
+    """A step of one micro-batch makes its gradients as its backward releases the activations:
+    examples/gpt_small.py at dp 2 ZeRO-1, one micro-batch, rehearsed 10.6 % below the price that
+    held both whole (the block phase with every gradient); now within 1 %, and the price is the
+    largest of the loss (no gradient), the first block's backward and the end of backward."""
+    from pathlib import Path
+
+    from autopar.cost.estimate import estimate_plan
+    from autopar.graph.measure import build_graph
+    from autopar.plan import plan_from_dict
+    from autopar.rehearse.compare import rehearse
+
+    model = str(Path(__file__).resolve().parents[2] / "examples" / "gpt_small.py")
+    graph = build_graph(model)
+    plan = plan_from_dict({
+        "version": 1,
+        "model": {"file": model, "num_blocks": graph.num_blocks},
+        "cluster": {"profile": "h100-80g", "num_gpus": 2, "gpus_per_node": 8},
+        "training": {"global_batch_size": 8, "micro_batch_size": 4, "seq_len": graph.seq_len, "dtype": "bf16",
+                     "optimizer": "adam"},
+        "parallel": {"dp": 2, "tp": 1, "pp": 1, "cp": 1, "zero": 1, "recompute": "none"},
+    })
+    assert plan.num_microbatches == 1
+    est = estimate_plan(plan, graph, load_cluster("h100-80g"))
+    rank = rehearse(plan, model, est, "h100-80g", ranks=[0], workers=1).ranks[0]
+    assert abs(rank.tensor_error_pct) < 1.0, rank
+    # the three moments: whole gradients only with the end of backward's activations
+    from autopar.cost.estimate import config_from_plan
+    from autopar.cost.stage import build_terms
+
+    terms = build_terms(graph, load_cluster("h100-80g"), config_from_plan(plan))
+    for grads, act in ((1e9, 1e9), (1e9, 1e3), (1e3, 1e9)):
+        other, g, a = terms.one_microbatch_peak(0, grads, act, 10.0)
+        assert not (g == grads and a == act)
+        assert (g, a) in ((grads - terms.loss_free_grads * grads, act), (grads, 10.0))
+    other, g, a = terms.one_microbatch_peak(0, 1e12, 1.0, 1.0)  # gradients dominate: the end of backward
+    assert g == 1e12 and a == 1.0
 
 
 def test_a_gradient_buffer_of_the_softwares_own_is_not_fsdp2() -> None:
