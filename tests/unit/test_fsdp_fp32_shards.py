@@ -67,11 +67,9 @@ def test_zero1_with_one_micro_batch_reduces_inside_its_backward_as_zero2() -> No
     assert z1.grads == pytest.approx(4 / 4)
 
 
-def test_one_micro_batch_never_holds_whole_gradients_beside_whole_activations(tmp_path) -> None:  # noqa: ANN001
-    """A step of one micro-batch makes its gradients as its backward releases the activations:
-    examples/gpt_small.py at dp 2 ZeRO-1, one micro-batch, rehearsed 10.6 % below the price that
-    held both whole (the block phase with every gradient); now within 1 %, and the price is the
-    largest of the loss (no gradient), the first block's backward and the end of backward."""
+def _rehearsed(zero: int, global_batch: int):  # noqa: ANN202 - (plan, graph, estimate, rehearsed rank)
+    """examples/gpt_small.py at dp 2 on h100-80g, micro-batches of 4: its price and the rehearsal of
+    rank 0 (the executor on a fake process group)."""
     from pathlib import Path
 
     from autopar.cost.estimate import estimate_plan
@@ -85,18 +83,26 @@ def test_one_micro_batch_never_holds_whole_gradients_beside_whole_activations(tm
         "version": 1,
         "model": {"file": model, "num_blocks": graph.num_blocks},
         "cluster": {"profile": "h100-80g", "num_gpus": 2, "gpus_per_node": 8},
-        "training": {"global_batch_size": 8, "micro_batch_size": 4, "seq_len": graph.seq_len, "dtype": "bf16",
-                     "optimizer": "adam"},
-        "parallel": {"dp": 2, "tp": 1, "pp": 1, "cp": 1, "zero": 1, "recompute": "none"},
+        "training": {"global_batch_size": global_batch, "micro_batch_size": 4, "seq_len": graph.seq_len,
+                     "dtype": "bf16", "optimizer": "adam"},
+        "parallel": {"dp": 2, "tp": 1, "pp": 1, "cp": 1, "zero": zero, "recompute": "none"},
     })
-    assert plan.num_microbatches == 1
     est = estimate_plan(plan, graph, load_cluster("h100-80g"))
-    rank = rehearse(plan, model, est, "h100-80g", ranks=[0], workers=1).ranks[0]
-    assert abs(rank.tensor_error_pct) < 1.0, rank
-    # the three moments: whole gradients only with the end of backward's activations
+    return plan, graph, est, rehearse(plan, model, est, "h100-80g", ranks=[0], workers=1).ranks[0]
+
+
+def test_one_micro_batch_never_holds_whole_gradients_beside_whole_activations() -> None:
+    """A step of one micro-batch makes its gradients as its backward releases the activations:
+    examples/gpt_small.py at dp 2 ZeRO-1, one micro-batch, rehearsed 10.6 % below the price that
+    held both whole (the block phase with every gradient); now within 1 %, and the price is the
+    largest of the loss (no gradient), the first block's backward and the end of backward."""
     from autopar.cost.estimate import config_from_plan
     from autopar.cost.stage import build_terms
 
+    plan, graph, _, rank = _rehearsed(1, 8)
+    assert plan.num_microbatches == 1
+    assert abs(rank.tensor_error_pct) < 1.0, rank
+    # the three moments: whole gradients only with the end of backward's activations
     terms = build_terms(graph, load_cluster("h100-80g"), config_from_plan(plan))
     for grads, act in ((1e9, 1e9), (1e9, 1e3), (1e3, 1e9)):
         other, g, a = terms.one_microbatch_peak(0, grads, act, 10.0)
@@ -112,29 +118,11 @@ def test_a_gradient_buffer_of_the_softwares_own_is_not_fsdp2() -> None:
     assert rank_state_bytes(cfg, mega).params == pytest.approx(_formula(cfg).params)
 
 
-def test_zero2_and_zero3_are_priced_as_rehearsed(tmp_path) -> None:  # noqa: ANN001
+def test_zero2_and_zero3_are_priced_as_rehearsed() -> None:
     """examples/gpt_small.py at dp 2: ZeRO-2 rehearsed 5.7 % above the formula's price (its fp32
     gradient shard), ZeRO-3 equal; both within 1 % now."""
-    from pathlib import Path
-
-    from autopar.cost.estimate import estimate_plan
-    from autopar.graph.measure import build_graph
-    from autopar.plan import plan_from_dict
-    from autopar.rehearse.compare import rehearse
-
-    model = str(Path(__file__).resolve().parents[2] / "examples" / "gpt_small.py")
-    graph = build_graph(model)
     for zero in (2, 3):
-        plan = plan_from_dict({
-            "version": 1,
-            "model": {"file": model, "num_blocks": graph.num_blocks},
-            "cluster": {"profile": "h100-80g", "num_gpus": 2, "gpus_per_node": 8},
-            "training": {"global_batch_size": 24, "micro_batch_size": 4, "seq_len": graph.seq_len, "dtype": "bf16",
-                         "optimizer": "adam"},
-            "parallel": {"dp": 2, "tp": 1, "pp": 1, "cp": 1, "zero": zero, "recompute": "none"},
-        })
-        est = estimate_plan(plan, graph, load_cluster("h100-80g"))
-        rank = rehearse(plan, model, est, "h100-80g", ranks=[0], workers=1).ranks[0]
+        _, _, _, rank = _rehearsed(zero, 24)
         assert abs(rank.tensor_error_pct) < 1.0, (zero, rank)
         if zero == 2:  # the split's gradients are what the rehearsal's gradient part holds, within 1 %
             assert rank.predicted_parts["grads"] == pytest.approx(rank.parts["grads"], rel=0.01)
