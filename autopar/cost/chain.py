@@ -265,14 +265,9 @@ def stage_memory(terms: ChainTerms, load: StageLoad, rank: int) -> dict[str, flo
     other = _other_bytes(terms, load, rank, loss=True)
     activations = t.inflight(rank) * load.act_bytes
     if t.loss_free_grads > 0:  # a step's only micro-batch, no pipeline (StageTerms.one_microbatch_peak)
-        grads = memory["grads"]
-        absent = t.loss_free_grads * grads
-        at_loss = _other_bytes(terms, load, rank, loss=True, blocks=False)
-        rest = _other_bytes(terms, load, rank, loss=False)
-        end_act = min(activations, terms.units[0].act_bytes + t.pre.act_bytes)  # the first unit's and the stem's
-        other, memory["grads"], activations = max(
-            ((at_loss, grads - absent, activations), (rest, grads - absent, activations), (rest, grads, end_act)),
-            key=sum)
+        other, memory["grads"], activations = t.one_microbatch_moments(
+            _other_bytes(terms, load, rank, loss=True, blocks=False), _other_bytes(terms, load, rank, loss=False),
+            memory["grads"], activations, terms.units[0].act_bytes + t.pre.act_bytes)  # the first unit's and the stem's
     return {**memory, "activations": activations, "other": other + t.reserve_bytes}
 
 

@@ -116,7 +116,6 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         core_shape = Shape(b=cfg.micro_batch, s_ratio=kv_ratio, kv_ratio=kv_ratio, t=cfg.tp * cfg.cp, sp=1.0)
     else:
         core_shape = Shape(b=cfg.micro_batch, s_ratio=s_ratio, kv_ratio=kv_ratio, t=cfg.tp, sp=1.0)
-    uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1  # else FSDP2 replicate
     state = rank_state_bytes(cfg, cluster)
     tokens_bytes = graph.block_input_bytes * cfg.micro_batch * s_ratio  # one rank's block input, full width
     tp_link, cp_link, dpcp_link = (axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp"))
@@ -174,7 +173,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
                                   for r in ("pre", "block", "post", "loss")),
         params=model_params, units=graph.num_blocks + cfg.pp * cfg.virtual_stages, link=dpcp_link)
     fixed_sync = 0.0
-    if uses_ddp and not cluster.overlap_grad_reduce and expert is None and not graph.chain:
+    if dp_wrapper(cfg) == "ddp" and not cluster.overlap_grad_reduce and expert is None and not graph.chain:
         fixed_sync = ddp_fixed_sync_s(model_params, grad_reduce_bytes(cfg, cluster), per_param_sync, dpcp_link)
     return StageTerms(
         expert=expert,

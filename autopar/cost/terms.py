@@ -267,11 +267,18 @@ class StageTerms:
         backward, with the same gradients and every activation; the end of backward, with every
         gradient and only what the first block and the embedding saved (``end_act_bytes``)."""
         assert self.config.pp == 1, "a rank without a pipeline: first and last"
+        return self.one_microbatch_moments(self.root_bytes(True, True) + self._loss_phase_bytes,
+                                           self.rank_other_bytes(rank, rank, loss=False),
+                                           grads_bytes, act_bytes, end_act_bytes)
+
+    def one_microbatch_moments(self, at_loss_bytes: float, rest_bytes: float, grads_bytes: float,
+                               act_bytes: float, end_act_bytes: float) -> tuple[float, float, float]:
+        """``one_microbatch_peak`` from the rank's other bytes at its loss and in its blocks'
+        backward (``at_loss_bytes``, ``rest_bytes``), however they are priced (a layer chain's
+        stage: cost/chain.py)."""
         absent = self.loss_free_grads * grads_bytes
-        at_loss = self.root_bytes(True, True) + self._loss_phase_bytes
-        rest = self.rank_other_bytes(rank, rank, loss=False)
-        moments = ((at_loss, grads_bytes - absent, act_bytes), (rest, grads_bytes - absent, act_bytes),
-                   (rest, grads_bytes, min(act_bytes, end_act_bytes)))
+        moments = ((at_loss_bytes, grads_bytes - absent, act_bytes), (rest_bytes, grads_bytes - absent, act_bytes),
+                   (rest_bytes, grads_bytes, min(act_bytes, end_act_bytes)))
         return max(moments, key=sum)
 
     def rank_other_bytes(self, rank: int, last_rank: int, working: float = 0.0, own_act: float | None = None,

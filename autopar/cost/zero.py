@@ -183,10 +183,9 @@ def rank_state_bytes(cfg: "Config", cluster: "Cluster") -> StateBytes:
     state = state_bytes_per_param(zero=cfg.zero, shard_degree=cfg.dp * cfg.cp, dtype_bytes=cfg.dtype_bytes,
                                   optimizer=cfg.optimizer, moment_bytes=cluster.optimizer_moment_bytes,
                                   master_bytes=cluster.master_weight_bytes)
-    uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1 and cfg.dp * cfg.cp > 1  # else FSDP2 replicate
     if cluster.main_grad_bytes and cfg.zero in (0, 1):  # the software's own whole gradient buffer
         return replace(state, grads=float(cluster.main_grad_bytes))
-    state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
+    state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, dp_wrapper(cfg) == "ddp"))
     return with_fp32_shards(state, cfg, cluster, cfg.dp * cfg.cp)
 
 
