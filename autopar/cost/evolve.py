@@ -4,7 +4,8 @@ The search copies ``StageTerms`` (25 fields) and ``Config`` (18) with one or two
 about 10^4 times per search; ``dataclasses.replace`` re-runs ``__init__`` field by field through
 the frozen ``object.__setattr__`` and was a tenth of a first search. A class with a
 ``__post_init__`` (one that validates itself) is copied by ``replace`` itself, so no check is
-ever skipped."""
+ever skipped. What a ``functools.cached_property`` stored on ``obj`` is not copied: the copy
+derives its own."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ def evolve(obj: T, **changes: Any) -> T:
         if name not in fields:
             raise TypeError(f"{cls.__name__} has no field {name!r}")
     new = object.__new__(cls)
-    new.__dict__.update(obj.__dict__)
+    state = obj.__dict__
+    if len(state) != len(fields):  # values a functools.cached_property stored: derived, so not copied
+        state = {name: value for name, value in state.items() if name in fields}
+    new.__dict__.update(state)
     new.__dict__.update(changes)
     return new

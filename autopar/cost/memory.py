@@ -169,6 +169,13 @@ def dealt_sizes(num_blocks: int, virtual_stages: int) -> list[int]:
     return [base + (1 if k >= virtual_stages - extra else 0) for k in range(virtual_stages)]
 
 
+def top_blocks(sizes: Sequence[int], chunks: int) -> int:
+    """Blocks in the ``chunks`` largest of a rank's local chunks (``sizes``; all of them where
+    ``chunks`` >= v): what a gather window prices (cost.zero.executor_window) -- the largest, so the
+    price never holds less than the schedule does at any moment."""
+    return sum(sorted(sizes)[len(sizes) - min(max(chunks, 0), len(sizes)):])
+
+
 @dataclass(frozen=True, kw_only=True)
 class InflightTable:
     """A rank's schedule states (``inflight_states``) with the sums the search's capacities read:
@@ -236,20 +243,25 @@ def _suffix_sums(state: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def most_blocks(table: InflightTable, *, per_block_bytes: float, act_per_block_bytes: float,
-                first_chunk_bytes: float, room_bytes: float, limit: int = 10**9) -> int:
+                first_chunk_bytes: float, room_bytes: float, limit: int = 10**9, top_chunks: int = 0,
+                top_chunk_bytes: float = 0.0) -> int:
     """The most blocks N a rank can hold in ``room_bytes``: N x ``per_block_bytes`` (model states)
-    plus ``peak_bytes`` of N blocks of ``act_per_block_bytes`` dealt over the chunks
-    (``dealt_sizes``), ``first_chunk_bytes`` more on the first; -1 where not even none fit,
-    ``limit`` where any number does. In closed form: with N = b v + e the dealt chunks hold b blocks
-    each and one more on the last e, so state s holds b total + held[s][v - e] blocks' activations,
+    plus ``top_chunk_bytes`` for each block of the ``top_chunks`` largest chunks (``top_blocks``: a
+    gather window's parameters) plus ``peak_bytes`` of N blocks of ``act_per_block_bytes`` dealt
+    over the chunks (``dealt_sizes``), ``first_chunk_bytes`` more on the first; -1 where not even
+    none fit, ``limit`` where any number does. In closed form: with N = b v + e the dealt chunks
+    hold b blocks each and one more on the last e, so state s holds b total + held[s][v - e]
+    blocks' activations and the K = min(top_chunks, v) largest chunks K b + min(K, e) blocks,
     linear in b for each e:
-    b <= (room - per_block e - the most held on the last e chunks) / (per_block v + act total);
+    b <= (room - per_block e - top min(K, e) - the most held on the last e chunks)
+         / (per_block v + top K + act total);
     one byte is kept spare for float rounding, so a count found here fits the sums evaluate makes."""
     v, best = len(table.states[0]), -1
+    k = min(max(top_chunks, 0), v)
     held_last = table.held_last(act_per_block_bytes, first_chunk_bytes)
-    slope = per_block_bytes * v + act_per_block_bytes * table.total
+    slope = per_block_bytes * v + top_chunk_bytes * k + act_per_block_bytes * table.total
     for e in range(v):
-        spare = room_bytes - 1.0 - per_block_bytes * e - held_last[v - e]
+        spare = room_bytes - 1.0 - per_block_bytes * e - top_chunk_bytes * min(k, e) - held_last[v - e]
         if spare < 0:
             continue
         bound = min(limit, math.floor(spare / slope)) if slope > 0 else limit

@@ -194,6 +194,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         # (a tied head's too: the last stage's copy at pp > 1, the embedding's weight at pp = 1)
         root_grad_bytes=(post.params + graph.tied_params / edge_tp) * d if holds_unit_grads(cfg, cluster) else 0.0,
         loss_free_grads=loss_free_grads_share(cfg, cluster),
+        gather_window=not cluster.main_grad_bytes,  # Megatron-Core's distributed optimizer keeps them all
         tied_params=tied,
         reserve_bytes=reserve_bytes(cluster, cfg, tokens_bytes),
         capacity_bytes=cluster.usable_memory_bytes,

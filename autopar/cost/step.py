@@ -150,6 +150,8 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             equivalent = blocks[r] * (ex.block_params - ex.dense_params)
             for kind in ("params", "grads", "optimizer"):
                 memory[kind] += blocks[r] * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
+        # interleaved 1F1B: the gathered parameters of the runtime's window (StageTerms.window)
+        memory["params"] += terms.window_bytes(sizes)
         if terms.loss_free_grads > 0 and mix is None:  # a step's only micro-batch (stage.loss_free_grads_share)
             # at the end of its backward only the first block's and the embedding's activations remain
             other, memory["grads"], activations = terms.one_microbatch_peak(

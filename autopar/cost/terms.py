@@ -8,6 +8,7 @@ import these types from here and never the builder: no module of ``cost/`` impor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 from autopar.cost.memory import (
@@ -17,7 +18,9 @@ from autopar.cost.memory import (
     inflight_table,
     loss_inflight_microbatches,
     peak_bytes,
+    top_blocks,
 )
+from autopar.cost.zero import executor_window
 from autopar.plan import NO_OFFLOAD, Offload
 
 __all__ = ["Config", "Part", "StageTerms"]
@@ -154,6 +157,42 @@ class StageTerms:
     # The share of the rank's gradient memory not yet allocated at its loss, where a step's loss
     # meets no gradient (``loss_free_grads_share``); 0 where the loss meets them all
     loss_free_grads: float = 0.0
+    # Whether the software reshards the chunks outside torch.distributed.pipelining's gather window
+    # (autopar's executor: FSDP2 under the pipelining runtime; not a software with its own gradient
+    # buffer, which keeps every 16-bit parameter): ``window`` reads the config's
+    gather_window: bool = False
+
+    @cached_property  # read by every evaluate of the search (frozen: cached in the instance's dict)
+    def window(self) -> tuple[int, float, float]:
+        """The pipelining runtime's gather window as it moves the rank's model-state bytes:
+        (K, bytes each block of the K largest local chunks holds, bytes every block does not hold),
+        so a rank with chunks of ``sizes`` blocks holds ``window_bytes(sizes)`` more than its states
+        per parameter count (cost.zero.executor_window). ZeRO-1/2: only the three chunks in the
+        window hold 16-bit parameters (K 3, g, g); ZeRO-3: two whole chunks gathered ahead of their
+        turn (K 2, g, 0); (0, 0, 0) elsewhere. Read from the config, so terms evolved to another
+        schedule or v (the search's) price its window. g is a block's 16-bit parameters; an MoE
+        block's experts are counted held at ZeRO-1/2 (only the dense part is saved)."""
+        if not self.gather_window:
+            return 0, 0.0, 0.0
+        kept, ahead = executor_window(self.config)
+        d = self.config.dtype_bytes
+        if kept:
+            experts = self.expert.block_params - self.expert.dense_params if self.expert is not None else 0.0
+            saved = d * max(0.0, self.block.params - experts)
+            return kept, saved, saved
+        if ahead:
+            extra = (self.expert.expert_params - self.expert.block_params + self.expert.dense_params
+                     if self.expert is not None else 0.0)
+            return ahead, d * (self.block.params + max(0.0, extra)), 0.0
+        return 0, 0.0, 0.0
+
+    def window_bytes(self, chunk_sizes: Sequence[int]) -> float:
+        """What a rank whose local chunks hold ``chunk_sizes`` blocks holds beyond its model states
+        per parameter under the gather window (``window``; negative where it holds less)."""
+        k, top, off = self.window
+        if not k:
+            return 0.0
+        return top * top_blocks(chunk_sizes, k) - off * sum(chunk_sizes)
 
     @property
     def after_sync_s_per_param(self) -> float:
@@ -256,6 +295,24 @@ class StageTerms:
         unit = self.block.params if first_unit_params is None else first_unit_params
         return self.pipeline_held_reduce_bytes_per_param * (root if root > 0 else unit)
 
+    def other_chunks_held_bytes(self, first: bool, last: bool) -> float:
+        """The reduce-scatter inputs a rank's other local chunks hold under interleaved 1F1B where
+        gradients are reduce-scattered every micro-batch (ZeRO-3): each chunk is its own FSDP2
+        root, keeping its last reduce-scatter input (its root unit's gradients where it holds the
+        edges, else its first block's) until its next backward, so beside the running chunk's
+        (``first_backward_held_bytes``) the v - 1 others hold theirs through every phase -- the
+        largest v - 1 of them here. Rehearsed on a 12-layer GPT at dp 2, pp 2, v 6, ZeRO-3: rank 0
+        held five blocks' fp32 inputs at its peak."""
+        v, per_param = self.config.virtual_stages, self.pipeline_held_reduce_bytes_per_param
+        if v == 1 or not per_param:
+            return 0.0
+        units = [self.block.params] * v
+        if first and self.pre.params > 0:
+            units[0] = self.pre.params
+        if last and self.post.params + self.tied_params > 0:
+            units[-1] = self.post.params + self.tied_params
+        return per_param * (sum(units) - min(units))
+
     def one_microbatch_peak(self, rank: int, grads_bytes: float, act_bytes: float,
                             end_act_bytes: float) -> tuple[float, float, float]:
         """(other bytes, gradient bytes, activation bytes) at the peak of a rank without a pipeline
@@ -328,7 +385,8 @@ class StageTerms:
             phases.append(self._loss_phase_bytes)
         if first:
             phases.append(self.pre.peak_bytes + root_grads)
-        other = self.root_bytes(first, last) + max(phases) + (self.stage_output_bytes if last else 0.0)
+        other = (self.root_bytes(first, last) + max(phases) + self.other_chunks_held_bytes(first, last)
+                 + (self.stage_output_bytes if last else 0.0))
         if c.pp > 1 and self.pipeline_buffer_bytes > 0:
             receiving = 2 * c.virtual_stages - first - last
             other += c.num_microbatches * receiving * self.pipeline_buffer_bytes

@@ -17,7 +17,8 @@ same memory family (``search.ilp.block_capacities``) with
     I_r       the schedule's in-flight micro-batches,
 
 and transient buffers (ZeRO-3's gathered block, recompute working sets) and the tied embedding
-copy left out: each only adds. Every input is at most the real one, so when these capacities
+copy left out: each only adds; the interleaved schedule's gather window (cost.zero.window_chunks)
+saves every block's parameters outside it, at most what the real terms save. Every input is at most the real one, so when these capacities
 cannot hold the L blocks, neither can the real ones.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from autopar.cost.memory import inflight_table, loss_inflight_microbatches, state_bytes_per_param
 from autopar.cost.stage import StageTerms
+from autopar.cost.zero import window_chunks
 from autopar.plan import Offload
 from autopar.search.ilp import block_capacities
 
@@ -32,17 +34,26 @@ from autopar.search.ilp import block_capacities
 def upper_capacity(base: StageTerms, *, zero: int, offload: Offload, schedule: str, pp: int, virtual_stages: int,
                    num_microbatches: int, shard_degree: int, dtype_bytes: int, optimizer: str,
                    capacity_bytes: float, block_act_bytes: float, moment_bytes: float = 4.0,
-                   master_bytes: float | None = None) -> list[int]:
+                   master_bytes: float | None = None, saving_per_param: float = 0.0) -> list[int]:
     """An upper bound on each pipeline rank's block capacity (module docstring); ``base``: terms of
     the same block cost without a pipeline, ``block_act_bytes``: the least activations a block keeps,
-    ``moment_bytes`` / ``master_bytes``: the optimizer's precision (cost.memory)."""
+    ``moment_bytes`` / ``master_bytes``: the optimizer's precision (cost.memory),
+    ``saving_per_param``: model-state bytes per parameter left out besides (the search's bound over
+    several schedules: the most a gather window of one of them saves)."""
     state = state_bytes_per_param(zero=zero, shard_degree=shard_degree, dtype_bytes=dtype_bytes, optimizer=optimizer,
                                   moment_bytes=moment_bytes, master_bytes=master_bytes)
     sigma = 0.0 if offload.params else state.total - (state.optimizer if offload.optimizer else 0.0)
+    sigma = max(0.0, sigma - saving_per_param)
     if pp == 1 and num_microbatches == 1:  # the loss may meet no gradient (cost.stage.loss_free_grads_share)
         sigma = max(0.0, sigma - state.grads)
     tables = [inflight_table(schedule, pp, r, num_microbatches, virtual_stages) for r in range(pp)]
+    # the gather window's saving at its most: every block's parameters (an MoE block saves its dense part
+    # only); ZeRO-3's chunks gathered ahead only add, so they are left out
+    k = 0 if offload.states else window_chunks(zero=zero, shard_degree=shard_degree, pp=pp, schedule=schedule,
+                                               virtual_stages=virtual_stages)
+    g = float(dtype_bytes) * base.block.params if k else 0.0
     return block_capacities(base, pp=pp, virtual_stages=virtual_stages, tables=tables,
                             loss_inflight=loss_inflight_microbatches(schedule, pp, num_microbatches), sigma=sigma,
                             block_act_bytes=0.0 if offload.activations else block_act_bytes,
-                            other_bytes=[base.reserve_bytes] * pp, tied_params=0.0, capacity_bytes=capacity_bytes)
+                            other_bytes=[base.reserve_bytes] * pp, tied_params=0.0, capacity_bytes=capacity_bytes,
+                            window=(k, g, g))

@@ -19,13 +19,17 @@ of rank r:
                 T >= t_r                              for all r     (slowest stage)
                 Z >= floor + (c sync + gather + opt) P_r        for all r  (tail: last bucket, update)
                 Z >= ((1 + c) sync + gather + opt) P_r - b_r  for all r  (tail: unhidden gradient sync)
-                sigma P_r + max_s sum_k s_k A_{r,k} + other <= capacity  for all r   (memory)
+                sigma P_r + g_w W_r - g_o N_r + max_s sum_k s_k A_{r,k} + other <= capacity  (memory)
                 sum_{r on node} G (h_s P_r + I_r h_a N_r) <= H        for every node  (host memory)
 
 The memory family: s runs over the states of the schedule (s_k micro-batches in flight on the
 rank's local chunk k; cost.memory.inflight_states: one state, I_r, for 1F1B and GPipe) and A_{r,k}
 is what one micro-batch of chunk k saves, alpha times its blocks (N_r dealt as below) plus the
-embedding's a_r on rank 0's first chunk; non-decreasing in N_r, so it is a cap on N_r
+embedding's a_r on rank 0's first chunk. W_r counts the blocks of rank r's K largest chunks, the
+pipelining runtime's gather window (interleaved 1F1B with v > 3, StageTerms.window): at ZeRO-1/2
+only the three chunks in it hold their 16-bit parameters (K = 3, g_w = g_o = one block's, less
+than sigma pi), at ZeRO-3 two whole chunks wait gathered ahead of their turn (K = 2, g_w one
+block's, g_o = 0); 0 elsewhere. The family is non-decreasing in N_r, so it is a cap on N_r
 (``block_capacities``).
 
 The host family exists only with host offload: h_s model-state bytes per parameter and h_a
@@ -581,14 +585,18 @@ def rank_block_capacity(terms: StageTerms, schedule: tuple[str, int] | None = No
                             block_act_bytes=t.block.act_bytes,
                             other_bytes=[t.rank_other_bytes(r, chunk_rank(cfg.pp * v - 1, cfg.pp)) + t.reserve_bytes
                                          for r in range(cfg.pp)],
-                            tied_params=t.tied_params, capacity_bytes=t.capacity_bytes)
+                            tied_params=t.tied_params, capacity_bytes=t.capacity_bytes,
+                            window=t.window)
 
 
 def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Sequence[InflightTable],
                      loss_inflight: float, sigma: float, block_act_bytes: float, other_bytes: Sequence[float],
-                     tied_params: float, capacity_bytes: float) -> list[int]:
+                     tied_params: float, capacity_bytes: float,
+                     window: tuple[int, float, float] = (0, 0.0, 0.0)) -> list[int]:
     """The memory family solved for each rank's block count: the most blocks N whose model states
-    (sigma pi N) and activations fit beside the rank's fixed memory, the activations as the
+    (sigma pi N, moved by the gather window: ``window`` as ``StageTerms.window``, (K, bytes each
+    block of the K largest chunks holds, bytes every block does not)) and activations fit beside
+    the rank's fixed memory, the activations as the
     schedule holds them chunk by chunk (``tables[r]``: cost.memory.inflight_table; N dealt over
     the v chunks as ``deal_chunks`` deals it, the embedding in rank 0's first chunk), with ``t``'s
     block, embedding and head parameters and the embedding's and head's activations; the rest given
@@ -603,7 +611,7 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
             fixed += loss_inflight * t.post.act_bytes
         room = math.floor(capacity_bytes - fixed)
         pre = t.pre.act_bytes if r == 0 else 0.0
-        per_block = sigma * t.block.params
+        per_block = sigma * t.block.params - window[2]
         if virtual_stages == 1:  # one chunk, one state: I_r micro-batches of every block (integer sums)
             inflight = tables[r].total
             per_block_int = math.ceil(per_block + inflight * block_act_bytes)
@@ -611,7 +619,8 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
             caps.append(room_int // per_block_int if per_block_int > 0 else (10**9 if room_int >= 0 else -1))
             continue
         caps.append(most_blocks(tables[r], per_block_bytes=per_block,
-                                act_per_block_bytes=block_act_bytes, first_chunk_bytes=pre, room_bytes=room))
+                                act_per_block_bytes=block_act_bytes, first_chunk_bytes=pre, room_bytes=room,
+                                top_chunks=window[0], top_chunk_bytes=window[1]))
     return caps
 
 

@@ -66,7 +66,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cost.host import HostFamily
-from autopar.cost.memory import RECOMPUTE_ORDER, dealt_sizes, most_blocks
+from autopar.cost.memory import RECOMPUTE_ORDER, dealt_sizes, most_blocks, top_blocks
 from autopar.cost.terms import StageTerms
 from autopar.plan import RECOMPUTE_MODES
 from autopar.search.ilp import SplitILP, deal_chunks, run_cp_sat
@@ -124,7 +124,10 @@ class MixedSplitILP:
         # the activations as the schedule holds them, chunk by chunk (cost.memory.inflight_states),
         # as cost.step.evaluate prices them: ``used`` (the fronts, the capacities) and CP-SAT's rows
         # (``_chunk_modes``)
-        self.state_per_block = t.state_bytes_per_param * t.block.params
+        # the interleaved schedule's gather window (StageTerms.window): the blocks of the K largest
+        # chunks hold ``top`` bytes more, every block ``off`` less
+        self.top_chunks, self.top_bytes, off = t.window
+        self.state_per_block = t.state_bytes_per_param * t.block.params - off
         self.act = {m: p.act_bytes for m, p in parts.items()}
         self.tables = [t.inflight_table(r) for r in self.ranks]
         self.states = [table.states for table in self.tables]
@@ -184,7 +187,8 @@ class MixedSplitILP:
         np.cumsum(states[:, chunk_of], axis=1, out=prefix[:, 1:])
         act = (a_full * prefix[:, b1] + a_sel * (prefix[:, b2] - prefix[:, b1])
                + a_none * (prefix[:, n:n + 1] - prefix[:, b2]) + pre * states[:, :1])
-        return np.ceil(self.state_per_block * n + act.max(axis=0)).astype(np.int64)
+        states = self.state_per_block * n + self.top_bytes * top_blocks(dealt_sizes(n, v), self.top_chunks)
+        return np.ceil(states + act.max(axis=0)).astype(np.int64)
 
     def capacity(self, host: bool = True) -> list[int]:
         """The most blocks each rank can hold, every block under its most frugal allowed mode, and
@@ -199,7 +203,8 @@ class MixedSplitILP:
                 room = self.room[r] - (self.work[r][m] if len(self.modes) == 1 else 0)
                 cap = most_blocks(self.tables[r], per_block_bytes=self.state_per_block,
                                   act_per_block_bytes=self.act[m], room_bytes=room,
-                                  first_chunk_bytes=self.terms.pre.act_bytes if r == 0 else 0.0)
+                                  first_chunk_bytes=self.terms.pre.act_bytes if r == 0 else 0.0,
+                                  top_chunks=self.top_chunks, top_chunk_bytes=self.top_bytes)
                 best = max(best, cap)
             caps.append(best)
         if host and self.host_caps is not None:
@@ -527,17 +532,21 @@ class MixedSplitILP:
                     self.model.Add(x <= self.L * u)
                     released = sum(self.alpha1[b] * row[b] for b in self.later[m] if b in row)
                     self.model.Add(w_r >= self.work[r][m] * u - released)
-            chunks = self._chunk_modes(r, row)
+            chunks, sizes = self._chunk_modes(r, row)
             pre = math.ceil(self.terms.pre.act_bytes) if r == 0 else 0
             per_block = math.ceil(self.state_per_block)
             act = {m: math.ceil(a) for m, a in self.act.items()}
+            states = per_block * self.N[r]
+            if self.top_chunks:  # the gather window: the dealt chunks' last (largest) K (rounded up, as per_block)
+                states += math.ceil(self.top_bytes) * sum(sizes[-self.top_chunks:])
             for state in self.states[r]:  # the schedule's peak states (cost.memory.inflight_states)
-                self.model.Add(per_block * self.N[r] + pre * state[0] + w_r
+                self.model.Add(states + pre * state[0] + w_r
                                + sum(n * act[m] * chunk[m] for n, chunk in zip(state, chunks) for m in chunk)
                                <= self.room[r])
 
-    def _chunk_modes(self, r: int, row: dict) -> list[dict]:  # noqa: ANN201 -- per local chunk: mode -> linear expr
-        """Rank ``r``'s blocks of each mode in each local chunk, as ``used`` places them: N_r dealt
+    def _chunk_modes(self, r: int, row: dict) -> tuple[list[dict], list]:  # noqa: ANN201 -- linear exprs
+        """Rank ``r``'s blocks of each mode in each local chunk (mode -> linear expression), and
+        each chunk's size, as ``used`` places them: N_r dealt
         over the v chunks with the larger ones last (q = N_r // v in each, one more in the last
         N_r mod v), then full, selective and none in execution order -- the full blocks up to chunk
         k are min(n_full, S_k), with S_k the blocks of chunks 0..k, and full or selective ones
@@ -550,7 +559,7 @@ class MixedSplitILP:
         full = row.get("full", 0)
         full_sel = model.NewIntVar(0, L, f"fs_{r}")
         model.Add(full_sel == full + row.get("selective", 0))
-        out, before, prev_f, prev_fs = [], 0, 0, 0
+        out, sizes, before, prev_f, prev_fs = [], [], 0, 0, 0
         for k in range(v):
             extra = model.NewBoolVar(f"x_{r}_{k}")
             model.Add(e >= v - k).OnlyEnforceIf(extra)
@@ -564,8 +573,9 @@ class MixedSplitILP:
             model.AddMinEquality(fs_k, [full_sel, upto])
             modes = {"full": f_k - prev_f, "selective": fs_k - f_k - (prev_fs - prev_f), "none": size - (fs_k - prev_fs)}
             out.append({m: x for m, x in modes.items() if m in self.act})
+            sizes.append(size)
             before, prev_f, prev_fs = upto, f_k, fs_k
-        return out
+        return out, sizes
 
     def _add_host_constraints(self) -> None:
         """The nodes' host memory (host offload): N_r <= its one-rank cap, and each several-rank row."""

@@ -31,6 +31,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import replace
+from functools import lru_cache
 from typing import Callable, Sequence
 
 from autopar.cluster import Cluster
@@ -38,6 +39,7 @@ from autopar.cost.evolve import evolve
 from autopar.cost.host import evaluate_with_host, host_family, host_lower_bound
 from autopar.cost.stage import Config, StageTerms, build_terms, keeps_autocast_copies, software_recompute_reason
 from autopar.cost.step import evaluate
+from autopar.cost.zero import window_chunks
 from autopar.errors import PlanError
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import NO_OFFLOAD, Offload, even_stage_ranges, offload_reason
@@ -161,8 +163,12 @@ def search(
                 rejected["bound: cannot beat the best plans"] += len(branch.schedules)
                 continue
             frugal = branch.schedules[0] if ("1f1b", 1) not in branch.schedules else ("1f1b", 1)
+            # ... in activations; at ZeRO-1/2 an interleaved schedule's gather window (v > 3: three
+            # chunks' 16-bit parameters, cost.zero.window_chunks) holds fewer model states, at least
+            # 3 / v of them, so the bound takes 1F1B's activations beside the largest v's states
+            saving = _window_saving_per_param(branch, zero)
             if branch.pp > 1 and branch.ep == 1 and not _fits_somehow(
-                    _upper_capacity(base_terms[branch.block_key], branch, zero, off, frugal, cluster, graph),
+                    _upper_capacity(base_terms[branch.block_key], branch, zero, off, frugal, cluster, graph, saving),
                     frugal[1], graph.num_blocks):
                 # Decided from the branch's shared terms (search.fit_bound): the real capacities are
                 # no larger, so the terms' own check below would say the same after building them.
@@ -171,7 +177,9 @@ def search(
             terms0 = build_terms(graph, cluster, branch.config(*frugal, zero, offload=off))
             if not off.any:
                 plain_terms[(id(branch), zero)] = terms0
-            if branch.pp > 1 and not _fits_somehow(_block_capacity(terms0, graph), frugal[1], graph.num_blocks):
+            # (the same bound on the real terms: 1F1B's with the window's saving taken off its states)
+            probe = evolve(terms0, state_bytes_per_param=terms0.state_bytes_per_param - saving) if saving else terms0
+            if branch.pp > 1 and not _fits_somehow(_block_capacity(probe, graph), frugal[1], graph.num_blocks):
                 rejected["memory: no stage split fits"] += len(branch.schedules)
                 continue
             for schedule, v in branch.schedules:
@@ -243,7 +251,8 @@ def search(
 def _memory_lb(graph: ModelGraph, cluster: Cluster, base: StageTerms, branch: Branch, has_host: bool = False,
                zero: int | None = None, offload: Offload | None = None) -> float:
     """A lower bound on the peak memory of any config of ``branch``: the average rank's model
-    states (under its most sharded ZeRO stage; without gradients where a step's only micro-batch
+    states (under its most sharded ZeRO stage, less the 16-bit parameters a gather window leaves
+    ungathered; without gradients where a step's only micro-batch
     may meet none at its loss) and one micro-batch of activations (every rank keeps at least one
     in flight), plus the framework reserve. ``has_host`` (host offload): offload is
     searched, so the bound takes what the most frugal offload mode of the branch leaves on the GPU;
@@ -256,6 +265,7 @@ def _memory_lb(graph: ModelGraph, cluster: Cluster, base: StageTerms, branch: Br
                                   dtype_bytes=branch.space.dtype_bytes, optimizer=branch.space.optimizer,
                                   moment_bytes=cluster.optimizer_moment_bytes, master_bytes=cluster.master_weight_bytes)
     best = state.total
+    best -= _window_saving_per_param(branch, max(branch.zero_stages) if zero is None else zero)
     if branch.pp == 1 and branch.num_microbatches == 1:  # the loss may meet no gradient (stage.loss_free_grads_share)
         best -= state.grads
     block_act = _least_block_act(base, graph, cluster)
@@ -313,9 +323,25 @@ def _offloads(branch: Branch, zero: int, cluster: Cluster, rejected: Counter) ->
     return offs if cluster.has_host else tuple(o for o in offs if not o.any)
 
 
+def _window_saving_per_param(branch: Branch, zero: int) -> float:
+    """The most model-state bytes per parameter a gather window of ``branch``'s schedules leaves
+    ungathered at ``zero`` (cost.zero.window_chunks: a window of W of v chunks holds at least W / v
+    of a rank's blocks, so at most d (1 - W / v) per parameter is saved); 0 without a window."""
+    return _window_saving(zero, branch.dp * branch.cp, branch.pp, branch.schedules, branch.space.dtype_bytes)
+
+
+@lru_cache(maxsize=4096)
+def _window_saving(zero: int, shard_degree: int, pp: int, schedules: tuple[tuple[str, int], ...],
+                   dtype_bytes: int) -> float:
+    windows = [(w, v) for s, v in schedules if (w := window_chunks(
+        zero=zero, shard_degree=shard_degree, pp=pp, schedule=s, virtual_stages=v))]
+    return dtype_bytes * max((1 - w / v for w, v in windows), default=0.0)
+
+
 def _upper_capacity(base: StageTerms, branch: Branch, zero: int, off: Offload, schedule: tuple[str, int],
-                    cluster: Cluster, graph: ModelGraph) -> list[int]:
-    """``search.fit_bound.upper_capacity`` of one config of ``branch`` (``base``: its shared terms)."""
+                    cluster: Cluster, graph: ModelGraph, saving_per_param: float = 0.0) -> list[int]:
+    """``search.fit_bound.upper_capacity`` of one config of ``branch`` (``base``: its shared terms);
+    ``saving_per_param``: model-state bytes per parameter left out besides (a gather window's)."""
     from autopar.search.fit_bound import upper_capacity
 
     space = branch.space
@@ -324,7 +350,7 @@ def _upper_capacity(base: StageTerms, branch: Branch, zero: int, off: Offload, s
                           shard_degree=branch.dp * branch.cp, dtype_bytes=space.dtype_bytes,
                           optimizer=space.optimizer, capacity_bytes=cluster.usable_memory_bytes,
                           block_act_bytes=_least_block_act(base, graph, cluster), moment_bytes=cluster.optimizer_moment_bytes,
-                          master_bytes=cluster.master_weight_bytes)
+                          master_bytes=cluster.master_weight_bytes, saving_per_param=saving_per_param)
 
 
 def _least_block_act(base: StageTerms, graph: ModelGraph, cluster: Cluster) -> float:
