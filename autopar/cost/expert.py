@@ -41,7 +41,7 @@ which the block's shape already divides by tp.
 They are on the critical path (the experts wait for their tokens), so they are priced exposed.
 
 Memory and gradients. A rank holds E / ep experts of every block; their states shard over the
-dp x cp / ep ranks that share them (ZeRO), so their bytes per parameter are ``state_bytes_per_param``
+dp x cp / ep ranks that share them (ZeRO), so their bytes per parameter are ``zero.rank_state_bytes``
 at that shard degree. The stage model has one parameter count per block, so the experts enter it as
 the dense-equivalent count that gives exactly their bytes (``ExpertCost.block_params``); where the
 gradient reduction of the expert parameters over their edp group is slower than the dense rate that
@@ -64,8 +64,7 @@ from autopar.cost.expert_gemms import experts_tp_sharded, grouped_rows_axis, tok
 from autopar.cost.framework import per_microbatch_s
 from autopar.cost.fused_elementwise import block_traffic
 from autopar.cost.fused_moe import SORT_KERNELS, sort_bytes_per_token
-from autopar.cost.memory import state_bytes_per_param
-from autopar.cost.zero import gradient_bytes_per_param, per_microbatch_exposed, per_step_sync, with_fp32_shards
+from autopar.cost.zero import per_microbatch_exposed, per_step_sync, rank_state_bytes
 from autopar.errors import PlanError
 from autopar.layout import Layout, ep_reason, moe_pool
 
@@ -248,11 +247,7 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     experts = all_experts / ep
     dense = max(0.0, block_params - all_experts)
     edp = layout.size("edp")
-    state = state_bytes_per_param(zero=cfg.zero, shard_degree=edp, dtype_bytes=cfg.dtype_bytes, optimizer=cfg.optimizer,
-                                  moment_bytes=cluster.optimizer_moment_bytes, master_bytes=cluster.master_weight_bytes)
-    uses_ddp = cfg.zero == 0 and cfg.tp == 1 and cfg.pp == 1
-    state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, uses_ddp))
-    state = with_fp32_shards(state, cfg, cluster, edp)  # FSDP2's fp32 shards, over the edp ranks
+    state = rank_state_bytes(cfg, cluster, shard_degree=edp)  # the experts' states, sharded over their edp ranks
     equivalent = dense + experts * state.total / dense_state_bytes
     edp_link = axis_link(cluster, layout, "edp")
     edp_sync, _, _ = per_step_sync(cfg, edp_link, cluster)

@@ -225,19 +225,22 @@ def with_fp32_shards(state: StateBytes, cfg: "Config", cluster: "Cluster", shard
                    optimizer=state.optimizer - FP32_BYTES / n)
 
 
-def rank_state_bytes(cfg: "Config", cluster: "Cluster") -> StateBytes:
+def rank_state_bytes(cfg: "Config", cluster: "Cluster", shard_degree: int | None = None) -> StateBytes:
     """Model-state bytes per parameter on a rank as the executor holds them: the ZeRO formula's
     (autopar.cost.memory) with the gradients as the data-parallel wrap keeps them
     (``gradient_bytes_per_param``: ZeRO-1's whole fp32 accumulator, DDP's buckets; a software's own
     gradient buffer, ``Cluster.main_grad_bytes``) and, where FSDP2 stores fp32 shards, the master
-    counted with the parameters and the gradient shard in fp32 (``with_fp32_shards``)."""
-    state = state_bytes_per_param(zero=cfg.zero, shard_degree=cfg.dp * cfg.cp, dtype_bytes=cfg.dtype_bytes,
+    counted with the parameters and the gradient shard in fp32 (``with_fp32_shards``). ``shard_degree``:
+    the ranks the states are sharded over, default dp x cp (an MoE block's experts: their edp ranks,
+    cost/expert.py)."""
+    n = cfg.dp * cfg.cp if shard_degree is None else shard_degree
+    state = state_bytes_per_param(zero=cfg.zero, shard_degree=n, dtype_bytes=cfg.dtype_bytes,
                                   optimizer=cfg.optimizer, moment_bytes=cluster.optimizer_moment_bytes,
                                   master_bytes=cluster.master_weight_bytes)
     if cluster.main_grad_bytes and cfg.zero in (0, 1):  # the software's own whole gradient buffer
         return replace(state, grads=float(cluster.main_grad_bytes))
     state = replace(state, grads=gradient_bytes_per_param(cfg, state.grads, dp_wrapper(cfg) == "ddp"))
-    return with_fp32_shards(state, cfg, cluster, cfg.dp * cfg.cp)
+    return with_fp32_shards(state, cfg, cluster, n)
 
 
 def holds_unit_grads(cfg: "Config", cluster: "Cluster") -> bool:
