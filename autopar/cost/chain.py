@@ -288,8 +288,10 @@ def _other_bytes(terms: ChainTerms, load: StageLoad, rank: int, *, loss: bool, b
     if last and loss:
         # ZeRO-3: the last unit's parameters, prefetched from the head's backward on (StageTerms._loss_phase_bytes)
         gather = terms.units[-1].params * c.dtype_bytes if c.zero == 3 else 0.0
-        phases.append(t.loss_phase_bytes(gather))
-    held = t.stage_output_bytes if last else 0.0  # the output of the micro-batch in its loss and backward
+        # and the previous micro-batch's last reduce-scatter input, the root's (StageTerms.rank_other_bytes)
+        phases.append(t.loss_phase_bytes(gather) + t.first_backward_held_bytes(first, last))
+    # the outputs of the micro-batches whose loss and backward are pending (StageTerms.rank_other_bytes)
+    held = t.stage_output_bytes * t.loss_inflight() if last else 0.0
     return t.root_bytes(first, last) + max(phases) + held + c.num_microbatches * load.buffer_bytes
 
 

@@ -247,7 +247,8 @@ def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense
     experts = all_experts / ep
     dense = max(0.0, block_params - all_experts)
     edp = layout.size("edp")
-    state = rank_state_bytes(cfg, cluster, shard_degree=edp)  # the experts' states, sharded over their edp ranks
+    # the experts' states, sharded over their edp ranks (DDP skips them: no bucket)
+    state = rank_state_bytes(cfg, cluster, shard_degree=edp, ddp_buckets=False)
     equivalent = dense + experts * state.total / dense_state_bytes
     edp_link = axis_link(cluster, layout, "edp")
     edp_sync, _, _ = per_step_sync(cfg, edp_link, cluster)

@@ -252,9 +252,10 @@ class StageTerms:
                 - self.rank_other_bytes(rank, last_rank))
 
     def root_bytes(self, first: bool, last: bool) -> float:
-        """ZeRO-3's root parameters on a rank: FSDP2 keeps the root unit (embedding, head) gathered."""
+        """ZeRO-3's root parameters on a rank: FSDP2 keeps the root unit (embedding, head) gathered --
+        on a pipeline's last stage with its own copy of a tied head's weight (``tied_params``)."""
         return self.zero3_root_params_per_byte * ((self.pre.params if first else 0.0) +
-                                                  (self.post.params if last else 0.0))
+                                                  (self.post.params + self.tied_params if last else 0.0))
 
     @property
     def held_reduce_bytes(self) -> float:
@@ -359,7 +360,9 @@ class StageTerms:
           (``first_backward_held_bytes``);
         * the last rank's loss and head backward: their temporaries (the fp32 copies of the
           logits and their gradients) + under ZeRO-3, from the head's backward on, the first
-          block's gathered parameters, prefetched for backward (``_loss_phase_bytes``);
+          block's gathered parameters, prefetched for backward (``_loss_phase_bytes``), and under
+          a pipeline the previous micro-batch's last reduce-scatter input
+          (``first_backward_held_bytes``: a 4-stage GPT at ZeRO-3 held its head's, 0.12 GiB);
         * the first rank's embedding backward (its temporaries);
 
         (``Part.peak_bytes`` counts a region's own parameter gradients where FSDP2 holds them
@@ -367,8 +370,10 @@ class StageTerms:
         root unit's, ``root_grad_bytes``)
 
         and in every phase ZeRO-3's root parameters (embedding, head: FSDP2 keeps the root unit
-        gathered from forward to backward), on the last rank of a pipeline the output of the
-        micro-batch whose loss and backward run (``stage_output_bytes``), and the pipeline's receive buffers
+        gathered from forward to backward), on the last rank of a pipeline the outputs of the
+        micro-batches whose loss and backward are pending (``stage_output_bytes`` each, as many as
+        ``loss_inflight``: one under 1F1B, every one under GPipe, whose last stage keeps each
+        micro-batch's logits from its forward to its backward), and the pipeline's receive buffers
         (``pipeline_buffer_bytes`` per micro-batch and receiving chunk: every chunk but the first
         receives activations, every one but the last their gradients). Non-decreasing in
         ``working``: a mix pays the largest working set of the modes it uses. ``loss`` False: the
@@ -382,11 +387,13 @@ class StageTerms:
         if self.pipeline_held_reduce_bytes_per_param:  # a micro-batch's first block: nothing released yet
             phases.append(block + self.first_backward_held_bytes(first, last))
         if last and loss:
-            phases.append(self._loss_phase_bytes)
+            # under a pipeline the previous micro-batch's last reduce-scatter input (the root's) is
+            # held through this one's loss too: its next reduce is this micro-batch's first block's
+            phases.append(self._loss_phase_bytes + self.first_backward_held_bytes(first, last))
         if first:
             phases.append(self.pre.peak_bytes + root_grads)
         other = (self.root_bytes(first, last) + max(phases) + self.other_chunks_held_bytes(first, last)
-                 + (self.stage_output_bytes if last else 0.0))
+                 + (self.stage_output_bytes * self.loss_inflight() if last else 0.0))
         if c.pp > 1 and self.pipeline_buffer_bytes > 0:
             receiving = 2 * c.virtual_stages - first - last
             other += c.num_microbatches * receiving * self.pipeline_buffer_bytes

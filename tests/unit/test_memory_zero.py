@@ -122,8 +122,8 @@ def test_full_cost_model_reproduces_table1(psi_graphs, a100, model: str) -> None
         peak_states = est.memory_bytes["params"] + est.memory_bytes["grads"] + est.memory_bytes["optimizer"]
         assert peak_states <= states * (1 + 1e-9)
         per = state_bytes_per_param(zero=zero, shard_degree=dp, dtype_bytes=2, optimizer="adam")
-        if zero == 0 and dp > 1:  # autopar's DDP keeps a bucket copy of the gradients (not in the paper)
-            states -= per.grads * graph.num_params
+        if zero == 0 and dp > 1:  # autopar's DDP keeps a bucket copy of the gradients (not in the paper),
+            states -= 4.0 * graph.num_params  # fp32 under autocast (cost.zero.autocast_states)
         # FSDP2 (ZeRO-2, and ZeRO-1 over several ranks with one micro-batch: it reduces inside its only
         # backward) keeps the gradient shard in fp32 (cost.zero.fp32_shards): 16 / N bytes per parameter
         # beside the 16-bit copies where the paper's DeepSpeed keeps 2 + 12 / N (ZeRO-1) or 14 / N (ZeRO-2)
@@ -159,14 +159,19 @@ def test_rank_state_bytes_from_independent_parameter_count(a100, make_plan, zero
             expected += 2 * h + (v * h / tp if pp > 1 else 0)
         assert rank.params == pytest.approx(expected, rel=1e-12), r
         m = rank.memory_bytes
+        # DDP (and one unwrapped rank) train under autocast over fp32 parameters, their own master,
+        # with fp32 gradients (cost.zero.autocast_states)
+        autocast = runs_as == 0 and tp == 1 and pp == 1
         if runs_as < 2:
-            assert m["params"] == pytest.approx(expected * state.params, rel=1e-12)
+            assert m["params"] == pytest.approx(expected * (4.0 if autocast else state.params), rel=1e-12)
         ddp = 2 if runs_as == 0 and tp == 1 and dp * cp > 1 else 1  # DDP's bucket copy of the gradients
         # ZeRO-1 accumulates whole gradients over the micro-batches in fp32 (FSDP2's reduce dtype)
         # and FSDP2's replicate (ZeRO-0 at tp or pp > 1) holds them in its fp32 parameters' dtype
         replicate = runs_as == 0 and dp * cp > 1 and (tp > 1 or pp > 1)
         grads = 4.0 if (runs_as == 1 and micro_batches > 1 and dp * cp > 1) or replicate else state.grads * ddp
         optimizer = state.optimizer
+        if autocast:
+            grads, optimizer = 4.0 * ddp, state.optimizer - 4.0
         if runs_as >= 2:  # FSDP2's fp32 shards: master with the parameters, gradient shard in fp32
             n = dp * cp
             grads, optimizer = 4.0 / n, state.optimizer - 4.0 / n
