@@ -264,7 +264,9 @@ def stage_memory(terms: ChainTerms, load: StageLoad, rank: int) -> dict[str, flo
             memory[kind] += load.expert_units * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
     other = _other_bytes(terms, load, rank, loss=True)
     activations = t.inflight(rank) * load.act_bytes
-    if t.loss_free_grads > 0:  # a step's only micro-batch, no pipeline (StageTerms.one_microbatch_peak)
+    # a step's only micro-batch, no pipeline (StageTerms.one_microbatch_peak; a chain's GPipe stages
+    # keep their gradients in the price: over)
+    if t.loss_free_grads > 0 and terms.config.pp == 1:
         other, memory["grads"], activations = t.one_microbatch_moments(
             _other_bytes(terms, load, rank, loss=True, blocks=False), _other_bytes(terms, load, rank, loss=False),
             memory["grads"], activations, terms.units[0].act_bytes + t.pre.act_bytes)  # the first unit's and the stem's

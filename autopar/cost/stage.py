@@ -57,17 +57,17 @@ def keeps_autocast_copies(cluster: Cluster, cfg: Config) -> bool:
     return cluster.autocast_weight_copies and cfg.dtype_bytes < 4 and trains_under_autocast(cfg)
 
 
-def loss_free_grads_share(cfg: Config, cluster: Cluster) -> float:
-    """The share of a rank's gradient memory (``state_split['grads']``) that does not exist yet at
-    the loss of a step with one micro-batch and no pipeline: the step's first backward starts at
-    the loss, and the executor sets gradients to None after each optimizer step
-    (executor/runtime/train.py), so FSDP2's sharded or replicated gradients and a lone rank's are made
-    during the backward that follows. DDP's communication buckets (half its figure,
-    ``cost.zero.gradient_bytes_per_param``) persist from construction, and so does a gradient
-    buffer of the software's own (Megatron-Core's ``main_grad_bytes``). With more micro-batches, or
-    under a pipeline, a loss meets the gradients of the micro-batches before it: 0. Rehearsal of
-    Llama-3 8B, FSDP2 over 8 ranks, one micro-batch of 2 (docs/results.md): no gradient at the peak."""
-    if cfg.pp > 1 or cfg.num_microbatches > 1 or cluster.main_grad_bytes or cluster.activation_memory == "megatron":
+def backward_grads_share(cfg: Config, cluster: Cluster) -> float:
+    """The share of a rank's gradient memory (``state_split['grads']``) its step's backward makes:
+    the executor sets gradients to None after each optimizer step (executor/runtime/train.py), so
+    FSDP2's sharded, accumulated or replicated gradients and a lone rank's are made during the
+    step's first backward -- absent where a rank's activations peak before it
+    (``StageTerms.loss_free_grads``: one micro-batch without a pipeline, or GPipe). DDP's
+    communication buckets (half its figure, ``cost.zero.gradient_bytes_per_param``) persist from
+    construction, and so does a gradient buffer of the software's own (Megatron-Core's
+    ``main_grad_bytes``). Rehearsals: Llama-3 8B, FSDP2 over 8 ranks, one micro-batch of 2
+    (docs/results.md), no gradient at the peak; a 4-stage GPT under GPipe, none at its forwards'."""
+    if cluster.main_grad_bytes or cluster.activation_memory == "megatron":
         return 0.0
     return 0.5 if dp_wrapper(cfg) == "ddp" else 1.0
 
@@ -194,7 +194,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         # the root unit's (head's) gradients, held by FSDP2 until the stage's backward ends
         # (a tied head's too: the last stage's copy at pp > 1, the embedding's weight at pp = 1)
         root_grad_bytes=(post.params + graph.tied_params / edge_tp) * d if holds_unit_grads(cfg, cluster) else 0.0,
-        loss_free_grads=loss_free_grads_share(cfg, cluster),
+        backward_grads_share=backward_grads_share(cfg, cluster),
         gather_window=not cluster.main_grad_bytes,  # Megatron-Core's distributed optimizer keeps them all
         tied_params=tied,
         reserve_bytes=reserve_bytes(cluster, cfg, tokens_bytes),

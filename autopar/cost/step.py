@@ -152,10 +152,13 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
                 memory[kind] += blocks[r] * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
         # interleaved 1F1B: the gathered parameters of the runtime's window (StageTerms.window)
         memory["params"] += terms.window_bytes(sizes)
-        if terms.loss_free_grads > 0 and mix is None:  # a step's only micro-batch (stage.loss_free_grads_share)
-            # at the end of its backward only the first block's and the embedding's activations remain
+        if terms.loss_free_grads > 0 and mix is None:  # the first backward follows every forward (one
+            # micro-batch without a pipeline, GPipe): at the end of the first micro-batch's backward its
+            # first block's and embedding's activations remain, and every later micro-batch's
+            later = activations * (m - 1) / m
             other, memory["grads"], activations = terms.one_microbatch_peak(
-                r, memory["grads"], activations, b.act_bytes + pre.act_bytes)
+                r, memory["grads"], activations, later + b.act_bytes + (pre.act_bytes if r == 0 else 0.0),
+                last_rank=chunk_rank(last, pp))
         else:
             other = terms.rank_other_bytes(r, chunk_rank(last, pp)) + working[r]
         memory = {**memory, "activations": activations, "other": other + terms.reserve_bytes}

@@ -154,9 +154,9 @@ class StageTerms:
     # the training dtype, from the head's backward until the stage's backward ends: through every
     # block's backward of the micro-batch on the last rank (cost.zero.holds_unit_grads); 0 elsewhere
     root_grad_bytes: float = 0.0
-    # The share of the rank's gradient memory not yet allocated at its loss, where a step's loss
-    # meets no gradient (``loss_free_grads_share``); 0 where the loss meets them all
-    loss_free_grads: float = 0.0
+    # The share of the rank's gradient memory its backward makes (cost.stage.backward_grads_share):
+    # absent until the step's first backward (``loss_free_grads``)
+    backward_grads_share: float = 0.0
     # Whether the software reshards the chunks outside torch.distributed.pipelining's gather window
     # (autopar's executor: FSDP2 under the pipelining runtime; not a software with its own gradient
     # buffer, which keeps every 16-bit parameter): ``window`` reads the config's
@@ -314,19 +314,33 @@ class StageTerms:
             units[-1] = self.post.params + self.tied_params
         return per_param * (sum(units) - min(units))
 
-    def one_microbatch_peak(self, rank: int, grads_bytes: float, act_bytes: float,
-                            end_act_bytes: float) -> tuple[float, float, float]:
-        """(other bytes, gradient bytes, activation bytes) at the peak of a rank without a pipeline
-        whose step has one micro-batch (``loss_free_grads`` > 0). Its backward makes the gradients as
-        it releases the activations: no earlier micro-batch left gradients behind, so the rank's
-        whole gradients (``grads_bytes``) and whole activations (``act_bytes``) never meet. Three
-        moments, whichever holds most (between the last two the bytes change linearly, one block at a
-        time): the loss, with ``loss_free_grads`` of the gradients not yet made; the first block's
-        backward, with the same gradients and every activation; the end of backward, with every
-        gradient and only what the first block and the embedding saved (``end_act_bytes``)."""
-        assert self.config.pp == 1, "a rank without a pipeline: first and last"
-        return self.one_microbatch_moments(self.root_bytes(True, True) + self._loss_phase_bytes,
-                                           self.rank_other_bytes(rank, rank, loss=False),
+    @property
+    def loss_free_grads(self) -> float:
+        """The share of a rank's gradient memory that does not exist yet where its activations peak:
+        ``backward_grads_share`` where the step's first backward on a rank follows every one of its
+        forwards -- a step of one micro-batch without a pipeline, and GPipe -- else 0 (a loss meets the
+        gradients of the micro-batches before it). Read from the config, so terms evolved to another
+        schedule (the search's) price theirs."""
+        c = self.config
+        first_after_all = (c.pp == 1 and c.num_microbatches == 1) or (c.pp > 1 and c.schedule == "gpipe")
+        return self.backward_grads_share if first_after_all else 0.0
+
+    def one_microbatch_peak(self, rank: int, grads_bytes: float, act_bytes: float, end_act_bytes: float,
+                            last_rank: int | None = None) -> tuple[float, float, float]:
+        """(other bytes, gradient bytes, activation bytes) at the peak of a rank whose first backward
+        of the step follows all its forwards (``loss_free_grads`` > 0: one micro-batch without a
+        pipeline, or GPipe). Its backward makes the gradients as it releases the activations: no
+        earlier backward left gradients behind, so the rank's whole gradients (``grads_bytes``) and
+        whole activations (``act_bytes``) never meet. Three moments, whichever holds most (between the
+        last two the bytes change linearly, one block at a time): the loss, with ``loss_free_grads``
+        of the gradients not yet made; the first block's backward, with the same gradients and every
+        activation; the end of the first micro-batch's backward, with every gradient and what the
+        rank still saves then (``end_act_bytes``: the first block's and the embedding's of that
+        micro-batch, and every later micro-batch's). ``last_rank``: the pipeline's (default
+        ``rank``: no pipeline)."""
+        last = rank if last_rank is None else last_rank
+        return self.one_microbatch_moments(self.rank_other_bytes(rank, last),
+                                           self.rank_other_bytes(rank, last, loss=False),
                                            grads_bytes, act_bytes, end_act_bytes)
 
     def one_microbatch_moments(self, at_loss_bytes: float, rest_bytes: float, grads_bytes: float,

@@ -44,16 +44,22 @@ def upper_capacity(base: StageTerms, *, zero: int, offload: Offload, schedule: s
                                   moment_bytes=moment_bytes, master_bytes=master_bytes)
     sigma = 0.0 if offload.params else state.total - (state.optimizer if offload.optimizer else 0.0)
     sigma = max(0.0, sigma - saving_per_param)
-    if pp == 1 and num_microbatches == 1:  # the loss may meet no gradient (cost.stage.loss_free_grads_share)
+    inflight_m = num_microbatches
+    # the activations may peak before any gradient exists (cost.terms.StageTerms.loss_free_grads): one
+    # micro-batch without a pipeline, or GPipe, whose peak is at least that of the end of its first
+    # backward -- every gradient beside M - 1 micro-batches' activations (ILP block_capacities)
+    if num_microbatches == 1 and (pp == 1 or schedule == "gpipe"):
         sigma = max(0.0, sigma - state.grads)
-    tables = [inflight_table(schedule, pp, r, num_microbatches, virtual_stages) for r in range(pp)]
+    elif pp > 1 and schedule == "gpipe":
+        inflight_m = num_microbatches - 1
+    tables = [inflight_table(schedule, pp, r, inflight_m, virtual_stages) for r in range(pp)]
     # the gather window's saving at its most: every block's parameters (an MoE block saves its dense part
     # only); ZeRO-3's chunks gathered ahead only add, so they are left out
     k = 0 if offload.states else window_chunks(zero=zero, shard_degree=shard_degree, pp=pp, schedule=schedule,
                                                virtual_stages=virtual_stages)
     g = float(dtype_bytes) * base.block.params if k else 0.0
     return block_capacities(base, pp=pp, virtual_stages=virtual_stages, tables=tables,
-                            loss_inflight=loss_inflight_microbatches(schedule, pp, num_microbatches), sigma=sigma,
+                            loss_inflight=loss_inflight_microbatches(schedule, pp, inflight_m), sigma=sigma,
                             block_act_bytes=0.0 if offload.activations else block_act_bytes,
                             other_bytes=[base.reserve_bytes] * pp, tied_params=0.0, capacity_bytes=capacity_bytes,
                             window=(k, g, g))

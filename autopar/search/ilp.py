@@ -579,6 +579,16 @@ def rank_block_capacity(terms: StageTerms, schedule: tuple[str, int] | None = No
     if (name, v) != (cfg.schedule, cfg.virtual_stages):  # what the schedule holds beyond its blocks
         t = evolve(t, config=evolve(cfg, schedule=name, virtual_stages=v))
     tables = [inflight_table(name, cfg.pp, r, cfg.num_microbatches, v) for r in range(cfg.pp)]
+    last = chunk_rank(cfg.pp * v - 1, cfg.pp)
+    first_backward = None
+    if t.loss_free_grads > 0 and v == 1:  # GPipe: its forwards peak before any gradient exists (evaluate)
+        share, grads = t.loss_free_grads, t.state_split["grads"]
+        per_block = grads * t.block.params
+        if t.expert is not None:  # each expert byte under its own kind, as cost.step.evaluate
+            ex = t.expert
+            per_block += ex.expert_params * ex.state_split["grads"] - (ex.block_params - ex.dense_params) * grads
+        first_backward = (share * per_block, share * grads,
+                          [t.rank_other_bytes(r, last, loss=False) + t.reserve_bytes for r in range(cfg.pp)])
     return block_capacities(t, pp=cfg.pp, virtual_stages=v, tables=tables,
                             loss_inflight=loss_inflight_microbatches(name, cfg.pp, cfg.num_microbatches),
                             sigma=t.state_bytes_per_param,
@@ -586,13 +596,14 @@ def rank_block_capacity(terms: StageTerms, schedule: tuple[str, int] | None = No
                             other_bytes=[t.rank_other_bytes(r, chunk_rank(cfg.pp * v - 1, cfg.pp)) + t.reserve_bytes
                                          for r in range(cfg.pp)],
                             tied_params=t.tied_params, capacity_bytes=t.capacity_bytes,
-                            window=t.window)
+                            window=t.window, first_backward=first_backward)
 
 
 def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Sequence[InflightTable],
                      loss_inflight: float, sigma: float, block_act_bytes: float, other_bytes: Sequence[float],
                      tied_params: float, capacity_bytes: float,
-                     window: tuple[int, float, float] = (0, 0.0, 0.0)) -> list[int]:
+                     window: tuple[int, float, float] = (0, 0.0, 0.0),
+                     first_backward: tuple[float, float, Sequence[float]] | None = None) -> list[int]:
     """The memory family solved for each rank's block count: the most blocks N whose model states
     (sigma pi N, moved by the gather window: ``window`` as ``StageTerms.window``, (K, bytes each
     block of the K largest chunks holds, bytes every block does not)) and activations fit beside
@@ -601,7 +612,14 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
     the v chunks as ``deal_chunks`` deals it, the embedding in rank 0's first chunk), with ``t``'s
     block, embedding and head parameters and the embedding's and head's activations; the rest given
     (``rank_block_capacity`` passes ``t``'s own, search.fit_bound lower bounds of them). The same
-    sums as ``cost.step.evaluate`` (``cost.memory.most_blocks``, one byte spare for float rounding)."""
+    sums as ``cost.step.evaluate`` (``cost.memory.most_blocks``, one byte spare for float rounding).
+
+    ``first_backward`` (one chunk, where the step's first backward follows every forward: GPipe,
+    StageTerms.loss_free_grads): (gradient bytes absent per block, the same per parameter of the
+    embedding and head, each rank's other bytes outside its loss). The peak is then the larger of
+    two moments, each linear in N, and the cap the smaller of their caps: every forward done, no
+    gradient made (A), and the first micro-batch's backward done, every gradient beside the later
+    micro-batches' activations and the first block's and embedding's of the first (B)."""
     last_rank = chunk_rank(pp * virtual_stages - 1, pp)
     caps = []
     for r in range(pp):
@@ -614,6 +632,16 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
         per_block = sigma * t.block.params - window[2]
         if virtual_stages == 1:  # one chunk, one state: I_r micro-batches of every block (integer sums)
             inflight = tables[r].total
+            if first_backward is not None:
+                absent_block, absent_param, other_rest = first_backward
+                moment_a = _linear_cap(capacity_bytes - fixed + absent_param * fixed_p - inflight * pre,
+                                       per_block - absent_block + inflight * block_act_bytes)
+                later = inflight - 1  # micro-batches whose activations remain after the first's backward
+                fixed_b = (sigma * fixed_p + other_rest[r] + (later * t.post.act_bytes if r == last_rank else 0.0)
+                           + block_act_bytes + pre)
+                moment_b = _linear_cap(capacity_bytes - fixed_b - later * pre, per_block + later * block_act_bytes)
+                caps.append(min(moment_a, moment_b))
+                continue
             per_block_int = math.ceil(per_block + inflight * block_act_bytes)
             room_int = math.floor(room - inflight * pre)
             caps.append(room_int // per_block_int if per_block_int > 0 else (10**9 if room_int >= 0 else -1))
@@ -622,6 +650,13 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
                                 act_per_block_bytes=block_act_bytes, first_chunk_bytes=pre, room_bytes=room,
                                 top_chunks=window[0], top_chunk_bytes=window[1]))
     return caps
+
+
+def _linear_cap(room_bytes: float, per_block_bytes: float) -> int:
+    """The most N with N x ``per_block_bytes`` <= ``room_bytes`` in integer sums (bytes per block
+    rounded up, the room down, as ``block_capacities``'s one-chunk family); -1 where none fit."""
+    room, per = math.floor(room_bytes), math.ceil(per_block_bytes)
+    return room // per if per > 0 else (10**9 if room >= 0 else -1)
 
 
 def deal_chunks(rank_blocks: list[int], virtual_stages: int) -> tuple[int, ...]:

@@ -183,9 +183,10 @@ def search(
                 rejected["memory: no stage split fits"] += len(branch.schedules)
                 continue
             for schedule, v in branch.schedules:
-                if schedule == "gpipe" and ("1f1b", 1) in branch.schedules:
+                if schedule == "gpipe" and ("1f1b", 1) in branch.schedules and _gpipe_within_1f1b(terms0):
                     # Same step time as 1F1B in the cost model, with M micro-batches in flight
-                    # instead of at most pp: never better, so never costed.
+                    # instead of at most pp: never better where it holds no fewer blocks on any rank
+                    # (it can: its forwards peak before any gradient exists), so not costed there.
                     rejected["dominated: gpipe (1f1b is as fast with less memory)"] += 1
                     continue
                 # The bound reads only the block terms (shared by the branch's schedules) and the
@@ -266,7 +267,10 @@ def _memory_lb(graph: ModelGraph, cluster: Cluster, base: StageTerms, branch: Br
                                   moment_bytes=cluster.optimizer_moment_bytes, master_bytes=cluster.master_weight_bytes)
     best = state.total
     best -= _window_saving_per_param(branch, max(branch.zero_stages) if zero is None else zero)
-    if branch.pp == 1 and branch.num_microbatches == 1:  # the loss may meet no gradient (stage.loss_free_grads_share)
+    # the activations may peak before any gradient exists (StageTerms.loss_free_grads): a step of one
+    # micro-batch (GPipe's with more holds every gradient beside at least one micro-batch's activations
+    # after its first backward, which the bound's one micro-batch does not exceed)
+    if branch.num_microbatches == 1:
         best -= state.grads
     block_act = _least_block_act(base, graph, cluster)
     if offload is not None:
@@ -453,6 +457,18 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
         return _PRUNED
     return Candidate(config=cfg, chunk_blocks=sol.chunk_blocks, estimate=est, ilp_status=sol.status,
                      ilp_objective_s=sol.objective_s, ilp_bound_s=sol.bound_s, split_method=sol.method)
+
+
+def _gpipe_within_1f1b(terms: StageTerms) -> bool:
+    """Whether GPipe holds no more blocks than 1F1B on any rank of ``terms``'s branch (their memory
+    families, ``rank_block_capacity``): then every split GPipe fits 1F1B fits too, at the same step
+    time. GPipe's forwards peak before the step's first gradient (StageTerms.loss_free_grads), so
+    where gradients outweigh the activations of the micro-batches beyond 1F1B's it can hold more.
+    Per-stage recompute mixes price GPipe with its gradients: always within."""
+    if terms.recompute_parts is not None:
+        return True
+    gpipe, one = rank_block_capacity(terms, ("gpipe", 1)), rank_block_capacity(terms, ("1f1b", 1))
+    return all(g <= o for g, o in zip(gpipe, one))
 
 
 def _block_capacity(terms: StageTerms, graph: ModelGraph) -> list[int]:

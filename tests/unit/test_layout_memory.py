@@ -8,10 +8,11 @@ its tensors (benchmarks/rehearse_layouts.py runs the same kinds at 16 blocks of 
   own attention keeps them (cost.stage._cp_flash_core);
 * a pipeline's last stage under ZeRO-3 keeps its copy of a tied head gathered (StageTerms.root_bytes)
   and meets the previous micro-batch's reduce-scatter input in its loss (rank_other_bytes);
-* GPipe's last stage keeps every micro-batch's output until its backward.
+* GPipe's last stage keeps every micro-batch's output until its backward, and GPipe's forwards
+  peak before the step's first gradient exists (StageTerms.loss_free_grads).
 
 Where a small figure remains it is named in the test (DDP's fp32 residual stream under autocast,
--1.2 %; GPipe's gradient-free forward peak, over).
+-1.2 %).
 """
 
 from __future__ import annotations
@@ -75,9 +76,11 @@ def test_a_zero3_pipelines_last_stage_in_its_loss(tmp_path: Path) -> None:
         assert abs(rank.tensor_error_pct) < 2.0, rank
 
 
-def test_gpipes_last_stage_keeps_every_outputs_logits(tmp_path: Path) -> None:
-    """-3.9 % with one micro-batch's logits priced; GPipe's forward peak comes before any gradient
-    exists, which the price does not yet credit (stage 0 +14.6 %: over, never under)."""
-    ranks = _rehearse(tmp_path, {"dp": 2, "pp": 2, "zero": 1, "pp_schedule": "gpipe"}, [0, 2])
-    for rank in ranks:
-        assert 0.0 <= rank.tensor_error_pct < 16.0, rank
+def test_gpipe_keeps_every_outputs_logits_and_peaks_before_its_gradients(tmp_path: Path) -> None:
+    """The last stage was -3.9 % with one micro-batch's logits priced; the first +14.6 % with the
+    step's gradients priced at GPipe's forward peak, which comes before any. Now the last within
+    1 %, the first +6.6 %: its first backward's end is priced with a block backward's temporaries
+    beside every gradient (over, never under)."""
+    first, last = _rehearse(tmp_path, {"dp": 2, "pp": 2, "zero": 1, "pp_schedule": "gpipe"}, [0, 2])
+    assert abs(last.tensor_error_pct) < 1.0, last
+    assert 0.0 <= first.tensor_error_pct < 8.0, first

@@ -122,13 +122,27 @@ def _one_microbatch_plan(cfg: GPTConfig = CFG, **par) -> Plan:
     ({"dp": 8, "zero": 0}, 0.5),  # DDP: its buckets persist, the gradients beside them do not
 ])
 def test_a_steps_only_micro_batch_meets_its_loss_without_gradients(par: dict, share: float) -> None:
-    from autopar.cost.stage import loss_free_grads_share
+    def loss_free(cfg: Config, cluster) -> float:  # noqa: ANN001
+        return build_terms(_graph(), cluster, cfg).loss_free_grads
 
     cfg = _config(_one_microbatch_plan(**par))
     assert cfg.num_microbatches == 1
-    assert loss_free_grads_share(cfg, load_cluster("h100-80g")) == share
-    assert loss_free_grads_share(cfg, load_cluster("h100-80g-megatron")) == 0.0  # its gradient buffer persists
-    assert loss_free_grads_share(_config(_plan(**par)), load_cluster("h100-80g")) == 0.0  # 8 micro-batches
+    assert loss_free(cfg, load_cluster("h100-80g")) == share
+    assert loss_free(cfg, load_cluster("h100-80g-megatron")) == 0.0  # its gradient buffer persists
+    assert loss_free(_config(_plan(**par)), load_cluster("h100-80g")) == 0.0  # 8 micro-batches
+
+
+def test_gpipe_meets_its_first_backward_without_gradients() -> None:
+    """GPipe runs every forward of a step before its first backward: its activations peak before any
+    gradient exists; 1F1B's later micro-batches meet the gradients of the earlier ones. The terms
+    read it from their config, so terms evolved from 1F1B's (the search's) price GPipe's."""
+    from autopar.cost.evolve import evolve
+
+    h100 = load_cluster("h100-80g")
+    one = build_terms(_graph(), h100, _config(_plan(dp=2, pp=2, zero=1, pp_schedule="1f1b")))
+    assert one.loss_free_grads == 0.0
+    gpipe = evolve(one, config=dataclasses.replace(one.config, schedule="gpipe"))
+    assert gpipe.loss_free_grads == 1.0
 
 
 @pytest.mark.parametrize("model,loss_peaks", [(BIG_VOCAB, True), (CFG, False)], ids=["vocab-64k", "vocab-8k"])

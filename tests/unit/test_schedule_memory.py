@@ -140,3 +140,30 @@ def test_the_closed_form_capacity_is_the_general_sum(pp: int, v: int, m: int, ra
         room = 1000.0
         cap = most_blocks(table, per_block_bytes=7.0, act_per_block_bytes=3.0, first_chunk_bytes=first, room_bytes=room)
         assert used(cap) <= room - 1.0 and room < used(cap + 1)  # one byte spare for float rounding
+
+
+def test_gpipe_capacity_is_where_evaluate_stops_fitting_before_its_gradients(tiny) -> None:
+    """GPipe under FSDP2: its peak is the larger of its forwards' end (no gradient yet) and its
+    first micro-batch's backward end (every gradient, one micro-batch's activations fewer); the
+    capacity is where evaluate's peak stops fitting, on each side of the two moments."""
+    base = dataclasses.replace(load_cluster("h100-80g"), framework_reserve_bytes=0.0, nccl_bytes_per_group=0.0,
+                               memory_margin_fraction=0.0)
+    cfg = Config(dp=2, tp=1, pp=2, cp=1, cp_kind="ring", sequence_parallel=False, zero=1, recompute="none",
+                 schedule="gpipe", virtual_stages=1, micro_batch=2, global_batch=16, seq_len=64,
+                 dtype_bytes=2, optimizer="adam")
+    probe = build_terms(tiny, base, cfg)
+    assert probe.loss_free_grads == 1.0
+    whole = evaluate(probe, [6, 6], 1.0, 1.0, 1.0).peak_memory_bytes
+    checked = 0
+    for share in (0.7, 0.8, 0.9):
+        terms = build_terms(tiny, dataclasses.replace(base, memory_bytes=whole * share), cfg)
+        caps = rank_block_capacity(terms)
+        for r in range(2):
+            for n, fits in ((caps[r], True), (caps[r] + 1, False)):
+                if not 1 <= n <= 11:
+                    continue
+                counts = [n, 12 - n] if r == 0 else [12 - n, n]
+                est = evaluate(terms, counts, 1.0, 1.0, 1.0)
+                assert (est.ranks[r].peak_bytes <= terms.capacity_bytes) == fits, (share, r, n, caps)
+                checked += 1
+    assert checked >= 6
