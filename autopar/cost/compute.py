@@ -78,6 +78,9 @@ class RegionTime:
     # Per-op selective recompute (autopar.recompute_ops): the outputs it keeps of the ops it saves,
     # and those ops' forward time, which its recompute does not re-run.
     op_saved_bytes: float = 0.0
+    # measured at a context-parallel point of the profile's table (the executor's cp attention as it
+    # ran): its saved bytes are the cp kernels' own (cost.stage._cp_flash_core leaves them)
+    measured_cp: bool = False
     op_saved_fwd_s: float = 0.0
 
     @property
@@ -373,4 +376,5 @@ def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape:
                    bwd_gemm_s=rt.bwd_gemm_s * b_ratio,
                    fwd_gemm_s=rt.fwd_gemm_s * f_ratio,
                    saved_bytes=saved, core_saved_bytes=rt.core_saved_bytes * s_ratio,
-                   op_saved_bytes=rt.op_saved_bytes * s_ratio, op_saved_fwd_s=rt.op_saved_fwd_s * f_ratio)
+                   op_saved_bytes=rt.op_saved_bytes * s_ratio, op_saved_fwd_s=rt.op_saved_fwd_s * f_ratio,
+                   measured_cp=hit.cp > 1)

@@ -171,7 +171,7 @@ def dealt_sizes(num_blocks: int, virtual_stages: int) -> list[int]:
 
 def top_blocks(sizes: Sequence[int], chunks: int) -> int:
     """Blocks in the ``chunks`` largest of a rank's local chunks (``sizes``; all of them where
-    ``chunks`` >= v): what a gather window prices (cost.zero.executor_window) -- the largest, so the
+    ``chunks`` >= v): what a gather window prices (cost.pipeline_window.executor_window) -- the largest, so the
     price never holds less than the schedule does at any moment."""
     return sum(sorted(sizes)[len(sizes) - min(max(chunks, 0), len(sizes)):])
 

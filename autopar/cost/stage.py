@@ -336,7 +336,7 @@ def _cp_flash_core(rt: RegionTime, graph: ModelGraph, cfg: Config, tokens_bytes:
     other cp ranks. A 16-block GPT of hidden 1024 at 1,024 tokens, dp 4 cp 2 (ZeRO-1) was priced
     18.4 % above its rehearsal with the traced probabilities. Unchanged where the trace's core is
     already flash's (no quadratic saved tensor) and under a measured cp table (``rt`` as run)."""
-    if cfg.cp == 1 or rt.core_saved_bytes <= 0:
+    if cfg.cp == 1 or rt.core_saved_bytes <= 0 or rt.measured_cp:
         return rt
     heads = graph.num_heads or 1
     out = tokens_bytes / cfg.tp  # the attention's output, this rank's heads

@@ -20,7 +20,7 @@ from autopar.cost.memory import (
     peak_bytes,
     top_blocks,
 )
-from autopar.cost.zero import executor_window
+from autopar.cost.pipeline_window import executor_window
 from autopar.plan import NO_OFFLOAD, Offload
 
 __all__ = ["Config", "Part", "StageTerms"]
@@ -167,7 +167,7 @@ class StageTerms:
         """The pipelining runtime's gather window as it moves the rank's model-state bytes:
         (K, bytes each block of the K largest local chunks holds, bytes every block does not hold),
         so a rank with chunks of ``sizes`` blocks holds ``window_bytes(sizes)`` more than its states
-        per parameter count (cost.zero.executor_window). ZeRO-1/2: only the three chunks in the
+        per parameter count (cost.pipeline_window.executor_window). ZeRO-1/2: only the three chunks in the
         window hold 16-bit parameters (K 3, g, g); ZeRO-3: two whole chunks gathered ahead of their
         turn (K 2, g, 0); (0, 0, 0) elsewhere. Read from the config, so terms evolved to another
         schedule or v (the search's) price its window. g is a block's 16-bit parameters; an MoE

@@ -17,7 +17,7 @@ same memory family (``search.ilp.block_capacities``) with
     I_r       the schedule's in-flight micro-batches,
 
 and transient buffers (ZeRO-3's gathered block, recompute working sets) and the tied embedding
-copy left out: each only adds; the interleaved schedule's gather window (cost.zero.window_chunks)
+copy left out: each only adds; the interleaved schedule's gather window (cost.pipeline_window.window_chunks)
 saves every block's parameters outside it, at most what the real terms save. Every input is at most the real one, so when these capacities
 cannot hold the L blocks, neither can the real ones.
 """
@@ -25,8 +25,8 @@ cannot hold the L blocks, neither can the real ones.
 from __future__ import annotations
 
 from autopar.cost.memory import inflight_table, loss_inflight_microbatches, state_bytes_per_param
+from autopar.cost.pipeline_window import window_chunks
 from autopar.cost.stage import StageTerms
-from autopar.cost.zero import window_chunks
 from autopar.plan import Offload
 from autopar.search.ilp import block_capacities
 

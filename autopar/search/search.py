@@ -37,9 +37,9 @@ from typing import Callable, Sequence
 from autopar.cluster import Cluster
 from autopar.cost.evolve import evolve
 from autopar.cost.host import evaluate_with_host, host_family, host_lower_bound
+from autopar.cost.pipeline_window import window_chunks
 from autopar.cost.stage import Config, StageTerms, build_terms, keeps_autocast_copies, software_recompute_reason
 from autopar.cost.step import evaluate
-from autopar.cost.zero import window_chunks
 from autopar.errors import PlanError
 from autopar.graph.model_graph import ModelGraph
 from autopar.plan import NO_OFFLOAD, Offload, even_stage_ranges, offload_reason
@@ -164,7 +164,7 @@ def search(
                 continue
             frugal = branch.schedules[0] if ("1f1b", 1) not in branch.schedules else ("1f1b", 1)
             # ... in activations; at ZeRO-1/2 an interleaved schedule's gather window (v > 3: three
-            # chunks' 16-bit parameters, cost.zero.window_chunks) holds fewer model states, at least
+            # chunks' 16-bit parameters, cost.pipeline_window.window_chunks) holds fewer model states, at least
             # 3 / v of them, so the bound takes 1F1B's activations beside the largest v's states
             saving = _window_saving_per_param(branch, zero)
             if branch.pp > 1 and branch.ep == 1 and not _fits_somehow(
@@ -329,7 +329,7 @@ def _offloads(branch: Branch, zero: int, cluster: Cluster, rejected: Counter) ->
 
 def _window_saving_per_param(branch: Branch, zero: int) -> float:
     """The most model-state bytes per parameter a gather window of ``branch``'s schedules leaves
-    ungathered at ``zero`` (cost.zero.window_chunks: a window of W of v chunks holds at least W / v
+    ungathered at ``zero`` (cost.pipeline_window.window_chunks: a window of W of v chunks holds at least W / v
     of a rank's blocks, so at most d (1 - W / v) per parameter is saved); 0 without a window."""
     return _window_saving(zero, branch.dp * branch.cp, branch.pp, branch.schedules, branch.space.dtype_bytes)
 

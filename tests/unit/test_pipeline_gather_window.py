@@ -1,7 +1,7 @@
 """torch's pipelining runtime lowers interleaved 1F1B with ``_add_unshard_reshard(max_active_stages=3)``:
 it unshards the next three local chunks it will run, each chunk whole, and reshards every other.
-So at ZeRO-1/2 only three chunks hold 16-bit parameters (cost.zero.window_chunks), and at ZeRO-3 two
-whole chunks wait gathered ahead of their turn (cost.zero.prefetched_chunks), while every chunk, its
+So at ZeRO-1/2 only three chunks hold 16-bit parameters (cost.pipeline_window.window_chunks), and at ZeRO-3 two
+whole chunks wait gathered ahead of their turn (cost.pipeline_window.prefetched_chunks), while every chunk, its
 own FSDP2 root, keeps its last reduce-scatter input (StageTerms.other_chunks_held_bytes). Checked
 against rehearsals of the executor, and the split programs (closed form, CP-SAT, enumeration)
 against ``evaluate``'s sums, which price the window."""
@@ -18,9 +18,9 @@ import pytest
 from autopar.cluster import load_cluster
 from autopar.cost.evolve import evolve
 from autopar.cost.memory import dealt_sizes, inflight_table, most_blocks, peak_bytes, top_blocks
+from autopar.cost.pipeline_window import prefetched_chunks, window_chunks
 from autopar.cost.stage import Config, build_terms
 from autopar.cost.step import evaluate
-from autopar.cost.zero import prefetched_chunks, window_chunks
 from autopar.models.gpt import GPTConfig
 from autopar.plan import Offload
 from autopar.reference import gpt_graph
