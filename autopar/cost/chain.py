@@ -259,9 +259,8 @@ def stage_memory(terms: ChainTerms, load: StageLoad, rank: int) -> dict[str, flo
     memory = {kind: load.params * split[kind] for kind in ("params", "grads", "optimizer")}
     ex = terms.expert
     if ex is not None and load.expert_units:  # the same total, each expert byte under its own kind (cost.step)
-        equivalent = load.expert_units * (ex.block_params - ex.dense_params)
         for kind in memory:
-            memory[kind] += load.expert_units * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
+            memory[kind] += load.expert_units * ex.state_delta_bytes(kind, split)
     other = _other_bytes(terms, load, rank, loss=True)
     activations = t.inflight(rank) * load.act_bytes
     # a step's only micro-batch, no pipeline (StageTerms.one_microbatch_peak; a chain's GPipe stages

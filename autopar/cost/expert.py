@@ -219,6 +219,12 @@ class ExpertCost:
     grad_sync_extra_s: float  # per block per micro-batch, exposed (module docstring)
     state_split: dict[str, float]  # the experts' params / grads / optimizer bytes per parameter
 
+    def state_delta_bytes(self, kind: str, dense_split: dict[str, float]) -> float:
+        """What one block's experts hold of state ``kind`` beyond the dense-equivalent count priced
+        at the dense ``dense_split`` (``block_params``: the same total, each expert byte under its
+        own kind)."""
+        return self.expert_params * self.state_split[kind] - (self.block_params - self.dense_params) * dense_split[kind]
+
 
 def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense_state_bytes: float,
                 dense_sync_s_per_param: float, tokens_bytes: float, block_fwd_s: float, block_bwd_s: float,

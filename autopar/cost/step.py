@@ -146,10 +146,8 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             "optimizer": params[r] * split["optimizer"],
         }
         if terms.expert is not None:  # the same total, each expert byte under its own kind
-            ex = terms.expert
-            equivalent = blocks[r] * (ex.block_params - ex.dense_params)
             for kind in ("params", "grads", "optimizer"):
-                memory[kind] += blocks[r] * ex.expert_params * ex.state_split[kind] - equivalent * split[kind]
+                memory[kind] += blocks[r] * terms.expert.state_delta_bytes(kind, split)
         # interleaved 1F1B: the gathered parameters of the runtime's window (StageTerms.window)
         memory["params"] += terms.window_bytes(sizes)
         if terms.loss_free_grads > 0 and mix is None:  # the first backward follows every forward (one

@@ -585,8 +585,7 @@ def rank_block_capacity(terms: StageTerms, schedule: tuple[str, int] | None = No
         share, grads = t.loss_free_grads, t.state_split["grads"]
         per_block = grads * t.block.params
         if t.expert is not None:  # each expert byte under its own kind, as cost.step.evaluate
-            ex = t.expert
-            per_block += ex.expert_params * ex.state_split["grads"] - (ex.block_params - ex.dense_params) * grads
+            per_block += t.expert.state_delta_bytes("grads", t.state_split)
         first_backward = (share * per_block, share * grads,
                           [t.rank_other_bytes(r, last, loss=False) + t.reserve_bytes for r in range(cfg.pp)])
     return block_capacities(t, pp=cfg.pp, virtual_stages=v, tables=tables,

@@ -182,8 +182,9 @@ def search(
             if branch.pp > 1 and not _fits_somehow(_block_capacity(probe, graph), frugal[1], graph.num_blocks):
                 rejected["memory: no stage split fits"] += len(branch.schedules)
                 continue
+            schedule_caps: dict[tuple[str, int], list[int]] = {}  # each schedule's, from terms0, asked once
             for schedule, v in branch.schedules:
-                if schedule == "gpipe" and ("1f1b", 1) in branch.schedules and _gpipe_within_1f1b(terms0):
+                if schedule == "gpipe" and ("1f1b", 1) in branch.schedules and _gpipe_within_1f1b(terms0, schedule_caps):
                     # Same step time as 1F1B in the cost model, with M micro-batches in flight
                     # instead of at most pp: never better where it holds no fewer blocks on any rank
                     # (it can: its forwards peak before any gradient exists), so not costed there.
@@ -205,7 +206,7 @@ def search(
                 # The schedule's own block capacities, read from the shared terms: most schedules
                 # of a tight branch hold too many micro-batches in flight, decided here without
                 # building their config.
-                caps = rank_block_capacity(terms0, (schedule, v)) \
+                caps = _schedule_caps(terms0, (schedule, v), schedule_caps) \
                     if branch.pp > 1 and terms0.recompute_parts is None else None
                 if caps is not None and not _fits_somehow(caps, v, graph.num_blocks):
                     evaluated += 1
@@ -459,15 +460,23 @@ def _solve(terms: StageTerms, graph: ModelGraph, cluster: Cluster, model_flops: 
                      ilp_objective_s=sol.objective_s, ilp_bound_s=sol.bound_s, split_method=sol.method)
 
 
-def _gpipe_within_1f1b(terms: StageTerms) -> bool:
+def _schedule_caps(terms: StageTerms, schedule: tuple[str, int], memo: dict[tuple[str, int], list[int]]) -> list[int]:
+    """``rank_block_capacity(terms, schedule)``, kept in ``memo`` (one per set of shared terms)."""
+    if schedule not in memo:
+        memo[schedule] = rank_block_capacity(terms, schedule)
+    return memo[schedule]
+
+
+def _gpipe_within_1f1b(terms: StageTerms, memo: dict[tuple[str, int], list[int]]) -> bool:
     """Whether GPipe holds no more blocks than 1F1B on any rank of ``terms``'s branch (their memory
     families, ``rank_block_capacity``): then every split GPipe fits 1F1B fits too, at the same step
     time. GPipe's forwards peak before the step's first gradient (StageTerms.loss_free_grads), so
     where gradients outweigh the activations of the micro-batches beyond 1F1B's it can hold more.
-    Per-stage recompute mixes price GPipe with its gradients: always within."""
+    Per-stage recompute mixes price GPipe with its gradients: always within. ``memo``: as
+    ``_schedule_caps`` (1F1B's capacities are asked again when its own turn comes)."""
     if terms.recompute_parts is not None:
         return True
-    gpipe, one = rank_block_capacity(terms, ("gpipe", 1)), rank_block_capacity(terms, ("1f1b", 1))
+    gpipe, one = _schedule_caps(terms, ("gpipe", 1), memo), _schedule_caps(terms, ("1f1b", 1), memo)
     return all(g <= o for g, o in zip(gpipe, one))
 
 
