@@ -45,6 +45,7 @@ from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time
 from autopar.cost.expert import ExpertCost, adjust_terms, moe_summary
+from autopar.cost.megatron_memory import FP32_BYTES
 from autopar.cost.stage import (
     Config,
     Part,
@@ -52,7 +53,9 @@ from autopar.cost.stage import (
     _pipeline_buffer_bytes,
     _tp_backward_exposed,
     _tp_time,
+    as_trained,
     build_terms,
+    keeps_autocast_copies,
     region_peak_bytes,
 )
 from autopar.cost.step import Estimate, RankCost
@@ -115,10 +118,12 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
     held_per_param = base.held_reduce_bytes_per_param
     expert: ExpertCost | None = None
     for i, unit in enumerate(graph.chain):
-        rt = graph_region_time(graph, unit.region, cluster, shape)
+        rt = as_trained(graph_region_time(graph, unit.region, cluster, shape), cluster, cfg)
         tp_f, tp_b = _unit_tp_time(graph, unit.region, cluster, cfg, shape, tp_link, rt)
         fwd = rt.fwd_s + tp_f
         in_bytes = unit.input_bytes * cfg.micro_batch * s_ratio / sp  # a sequence shard under SP
+        if keeps_autocast_copies(cluster, cfg):
+            in_bytes *= FP32_BYTES / cfg.dtype_bytes  # the residual stream a checkpoint keeps, fp32 under autocast
         if cfg.recompute == "full":
             recompute, act, work = fwd, in_bytes, rt.saved_bytes
         else:

@@ -82,6 +82,10 @@ class RegionTime:
     # ran): its saved bytes are the cp kernels' own (cost.stage._cp_flash_core leaves them)
     measured_cp: bool = False
     op_saved_fwd_s: float = 0.0
+    # saved_bytes and core_saved_bytes as CUDA's autocast over fp32 parameters keeps them (DDP, one
+    # unwrapped rank: graph/cuda_autocast.py); ``under_autocast`` swaps them in
+    autocast_saved_bytes: float = 0.0
+    autocast_core_saved_bytes: float = 0.0
 
     @property
     def peak_grads_bytes(self) -> float:
@@ -276,7 +280,7 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
                 core_b += secs
             if op.kind == "gemm":
                 bwd_gemm += secs
-    saved = core_saved = 0.0
+    saved = core_saved = auto = auto_core = 0.0
     # Sequence parallelism as DTensor runs it (torchtitan, the executor): a column-parallel Linear
     # saves its input after the all-gather, at the full sequence; Megatron-LM saves the shard and
     # gathers it again in backward (``sp_saves_gathered_input: false``; Megatron-Core's activations:
@@ -293,8 +297,12 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
         else:
             b = q.nbytes * shape.scale(q.exps)
         saved += b
+        auto += b * q.autocast_factor
+        if q.exps.quadratic:
+            auto_core += b * q.autocast_factor
     if scan is not None:
         saved += scan_saved_bytes(scan, shape)
+        auto += scan_saved_bytes(scan, shape)
     peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.what == "peak"), default=0.0)
     fwd_peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.what == "peak" and q.phase == "fwd"),
                    default=0.0)
@@ -309,7 +317,17 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
                       saved_bytes=saved, core_saved_bytes=core_saved, peak_bytes=peak,
                       peak_with_grads_bytes=with_grads, peak_credited_bytes=credited,
                       fwd_peak_bytes=fwd_peak, bwd_grads_bytes=tails["peak_grads"],
-                      op_saved_bytes=op_bytes, op_saved_fwd_s=op_s)
+                      op_saved_bytes=op_bytes, op_saved_fwd_s=op_s,
+                      autocast_saved_bytes=auto, autocast_core_saved_bytes=auto_core)
+
+
+def under_autocast(rt: RegionTime) -> RegionTime:
+    """``rt`` with the activations CUDA's autocast over fp32 parameters keeps (graph/cuda_autocast.py):
+    the residual stream and what the fp32 list computes in fp32, a 16-bit copy per GEMM of an fp32
+    input; per-op recompute's kept outputs by the region's ratio."""
+    ratio = rt.autocast_saved_bytes / rt.saved_bytes if rt.saved_bytes > 0 else 1.0
+    return replace(rt, saved_bytes=rt.autocast_saved_bytes, core_saved_bytes=rt.autocast_core_saved_bytes,
+                   op_saved_bytes=rt.op_saved_bytes * ratio)
 
 
 def usable_layer_table(graph: "ModelGraph", cluster: Cluster) -> LayerTable | None:
@@ -376,5 +394,7 @@ def graph_region_time(graph: "ModelGraph", region: str, cluster: Cluster, shape:
                    bwd_gemm_s=rt.bwd_gemm_s * b_ratio,
                    fwd_gemm_s=rt.fwd_gemm_s * f_ratio,
                    saved_bytes=saved, core_saved_bytes=rt.core_saved_bytes * s_ratio,
+                   autocast_saved_bytes=rt.autocast_saved_bytes * s_ratio,
+                   autocast_core_saved_bytes=rt.autocast_core_saved_bytes * s_ratio,
                    op_saved_bytes=rt.op_saved_bytes * s_ratio, op_saved_fwd_s=rt.op_saved_fwd_s * f_ratio,
                    measured_cp=hit.cp > 1)

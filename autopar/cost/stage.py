@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
-from autopar.cost.compute import RegionTime, graph_region_time, usable_layer_table
+from autopar.cost.compute import RegionTime, graph_region_time, under_autocast, usable_layer_table
 from autopar.cost.evolve import evolve
 from autopar.cost.expert import ExpertTerms, adjust_terms
 from autopar.cost.framework import (
@@ -70,6 +70,14 @@ def backward_grads_share(cfg: Config, cluster: Cluster) -> float:
     if cluster.main_grad_bytes or cluster.activation_memory == "megatron":
         return 0.0
     return 0.5 if dp_wrapper(cfg) == "ddp" else 1.0
+
+
+def as_trained(rt: RegionTime, cluster: Cluster, cfg: Config) -> RegionTime:
+    """``rt``'s activations as the executor trains ``cfg``: under autocast over fp32 parameters
+    (``keeps_autocast_copies``) what CUDA's autocast keeps (``cost.compute.under_autocast``: the fp32
+    residual stream, probabilities and norm inputs, a 16-bit copy per GEMM of an fp32 input), else
+    the trace's. A 16-block GPT at DDP was priced 1.2-1.7 % below its rehearsal with the trace's."""
+    return under_autocast(rt) if keeps_autocast_copies(cluster, cfg) else rt
 
 
 def _pipeline_buffer_bytes(cfg: Config, cluster: Cluster, tokens_bytes: float, sp: float,
@@ -120,9 +128,10 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     tokens_bytes = graph.block_input_bytes * cfg.micro_batch * s_ratio  # one rank's block input, full width
     tp_link, cp_link, dpcp_link = (axis_link(cluster, layout, axis) for axis in ("tp", "cp", "dp_cp"))
 
-    block_rt = _cp_flash_core(graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind),
-                              graph, cfg, tokens_bytes)
-    block = _block_part(graph, cluster, cfg, block_rt, shape, tp_link, cp_link, dpcp_link, tokens_bytes)
+    traced_rt = graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind)
+    block_rt = _cp_flash_core(as_trained(traced_rt, cluster, cfg), graph, cfg, tokens_bytes)
+    block = _block_part(graph, cluster, cfg, block_rt, shape, tp_link, cp_link, dpcp_link, tokens_bytes,
+                        trace_rt=_cp_flash_core(traced_rt, graph, cfg, tokens_bytes))
     if graph.chain:  # a chain's experts are priced on the units that hold them (cost/chain.py)
         ep = ExpertTerms(block=block, expert=None, transient_saving_bytes=0.0)
     else:  # experts sharded over ep ranks
@@ -349,8 +358,10 @@ def _cp_flash_core(rt: RegionTime, graph: ModelGraph, cfg: Config, tokens_bytes:
     return replace(rt, saved_bytes=rt.saved_bytes - rt.core_saved_bytes + flash, core_saved_bytes=flash)
 
 
-def _block_part(graph, cluster, cfg, rt, shape, tp_link, cp_link, dpcp_link, tokens_bytes) -> Part:  # noqa: ANN001
-    """The block's Part from its region ``rt`` at the config's shape (priced once in build_terms)."""
+def _block_part(graph, cluster, cfg, rt, shape, tp_link, cp_link, dpcp_link, tokens_bytes,  # noqa: ANN001
+                trace_rt=None) -> Part:  # noqa: ANN001
+    """The block's Part from its region ``rt`` at the config's shape (priced once in build_terms);
+    ``trace_rt``: the region with the trace's activations where ``rt`` has autocast's."""
     fit = graph.regions["block"]
     tp_f = _tp_time(cluster, cfg, fit.comm, "fwd", shape, tp_link)
     tp_b = _tp_time(cluster, cfg, fit.comm, "bwd", shape, tp_link)
@@ -371,30 +382,47 @@ def _block_part(graph, cluster, cfg, rt, shape, tp_link, cp_link, dpcp_link, tok
         cp_b = overlapped(cp_b, rt.core_bwd_s, cluster.overlap_cost_fraction)
     fwd = rt.fwd_s + tp_f + cp_f
     if cfg.recompute == "full":
-        recompute, act = fwd, tokens_bytes / (cfg.tp if cfg.sequence_parallel else 1)
+        recompute = fwd
     elif cfg.recompute == "selective":
         # The checkpointed core is the whole cp attention: its recompute re-runs the cp transfers too.
-        recompute, act = rt.core_fwd_s + cp_f, rt.saved_bytes - rt.core_saved_bytes
+        recompute = rt.core_fwd_s + cp_f
     elif cfg.recompute == "op":
         # Per-op selective (autopar.recompute_ops): the block's input plus the outputs it keeps; the
         # other forward ops run again, with their collectives (SP's all-gathers; its reduce-scatters
         # are kept; without SP the all-reduces are not) and the cp transfers of attention.
         tp_again = tp_f / 2 if cfg.sequence_parallel else tp_f
         recompute = rt.fwd_s - rt.op_saved_fwd_s + tp_again + cp_f
-        act = tokens_bytes / (cfg.tp if cfg.sequence_parallel else 1) + rt.op_saved_bytes
     else:
-        recompute, act = 0.0, rt.saved_bytes
+        recompute = 0.0
+    autocast = keeps_autocast_copies(cluster, cfg)
+    # the block input a checkpoint keeps: the residual stream, fp32 under autocast
+    act = _kept_bytes(rt, cfg, tokens_bytes * (FP32_BYTES / cfg.dtype_bytes if autocast else 1.0))
     params = graph.params["block"].per_rank(cfg.tp)
-    # each Linear's autocast copy of its weight is an op output that full and per-op recompute do not keep
-    if cfg.recompute not in ("full", "op") and keeps_autocast_copies(cluster, cfg):
-        act += params * cfg.dtype_bytes  # each Linear's cast weight, saved per micro-batch in flight
+    autocast_act = 0.0  # what exists only under autocast (Part.autocast_act_bytes)
+    if autocast:
+        # each Linear's autocast copy of its weight is an op output that full and per-op recompute do not keep
+        copies = params * cfg.dtype_bytes if cfg.recompute not in ("full", "op") else 0.0
+        autocast_act = act - _kept_bytes(trace_rt or rt, cfg, tokens_bytes) + copies
+        act += copies
     bwd = rt.bwd_s + tp_b + cp_b + recompute
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
     zero += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # framework time: FSDP2's own time
     peak, peak_grads = region_peak_bytes(rt, cfg, cluster)
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b,
                 zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
-                peak_bytes=peak, peak_grads_bytes=peak_grads)
+                peak_bytes=peak, peak_grads_bytes=peak_grads, autocast_act_bytes=autocast_act)
+
+
+def _kept_bytes(rt: RegionTime, cfg: Config, input_bytes: float) -> float:
+    """A block's activations per micro-batch under ``cfg``'s recompute mode, from its region ``rt``
+    and the block input a checkpoint keeps (``input_bytes``, full width)."""
+    if cfg.recompute == "full":
+        return input_bytes / (cfg.tp if cfg.sequence_parallel else 1)
+    if cfg.recompute == "selective":
+        return rt.saved_bytes - rt.core_saved_bytes
+    if cfg.recompute == "op":
+        return input_bytes / (cfg.tp if cfg.sequence_parallel else 1) + rt.op_saved_bytes
+    return rt.saved_bytes
 
 
 def region_peak_bytes(rt: RegionTime, cfg: Config, cluster: Cluster) -> tuple[float, float]:
@@ -440,9 +468,9 @@ def _edge_part(graph, cluster, cfg, region, shape, tp_link, dpcp_link, tokens_by
         shape = replace(shape, sp=1.0)
     t_shape = replace(shape, t=1.0, sp=1.0) if replicated else shape
     vocab_tp = not replicated and graph.shards_with_tp(region)
-    parts = [graph_region_time(graph, region, cluster, t_shape)]
+    parts = [as_trained(graph_region_time(graph, region, cluster, t_shape), cluster, cfg)]
     if with_loss:
-        parts.append(graph_region_time(graph, "loss", cluster, t_shape))
+        parts.append(as_trained(graph_region_time(graph, "loss", cluster, t_shape), cluster, cfg))
     fwd = sum(p.fwd_s for p in parts)
     bwd = sum(p.bwd_s for p in parts)
     tp = 0.0

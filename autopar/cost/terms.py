@@ -83,6 +83,10 @@ class Part:
     # gradient of the model's output on, where FSDP2's root pre-backward prefetches the last block
     # under ZeRO-3 (StageTerms._loss_phase_bytes); 0 on the other pieces
     head_peak_bytes: float = 0.0
+    # of a block's act_bytes, what only training under autocast over fp32 parameters keeps (its Linears' 16-bit
+    # weight copies, the fp32 activations beyond the trace's: cost.stage.as_trained): a search bound
+    # taken from a DDP config subtracts it for the branch's configs trained through FSDP2's policy
+    autocast_act_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -326,31 +330,41 @@ class StageTerms:
         return self.backward_grads_share if first_after_all else 0.0
 
     def one_microbatch_peak(self, rank: int, grads_bytes: float, act_bytes: float, end_act_bytes: float,
-                            last_rank: int | None = None) -> tuple[float, float, float]:
+                            last_rank: int | None = None, first_block: tuple[float, float] = (0.0, 0.0),
+                            pre_grads_bytes: float = 0.0) -> tuple[float, float, float]:
         """(other bytes, gradient bytes, activation bytes) at the peak of a rank whose first backward
         of the step follows all its forwards (``loss_free_grads`` > 0: one micro-batch without a
         pipeline, or GPipe). Its backward makes the gradients as it releases the activations: no
         earlier backward left gradients behind, so the rank's whole gradients (``grads_bytes``) and
-        whole activations (``act_bytes``) never meet. Three moments, whichever holds most (between the
-        last two the bytes change linearly, one block at a time): the loss, with ``loss_free_grads``
+        whole activations (``act_bytes``) never meet. Four moments, whichever holds most (between the
+        last three the bytes change linearly, one block at a time): the loss, with ``loss_free_grads``
         of the gradients not yet made; the first block's backward, with the same gradients and every
-        activation; the end of the first micro-batch's backward, with every gradient and what the
-        rank still saves then (``end_act_bytes``: the first block's and the embedding's of that
-        micro-batch, and every later micro-batch's). ``last_rank``: the pipeline's (default
-        ``rank``: no pipeline)."""
+        activation; the last block's backward of the first micro-batch (the stage's first block),
+        with every gradient but its own and the embedding's (``first_block``: that block's
+        (activation bytes, gradient bytes); ``pre_grads_bytes``: the embedding's gradients, on the
+        first rank) and what the rank still saves then (``end_act_bytes``: that block's and the
+        embedding's of that micro-batch, and every later micro-batch's); and the embedding's
+        backward, with every gradient but the embedding's and that block's activations released. A
+        block's own gradients, until its backward ends, are its temporaries' (``Part.peak_bytes``).
+        ``last_rank``: the pipeline's (default ``rank``: no pipeline)."""
         last = rank if last_rank is None else last_rank
         return self.one_microbatch_moments(self.rank_other_bytes(rank, last),
                                            self.rank_other_bytes(rank, last, loss=False),
-                                           grads_bytes, act_bytes, end_act_bytes)
+                                           grads_bytes, act_bytes, end_act_bytes, first_block, pre_grads_bytes)
 
     def one_microbatch_moments(self, at_loss_bytes: float, rest_bytes: float, grads_bytes: float,
-                               act_bytes: float, end_act_bytes: float) -> tuple[float, float, float]:
+                               act_bytes: float, end_act_bytes: float, first_block: tuple[float, float] = (0.0, 0.0),
+                               pre_grads_bytes: float = 0.0) -> tuple[float, float, float]:
         """``one_microbatch_peak`` from the rank's other bytes at its loss and in its blocks'
         backward (``at_loss_bytes``, ``rest_bytes``), however they are priced (a layer chain's
         stage: cost/chain.py)."""
-        absent = self.loss_free_grads * grads_bytes
+        share = self.loss_free_grads
+        absent = share * grads_bytes
+        block_act, block_grads = first_block
+        made = grads_bytes - share * pre_grads_bytes
         moments = ((at_loss_bytes, grads_bytes - absent, act_bytes), (rest_bytes, grads_bytes - absent, act_bytes),
-                   (rest_bytes, grads_bytes, min(act_bytes, end_act_bytes)))
+                   (rest_bytes, made - share * block_grads, min(act_bytes, end_act_bytes)),
+                   (rest_bytes, made, min(act_bytes, end_act_bytes - block_act)))
         return max(moments, key=sum)
 
     def rank_other_bytes(self, rank: int, last_rank: int, working: float = 0.0, own_act: float | None = None,

@@ -46,6 +46,8 @@ class SavedRecord:
     nbytes: float
     gemm_input: bool = False
     root: int = 0  # id of the tensor it views (OpRecord.ins): which op produced it
+    # Bytes CUDA's autocast over fp32 parameters keeps for it per byte traced (graph/cuda_autocast.py)
+    autocast_factor: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)

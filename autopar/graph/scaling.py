@@ -95,6 +95,7 @@ class FitQuantity:
     nbytes: float
     exps: Exps
     gemm_input: bool = False  # a saved GEMM input (records.SavedRecord.gemm_input)
+    autocast_factor: float = 1.0  # a saved tensor's bytes under autocast per byte (records.SavedRecord)
     in_scan: bool = False  # a tensor only a loop's scan made: its fused kernel keeps none (graph/fused_scan.py)
 
 
@@ -270,7 +271,7 @@ def _fit_saved(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuan
                                           if total else 0.0)
                 for lst in lists]
         out.append(FitQuantity(what="saved", phase="fwd", nbytes=r.nbytes, exps=_exps(r.nbytes, *vals),
-                               gemm_input=r.gemm_input))
+                               gemm_input=r.gemm_input, autocast_factor=r.autocast_factor))
     return tuple(out)
 
 

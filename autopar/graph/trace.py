@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from autopar.graph.cuda_autocast import AutocastShadow, cuda_fp32_functions
 from autopar.graph.records import OpRecord, SavedRecord, Trace
 from autopar.spec.meta import call_on_meta
 from autopar.spec.meta_memo import flat_tensors
@@ -176,6 +177,7 @@ class _Recorder(TorchDispatchMode):
         self.io: list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = []
         self.gemm_inputs: set[int] = set()  # roots of the activation operands of mm / addmm
         self.root_bytes: dict[int, int] = {}  # id of a root tensor -> its bytes (OpRecord.ins)
+        self.autocast = AutocastShadow()  # the dtypes CUDA's autocast would give (SavedRecord.autocast_factor)
 
     def _rid(self, t: torch.Tensor) -> int:
         return self._rid_of(id(t))
@@ -238,6 +240,8 @@ class _Recorder(TorchDispatchMode):
         for t in flat_out:
             self.root_bytes.setdefault(self._rid(t), _nbytes(t))
         outs = tuple((self._rid(t), _nbytes(t)) for t in flat_out)  # an in-place op writes what it views
+        self.autocast.op(name, [(rid, t) for (rid, _), t in zip(ins, flat_in)],
+                         [(rid, t) for (rid, _), t in zip(outs, flat_out)], self.state.phase == "fwd")
         self.trace.ops.append(
             OpRecord(name=name, phase=self.state.phase, region=self.state.region, kind=kind,
                      flops=flops, bytes=float(moved), dims=dims, out_bytes=float(out_bytes), causal=causal,
@@ -314,7 +318,8 @@ def cuda_like_functions_everywhere() -> Iterator[None]:
     in ``torch.nn.functional`` itself, so the recompute that ``torch.utils.checkpoint`` runs inside
     backward -- where a function mode entered around the step is not -- runs the same kernels as
     the forward it repeats (checkpoint compares what the two saved). For a process of its own (a
-    rehearsal's rank); restored on exit."""
+    rehearsal's rank); restored on exit. Where the step runs under autocast, what CUDA's autocast
+    computes in fp32 and a CPU's in 16 bits runs in fp32 (graph/cuda_autocast.py)."""
     dropout, sdpa = F.dropout, F.scaled_dot_product_attention
 
     def routed_sdpa(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -326,7 +331,8 @@ def cuda_like_functions_everywhere() -> Iterator[None]:
 
     F.dropout, F.scaled_dot_product_attention = _dropout, routed_sdpa
     try:
-        yield
+        with cuda_fp32_functions():  # CUDA autocast's fp32 list (softmax, norms, pow, ...) on a CPU autocast
+            yield
     finally:
         F.dropout, F.scaled_dot_product_attention = dropout, sdpa
 
@@ -393,9 +399,11 @@ def record(trace: Trace, state: _State, param_ids: set[int]) -> Iterator[None]:
         yield
     recorder.apply_fusion({recorder._rid_of(i) for i in saved_ids})
     # A saved tensor is packed before the GEMM that reads it runs: marked once the trace is whole.
+    tensors = {id(t): t for t in keep}
     for i, root in saved_at:
         rid = recorder._rid_of(root)
-        trace.saved[i] = dataclasses.replace(trace.saved[i], gemm_input=rid in recorder.gemm_inputs, root=rid)
+        trace.saved[i] = dataclasses.replace(trace.saved[i], gemm_input=rid in recorder.gemm_inputs, root=rid,
+                                             autocast_factor=recorder.autocast.factor(rid, tensors[root]))
 
 
 def run_and_trace(

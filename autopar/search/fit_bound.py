@@ -53,6 +53,9 @@ def upper_capacity(base: StageTerms, *, zero: int, offload: Offload, schedule: s
     elif pp > 1 and schedule == "gpipe":
         inflight_m = num_microbatches - 1
     tables = [inflight_table(schedule, pp, r, inflight_m, virtual_stages) for r in range(pp)]
+    other = [base.reserve_bytes] * pp
+    if pp > 1 and schedule == "gpipe":  # the embedding's gradients are made after that moment
+        other[0] -= state.grads * base.pre.params
     # the gather window's saving at its most: every block's parameters (an MoE block saves its dense part
     # only); ZeRO-3's chunks gathered ahead only add, so they are left out
     k = 0 if offload.states else window_chunks(zero=zero, shard_degree=shard_degree, pp=pp, schedule=schedule,
@@ -61,5 +64,5 @@ def upper_capacity(base: StageTerms, *, zero: int, offload: Offload, schedule: s
     return block_capacities(base, pp=pp, virtual_stages=virtual_stages, tables=tables,
                             loss_inflight=loss_inflight_microbatches(schedule, pp, inflight_m), sigma=sigma,
                             block_act_bytes=0.0 if offload.activations else block_act_bytes,
-                            other_bytes=[base.reserve_bytes] * pp, tied_params=0.0, capacity_bytes=capacity_bytes,
+                            other_bytes=other, tied_params=0.0, capacity_bytes=capacity_bytes,
                             window=(k, g, g))

@@ -617,8 +617,9 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
     StageTerms.loss_free_grads): (gradient bytes absent per block, the same per parameter of the
     embedding and head, each rank's other bytes outside its loss). The peak is then the larger of
     two moments, each linear in N, and the cap the smaller of their caps: every forward done, no
-    gradient made (A), and the first micro-batch's backward done, every gradient beside the later
-    micro-batches' activations and the first block's and embedding's of the first (B)."""
+    gradient made (A), and the first micro-batch's backward ending (B): every gradient beside the later
+    micro-batches' activations, the first block's and embedding's of the first but their gradients,
+    or, the block's backward done, its gradients but not its activations (the larger of the two)."""
     last_rank = chunk_rank(pp * virtual_stages - 1, pp)
     caps = []
     for r in range(pp):
@@ -636,8 +637,11 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
                 moment_a = _linear_cap(capacity_bytes - fixed + absent_param * fixed_p - inflight * pre,
                                        per_block - absent_block + inflight * block_act_bytes)
                 later = inflight - 1  # micro-batches whose activations remain after the first's backward
-                fixed_b = (sigma * fixed_p + other_rest[r] + (later * t.post.act_bytes if r == last_rank else 0.0)
-                           + block_act_bytes + pre)
+                # the first micro-batch's first block's backward (its own and the embedding's gradients
+                # not yet made) or the embedding's (that block's activations released): the larger
+                fixed_c = (sigma * fixed_p - absent_param * (t.pre.params if r == 0 else 0.0) + other_rest[r]
+                           + (later * t.post.act_bytes if r == last_rank else 0.0) + pre)
+                fixed_b = fixed_c + max(0.0, block_act_bytes - absent_block)
                 moment_b = _linear_cap(capacity_bytes - fixed_b - later * pre, per_block + later * block_act_bytes)
                 caps.append(min(moment_a, moment_b))
                 continue

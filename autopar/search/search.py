@@ -38,7 +38,7 @@ from autopar.cluster import Cluster
 from autopar.cost.evolve import evolve
 from autopar.cost.host import evaluate_with_host, host_family, host_lower_bound
 from autopar.cost.pipeline_window import window_chunks
-from autopar.cost.stage import Config, StageTerms, build_terms, keeps_autocast_copies, software_recompute_reason
+from autopar.cost.stage import Config, StageTerms, build_terms, software_recompute_reason
 from autopar.cost.step import evaluate
 from autopar.errors import PlanError
 from autopar.graph.model_graph import ModelGraph
@@ -273,7 +273,7 @@ def _memory_lb(graph: ModelGraph, cluster: Cluster, base: StageTerms, branch: Br
     # after its first backward, which the bound's one micro-batch does not exceed)
     if branch.num_microbatches == 1:
         best -= state.grads
-    block_act = _least_block_act(base, graph, cluster)
+    block_act = _least_block_act(base, graph)
     if offload is not None:
         offs: Sequence[Offload] = (offload,)
     else:
@@ -354,18 +354,18 @@ def _upper_capacity(base: StageTerms, branch: Branch, zero: int, off: Offload, s
                           virtual_stages=schedule[1], num_microbatches=branch.num_microbatches,
                           shard_degree=branch.dp * branch.cp, dtype_bytes=space.dtype_bytes,
                           optimizer=space.optimizer, capacity_bytes=cluster.usable_memory_bytes,
-                          block_act_bytes=_least_block_act(base, graph, cluster), moment_bytes=cluster.optimizer_moment_bytes,
+                          block_act_bytes=_least_block_act(base, graph), moment_bytes=cluster.optimizer_moment_bytes,
                           master_bytes=cluster.master_weight_bytes, saving_per_param=saving_per_param)
 
 
-def _least_block_act(base: StageTerms, graph: ModelGraph, cluster: Cluster) -> float:
+def _least_block_act(base: StageTerms, graph: ModelGraph) -> float:
     """The activations a block of ``base``'s branch keeps at the least: a per-stage recompute mix keeps at
-    least its most frugal mode's, and none keeps the autocast weight copies of ``base``'s data-parallel
-    kind where another ZeRO stage or offload of the branch trains through FSDP2's param_dtype."""
-    copies = base.block.params * base.config.dtype_bytes if keeps_autocast_copies(cluster, base.config) else 0.0
+    least its most frugal mode's, and none keeps what only autocast keeps (the weight copies and fp32
+    activations of ``base``'s data-parallel kind: ``Part.autocast_act_bytes``) where another ZeRO stage
+    or offload of the branch trains through FSDP2's param_dtype."""
     parts = ({base.config.recompute: base.block} if base.recompute_parts is None
              else {m: base.recompute_parts[m] for m in mix_modes(graph)})
-    return min(p.act_bytes - (0.0 if m in ("full", "op") else copies) for m, p in parts.items())
+    return min(max(0.0, p.act_bytes - p.autocast_act_bytes) for p in parts.values())
 
 
 def _fits_somehow(caps: list[int], virtual_stages: int, num_blocks: int) -> bool:

@@ -9,10 +9,12 @@ its tensors (benchmarks/rehearse_layouts.py runs the same kinds at 16 blocks of 
 * a pipeline's last stage under ZeRO-3 keeps its copy of a tied head gathered (StageTerms.root_bytes)
   and meets the previous micro-batch's reduce-scatter input in its loss (rank_other_bytes);
 * GPipe's last stage keeps every micro-batch's output until its backward, and GPipe's forwards
-  peak before the step's first gradient exists (StageTerms.loss_free_grads).
+  peak before the step's first gradient exists (StageTerms.loss_free_grads); at the end of its
+  first backward a block's and the embedding's gradients come after their backward
+  (StageTerms.one_microbatch_peak).
 
-Where a small figure remains it is named in the test (DDP's fp32 residual stream under autocast,
--1.2 %).
+* DDP's activations are what CUDA's autocast keeps (graph/cuda_autocast.py), which the rehearsal
+  reproduces on the CPU (CUDA's fp32 list: graph/trace.py ``cuda_like_functions_everywhere``).
 """
 
 from __future__ import annotations
@@ -57,8 +59,11 @@ def _rehearse(tmp_path: Path, parallel: dict, ranks: list[int], global_batch: in
 
 def test_ddp_holds_fp32_parameters_gradients_and_buckets(tmp_path: Path) -> None:
     (rank,) = _rehearse(tmp_path, {"dp": 2, "zero": 0}, [0])
-    # -8.4 % with the formula's 16-bit split; -1.2 % left: autocast keeps the residual stream in fp32
-    assert abs(rank.tensor_error_pct) < 2.0, rank
+    # -8.4 % with the formula's 16-bit split; -1.2 % with the trace's 16-bit activations
+    assert abs(rank.tensor_error_pct) < 0.5, rank
+    # autocast's activations (graph/cuda_autocast.py): the fp32 residual stream and norm inputs, the
+    # fp32 probabilities of CUDA's softmax and the 16-bit copy its matmul keeps
+    assert rank.predicted_parts["activations"] == pytest.approx(rank.parts["activations"], rel=0.005)
     # the parameters are fp32 (their own master), the optimizer holds only Adam's moments
     assert rank.predicted_parts["params"] == pytest.approx(rank.parts["params"], rel=0.01)
     assert rank.predicted_parts["optimizer"] == pytest.approx(rank.parts["optimizer"], rel=0.01)
@@ -78,9 +83,9 @@ def test_a_zero3_pipelines_last_stage_in_its_loss(tmp_path: Path) -> None:
 
 def test_gpipe_keeps_every_outputs_logits_and_peaks_before_its_gradients(tmp_path: Path) -> None:
     """The last stage was -3.9 % with one micro-batch's logits priced; the first +14.6 % with the
-    step's gradients priced at GPipe's forward peak, which comes before any. Now the last within
-    1 %, the first +6.6 %: its first backward's end is priced with a block backward's temporaries
-    beside every gradient (over, never under)."""
+    step's gradients priced at GPipe's forward peak, which comes before any, then +6.6 % with its
+    first backward's end priced with every gradient, the embedding's and the block's own in
+    backward among them (a vocabulary of 32k: the embedding's are the stage's largest)."""
     first, last = _rehearse(tmp_path, {"dp": 2, "pp": 2, "zero": 1, "pp_schedule": "gpipe"}, [0, 2])
     assert abs(last.tensor_error_pct) < 1.0, last
-    assert 0.0 <= first.tensor_error_pct < 8.0, first
+    assert abs(first.tensor_error_pct) < 1.5, first
