@@ -473,7 +473,7 @@ def _against_price(rep: dict) -> str:
 
 
 def check_validate(device: str, work: Path) -> Result:
-    """4 [M2, M4] validate a one-rank bf16 plan, ZeRO 0 (autocast) and ZeRO 3 (FSDP2): memory within
+    """4 [M2, M4, M20] validate a one-rank bf16 plan, ZeRO 0 (autocast) and ZeRO 3 (FSDP2): memory within
     10 % of the price, finite losses, equal first losses; step time against the price (a measured
     profile's, once check 6 wrote one, is the fair comparison)."""
     import math

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from autopar.cost.compute import region_time
 from autopar.graph.scaling import Shape
 
@@ -49,16 +51,20 @@ def test_executor_sp_keeps_the_gathered_inputs_whole(small_gpt, a100, a100_megat
 
 def test_autocast_kinds_keep_a_weight_copy_per_micro_batch(small_gpt, a100_megatron, make_config) -> None:
     """ZeRO-0 under autopar run trains under autocast over fp32 parameters: each Linear saves its
-    weight's 16-bit copy per micro-batch; FSDP2's param_dtype (ZeRO-3 here) and Megatron do not."""
+    weight's 16-bit copy per micro-batch, and the activations are autocast's (the fp32 residual
+    stream: graph/cuda_autocast.py); FSDP2's param_dtype (ZeRO-3 here) and Megatron keep neither."""
     from autopar.cluster import load_cluster
     from autopar.cost.stage import build_terms
 
     executor = load_cluster("h100-80g")
     z0 = build_terms(small_gpt, executor, make_config(dp=8, zero=0)).block
     z3 = build_terms(small_gpt, executor, make_config(dp=8, zero=3)).block
-    assert z0.act_bytes - z3.act_bytes == z0.params * 2  # fp16 training: 2 bytes per weight
+    assert z0.act_bytes - z3.act_bytes == pytest.approx(z0.autocast_act_bytes)
+    assert z0.autocast_act_bytes > z0.params * 2  # fp16 training: 2 bytes per weight, and fp32 activations
+    assert z3.autocast_act_bytes == 0.0
     full = build_terms(small_gpt, executor, make_config(dp=8, zero=0, recompute="full")).block
-    assert full.act_bytes == build_terms(small_gpt, executor, make_config(dp=8, zero=3, recompute="full")).block.act_bytes
+    # full recompute keeps the block's input only: the residual stream, fp32 under autocast
+    assert full.act_bytes == 2 * build_terms(small_gpt, executor, make_config(dp=8, zero=3, recompute="full")).block.act_bytes
     m0 = build_terms(small_gpt, a100_megatron, make_config(dp=8, zero=0)).block
     m3 = build_terms(small_gpt, a100_megatron, make_config(dp=8, zero=3)).block
     assert m0.act_bytes == m3.act_bytes
