@@ -163,10 +163,13 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
     optimizer_s = cluster.optimizer_bytes_per_param * opt_params_per_rank / cluster.memory_bandwidth_bytes_per_s
     block_params = graph.params["block"].per_rank(cfg.tp)
     transient = 0.0
+    # FSDP2 pads each parameter's dim 0 to a multiple of the shard degree (RegionParams.padding)
+    fsdp_shards = n_shard if dp_wrapper(cfg) == "fully_shard" else 1
+    block_padding = graph.params["block"].padding(fsdp_shards)
     if cfg.zero == 3:
         # FSDP2 in a block's backward: the block's gathered parameters and the next one's all-gather
         # buffer, prefetched; its unsharded gradients are the block's Tg (cost.zero.holds_unit_grads)
-        transient += 2 * block_params * d
+        transient += 2 * (block_params + block_padding) * d
         transient -= ep.transient_saving_bytes  # expert parallelism: this rank's E / ep experts only
     mega = megatron_block_activations(graph, cfg) if cluster.activation_memory == "megatron" else None
     if mega is None:
@@ -212,7 +215,9 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         stage_output_bytes=_stage_output_bytes(graph, cluster, cfg, shape, replicated),
         carried_bytes=carried,
         zero3_root_params_per_byte=float(d) if cfg.zero == 3 else 0.0,
-        zero3_gather_bytes=block_params * d if cfg.zero == 3 else 0.0,
+        zero3_gather_bytes=(block_params + block_padding) * d if cfg.zero == 3 else 0.0,
+        pre_padding_bytes=graph.params["pre"].padding(fsdp_shards) * d,
+        post_padding_bytes=graph.params["post"].padding(fsdp_shards) * d,
     )
 
 

@@ -148,6 +148,11 @@ class StageTerms:
     # gathered parameters, prefetched once the gradient of the model's output is made; 0 elsewhere
     zero3_root_params_per_byte: float = 0.0
     zero3_gather_bytes: float = 0.0
+    # FSDP2's padding of the embedding's and the head's gathered parameters (ModelGraph
+    # RegionParams.padding over the shard degree, in the training dtype), held where the rank holds
+    # them gathered (the root unit, from forward to backward at every ZeRO stage); 0 without FSDP2
+    pre_padding_bytes: float = 0.0
+    post_padding_bytes: float = 0.0
     # FSDP2's held reduce-scatter input, in bytes per parameter of the unit whose gradients it holds:
     # fp32 where gradients are reduce-scattered unit by unit inside backward, else 0
     # (cost.zero.held_reduce_input_bytes_per_param). A block's backward holds the previous block's
@@ -421,6 +426,7 @@ class StageTerms:
         if first:
             phases.append(self.pre.peak_bytes + root_grads)
         other = (self.root_bytes(first, last) + max(phases) + self.other_chunks_held_bytes(first, last)
+                 + (self.pre_padding_bytes if first else 0.0) + (self.post_padding_bytes if last else 0.0)
                  + (self.stage_output_bytes * self.loss_inflight() if last else 0.0))
         if c.pp > 1 and self.pipeline_buffer_bytes > 0:
             receiving = 2 * c.virtual_stages - first - last

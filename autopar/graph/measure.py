@@ -199,6 +199,7 @@ def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any
                    edges: Edges | None = None) -> tuple[dict[str, RegionParams], int]:
     counts = {"pre": 0, "block": 0, "post": 0, "loss": 0}
     tensors = dict.fromkeys(counts, 0)
+    shapes: dict[str, dict[tuple[int, int], int]] = {r: {} for r in counts}
     tied = 0
     seen: set[int] = set()
     for p in small.parameters():
@@ -209,6 +210,9 @@ def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any
         first = "pre" if "pre" in regions else ("block" if "block" in regions else sorted(regions)[0])
         counts[first] += p.numel()
         tensors[first] += 1
+        rows = p.shape[0] if p.dim() else 1
+        shape = (rows, p.numel() // rows if rows else 0)
+        shapes[first][shape] = shapes[first].get(shape, 0) + 1
         if "pre" in regions and "post" in regions:
             tied += p.numel()
     sharded = {"pre": 0, "block": 0, "post": 0, "loss": 0}
@@ -219,4 +223,5 @@ def _region_params(small: nn.Module, param_regions: dict[int, set[str]], t2: Any
                 regions = param_regions.get(id(p), {"pre"})
                 first = "pre" if "pre" in regions else ("block" if "block" in regions else sorted(regions)[0])
                 sharded[first] += p.numel()
-    return {r: RegionParams(count=counts[r], tp_sharded=sharded[r], tensors=tensors[r]) for r in counts}, tied
+    return {r: RegionParams(count=counts[r], tp_sharded=sharded[r], tensors=tensors[r],
+                            shapes=tuple(sorted((*k, n) for k, n in shapes[r].items()))) for r in counts}, tied

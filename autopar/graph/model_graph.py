@@ -39,9 +39,23 @@ class RegionParams:
     # Parameter tensors (framework time of measured profiles): FSDP2 and DTensor cost CPU time per tensor, not per byte
     # (autopar.cost.framework). 0: not counted (chain models), then nothing is priced per tensor.
     tensors: int = 0
+    # The parameters' shapes as FSDP2 shards them, on dim 0: (rows, elements per row, tensors of that
+    # shape) -- what its padding reads (``padding``). Empty: not recorded (chain models), none priced.
+    shapes: tuple[tuple[int, int, int], ...] = ()
 
     def per_rank(self, tp: int) -> float:
         return self.count - self.tp_sharded + self.tp_sharded / tp
+
+    def padding(self, shard_degree: int) -> int:
+        """Elements FSDP2's gathered parameters hold beyond the region's own over ``shard_degree``
+        ranks: it shards each parameter's dim 0 in chunks of ceil(rows / N) rows, pads every rank's
+        chunk to that, and the gathered tensor is a view of the padded all-gather output, N chunks
+        long (torch.distributed.fsdp FSDPParam.init_unsharded_param) -- a ViT's position embedding
+        (1, 257, 1280) over 64 ranks holds 64 copies' room. Its reduce-scatter input is as long."""
+        if shard_degree <= 1:
+            return 0
+        return sum(count * (-(-rows // shard_degree) * shard_degree - rows) * per_row
+                   for rows, per_row, count in self.shapes)
 
 
 @dataclass(frozen=True, kw_only=True)

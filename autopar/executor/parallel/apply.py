@@ -223,6 +223,10 @@ class Shaped:
     # pp > 1, kept only on request: chunk 0 shaped like this rank's chunks (same tp / cp coordinates),
     # whose forward gives the activation that travels between stages (a rehearsal's stage shapes)
     first_chunk: nn.Module | None = None
+    # pp > 1 chain chunks, kept only on request (keep_first_chunk): each chunk's unit range and every
+    # unit's first argument (chain_pipeline.probe_unit_inputs), the activations between stages
+    chain_ranges: list[tuple[int, int]] | None = None
+    chain_inputs: dict[str, Any] | None = None
 
 
 def build_executable(
@@ -256,6 +260,9 @@ def shape_parts(plan: Plan, mf: ModelFile, spec: ModelSpec, mesh: ParallelMesh, 
             shapes = chain_pipe.probe_chain_shapes(model, spec, meta_inputs)
             chunks = [chain_pipe.build_chain_chunk(model, spec, shapes, rng, is_first=c == 0, is_last=c == n - 1,
                                                    meta_inputs=meta_inputs) for c, rng in enumerate(ranges)]
+            if keep_first_chunk:  # a rehearsal: the activations its stages exchange (_chain_stage_shapes)
+                shaped.chain_ranges = list(ranges)
+                shaped.chain_inputs = chain_pipe.probe_unit_inputs(model, spec, meta_inputs)
         else:
             shaped.probe = pipe.probe_structure(model, spec, meta_inputs)
             shaped.io = pipe.StepIO(meta_inputs, shaped.probe.output)
@@ -354,7 +361,10 @@ def place(
         if fill is None:
             materialise(part, reference, device, perms)
         fills.append(fill)
-    stage_shapes = _stage_shapes(shaped, plan, mf, device) if fake and par.pp > 1 and shaped.io is not None else None
+    stage_shapes = None
+    if fake and par.pp > 1:  # a rehearsal's fake ranks answer no shape exchange: fixed up front
+        stage_shapes = (_stage_shapes(shaped, plan, mf, device) if shaped.io is not None
+                        else _chain_stage_shapes(shaped, plan, mf, spec, device))
     if expert is not None:  # experts reduce over their edp ranks, not dp x cp
         from autopar.executor.parallel import expert_parallel as ep_mod
 
@@ -436,7 +446,7 @@ def _attach_schedule(exe: Executable, shaped: Shaped, plan: Plan, mesh: Parallel
         loss_fn = exe.stage_loss
     if shaped.io is None:  # chain chunks (chain_pipeline.py): the first stage takes the batch, the last the target
         exe.schedule, exe.stages = pipe.build_schedule(plan, exe.parts, shaped.chunk_ids, mesh.pp_group, device,
-                                                       loss_fn)
+                                                       loss_fn, stage_shapes=stage_shapes)
         exe.tied = pipe.tied_groups(shaped.model, plan, shaped.all_chunk_names)
         return
     exe.pipe_io = shaped.io
@@ -486,6 +496,43 @@ def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.devic
                 _differentiable(outputs)
         else:
             outputs = hidden
+        out.append((inputs, outputs))
+    return out
+
+
+def _chain_stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, spec: ModelSpec,
+                        device: torch.device) -> list[Any] | None:
+    """``_stage_shapes`` for chain chunks (chain_pipeline.py): chunk 0 takes one micro-batch of the
+    batch; a later chunk the first argument of its first unit, and a chunk hands on the first
+    argument of the unit after its last (``Shaped.chain_inputs``), in the dtype a wrapped stage
+    computes in; the last chunk's outputs are its own forward. None where the batch is not one
+    tensor (the schedule then infers the shapes)."""
+    if shaped.chain_inputs is None or shaped.chain_ranges is None or spec.chain is None:
+        return None
+    batch = mf.example_inputs(plan.training.micro_batch_size, "cpu")
+    if not isinstance(batch, torch.Tensor):
+        return None
+    par, units = plan.parallel, spec.chain.units
+    mixed = wrap_kind(par.zero, par.dp * par.cp, replicated=True) in MIXED_PRECISION_KINDS  # a stage: never DDP
+    dtype = TORCH_DTYPES[plan.training.dtype]
+
+    def activation(unit: int) -> torch.Tensor:
+        shape, found = shaped.chain_inputs[units[unit]]
+        cast = dtype if mixed and found.is_floating_point else found
+        return _differentiable(torch.empty(shape, dtype=cast, device=device))
+
+    last = len(shaped.chain_ranges) - 1
+    out = []
+    for c, part in zip(shaped.chunk_ids, shaped.parts):
+        start, end = shaped.chain_ranges[c]
+        inputs = (batch,) if c == 0 else (activation(start),)
+        if c == last:
+            with torch.no_grad(), _shape_autocast(plan, device, shaped.parts):
+                outputs = part(*inputs)
+            outputs = tuple(map(_differentiable, outputs)) if isinstance(outputs, (tuple, list)) else \
+                _differentiable(outputs)
+        else:
+            outputs = activation(end)
         out.append((inputs, outputs))
     return out
 

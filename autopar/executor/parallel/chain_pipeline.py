@@ -124,6 +124,28 @@ def probe_chain_shapes(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> S
     return out
 
 
+def probe_unit_inputs(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Shapes:
+    """The shape and dtype of every unit's first argument at the chunk's micro-batch (one meta
+    forward): what a chunk starting at the unit receives, and what one ending before it hands on
+    (``_Exit`` leaves with its input). A rehearsal fixes its stages' shapes with them."""
+    assert spec.chain is not None
+    out: Shapes = {}
+    handles = []
+    for name in spec.chain.units:
+        def hook(m: nn.Module, args: tuple, n: str = name) -> None:
+            if args and isinstance(args[0], torch.Tensor):
+                out.setdefault(n, (args[0].shape, args[0].dtype))
+
+        handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad(), tolerant_meta():
+            call_model(model, meta_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
 def _runs_here(p: int, start: int, end: int) -> bool:
     return (p == 0 and start == 0) or start < p <= end
 
