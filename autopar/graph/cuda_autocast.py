@@ -56,11 +56,17 @@ FP32_SAVES_INPUT = frozenset({
 # Ops whose backward reads their output (saved in the output's own dtype).
 SAVES_OUTPUT = frozenset({
     "_softmax", "_log_softmax", "exp", "expm1", "rsqrt", "reciprocal", "sqrt", "tanh", "sigmoid", "logsumexp",
+    "relu", "elu",
 })
 # A cast to, or a tensor made in, the training dtype: the model read that dtype from a tensor or a
-# parameter, which autocast leaves fp32 (``x.to(input_dtype)`` of Hugging Face's RMSNorm).
+# parameter, which autocast leaves fp32 (``x.to(input_dtype)`` of Hugging Face's RMSNorm); where it
+# read it off a GEMM's output the cast is to 16 bits, so this prices such a tensor over, never under.
 _TO_MODEL_DTYPE = frozenset({"_to_copy", "to", "zeros", "ones", "full", "empty", "arange", "zeros_like",
                              "ones_like", "full_like", "scalar_tensor", "randn", "rand", "tensor"})
+# Ops whose output takes their input's dtype whatever their fp32 weights and statistics (on no
+# autocast list: cuDNN's batch norm computes a 16-bit input beside fp32 parameters).
+_INPUT_DTYPE_OPS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+                              "_batch_norm_with_update", "_batch_norm_no_update", "cudnn_batch_norm"})
 _FP32_BYTES = 4
 
 
@@ -94,8 +100,11 @@ class AutocastShadow:
                 self.gemm_reads[rid] = self.gemm_reads.get(rid, 0) + 1
             elif name in FP32_SAVES_INPUT:
                 self.fp32_saves.add(rid)
+        first = next(((rid, t) for rid, t in floats_in if _is_16bit(t)), None)
         if name in LOWER_OPS:
             size = 2
+        elif first is not None and (name in _INPUT_DTYPE_OPS or name in ("_to_copy", "to")):
+            size = self.size_of(first[0])  # a norm of its input's dtype; a copy that casts nothing
         elif name in FP32_OPS or name in _TO_MODEL_DTYPE or not floats_in:
             size = _FP32_BYTES
         else:  # type promotion: the widest floating input

@@ -160,3 +160,40 @@ def test_a_cpu_autocast_borrows_cudas_fp32_list() -> None:
             assert (x @ x.T).dtype == torch.bfloat16  # the lower-precision list is unchanged
     with cuda_fp32_functions():
         assert torch.softmax(x, -1).dtype == torch.bfloat16  # only under autocast
+
+
+def _conv_net() -> nn.Module:
+    # batch norm keeps its input's 16 bits (on no list); group norm is on CUDA's fp32 list, so the
+    # ReLU after it and the next convolution's input (cast to a 16-bit copy) are fp32
+    return nn.Sequential(nn.Conv2d(3, 14, 3), nn.BatchNorm2d(14), nn.ReLU(), nn.Conv2d(14, 14, 3),
+                         nn.GroupNorm(2, 14), nn.ReLU(), nn.Conv2d(14, 14, 3))
+
+
+def test_a_conv_nets_autocast_bytes_are_what_autocast_saves() -> None:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = _conv_net().to(torch.bfloat16)
+    image = torch.zeros(2, 3, 14, 14, device="meta", dtype=torch.bfloat16)
+
+    def step(set_region):  # noqa: ANN001, ANN202
+        set_region("block")
+        loss = meta(image).float().pow(2).mean()
+        set_region("bwd:block")
+        loss.backward()
+
+    trace = run_and_trace(step, list(meta.parameters()))
+    autocast = sum(r.nbytes * r.autocast_factor for r in trace.saved)
+
+    net, storages = _conv_net(), {}
+    weights = {p.untyped_storage().data_ptr() for p in net.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        # activations only: a parameter's 16-bit copy has a parameter's element count
+        if t.untyped_storage().data_ptr() not in weights and t.numel() not in {p.numel() for p in net.parameters()}:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with cuda_like_functions_everywhere(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        net(torch.zeros(2, 3, 14, 14)).float().pow(2).mean().backward()
+    assert autocast == pytest.approx(sum(storages.values()), rel=0.02)
