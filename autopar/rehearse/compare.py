@@ -104,22 +104,23 @@ def rehearse(plan: "Plan", model_path: str, estimate: "Estimate", cluster_name: 
 def _rehearse_ranks(plan: "Plan", model_path: str, ranks: Sequence[int], progress: Any,
                     workers: int | None, why: int = 0) -> dict[int, Any]:
     """rank -> ``rank.RankMemory``. Every step (a rank at one micro-batch count) runs in a fresh
-    spawned process of its own (``rank.rehearse_step``), ``workers`` at a time; the first error is
-    raised."""
-    import multiprocessing
+    process of its own (``rank.rehearse_step``; forked from a server with torch imported:
+    rehearse/workers.py), ``workers`` at a time; the first error is raised."""
     import os
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from autopar.rehearse.rank import rank_memory, rehearsed_microbatches, with_microbatches
+    from autopar.rehearse.workers import Caller, context
 
     counts = rehearsed_microbatches(plan)
     tasks = [(r, m) for r in ranks for m in counts]
     n = max(1, min(len(tasks), workers or os.cpu_count() or 1))
     steps: dict[tuple[int, int], Any] = {}
     seconds: dict[int, float] = dict.fromkeys(ranks, 0.0)
-    pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1)
+    pool = ProcessPoolExecutor(max_workers=n, mp_context=context(), max_tasks_per_child=1)
+    caller = Caller.here()
     try:
-        futures = {pool.submit(_step_in_process, with_microbatches(plan, m), model_path, r, why): (r, m)
+        futures = {pool.submit(_step_in_process, with_microbatches(plan, m), model_path, r, why, caller): (r, m)
                    for r, m in tasks}
         if progress is not None:
             progress(f"rehearsing {len(ranks)} rank(s) ({len(tasks)} steps), {n} at a time")
@@ -137,9 +138,12 @@ def _rehearse_ranks(plan: "Plan", model_path: str, ranks: Sequence[int], progres
     return {r: rank_memory(plan, r, [steps[(r, m)] for m in counts], seconds[r]) for r in ranks}
 
 
-def _step_in_process(plan: "Plan", model_path: str, rank: int, why: int = 0) -> tuple[Any, float]:
+def _step_in_process(plan: "Plan", model_path: str, rank: int, why: int = 0, caller: Any = None) -> tuple[Any, float]:
     import time
     import warnings
+
+    if caller is not None:  # a forked worker: the caller's environment, directory and path (workers.py)
+        caller.restore()
 
     from autopar.executor.runtime.checks import preflight
     from autopar.modelfile import load_model_file
