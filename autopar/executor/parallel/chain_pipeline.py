@@ -107,21 +107,7 @@ def probe_chain_shapes(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> S
     """The output shape and dtype of every unit and every module outside the chain, at the chunk's
     micro-batch (one meta forward)."""
     assert spec.chain is not None
-    out: Shapes = {}
-    handles = []
-    for name in list(spec.chain.units) + list(spec.chain.modules):
-        def hook(m: nn.Module, a: tuple, o: Any, n: str = name) -> None:
-            if isinstance(o, torch.Tensor):
-                out.setdefault(n, (o.shape, o.dtype))
-
-        handles.append(model.get_submodule(name).register_forward_hook(hook))
-    try:
-        with torch.no_grad(), tolerant_meta():
-            call_model(model, meta_inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return out
+    return _probe(model, list(spec.chain.units) + list(spec.chain.modules), meta_inputs, inputs=False)
 
 
 def probe_unit_inputs(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Shapes:
@@ -129,14 +115,25 @@ def probe_unit_inputs(model: nn.Module, spec: ModelSpec, meta_inputs: Any) -> Sh
     forward): what a chunk starting at the unit receives, and what one ending before it hands on
     (``_Exit`` leaves with its input). A rehearsal fixes its stages' shapes with them."""
     assert spec.chain is not None
+    return _probe(model, list(spec.chain.units), meta_inputs, inputs=True)
+
+
+def _probe(model: nn.Module, names: list[str], meta_inputs: Any, *, inputs: bool) -> Shapes:
+    """Shape and dtype of each named module's first argument (``inputs``) or tensor output, the
+    first time it runs in one meta forward of ``model``."""
     out: Shapes = {}
     handles = []
-    for name in spec.chain.units:
-        def hook(m: nn.Module, args: tuple, n: str = name) -> None:
-            if args and isinstance(args[0], torch.Tensor):
-                out.setdefault(n, (args[0].shape, args[0].dtype))
 
-        handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
+    def seen(n: str, t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            out.setdefault(n, (t.shape, t.dtype))
+
+    for name in names:
+        module = model.get_submodule(name)
+        if inputs:
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: seen(n, a[0] if a else None)))
+        else:
+            handles.append(module.register_forward_hook(lambda m, a, o, n=name: seen(n, o)))
     try:
         with torch.no_grad(), tolerant_meta():
             call_model(model, meta_inputs)
