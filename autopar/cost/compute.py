@@ -301,8 +301,9 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
         if q.exps.quadratic:
             auto_core += b * q.autocast_factor
     if scan is not None:
-        saved += scan_saved_bytes(scan, shape)
-        auto += scan_saved_bytes(scan, shape)
+        scan_saved = scan_saved_bytes(scan, shape)
+        saved += scan_saved
+        auto += scan_saved
     peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.what == "peak"), default=0.0)
     fwd_peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.what == "peak" and q.phase == "fwd"),
                    default=0.0)

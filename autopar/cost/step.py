@@ -154,12 +154,9 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
             # micro-batch without a pipeline, GPipe): at the end of the first micro-batch's backward its
             # first block's and embedding's activations remain, and every later micro-batch's
             later = activations * (m - 1) / m
-            block_grads = b.params * split["grads"]
-            if terms.expert is not None:
-                block_grads += terms.expert.state_delta_bytes("grads", split)
             other, memory["grads"], activations = terms.one_microbatch_peak(
                 r, memory["grads"], activations, later + b.act_bytes + (pre.act_bytes if r == 0 else 0.0),
-                last_rank=chunk_rank(last, pp), first_block=(b.act_bytes, block_grads),
+                last_rank=chunk_rank(last, pp), first_block=(b.act_bytes, terms.block_grads_bytes),
                 pre_grads_bytes=pre.params * split["grads"] if r == 0 else 0.0)
         else:
             other = terms.rank_other_bytes(r, chunk_rank(last, pp)) + working[r]

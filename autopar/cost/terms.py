@@ -267,6 +267,15 @@ class StageTerms:
                                                   (self.post.params + self.tied_params if last else 0.0))
 
     @property
+    def block_grads_bytes(self) -> float:
+        """One block's gradients on a rank (``state_split['grads']`` per parameter; an MoE block's
+        experts each under their own kind, as ``cost.step.evaluate`` counts them)."""
+        grads = self.block.params * self.state_split["grads"]
+        if self.expert is not None:
+            grads += self.expert.state_delta_bytes("grads", self.state_split)
+        return grads
+
+    @property
     def held_reduce_bytes(self) -> float:
         """One block's gradients in the reduce dtype, held while the next block's backward runs."""
         return self.held_reduce_bytes_per_param * self.block.params

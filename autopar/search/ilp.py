@@ -582,11 +582,8 @@ def rank_block_capacity(terms: StageTerms, schedule: tuple[str, int] | None = No
     last = chunk_rank(cfg.pp * v - 1, cfg.pp)
     first_backward = None
     if t.loss_free_grads > 0 and v == 1:  # GPipe: its forwards peak before any gradient exists (evaluate)
-        share, grads = t.loss_free_grads, t.state_split["grads"]
-        per_block = grads * t.block.params
-        if t.expert is not None:  # each expert byte under its own kind, as cost.step.evaluate
-            per_block += t.expert.state_delta_bytes("grads", t.state_split)
-        first_backward = (share * per_block, share * grads,
+        share = t.loss_free_grads
+        first_backward = (share * t.block_grads_bytes, share * t.state_split["grads"],
                           [t.rank_other_bytes(r, last, loss=False) + t.reserve_bytes for r in range(cfg.pp)])
     return block_capacities(t, pp=cfg.pp, virtual_stages=v, tables=tables,
                             loss_inflight=loss_inflight_microbatches(name, cfg.pp, cfg.num_microbatches),

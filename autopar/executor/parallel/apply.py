@@ -476,28 +476,40 @@ def _stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, device: torch.devic
         handed = first(**kwargs)
     # the hidden state, and the carried prologue outputs after it (pipeline_probe.Probe.carried)
     handed = tuple(handed) if isinstance(handed, (tuple, list)) else (handed,)
-    dtype = TORCH_DTYPES[plan.training.dtype]
-    cast = wrap_kind(par.zero, par.dp * par.cp, replicated=True) in MIXED_PRECISION_KINDS  # a stage: never DDP
-    if cast:
-        # Chunk 0 ran here on fp32 parameters, before FSDP2 (or replicate) wraps it; wrapped, it
-        # computes in its param_dtype and hands on a hidden state of the training dtype (the receive
-        # buffers torch pipelining keeps per micro-batch are of that dtype). Autocast, on an
-        # unwrapped part (one data-parallel rank), keeps the residual stream in fp32, as found here.
+    dtype = _handed_dtype(plan)
+    if dtype is not None:
         handed = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in handed)
     handed = tuple(map(_differentiable, handed))  # what a stage receives has a gradient to send back
     hidden = handed if len(handed) > 1 else handed[0]
     out = []
     for c, part in zip(shaped.chunk_ids, shaped.parts):
         inputs = () if c == 0 else handed
-        if c == par.num_stage_chunks - 1:  # the model's outputs, as differentiable as in a run
-            with torch.no_grad(), _shape_autocast(plan, device, shaped.parts + [first]):
-                outputs = part(*inputs, **shaped.io.step_kwargs(batch))
-            outputs = tuple(map(_differentiable, outputs)) if isinstance(outputs, (tuple, list)) else \
-                _differentiable(outputs)
+        if c == par.num_stage_chunks - 1:
+            outputs = _model_outputs(part, plan, device, shaped.parts + [first], *inputs, **shaped.io.step_kwargs(batch))
         else:
             outputs = hidden
         out.append((inputs, outputs))
     return out
+
+
+def _handed_dtype(plan: Plan) -> torch.dtype | None:
+    """The dtype a wrapped stage hands on its activations in, where it differs from a forward run
+    here: chunk 0 runs here on fp32 parameters, before FSDP2 (or replicate) wraps it; wrapped, it
+    computes in its param_dtype and hands on the training dtype (the receive buffers torch
+    pipelining keeps per micro-batch are of that dtype). None: autocast on an unwrapped part (one
+    data-parallel rank) keeps the residual stream in fp32, as a run here finds it."""
+    par = plan.parallel
+    if wrap_kind(par.zero, par.dp * par.cp, replicated=True) in MIXED_PRECISION_KINDS:  # a stage: never DDP
+        return TORCH_DTYPES[plan.training.dtype]
+    return None
+
+
+def _model_outputs(part: nn.Module, plan: Plan, device: torch.device, parts: list[nn.Module],
+                   *args: Any, **kwargs: Any) -> Any:
+    """The last chunk's forward on example inputs: the model's outputs, as differentiable as in a run."""
+    with torch.no_grad(), _shape_autocast(plan, device, parts):
+        outputs = part(*args, **kwargs)
+    return tuple(map(_differentiable, outputs)) if isinstance(outputs, (tuple, list)) else _differentiable(outputs)
 
 
 def _chain_stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, spec: ModelSpec,
@@ -512,13 +524,11 @@ def _chain_stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, spec: ModelSp
     batch = mf.example_inputs(plan.training.micro_batch_size, "cpu")
     if not isinstance(batch, torch.Tensor):
         return None
-    par, units = plan.parallel, spec.chain.units
-    mixed = wrap_kind(par.zero, par.dp * par.cp, replicated=True) in MIXED_PRECISION_KINDS  # a stage: never DDP
-    dtype = TORCH_DTYPES[plan.training.dtype]
+    units, dtype = spec.chain.units, _handed_dtype(plan)
 
     def activation(unit: int) -> torch.Tensor:
         shape, found = shaped.chain_inputs[units[unit]]
-        cast = dtype if mixed and found.is_floating_point else found
+        cast = dtype if dtype is not None and found.is_floating_point else found
         return _differentiable(torch.empty(shape, dtype=cast, device=device))
 
     last = len(shaped.chain_ranges) - 1
@@ -526,13 +536,7 @@ def _chain_stage_shapes(shaped: Shaped, plan: Plan, mf: ModelFile, spec: ModelSp
     for c, part in zip(shaped.chunk_ids, shaped.parts):
         start, end = shaped.chain_ranges[c]
         inputs = (batch,) if c == 0 else (activation(start),)
-        if c == last:
-            with torch.no_grad(), _shape_autocast(plan, device, shaped.parts):
-                outputs = part(*inputs)
-            outputs = tuple(map(_differentiable, outputs)) if isinstance(outputs, (tuple, list)) else \
-                _differentiable(outputs)
-        else:
-            outputs = activation(end)
+        outputs = _model_outputs(part, plan, device, shaped.parts, *inputs) if c == last else activation(end)
         out.append((inputs, outputs))
     return out
 
