@@ -43,7 +43,7 @@ from autopar.cluster import Cluster
 from autopar.cost.fused_elementwise import FusedTraffic, block_traffic, fused_times_s
 from autopar.cost.fused_scan import runs_fused_scan, scan_saved_bytes, scan_times_s, vector_flops_per_s
 from autopar.cost.memo import IdentityMemo
-from autopar.graph.scaling import FitOp, RegionFit, Shape
+from autopar.graph.scaling import GRADS_PARTS, FitOp, FitQuantity, RegionFit, Shape
 from autopar.profile_tables import LayerTable
 from autopar.recompute_ops import COUNTED_GEMMS, SAVED_ATTENTION, saves_gemm
 
@@ -307,19 +307,31 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
     peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.what == "peak"), default=0.0)
     fwd_peak = max((q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.what == "peak" and q.phase == "fwd"),
                    default=0.0)
-    tails = {what: sum(q.nbytes * shape.scale(q.exps) for q in fit.peaks if q.phase == "bwd" and q.what == what)
-             for what in ("peak_grads_temps", "peak_grads", "peak_grads_credit", "peak_credit_temps", "peak_credit")}
+    tails = {what: sum(q.nbytes * shape.scale(q.exps) for q in fit.peaks
+                       if q.phase == "bwd" and q.what == what and q.candidate == 0)
+             for what in ("peak_credit_temps", "peak_credit")}
     # T' and Tg' (graph/live.py): backward's peak less the saved activations freed by then (each
-    # part by its own law); forward's as T
-    with_grads = max(fwd_peak, tails["peak_grads_temps"] + tails["peak_grads"] - tails["peak_grads_credit"])
+    # part by its own law); forward's as T. Tg' at this shape: the largest of its envelope's ops
+    grads_temps, grads, grads_credit = _grads_peak(fit.peaks, shape)
+    with_grads = max(fwd_peak, grads_temps + grads - grads_credit)
     credited = max(fwd_peak, tails["peak_credit_temps"] - tails["peak_credit"])
     return RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, core_bwd_s=core_b, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
                       fwd_flops=fwd_f, bwd_flops=bwd_f,
                       saved_bytes=saved, core_saved_bytes=core_saved, peak_bytes=peak,
                       peak_with_grads_bytes=with_grads, peak_credited_bytes=credited,
-                      fwd_peak_bytes=fwd_peak, bwd_grads_bytes=tails["peak_grads"],
+                      fwd_peak_bytes=fwd_peak, bwd_grads_bytes=grads,
                       op_saved_bytes=op_bytes, op_saved_fwd_s=op_s,
                       autocast_saved_bytes=auto, autocast_core_saved_bytes=auto_core)
+
+
+def _grads_peak(peaks: tuple[FitQuantity, ...], shape: Shape) -> tuple[float, float, float]:
+    """Tg''s (temporaries, gradients, credit) at ``shape``: of the backward ops the trace fitted (its
+    peak and its envelope's others, graph/scaling.py ``candidate``), the one with the most."""
+    parts: dict[int, list[float]] = {}
+    for q in peaks:
+        if q.phase == "bwd" and q.what in GRADS_PARTS:
+            parts.setdefault(q.candidate, [0.0, 0.0, 0.0])[GRADS_PARTS.index(q.what)] += q.nbytes * shape.scale(q.exps)
+    return tuple(max(parts.values(), key=lambda v: v[0] + v[1] - v[2], default=(0.0, 0.0, 0.0)))  # type: ignore[return-value]
 
 
 def under_autocast(rt: RegionTime) -> RegionTime:

@@ -206,7 +206,8 @@ def peak_records(step: Callable[[Callable[[str], None]], Any], params: list[torc
         g_temps, grads, g_credit = live.with_grads.get((phase, region), none)
         records.append(PeakRecord(region=region, phase=phase, nbytes=max(0.0, float(v)),
                                   credit_temps_nbytes=max(0.0, temps), credit_nbytes=credit,
-                                  grads_temps_nbytes=max(0.0, g_temps), grads_nbytes=grads, grads_credit_nbytes=g_credit))
+                                  grads_temps_nbytes=max(0.0, g_temps), grads_nbytes=grads, grads_credit_nbytes=g_credit,
+                                  grads_states=live.grads_states.get((phase, region), ())))
     return records
 
 

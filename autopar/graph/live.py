@@ -45,13 +45,22 @@ cost model adds on the ranks that hold them. A weight used twice (a head tied to
 its contributions summed by autograd before it accumulates: Tg counts each contribution as the
 unit's gradient (the head's joins the root unit's), T keeps the early one a temporary -- what any
 wrap holds at one pipeline stage, and what the cost model leaves out where stages split them.
+
+Tg' envelope: which op peaks depends on the shape. Temporaries and credit grow with the
+micro-batch and the sequence, the gradients only with the parameters: the trace's small batch
+peaks at the end of a block's backward, where every gradient is held and every saved tensor
+freed, a large one at its first weight gradient, where the first temporaries meet no credit yet
+(a ViT block of width 512 at 8 images: 1.1 MB from the trace's peak, 5.2 MB from its MLP's
+weight gradient, as rehearsed). ``backward_states`` keeps Tg''s parts after every backward op;
+graph/scaling.py fits each op of their upper envelope (the ops that peak for some ratio of
+activation to parameter scale), and the cost model takes the largest at the shape it prices.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -123,15 +132,11 @@ def peaks_over(events: list[tuple[int, int, str, str]], leave_out: set[int]) -> 
     return peaks
 
 
-def credited_peaks(events: list[tuple[int, int, str, str]], saved: set[int], grads: set[int], *,
-                   hold_grads: bool) -> dict[tuple[str, str], tuple[float, float, float]]:
-    """Replay ``events`` crediting, in each backward (phase, region), the saved storages ``saved``
-    freed there so far; the parameter gradients ``grads`` counted from their creation until their
-    (phase, region) ends where ``hold_grads`` (Tg'), left out otherwise (T'). Per backward (phase,
-    region), at its most of temporaries + gradients - credit: (temporaries, gradients, credit)
-    (module docstring)."""
+def _replay(events: list[tuple[int, int, str, str]], saved: set[int], grads: set[int], *, hold_grads: bool
+            ) -> Iterator[tuple[tuple[str, str], int, int, int]]:
+    """The credited replay of ``events`` (``credited_peaks``): after each backward op that makes a
+    storage, its (phase, region) and (temporaries, gradients held, credit) then."""
     temps, own, freed, current = 0, 0, 0, None
-    peaks: dict[tuple[str, str], tuple[float, float, float]] = {}
     for nbytes, serial, phase, region in events:
         key = (phase, region)
         if key != current:  # a new region's backward: the unit's post-backward has folded its gradients away
@@ -146,10 +151,36 @@ def credited_peaks(events: list[tuple[int, int, str, str]], saved: set[int], gra
             own += nbytes
         else:
             temps += nbytes
+        if phase == "bwd" and nbytes > 0:
+            yield key, temps, own, freed
+
+
+def credited_peaks(events: list[tuple[int, int, str, str]], saved: set[int], grads: set[int], *,
+                   hold_grads: bool) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """Replay ``events`` crediting, in each backward (phase, region), the saved storages ``saved``
+    freed there so far; the parameter gradients ``grads`` counted from their creation until their
+    (phase, region) ends where ``hold_grads`` (Tg'), left out otherwise (T'). Per backward (phase,
+    region), at its most of temporaries + gradients - credit: (temporaries, gradients, credit)
+    (module docstring)."""
+    peaks: dict[tuple[str, str], tuple[float, float, float]] = {}
+    for key, temps, own, freed in _replay(events, saved, grads, hold_grads=hold_grads):
         best = peaks.get(key)
-        if phase == "bwd" and nbytes > 0 and (best is None or temps + own - freed > best[0] + best[1] - best[2]):
+        if best is None or temps + own - freed > best[0] + best[1] - best[2]:
             peaks[key] = (float(temps), float(own), float(freed))
     return peaks
+
+
+def backward_states(events: list[tuple[int, int, str, str]], saved: set[int], grads: set[int]
+                    ) -> dict[tuple[str, str], tuple[tuple[float, float, float], ...]]:
+    """Tg''s replay (``credited_peaks`` holding gradients) at every backward op that makes a storage,
+    in order, per backward (phase, region): (temporaries, gradients held, credit) after it. Which op
+    peaks depends on the shape: temporaries and credit grow with the micro-batch, gradients with the
+    parameters only, so a small traced batch peaks where the most gradients are held and a large
+    one where the most temporaries are (module docstring, Tg' envelope)."""
+    states: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for key, temps, own, freed in _replay(events, saved, grads, hold_grads=True):
+        states.setdefault(key, []).append((float(temps), float(own), float(freed)))
+    return {key: tuple(v) for key, v in states.items()}
 
 
 def _with_contributions(grads: set[int], sums: dict[int, set[int]]) -> set[int]:
@@ -172,6 +203,8 @@ class LivePeaks:
     temps: dict[tuple[str, str], float]
     credited: dict[tuple[str, str], tuple[float, float, float]]
     with_grads: dict[tuple[str, str], tuple[float, float, float]]
+    # Tg''s parts after every backward op (``backward_states``): where the peak falls at other shapes
+    grads_states: dict[tuple[str, str], tuple[tuple[float, float, float], ...]] = field(default_factory=dict)
 
 
 def live_peaks(step: Callable[[Callable[[str], None]], Any], params: list[torch.Tensor]) -> LivePeaks:
@@ -204,7 +237,8 @@ def live_peaks(step: Callable[[Callable[[str], None]], Any], params: list[torch.
         p.grad = None
     # T leaves out the gradients the model states count (a tied weight's early contribution stays a
     # temporary: autograd holds it, whatever the wrap); Tg counts every contribution as the unit's
+    held = _with_contributions(grads, mode.sums)
     return LivePeaks(temps=peaks_over(mode.events, grads | saved),
                      credited=credited_peaks(mode.events, saved, grads, hold_grads=False),
-                     with_grads=credited_peaks(mode.events, saved, _with_contributions(grads, mode.sums),
-                                               hold_grads=True))
+                     with_grads=credited_peaks(mode.events, saved, held, hold_grads=True),
+                     grads_states=backward_states(mode.events, saved, held))

@@ -66,6 +66,9 @@ class PeakRecord:
     credit_temps_nbytes: float = 0.0
     credit_nbytes: float = 0.0
     grads_credit_nbytes: float = 0.0
+    # backward: Tg''s (temporaries, gradients, credit) after each op, in order (graph/live.py's
+    # backward_states): the other ops that peak at other shapes
+    grads_states: tuple[tuple[float, float, float], ...] = ()
 
 
 @dataclass(kw_only=True)

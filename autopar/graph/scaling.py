@@ -97,6 +97,9 @@ class FitQuantity:
     gemm_input: bool = False  # a saved GEMM input (records.SavedRecord.gemm_input)
     autocast_factor: float = 1.0  # a saved tensor's bytes under autocast per byte (records.SavedRecord)
     in_scan: bool = False  # a tensor only a loop's scan made: its fused kernel keeps none (graph/fused_scan.py)
+    # a backward peak's part: 0 the trace's own peak op, k > 0 the k-th other op of Tg''s envelope
+    # (graph/live.py; cost.compute takes the candidate that peaks at the shape it prices)
+    candidate: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,15 +233,23 @@ PEAK_PARTS = (("peak", "nbytes"), ("peak_grads_temps", "grads_temps_nbytes"), ("
               ("peak_credit", "credit_nbytes"))
 
 
+GRADS_PARTS = ("peak_grads_temps", "peak_grads", "peak_grads_credit")  # Tg''s parts, in PeakRecord.grads_states order
+
+
 def _fit_peaks(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuantity, ...]:
     """Each phase's peak above the saved activations (``Trace.peaks``), fitted like a saved tensor:
     T as ``peak``, Tg''s temporaries, unit gradients and credit (graph/live.py) as ``peak_grads_temps``,
     ``peak_grads`` and ``peak_grads_credit``, T''s as ``peak_credit_temps`` and ``peak_credit``, each
-    with its own exponents (the gradients scale like the parameters, a credit like the activations)."""
-    def of(trace: Trace | None, phase: str, attr: str) -> float | None:
+    with its own exponents (the gradients scale like the parameters, a credit like the activations).
+    Tg''s other candidates in backward (``_envelope_candidates``) follow as ``candidate`` 1, 2, ..."""
+    def record(trace: Trace | None, phase: str) -> Any:
         if trace is None:
             return None
-        return next((getattr(p, attr) for p in trace.peaks if p.region == region and p.phase == phase), None)
+        return next((p for p in trace.peaks if p.region == region and p.phase == phase), None)
+
+    def of(trace: Trace | None, phase: str, attr: str) -> float | None:
+        rec = record(trace, phase)
+        return None if rec is None else getattr(rec, attr)
 
     out = []
     for phase in ("fwd", "bwd"):
@@ -247,7 +258,61 @@ def _fit_peaks(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuan
             if v:
                 out.append(FitQuantity(what=what, phase=phase, nbytes=v,
                                        exps=_exps(v, *(of(t, phase, attr) for t in others))))
+    rec = record(base, "bwd")
+    if rec is not None and rec.grads_states:
+        out.extend(_envelope_candidates(rec, [record(t, "bwd") for t in others]))
     return tuple(out)
+
+
+def _envelope_candidates(base: Any, others: list[Any]) -> list[FitQuantity]:
+    """Tg''s parts at the other ops of its upper envelope in the base trace (graph/live.py): the ops
+    whose (temporaries - credit, gradients) no other op beats for some nonnegative weights of the two
+    -- the activation and the parameter scale -- each part fitted from the same op of the varied
+    traces (paired by position where a variant ran as many backward ops; else scaled as the trace's
+    peak's part)."""
+    states = base.grads_states
+    peak = (base.grads_temps_nbytes, base.grads_nbytes, base.grads_credit_nbytes)
+    out = []
+    for k, i in enumerate(i for i in _upper_envelope(states) if states[i] != peak):
+        for j, (what, attr) in enumerate(zip(GRADS_PARTS, ("grads_temps_nbytes", "grads_nbytes", "grads_credit_nbytes"))):
+            v = states[i][j]
+            if not v:
+                continue
+            varied = []
+            for rec in others:
+                if rec is None:
+                    varied.append(None)
+                elif len(rec.grads_states) == len(states):
+                    varied.append(rec.grads_states[i][j])
+                else:
+                    at_peak = getattr(base, attr)
+                    varied.append(v * getattr(rec, attr) / at_peak if at_peak else None)
+            exps = _exps(v, *varied)
+            if varied and varied[0]:
+                # anchored at two samples: the batch exponent is clamped to 1, and a part a batch of one
+                # makes less of (a ViT block's output gradient) then extrapolates from two, not under it
+                v = varied[0] / 2.0**exps.b
+            out.append(FitQuantity(what=what, phase="bwd", nbytes=v, exps=exps, candidate=k + 1))
+    return out
+
+
+def _upper_envelope(states: tuple[tuple[float, float, float], ...]) -> list[int]:
+    """Positions of the states (temporaries, gradients, credit) on the upper-right convex hull of
+    their points (temporaries - credit, gradients): those that are the largest a x A + g x G for
+    some a, g >= 0, from the most gradients to the most activations."""
+    points = sorted(((t - c, g, i) for i, (t, g, c) in enumerate(states)), key=lambda p: (-p[1], -p[0]))
+    hull: list[tuple[float, float, int]] = []
+    for p in points:  # most gradients first; keep those that add activations, convex
+        if hull and p[0] <= hull[-1][0]:
+            continue
+        while len(hull) >= 2:
+            (x1, y1, _), (x2, y2, _) = hull[-2], hull[-1]
+            if (x2 - x1) * (p[1] - y1) - (y2 - y1) * (p[0] - x1) >= 0:  # hull[-1] not above the chord
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    return [i for _, _, i in hull]
 
 
 def _fit_saved(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuantity, ...]:
