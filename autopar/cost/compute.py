@@ -74,6 +74,7 @@ class RegionTime:
     # rise above the saved activations the region held when its backward began
     peak_credited_bytes: float = 0.0
     fwd_peak_bytes: float = 0.0  # forward's T alone
+    fwd_rise_bytes: float = 0.0  # forward's R (graph/live.py): its peak beside the region's whole saved set
     bwd_grads_bytes: float = 0.0  # the region's gradients at Tg''s peak, whichever phase peaks
     # Per-op selective recompute (autopar.recompute_ops): the outputs it keeps of the ops it saves,
     # and those ops' forward time, which its recompute does not re-run.
@@ -90,7 +91,7 @@ class RegionTime:
     @property
     def peak_grads_bytes(self) -> float:
         """Of ``peak_with_grads_bytes``, the gradients: the backward's where Tg' tops forward's peak."""
-        return self.bwd_grads_bytes if self.peak_with_grads_bytes > self.fwd_peak_bytes else 0.0
+        return self.bwd_grads_bytes if self.peak_with_grads_bytes > max(0.0, self.fwd_rise_bytes) else 0.0
 
 
 def is_core(op: FitOp) -> bool:
@@ -313,13 +314,18 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
     # T' and Tg' (graph/live.py): backward's peak less the saved activations freed by then (each
     # part by its own law); forward's as T. Tg' at this shape: the largest of its envelope's ops
     grads_temps, grads, grads_credit = _grads_peak(fit.peaks, shape)
-    with_grads = max(fwd_peak, grads_temps + grads - grads_credit)
-    credited = max(fwd_peak, tails["peak_credit_temps"] - tails["peak_credit"])
+    # beside the whole saved set, forward's peak counts by its rise R (graph/live.py): what it holds
+    # there beyond the saved tensors made later in the region (a graph without R: its T)
+    rises = [q for q in fit.peaks if q.phase == "fwd" and q.what in ("rise_temps", "rise_to_come")]
+    rise = fwd_peak if not rises else sum(q.nbytes * shape.scale(q.exps) * (1 if q.what == "rise_temps" else -1)
+                                          for q in rises)
+    with_grads = max(0.0, rise, grads_temps + grads - grads_credit)
+    credited = max(0.0, rise, tails["peak_credit_temps"] - tails["peak_credit"])
     return RegionTime(fwd_s=fwd, bwd_s=bwd, core_fwd_s=core, core_bwd_s=core_b, bwd_gemm_s=bwd_gemm, fwd_gemm_s=fwd_gemm,
                       fwd_flops=fwd_f, bwd_flops=bwd_f,
                       saved_bytes=saved, core_saved_bytes=core_saved, peak_bytes=peak,
                       peak_with_grads_bytes=with_grads, peak_credited_bytes=credited,
-                      fwd_peak_bytes=fwd_peak, bwd_grads_bytes=grads,
+                      fwd_peak_bytes=fwd_peak, fwd_rise_bytes=rise, bwd_grads_bytes=grads,
                       op_saved_bytes=op_bytes, op_saved_fwd_s=op_s,
                       autocast_saved_bytes=auto, autocast_core_saved_bytes=auto_core)
 

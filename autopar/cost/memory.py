@@ -208,13 +208,20 @@ class InflightTable:
                     best = self.held[i][k]
         return tuple(sorted(frontier))
 
-    def held_last(self, act_per_block_bytes: float, first_chunk_bytes: float) -> list[float]:
+    def held_last(self, act_per_block_bytes: float, first_chunk_bytes: float, every_chunk_bytes: float = 0.0,
+                  last_chunk_bytes: float = 0.0) -> list[float]:
         """For k = 0..v: the most any state holds of ``act_per_block_bytes`` per micro-batch on its
-        chunks k..v-1 plus ``first_chunk_bytes`` per micro-batch on its first chunk."""
+        chunks k..v-1 plus ``first_chunk_bytes`` per micro-batch on its first chunk,
+        ``last_chunk_bytes`` on its last and ``every_chunk_bytes`` on each (a pipeline's chunk
+        edges: cost.terms.StageTerms.chunk_edges; every state holds ``total`` micro-batches in all)."""
+        every = every_chunk_bytes * self.total
+        if last_chunk_bytes:
+            return [every + max(act_per_block_bytes * h[k] + first_chunk_bytes * st[0] + last_chunk_bytes * st[-1]
+                                for h, st in zip(self.held, self.states)) for k in range(len(self.most))]
         if first_chunk_bytes == 0:
-            return [act_per_block_bytes * n for n in self.most]
-        return [max(act_per_block_bytes * self.held[i][k] + first_chunk_bytes * self.states[i][0]
-                    for i in self.frontier) for k in range(len(self.most))]
+            return [every + act_per_block_bytes * n for n in self.most]
+        return [every + max(act_per_block_bytes * self.held[i][k] + first_chunk_bytes * self.states[i][0]
+                            for i in self.frontier) for k in range(len(self.most))]
 
 
 @lru_cache(maxsize=8192)
@@ -244,11 +251,12 @@ def _suffix_sums(state: tuple[int, ...]) -> tuple[int, ...]:
 
 def most_blocks(table: InflightTable, *, per_block_bytes: float, act_per_block_bytes: float,
                 first_chunk_bytes: float, room_bytes: float, limit: int = 10**9, top_chunks: int = 0,
-                top_chunk_bytes: float = 0.0) -> int:
+                top_chunk_bytes: float = 0.0, edges: tuple[float, float, float] | None = None) -> int:
     """The most blocks N a rank can hold in ``room_bytes``: N x ``per_block_bytes`` (model states)
     plus ``top_chunk_bytes`` for each block of the ``top_chunks`` largest chunks (``top_blocks``: a
     gather window's parameters) plus ``peak_bytes`` of N blocks of ``act_per_block_bytes`` dealt
-    over the chunks (``dealt_sizes``), ``first_chunk_bytes`` more on the first; -1 where not even
+    over the chunks (``dealt_sizes``), ``first_chunk_bytes`` more on the first (``edges``: (every,
+    first, last) chunk's bytes per micro-batch, StageTerms.chunk_edges, instead); -1 where not even
     none fit, ``limit`` where any number does. In closed form: with N = b v + e the dealt chunks
     hold b blocks each and one more on the last e, so state s holds b total + held[s][v - e]
     blocks' activations and the K = min(top_chunks, v) largest chunks K b + min(K, e) blocks,
@@ -258,7 +266,8 @@ def most_blocks(table: InflightTable, *, per_block_bytes: float, act_per_block_b
     one byte is kept spare for float rounding, so a count found here fits the sums evaluate makes."""
     v, best = len(table.states[0]), -1
     k = min(max(top_chunks, 0), v)
-    held_last = table.held_last(act_per_block_bytes, first_chunk_bytes)
+    every, first, last = edges if edges is not None else (0.0, first_chunk_bytes, 0.0)
+    held_last = table.held_last(act_per_block_bytes, first, every, last)
     slope = per_block_bytes * v + top_chunk_bytes * k + act_per_block_bytes * table.total
     for e in range(v):
         spare = room_bytes - 1.0 - per_block_bytes * e - top_chunk_bytes * min(k, e) - held_last[v - e]

@@ -142,7 +142,9 @@ def offloaded_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config",
         host_memory_bytes_per_node=cluster.host_memory_bytes_per_node)
     return evolve(base, config=cfg, block=block, pre=pre, post=post, state_split=split, recompute_parts=mixed,
                    state_bytes_per_param=sum(split.values()), optimizer_s_per_param=optimizer_s,
-                   transient_bytes=transient, offload=cost)
+                   transient_bytes=transient, offload=cost,
+                   # the blocks' saved activations, a chunk's received input among them, go to the host
+                   received_saved_bytes=0.0 if off.activations else base.received_saved_bytes)
 
 
 def _stored_device_params(cfg: "Config", d: float, n: int) -> float:

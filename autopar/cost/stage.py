@@ -89,7 +89,28 @@ def _pipeline_buffer_bytes(cfg: Config, cluster: Cluster, tokens_bytes: float, s
     under the autocast of an unwrapped stage (its residual stream stays fp32)."""
     if cfg.pp == 1 or not cluster.pipeline_buffers_per_microbatch:
         return 0.0
-    return (tokens_bytes / sp + carried_bytes) * (4.0 / cfg.dtype_bytes if trains_under_autocast(cfg) else 1.0)
+    return _handed_bytes(cfg, tokens_bytes / sp + carried_bytes)
+
+
+def _handed_bytes(cfg: Config, nbytes: float) -> float:
+    """``nbytes`` of activations in the training dtype as a stage hands them on: fp32 under the
+    autocast of an unwrapped stage (its residual stream stays fp32), else as they are."""
+    return nbytes * (4.0 / cfg.dtype_bytes if trains_under_autocast(cfg) else 1.0)
+
+
+def _handoff(graph: ModelGraph, cluster: Cluster, cfg: Config, tokens_bytes: float, sp: float) -> dict[str, float]:
+    """``StageTerms.handoff_bytes`` and ``received_saved_bytes``: the hidden state one micro-batch of a
+    chunk hands on (as its receive buffer holds it: ``_pipeline_buffer_bytes`` less what is carried
+    beside it, passed through), and the same where the chunk's first block saves what it receives --
+    the model's block does (ModelGraph.block_saves_input: its first norm or GEMM reads it), and so
+    do full and per-op recompute, which keep the block's input. Activation offload moves what is
+    saved to the host (cost/offload.py clears the second). Set at pp = 1 too (the search's fit
+    bound reads a branch's terms without a pipeline); ``StageTerms.chunk_edges`` uses them at pp > 1."""
+    if not cluster.pipeline_buffers_per_microbatch:
+        return {"handoff_bytes": 0.0, "received_saved_bytes": 0.0}
+    handoff = _handed_bytes(cfg, tokens_bytes / sp)
+    saved = graph.block_saves_input or cfg.recompute in ("full", "op")
+    return {"handoff_bytes": handoff, "received_saved_bytes": handoff if saved else 0.0}
 
 
 def _stage_output_bytes(graph: ModelGraph, cluster: Cluster, cfg: Config, shape: Shape, replicated: bool) -> float:
@@ -212,6 +233,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         reserve_bytes=reserve_bytes(cluster, cfg, tokens_bytes),
         capacity_bytes=cluster.usable_memory_bytes,
         pipeline_buffer_bytes=_pipeline_buffer_bytes(cfg, cluster, tokens_bytes, sp, carried),
+        **_handoff(graph, cluster, cfg, tokens_bytes, sp),
         stage_output_bytes=_stage_output_bytes(graph, cluster, cfg, shape, replicated),
         carried_bytes=carried,
         zero3_root_params_per_byte=float(d) if cfg.zero == 3 else 0.0,

@@ -130,12 +130,12 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         else:
             tail = sync + (terms.grad_sync_fixed_s if sync > 0 else 0.0)
         tail += params[r] * terms.after_sync_s_per_param
-        # what one micro-batch of each of the rank's chunks saves, in local chunk order; the
-        # embedding runs in the first chunk
+        # what one micro-batch of each of the rank's chunks holds, in local chunk order: its blocks'
+        # saved activations and its edges (the embedding's in the first chunk; a pipeline's
+        # handed-on output less the received input: StageTerms.chunk_edges)
         sizes = list(chunk_blocks[r::pp])
         chunks = [n * b.act_bytes for n in sizes] if mix is None else chunk_activation_bytes(sizes, act_by_mode, mix[r])
-        if r == 0:
-            chunks[0] += pre.act_bytes
+        chunks = [a + e for a, e in zip(chunks, terms.chunk_edge_bytes(r))]
         activations = terms.rank_activation_bytes(r, chunks)
         if r == chunk_rank(last, pp):
             activations += terms.loss_inflight() * post.act_bytes

@@ -141,6 +141,13 @@ class StageTerms:
     # keeps from the micro-batch's forward through its backward (cost.stage._stage_output_bytes);
     # 0 at pp = 1 and where the software frees it at the loss
     stage_output_bytes: float = 0.0
+    # Torch pipelining's chunk boundaries, per micro-batch (``chunk_edges``): the hidden state a chunk
+    # hands on, which its stage keeps from the chunk's forward to its backward (``fwd_cache``: the
+    # output backward starts from), and of it what the receiving chunk's first block saves, which is
+    # the receive buffer itself (priced with the buffers; ModelGraph.block_saves_input). Both 0
+    # where the software frees its outputs once sent (Megatron-LM); in use at pp > 1 only.
+    handoff_bytes: float = 0.0
+    received_saved_bytes: float = 0.0
     # Bytes per micro-batch a stage receives beside the hidden state (ModelGraph.carried_bytes), in
     # ``p2p_s`` and ``pipeline_buffer_bytes`` already; kept for ``autopar explain``. 0 at pp = 1.
     carried_bytes: float = 0.0
@@ -217,6 +224,26 @@ class StageTerms:
         """The per-chunk in-flight counts ``rank``'s schedule peaks in (cost.memory.inflight_table)."""
         c = self.config
         return inflight_table(c.schedule, c.pp, rank, c.num_microbatches, c.virtual_stages)
+
+    def chunk_edges(self, rank: int) -> tuple[float, float, float]:
+        """What one micro-batch of ``rank``'s chunks holds beside their blocks' saved activations, as
+        (every chunk, its first chunk more, its last chunk more): the embedding's activations on the
+        model's first chunk, and under a pipeline each chunk's output but the model's last
+        (``handoff_bytes``) less, on each chunk but the model's first, its first block's saved input,
+        the receive buffer already priced (``received_saved_bytes``)."""
+        c = self.config
+        pre = self.pre.act_bytes if rank == 0 else 0.0
+        if c.pp == 1:
+            return 0.0, pre, 0.0
+        handoff, received = self.handoff_bytes, self.received_saved_bytes
+        return (handoff - received, pre + (received if rank == 0 else 0.0),
+                -handoff if rank == c.pp - 1 else 0.0)
+
+    def chunk_edge_bytes(self, rank: int) -> list[float]:
+        """``chunk_edges`` per local chunk of ``rank`` (v of them), in chunk order."""
+        every, first, last = self.chunk_edges(rank)
+        v = self.config.virtual_stages
+        return [every + (first if k == 0 else 0.0) + (last if k == v - 1 else 0.0) for k in range(v)]
 
     def rank_activation_bytes(self, rank: int, chunk_bytes: Sequence[float]) -> float:
         """The saved activations of ``rank``'s blocks (and the embedding's, on rank 0) at its peak:

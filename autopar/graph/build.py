@@ -72,6 +72,9 @@ class TracedRun:
     # bytes of the tensors the model returned (its logits: what torch pipelining's last stage holds
     # until the micro-batch's backward; the training loop without a pipeline drops them at the loss)
     output_bytes: float = 0.0
+    # whether the block saves the very tensor it receives (its first norm or GEMM does): under a
+    # pipeline that tensor is the receive buffer, priced with the buffers (ModelGraph.block_saves_input)
+    block_saves_input: bool = False
 
 
 def output_bytes(value: Any) -> float:
@@ -128,8 +131,9 @@ def trace_model(
         for h in handles:
             h.remove()
     trace.peaks = _peaks(model, inputs, loss_fn, block)
+    saves_input = any(r.region == "block" and r.root == io.get("in_root") for r in trace.saved)
     return TracedRun(trace=trace, param_regions=regions.by_param,
-                     block_input_bytes=io["in"], output_bytes=io["out"])
+                     block_input_bytes=io["in"], output_bytes=io["out"], block_saves_input=saves_input)
 
 
 def _region_hooks(block: nn.Module, set_region: Callable[[str], None], io: dict[str, float]) -> list:
@@ -140,6 +144,8 @@ def _region_hooks(block: nn.Module, set_region: Callable[[str], None], io: dict[
         x = first_tensor((args, kwargs))
         if x is not None:
             io["in"] = float(x.numel() * x.element_size())
+            # the storage's root as the trace's saved records name it (alive through the block's forward)
+            io["in_root"] = id(x._base if x._base is not None else x)
             if x.requires_grad:
                 x.register_hook(lambda g: set_region("bwd:pre"))
 
@@ -204,7 +210,9 @@ def peak_records(step: Callable[[Callable[[str], None]], Any], params: list[torc
     for (phase, region), v in live.temps.items():
         temps, _, credit = live.credited.get((phase, region), none)
         g_temps, grads, g_credit = live.with_grads.get((phase, region), none)
+        rise_temps, to_come = live.rises.get((phase, region), (0.0, 0.0))
         records.append(PeakRecord(region=region, phase=phase, nbytes=max(0.0, float(v)),
+                                  rise_temps_nbytes=max(0.0, rise_temps), rise_to_come_nbytes=to_come,
                                   credit_temps_nbytes=max(0.0, temps), credit_nbytes=credit,
                                   grads_temps_nbytes=max(0.0, g_temps), grads_nbytes=grads, grads_credit_nbytes=g_credit,
                                   grads_states=live.grads_states.get((phase, region), ())))

@@ -164,7 +164,7 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         tp_reason=tp_reason, cp_reason=cp_reason, pp_reason=support["pp"], support=support,
         tp_source=spec.tp.describe(), tp_styles=dict(tp_plan or {}),
         regions=regions, params=params, tied_params=tied,
-        block_input_bytes=base.block_input_bytes,
+        block_input_bytes=base.block_input_bytes, block_saves_input=base.block_saves_input,
         build_seconds=time.perf_counter() - start, moe=MoEFacts.of(spec.moe),  # expert parallelism
         tp_degrees=spec.tp_degrees,
         carried=_carried(mf, small, spec, shapes) if support["pp"] is None else (),

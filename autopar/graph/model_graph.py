@@ -143,6 +143,9 @@ class ModelGraph:
     params: dict[str, RegionParams]  # per region; "block" is one block
     tied_params: int  # parameters used both before and after the blocks (tied embedding)
     block_input_bytes: float  # one sample, tp=1: the tensor a block receives (full recompute keeps it)
+    # whether a block saves that very tensor for backward (its first norm or GEMM reads it): a pipeline
+    # chunk's first block then saves its receive buffer, which the buffers price (cost.stage)
+    block_saves_input: bool = False
     build_seconds: float = field(compare=False, default=0.0)
     # What the executor can run on this model, per dimension (autopar.spec.support): None = offered,
     # else the reason it is not. Empty: everything the reasons above allow.

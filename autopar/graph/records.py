@@ -69,6 +69,10 @@ class PeakRecord:
     # backward: Tg''s (temporaries, gradients, credit) after each op, in order (graph/live.py's
     # backward_states): the other ops that peak at other shapes
     grads_states: tuple[tuple[float, float, float], ...] = ()
+    # forward: the rise above the region's whole saved set at its forward's peak (graph/live.py's R):
+    # its temporaries there and the saved bytes the forward makes after that op
+    rise_temps_nbytes: float = 0.0
+    rise_to_come_nbytes: float = 0.0
 
 
 @dataclass(kw_only=True)

@@ -230,7 +230,7 @@ def fit_region(
 
 PEAK_PARTS = (("peak", "nbytes"), ("peak_grads_temps", "grads_temps_nbytes"), ("peak_grads", "grads_nbytes"),
               ("peak_grads_credit", "grads_credit_nbytes"), ("peak_credit_temps", "credit_temps_nbytes"),
-              ("peak_credit", "credit_nbytes"))
+              ("peak_credit", "credit_nbytes"), ("rise_temps", "rise_temps_nbytes"), ("rise_to_come", "rise_to_come_nbytes"))
 
 
 GRADS_PARTS = ("peak_grads_temps", "peak_grads", "peak_grads_credit")  # Tg''s parts, in PeakRecord.grads_states order
@@ -239,7 +239,8 @@ GRADS_PARTS = ("peak_grads_temps", "peak_grads", "peak_grads_credit")  # Tg''s p
 def _fit_peaks(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuantity, ...]:
     """Each phase's peak above the saved activations (``Trace.peaks``), fitted like a saved tensor:
     T as ``peak``, Tg''s temporaries, unit gradients and credit (graph/live.py) as ``peak_grads_temps``,
-    ``peak_grads`` and ``peak_grads_credit``, T''s as ``peak_credit_temps`` and ``peak_credit``, each
+    ``peak_grads`` and ``peak_grads_credit``, T''s as ``peak_credit_temps`` and ``peak_credit``, the
+    forward rise R's as ``rise_temps`` and ``rise_to_come``, each
     with its own exponents (the gradients scale like the parameters, a credit like the activations).
     Tg''s other candidates in backward (``_envelope_candidates``) follow as ``candidate`` 1, 2, ..."""
     def record(trace: Trace | None, phase: str) -> Any:

@@ -599,7 +599,8 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
                      loss_inflight: float, sigma: float, block_act_bytes: float, other_bytes: Sequence[float],
                      tied_params: float, capacity_bytes: float,
                      window: tuple[int, float, float] = (0, 0.0, 0.0),
-                     first_backward: tuple[float, float, Sequence[float]] | None = None) -> list[int]:
+                     first_backward: tuple[float, float, Sequence[float]] | None = None,
+                     edges: Sequence[tuple[float, float, float]] | None = None) -> list[int]:
     """The memory family solved for each rank's block count: the most blocks N whose model states
     (sigma pi N, moved by the gather window: ``window`` as ``StageTerms.window``, (K, bytes each
     block of the K largest chunks holds, bytes every block does not)) and activations fit beside
@@ -616,7 +617,10 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
     two moments, each linear in N, and the cap the smaller of their caps: every forward done, no
     gradient made (A), and the first micro-batch's backward ending (B): every gradient beside the later
     micro-batches' activations, the first block's and embedding's of the first but their gradients,
-    or, the block's backward done, its gradients but not its activations (the larger of the two)."""
+    or, the block's backward done, its gradients but not its activations (the larger of the two).
+
+    ``edges``: each rank's chunk edges per micro-batch (StageTerms.chunk_edges: the embedding's
+    activations, a pipeline's handed-on outputs less its received inputs), ``t``'s own by default."""
     last_rank = chunk_rank(pp * virtual_stages - 1, pp)
     caps = []
     for r in range(pp):
@@ -626,12 +630,14 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
             fixed += loss_inflight * t.post.act_bytes
         room = math.floor(capacity_bytes - fixed)
         pre = t.pre.act_bytes if r == 0 else 0.0
+        edge = edges[r] if edges is not None else t.chunk_edges(r)
         per_block = sigma * t.block.params - window[2]
         if virtual_stages == 1:  # one chunk, one state: I_r micro-batches of every block (integer sums)
             inflight = tables[r].total
+            one_chunk = sum(edge)  # the chunk is the rank's first and last
             if first_backward is not None:
                 absent_block, absent_param, other_rest = first_backward
-                moment_a = _linear_cap(capacity_bytes - fixed + absent_param * fixed_p - inflight * pre,
+                moment_a = _linear_cap(capacity_bytes - fixed + absent_param * fixed_p - inflight * one_chunk,
                                        per_block - absent_block + inflight * block_act_bytes)
                 later = inflight - 1  # micro-batches whose activations remain after the first's backward
                 # the first micro-batch's first block's backward (its own and the embedding's gradients
@@ -639,16 +645,17 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
                 fixed_c = (sigma * fixed_p - absent_param * (t.pre.params if r == 0 else 0.0) + other_rest[r]
                            + (later * t.post.act_bytes if r == last_rank else 0.0) + pre)
                 fixed_b = fixed_c + max(0.0, block_act_bytes - absent_block)
-                moment_b = _linear_cap(capacity_bytes - fixed_b - later * pre, per_block + later * block_act_bytes)
+                moment_b = _linear_cap(capacity_bytes - fixed_b - later * one_chunk,
+                                       per_block + later * block_act_bytes)
                 caps.append(min(moment_a, moment_b))
                 continue
             per_block_int = math.ceil(per_block + inflight * block_act_bytes)
-            room_int = math.floor(room - inflight * pre)
+            room_int = math.floor(room - inflight * one_chunk)
             caps.append(room_int // per_block_int if per_block_int > 0 else (10**9 if room_int >= 0 else -1))
             continue
         caps.append(most_blocks(tables[r], per_block_bytes=per_block,
                                 act_per_block_bytes=block_act_bytes, first_chunk_bytes=pre, room_bytes=room,
-                                top_chunks=window[0], top_chunk_bytes=window[1]))
+                                top_chunks=window[0], top_chunk_bytes=window[1], edges=edge))
     return caps
 
 

@@ -180,13 +180,13 @@ class MixedSplitILP:
         b1 = col.get("full", zero)
         b2 = b1 + col.get("selective", zero)
         a_full, a_sel, a_none = (self.act.get(m, 0.0) for m in RECOMPUTE_ORDER)
-        pre = self.terms.pre.act_bytes if r == 0 else 0.0
+        edges = np.asarray(self.terms.chunk_edge_bytes(r))  # the embedding's, a pipeline's (StageTerms.chunk_edges)
         states = np.asarray(self.states[r], dtype=np.float64)  # (states, v)
         # prefix[s, k]: micro-batches in flight, in state s, summed over the first k block positions
         prefix = np.zeros((len(states), n + 1))
         np.cumsum(states[:, chunk_of], axis=1, out=prefix[:, 1:])
         act = (a_full * prefix[:, b1] + a_sel * (prefix[:, b2] - prefix[:, b1])
-               + a_none * (prefix[:, n:n + 1] - prefix[:, b2]) + pre * states[:, :1])
+               + a_none * (prefix[:, n:n + 1] - prefix[:, b2]) + (states @ edges)[:, None])
         states = self.state_per_block * n + self.top_bytes * top_blocks(dealt_sizes(n, v), self.top_chunks)
         return np.ceil(states + act.max(axis=0)).astype(np.int64)
 
@@ -204,7 +204,8 @@ class MixedSplitILP:
                 cap = most_blocks(self.tables[r], per_block_bytes=self.state_per_block,
                                   act_per_block_bytes=self.act[m], room_bytes=room,
                                   first_chunk_bytes=self.terms.pre.act_bytes if r == 0 else 0.0,
-                                  top_chunks=self.top_chunks, top_chunk_bytes=self.top_bytes)
+                                  top_chunks=self.top_chunks, top_chunk_bytes=self.top_bytes,
+                                  edges=self.terms.chunk_edges(r))
                 best = max(best, cap)
             caps.append(best)
         if host and self.host_caps is not None:
@@ -533,14 +534,14 @@ class MixedSplitILP:
                     released = sum(self.alpha1[b] * row[b] for b in self.later[m] if b in row)
                     self.model.Add(w_r >= self.work[r][m] * u - released)
             chunks, sizes = self._chunk_modes(r, row)
-            pre = math.ceil(self.terms.pre.act_bytes) if r == 0 else 0
+            edges = [math.ceil(e) for e in self.terms.chunk_edge_bytes(r)]  # the embedding's, a pipeline's
             per_block = math.ceil(self.state_per_block)
             act = {m: math.ceil(a) for m, a in self.act.items()}
             states = per_block * self.N[r]
             if self.top_chunks:  # the gather window: the dealt chunks' last (largest) K (rounded up, as per_block)
                 states += math.ceil(self.top_bytes) * sum(sizes[-self.top_chunks:])
             for state in self.states[r]:  # the schedule's peak states (cost.memory.inflight_states)
-                self.model.Add(states + pre * state[0] + w_r
+                self.model.Add(states + sum(n * e for n, e in zip(state, edges)) + w_r
                                + sum(n * act[m] * chunk[m] for n, chunk in zip(state, chunks) for m in chunk)
                                <= self.room[r])
 

@@ -93,13 +93,21 @@ def _terms(tiny, recompute: str = "none", memory_mib: float = 1e6):  # noqa: ANN
 
 
 def test_evaluate_weighs_each_chunk_by_its_in_flight_micro_batches(tiny) -> None:
+    """Each chunk holds per micro-batch its blocks' activations, the embedding's on the model's first,
+    and the output torch pipelining keeps for backward on all but the model's last, less, on all but
+    the model's first, its first block's saved input, which is the receive buffer."""
     terms = _terms(tiny)
+    assert tiny.block_saves_input and terms.handoff_bytes > 0  # a GPT block's first norm saves its input
+    assert terms.received_saved_bytes == terms.handoff_bytes
     split = deal_chunks([7, 5], 3)  # rank 0: 2, 2, 3 blocks; rank 1: 1, 2, 2
     est = evaluate(terms, list(split), 1.0, 1.0, 1.0)
     for r in range(2):
         chunks = [n * terms.block.act_bytes for n in split[r::2]]
         if r == 0:
             chunks[0] += terms.pre.act_bytes
+        for k in range(3):  # global chunk k * pp + r of 6
+            g = 2 * k + r
+            chunks[k] += (terms.handoff_bytes if g < 5 else 0.0) - (terms.received_saved_bytes if g > 0 else 0.0)
         want = peak_bytes(inflight_states("interleaved-1f1b", 2, r, 8, 3), chunks)
         if r == 1:
             want += terms.loss_inflight() * terms.post.act_bytes
