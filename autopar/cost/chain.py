@@ -12,12 +12,17 @@ A chain is planned with one chunk per pipeline rank (v = 1: GPipe or 1F1B). Rank
 
     t_r   = sum_{i in r} tau_i + [r > 0] p2p(s_r) + [r < pp-1] p2p(s_{r+1}) + [r = 0] pre + [r = pp-1] post
     step  = (M - 1) max_r t_r + sum_r t_r + max_r tail_r
-    mem_r = sigma P_r + I_r (sum_{i in r} alpha_i + edges) + other_r + reserve
+    mem_r = sigma P_r + I_r (sum_{i in r} alpha_i + edges + cut_r) + other_r + reserve
     other_r = root_r + max(max_{i in r} phase_i - [r = pp-1] post_act,
                            first_r - [r = pp-1] post_act,
                            [r = pp-1] loss, [r = 0] pre_peak) + M (buf(s_r) [r > 0] + buf(s_{r+1}) [r < pp-1])
 
-phase_i is unit i's backward (``unit_phase_bytes``): its transients (ZeRO-3's gathered
+cut_r is what a micro-batch holds at the rank's cuts (``cut_edge_bytes``): torch pipelining keeps
+its output until its backward (h(s_{r+1}), r < pp - 1), and its first unit's saved input is the
+receive buffer, priced with the buffers (- h(s_r) where unit s_r saves what it receives, r > 0).
+
+phase_i is unit i's backward (beside the rank's saved activations less those of the units after it,
+which the micro-batch's backward has released: ``stage_phase_bytes``) (``unit_phase_bytes``): its transients (ZeRO-3's gathered
 parameters and gradients, its recompute working set) + its temporaries (gradients of
 activations, ``Part.peak_bytes``) + FSDP2's held reduce-scatter input beyond the unit's own
 activations; first_r is the backward of the rank's last unit, the first to run backward, when
@@ -77,6 +82,11 @@ class ChainTerms:
     unit_phase_bytes: tuple[float, ...]
     # [i]: one pipeline receive buffer of a cut before unit i (0 where the software allocates none)
     cut_buffer_bytes: tuple[float, ...]
+    # [i]: a cut before unit i per micro-batch (StageTerms.chunk_edges): the output the rank before
+    # keeps until its backward (torch pipelining's fwd_cache), and what of it unit i saves for
+    # backward on the rank after, the receive buffer itself (ChainUnit.saves_input); () = none
+    cut_handoff_bytes: tuple[float, ...] = ()
+    cut_received_saved_bytes: tuple[float, ...] = ()
     # ep > 1: the expert-parallel terms of one unit holding the experts (all such units share the
     # graph's one mixture), and which units hold them; None / all False otherwise
     expert: ExpertCost | None = None
@@ -114,7 +124,7 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
     layout = Layout.of(cfg)
     pp_link, dpcp_link = axis_link(cluster, layout, "pp"), axis_link(cluster, layout, "dp_cp")
     tp_link = axis_link(cluster, layout, "tp")
-    parts, cuts, transient, phases, buffers = [], [], [], [], []
+    parts, cuts, transient, phases, buffers, handoffs, received = [], [], [], [], [], [], []
     held_per_param = base.held_reduce_bytes_per_param
     expert: ExpertCost | None = None
     for i, unit in enumerate(graph.chain):
@@ -154,8 +164,15 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
         phases.append(transient[-1] + part.peak_bytes + max(0.0, part.params * held_per_param - part.act_bytes))
         buffers.append(_pipeline_buffer_bytes(cfg, cluster, unit.input_bytes * cfg.micro_batch * s_ratio, sp,
                                               base.carried_bytes))
+        # a cut before unit i: unit i - 1's output, kept where it does not save it itself (full
+        # recompute saves none of a unit's own tensors), and unit i's saved input
+        hidden = _pipeline_buffer_bytes(cfg, cluster, unit.input_bytes * cfg.micro_batch * s_ratio, sp)
+        kept = i > 0 and graph.chain[i - 1].saves_output and cfg.recompute != "full"
+        handoffs.append(0.0 if kept else hidden)
+        received.append(hidden if unit.saves_input or cfg.recompute == "full" else 0.0)
     return ChainTerms(base=base, units=tuple(parts), cut_p2p_s=tuple(cuts), unit_transient_bytes=tuple(transient),
                       unit_phase_bytes=tuple(phases), cut_buffer_bytes=tuple(buffers),
+                      cut_handoff_bytes=tuple(handoffs), cut_received_saved_bytes=tuple(received),
                       expert=expert, expert_units=tuple(u.experts and expert is not None for u in graph.chain))
 
 
@@ -198,6 +215,7 @@ class StageLoad:
     # its first unit to run backward (its last) with that input whole (first_backward_bytes); else 0
     first_backward_bytes: float = 0.0
     buffer_bytes: float = 0.0  # one micro-batch's pipeline receive buffers (its cuts in and out)
+    edge_bytes: float = 0.0  # one micro-batch's handed-on output less its saved received input (cut_edge_bytes)
 
 
 def stage_load(terms: ChainTerms, start: int, end: int, rank: int) -> StageLoad:
@@ -220,9 +238,23 @@ def stage_load(terms: ChainTerms, start: int, end: int, rank: int) -> StageLoad:
     return StageLoad(time_s=time, bwd_s=bwd, params=params, act_bytes=act,
                      transient_bytes=max(terms.unit_transient_bytes[start:end], default=0.0),
                      expert_units=sum(terms.expert_units[start:end]),
-                     phase_bytes=max(terms.unit_phase_bytes[start:end], default=0.0),
-                     buffer_bytes=cut_buffers_bytes(terms, start, end),
+                     phase_bytes=stage_phase_bytes(terms, start, end),
+                     buffer_bytes=cut_buffers_bytes(terms, start, end), edge_bytes=cut_edge_bytes(terms, start, end),
                      first_backward_bytes=first_backward_bytes(terms, start, end, rank))
+
+
+def stage_phase_bytes(terms: ChainTerms, start: int, end: int) -> float:
+    """The largest backward phase of units [start, end) beside the stage's saved activations: unit
+    u's (``unit_phase_bytes``) less the activations of the units after it on the stage, which the
+    micro-batch's backward has released by then -- max_u (phase_u + A_{u+1}) - A_end, with A the
+    prefix sums of the units' activations (a ResNet's first bottleneck peaks beside none of the
+    later ones' saved tensors)."""
+    act = [u.act_bytes for u in terms.units[start:end]]
+    later, best = 0.0, float("-inf")
+    for phase, a in zip(reversed(terms.unit_phase_bytes[start:end]), reversed(act)):
+        best = max(best, phase - later)
+        later += a
+    return best if end > start else 0.0
 
 
 def first_backward_bytes(terms: ChainTerms, start: int, end: int, rank: int) -> float:
@@ -246,6 +278,16 @@ def cut_buffers_bytes(terms: ChainTerms, start: int, end: int) -> float:
         (terms.cut_buffer_bytes[end] if end < terms.num_units else 0.0)
 
 
+def cut_edge_bytes(terms: ChainTerms, start: int, end: int) -> float:
+    """What one micro-batch of the rank holding units [start, end) holds at its cuts beside its
+    units' saved activations (StageTerms.chunk_edges): its output, kept until its backward, where
+    a rank follows, less its first unit's saved input, the receive buffer, where one precedes."""
+    if terms.config.pp == 1 or not terms.cut_handoff_bytes:
+        return 0.0
+    return (terms.cut_handoff_bytes[end] if end < terms.num_units else 0.0) - \
+        (terms.cut_received_saved_bytes[start] if start > 0 else 0.0)
+
+
 def stage_tail_s(terms: ChainTerms, load: StageLoad) -> float:
     """The end-of-step tail of a rank (the formula of ``cost.step.evaluate``)."""
     t = terms.base
@@ -267,7 +309,7 @@ def stage_memory(terms: ChainTerms, load: StageLoad, rank: int) -> dict[str, flo
         for kind in memory:
             memory[kind] += load.expert_units * ex.state_delta_bytes(kind, split)
     other = _other_bytes(terms, load, rank, loss=True)
-    activations = t.inflight(rank) * load.act_bytes
+    activations = t.inflight(rank) * (load.act_bytes + load.edge_bytes)
     # a step's only micro-batch, no pipeline (StageTerms.one_microbatch_peak; a chain's GPipe stages
     # keep their gradients in the price: over)
     if t.loss_free_grads > 0 and terms.config.pp == 1:
@@ -298,7 +340,8 @@ def _other_bytes(terms: ChainTerms, load: StageLoad, rank: int, *, loss: bool, b
         phases.append(t.loss_phase_bytes(gather) + t.first_backward_held_bytes(first, last))
     # the outputs of the micro-batches whose loss and backward are pending (StageTerms.rank_other_bytes)
     held = t.stage_output_bytes * t.loss_inflight() if last else 0.0
-    return t.root_bytes(first, last) + max(phases) + held + c.num_microbatches * load.buffer_bytes
+    # and the rank's rows of the step's batch (StageTerms.batch_bytes)
+    return t.root_bytes(first, last) + max(phases) + held + c.num_microbatches * load.buffer_bytes + t.batch_bytes
 
 
 def evaluate_chain(terms: ChainTerms, ranges: Sequence[tuple[int, int]], model_flops_per_step: float,

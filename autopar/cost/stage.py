@@ -101,16 +101,20 @@ def _handed_bytes(cfg: Config, nbytes: float) -> float:
 def _handoff(graph: ModelGraph, cluster: Cluster, cfg: Config, tokens_bytes: float, sp: float) -> dict[str, float]:
     """``StageTerms.handoff_bytes`` and ``received_saved_bytes``: the hidden state one micro-batch of a
     chunk hands on (as its receive buffer holds it: ``_pipeline_buffer_bytes`` less what is carried
-    beside it, passed through), and the same where the chunk's first block saves what it receives --
-    the model's block does (ModelGraph.block_saves_input: its first norm or GEMM reads it), and so
-    do full and per-op recompute, which keep the block's input. Activation offload moves what is
-    saved to the host (cost/offload.py clears the second). Set at pp = 1 too (the search's fit
-    bound reads a branch's terms without a pipeline); ``StageTerms.chunk_edges`` uses them at pp > 1."""
+    beside it, passed through) where its last block does not save it already (a last ReLU saves its
+    output: ModelGraph.block_saves_output; not under full or per-op recompute, which save none of the
+    block's own tensors), and the same where the chunk's first block saves what it receives -- the
+    model's block does (ModelGraph.block_saves_input: its first norm or GEMM reads it), and so do
+    full and per-op recompute, which keep the block's input. Activation offload moves what is saved
+    to the host (cost/offload.py clears the second). Set at pp = 1 too (the search's fit bound reads
+    a branch's terms without a pipeline); ``StageTerms.chunk_edges`` uses them at pp > 1."""
     if not cluster.pipeline_buffers_per_microbatch:
-        return {"handoff_bytes": 0.0, "received_saved_bytes": 0.0}
-    handoff = _handed_bytes(cfg, tokens_bytes / sp)
-    saved = graph.block_saves_input or cfg.recompute in ("full", "op")
-    return {"handoff_bytes": handoff, "received_saved_bytes": handoff if saved else 0.0}
+        return {"handoff_bytes": 0.0, "received_saved_bytes": 0.0, "hidden_bytes": 0.0}
+    hidden = _handed_bytes(cfg, tokens_bytes / sp)
+    keeps_own = cfg.recompute not in ("full", "op")
+    received = graph.block_saves_input or not keeps_own
+    return {"handoff_bytes": 0.0 if keeps_own and graph.block_saves_output else hidden,
+            "received_saved_bytes": hidden if received else 0.0, "hidden_bytes": hidden}
 
 
 def _stage_output_bytes(graph: ModelGraph, cluster: Cluster, cfg: Config, shape: Shape, replicated: bool) -> float:
@@ -234,6 +238,8 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         capacity_bytes=cluster.usable_memory_bytes,
         pipeline_buffer_bytes=_pipeline_buffer_bytes(cfg, cluster, tokens_bytes, sp, carried),
         **_handoff(graph, cluster, cfg, tokens_bytes, sp),
+        batch_bytes=graph.batch_input_bytes * cfg.global_batch / cfg.dp * (
+            cfg.seq_len / graph.seq_len if graph.is_sequence_model else 1.0),
         stage_output_bytes=_stage_output_bytes(graph, cluster, cfg, shape, replicated),
         carried_bytes=carried,
         zero3_root_params_per_byte=float(d) if cfg.zero == 3 else 0.0,

@@ -148,6 +148,11 @@ class StageTerms:
     # where the software frees its outputs once sent (Megatron-LM); in use at pp > 1 only.
     handoff_bytes: float = 0.0
     received_saved_bytes: float = 0.0
+    hidden_bytes: float = 0.0  # the hidden state itself, whichever of the two hold it (the fit bound's)
+    # The rank's rows of the step's batch (global batch / dp samples of the model's inputs, as the
+    # model file makes them: ModelGraph.batch_input_bytes), on its device through the step: the
+    # executor slices its micro-batches from them there
+    batch_bytes: float = 0.0
     # Bytes per micro-batch a stage receives beside the hidden state (ModelGraph.carried_bytes), in
     # ``p2p_s`` and ``pipeline_buffer_bytes`` already; kept for ``autopar explain``. 0 at pp = 1.
     carried_bytes: float = 0.0
@@ -444,7 +449,8 @@ class StageTerms:
         ``loss_inflight``: one under 1F1B, every one under GPipe, whose last stage keeps each
         micro-batch's logits from its forward to its backward), and the pipeline's receive buffers
         (``pipeline_buffer_bytes`` per micro-batch and receiving chunk: every chunk but the first
-        receives activations, every one but the last their gradients). Non-decreasing in
+        receives activations, every one but the last their gradients), and the rank's rows of the
+        step's batch (``batch_bytes``). Non-decreasing in
         ``working``: a mix pays the largest working set of the modes it uses. ``loss`` False: the
         loss phase left out (``one_microbatch_peak``)."""
         c = self.config
@@ -461,7 +467,7 @@ class StageTerms:
             phases.append(self._loss_phase_bytes + self.first_backward_held_bytes(first, last))
         if first:
             phases.append(self.pre.peak_bytes + root_grads)
-        other = (self.root_bytes(first, last) + max(phases) + self.other_chunks_held_bytes(first, last)
+        other = (self.root_bytes(first, last) + max(phases) + self.other_chunks_held_bytes(first, last) + self.batch_bytes
                  + (self.pre_padding_bytes if first else 0.0) + (self.post_padding_bytes if last else 0.0)
                  + (self.stage_output_bytes * self.loss_inflight() if last else 0.0))
         if c.pp > 1 and self.pipeline_buffer_bytes > 0:

@@ -75,6 +75,12 @@ class TracedRun:
     # whether the block saves the very tensor it receives (its first norm or GEMM does): under a
     # pipeline that tensor is the receive buffer, priced with the buffers (ModelGraph.block_saves_input)
     block_saves_input: bool = False
+    # whether it saves the very tensor it returns (a last ReLU saves its output): under a pipeline
+    # that tensor is also the chunk's output torch pipelining keeps (ModelGraph.block_saves_output)
+    block_saves_output: bool = False
+    # a layer chain's trace: the same for each unit it ran, in order (graph/chain_measure.py)
+    unit_saves_input: tuple[bool, ...] = ()
+    unit_saves_output: tuple[bool, ...] = ()
 
 
 def output_bytes(value: Any) -> float:
@@ -95,6 +101,14 @@ def output_bytes(value: Any) -> float:
     for leaf in tree_flatten(value)[0]:
         visit(leaf)
     return sum(seen.values())
+
+
+def batch_input_bytes(mf: Any) -> float:
+    """Bytes per sample of the model file's inputs as it makes them (``example_inputs``, dtypes
+    uncast: an image batch in fp32, token ids in int64), each storage once: the executor moves a
+    rank's rows of the step's batch to its device and slices micro-batches from them there
+    (ModelGraph.batch_input_bytes). From two samples, so that a per-batch constant counts half."""
+    return output_bytes(mf.example_inputs(2, "meta")) / 2.0
 
 
 def first_tensor(value: Any) -> torch.Tensor | None:
@@ -131,9 +145,10 @@ def trace_model(
         for h in handles:
             h.remove()
     trace.peaks = _peaks(model, inputs, loss_fn, block)
-    saves_input = any(r.region == "block" and r.root == io.get("in_root") for r in trace.saved)
+    saved_roots = {r.root for r in trace.saved if r.region == "block"}
     return TracedRun(trace=trace, param_regions=regions.by_param,
-                     block_input_bytes=io["in"], output_bytes=io["out"], block_saves_input=saves_input)
+                     block_input_bytes=io["in"], output_bytes=io["out"],
+                     block_saves_input=io.get("in_root") in saved_roots, block_saves_output=io.get("out_root") in saved_roots)
 
 
 def _region_hooks(block: nn.Module, set_region: Callable[[str], None], io: dict[str, float]) -> list:
@@ -152,6 +167,8 @@ def _region_hooks(block: nn.Module, set_region: Callable[[str], None], io: dict[
     def post_hook(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         set_region("post")
         y = first_tensor(out)
+        if y is not None:
+            io["out_root"] = id(y._base if y._base is not None else y)
         if y is not None and y.requires_grad:
             y.register_hook(lambda g: set_region("bwd:block"))
             # A model whose output is this very tensor has no post region: its backward must not

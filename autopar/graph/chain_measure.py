@@ -22,7 +22,15 @@ import torch
 from torch import nn
 
 from autopar.errors import ModelFileError
-from autopar.graph.build import ParamRegions, TracedRun, first_tensor, forward_backward, peak_records, slice_sequence
+from autopar.graph.build import (
+    ParamRegions,
+    TracedRun,
+    batch_input_bytes,
+    first_tensor,
+    forward_backward,
+    peak_records,
+    slice_sequence,
+)
 from autopar.graph.chain_tp import chain_tp_comm_hooks, shard_chain_for_tp, sharded_params
 from autopar.graph.fused_scan import fit_with_scan
 from autopar.graph.model_graph import ChainUnit, ModelGraph, MoEFacts, RegionParams
@@ -116,6 +124,8 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
     regions = ParamRegions(model)
     handles = regions.handles
     in_bytes = [0.0] * len(unit_mods)
+    in_roots: list[int | None] = [None] * len(unit_mods)
+    out_roots: list[int | None] = [None] * len(unit_mods)
     io: dict[str, float] = {"out": 0.0}
     for p in model.parameters():  # every traced backward starts without gradients, as a step's first
         p.grad = None  # does: a gradient left by the previous shape's run turns its copies into adds
@@ -124,7 +134,7 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
         set_region = regions.setter(set_region_raw)
         if tp_styles:
             handles.extend(chain_tp_comm_hooks(unit_mods, tp_styles, trace))
-        handles.extend(_unit_hooks(unit_mods, set_region, in_bytes))
+        handles.extend(_unit_hooks(unit_mods, set_region, in_bytes, (in_roots, out_roots)))
         forward_backward(model, inputs, loss_fn, set_region, io)
 
     trace = Trace()
@@ -140,14 +150,21 @@ def trace_chain_model(model: nn.Module, inputs: Any, loss_fn: Callable[[Any, Any
         forward_backward(model, inputs, loss_fn, set_region)
 
     trace.peaks = peak_records(step, list(model.parameters()), hooks)
+    # whether each unit saves the very tensors it receives and returns (a pipeline cut's receive
+    # buffer, and the output the stage before keeps: cost/chain.py)
+    saved_roots = {(r.region, r.root) for r in trace.saved}
+    saves_in = tuple((f"unit.{i}", root) in saved_roots for i, root in enumerate(in_roots))
+    saves_out = tuple((f"unit.{i}", root) in saved_roots for i, root in enumerate(out_roots))
     return TracedRun(trace=trace, param_regions=regions.by_param, block_input_bytes=in_bytes[0],
-                     output_bytes=io["out"]), in_bytes
+                     output_bytes=io["out"], unit_saves_input=saves_in, unit_saves_output=saves_out), in_bytes
 
 
-def _unit_hooks(unit_mods: list[nn.Module], set_region: Callable[[str], None], in_bytes: list[float]) -> list:
+def _unit_hooks(unit_mods: list[nn.Module], set_region: Callable[[str], None], in_bytes: list[float],
+                roots: tuple[list[int | None], list[int | None]] | None = None) -> list:
     """Hooks that switch the region at each unit's entry (and, in backward, when its input's
     gradient is done: what ran before it is next) and after the last unit (post); ``in_bytes[i]``
-    becomes the bytes of unit i's input."""
+    becomes the bytes of unit i's input, ``roots``' lists [i] the ids of the root tensors of unit
+    i's input's and output's storages."""
     handles = []
     last = len(unit_mods) - 1
     for i, mod in enumerate(unit_mods):
@@ -156,6 +173,8 @@ def _unit_hooks(unit_mods: list[nn.Module], set_region: Callable[[str], None], i
             x = first_tensor((args, kwargs))
             if x is not None:
                 in_bytes[i] = float(x.numel() * x.element_size())
+                if roots is not None:
+                    roots[0][i] = id(x._base if x._base is not None else x)
                 if x.requires_grad:  # its gradient done: what ran before unit i is next
                     before = "pre" if i == 0 else f"unit.{i - 1}"
                     x.register_hook(lambda g, r=before: set_region(f"bwd:{r}"))
@@ -164,6 +183,8 @@ def _unit_hooks(unit_mods: list[nn.Module], set_region: Callable[[str], None], i
             if i == last:
                 set_region("post")
             y = first_tensor(out)
+            if y is not None and roots is not None:
+                roots[1][i] = id(y._base if y._base is not None else y)
             if y is not None and y.requires_grad:
                 y.register_hook(lambda g, i=i: set_region(f"bwd:unit.{i}"))
 
@@ -245,11 +266,13 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
         except ValueError:
             regions[region] = fit_with_scan(region, base.trace, b2.trace, None, None)
     at = dict(zip(keep, kept_in))
+    saves_at = dict(zip(keep, zip(base.unit_saves_input, base.unit_saves_output)))
     param_regions = {pid: {_unit_region(r, keep) for r in rs} for pid, rs in base.param_regions.items()}
     unit_params, pre, post, tied = _params(model, chain.units, param_regions)
     moe_units = set(spec.moe_units)
     units = tuple(ChainUnit(name=u, region=f"unit.{kinds[i]}", params=unit_params[i], input_bytes=at.get(i, at[kinds[i]]),
-                            experts=u in moe_units)
+                            experts=u in moe_units, saves_input=saves_at.get(i, saves_at.get(kinds[i], (False, False)))[0],
+                            saves_output=saves_at.get(i, saves_at.get(kinds[i], (False, False)))[1])
                   for i, u in enumerate(chain.units))
     regions["block"] = regions[units[0].region]
     edges = _edge_sharded(small, chain.block_list, base) if t2 is not None else {"pre": 0, "post": 0}
@@ -270,6 +293,7 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
         tp_source=_tp_source(spec), tp_styles={}, moe_tp_styles=_moe_tp_styles(spec, support),
         regions=regions, params=params, tied_params=tied,
         block_input_bytes=units[0].input_bytes,
+        batch_input_bytes=batch_input_bytes(mf) * (base_seq / mf.seq_len if is_seq and mf.seq_len else 1.0),
         build_seconds=time.perf_counter() - start, chain=units, moe=MoEFacts.of(spec.moe),
         tp_degrees=spec.tp_degrees,
         output=fit_output(base, b2, s_half, t2),

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autopar.errors import ModelFileError
-from autopar.graph.build import one_block_model, sequence_keep, slice_sequence, trace_model
+from autopar.graph.build import batch_input_bytes, one_block_model, sequence_keep, slice_sequence, trace_model
 from autopar.graph.carried import measure_carried
 from autopar.graph.fused_scan import fit_with_scan
 from autopar.graph.model_graph import ModelGraph, MoEFacts, RegionParams
@@ -165,6 +165,8 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
         tp_source=spec.tp.describe(), tp_styles=dict(tp_plan or {}),
         regions=regions, params=params, tied_params=tied,
         block_input_bytes=base.block_input_bytes, block_saves_input=base.block_saves_input,
+        block_saves_output=base.block_saves_output,
+        batch_input_bytes=batch_input_bytes(mf) * (base_seq / mf.seq_len if is_seq and mf.seq_len else 1.0),
         build_seconds=time.perf_counter() - start, moe=MoEFacts.of(spec.moe),  # expert parallelism
         tp_degrees=spec.tp_degrees,
         carried=_carried(mf, small, spec, shapes) if support["pp"] is None else (),

@@ -72,6 +72,10 @@ class ChainUnit:
     params: int
     input_bytes: float
     experts: bool = False  # it holds the graph's mixture of experts (ModelGraph.moe), which ep shards
+    # it saves the very tensor it receives (a pipeline cut's receive buffer: cost/chain.py), the one
+    # it returns (what the stage it ends keeps for backward)
+    saves_input: bool = False
+    saves_output: bool = False
 
     def __post_init__(self) -> None:
         if self.params < 0 or self.input_bytes < 0:
@@ -143,9 +147,14 @@ class ModelGraph:
     params: dict[str, RegionParams]  # per region; "block" is one block
     tied_params: int  # parameters used both before and after the blocks (tied embedding)
     block_input_bytes: float  # one sample, tp=1: the tensor a block receives (full recompute keeps it)
+    # one sample of the model's inputs as the model file makes them (graph/build.batch_input_bytes): a
+    # rank holds its rows of the step's batch on its device through the step (cost.stage)
+    batch_input_bytes: float = 0.0
     # whether a block saves that very tensor for backward (its first norm or GEMM reads it): a pipeline
-    # chunk's first block then saves its receive buffer, which the buffers price (cost.stage)
+    # chunk's first block then saves its receive buffer, which the buffers price (cost.stage); and the
+    # one it returns (a last ReLU saves its output): a chunk's output, which torch pipelining keeps
     block_saves_input: bool = False
+    block_saves_output: bool = False
     build_seconds: float = field(compare=False, default=0.0)
     # What the executor can run on this model, per dimension (autopar.spec.support): None = offered,
     # else the reason it is not. Empty: everything the reasons above allow.

@@ -98,4 +98,5 @@ def at_sequence(graph: ModelGraph, seq_len: int, mf: ModelFile) -> ModelGraph:
     output = None if out is None else dataclasses.replace(out, nbytes=out.nbytes * ratio ** out.exps.s)
     return dataclasses.replace(graph, sha256=mf.sha256, seq_len=seq_len, probe_seq_len=graph.seq_len,
                                regions=regions, chain=chain, block_input_bytes=graph.block_input_bytes * ratio,
+                               batch_input_bytes=graph.batch_input_bytes * ratio,
                                carried=carried, output=output)

@@ -110,7 +110,7 @@ def _rehearse_ranks(plan: "Plan", model_path: str, ranks: Sequence[int], progres
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from autopar.rehearse.rank import rank_memory, rehearsed_microbatches, with_microbatches
-    from autopar.rehearse.workers import Caller, context
+    from autopar.rehearse.workers import Caller, context, main_left_alone
 
     counts = rehearsed_microbatches(plan)
     tasks = [(r, m) for r in ranks for m in counts]
@@ -119,22 +119,23 @@ def _rehearse_ranks(plan: "Plan", model_path: str, ranks: Sequence[int], progres
     seconds: dict[int, float] = dict.fromkeys(ranks, 0.0)
     pool = ProcessPoolExecutor(max_workers=n, mp_context=context(), max_tasks_per_child=1)
     caller = Caller.here()
-    try:
-        futures = {pool.submit(_step_in_process, with_microbatches(plan, m), model_path, r, why, caller): (r, m)
-                   for r, m in tasks}
-        if progress is not None:
-            progress(f"rehearsing {len(ranks)} rank(s) ({len(tasks)} steps), {n} at a time")
-        done = 0
-        for fut in as_completed(futures):
-            r, m = futures[fut]
-            steps[(r, m)], took = fut.result()  # a step's one-line AutoparError ends the rehearsal
-            seconds[r] += took
-            if all((r, c) in steps for c in counts):
-                done += 1
-                if progress is not None:
-                    progress(f"rank {r} done in {seconds[r]:.0f} s ({done}/{len(ranks)})")
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    with main_left_alone():  # the workers need nothing of a main module that is no file
+        try:
+            futures = {pool.submit(_step_in_process, with_microbatches(plan, m), model_path, r, why, caller): (r, m)
+                       for r, m in tasks}
+            if progress is not None:
+                progress(f"rehearsing {len(ranks)} rank(s) ({len(tasks)} steps), {n} at a time")
+            done = 0
+            for fut in as_completed(futures):
+                r, m = futures[fut]
+                steps[(r, m)], took = fut.result()  # a step's one-line AutoparError ends the rehearsal
+                seconds[r] += took
+                if all((r, c) in steps for c in counts):
+                    done += 1
+                    if progress is not None:
+                        progress(f"rank {r} done in {seconds[r]:.0f} s ({done}/{len(ranks)})")
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     return {r: rank_memory(plan, r, [steps[(r, m)] for m in counts], seconds[r]) for r in ranks}
 
 

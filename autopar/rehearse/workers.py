@@ -13,11 +13,12 @@ platform has no forkserver, steps are spawned as before.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 # What every step imports before its work (rehearse.rank.rehearse_step and what it calls).
 PRELOADED = ["torch", "torch.distributed", "autopar.executor.parallel.apply", "autopar.executor.runtime.train",
@@ -50,3 +51,21 @@ def context() -> Any:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOADED)  # read when the server starts: the first pool's
     return ctx
+
+
+@contextlib.contextmanager
+def main_left_alone() -> Iterator[None]:
+    """While a pool runs: a caller whose main module is no file (``python -`` reading stdin names it
+    ``<stdin>``) would have each worker re-import it from that path, and every step fail before it
+    starts. The steps need nothing of the caller's main module (they run autopar's own functions),
+    so its ``__file__`` is hidden meanwhile; a real script's is left as multiprocessing expects."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not isinstance(path, str) or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path

@@ -23,6 +23,7 @@ from autopar.cost.chain import (
     StageLoad,
     build_chain_terms,
     cut_buffers_bytes,
+    cut_edge_bytes,
     evaluate_chain,
     first_backward_bytes,
     stage_memory,
@@ -49,7 +50,8 @@ class StagePricer:
                 acc[key].append(acc[key][-1] + val)
         self.acc = acc
         self.transient = _RangeMax(terms.unit_transient_bytes)
-        self.phase = _RangeMax(terms.unit_phase_bytes)
+        # cost.chain.stage_phase_bytes: max_u (phase_u + A_{u+1}) over the range, less A_end
+        self.phase = _RangeMax(tuple(p + acc["act"][u + 1] for u, p in enumerate(terms.unit_phase_bytes)))
 
     def load(self, a: int, b: int, rank: int) -> StageLoad:
         """``cost.chain.stage_load(terms, a, b, rank)`` from the sums."""
@@ -70,7 +72,8 @@ class StagePricer:
             params, act = params + t.post.params + t.tied_params, act + t.post.act_bytes
         return StageLoad(time_s=time_s, bwd_s=bwd, params=params, act_bytes=act,
                          transient_bytes=self.transient(a, b), expert_units=round(acc["experts"][b] - acc["experts"][a]),
-                         phase_bytes=self.phase(a, b), buffer_bytes=cut_buffers_bytes(terms, a, b),
+                         phase_bytes=self.phase(a, b) - acc["act"][b], buffer_bytes=cut_buffers_bytes(terms, a, b),
+                         edge_bytes=cut_edge_bytes(terms, a, b),
                          first_backward_bytes=first_backward_bytes(terms, a, b, rank))
 
     def __call__(self, a: int, b: int, rank: int) -> tuple[float, float] | None:

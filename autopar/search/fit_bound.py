@@ -17,11 +17,11 @@ same memory family (``search.ilp.block_capacities``) with
     I_r       the schedule's in-flight micro-batches,
 
 and transient buffers (ZeRO-3's gathered block, recompute working sets), the tied embedding copy
-and a pipeline chunk's handed-on output beyond its received input left out: each only adds; the
-model's last chunk, which hands nothing on, credited the most its received input can be; the
-interleaved schedule's gather window (cost.pipeline_window.window_chunks) saves every block's
-parameters outside it, at most what the real terms save. Every input is at most the real one, so
-when these capacities cannot hold the L blocks, neither can the real ones.
+and a pipeline chunk's handed-on output left out: each only adds; a receiving chunk is credited
+the most its saved received input can be; the interleaved schedule's gather window
+(cost.pipeline_window.window_chunks) saves every block's parameters outside it, at most what the
+real terms save. Every input is at most the real one, so when these capacities cannot hold the L
+blocks, neither can the real ones.
 """
 
 from __future__ import annotations
@@ -63,12 +63,11 @@ def upper_capacity(base: StageTerms, *, zero: int, offload: Offload, schedule: s
     k = 0 if offload.states else window_chunks(zero=zero, shard_degree=shard_degree, pp=pp, schedule=schedule,
                                                virtual_stages=virtual_stages)
     g = float(dtype_bytes) * base.block.params if k else 0.0
-    # a pipeline's chunk edges (StageTerms.chunk_edges): a chunk's handed-on output at least covers
-    # its received input, so every chunk's edge is at least the embedding's, but the model's last:
-    # it hands nothing on and its first block's saved input (at most the hidden state, in fp32 at
-    # the most) is the receive buffer
-    received = base.handoff_bytes * max(1.0, 4.0 / dtype_bytes) if pp > 1 and not offload.activations else 0.0
-    edges = [(0.0, base.pre.act_bytes if r == 0 else 0.0, -received if r == pp - 1 else 0.0) for r in range(pp)]
+    # a pipeline's chunk edges (StageTerms.chunk_edges): a chunk's handed-on output only adds; its
+    # first block's saved input, the receive buffer, is credited, on every chunk but the model's
+    # first, at the most it can be (the hidden state, in fp32 at the most)
+    received = base.hidden_bytes * max(1.0, 4.0 / dtype_bytes) if pp > 1 and not offload.activations else 0.0
+    edges = [(-received, base.pre.act_bytes + received if r == 0 else 0.0, 0.0) for r in range(pp)]
     return block_capacities(base, pp=pp, virtual_stages=virtual_stages, tables=tables,
                             loss_inflight=loss_inflight_microbatches(schedule, pp, inflight_m), sigma=sigma,
                             block_act_bytes=0.0 if offload.activations else block_act_bytes,
