@@ -130,7 +130,9 @@ def search_plans(
                            "one (autopar profiles) or drop --offload")
     result = search(graph, cluster, space, top_k=top_k, progress=progress)
     if not result.top:
-        if result.num_configs == 0:
+        if result.num_configs == 0 or not any(k.startswith("memory") for k in result.rejected):
+            # nothing was too large: every configuration was illegal, or dominated by one that is
+            # not allowed (a pinned --recompute selective where it saves nothing)
             raise AutoparError(_no_config_message(space, fixed, result))
         from autopar.search.offload_need import needed_text  # with host offload, the host memory too
 

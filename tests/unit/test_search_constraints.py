@@ -123,6 +123,22 @@ def test_impossible_constraint_is_a_one_line_error() -> None:
     assert not isinstance(err.value, InfeasibleError) and "\n" not in str(err.value)
 
 
+def test_a_pinned_mode_that_is_only_dominated_is_not_called_too_large(tmp_path) -> None:
+    """Selective recompute pinned on a model whose attention keeps no s^2 activations: the search
+    drops it as dominated (it keeps what none keeps, in more time). The error says so, not "no plan
+    fits N GiB" beside a smallest plan far below N."""
+    from autopar.models.llama import LlamaConfig, model_file
+
+    path = tmp_path / "llama.py"
+    path.write_text(model_file(LlamaConfig(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2,
+                                           ffn_hidden_size=256, seq_len=64, vocab_size=256)), encoding="utf-8")
+    with pytest.raises(AutoparError, match="selective recompute saves nothing") as err:
+        search_plans(str(path), gpus=2, cluster=load_cluster("a100-80g"), cluster_ref="a100-80g",
+                     constraints={"recompute": ("selective",)})
+    assert not isinstance(err.value, InfeasibleError) and "\n" not in str(err.value)
+    assert "--recompute selective" in str(err.value)
+
+
 def test_sweep_row_equals_the_single_point_plan() -> None:
     from autopar.plan import dump_plan
     from autopar.search.sweep import run_sweep, sweep_points, sweep_report
