@@ -251,7 +251,8 @@ def _suffix_sums(state: tuple[int, ...]) -> tuple[int, ...]:
 
 def most_blocks(table: InflightTable, *, per_block_bytes: float, act_per_block_bytes: float,
                 first_chunk_bytes: float, room_bytes: float, limit: int = 10**9, top_chunks: int = 0,
-                top_chunk_bytes: float = 0.0, edges: tuple[float, float, float] | None = None) -> int:
+                top_chunk_bytes: float = 0.0, edges: tuple[float, float, float] | None = None,
+                moments: tuple[Sequence[Sequence[int]], Sequence[float]] | None = None) -> int:
     """The most blocks N a rank can hold in ``room_bytes``: N x ``per_block_bytes`` (model states)
     plus ``top_chunk_bytes`` for each block of the ``top_chunks`` largest chunks (``top_blocks``: a
     gather window's parameters) plus ``peak_bytes`` of N blocks of ``act_per_block_bytes`` dealt
@@ -263,10 +264,17 @@ def most_blocks(table: InflightTable, *, per_block_bytes: float, act_per_block_b
     linear in b for each e:
     b <= (room - per_block e - top min(K, e) - the most held on the last e chunks)
          / (per_block v + top K + act total);
-    one byte is kept spare for float rounding, so a count found here fits the sums evaluate makes."""
+    one byte is kept spare for float rounding, so a count found here fits the sums evaluate makes.
+
+    ``moments``: (states, bytes each holds beyond its activations) in place of ``table``'s states
+    (ZeRO-3 interleaved: StageTerms.state_extras; states of differing totals), each state's own
+    bound taken: b <= min over states of the same quotient with that state's total and bytes."""
     v, best = len(table.states[0]), -1
     k = min(max(top_chunks, 0), v)
     every, first, last = edges if edges is not None else (0.0, first_chunk_bytes, 0.0)
+    if moments is not None:
+        return _most_blocks_by_state(moments, v, k, per_block_bytes, act_per_block_bytes, (every, first, last),
+                                     room_bytes, limit, top_chunk_bytes)
     held_last = table.held_last(act_per_block_bytes, first, every, last)
     slope = per_block_bytes * v + top_chunk_bytes * k + act_per_block_bytes * table.total
     for e in range(v):
@@ -275,6 +283,30 @@ def most_blocks(table: InflightTable, *, per_block_bytes: float, act_per_block_b
             continue
         bound = min(limit, math.floor(spare / slope)) if slope > 0 else limit
         best = max(best, min(limit, bound * v + e))
+    return best
+
+
+def _most_blocks_by_state(moments: tuple[Sequence[Sequence[int]], Sequence[float]], v: int, k: int,
+                          per_block_bytes: float, act_per_block_bytes: float, edges: tuple[float, float, float],
+                          room_bytes: float, limit: int, top_chunk_bytes: float) -> int:
+    """``most_blocks`` over explicit moments (its ``moments`` argument)."""
+    every, first, last = edges
+    best = -1
+    for e in range(v):
+        bound = limit
+        for state, extra in zip(*moments):
+            total = sum(state)
+            held = sum(state[v - e:])  # the last e chunks hold one block more
+            spare = (room_bytes - 1.0 - per_block_bytes * e - top_chunk_bytes * min(k, e) - act_per_block_bytes * held
+                     - every * total - first * state[0] - last * state[-1] - extra)
+            if spare < 0:
+                bound = -1
+                break
+            slope = per_block_bytes * v + top_chunk_bytes * k + act_per_block_bytes * total
+            if slope > 0:
+                bound = min(bound, math.floor(spare / slope))
+        if bound >= 0:
+            best = max(best, min(limit, bound * v + e))
     return best
 
 

@@ -136,7 +136,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         sizes = list(chunk_blocks[r::pp])
         chunks = [n * b.act_bytes for n in sizes] if mix is None else chunk_activation_bytes(sizes, act_by_mode, mix[r])
         chunks = [a + e for a, e in zip(chunks, terms.chunk_edge_bytes(r))]
-        activations = terms.rank_activation_bytes(r, chunks)
+        activations, held_less = terms.rank_activation_parts(r, chunks)  # ZeRO-3 interleaved: StageTerms.state_extras
         if r == chunk_rank(last, pp):
             activations += terms.loss_inflight() * post.act_bytes
         split = terms.state_split
@@ -159,7 +159,7 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
                 last_rank=chunk_rank(last, pp), first_block=(b.act_bytes, terms.block_grads_bytes),
                 pre_grads_bytes=pre.params * split["grads"] if r == 0 else 0.0)
         else:
-            other = terms.rank_other_bytes(r, chunk_rank(last, pp)) + working[r]
+            other = terms.rank_other_bytes(r, chunk_rank(last, pp)) + working[r] + held_less
         memory = {**memory, "activations": activations, "other": other + terms.reserve_bytes}
         ranks.append(RankCost(rank=r, num_blocks=blocks[r], time_s=time[r], backward_s=bwd[r], tail_s=tail,
                               params=params[r], memory_bytes=memory))

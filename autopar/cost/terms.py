@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping, Sequence
 
+from autopar.cost.held_states import held_states, state_extras
 from autopar.cost.memory import (
     RECOMPUTE_ORDER,
     InflightTable,
@@ -253,8 +254,19 @@ class StageTerms:
     def rank_activation_bytes(self, rank: int, chunk_bytes: Sequence[float]) -> float:
         """The saved activations of ``rank``'s blocks (and the embedding's, on rank 0) at its peak:
         ``chunk_bytes[k]``, what one micro-batch of its k-th local chunk saves, weighed by the
-        schedule's in-flight counts per chunk (cost.memory); the head and loss come on top."""
-        return peak_bytes(self.inflight_table(rank).states, chunk_bytes)
+        schedule's in-flight counts per chunk (cost.memory); the head and loss come on top. Under
+        ZeRO-3's held reduce-scatter inputs, each moment less what ``state_extras`` says it holds
+        less of them than ``rank_other_bytes`` prices."""
+        return sum(self.rank_activation_parts(rank, chunk_bytes))
+
+    def rank_activation_parts(self, rank: int, chunk_bytes: Sequence[float]) -> tuple[float, float]:
+        """``rank_activation_bytes`` as (the activations of its peak moment, that moment's
+        ``state_extras``, <= 0: what the rank's other memory holds less there)."""
+        extras = self.state_extras(rank)
+        if extras is None:
+            return peak_bytes(self.inflight_table(rank).states, chunk_bytes), 0.0
+        return max(((sum(n * a for n, a in zip(state, chunk_bytes)), x) for state, x in zip(*extras)),
+                   key=sum)
 
     def loss_inflight(self) -> float:
         """Micro-batches of the last chunk (head, loss) in flight on the last rank (cost.memory)."""
@@ -354,15 +366,32 @@ class StageTerms:
         (``first_backward_held_bytes``) the v - 1 others hold theirs through every phase -- the
         largest v - 1 of them here. Rehearsed on a 12-layer GPT at dp 2, pp 2, v 6, ZeRO-3: rank 0
         held five blocks' fp32 inputs at its peak."""
+        units = self._chunk_held_units(first, last)
+        return sum(units) - min(units) if units else 0.0
+
+    def _chunk_held_units(self, first: bool, last: bool) -> list[float]:
+        """Each local chunk's held reduce-scatter input (``other_chunks_held_bytes``); [] where none."""
         v, per_param = self.config.virtual_stages, self.pipeline_held_reduce_bytes_per_param
         if v == 1 or not per_param:
-            return 0.0
+            return []
         units = [self.block.params] * v
         if first and self.pre.params > 0:
             units[0] = self.pre.params
         if last and self.post.params + self.tied_params > 0:
             units[-1] = self.post.params + self.tied_params
-        return per_param * (sum(units) - min(units))
+        return [per_param * u for u in units]
+
+    def state_extras(self, rank: int) -> tuple[tuple[tuple[int, ...], ...], tuple[float, ...]] | None:
+        """The moments of ``rank``'s step that ``other_chunks_held_bytes`` overprices, with what each
+        holds less (cost/held_states.py: only the chunks whose backward has run hold an input): (the
+        in-flight counts per local chunk of each, its bytes <= 0); None where every moment of the
+        schedule states holds them all (no interleaving, no per-micro-batch reduce-scatter)."""
+        c = self.config
+        units = self._chunk_held_units(rank == 0, rank == c.pp - 1)
+        if not units or c.schedule != "interleaved-1f1b":
+            return None
+        states = held_states(c.pp, rank, c.num_microbatches, c.virtual_stages)
+        return tuple(n for n, _ in states), state_extras(states, units)
 
     @property
     def loss_free_grads(self) -> float:

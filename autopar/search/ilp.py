@@ -655,7 +655,8 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
             continue
         caps.append(most_blocks(tables[r], per_block_bytes=per_block,
                                 act_per_block_bytes=block_act_bytes, first_chunk_bytes=pre, room_bytes=room,
-                                top_chunks=window[0], top_chunk_bytes=window[1], edges=edge))
+                                top_chunks=window[0], top_chunk_bytes=window[1], edges=edge,
+                                moments=t.state_extras(r) if t.config.pp == pp else None))
     return caps
 
 

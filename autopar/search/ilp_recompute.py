@@ -130,7 +130,12 @@ class MixedSplitILP:
         self.state_per_block = t.state_bytes_per_param * t.block.params - off
         self.act = {m: p.act_bytes for m, p in parts.items()}
         self.tables = [t.inflight_table(r) for r in self.ranks]
-        self.states = [table.states for table in self.tables]
+        # the moments each rank's memory is checked at and what each holds beyond its activations
+        # (ZeRO-3 interleaved: StageTerms.state_extras; else the schedule's states, nothing beyond)
+        moments = [t.state_extras(r) for r in self.ranks]
+        self.moments = moments
+        self.states = [table.states if mo is None else mo[0] for table, mo in zip(self.tables, moments)]
+        self.extras = [(0.0,) * len(table.states) if mo is None else mo[1] for table, mo in zip(self.tables, moments)]
         self.room = [self._room(r) for r in self.ranks]
         m, v = self.cfg.num_microbatches, self.cfg.virtual_stages
         self.t_weight, self.z_weight, self.v = m * v - 1, v, v
@@ -186,7 +191,8 @@ class MixedSplitILP:
         prefix = np.zeros((len(states), n + 1))
         np.cumsum(states[:, chunk_of], axis=1, out=prefix[:, 1:])
         act = (a_full * prefix[:, b1] + a_sel * (prefix[:, b2] - prefix[:, b1])
-               + a_none * (prefix[:, n:n + 1] - prefix[:, b2]) + (states @ edges)[:, None])
+               + a_none * (prefix[:, n:n + 1] - prefix[:, b2]) + (states @ edges)[:, None]
+               + np.asarray(self.extras[r])[:, None])
         states = self.state_per_block * n + self.top_bytes * top_blocks(dealt_sizes(n, v), self.top_chunks)
         return np.ceil(states + act.max(axis=0)).astype(np.int64)
 
@@ -205,7 +211,7 @@ class MixedSplitILP:
                                   act_per_block_bytes=self.act[m], room_bytes=room,
                                   first_chunk_bytes=self.terms.pre.act_bytes if r == 0 else 0.0,
                                   top_chunks=self.top_chunks, top_chunk_bytes=self.top_bytes,
-                                  edges=self.terms.chunk_edges(r))
+                                  edges=self.terms.chunk_edges(r), moments=self.moments[r])
                 best = max(best, cap)
             caps.append(best)
         if host and self.host_caps is not None:
@@ -540,8 +546,8 @@ class MixedSplitILP:
             states = per_block * self.N[r]
             if self.top_chunks:  # the gather window: the dealt chunks' last (largest) K (rounded up, as per_block)
                 states += math.ceil(self.top_bytes) * sum(sizes[-self.top_chunks:])
-            for state in self.states[r]:  # the schedule's peak states (cost.memory.inflight_states)
-                self.model.Add(states + sum(n * e for n, e in zip(state, edges)) + w_r
+            for state, extra in zip(self.states[r], self.extras[r]):  # the peak states (cost.memory, held_states)
+                self.model.Add(states + sum(n * e for n, e in zip(state, edges)) + math.ceil(extra) + w_r
                                + sum(n * act[m] * chunk[m] for n, chunk in zip(state, chunks) for m in chunk)
                                <= self.room[r])
 

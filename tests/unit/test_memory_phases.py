@@ -81,7 +81,10 @@ def test_the_block_phase_no_longer_holds_the_micro_batchs_loss() -> None:
     loss_phase = t.post.peak_bytes + t.zero3_gather_bytes
     embedding_phase = t.pre.peak_bytes + t.root_grad_bytes
     assert t.root_grad_bytes > 0
-    assert t.rank_other_bytes(0, 0) == pytest.approx(max(block_phase - t.post.act_bytes, loss_phase, embedding_phase))
+    # beside the phases: the rank's rows of the step's batch (token ids)
+    assert t.batch_bytes > 0
+    assert t.rank_other_bytes(0, 0) == pytest.approx(max(block_phase - t.post.act_bytes, loss_phase, embedding_phase)
+                                                     + t.batch_bytes)
 
 
 def test_a_mix_releases_its_later_blocks_before_an_earlier_block_re_runs() -> None:
@@ -160,7 +163,7 @@ def test_the_peak_is_the_larger_of_the_loss_without_gradients_and_the_rest_with_
     # the head's backward, not the loss's (a loss_fn outside the model)
     loss_phase = max(t.post.peak_bytes, t.post.head_peak_bytes + t.zero3_gather_bytes)
     assert t.post.head_peak_bytes < t.post.peak_bytes and t.zero3_gather_bytes > 0
-    at_loss = t.zero3_root_params_per_byte * (t.pre.params + t.post.params) + loss_phase
+    at_loss = t.zero3_root_params_per_byte * (t.pre.params + t.post.params) + loss_phase + t.batch_bytes
     rest = t.rank_other_bytes(0, 0, loss=False)
     assert (at_loss - grads > rest) == loss_peaks
     # every activation (the step's one micro-batch) at the loss; at the end of its backward the first
@@ -178,5 +181,6 @@ def test_the_peak_is_the_larger_of_the_loss_without_gradients_and_the_rest_with_
     two = estimate_plan(dataclasses.replace(plan, training=dataclasses.replace(plan.training, global_batch_size=16)),
                         graph, cluster)
     assert two.memory_bytes["grads"] == pytest.approx(grads)
+    # (twice the rows of the step's batch: t's terms price 8 samples)
     assert two.peak_memory_bytes == pytest.approx(states + two.memory_bytes["activations"] + max(at_loss, rest)
-                                                  + t.reserve_bytes)
+                                                  + t.batch_bytes + t.reserve_bytes)

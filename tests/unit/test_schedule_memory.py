@@ -175,3 +175,50 @@ def test_gpipe_capacity_is_where_evaluate_stops_fitting_before_its_gradients(tin
                 assert (est.ranks[r].peak_bytes <= terms.capacity_bytes) == fits, (share, r, n, caps)
                 checked += 1
     assert checked >= 6
+
+
+def test_held_states_follow_the_schedule_and_keep_the_maximal_moments() -> None:
+    """cost/held_states.py: the moments' in-flight counts are the schedule states inflight_states
+    gives (the maximal ones); a chunk holds a reduce-scatter input only once its backward has run,
+    never the running chunk's; no kept moment is covered by another."""
+    from autopar.cost.held_states import _covers, held_states
+
+    for pp, v, m in ((2, 3, 4), (2, 4, 8), (4, 2, 8), (4, 3, 16)):
+        for rank in range(pp):
+            states = held_states(pp, rank, m, v)
+            counts = {n for n, _ in states}
+            top = {n for n in counts if not any(o != n and all(x >= y for x, y in zip(o, n)) for o in counts)}
+            assert top == set(inflight_states("interleaved-1f1b", pp, rank, m, v))
+            assert not any(a != b and _covers(a, b) for a in states for b in states)
+    # pp 2, v 3, m 4, rank 0: the warm-up (2, 2, 2) and the steady moments holding the most
+    # activations meet fewer than v - 1 = 2 held inputs
+    states = held_states(2, 0, 4, 3)
+    assert ((4, 3, 0), 0b100) in states and ((2, 2, 0), 0b101) in states
+
+
+def test_zero3_interleaved_capacity_is_where_evaluate_stops_fitting(tiny) -> None:
+    """Under ZeRO-3 a chunk holds its reduce-scatter input only once its backward has run: evaluate
+    and the split program price the same moments (StageTerms.state_extras), so the capacity is
+    where evaluate's peak stops fitting."""
+    base = dataclasses.replace(load_cluster("h100-80g"), framework_reserve_bytes=0.0, nccl_bytes_per_group=0.0,
+                               memory_margin_fraction=0.0)
+    cfg = Config(dp=2, tp=1, pp=2, cp=1, cp_kind="ring", sequence_parallel=False, zero=3, recompute="none",
+                 schedule="interleaved-1f1b", virtual_stages=3, micro_batch=2, global_batch=16, seq_len=64,
+                 dtype_bytes=2, optimizer="adam")
+    probe = build_terms(tiny, base, cfg)
+    moments = probe.state_extras(0)
+    assert moments is not None and min(moments[1]) < 0.0  # some moment holds fewer than v - 1 inputs
+    whole = evaluate(probe, list(deal_chunks([6, 6], 3)), 1.0, 1.0, 1.0).peak_memory_bytes
+    checked = 0
+    for share in (0.7, 0.8, 0.9):
+        terms = build_terms(tiny, dataclasses.replace(base, memory_bytes=whole * share), cfg)
+        caps = rank_block_capacity(terms)
+        for r in range(2):
+            for n, fits in ((caps[r], True), (caps[r] + 1, False)):
+                if not 3 <= n <= 9:
+                    continue
+                counts = [n, 12 - n] if r == 0 else [12 - n, n]
+                est = evaluate(terms, list(deal_chunks(counts, 3)), 1.0, 1.0, 1.0)
+                assert (est.ranks[r].peak_bytes <= terms.capacity_bytes) == fits, (share, r, n, caps)
+                checked += 1
+    assert checked >= 3
