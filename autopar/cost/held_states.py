@@ -28,9 +28,21 @@ from typing import Sequence
 HeldState = tuple[tuple[int, ...], int]  # (micro-batches in flight per local chunk, bit mask of chunks holding)
 
 
+def holds_all(pp: int, rank: int, num_microbatches: int, virtual_stages: int) -> bool:
+    """Whether every moment that can peak holds the inputs of all v - 1 chunks beside the running
+    one: the steady phase runs a whole period of its states (v rounds) after every chunk's first
+    backward ((v - 1) rounds), so each of its states recurs with all of them held, and the
+    warm-up's and cool-down's moments hold no more activations than one of those."""
+    v, m = virtual_stages, num_microbatches
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    return m * v - warmup >= (2 * v - 1) * per_round
+
+
 @lru_cache(maxsize=4096)
 def held_states(pp: int, rank: int, num_microbatches: int, virtual_stages: int) -> tuple[HeldState, ...]:
-    """The maximal moments of ``rank``'s interleaved 1F1B step (module docstring), in the order met."""
+    """The maximal moments of ``rank``'s interleaved 1F1B step (module docstring), the most
+    micro-batches first."""
     v, m = virtual_stages, num_microbatches
     per_round = m // max(1, m // pp)
     total = m * v
@@ -47,8 +59,11 @@ def held_states(pp: int, rank: int, num_microbatches: int, virtual_stages: int) 
         seen[(tuple(counts), ran & ~(1 << chunk))] = None
         counts[chunk] -= 1
         ran |= 1 << chunk
-    states = list(seen)
-    return tuple(s for s in states if not any(o != s and _covers(o, s) for o in states))
+    kept: list[HeldState] = []  # a moment that covers another holds at least as much of both: met first
+    for state in sorted(seen, key=lambda st: (-sum(st[0]), -bin(st[1]).count("1"))):
+        if not any(_covers(k, state) for k in kept):
+            kept.append(state)
+    return tuple(kept)
 
 
 def _covers(a: HeldState, b: HeldState) -> bool:

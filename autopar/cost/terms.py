@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping, Sequence
 
-from autopar.cost.held_states import held_states, state_extras
+from autopar.cost.held_states import held_states, holds_all, state_extras
 from autopar.cost.memory import (
     RECOMPUTE_ORDER,
     InflightTable,
@@ -388,7 +388,7 @@ class StageTerms:
         schedule states holds them all (no interleaving, no per-micro-batch reduce-scatter)."""
         c = self.config
         units = self._chunk_held_units(rank == 0, rank == c.pp - 1)
-        if not units or c.schedule != "interleaved-1f1b":
+        if not units or c.schedule != "interleaved-1f1b" or holds_all(c.pp, rank, c.num_microbatches, c.virtual_stages):
             return None
         states = held_states(c.pp, rank, c.num_microbatches, c.virtual_stages)
         return tuple(n for n, _ in states), state_extras(states, units)

@@ -222,3 +222,27 @@ def test_zero3_interleaved_capacity_is_where_evaluate_stops_fitting(tiny) -> Non
                 assert (est.ranks[r].peak_bytes <= terms.capacity_bytes) == fits, (share, r, n, caps)
                 checked += 1
     assert checked >= 3
+
+
+def test_moments_only_lower_the_price_and_change_nothing_where_every_chunk_holds() -> None:
+    """Against the schedule states with every other chunk's input held (the price before): the
+    moments never price more, and where ``holds_all`` says the steady phase recurs with every input
+    held (StageTerms.state_extras then skips the walk), exactly as much for chunks of equal inputs."""
+    from autopar.cost.held_states import held_states, holds_all, state_extras
+
+    rng = random.Random(0)
+    skipped = 0
+    for pp, v, mult in itertools.product((2, 3, 4), (2, 3, 4), (1, 2, 3, 6)):
+        m = pp * mult
+        for rank in range(pp):
+            moments = held_states(pp, rank, m, v)
+            old_states = inflight_states("interleaved-1f1b", pp, rank, m, v)
+            chunk = [rng.uniform(0.0, 10.0) for _ in range(v)]
+            extras = state_extras(moments, [5.0] * v)
+            new = max(sum(n * a for n, a in zip(st, chunk)) + x for (st, _), x in zip(moments, extras))
+            old = max(sum(n * a for n, a in zip(st, chunk)) for st in old_states)
+            assert new <= old + 1e-9
+            if holds_all(pp, rank, m, v):
+                skipped += 1
+                assert new == pytest.approx(old)
+    assert skipped > 10
