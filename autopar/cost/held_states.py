@@ -51,19 +51,34 @@ def held_states(pp: int, rank: int, num_microbatches: int, virtual_stages: int) 
     for forward in range(warmup):
         counts[(forward // per_round) % v] += 1
     ran = 0
-    seen: dict[HeldState, None] = {}
+    masks: dict[tuple[int, ...], set[int]] = {}  # in-flight counts -> the holding chunks met with them
     for backward in range(total):
         if warmup + backward < total:  # the steady phase: a forward before each backward
             counts[((warmup + backward) // per_round) % v] += 1
         chunk = v - 1 - (backward // per_round) % v
-        seen[(tuple(counts), ran & ~(1 << chunk))] = None
+        masks.setdefault(tuple(counts), set()).add(ran & ~(1 << chunk))
         counts[chunk] -= 1
         ran |= 1 << chunk
-    kept: list[HeldState] = []  # a moment that covers another holds at least as much of both: met first
-    for state in sorted(seen, key=lambda st: (-sum(st[0]), -bin(st[1]).count("1"))):
-        if not any(_covers(k, state) for k in kept):
-            kept.append(state)
-    return tuple(kept)
+    # the same counts recur with more chunks holding as the step goes on: a mask inside another of
+    # the same counts is covered; then across counts, a moment that covers another holds at least
+    # as much of both, so it is met first in the order of the most micro-batches and chunks
+    seen = [(n, mask) for n, ms in masks.items() for mask in ms if not any(o != mask and o & mask == mask for o in ms)]
+    seen.sort(key=lambda st: (-sum(st[0]), -bin(st[1]).count("1")))
+    return tuple(st for st, covered in zip(seen, _covered(seen)) if not covered)
+
+
+def _covered(states: list[HeldState]) -> list[bool]:
+    """For each of ``states`` (distinct, the most micro-batches and chunks first), whether an earlier
+    one covers it (``_covers``), all pairs at once."""
+    import numpy as np
+
+    counts = np.asarray([n for n, _ in states], dtype=np.int64)
+    masks = np.asarray([mask for _, mask in states], dtype=np.int64)
+    out = []
+    for i in range(len(states)):
+        earlier = (counts[:i] >= counts[i]).all(axis=1) & ((masks[:i] & masks[i]) == masks[i])
+        out.append(bool(earlier.any()))
+    return out
 
 
 def _covers(a: HeldState, b: HeldState) -> bool:
