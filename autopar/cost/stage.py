@@ -237,6 +237,7 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         reserve_bytes=reserve_bytes(cluster, cfg, tokens_bytes),
         capacity_bytes=cluster.usable_memory_bytes,
         pipeline_buffer_bytes=_pipeline_buffer_bytes(cfg, cluster, tokens_bytes, sp, carried),
+        block_padding_bytes=block_padding * d if cfg.zero in (1, 2) else 0.0,
         **_handoff(graph, cluster, cfg, tokens_bytes, sp),
         batch_bytes=graph.batch_input_bytes * cfg.global_batch / cfg.dp * (
             cfg.seq_len / graph.seq_len if graph.is_sequence_model else 1.0),

@@ -148,8 +148,9 @@ def evaluate(terms: StageTerms, chunk_blocks: Sequence[int], model_flops_per_ste
         if terms.expert is not None:  # the same total, each expert byte under its own kind
             for kind in ("params", "grads", "optimizer"):
                 memory[kind] += blocks[r] * terms.expert.state_delta_bytes(kind, split)
-        # interleaved 1F1B: the gathered parameters of the runtime's window (StageTerms.window)
-        memory["params"] += terms.window_bytes(sizes)
+        # FSDP2's padding of each block's gathered parameters (ZeRO-1/2), and interleaved 1F1B's
+        # gathered parameters of the runtime's window (StageTerms.window)
+        memory["params"] += blocks[r] * terms.block_padding_bytes + terms.window_bytes(sizes)
         if terms.loss_free_grads > 0 and mix is None:  # the first backward follows every forward (one
             # micro-batch without a pipeline, GPipe): at the end of the first micro-batch's backward its
             # first block's and embedding's activations remain, and every later micro-batch's

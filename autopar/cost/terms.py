@@ -166,6 +166,9 @@ class StageTerms:
     # them gathered (the root unit, from forward to backward at every ZeRO stage); 0 without FSDP2
     pre_padding_bytes: float = 0.0
     post_padding_bytes: float = 0.0
+    # and of a block's, held beside its 16-bit parameters where ZeRO-1/2 keep them gathered from
+    # forward to the step's end (per block; ZeRO-3 prices it in its gathered blocks): 0 elsewhere
+    block_padding_bytes: float = 0.0
     # FSDP2's held reduce-scatter input, in bytes per parameter of the unit whose gradients it holds:
     # fp32 where gradients are reduce-scattered unit by unit inside backward, else 0
     # (cost.zero.held_reduce_input_bytes_per_param). A block's backward holds the previous block's
@@ -200,7 +203,7 @@ class StageTerms:
         d = self.config.dtype_bytes
         if kept:
             experts = self.expert.block_params - self.expert.dense_params if self.expert is not None else 0.0
-            saved = d * max(0.0, self.block.params - experts)
+            saved = d * max(0.0, self.block.params - experts) + self.block_padding_bytes
             return kept, saved, saved
         if ahead:
             extra = (self.expert.expert_params - self.expert.block_params + self.expert.dense_params

@@ -16,12 +16,12 @@ same memory family (``search.ilp.block_capacities``) with
               frugal mode's),
     I_r       the schedule's in-flight micro-batches,
 
-and transient buffers (ZeRO-3's gathered block, recompute working sets), the tied embedding copy
-and a pipeline chunk's handed-on output left out: each only adds; a receiving chunk is credited
-the most its saved received input can be; the interleaved schedule's gather window
-(cost.pipeline_window.window_chunks) saves every block's parameters outside it, at most what the
-real terms save. Every input is at most the real one, so when these capacities cannot hold the L
-blocks, neither can the real ones.
+and transient buffers (ZeRO-3's gathered block, recompute working sets), the tied embedding copy,
+a pipeline chunk's handed-on output and FSDP2's padding of a block's parameters left out: each only
+adds; a receiving chunk is credited the most its saved received input can be; the interleaved
+schedule's gather window (cost.pipeline_window.window_chunks) saves every block's parameters
+outside it, at most what the real terms save. Every input is at most the real one, so when these
+capacities cannot hold the L blocks, neither can the real ones.
 """
 
 from __future__ import annotations
@@ -72,4 +72,4 @@ def upper_capacity(base: StageTerms, *, zero: int, offload: Offload, schedule: s
                             loss_inflight=loss_inflight_microbatches(schedule, pp, inflight_m), sigma=sigma,
                             block_act_bytes=0.0 if offload.activations else block_act_bytes,
                             other_bytes=other, tied_params=0.0, capacity_bytes=capacity_bytes,
-                            window=(k, g, g), edges=edges)
+                            window=(k, g, g), edges=edges, block_extra_bytes=0.0)

@@ -600,7 +600,8 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
                      tied_params: float, capacity_bytes: float,
                      window: tuple[int, float, float] = (0, 0.0, 0.0),
                      first_backward: tuple[float, float, Sequence[float]] | None = None,
-                     edges: Sequence[tuple[float, float, float]] | None = None) -> list[int]:
+                     edges: Sequence[tuple[float, float, float]] | None = None,
+                     block_extra_bytes: float | None = None) -> list[int]:
     """The memory family solved for each rank's block count: the most blocks N whose model states
     (sigma pi N, moved by the gather window: ``window`` as ``StageTerms.window``, (K, bytes each
     block of the K largest chunks holds, bytes every block does not)) and activations fit beside
@@ -620,7 +621,9 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
     or, the block's backward done, its gradients but not its activations (the larger of the two).
 
     ``edges``: each rank's chunk edges per micro-batch (StageTerms.chunk_edges: the embedding's
-    activations, a pipeline's handed-on outputs less its received inputs), ``t``'s own by default."""
+    activations, a pipeline's handed-on outputs less its received inputs), ``t``'s own by default;
+    ``block_extra_bytes``: what each block holds beside its states per parameter (FSDP2's padding,
+    StageTerms.block_padding_bytes), ``t``'s own by default."""
     last_rank = chunk_rank(pp * virtual_stages - 1, pp)
     caps = []
     for r in range(pp):
@@ -631,7 +634,8 @@ def block_capacities(t: StageTerms, *, pp: int, virtual_stages: int, tables: Seq
         room = math.floor(capacity_bytes - fixed)
         pre = t.pre.act_bytes if r == 0 else 0.0
         edge = edges[r] if edges is not None else t.chunk_edges(r)
-        per_block = sigma * t.block.params - window[2]
+        per_block = sigma * t.block.params - window[2] + (t.block_padding_bytes if block_extra_bytes is None
+                                                           else block_extra_bytes)
         if virtual_stages == 1:  # one chunk, one state: I_r micro-batches of every block (integer sums)
             inflight = tables[r].total
             one_chunk = sum(edge)  # the chunk is the rank's first and last

@@ -127,7 +127,7 @@ class MixedSplitILP:
         # the interleaved schedule's gather window (StageTerms.window): the blocks of the K largest
         # chunks hold ``top`` bytes more, every block ``off`` less
         self.top_chunks, self.top_bytes, off = t.window
-        self.state_per_block = t.state_bytes_per_param * t.block.params - off
+        self.state_per_block = t.state_bytes_per_param * t.block.params - off + t.block_padding_bytes
         self.act = {m: p.act_bytes for m, p in parts.items()}
         self.tables = [t.inflight_table(r) for r in self.ranks]
         # the moments each rank's memory is checked at and what each holds beyond its activations
