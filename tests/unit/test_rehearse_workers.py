@@ -11,8 +11,6 @@ import textwrap
 import types
 from pathlib import Path
 
-import yaml
-
 from autopar.rehearse.workers import main_left_alone
 
 ZOO = Path(__file__).resolve().parents[2] / "examples" / "zoo"
@@ -32,16 +30,11 @@ def test_a_main_module_that_is_no_file_is_hidden_while_the_pool_runs(monkeypatch
 
 
 def test_a_rehearsal_runs_from_a_script_piped_to_python(tmp_path: Path) -> None:
-    plan = {"version": 1, "model": {"file": str(ZOO / "torch_encoder.py"), "num_blocks": 4},
-            "cluster": {"profile": "a100-80g", "num_gpus": 2, "gpus_per_node": 2},
-            "training": {"global_batch_size": 8, "micro_batch_size": 4, "seq_len": 32, "dtype": "bf16",
-                         "optimizer": "adamw"},
-            "parallel": {"dp": 2, "tp": 1, "pp": 1, "zero": 1}}
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(plan), encoding="utf-8")
+    # the smallest plan the planner makes for the zoo's TransformerEncoder on 2 CPU ranks
     script = textwrap.dedent(f"""
         from autopar import api
-        reh = api.rehearsal({str(path)!r}, ranks=[0], workers=1)
+        plan = api.plan({str(ZOO / "torch_encoder.py")!r}, 2, "cpu-local-2", top=1, global_batch=8)
+        reh = api.rehearsal(plan, ranks=[0], workers=1)
         print("rehearsed", reh.ranks[0].peak_bytes > 0)
     """)
     done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, cwd=tmp_path,
