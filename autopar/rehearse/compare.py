@@ -174,11 +174,12 @@ def rehearsal_json(reh: Rehearsal) -> dict[str, Any]:
 
 def format_rehearsal(reh: Rehearsal) -> str:
     """The table ``autopar rehearse`` prints: per rank, rehearsed and predicted memory by part (GiB,
-    or MiB when every peak is under 1 GiB)."""
+    or MiB when every rank's tensors are under 1 GiB: a small model's parts beside a GPU profile's
+    reserve would read 0.00)."""
     from autopar.rehearse.why import format_groups
     from autopar.report import table
 
-    unit, scale = ("GiB", GIB) if max(r.peak_bytes for r in reh.ranks) >= GIB else ("MiB", 2**20)
+    unit, scale = ("GiB", GIB) if max(r.peak_bytes - r.reserve_bytes for r in reh.ranks) >= GIB else ("MiB", 2**20)
     parts = ("params", "grads", "optimizer", "activations", "temporaries")
     rows = []
     for r in reh.ranks:
@@ -205,5 +206,10 @@ def format_rehearsal(reh: Rehearsal) -> str:
             + f"\n\nparts: rehearsed / predicted {unit}; reserve: what no tensor holds (CUDA context, NCCL buffers), "
             + "added to both; error: the cost model's tensor bytes against the rehearsal's"
             + f"\n{steps}"
-            + f"\npeak {worst.peak_bytes / scale:.2f} {unit} (rank {worst.rank}) of {reh.capacity_bytes / scale:.2f} "
-            + f"{unit} on {reh.cluster}: the plan {verdict}" + why)
+            + f"\npeak {_amount(worst.peak_bytes)} (rank {worst.rank}) of {_amount(reh.capacity_bytes)} "
+            + f"on {reh.cluster}: the plan {verdict}" + why)
+
+
+def _amount(nbytes: float) -> str:
+    """Bytes in GiB, or MiB under 1 GiB (the verdict line: a device's capacity reads in GiB)."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MiB"
