@@ -17,8 +17,9 @@ every op, which was half of a rehearsal's time (a 70 B model has ~10^3 modules, 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -73,6 +74,18 @@ class StepTracker(MemTracker):
             super().__exit__(*exc)
         finally:
             self._restore()
+
+    @contextlib.contextmanager
+    def off_device(self) -> Iterator[None]:
+        """Ops whose allocations a real run makes on the host -- a host optimizer's step on the CPU
+        (optimizer or parameter offload): its fp32 gradient copies and the update's temporaries --
+        left out of the device peak, as DTensor's sharding propagation is (``__enter__``). They touch
+        no device tensor but in place, and are freed by the step's end (its gradients set to None)."""
+        self._unseen += 1
+        try:
+            yield
+        finally:
+            self._unseen -= 1
 
     def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:
