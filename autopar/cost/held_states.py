@@ -25,6 +25,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Sequence
 
+from autopar.cost.memory import interleaved_warmup
+
 HeldState = tuple[tuple[int, ...], int]  # (micro-batches in flight per local chunk, bit mask of chunks holding)
 
 
@@ -33,20 +35,16 @@ def holds_all(pp: int, rank: int, num_microbatches: int, virtual_stages: int) ->
     one: the steady phase runs a whole period of its states (v rounds) after every chunk's first
     backward ((v - 1) rounds), so each of its states recurs with all of them held, and the
     warm-up's and cool-down's moments hold no more activations than one of those."""
-    v, m = virtual_stages, num_microbatches
-    per_round = m // max(1, m // pp)
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
-    return m * v - warmup >= (2 * v - 1) * per_round
+    per_round, warmup = interleaved_warmup(pp, rank, num_microbatches, virtual_stages)
+    return num_microbatches * virtual_stages - warmup >= (2 * virtual_stages - 1) * per_round
 
 
 @lru_cache(maxsize=4096)
 def held_states(pp: int, rank: int, num_microbatches: int, virtual_stages: int) -> tuple[HeldState, ...]:
     """The maximal moments of ``rank``'s interleaved 1F1B step (module docstring), the most
     micro-batches first."""
-    v, m = virtual_stages, num_microbatches
-    per_round = m // max(1, m // pp)
-    total = m * v
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
+    v, total = virtual_stages, num_microbatches * virtual_stages
+    per_round, warmup = interleaved_warmup(pp, rank, num_microbatches, v)
     counts = [0] * v
     for forward in range(warmup):
         counts[(forward // per_round) % v] += 1
@@ -69,7 +67,8 @@ def held_states(pp: int, rank: int, num_microbatches: int, virtual_stages: int) 
 
 def _covered(states: list[HeldState]) -> list[bool]:
     """For each of ``states`` (distinct, the most micro-batches and chunks first), whether an earlier
-    one covers it (``_covers``), all pairs at once."""
+    one covers it -- holds as many micro-batches on every chunk and a reduce-scatter input on at
+    least the same chunks -- all pairs at once."""
     import numpy as np
 
     counts = np.asarray([n for n, _ in states], dtype=np.int64)
@@ -79,12 +78,6 @@ def _covered(states: list[HeldState]) -> list[bool]:
         earlier = (counts[:i] >= counts[i]).all(axis=1) & ((masks[:i] & masks[i]) == masks[i])
         out.append(bool(earlier.any()))
     return out
-
-
-def _covers(a: HeldState, b: HeldState) -> bool:
-    """Whether moment ``a`` holds at least what ``b`` holds: as many micro-batches on every chunk and
-    a reduce-scatter input on at least the same chunks."""
-    return all(x >= y for x, y in zip(a[0], b[0])) and (a[1] & b[1]) == b[1]
 
 
 def state_extras(states: Sequence[HeldState], unit_bytes: Sequence[float]) -> tuple[float, ...]:

@@ -134,8 +134,7 @@ def inflight_states(schedule: str, pp: int, rank: int, num_microbatches: int,
     if schedule != "interleaved-1f1b" or v == 1 or pp == 1:
         n = inflight_microbatches(schedule, pp, rank, m, 1)
         return ((int(n),) + (0,) * (v - 1),) if v > 1 else ((int(n),),)
-    per_round = m // max(1, m // pp)
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    per_round, warmup = interleaved_warmup(pp, rank, m, v)
     counts = [0] * v
     for forward in range(warmup):  # the warm-up only adds: its last state holds every earlier one
         counts[(forward // per_round) % v] += 1
@@ -152,6 +151,14 @@ def inflight_states(schedule: str, pp: int, rank: int, num_microbatches: int,
         seen[tuple(counts)] = None
         counts[v - 1 - (step // per_round) % v] -= 1
     return tuple(seen)
+
+
+def interleaved_warmup(pp: int, rank: int, num_microbatches: int, virtual_stages: int) -> tuple[int, int]:
+    """(g, W_r) of ``rank``'s interleaved 1F1B step (module docstring): the micro-batches of one round
+    and the forwards of its warm-up."""
+    m, v = num_microbatches, virtual_stages
+    per_round = m // max(1, m // pp)
+    return per_round, min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
 
 
 def peak_bytes(states: Sequence[Sequence[int]], chunk_bytes: Sequence[float]) -> float:

@@ -271,9 +271,9 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
     unit_params, pre, post, tied = _params(model, chain.units, param_regions)
     moe_units = set(spec.moe_units)
     units = tuple(ChainUnit(name=u, region=f"unit.{kinds[i]}", params=unit_params[i], input_bytes=at.get(i, at[kinds[i]]),
-                            experts=u in moe_units, saves_input=saves_at.get(i, saves_at.get(kinds[i], (False, False)))[0],
-                            saves_output=saves_at.get(i, saves_at.get(kinds[i], (False, False)))[1])
-                  for i, u in enumerate(chain.units))
+                            experts=u in moe_units, saves_input=saves[0], saves_output=saves[1])
+                  for i, u in enumerate(chain.units)
+                  for saves in (saves_at.get(i, saves_at.get(kinds[i], (False, False))),))
     regions["block"] = regions[units[0].region]
     edges = _edge_sharded(small, chain.block_list, base) if t2 is not None else {"pre": 0, "post": 0}
     params = {"pre": RegionParams(count=pre, tp_sharded=edges["pre"]),
