@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from autopar.block_dict import adopt_block_dicts
 from autopar.errors import ModelFileError
 from autopar.usercode import calls_model, model_failures
 
@@ -75,6 +76,7 @@ class ModelFile:
             model = self.module.build_model()
         if not isinstance(model, nn.Module):
             raise ModelFileError(f"{self.path}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
+        adopt_block_dicts(model)  # torchtitan's numbered ModuleDict of layers read as a block list
         return model
 
     def buffer_values(self) -> dict[str, torch.Tensor]:

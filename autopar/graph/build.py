@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autopar.block_dict import BlockDict
 from autopar.errors import ModelFileError
 from autopar.graph.records import PeakRecord
 from autopar.graph.trace import Trace, run_and_trace
@@ -337,7 +338,9 @@ def one_block_model(model: nn.Module, blocks_attr: str) -> nn.Module:
 
 def _one(blocks: nn.Module) -> nn.Module:
     """The block list cut to its first block, of the same container kind (a Sequential is called,
-    a ModuleList is iterated)."""
+    a ModuleList is iterated, a numbered ModuleDict answers a dict's calls)."""
+    if isinstance(blocks, BlockDict):
+        return BlockDict({"0": blocks[0]})
     return nn.Sequential(blocks[0]) if isinstance(blocks, nn.Sequential) else nn.ModuleList([blocks[0]])
 
 

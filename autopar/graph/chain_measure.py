@@ -106,7 +106,10 @@ def cut_chain_model(model: nn.Module, units: tuple[str, ...], keep: tuple[int, .
         old = model.get_submodule(c)
         children = [(k, m if in_place is False or f"{c}.{k}" in kept or f"{c}.{k}" not in units else PassThrough())
                     for k, m in old.named_children() if in_place or f"{c}.{k}" in kept or f"{c}.{k}" not in units]
-        new = nn.Sequential(OrderedDict(children)) if isinstance(old, nn.Sequential) else nn.ModuleList(m for _, m in children)
+        if isinstance(old, (nn.Sequential, nn.ModuleDict)):  # keyed containers keep their keys
+            new = type(old)(OrderedDict(children))
+        else:
+            new = nn.ModuleList(m for _, m in children)
         parent_path, _, leaf = c.rpartition(".")
         writable(parent_path)._modules[leaf] = new
     return clone

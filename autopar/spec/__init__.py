@@ -53,7 +53,7 @@ from autopar.usercode import model_failed
 __all__ = ["DIMENSIONS", "Chain", "ModelSpec", "MoESpec", "TPPlan", "find_core", "model_spec", "spec_of_model", "token_dict_keys"]
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead", "num_attention_heads_per_layer")
-_KV_ATTRS = ("num_kv_heads", "num_key_value_heads", "n_head_kv", "num_kv", "multi_query_group_num")
+_KV_ATTRS = ("num_kv_heads", "num_key_value_heads", "n_head_kv", "n_kv_heads", "num_kv", "multi_query_group_num")
 
 
 def _config_int(obj: Any, names: tuple[str, ...]) -> int | None:
@@ -78,6 +78,9 @@ def _heads(model: nn.Module, block: nn.Module, flow_heads: Callable[[], tuple[in
             kv = kv or _config_int(mod, _KV_ATTRS)
     if heads is None:
         heads, kv = flow_heads()
+    elif kv is None:  # heads named, KV heads not: the data flow's, where it sees the same heads
+        flow_q, flow_kv = flow_heads()
+        kv = flow_kv if flow_q == heads else None
     return heads, (kv or heads) if heads is not None else None
 
 
@@ -282,8 +285,8 @@ def spec_of_model(mf: ModelFile, model: nn.Module, exclude: frozenset[str] = fro
         mixed = heterogeneous_lists(model)
         hint = (f" ({', '.join(mixed[:3])} hold blocks whose parameter shapes differ)" if mixed else "")
         raise ModelFileError(
-            f"{where}: found no list of repeated blocks (an nn.ModuleList or nn.Sequential of identical "
-            f"blocks){hint}; set pipeline_blocks = '<attribute name>'")
+            f"{where}: found no list of repeated blocks (an nn.ModuleList, nn.Sequential or numbered "
+            f"nn.ModuleDict of identical blocks){hint}; set pipeline_blocks = '<attribute name>'")
     blocks = model.get_submodule(blocks_path)
     block = blocks[0]
     try:

@@ -19,9 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.block_dict import BlockDict
 from autopar.errors import ModelFileError
 
-BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential)
+# torchtitan's numbered nn.ModuleDict of layers is a block list too (autopar/block_dict.py)
+BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential, BlockDict)
 
 
 def _signature(mod: nn.Module) -> tuple:
@@ -66,7 +68,8 @@ def find_block_list(model: nn.Module, declared: str | None, exclude: frozenset[s
             raise ModelFileError(f"pipeline_blocks = {declared!r} is not a submodule of the model") from None
         if not isinstance(blocks, BLOCK_CONTAINERS) or len(blocks) == 0:
             raise ModelFileError(
-                f"pipeline_blocks = {declared!r} must name a non-empty nn.ModuleList or nn.Sequential, "
+                f"pipeline_blocks = {declared!r} must name a non-empty nn.ModuleList, nn.Sequential or "
+                "nn.ModuleDict keyed 0 .. n-1, "
                 f"got {type(blocks).__name__}")
         if len(blocks) > 1 and not is_block_list(blocks):
             raise ModelFileError(

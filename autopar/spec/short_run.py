@@ -65,5 +65,5 @@ def only_unit_runs(blocks: nn.Module, keep: nn.Module) -> Iterator[None]:
     Python (a Mamba layer's reference scan) would otherwise run all of them for every probe. The
     caller falls back to the whole run where an answered block's object does not fit the model's
     code (blocks of different output structures)."""
-    with _answered(blocks[0], [blk for blk in list(blocks)[1:] if blk is not keep]):
+    with _answered(blocks[0], [blk for blk in list(blocks.children())[1:] if blk is not keep]):
         yield

@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.block_dict import BlockDict
 from autopar.executor.parallel.batch import rows
 from autopar.executor.parallel.stand_in import StandIn
 from autopar.executor.runtime.introspect import ModelSpec
@@ -158,6 +159,17 @@ class _ChunkBlocks(nn.ModuleList):
         if isinstance(idx, int):
             return [m for k, m in self._modules.items() if k.isdigit()][idx]
         return super().__getitem__(idx)
+
+
+class _ChunkBlockDict(BlockDict):
+    """``_ChunkBlocks`` for blocks kept in a numbered nn.ModuleDict (torchtitan's ``layers``): the
+    model's loop over ``values()`` runs the markers and the chunk's blocks in order, an integer
+    index is the chunk's i-th block."""
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, int) and not isinstance(key, bool):
+            return [m for k, m in self._modules.items() if k.isdigit()][key]
+        return super().__getitem__(key)
 
 
 class _ZeroStub(StandIn):
@@ -341,10 +353,11 @@ def build_chunk(
     is_first, is_last = index == 0, index == num_chunks - 1
     chunk = copy.deepcopy(model)
     old = chunk.get_submodule(spec.blocks_path)
-    blocks = nn.Sequential() if isinstance(old, nn.Sequential) else _ChunkBlocks()
+    blocks = nn.Sequential() if isinstance(old, nn.Sequential) else (
+        _ChunkBlockDict() if isinstance(old, BlockDict) else _ChunkBlocks())
     inject = None
     if not is_first:
-        if isinstance(blocks, _ChunkBlocks):
+        if isinstance(blocks, (_ChunkBlocks, _ChunkBlockDict)):
             # Keep every block at its loop position: HF models pick a block's mask by position
             # (``config.layer_types[i]``: Gemma 2/3, GPT-OSS, Cohere 2), so the marker before this
             # chunk's first block sits at position start - 1, after place-holders for the rest.
