@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.block_dict import adopt_block_dicts
 from autopar.errors import ModelFileError
+from autopar.input_cast import cast_wider_inputs
 from autopar.usercode import calls_model, model_failures
 
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
@@ -77,6 +78,7 @@ class ModelFile:
         if not isinstance(model, nn.Module):
             raise ModelFileError(f"{self.path}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
         adopt_block_dicts(model)  # torchtitan's numbered ModuleDict of layers read as a block list
+        cast_wider_inputs(model)  # fp32 features into 16-bit weights, as autocast casts them
         return model
 
     def buffer_values(self) -> dict[str, torch.Tensor]:

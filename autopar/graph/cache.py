@@ -6,7 +6,7 @@ Contract:
   entry. Deleting the directory, or any file in it, is always safe: a missing entry is rebuilt.
 - Key: the sha256 of everything the graph depends on -- the model file's bytes, its name, the tracing inputs
   (sequence length, dtype), the torch version (read from package metadata: no import), autopar's
-  version, the source of autopar's tracing code (``autopar/graph``, ``autopar/spec``, ``modelfile.py``,
+  version, the source of autopar's tracing code (``autopar/graph``, ``autopar/spec``, ``modelfile.py`` and what it applies at build,
   ``autopar/models``) and the shape of the ModelGraph dataclasses. Any change is a new key.
 - Beyond the key: what the build read besides the file's bytes -- the environment variables its
   code read, the files it opened outside the installed packages (a config file, a module beside
@@ -42,7 +42,7 @@ from autopar.graph.model_graph import ModelGraph
 
 SCHEMA_VERSION = 1  # bump when the entry layout (not ModelGraph: that is fingerprinted) changes
 _PACKAGE = Path(__file__).resolve().parent.parent  # autopar/
-_TRACING_SOURCES = ("graph", "spec", "modelfile.py", "models")
+_TRACING_SOURCES = ("graph", "spec", "modelfile.py", "block_dict.py", "input_cast.py", "models")
 
 
 class _Corrupt(Exception):

@@ -114,7 +114,9 @@ def embedding_read_late(model: nn.Module, embedding: str, head: str | None, last
                last.register_forward_hook(lambda m, a, o: state.update(after=True))]
     if head is not None:
         head_mod = model.get_submodule(head)
-        handles += [head_mod.register_forward_pre_hook(lambda m, a: state.update(head=state["head"] + 1)),
+        # first among the head's pre-hooks: what its other hooks read (autopar.input_cast reads
+        # its weight's dtype) is read inside the head
+        handles += [head_mod.register_forward_pre_hook(lambda m, a: state.update(head=state["head"] + 1), prepend=True),
                     head_mod.register_forward_hook(lambda m, a, o: state.update(head=state["head"] - 1))]
     try:
         with torch.no_grad(), reads:
