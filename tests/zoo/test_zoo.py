@@ -65,6 +65,12 @@ CASES = [
     pytest.param("hf_perceiver", "tp2+sp", ("tp",), id="hf_perceiver-tp2"),
     # experts called with rows grouped by expert and the rows per expert (spec/moe.py's grouped call)
     pytest.param("hf_jetmoe", "ep2", ("ep",), id="hf_jetmoe-ep2"),
+    # blocks in a numbered nn.ModuleDict run over values() (torchtitan's layers): a chunk's dict of markers
+    # and blocks (autopar/block_dict.py, pipeline_parallel._ChunkBlockDict)
+    pytest.param("torch_titan_llama", "pp2", ("pp",), id="torch_titan_llama-pp2"),
+    # an integer tensor (ViTMAE's restore indices) carried to the last stage: torch's shape inference runs
+    # that stage on uninitialised inputs first (pipeline_parallel.StageModule.forward)
+    pytest.param("hf_vit_mae", "pp2", ("pp",), id="hf_vit_mae-pp2"),
 ]
 
 

@@ -288,6 +288,8 @@ class StageModule(nn.Module):
         # Probe.carried: name -> the stand-in receiving its output here (None on the first stage)
         self._carried: dict[str, _Carried | None] = {}
         self._captured: dict[str, Any] = {}
+        # whether torch pipelining is inferring this stage's shapes (build_schedule; see forward)
+        self._inferring: Callable[[], bool] = lambda: False
 
     def carry(self, name: str, stand_in: _Carried | None) -> None:
         """Hand ``name``'s output on to the next stage (received into ``stand_in`` when given)."""
@@ -301,6 +303,14 @@ class StageModule(nn.Module):
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
         inputs = self.io.micro_batch(kwargs)
+        if not self.is_first and self._inferring():
+            # torch pipelining infers a later stage's output shapes by running it once on inputs it
+            # allocates uninitialised: an integer tensor carried from the first stage (ViTMAE's
+            # restore indices) would index out of bounds (on CUDA a device-side assert). Zeros
+            # have its shape and index in range; floating inputs stay as given (they carry the
+            # gradient the inference traces back to this stage's inputs)
+            args = tuple(torch.zeros_like(t) if isinstance(t, torch.Tensor) and not t.is_floating_point()
+                         and not t.is_complex() else t for t in args)
         for t in args:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 # the gradient sent back to the previous stage lands in a buffer laid out as this
@@ -428,6 +438,11 @@ def build_schedule(
                       **_static_args(inputs, outputs))
         for mod, c, (inputs, outputs) in zip(stage_modules, chunk_ids, shapes)
     ]
+    for mod, stage, (_, outputs) in zip(stage_modules, stages, shapes):
+        if isinstance(mod, StageModule) and outputs is None:
+            # shapes inferred at the first step (dynamic mode): until then the stage has no
+            # receive buffers, and a forward is torch's inference pass (StageModule.forward)
+            mod._inferring = lambda stage=stage: not stage.args_recv_info
     m = plan.num_microbatches
     if par.pp_schedule == "gpipe":
         return ScheduleGPipe(stages[0], n_microbatches=m, loss_fn=loss_fn), stages
