@@ -28,6 +28,17 @@ PARTS = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "A
          "Temp": "temporaries", "Buffer": "temporaries", "Other": "temporaries"}
 
 
+class _NoHook:
+    """The handle of a gradient hook never registered (``StepTracker._track_module_params_and_buffers``)."""
+
+    @staticmethod
+    def remove() -> None:
+        return None
+
+
+_NO_HOOK = _NoHook()
+
+
 class StepTracker(MemTracker):
     """MemTracker for a whole training step of many micro-batches (module docstring), whose peak is
     the *device's*: a rehearsal runs on one CPU device, where host offload's tensors live beside
@@ -74,6 +85,16 @@ class StepTracker(MemTracker):
             super().__exit__(*exc)
         finally:
             self._restore()
+
+    def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+        """MemTracker's, for models with frozen parameters too: it registers a gradient hook on every
+        parameter of a module it enters, which torch refuses for one that does not require grad
+        (ViTMAE's fixed sin-cos position tables; a LoRA's frozen base weights). Such a parameter never
+        gets a gradient: it is marked hooked with handles that remove nothing."""
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks=install_grad_hooks)
 
     @contextlib.contextmanager
     def off_device(self) -> Iterator[None]:

@@ -37,3 +37,15 @@ def test_outside_a_host_step_every_allocation_counts() -> None:
             big.add_(1.0)
             del big
     assert tracker.device_peak >= 64 * MIB
+
+
+def test_a_model_with_frozen_parameters_is_tracked() -> None:
+    # torch's MemTracker registers a gradient hook on every parameter of a module it enters; a frozen
+    # one (ViTMAE's sin-cos position table, a LoRA's base weights) refused it
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    net[0].weight.requires_grad_(False)
+    tracker = StepTracker()
+    with tracker:
+        net(torch.randn(8, 64)).sum().backward()
+    assert tracker.device_peak > 0
+    assert net[0].weight.grad is None and net[1].weight.grad is not None
