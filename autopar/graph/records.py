@@ -48,6 +48,9 @@ class SavedRecord:
     root: int = 0  # id of the tensor it views (OpRecord.ins): which op produced it
     # Bytes CUDA's autocast over fp32 parameters keeps for it per byte traced (graph/cuda_autocast.py)
     autocast_factor: float = 1.0
+    # the additive bias a self-attention kernel took for a boolean mask (graph/trace.py ``_flash_sdpa``):
+    # queries x keys, quadratic in the sequence (graph/scaling.py ``_fit_saved`` where it is unpaired)
+    attention_bias: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -316,29 +316,81 @@ def _upper_envelope(states: tuple[tuple[float, float, float], ...]) -> list[int]
     return [i for _, _, i in hull]
 
 
+# Where a variant saves a few tensors more or fewer than the base (at most this many, or a tenth):
+# a mask the model builds only where the sequence reaches its attention window (HF StarCoder2's
+# sliding window of 4,096 at 4,096 tokens; none at 2,048), the tensors are paired by alignment.
+_ALIGN_SLACK = 2
+# The byte ratios base / variant a saved tensor can show: the batch variant doubles the batch, the
+# sequence variant halves the sequence (s^0, s^1, s^2), the tp variant halves the sharded widths.
+_RATIOS = ((1.0, 0.5), (1.0, 2.0, 4.0), (1.0, 2.0))
+
+
+def _aligned(rows: list[SavedRecord], other: list[SavedRecord], ratios: tuple[float, ...]) -> list[int | None]:
+    """For each record of ``rows``, the index of its partner in ``other`` (None: unpaired): the longest
+    order-preserving pairing of records of one kind (GEMM input or not, the same autocast factor)
+    whose bytes differ by one of ``ratios`` (base / variant)."""
+    n, m = len(rows), len(other)
+
+    def pairs(a: SavedRecord, b: SavedRecord) -> bool:
+        if a.gemm_input != b.gemm_input or a.autocast_factor != b.autocast_factor:
+            return False
+        if a.nbytes <= 0 or b.nbytes <= 0:
+            return a.nbytes == b.nbytes
+        return any(abs(a.nbytes / b.nbytes - x) <= 1e-3 * x for x in ratios)
+
+    longest = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            longest[i][j] = (longest[i + 1][j + 1] + 1 if pairs(rows[i], other[j])
+                             else max(longest[i + 1][j], longest[i][j + 1]))
+    out: list[int | None] = [None] * n
+    i = j = 0
+    while i < n and j < m:
+        if pairs(rows[i], other[j]) and longest[i][j] == longest[i + 1][j + 1] + 1:
+            out[i] = j
+            i, j = i + 1, j + 1
+        elif longest[i + 1][j] >= longest[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
 def _fit_saved(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuantity, ...]:
     """Each saved tensor of ``region`` at the base shape with its exponents, paired tensor by tensor
-    with the traces at the varied shapes. Where a variant saves another number of tensors -- a block
-    that loops over the sequence (a recurrent scan's reference kernel saves one state per step) --
-    the tensors cannot be paired, and every tensor takes that variable's exponent of the region's
-    total saved bytes: the total is fitted exactly, its split among the tensors is the base shape's."""
+    with the traces at the varied shapes (``others``: twice the batch, half the sequence, tp = 2).
+    Where a variant saves a few tensors more or fewer (``_ALIGN_SLACK``), they are paired by
+    alignment (``_aligned``); a base tensor left unpaired -- or every tensor, where a variant saves
+    another number of tensors altogether (a block that loops over the sequence: a recurrent scan's
+    reference kernel saves one state per step) -- takes that variable's exponent of the region's
+    total saved bytes (the total is fitted exactly, its split among the tensors is the base shape's),
+    except a self-attention's bias absent at half the sequence, which is quadratic in it."""
     rows = [r for r in base.saved if r.region == region]
     total = sum(r.nbytes for r in rows)
-    lists: list[list[SavedRecord] | float | None] = []  # per variant: the paired list, its total, or None
-    for trace in others:
+    vals: list[list[float | None]] = [[] for _ in rows]  # per row, its value in each variant
+    for k, trace in enumerate(others):
         if trace is None:
-            lists.append(None)
+            for v in vals:
+                v.append(None)
             continue
         other = [r for r in trace.saved if r.region == region]
-        lists.append(other if len(other) == len(rows) else float(sum(r.nbytes for r in other)))
-    out = []
-    for i, r in enumerate(rows):
-        vals = [None if lst is None else (lst[i].nbytes if isinstance(lst, list) else r.nbytes * lst / total
-                                          if total else 0.0)
-                for lst in lists]
-        out.append(FitQuantity(what="saved", phase="fwd", nbytes=r.nbytes, exps=_exps(r.nbytes, *vals),
-                               gemm_input=r.gemm_input, autocast_factor=r.autocast_factor))
-    return tuple(out)
+        share = float(sum(r.nbytes for r in other)) / total if total else 0.0
+        if len(other) == len(rows):
+            partner: list[int | None] = list(range(len(rows)))
+        elif abs(len(other) - len(rows)) <= max(_ALIGN_SLACK, len(rows) // 10):
+            partner = _aligned(rows, other, _RATIOS[k] if k < len(_RATIOS) else (1.0,))
+        else:
+            partner = [None] * len(rows)
+        for i, (r, j) in enumerate(zip(rows, partner)):
+            if j is not None:
+                vals[i].append(other[j].nbytes)
+            elif k == 1 and r.attention_bias:
+                vals[i].append(r.nbytes / 4.0)  # queries x keys at half the sequence
+            else:
+                vals[i].append(r.nbytes * share)
+    return tuple(FitQuantity(what="saved", phase="fwd", nbytes=r.nbytes, exps=_exps(r.nbytes, *v),
+                             gemm_input=r.gemm_input, autocast_factor=r.autocast_factor)
+                 for r, v in zip(rows, vals))
 
 
 def _fit_comm(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuantity, ...]:

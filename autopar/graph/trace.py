@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.graph.cuda_autocast import AutocastShadow, cuda_fp32_functions
 from autopar.graph.records import OpRecord, SavedRecord, Trace
@@ -343,6 +344,10 @@ def _dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace
     return torch.native_dropout(input, p, True)[0]
 
 
+# The biases ``_flash_sdpa`` made from a self-attention's boolean mask (SavedRecord.attention_bias)
+ATTENTION_BIASES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     if attn_mask is not None:
@@ -355,6 +360,8 @@ def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
             if attn_mask.dtype == torch.bool:
                 bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                     attn_mask.logical_not(), float("-inf"))
+                if query.shape[-2] == key.shape[-2]:  # self-attention: queries x keys, both the sequence
+                    ATTENTION_BIASES[bias] = True
             bias = bias.expand(query.shape[0], query.shape[-3], query.shape[-2], key.shape[-2])
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
@@ -391,7 +398,8 @@ def record(trace: Trace, state: _State, param_ids: set[int]) -> Iterator[None]:
             saved_ids.add(id(root))
             keep.append(root)
             saved_at.append((len(trace.saved), id(root)))
-            trace.saved.append(SavedRecord(region=state.region, nbytes=float(_storage_nbytes(root))))
+            trace.saved.append(SavedRecord(region=state.region, nbytes=float(_storage_nbytes(root)),
+                                           attention_bias=root in ATTENTION_BIASES))
         return t
 
     recorder = _Recorder(trace, state)
