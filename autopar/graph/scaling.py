@@ -320,6 +320,7 @@ def _upper_envelope(states: tuple[tuple[float, float, float], ...]) -> list[int]
 # a mask the model builds only where the sequence reaches its attention window (HF StarCoder2's
 # sliding window of 4,096 at 4,096 tokens; none at 2,048), the tensors are paired by alignment.
 _ALIGN_SLACK = 2
+_ALIGN_MAX_CELLS = 250_000  # the alignment is quadratic: a region of more tensors keeps the total's exponent
 # The byte ratios base / variant a saved tensor can show: the batch variant doubles the batch, the
 # sequence variant halves the sequence (s^0, s^1, s^2), the tp variant halves the sharded widths.
 _RATIOS = ((1.0, 0.5), (1.0, 2.0, 4.0), (1.0, 2.0))
@@ -377,7 +378,8 @@ def _fit_saved(region: str, base: Trace, *others: Trace | None) -> tuple[FitQuan
         share = float(sum(r.nbytes for r in other)) / total if total else 0.0
         if len(other) == len(rows):
             partner: list[int | None] = list(range(len(rows)))
-        elif abs(len(other) - len(rows)) <= max(_ALIGN_SLACK, len(rows) // 10):
+        elif abs(len(other) - len(rows)) <= max(_ALIGN_SLACK, len(rows) // 10) \
+                and len(other) * len(rows) <= _ALIGN_MAX_CELLS:
             partner = _aligned(rows, other, _RATIOS[k] if k < len(_RATIOS) else (1.0,))
         else:
             partner = [None] * len(rows)
