@@ -25,7 +25,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Sequence
 
-from autopar.cost.memory import interleaved_warmup
+from autopar.cost.memory import interleaved_warmup, warmup_counts
 
 HeldState = tuple[tuple[int, ...], int]  # (micro-batches in flight per local chunk, bit mask of chunks holding)
 
@@ -45,9 +45,7 @@ def held_states(pp: int, rank: int, num_microbatches: int, virtual_stages: int) 
     micro-batches first."""
     v, total = virtual_stages, num_microbatches * virtual_stages
     per_round, warmup = interleaved_warmup(pp, rank, num_microbatches, v)
-    counts = [0] * v
-    for forward in range(warmup):
-        counts[(forward // per_round) % v] += 1
+    counts = warmup_counts(per_round, warmup, v)
     ran = 0
     masks: dict[tuple[int, ...], set[int]] = {}  # in-flight counts -> the holding chunks met with them
     for backward in range(total):

@@ -135,9 +135,7 @@ def inflight_states(schedule: str, pp: int, rank: int, num_microbatches: int,
         n = inflight_microbatches(schedule, pp, rank, m, 1)
         return ((int(n),) + (0,) * (v - 1),) if v > 1 else ((int(n),),)
     per_round, warmup = interleaved_warmup(pp, rank, m, v)
-    counts = [0] * v
-    for forward in range(warmup):  # the warm-up only adds: its last state holds every earlier one
-        counts[(forward // per_round) % v] += 1
+    counts = warmup_counts(per_round, warmup, v)  # the warm-up only adds: its last state holds every earlier one
     if warmup == m * v:
         return (tuple(counts),)
     # Past the warm-up every forward is followed by a backward, so every state after a forward holds
@@ -159,6 +157,15 @@ def interleaved_warmup(pp: int, rank: int, num_microbatches: int, virtual_stages
     m, v = num_microbatches, virtual_stages
     per_round = m // max(1, m // pp)
     return per_round, min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+
+
+def warmup_counts(per_round: int, warmup: int, virtual_stages: int) -> list[int]:
+    """Per local chunk, the micro-batches in flight once the warm-up's ``warmup`` forwards have run
+    (rounds of ``per_round`` forwards walk the chunks in order: ``interleaved_warmup``)."""
+    counts = [0] * virtual_stages
+    for forward in range(warmup):
+        counts[(forward // per_round) % virtual_stages] += 1
+    return counts
 
 
 def peak_bytes(states: Sequence[Sequence[int]], chunk_bytes: Sequence[float]) -> float:

@@ -76,11 +76,13 @@ def _heads(model: nn.Module, block: nn.Module, flow_heads: Callable[[], tuple[in
         for mod in block.modules():
             heads = heads or _config_int(mod, _HEAD_ATTRS)
             kv = kv or _config_int(mod, _KV_ATTRS)
+        if heads is not None and kv is None:
+            # a module names its heads but no KV heads (a plain model's ``n_heads``): the data
+            # flow's KV heads, where it sees the same heads (GQA repeated before the attention)
+            flow_q, flow_kv = flow_heads()
+            kv = flow_kv if flow_q == heads else None
     if heads is None:
         heads, kv = flow_heads()
-    elif kv is None:  # heads named, KV heads not: the data flow's, where it sees the same heads
-        flow_q, flow_kv = flow_heads()
-        kv = flow_kv if flow_q == heads else None
     return heads, (kv or heads) if heads is not None else None
 
 

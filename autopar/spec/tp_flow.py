@@ -81,21 +81,6 @@ def _coalesce(pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
     return tuple(out)
 
 
-def _with_pairs(taint: Taint) -> Taint:
-    """``taint`` of a ``view_as_real`` output with the pair dim restored: a feature piece on the
-    complex dim (now dim -2) of stride 2 s held pairs of features s apart, the trailing dim of 2
-    the pair member (stride s). A piece of odd stride there was not paired that way: left as is."""
-    out: Taint = {}
-    for src, pieces in taint.items():
-        new: list[Piece] = []
-        for d, st, e in pieces:
-            new.append((d, st, e))
-            if d == -2 and st % 2 == 0:
-                new.append((-1, st // 2, 2))
-        out[src] = tuple(new)
-    return out
-
-
 def _view_groups(a: list[int], b: list[int]) -> list[tuple[list[int], list[int]]] | None:
     """Pair runs of dims of shape ``a`` and ``b`` with equal products (size-1 dims ride along)."""
     groups, i, j = [], 0, 0
@@ -222,8 +207,8 @@ class _Tracker(TorchDispatchMode):
             self.put(out, self.remap(self.get(x), nd, nd - 1, lambda d: d if d < nd - 1 else None,
                                      why="is paired into complex numbers across its sharded feature dim"))
             return
-        if name == "view_as_real":  # (..., n) complex -> (..., n, 2): the pairs view_as_complex made
-            self.put(out, _with_pairs(self.remap(self.get(x), x.dim(), x.dim() + 1, lambda d: d)))
+        if name == "view_as_real":  # (..., n) complex -> (..., n, 2): the pair dim carries no piece
+            self.put(out, self.remap(self.get(x), x.dim(), x.dim() + 1, lambda d: d))
             return
         if name in ("select", "unbind"):
             dim = _pos(args[1] if len(args) > 1 else kwargs.get("dim", 0), x.dim())

@@ -148,28 +148,28 @@ class _Exit(StandIn):
         raise _StageExit(args[0] if args else kwargs[self.first_param])
 
 
-class _ChunkBlocks(nn.ModuleList):
-    """A chunk's block list when the model keeps its blocks in an nn.ModuleList: the markers and the
-    chunk's blocks under their original keys. Iteration and ``len`` see every child (the model's
-    loop must run the markers), an integer index is the chunk's i-th *block*: code that reads one
-    block for its settings (``nn.TransformerEncoder`` reads ``self.layers[0]`` for its fast-path
-    checks) gets a block, not a marker or a missing key."""
+class _ChunkIndex:
+    """A chunk's container of markers and blocks (the blocks under their original keys), whose integer
+    index is the chunk's i-th *block*: code that reads one block for its settings
+    (``nn.TransformerEncoder`` reads ``self.layers[0]`` for its fast-path checks) gets a block, not a
+    marker or a missing key. Iteration and ``len`` see every child: the model's loop must run the
+    markers."""
 
-    def __getitem__(self, idx: Any) -> Any:
-        if isinstance(idx, int):
-            return [m for k, m in self._modules.items() if k.isdigit()][idx]
-        return super().__getitem__(idx)
-
-
-class _ChunkBlockDict(BlockDict):
-    """``_ChunkBlocks`` for blocks kept in a numbered nn.ModuleDict (torchtitan's ``layers``): the
-    model's loop over ``values()`` runs the markers and the chunk's blocks in order, an integer
-    index is the chunk's i-th block."""
+    _modules: dict[str, nn.Module]
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, int) and not isinstance(key, bool):
             return [m for k, m in self._modules.items() if k.isdigit()][key]
-        return super().__getitem__(key)
+        return super().__getitem__(key)  # type: ignore[misc]
+
+
+class _ChunkBlocks(_ChunkIndex, nn.ModuleList):
+    """A chunk's block list when the model keeps its blocks in an nn.ModuleList (``_ChunkIndex``)."""
+
+
+class _ChunkBlockDict(_ChunkIndex, BlockDict):
+    """The same for blocks kept in a numbered nn.ModuleDict (torchtitan's ``layers``): the model's loop
+    over ``values()`` runs the markers and the chunk's blocks in order."""
 
 
 class _ZeroStub(StandIn):
@@ -367,7 +367,7 @@ def build_chunk(
         _ChunkBlockDict() if isinstance(old, BlockDict) else _ChunkBlocks())
     inject = None
     if not is_first:
-        if isinstance(blocks, (_ChunkBlocks, _ChunkBlockDict)):
+        if isinstance(blocks, _ChunkIndex):
             # Keep every block at its loop position: HF models pick a block's mask by position
             # (``config.layer_types[i]``: Gemma 2/3, GPT-OSS, Cohere 2), so the marker before this
             # chunk's first block sits at position start - 1, after place-holders for the rest.
