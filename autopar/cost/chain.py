@@ -49,7 +49,7 @@ from typing import Sequence
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
 from autopar.cost.compute import graph_region_time
-from autopar.cost.expert import ExpertCost, adjust_terms, moe_summary
+from autopar.cost.expert import ExpertCost, adjust_terms, grads_share, moe_summary
 from autopar.cost.megatron_memory import FP32_BYTES
 from autopar.cost.stage import (
     Config,
@@ -141,7 +141,8 @@ def build_chain_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> Chain
         bwd = rt.bwd_s + tp_b + recompute
         params = _unit_params(graph, unit, cfg.tp)
         zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
-        peak, peak_grads = region_peak_bytes(rt, cfg, cluster)
+        share = grads_share(graph, cfg, params) if unit.experts else 1.0
+        peak, peak_grads = region_peak_bytes(rt, cfg, cluster, share)
         part = Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=0.0,
                     zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
                     peak_bytes=peak, peak_grads_bytes=peak_grads)

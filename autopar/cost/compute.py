@@ -76,6 +76,10 @@ class RegionTime:
     fwd_peak_bytes: float = 0.0  # forward's T alone
     fwd_rise_bytes: float = 0.0  # forward's R (graph/live.py): its peak beside the region's whole saved set
     bwd_grads_bytes: float = 0.0  # the region's gradients at Tg''s peak, whichever phase peaks
+    # Tg''s candidates (its peak op and its envelope's others) as (temporaries less the saved
+    # activations freed by then, the region's gradients made by then): ``peak_with_grads`` re-picks
+    # among them where a rank makes only a share of the gradients (E / ep experts')
+    grads_candidates: tuple[tuple[float, float], ...] = ()
     # Per-op selective recompute (autopar.recompute_ops): the outputs it keeps of the ops it saves,
     # and those ops' forward time, which its recompute does not re-run.
     op_saved_bytes: float = 0.0
@@ -313,7 +317,8 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
              for what in ("peak_credit_temps", "peak_credit")}
     # T' and Tg' (graph/live.py): backward's peak less the saved activations freed by then (each
     # part by its own law); forward's as T. Tg' at this shape: the largest of its envelope's ops
-    grads_temps, grads, grads_credit = _grads_peak(fit.peaks, shape)
+    candidates = _grads_candidates(fit.peaks, shape)
+    grads_temps, grads, grads_credit = max(candidates, key=lambda v: v[0] + v[1] - v[2], default=(0.0, 0.0, 0.0))
     # beside the whole saved set, forward's peak counts by its rise R (graph/live.py): what it holds
     # there beyond the saved tensors made later in the region (a graph without R: its T)
     rises = [q for q in fit.peaks if q.phase == "fwd" and q.what in ("rise_temps", "rise_to_come")]
@@ -326,18 +331,34 @@ def _region_time(fit: RegionFit, cluster: Cluster, shape: Shape, core_shape: Sha
                       saved_bytes=saved, core_saved_bytes=core_saved, peak_bytes=peak,
                       peak_with_grads_bytes=with_grads, peak_credited_bytes=credited,
                       fwd_peak_bytes=fwd_peak, fwd_rise_bytes=rise, bwd_grads_bytes=grads,
+                      grads_candidates=tuple((t - c, g) for t, g, c in candidates),
                       op_saved_bytes=op_bytes, op_saved_fwd_s=op_s,
                       autocast_saved_bytes=auto, autocast_core_saved_bytes=auto_core)
 
 
-def _grads_peak(peaks: tuple[FitQuantity, ...], shape: Shape) -> tuple[float, float, float]:
-    """Tg''s (temporaries, gradients, credit) at ``shape``: of the backward ops the trace fitted (its
-    peak and its envelope's others, graph/scaling.py ``candidate``), the one with the most."""
+def _grads_candidates(peaks: tuple[FitQuantity, ...], shape: Shape) -> list[tuple[float, float, float]]:
+    """Tg''s (temporaries, gradients, credit) at ``shape`` for each backward op the trace fitted
+    (its peak and its envelope's others, graph/scaling.py ``candidate``)."""
     parts: dict[int, list[float]] = {}
     for q in peaks:
         if q.phase == "bwd" and q.what in GRADS_PARTS:
             parts.setdefault(q.candidate, [0.0, 0.0, 0.0])[GRADS_PARTS.index(q.what)] += q.nbytes * shape.scale(q.exps)
-    return tuple(max(parts.values(), key=lambda v: v[0] + v[1] - v[2], default=(0.0, 0.0, 0.0)))  # type: ignore[return-value]
+    return [(t, g, c) for t, g, c in parts.values()]
+
+
+def peak_with_grads(rt: RegionTime, grads_share: float = 1.0) -> tuple[float, float]:
+    """(``peak_with_grads_bytes``, ``peak_grads_bytes``) of ``rt`` where a rank makes ``grads_share``
+    of the region's parameter gradients (expert parallelism: its dense ones and E / ep experts').
+    The backward op that peaks is picked again at that share: the op where a block's whole
+    gradients top its temporaries (the end of its backward, its activations freed) can fall below
+    an earlier one once most of those gradients are another rank's -- Mixtral-8x7B at ep 8 priced
+    its block's backward at nothing and rehearsed 0.5 GiB above it."""
+    if grads_share >= 1.0 or not rt.grads_candidates:
+        return rt.peak_with_grads_bytes, rt.peak_grads_bytes
+    rest, grads = max(rt.grads_candidates, key=lambda v: v[0] + v[1] * grads_share)
+    floor = max(0.0, rt.fwd_rise_bytes)
+    top = rest + grads * grads_share
+    return max(floor, top), grads * grads_share if top > floor else 0.0
 
 
 def under_autocast(rt: RegionTime) -> RegionTime:

@@ -226,6 +226,17 @@ class ExpertCost:
         return self.expert_params * self.state_split[kind] - (self.block_params - self.dense_params) * dense_split[kind]
 
 
+def grads_share(graph: "ModelGraph", cfg: "Config", block_params: float) -> float:
+    """Of a block's parameter gradients (``block_params`` on this rank at ep = 1), the share a rank
+    makes under expert parallelism: its dense ones and those of its E / ep experts (1 at ep = 1 or
+    without experts). FSDP2 holds them in the block's backward until its post-backward
+    (cost.stage.region_peak_bytes picks the backward's peak op at this share)."""
+    if cfg.ep == 1 or graph.moe is None or block_params <= 0:
+        return 1.0
+    all_experts = min(block_params, graph.moe.expert_params / (cfg.tp if experts_tp_sharded(graph) else 1))
+    return (block_params - all_experts * (1.0 - 1.0 / cfg.ep)) / block_params
+
+
 def expert_cost(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", *, dense_state_bytes: float,
                 dense_sync_s_per_param: float, tokens_bytes: float, block_fwd_s: float, block_bwd_s: float,
                 block_params: float, shape: "Shape | None" = None, region: str = "block") -> ExpertCost | None:
@@ -333,14 +344,9 @@ def adjust_terms(graph: "ModelGraph", cluster: "Cluster", cfg: "Config", block: 
         tensors = graph.params[region].tensors if region in graph.params else 0  # 0: a chain's (not counted)
         zero_ep += sum(per_microbatch_s(cfg, cluster, tensors))  # framework time
         block = replace(block, bwd_s=bwd_plain + zero_ep, zero_comm_s=zero_ep)
-    # FSDP2's unit gradients at the block's peak: those of the E / ep experts the rank holds (the peak
-    # falls after the experts' backward, which runs before attention's: all of them made by then)
-    held = (expert.dense_params + expert.expert_params) / (expert.dense_params + expert.all_expert_params)
-    dropped = block.peak_grads_bytes * (1.0 - held)
     block = replace(block, fwd_s=block.fwd_s + fwd_extra, bwd_s=block.bwd_s + bwd_extra + recompute_extra,
                     recompute_s=block.recompute_s + recompute_extra, params=expert.block_params,
-                    ep_comm_s=expert.a2a_fwd_s + expert.a2a_bwd_s + expert.grad_sync_extra_s,
-                    peak_bytes=block.peak_bytes - dropped, peak_grads_bytes=block.peak_grads_bytes - dropped)
+                    ep_comm_s=expert.a2a_fwd_s + expert.a2a_bwd_s + expert.grad_sync_extra_s)
     return ExpertTerms(block=block, expert=expert, transient_saving_bytes=saving)
 
 

@@ -23,9 +23,9 @@ from dataclasses import replace
 
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
-from autopar.cost.compute import RegionTime, graph_region_time, under_autocast, usable_layer_table
+from autopar.cost.compute import RegionTime, graph_region_time, peak_with_grads, under_autocast, usable_layer_table
 from autopar.cost.evolve import evolve
-from autopar.cost.expert import ExpertTerms, adjust_terms
+from autopar.cost.expert import ExpertTerms, adjust_terms, grads_share
 from autopar.cost.framework import (
     dp_wrapper,
     grad_reduce_bytes,
@@ -441,7 +441,8 @@ def _block_part(graph, cluster, cfg, rt, shape, tp_link, cp_link, dpcp_link, tok
     bwd = rt.bwd_s + tp_b + cp_b + recompute
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
     zero += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # framework time: FSDP2's own time
-    peak, peak_grads = region_peak_bytes(rt, cfg, cluster)
+    share = 1.0 if graph.chain else grads_share(graph, cfg, params)  # a chain's units: cost/chain.py
+    peak, peak_grads = region_peak_bytes(rt, cfg, cluster, share)
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b,
                 zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
                 peak_bytes=peak, peak_grads_bytes=peak_grads, autocast_act_bytes=autocast_act)
@@ -459,15 +460,17 @@ def _kept_bytes(rt: RegionTime, cfg: Config, input_bytes: float) -> float:
     return rt.saved_bytes
 
 
-def region_peak_bytes(rt: RegionTime, cfg: Config, cluster: Cluster) -> tuple[float, float]:
+def region_peak_bytes(rt: RegionTime, cfg: Config, cluster: Cluster, grads_share: float = 1.0) -> tuple[float, float]:
     """A region's temporaries at its peak and, of them, its own parameter gradients (``Part.peak_bytes``,
     ``Part.peak_grads_bytes``): with the gradients made so far where the data-parallel wrap holds them
     until its post-backward (FSDP2: cost/zero.holds_unit_grads), without them (0) where the model
     states count them. Where the activations priced are the model file's own saved tensors
     (``activation_memory: measured``), less those backward has freed by its peak (graph/live.py's Tg'
-    and T'); software with activations of its own (Megatron-Core + TE) keeps T, which frees nothing."""
+    and T'); software with activations of its own (Megatron-Core + TE) keeps T, which frees nothing.
+    ``grads_share``: the share of the region's gradients this rank makes (cost/expert.py
+    ``grads_share``: E / ep experts')."""
     if holds_unit_grads(cfg, cluster):
-        return rt.peak_with_grads_bytes, rt.peak_grads_bytes
+        return peak_with_grads(rt, grads_share)
     if cluster.activation_memory == "measured":
         return rt.peak_credited_bytes, 0.0
     return rt.peak_bytes, 0.0
