@@ -39,9 +39,14 @@ def check_example_inputs(mf: Any) -> None:
         if a.ndim == 0:
             raise ModelFileError(f"{where}: {name} is a scalar; dim 0 must be the sample dimension")
         if a.shape[0] != 1 or b.shape[0] != 2:
+            # rows folded into dim 0 (MusicGen's batch x codebooks): say how to unfold them -- autopar
+            # splits dim 0 across ranks and micro-batches, and cannot tell sample-major rows from others
+            rows = a.shape[0] if a.shape[0] > 1 and b.shape[0] == 2 * a.shape[0] else 0
+            fix = (f"; it holds {rows} rows per sample: return them in a dim of their own ({[1, rows, *a.shape[1:]]}) "
+                   "and fold them inside the model's forward" if rows else "")
             raise ModelFileError(
                 f"{where}: {name} has shape {list(a.shape)} for 1 sample and {list(b.shape)} for 2; dim 0 must be "
-                "the micro-batch size")
+                f"the micro-batch size{fix}")
         if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
             raise ModelFileError(f"{where}: {name} changes shape or dtype with the batch size "
                                  f"({list(a.shape)} {a.dtype} vs {list(b.shape)} {b.dtype})")

@@ -34,7 +34,11 @@ from autopar.graph.scaling import at_longer_sequence
 from autopar.modelfile import ModelFile
 from autopar.spec.meta import OpBudgetExceeded, op_budget
 
-OPS_PER_FORWARD = 50_000  # aten ops one forward on meta may dispatch before the sequence is shortened
+# aten ops one forward on meta may dispatch before the sequence is shortened: the spec's own limit
+# (spec/spec_inputs.py). A measurement traces forward and backward a few times, at about 0.5 ms an op
+# on meta: RecurrentGemma-2B's small chain (two RG-LRU layers looping over 4,096 positions, ~41,000
+# ops a forward) took 75 s to measure at full length under 50,000, 35 s shortened (the plan's goal: 60 s).
+OPS_PER_FORWARD = 20_000
 PROBE_SEQ = 256  # the longest sequence a shortened measurement traces at
 
 

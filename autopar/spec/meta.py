@@ -182,6 +182,8 @@ class _TolerantMeta(TorchDispatchMode):
         self.alive: list[torch.Tensor] = []  # keeps routing tensors alive so their ids stay theirs
         self.alls: set[int] = set()  # ids of all() results (kept alive in ``alive``): they read True
         self.known = KnownValues()  # the experts a balanced routing hits, and picks of them (meta_values.py)
+        # top-1 picks not yet read (``_note_top1``): id of the indices -> the routing they would be
+        self.tentative: dict[int, Routing] = {}
         # float tensors computed from a parameter, held weakly: a strong reference would keep every
         # activation alive and the live-memory trace (graph/live.py) would count them all
         self.learned: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -279,6 +281,8 @@ class _TolerantMeta(TorchDispatchMode):
         kwargs = kwargs or {}
         if _BUDGETS:
             self._count()
+        if self.tentative:
+            self._confirm_top1(args, kwargs)
         name = func._overloadpacket.__name__
         if name in _MASK_INDEXED and len(args) > 1 and _is_meta(args[:1]) and any(
                 isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in args[1]):
@@ -361,9 +365,23 @@ class _TolerantMeta(TorchDispatchMode):
         indices = out if name == "argmax" else (out[1] if isinstance(out, (tuple, list)) and len(out) == 2 else None)
         if not isinstance(indices, torch.Tensor):
             return False
-        self.routing = Routing(tokens=scores.numel() // scores.shape[-1], top_k=1, num_experts=scores.shape[-1])
+        # a router's pick is read (to gather, mask or count the experts' tokens); a max whose indices
+        # nothing reads is a max (xLSTM's stabiliser, ``gates.max(-1).values``): the routing holds
+        # only once an op reads the indices (``_confirm_top1``)
+        self.tentative[id(indices)] = Routing(tokens=scores.numel() // scores.shape[-1], top_k=1,
+                                              num_experts=scores.shape[-1])
         self._mark(indices, "topk")
         return True
+
+    def _confirm_top1(self, args: tuple, kwargs: dict) -> None:
+        """The routing of a top-1 pick (``_note_top1``) once an op reads its indices."""
+        for t in flat_tensors((args, kwargs)):
+            routing = self.tentative.get(id(t))
+            if routing is not None:
+                if self.routing is None:
+                    self.routing = routing
+                self.tentative.clear()
+                return
 
     def _note_router(self, args: tuple, kwargs: dict, out: Any) -> None:
         scores, k = args[0], int(args[1] if len(args) > 1 else kwargs.get("k", 1))

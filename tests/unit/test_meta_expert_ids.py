@@ -97,3 +97,28 @@ def test_a_max_over_values_without_a_learned_weight_behind_them_is_no_router() -
     with tolerant_meta() as mode:
         moe(x)
     assert mode.routing is not None and mode.routing.num_experts == E  # a router's scores carry a gradient
+
+
+class GatedMax(nn.Module):
+    """xLSTM's stabiliser: the max of learned gates over a chunk, its indices never read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(D, E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gate(x).max(-1).values[:, None]
+
+
+def test_a_max_whose_indices_nothing_reads_is_no_router() -> None:
+    with torch.device("meta"):
+        model, x = GatedMax(), torch.empty(TOKENS, D)
+    with tolerant_meta() as mode:
+        model(x)
+    assert mode.routing is None  # learned scores, but no expert is picked by the indices
+    with torch.device("meta"):
+        moe = SwitchMoE(keyed=False)
+    with tolerant_meta() as mode:
+        model(x)  # an unread max first: the router after it still routes
+        moe(x)
+    assert mode.routing is not None and (mode.routing.top_k, mode.routing.num_experts) == (1, E)

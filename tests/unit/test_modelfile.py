@@ -142,3 +142,36 @@ def test_a_parameter_a_legacy_constructor_makes_on_the_cpu_is_on_meta_in_a_meta_
     assert all(p.is_meta for p in model.parameters())
     assert model[1].q is model[1].o  # a parameter registered twice stays one parameter
     assert load_model_file(path).build("cpu")[1].q.device.type == "cpu"  # other devices: as built
+
+
+FOLDED_ROWS = '''
+import torch
+from torch import nn
+
+SEQ_LEN = 8
+
+
+def build_model():
+    return nn.Embedding(16, 4)
+
+
+def example_inputs(micro_batch_size):
+    # four codebook rows per sample folded into dim 0, as MusicGen's decoder takes them
+    return torch.zeros(micro_batch_size * 4, SEQ_LEN, dtype=torch.long)
+
+
+def loss_fn(output, inputs):
+    return output.sum()
+'''
+
+
+def test_rows_folded_into_the_batch_are_refused_with_how_to_unfold_them(tmp_path: Path) -> None:
+    from autopar.modelcheck import check_example_inputs
+
+    path = tmp_path / "folded.py"
+    path.write_text(FOLDED_ROWS, encoding="utf-8")
+    with pytest.raises(ModelFileError) as info:
+        check_example_inputs(load_model_file(str(path)))
+    msg = str(info.value)
+    assert "\n" not in msg and "dim 0 must be the micro-batch size" in msg
+    assert "4 rows per sample" in msg and "[1, 4, 8]" in msg
