@@ -436,9 +436,11 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run:
                     return run()
 
             try:
-                return probe(unit_run)
+                # the probes say why they fail rather than raise (infer_tp): try the answered run first
+                unit_run()
             except Exception:  # noqa: BLE001 - an answered block's object the model's code cannot take
-                return probe(run)
+                return probe(run)  # Hiera's stages widen: stage 0's output answered for stage 3's
+            return probe(unit_run)
 
         def resolve_unit(container: str, unit: nn.Module) -> TPPlan:
             plan = _tp_plan_of(mf, model, container, unit,

@@ -20,7 +20,6 @@ A parameter over ``_MAX_DENSE`` elements views shared values (``_materialise``).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.modelfile import call_model
 from autopar.spec.meta import tolerant_meta
+from autopar.spec.module_copy import copy_module
 from autopar.spec.sp_check import _map_first
 from autopar.spec.spec_inputs import cut_tokens
 
@@ -86,7 +86,7 @@ def _materialise(block: nn.Module, gen: torch.Generator) -> nn.Module:
     value broadcast over its shape (no storage). The mixers a check must see (in-projections, convs,
     scan parameters) stay dense and their own -- one value for a whole mixer weight would make every
     channel equal, and a norm over the channels would then hide what the scan carries."""
-    real = copy.deepcopy(block)
+    real = copy_module(block)
     tensors = [t for mod in real.modules() for t in (*mod._parameters.values(), *mod._buffers.values())
                if t is not None and t.is_floating_point()]
     big = max((t.numel() for t in tensors if _MAX_DENSE < t.numel() <= _MAX_SHARED), default=0)

@@ -12,7 +12,6 @@ the graph), so none offers a degree another refuses.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -22,6 +21,7 @@ from torch import nn
 
 from autopar.layout import TPDegrees
 from autopar.spec.meta import tolerant_meta
+from autopar.spec.module_copy import copy_module
 from autopar.spec.tp_plan import is_tp_linear
 from autopar.spec.tp_shard import shard_block_for_tp
 
@@ -74,7 +74,7 @@ def refused_degrees(degrees: tuple[int, ...], unit: PlannedUnit, call: tuple[tup
     refused = []
     for tp in degrees:
         try:
-            rank_unit = shard_block_for_tp(copy.deepcopy(unit.module), unit.styles, tp, unit.local_attrs,
+            rank_unit = shard_block_for_tp(copy_module(unit.module), unit.styles, tp, unit.local_attrs,
                                            unit.container)
             with torch.no_grad(), tolerant_meta():
                 rank_unit(*args, **kwargs)

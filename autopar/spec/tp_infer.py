@@ -25,7 +25,6 @@ applied by the planner's sharded trace and the executor alike.
 
 from __future__ import annotations
 
-import copy
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.spec.meta import tolerant_meta
+from autopar.spec.module_copy import copy_module
 from autopar.spec.tp_flow import Flow, trace_flow
 from autopar.spec.tp_plan import TPPlan, set_local_attrs
 
@@ -121,7 +121,7 @@ def _attr_candidates(block: nn.Module, pair: Pair, flow: Flow) -> list[str]:
 def _meta_check(block: nn.Module, flow: Flow, styles: dict[str, str], attrs: tuple[str, ...]) -> str | None:
     from autopar.spec.tp_shard import shard_block_for_tp
 
-    sharded = shard_block_for_tp(copy.deepcopy(block), styles, 2, attrs)
+    sharded = shard_block_for_tp(copy_module(block), styles, 2, attrs)
     try:
         with torch.no_grad(), tolerant_meta():
             sharded(*flow.block_args, **flow.block_kwargs)
@@ -148,7 +148,7 @@ def _op_shapes(block: nn.Module, flow: Flow, styles: dict[str, str] | None, attr
     """The op output shapes of one meta run of ``block`` (sharded at tp = 2 unless ``styles`` is None)."""
     from autopar.spec.tp_shard import shard_block_for_tp
 
-    run = copy.deepcopy(block) if styles is None else shard_block_for_tp(copy.deepcopy(block), styles, 2, attrs)
+    run = copy_module(block) if styles is None else shard_block_for_tp(copy_module(block), styles, 2, attrs)
     rec = _Shapes()
     with torch.no_grad(), tolerant_meta(), rec:
         run(*flow.block_args, **flow.block_kwargs)
@@ -203,7 +203,7 @@ def _real(value: Any, gen: torch.Generator, dtype: torch.dtype = torch.float64) 
 
 
 def _materialise(block: nn.Module, gen: torch.Generator, dtype: torch.dtype = torch.float64) -> nn.Module:
-    real = copy.deepcopy(block).to_empty(device="cpu").to(dtype)
+    real = copy_module(block).to_empty(device="cpu").to(dtype)
     with torch.no_grad():
         for t in list(real.parameters()) + list(real.buffers()):
             if t.is_floating_point():
@@ -225,7 +225,7 @@ def fused_permutation(width: int, k: int, tp: int) -> torch.Tensor:
 
 def _rank_copy(full: nn.Module, styles: dict[str, str], fused: dict[str, int], attrs: tuple[str, ...],
                rank: int, tp: int) -> nn.Module:
-    local = copy.deepcopy(full)
+    local = copy_module(full)
     with torch.no_grad():
         for name, style in styles.items():
             mod = local.get_submodule(name)

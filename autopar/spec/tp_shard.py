@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from autopar.spec.module_copy import copy_module
 from autopar.spec.tp_plan import is_tp_linear, set_local_attrs
 
 
@@ -122,7 +123,7 @@ def shard_for_tp(model: nn.Module, blocks_attr: str, tp_plan: Mapping[str, str],
     modules holding their weights: a tied lookup); the logits, their buffers and the vocabulary
     attributes are a rank's slice only where the head is sharded. None: every nn.Embedding and
     nn.Linear outside the blocks as large as the largest table."""
-    sharded = copy.deepcopy(model)
+    sharded = copy_module(model)
     shard_block_for_tp(sharded.get_submodule(blocks_attr)[0], tp_plan, tp, local_attrs, blocks_attr)
     if not vocab:
         return sharded

@@ -90,3 +90,94 @@ def test_the_chain_is_measured_and_priced_under_each_kinds_plan(tmp_path: Path) 
     # the MoE kind's experts stay whole on every tp rank: it keeps more of its parameters than the dense
     dense, moe = two.units[0].params / one.units[0].params, two.units[2].params / one.units[2].params
     assert 0.5 < dense < moe < 1.0
+
+
+WIDENING = '''
+import torch
+from torch import nn
+
+SEQ_LEN = 8
+WIDTHS = (16, 32, 64, 64)
+
+
+class Stage(nn.Module):
+    """A stage of a hierarchical model: widened at its entry, then an MLP at its width."""
+
+    def __init__(self, d_in, d):
+        super().__init__()
+        self.proj = nn.Linear(d_in, d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = self.proj(x)
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, WIDTHS[0])
+        self.stages = nn.ModuleList(Stage(a, b) for a, b in zip((WIDTHS[0],) + WIDTHS[:-1], WIDTHS))
+        self.norm = nn.LayerNorm(WIDTHS[-1])
+        self.head = nn.Linear(WIDTHS[-1], 64)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for stage in self.stages:
+            x = stage(x)
+        return self.head(self.norm(x))
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(micro_batch_size):
+    return torch.randint(0, 64, (micro_batch_size, SEQ_LEN))
+
+
+def loss_fn(output, inputs):
+    return output.float().square().mean()
+'''
+
+
+def test_a_unit_of_widening_stages_is_probed_in_the_whole_run(tmp_path: Path) -> None:
+    # Hiera's stages widen: a probe that answers the other stages with stage 0's output hands the
+    # final norm the wrong width; the probe then runs the whole model (spec.__init__ ``focused``)
+    path = tmp_path / "widening.py"
+    path.write_text(WIDENING)
+    spec = model_spec(load_model_file(path))
+    assert spec.chain is not None and spec.support_reason("tp") is None, spec.support_reason("tp")
+    for kind in spec.kind_tp:
+        assert kind.plan.source == "inferred" and dict(kind.plan.styles) == {"fc1": "colwise", "fc2": "rowwise"}
+
+
+def test_a_module_holding_its_forwards_state_is_copied_for_the_probes() -> None:
+    import copy
+
+    import pytest
+    import torch
+    from torch import nn
+
+    from autopar.spec.module_copy import copy_module
+
+    class Recurrent(nn.Module):
+        """RecurrentGemma's RG-LRU keeps the state its forward computed as an attribute."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.state = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.state = self.lin(x)
+            return self.state
+
+    m = Recurrent()
+    m(torch.ones(2, 4))
+    with pytest.raises(RuntimeError):
+        copy.deepcopy(m)
+    c = copy_module(m)
+    assert c.lin.weight is not m.lin.weight and torch.equal(c.lin.weight, m.lin.weight)
+    assert c.state.grad_fn is None and torch.equal(c.state, m.state.detach())
