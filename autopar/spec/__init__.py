@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 from typing import Any, Callable, Mapping
 
 import torch
@@ -25,7 +26,7 @@ from autopar.modelfile import ModelFile, call_model
 from autopar.spec.attention import hf_attention
 from autopar.spec.blocks import BlocksNotRun, Probe, find_block_list, heterogeneous_lists, probe_calls
 from autopar.spec.chain import Chain, block_list_chain, find_chain
-from autopar.spec.chain_tp import chain_kind_plans, chain_tp_reason
+from autopar.spec.chain_tp import KindPlan, chain_kind_plans, chain_tp_reason
 from autopar.spec.cp_check import mixing_outside_attention
 from autopar.spec.inplace import inplace_outputs
 from autopar.spec.meta import tolerant_meta
@@ -464,7 +465,9 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run:
     # one unit of each kind, run at every degree the rules allow as the forward called it
     planned = tuple(PlannedUnit(prefix=f"{k.unit}.", module=model.get_submodule(k.unit), styles=k.plan.styles,
                                 local_attrs=k.plan.local_attrs, container=k.unit.rsplit(".", 1)[0]) for k in kinds)
-    degrees = tp_degrees_of(heads, kv, planned, _first_calls(run, model) if planned else None)
+    rule_heads, rule_kv = _sharded_heads(model, kinds) if _config_int(getattr(model, "config", None),
+                                                                       _HEAD_ATTRS) is None else (heads, kv)
+    degrees = tp_degrees_of(rule_heads, rule_kv, planned, _first_calls(run, model) if planned else None)
     return ModelSpec(tp_degrees=degrees,
         blocks_path=first, num_blocks=chain.num_units, blocks_kind="chain", tp=tp, core_name=None,
         num_heads=heads, num_kv_heads=kv, accepts_positions="positions" in params, vocab_embedding=emb,
@@ -472,6 +475,25 @@ def _chain_spec(mf: ModelFile, model: nn.Module, chain: Chain, inputs: Any, run:
         inputs_are_tensors=tensors_only, inputs_are_token_batch=False, is_sequence_model=mf.seq_len is not None,
         notes=(f"chain: {chain.num_units} units in {', '.join(chain.containers)}",), chain=chain, kind_tp=kinds,
     )
+
+
+def _sharded_heads(model: nn.Module, kinds: tuple[KindPlan, ...]) -> tuple[int | None, int | None]:
+    """The heads and KV heads tp must divide in a chain whose config names no one head count (Hiera's
+    heads per stage, 1 to 8): those of every unit kind's attention module whose layers its plan
+    shards (a module naming its heads, ``_HEAD_ATTRS``), taken together (their greatest common
+    divisor); None where no kind shards an attention module. A kind whose plan leaves its attention
+    whole (Hiera's first stage: one head, its MLP sharded) puts no head count in the rule."""
+    heads: list[int] = []
+    kvs: list[int] = []
+    for k in kinds:
+        for name, mod in model.get_submodule(k.unit).named_modules():
+            h = _config_int(mod, _HEAD_ATTRS)
+            if h and name and any(layer.startswith(name + ".") for layer in k.plan.styles):
+                heads.append(h)
+                kvs.append(_config_int(mod, _KV_ATTRS) or h)
+    if not heads:
+        return None, None
+    return math.gcd(*heads), math.gcd(*kvs)
 
 
 def _with_support(spec: ModelSpec) -> ModelSpec:

@@ -181,3 +181,58 @@ def test_a_module_holding_its_forwards_state_is_copied_for_the_probes() -> None:
     c = copy_module(m)
     assert c.lin.weight is not m.lin.weight and torch.equal(c.lin.weight, m.lin.weight)
     assert c.state.grad_fn is None and torch.equal(c.state, m.state.detach())
+
+
+HEADED = WIDENING.replace('''class Stage(nn.Module):
+    """A stage of a hierarchical model: widened at its entry, then an MLP at its width."""
+
+    def __init__(self, d_in, d):
+        super().__init__()
+        self.proj = nn.Linear(d_in, d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = self.proj(x)
+        return x + self.fc2(torch.relu(self.fc1(x)))''', '''class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.num_heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Stage(nn.Module):
+    """A stage of a hierarchical model: widened at its entry, attention with its own head count
+    (one in the first stage, as Hiera's), then an MLP at its width."""
+
+    def __init__(self, d_in, d):
+        super().__init__()
+        self.proj = nn.Linear(d_in, d)
+        self.attn = Attention(d, d // 16)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = self.proj(x)
+        x = x + self.attn(x)
+        return x + self.fc2(torch.relu(self.fc1(x)))''')
+
+
+def test_tp_divides_the_heads_of_the_attention_it_shards_only(tmp_path: Path) -> None:
+    # stage 0's one head keeps its attention whole (its MLP sharded); tp 2 divides every sharded
+    # attention's heads (2, 4, 4): the degree rule must not take stage 0's head count for the model's
+    path = tmp_path / "headed.py"
+    path.write_text(HEADED)
+    spec = model_spec(load_model_file(path))
+    first = spec.kind_tp[0]
+    assert "attn.qkv" not in first.plan.styles and "fc1" in first.plan.styles
+    assert all("attn.qkv" in k.plan.styles for k in spec.kind_tp[1:])
+    assert spec.tp_degrees.num_heads == 2 and spec.tp_degrees.reason(2) is None
+    assert spec.tp_degrees.reason(4) is not None  # stage 1's two heads
