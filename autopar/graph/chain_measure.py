@@ -265,7 +265,8 @@ def build_chain_graph(mf: ModelFile, model: nn.Module, spec: ModelSpec, seq_len:
     for region in names:
         t2_region = t2.trace if t2 is not None and (loss_t2 or region != "loss") else None
         try:
-            regions[region] = fit_with_scan(region, base.trace, b2.trace, s_half and s_half.trace, t2_region)
+            regions[region] = fit_with_scan(region, base.trace, b2.trace, s_half and s_half.trace, t2_region,
+                                            base_seq if s_half else None)
         except ValueError:
             regions[region] = fit_with_scan(region, base.trace, b2.trace, None, None)
     at = dict(zip(keep, kept_in))

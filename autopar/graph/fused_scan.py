@@ -90,15 +90,21 @@ def _loop_around(keys: list[tuple], first: int, last: int) -> range:
     return range(first, last + 1)
 
 
-def loop_positions(ops: list[OpRecord], unmatched: list[bool]) -> list[bool]:
+def loop_positions(ops: list[OpRecord], unmatched: list[bool], positions: int | None = None) -> list[bool]:
     """Which of ``ops`` (one region's) stand for positions of a loop: unmatched in the half-sequence
     trace (``unmatched``) and of a kind -- phase, name and size -- that recurs there at least half
     as often as the most frequent such kind. An op that alignment left unmatched by a reordering (a
-    weight gradient's copy) is not one: the loop repeats each of its ops once per position."""
+    weight gradient's copy) is not one: the loop repeats each of its ops once per position.
+    ``positions``: the positions the half-sequence trace lacks (None: not known). A loop that steps
+    through fewer than one in two of them is a loop over chunks -- HF MiniMax's lightning attention,
+    16 blocks of 256 positions, each a few matrix products -- the algorithm a GPU runs as written,
+    keeping what each step saves; no fused scan takes its place."""
     keep = [False] * len(ops)
     for phase in ("fwd", "bwd"):
         counts = Counter(_key(o) for o, u in zip(ops, unmatched) if u and o.phase == phase)
         most = max(counts.values(), default=0)
+        if positions is not None and 2 * most < positions:
+            continue  # a loop over chunks, not positions
         if most >= MIN_POSITIONS:
             for i, o in enumerate(ops):
                 keep[i] = keep[i] or (unmatched[i] and o.phase == phase and 2 * counts[_key(o)] >= most)
@@ -218,15 +224,16 @@ def measure(scan: list[OpRecord | None], trace: Trace, region: str) -> ScanTraff
 
 
 def with_scan(fit: RegionFit, region: str, ops: list[OpRecord], base: Trace,
-              others: list[tuple[Trace | None, list[OpRecord | None] | None]]) -> RegionFit:
+              others: list[tuple[Trace | None, list[OpRecord | None] | None]],
+              positions: int | None = None) -> RegionFit:
     """``fit`` with its loop over positions, if any: only that loop's ops marked ``per_position``
     (``loop_positions``), and marked and measured as one fused scan: the scan's traffic in each
     trace (its ops there: the counterparts of the base trace's), each tensor fitted like a saved
     one (a tensor the varied trace does not hold takes that trace's change of the total)."""
-    positions = loop_positions(ops, [o.per_position for o in fit.ops])
+    per_position = loop_positions(ops, [o.per_position for o in fit.ops], positions)
     fit = replace(fit, ops=tuple(o if o.per_position == p else replace(o, per_position=p)
-                                 for o, p in zip(fit.ops, positions)))
-    scan = sorted(find_scan(ops, positions, base.ops))
+                                 for o, p in zip(fit.ops, per_position)))
+    scan = sorted(find_scan(ops, per_position, base.ops))
     if not any(ops[i].phase == "fwd" for i in scan):
         return fit
     at = [measure([ops[i] for i in scan], base, region)]
@@ -256,9 +263,13 @@ def with_scan(fit: RegionFit, region: str, ops: list[OpRecord], base: Trace,
                                for i, q in enumerate(fit.saved)), scan=fused)
 
 
-def fit_with_scan(region: str, base: Trace, b2: Trace | None, s_half: Trace | None, t2: Trace | None) -> RegionFit:
-    """``scaling.fit_region`` of one region, with its loop over positions, if any (``with_scan``)."""
+def fit_with_scan(region: str, base: Trace, b2: Trace | None, s_half: Trace | None, t2: Trace | None,
+                  seq_len: int | None = None) -> RegionFit:
+    """``scaling.fit_region`` of one region, with its loop over positions, if any (``with_scan``);
+    ``seq_len``: the base trace's sequence (the half-sequence trace's is ``seq_len // 2``)."""
     aligned = align_region(region, base, b2, s_half, t2)
     fit = fit_region(region, base, b2, s_half, t2, aligned)
     ops, variants = aligned
-    return with_scan(fit, region, ops, base, [(tr, variants[k]) for k, tr in (("b", b2), ("s", s_half), ("t", t2))])
+    positions = seq_len - seq_len // 2 if seq_len else None
+    return with_scan(fit, region, ops, base, [(tr, variants[k]) for k, tr in (("b", b2), ("s", s_half), ("t", t2))],
+                     positions)

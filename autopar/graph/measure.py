@@ -146,7 +146,8 @@ def _build(mf: ModelFile, seq_len: int | None, dtype: str) -> ModelGraph:
     for region in ("pre", "block", "post", "loss"):
         t2_region = t2.trace if t2 is not None and (loss_t2 or region != "loss") else None
         try:
-            regions[region] = fit_with_scan(region, base.trace, b2.trace, s_half and s_half.trace, t2_region)
+            regions[region] = fit_with_scan(region, base.trace, b2.trace, s_half and s_half.trace, t2_region,
+                                            base_seq if s_half else None)
         except ValueError:
             # Shapes change the op sequence: fall back to fitting without TP (rare; non-transformer code paths).
             regions[region] = fit_with_scan(region, base.trace, b2.trace, None, None)

@@ -201,3 +201,27 @@ def test_a_model_without_a_loop_over_positions_is_untouched(graphs, a100) -> Non
     rt = region_time(fit, a100, sh, seq_len=SEQ)
     assert rt.fwd_s == pytest.approx(sum(op_time_s(op, sh, a100, SEQ, is_parameter_sized(op, True))[0]
                                          for op in fit.ops if op.phase == "fwd"))
+
+
+CHUNKS = 4  # positions per step of a chunked loop
+CHUNK_LOOP = f"""\
+        ys = []
+        for t0 in range(0, x.shape[1], {CHUNKS}):  # a chunked algorithm: one step per {CHUNKS} positions
+            h = decay[:, t0:t0 + {CHUNKS}].prod(1) * h + drive[:, t0:t0 + {CHUNKS}].sum(1)
+            ys.append(torch.matmul(c[:, t0:t0 + {CHUNKS}], h.transpose(1, 2)))
+        return x + self.out(torch.cat(ys, dim=1))"""
+
+
+def test_a_loop_over_chunks_is_priced_as_it_runs(tmp_path) -> None:
+    # HF MiniMax's lightning attention steps through 16 blocks of 256 positions, each a few matrix
+    # products: the algorithm a GPU runs as written. Priced as a fused scan it saved nothing, and its
+    # top plan at 64 H100s rehearsed 14.6 % over its price (85.8 GiB, priced 73.5: it did not fit)
+    path = tmp_path / "chunks.py"
+    path.write_text(MODEL.format(seq=SEQ, d=D, n=N, h=H, body=CHUNK_LOOP), encoding="utf-8")
+    g = build_graph(path)
+    assert all(f.scan is None for f in g.regions.values())
+    assert not any(op.in_scan for f in g.regions.values() for op in f.ops)
+
+
+def test_a_loop_over_positions_is_still_a_scan(graphs) -> None:
+    assert graphs["scan"].regions["block"].scan is not None

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.executor.parallel import chain_pipeline as chain_pipe
 from autopar.executor.parallel import hf_attention
 from autopar.executor.parallel import pipeline_parallel as pipe
+from autopar.executor.parallel.buffer_dtypes import built_dtypes, cast_buffers
 from autopar.executor.parallel.context_parallel import ContextParallelAttention, apply_cp, position_kwargs
 from autopar.executor.parallel.data_parallel import (
     MIXED_PRECISION_KINDS,
@@ -400,6 +401,13 @@ def place(
                                            host_masters=par.offload.optimizer and not par.offload.params,
                                            unused_params=unused, routed=spec.routed and not fake))
     del reference
+    if plan.training.dtype != "fp32" and any(w.kind in ("fsdp", "replicate") for w in wrapped):
+        # FSDP2's 16-bit parameters beside the model's buffers: each in the dtype its code gives it
+        # when built in the training dtype (executor/parallel/buffer_dtypes.py)
+        dtypes = built_dtypes(mf, TORCH_DTYPES[plan.training.dtype])
+        for w in wrapped:
+            if w.kind in ("fsdp", "replicate"):
+                cast_buffers(w.module, dtypes, lambda name, part=w.module: original_name(name, part))
 
     # 6. pipeline schedule, optimizer, tied-weight groups
     exe = Executable(
