@@ -355,10 +355,24 @@ def peak_with_grads(rt: RegionTime, grads_share: float = 1.0) -> tuple[float, fl
     its block's backward at nothing and rehearsed 0.5 GiB above it."""
     if grads_share >= 1.0 or not rt.grads_candidates:
         return rt.peak_with_grads_bytes, rt.peak_grads_bytes
-    rest, grads = max(rt.grads_candidates, key=lambda v: v[0] + v[1] * grads_share)
+    rest, grads = _picked(rt, grads_share)
     floor = max(0.0, rt.fwd_rise_bytes)
-    top = rest + grads * grads_share
-    return max(floor, top), grads * grads_share if top > floor else 0.0
+    top = rest + grads
+    return max(floor, top), grads if top > floor else 0.0
+
+
+def bwd_grads_at(rt: RegionTime, grads_share: float = 1.0) -> float:
+    """``bwd_grads_bytes`` where a rank makes ``grads_share`` of the region's gradients: those made
+    by the backward op that peaks at that share (``peak_with_grads``), whichever phase peaks."""
+    if grads_share >= 1.0 or not rt.grads_candidates:
+        return rt.bwd_grads_bytes
+    return _picked(rt, grads_share)[1]
+
+
+def _picked(rt: RegionTime, grads_share: float) -> tuple[float, float]:
+    """(temporaries less credit, gradients at ``grads_share``) of the candidate that peaks there."""
+    rest, grads = max(rt.grads_candidates, key=lambda v: v[0] + v[1] * grads_share)
+    return rest, grads * grads_share
 
 
 def under_autocast(rt: RegionTime) -> RegionTime:

@@ -23,7 +23,14 @@ from dataclasses import replace
 
 from autopar.cluster import Cluster
 from autopar.cost.comm import axis_link, collective_time_s
-from autopar.cost.compute import RegionTime, graph_region_time, peak_with_grads, under_autocast, usable_layer_table
+from autopar.cost.compute import (
+    RegionTime,
+    bwd_grads_at,
+    graph_region_time,
+    peak_with_grads,
+    under_autocast,
+    usable_layer_table,
+)
 from autopar.cost.evolve import evolve
 from autopar.cost.expert import ExpertTerms, adjust_terms, grads_share
 from autopar.cost.framework import (
@@ -198,7 +205,8 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         transient -= ep.transient_saving_bytes  # expert parallelism: this rank's E / ep experts only
     mega = megatron_block_activations(graph, cfg) if cluster.activation_memory == "megatron" else None
     if mega is None:
-        transient += _recompute_working(block_rt, cluster, cfg)
+        share = 1.0 if graph.chain else grads_share(graph, cfg, graph.params["block"].per_rank(cfg.tp))
+        transient += _recompute_working(block_rt, cluster, cfg, share)
     else:  # Megatron-Core + TE keep their own activations (cost/megatron_memory.py, megatron_moe_memory.py)
         transient += mega.block_working
         block, pre = evolve(block, act_bytes=mega.block), evolve(pre, act_bytes=mega.pre)
@@ -259,12 +267,13 @@ def software_recompute_reason(cluster: Cluster, mode: str) -> str | None:
     return None
 
 
-def _recompute_working(rt: RegionTime, cluster: Cluster, cfg: Config) -> float:
+def _recompute_working(rt: RegionTime, cluster: Cluster, cfg: Config, share: float = 1.0) -> float:
     """What recompute re-materialises while a block's backward runs: the whole block (full, and
     per-op selective, whose re-run forward saves for backward what the block saves without
     recompute -- its kept outputs among them, counted here and in the block's activations alike, a
     bound above by at most those outputs) or its attention core (selective), as the model file
-    saves them; ``rt``: the block region at the config's shape."""
+    saves them; ``rt``: the block region at the config's shape; ``share``: of the block's
+    gradients, those this rank makes (cost/expert.py ``grads_share``)."""
     if cfg.recompute not in ("full", "selective", "op"):
         return 0.0
     if cfg.recompute != "selective":
@@ -278,7 +287,7 @@ def _recompute_working(rt: RegionTime, cluster: Cluster, cfg: Config) -> float:
     # 175B at 64 H100s (tp 4, ZeRO-3): the softmax's re-run beside proj's, fc1's and fc2's gradients.
     beside = 0.0
     if holds_unit_grads(cfg, cluster):
-        beside = max(0.0, rt.fwd_peak_bytes + rt.bwd_grads_bytes - rt.peak_with_grads_bytes)
+        beside = max(0.0, rt.fwd_peak_bytes + bwd_grads_at(rt, share) - peak_with_grads(rt, share)[0])
     return rt.core_saved_bytes + beside
 
 

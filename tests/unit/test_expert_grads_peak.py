@@ -85,3 +85,12 @@ def test_fewer_experts_per_rank_never_raise_the_peak_nor_drop_it_below_the_tempo
     experts = graph.moe.expert_params
     dense = graph.params["block"].per_rank(1) - experts
     assert rt_share == pytest.approx((dense + experts / 4) / (dense + experts))
+
+
+def test_selective_recompute_meets_the_gradients_of_the_rank_s_share() -> None:
+    # the core's re-run meets the gradients made behind it: at ep > 1 those of the rank's share
+    from autopar.cost.compute import bwd_grads_at
+
+    rt = _rt(((-50.0, 100.0), (40.0, 10.0)))
+    assert bwd_grads_at(rt) == 100.0
+    assert bwd_grads_at(rt, 0.25) == pytest.approx(2.5)  # the early op peaks there: its gradients
