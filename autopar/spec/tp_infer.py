@@ -42,6 +42,7 @@ from autopar.spec.tp_plan import TPPlan, set_local_attrs
 _MAX_CHECK_PARAMS = 8_000_000  # numeric check on CPU below this many block parameters (2 shared cores)
 _MAX_CHECK_INPUT = 2_000_000  # ... and this many input elements
 _RTOL = 1e-6
+MAX_LISTED = 4  # column->row pairs a plan's description names (the rest counted)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -390,7 +391,10 @@ def _infer(model: nn.Module, block: nn.Module, run: Callable[[], Any]) -> Infere
         why = "the data flow of block 0 shows no column->row pair" if not pairs else "no column->row pair passed the check"
         return Inference(plan=TPPlan(styles={}, source="none", detail=why, dropped=tuple(notes)), heads=heads, kv_heads=kv)
     how = "checked on CPU at tp = 2" if numeric else "shapes checked at tp = 2"
-    listed = "; ".join(f"{'+'.join(p.cols)} -> {p.row}" for p in kept)
+    pairs_text = [f"{'+'.join(p.cols)} -> {p.row}" for p in kept]
+    # a unit of many layers (Hiera's third stage: 72 pairs) is named by its first pairs, not all
+    listed = "; ".join(pairs_text if len(pairs_text) <= MAX_LISTED else
+                       [*pairs_text[:MAX_LISTED - 1], f"... {len(pairs_text) - MAX_LISTED + 1} more"])
     fused = {c: flow.fused[c] for p in kept for c in p.cols if flow.fused.get(c, 1) > 1}
     plan = TPPlan(styles=_styles(kept), source="inferred",
                   detail=f"data flow of block 0: {len(kept)} column->row pair{'s' if len(kept) > 1 else ''} "
