@@ -93,8 +93,10 @@ def find_block_list(model: nn.Module, declared: str | None, exclude: frozenset[s
     # part of the model (Hiera-L's first stage, 0.2 % of its parameters), and taken for the blocks
     # it left the rest to be priced as an epilogue and never pipelined. Where it holds less than
     # half of what the outermost lists hold, the model is read as the chain of their units.
+    # (lists of layers or stages: children of one class -- not a Sequential of an embedding and a dropout)
     outer = [(n, m) for n, m in model.named_modules()
-             if n and isinstance(m, BLOCK_CONTAINERS) and len(m) >= 2 and n not in exclude]
+             if n and isinstance(m, BLOCK_CONTAINERS) and len(m) >= 2 and n not in exclude
+             and len({type(c) for c in m.children()}) == 1]
     names = [n for n, _ in outer]
     held = sum(_num_params(m) for n, m in outer if not any(n.startswith(o + ".") for o in names if o != n))
     return None if 2 * best[0] < held else best[1]

@@ -41,3 +41,11 @@ def test_a_small_list_of_identical_blocks_leaves_the_model_a_chain() -> None:
 def test_a_list_holding_most_of_the_model_stays_its_blocks() -> None:
     model = _model((8, 2), (64, 32))  # the identical first stage holds most of the parameters
     assert find_block_list(model, None) == "stages.0.layers"
+
+
+def test_a_container_of_mixed_modules_is_not_counted_as_a_list_of_layers() -> None:
+    # a large vocabulary in an nn.Sequential(Embedding, Dropout) beside two small blocks: no stages
+    model = nn.Module()
+    model.embed = nn.Sequential(nn.Embedding(50_000, 64), nn.Dropout(0.0))
+    model.blocks = nn.ModuleList(Layer(64, 64) for _ in range(2))
+    assert find_block_list(model, None) == "blocks"
