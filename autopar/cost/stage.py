@@ -162,8 +162,10 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
 
     traced_rt = graph_region_time(graph, "block", cluster, shape, core_shape, cfg.cp, cfg.cp_kind)
     block_rt = _cp_flash_core(as_trained(traced_rt, cluster, cfg), graph, cfg, tokens_bytes)
+    # of the block's gradients, those this rank makes (expert parallelism; a chain's units: cost/chain.py)
+    share = 1.0 if graph.chain else grads_share(graph, cfg, graph.params["block"].per_rank(cfg.tp))
     block = _block_part(graph, cluster, cfg, block_rt, shape, tp_link, cp_link, dpcp_link, tokens_bytes,
-                        trace_rt=_cp_flash_core(traced_rt, graph, cfg, tokens_bytes))
+                        trace_rt=_cp_flash_core(traced_rt, graph, cfg, tokens_bytes), share=share)
     if graph.chain:  # a chain's experts are priced on the units that hold them (cost/chain.py)
         ep = ExpertTerms(block=block, expert=None, transient_saving_bytes=0.0)
     else:  # experts sharded over ep ranks
@@ -205,7 +207,6 @@ def build_terms(graph: ModelGraph, cluster: Cluster, cfg: Config) -> StageTerms:
         transient -= ep.transient_saving_bytes  # expert parallelism: this rank's E / ep experts only
     mega = megatron_block_activations(graph, cfg) if cluster.activation_memory == "megatron" else None
     if mega is None:
-        share = 1.0 if graph.chain else grads_share(graph, cfg, graph.params["block"].per_rank(cfg.tp))
         transient += _recompute_working(block_rt, cluster, cfg, share)
     else:  # Megatron-Core + TE keep their own activations (cost/megatron_memory.py, megatron_moe_memory.py)
         transient += mega.block_working
@@ -402,9 +403,10 @@ def _cp_flash_core(rt: RegionTime, graph: ModelGraph, cfg: Config, tokens_bytes:
 
 
 def _block_part(graph, cluster, cfg, rt, shape, tp_link, cp_link, dpcp_link, tokens_bytes,  # noqa: ANN001
-                trace_rt=None) -> Part:  # noqa: ANN001
+                trace_rt=None, share: float = 1.0) -> Part:  # noqa: ANN001
     """The block's Part from its region ``rt`` at the config's shape (priced once in build_terms);
-    ``trace_rt``: the region with the trace's activations where ``rt`` has autocast's."""
+    ``trace_rt``: the region with the trace's activations where ``rt`` has autocast's; ``share``: of
+    the block's gradients, those this rank makes (``region_peak_bytes``)."""
     fit = graph.regions["block"]
     tp_f = _tp_time(cluster, cfg, fit.comm, "fwd", shape, tp_link)
     tp_b = _tp_time(cluster, cfg, fit.comm, "bwd", shape, tp_link)
@@ -450,7 +452,6 @@ def _block_part(graph, cluster, cfg, rt, shape, tp_link, cp_link, dpcp_link, tok
     bwd = rt.bwd_s + tp_b + cp_b + recompute
     zero = per_microbatch_exposed(cfg, params, fwd, bwd, dpcp_link, cluster)
     zero += sum(per_microbatch_s(cfg, cluster, graph.params["block"].tensors))  # framework time: FSDP2's own time
-    share = 1.0 if graph.chain else grads_share(graph, cfg, params)  # a chain's units: cost/chain.py
     peak, peak_grads = region_peak_bytes(rt, cfg, cluster, share)
     return Part(fwd_s=fwd, bwd_s=bwd + zero, recompute_s=recompute, tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b,
                 zero_comm_s=zero, act_bytes=act, params=params, fwd_flops=rt.fwd_flops, bwd_flops=rt.bwd_flops,
@@ -469,17 +470,17 @@ def _kept_bytes(rt: RegionTime, cfg: Config, input_bytes: float) -> float:
     return rt.saved_bytes
 
 
-def region_peak_bytes(rt: RegionTime, cfg: Config, cluster: Cluster, grads_share: float = 1.0) -> tuple[float, float]:
+def region_peak_bytes(rt: RegionTime, cfg: Config, cluster: Cluster, share: float = 1.0) -> tuple[float, float]:
     """A region's temporaries at its peak and, of them, its own parameter gradients (``Part.peak_bytes``,
     ``Part.peak_grads_bytes``): with the gradients made so far where the data-parallel wrap holds them
     until its post-backward (FSDP2: cost/zero.holds_unit_grads), without them (0) where the model
     states count them. Where the activations priced are the model file's own saved tensors
     (``activation_memory: measured``), less those backward has freed by its peak (graph/live.py's Tg'
     and T'); software with activations of its own (Megatron-Core + TE) keeps T, which frees nothing.
-    ``grads_share``: the share of the region's gradients this rank makes (cost/expert.py
+    ``share``: the share of the region's gradients this rank makes (cost/expert.py
     ``grads_share``: E / ep experts')."""
     if holds_unit_grads(cfg, cluster):
-        return peak_with_grads(rt, grads_share)
+        return peak_with_grads(rt, share)
     if cluster.activation_memory == "measured":
         return rt.peak_credited_bytes, 0.0
     return rt.peak_bytes, 0.0

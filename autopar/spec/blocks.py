@@ -98,7 +98,7 @@ def find_block_list(model: nn.Module, declared: str | None, exclude: frozenset[s
              if n and isinstance(m, BLOCK_CONTAINERS) and len(m) >= 2 and n not in exclude
              and len({type(c) for c in m.children()}) == 1]
     names = [n for n, _ in outer]
-    held = sum(_num_params(m) for n, m in outer if not any(n.startswith(o + ".") for o in names if o != n))
+    held = sum(_num_params(m) for n, m in outer if not any(n.startswith(o + ".") for o in names))
     return None if 2 * best[0] < held else best[1]
 
 

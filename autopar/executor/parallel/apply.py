@@ -401,12 +401,12 @@ def place(
                                            host_masters=par.offload.optimizer and not par.offload.params,
                                            unused_params=unused, routed=spec.routed and not fake))
     del reference
-    if plan.training.dtype != "fp32" and any(w.kind in ("fsdp", "replicate") for w in wrapped):
+    if plan.training.dtype != "fp32" and any(w.kind in MIXED_PRECISION_KINDS for w in wrapped):
         # FSDP2's 16-bit parameters beside the model's buffers: each in the dtype its code gives it
         # when built in the training dtype (executor/parallel/buffer_dtypes.py)
         dtypes = built_dtypes(mf, TORCH_DTYPES[plan.training.dtype])
         for w in wrapped:
-            if w.kind in ("fsdp", "replicate"):
+            if w.kind in MIXED_PRECISION_KINDS:
                 cast_buffers(w.module, dtypes, lambda name, part=w.module: original_name(name, part))
 
     # 6. pipeline schedule, optimizer, tied-weight groups
